@@ -1,0 +1,68 @@
+"""Exception types and the one map from exception to exit code.
+
+Errors carry data (invoke's `Failure(result)` style): a check or a command
+failure keeps the result it came from, so the CLI can print it and tests can
+inspect it.  Every exception a user can cause derives from `ClusterctlError`
+and renders as one clear paragraph; anything else is a bug and shows a
+traceback only with `--debug`.
+"""
+
+from __future__ import annotations
+
+# Exit codes (documented in README "Exit codes").
+EXIT_OK = 0
+EXIT_FAILED = 1  # a check failed, a node's command failed, the job failed
+EXIT_USAGE = 2  # bad flag, bad inventory, bad input file
+EXIT_UNREACHABLE = 3  # could not connect to / authenticate with a node
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+
+class ClusterctlError(Exception):
+    """Base for errors a user can cause. `str(e)` is the paragraph shown."""
+
+    exit_code = EXIT_FAILED
+
+
+class UsageError(ClusterctlError):
+    exit_code = EXIT_USAGE
+
+
+class InventoryError(UsageError):
+    """Bad inventory: carries where (file:line) and what key."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 key: str | None = None):
+        self.path, self.line, self.key = path, line, key
+        where = ""
+        if path:
+            where = f"{path}:{line}: " if line else f"{path}: "
+        super().__init__(where + message)
+
+
+class ConnectError(ClusterctlError):
+    """A node could not be reached or authenticated. Carries the node name."""
+
+    exit_code = EXIT_UNREACHABLE
+
+    def __init__(self, node: str, message: str):
+        self.node = node
+        super().__init__(f"{node}: {message}")
+
+
+class HostKeyError(ConnectError):
+    """Unknown or changed host key. The message holds the exact remedy."""
+
+
+class CommandTimeout(ClusterctlError):
+    def __init__(self, node: str, command: str, timeout: float):
+        self.node, self.command, self.timeout = node, command, timeout
+        super().__init__(f"{node}: command did not finish within {timeout:g}s: {command}")
+
+
+class ClusterFailure(ClusterctlError):
+    """Some nodes failed; wraps the whole ClusterResult instead of replacing it."""
+
+    def __init__(self, result, message: str | None = None):
+        self.result = result
+        failed = ", ".join(sorted(result.failed)) or "none"
+        super().__init__(message or f"failed on: {failed}")

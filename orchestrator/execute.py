@@ -1,0 +1,34 @@
+"""`clusterctl exec`: one command on every node, prefixed output, worst exit code (pdsh -S)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .options import ClusterOptions
+from .output import Prefixer
+from .transport import ClusterResult
+
+
+def summarize(result: ClusterResult) -> str:
+    """One line per failed node, for stderr after the streamed output."""
+    lines = []
+    for name, r in result.failed.items():
+        lines.append(f"clusterctl: {name}: {r.describe()}")
+    return "\n".join(lines)
+
+
+def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
+             timeout: float | None = None) -> int:
+    inv = opts.load()
+    printer = None if as_json else Prefixer([n.name for n in inv.nodes])
+    with opts.cluster(inv) as cluster:
+        result = cluster.run(command, timeout=timeout, on_line=printer, capture=as_json)
+    if as_json:
+        doc = {"ok": result.all_ok, "exit_code": result.worst_exit_code, "nodes": [
+            {"node": r.node, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
+             "duration": round(r.duration, 3), "error": r.error} for r in result.values()]}
+        print(json.dumps(doc, indent=2))
+    elif not result.all_ok:
+        print(summarize(result), file=sys.stderr)
+    return result.worst_exit_code

@@ -1,0 +1,462 @@
+"""The inventory: a YAML list of nodes, validated once into frozen models.
+
+Everything downstream trusts these values: names, hosts, users, interfaces and
+env keys are checked against strict patterns here, and every value that goes
+into a remote command is still quoted (see `orchestrator.shell`).  Errors name
+file:line and the key, and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import InventoryError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
+USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
+IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+DEFAULT_INVENTORY = "default_inventory.yaml"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_path(v: str | None) -> str | None:
+    if v is None:
+        return v
+    if not v or "\x00" in v or "\n" in v:
+        raise ValueError("must be a non-empty path on one line")
+    if v.startswith("~") and not (v == "~" or v.startswith("~/")):
+        raise ValueError("'~user' paths are not supported; use an absolute path or ~/...")
+    return v
+
+
+def _check_env(v: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for k, val in v.items():
+        if not ENV_KEY_RE.match(str(k)):
+            raise ValueError(f"environment variable name {k!r} is not a valid identifier")
+        if isinstance(val, (dict, list)) or val is None:
+            raise ValueError(f"environment variable {k} must be a string or number")
+        if isinstance(val, bool):
+            val = "1" if val else "0"
+        out[str(k)] = str(val)
+    return out
+
+
+class SSHSettings(_Model):
+    """Per-inventory SSH defaults; each node may override any key."""
+
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    connect_timeout: float | None = Field(default=None, gt=0, le=600)
+    proxy_jump: str | None = None
+    config_file: str | None = None  # default ~/.ssh/config
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v):
+        if v is not None and not USER_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid user name")
+        return v
+
+    @field_validator("identity_file", "known_hosts", "config_file")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, v):
+        if v is not None and not re.match(r"^[A-Za-z0-9_.@:,\[\]-]+$", v):
+            raise ValueError(f"{v!r} is not a valid ProxyJump ([user@]host[:port][,...])")
+        return v
+
+    def merged(self, override: "SSHSettings | None") -> "SSHSettings":
+        if override is None:
+            return self
+        data = self.model_dump()
+        data.update(override.model_dump(exclude_none=True))
+        return SSHSettings(**data)
+
+
+class NodeModel(_Model):
+    name: str
+    host: str | None = None
+    gpus: int | None = Field(default=None, ge=0, le=1024)
+    iface: str | None = None
+    connection: Literal["ssh", "local"] = "ssh"
+    env: dict[str, str] = Field(default_factory=dict)
+    ssh: SSHSettings | None = None
+    python: str | None = None
+    workdir: str | None = None
+    address: str | None = None  # address other nodes use to reach this one (default: host)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid node name (letters, digits, '.', '_', '-')")
+        return v
+
+    @field_validator("host", "address")
+    @classmethod
+    def _host(cls, v):
+        if v is not None and not HOST_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid host name or address")
+        return v
+
+    @field_validator("iface")
+    @classmethod
+    def _iface(cls, v):
+        if v is not None and not IFACE_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid interface name")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("python", "workdir")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @model_validator(mode="after")
+    def _need_host(self):
+        if self.connection == "ssh" and not self.host:
+            raise ValueError("'host' is required for ssh nodes")
+        return self
+
+
+class TrainSection(_Model):
+    """What `clusterctl train` runs when no script is given on the command line."""
+
+    module: str | None = "trainer"
+    script: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    nproc_per_node: int | Literal["auto"] = "auto"
+    output_dir: str | None = None
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, v):
+        if isinstance(v, str):
+            raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny']")
+        return [str(a) for a in v] if isinstance(v, list) else v
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, v):
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", v):
+            raise ValueError(f"{v!r} is not a Python module name")
+        return v
+
+
+class ChecksSection(_Model):
+    """Preflight thresholds."""
+
+    clock_skew_warn: float = Field(default=1.0, ge=0)
+    clock_skew_fail: float = Field(default=5.0, ge=0)
+    disk_min_gb: float = Field(default=10.0, ge=0)
+    require_gpu_idle: bool = True
+
+
+class InventoryModel(_Model):
+    ssh: SSHSettings = Field(default_factory=SSHSettings)
+    master_port: int = Field(default=29500, ge=1, le=65535)
+    workdir: str = "~/gpt_train"
+    output_dir: str | None = None
+    python: str = "python3"
+    env: dict[str, str] = Field(default_factory=dict)
+    nodes: list[NodeModel]
+    train: TrainSection = Field(default_factory=TrainSection)
+    checks: ChecksSection = Field(default_factory=ChecksSection)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("workdir", "python", "output_dir")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v):
+        if not v:
+            raise ValueError("the node list is empty: list at least one node (nodes[0] is the master)")
+        return v
+
+
+# ---------------------------------------------------------------- resolved view
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node with every inventory default merged in. Rank = list position."""
+
+    name: str
+    rank: int
+    host: str
+    address: str  # what other nodes use to reach it (MASTER_ADDR for rank 0)
+    gpus: int | None
+    iface: str | None
+    connection: str
+    ssh: SSHSettings
+    env: dict[str, str]
+    python: str
+    workdir: str
+    line: int | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: tuple[Node, ...]
+    master_port: int
+    workdir: str
+    output_dir: str | None
+    python: str
+    env: dict[str, str]
+    train: TrainSection
+    checks: ChecksSection
+    source: str = "<memory>"
+    _by_name: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def master(self) -> Node:
+        return self.nodes[0]
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def select(self, names: list[str] | None) -> "Inventory":
+        """A copy with only the named nodes (ranks kept from the full list)."""
+        if not names:
+            return self
+        unknown = [n for n in names if n not in {x.name for x in self.nodes}]
+        if unknown:
+            raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
+        keep = tuple(n for n in self.nodes if n.name in names)
+        return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
+                         self.env, self.train, self.checks, self.source)
+
+
+def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
+    nodes = []
+    seen_names: dict[str, int] = {}
+    seen_hosts: dict[tuple, int] = {}
+    for i, nm in enumerate(model.nodes):
+        ssh = model.ssh.merged(nm.ssh)
+        host = nm.host or "127.0.0.1"
+        line = lines.get(i)
+        if nm.name in seen_names:
+            raise InventoryError(f"duplicate node name {nm.name!r} (first at node {seen_names[nm.name]})",
+                                 path=source, line=line, key=f"nodes[{i}].name")
+        seen_names[nm.name] = i
+        if nm.connection == "ssh":
+            hk = (host.lower(), ssh.port or 22)
+            if hk in seen_hosts:
+                raise InventoryError(
+                    f"duplicate host {host!r} (port {hk[1]}) for node {nm.name!r}: already used by node "
+                    f"{model.nodes[seen_hosts[hk]].name!r}; one node per host", path=source, line=line,
+                    key=f"nodes[{i}].host")
+            seen_hosts[hk] = i
+        env = {**model.env, **nm.env}
+        python = nm.python or model.python
+        if nm.connection == "local" and nm.python is None and "python" not in model.model_fields_set:
+            python = sys.executable  # a local node runs where clusterctl runs: same interpreter
+        nodes.append(Node(
+            name=nm.name, rank=i, host=host, address=nm.address or host, gpus=nm.gpus, iface=nm.iface,
+            connection=nm.connection, ssh=ssh, env=env, python=python,
+            workdir=nm.workdir or model.workdir, line=line,
+        ))
+    return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
+                     dict(model.env), model.train, model.checks, source)
+
+
+# ---------------------------------------------------------------- YAML with lines
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise InventoryError(f"duplicate key {key!r} (first on line {seen[key]})",
+                                     line=key_node.start_mark.line + 1, key=str(key))
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _node_at(root, loc: tuple) -> tuple[Any, Any]:
+    """Walk a composed YAML tree along a pydantic error location.
+    Returns (deepest node found, key node of the last mapping step)."""
+    node, key_node = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    node, key_node = v, k
+                    break
+            else:
+                return node, key_node
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node, key_node = node.value[part], None
+        else:
+            return node, key_node
+    return node, key_node
+
+
+def _format_loc(loc: tuple) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def parse_inventory(text: str, source: str = "<string>") -> Inventory:
+    """Parse and validate inventory YAML. Raises InventoryError with file:line."""
+    try:
+        root = yaml.compose(text, Loader=_LineLoader)
+        data = yaml.load(text, Loader=_LineLoader)
+    except InventoryError as e:
+        raise InventoryError(str(e), path=source, line=e.line, key=e.key) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else None
+        raise InventoryError(f"YAML syntax error: {e.problem or e}", path=source, line=line) from None
+    except yaml.YAMLError as e:
+        raise InventoryError(f"YAML error: {e}", path=source) from None
+    if data is None:
+        raise InventoryError("the inventory is empty: it needs at least a 'nodes:' list", path=source)
+    if not isinstance(data, dict):
+        raise InventoryError("the inventory must be a mapping with a 'nodes:' list at the top", path=source, line=1)
+    try:
+        model = InventoryModel.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        first_line = None
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"])
+            node, key_node = _node_at(root, loc)
+            kn = key_node if err["type"] == "extra_forbidden" and key_node is not None else node
+            line = (kn.start_mark.line + 1) if kn is not None else None
+            first_line = first_line or line
+            key = _format_loc(loc)
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown key {loc[-1]!r}"
+            elif err["type"] == "missing":
+                msg = f"missing required key {loc[-1]!r}"
+            else:
+                msg = msg.removeprefix("Value error, ")
+                if "input" in err and err["type"] not in ("value_error",):
+                    msg += f" (got {err['input']!r})"
+            msgs.append((line, f"{key}: {msg}" if key else msg))
+        head_line, head = msgs[0]
+        rest = "".join(f"\n  {source}:{ln}: {m}" for ln, m in msgs[1:])
+        raise InventoryError(head + rest, path=source, line=head_line,
+                             key=_format_loc(tuple(e.errors()[0]["loc"]))) from None
+    lines = {}
+    nodes_node, _ = _node_at(root, ("nodes",))
+    if isinstance(nodes_node, yaml.SequenceNode):
+        lines = {i: n.start_mark.line + 1 for i, n in enumerate(nodes_node.value)}
+    return _resolve(model, source, lines)
+
+
+def load_inventory(path: str | Path | None) -> Inventory:
+    """Load an inventory file; None means the embedded default (two local nodes)."""
+    if path is None:
+        text = resources.files("orchestrator").joinpath(DEFAULT_INVENTORY).read_text()
+        return parse_inventory(text, source=f"<embedded {DEFAULT_INVENTORY}>")
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise InventoryError(f"inventory file not found: {p} (see inventory.example.yaml, or leave "
+                             f"--inventory out to use the embedded two-local-node default)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise InventoryError(f"cannot read inventory {p}: {e}") from None
+    return parse_inventory(text, source=str(path))
+
+
+# ---------------------------------------------------------------- hostfiles
+
+_HOSTFILE_RE = re.compile(r"^\s*(?P<host>\S+)(?:\s+slots\s*=\s*(?P<slots>\d+))?\s*$")
+
+
+def parse_hostfile(text: str, source: str = "<hostfile>") -> list[dict]:
+    """A DeepSpeed/MPI hostfile (`worker-1 slots=4`, `#` comments) -> node dicts."""
+    nodes = []
+    for ln, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _HOSTFILE_RE.match(line)
+        if not m:
+            raise InventoryError(f"cannot parse hostfile line {raw.strip()!r}; expected 'HOST slots=N'",
+                                 path=source, line=ln)
+        host = m["host"]
+        if not HOST_RE.match(host):
+            raise InventoryError(f"{host!r} is not a valid host name", path=source, line=ln)
+        name = host.split(".")[0] if not re.match(r"^[0-9.]+$", host) else host.replace(".", "-")
+        node = {"name": name, "host": host}
+        if m["slots"] is not None:
+            node["gpus"] = int(m["slots"])
+        if any(n["name"] == name for n in nodes):
+            raise InventoryError(f"host {host!r} listed twice", path=source, line=ln)
+        nodes.append(node)
+    if not nodes:
+        raise InventoryError("the hostfile lists no hosts", path=source)
+    return nodes
+
+
+def hostfile_to_yaml(text: str, source: str, *, user: str | None = None, master_port: int = 29500,
+                     iface: str | None = None) -> str:
+    nodes = parse_hostfile(text, source)
+    if iface:
+        for n in nodes:
+            n["iface"] = iface
+    doc: dict[str, Any] = {}
+    if user:
+        doc["ssh"] = {"user": user}
+    doc["master_port"] = master_port
+    doc["nodes"] = nodes
+    out = f"# imported from {source}; nodes[0] is the master (rank 0)\n"
+    out += yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+    parse_inventory(out, source="<imported>")  # what we write must load
+    return out

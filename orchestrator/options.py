@@ -1,0 +1,62 @@
+"""Options every node-facing command shares, and opening the cluster from them."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import click
+
+from .inventory import Inventory, load_inventory
+from .transport import DEFAULT_FANOUT, Cluster
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    inventory_path: str | None
+    fanout: int
+    accept_new_host_keys: bool
+    connect_timeout: float | None
+    nodes: tuple[str, ...]
+
+    def load(self) -> Inventory:
+        inv = load_inventory(self.inventory_path)
+        return inv.select(list(self.nodes)) if self.nodes else inv
+
+    def cluster(self, inventory: Inventory | None = None) -> Cluster:
+        return Cluster(inventory or self.load(), fanout=self.fanout,
+                       accept_new_host_keys=self.accept_new_host_keys,
+                       connect_timeout=self.connect_timeout)
+
+
+def _split_nodes(ctx, param, value):
+    out = []
+    for v in value or ():
+        out += [x for x in v.split(",") if x]
+    return tuple(out)
+
+
+def cluster_options(f):
+    """Adds -i/--inventory, --fanout, --accept-new-host-keys, --connect-timeout, --nodes
+    and passes them to the command as one `opts: ClusterOptions` argument."""
+
+    @click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+                  default=lambda: os.environ.get("CLUSTERCTL_INVENTORY"),
+                  help="Inventory YAML (default: $CLUSTERCTL_INVENTORY, else the embedded "
+                       "two-local-node demo).")
+    @click.option("--fanout", type=click.IntRange(1, 4096), default=DEFAULT_FANOUT, show_default=True,
+                  help="Most nodes contacted at once.")
+    @click.option("--accept-new-host-keys", is_flag=True,
+                  help="Trust and record host keys seen for the first time (ssh's "
+                       "StrictHostKeyChecking=accept-new). Changed keys are always refused.")
+    @click.option("--connect-timeout", type=click.FloatRange(0.1, 600), default=None,
+                  help="Seconds to wait for each node's SSH handshake (default: inventory or 10).")
+    @click.option("--nodes", "nodes", multiple=True, callback=_split_nodes,
+                  help="Only these nodes (comma-separated names; ranks keep the inventory order).")
+    @functools.wraps(f)
+    def wrapper(*args, inventory_path, fanout, accept_new_host_keys, connect_timeout, nodes, **kw):
+        opts = ClusterOptions(inventory_path, fanout, accept_new_host_keys, connect_timeout, nodes)
+        return f(*args, opts=opts, **kw)
+
+    return wrapper
