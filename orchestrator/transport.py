@@ -103,6 +103,7 @@ class Proc:
     def done(self) -> bool: ...
     def exit_code(self) -> int | None: ...
     def kill(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class _SSHProc(Proc):
@@ -136,6 +137,9 @@ class _SSHProc(Proc):
     def kill(self):
         self.chan.close()
 
+    def close(self):
+        self.chan.close()
+
 
 def _nonblock(fd: int) -> None:
     fl = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -146,11 +150,12 @@ class _LocalProc(Proc):
     def __init__(self, node: str, popen: subprocess.Popen):
         self.node, self.p, self.started = node, popen, time.monotonic()
         self._open = {popen.stdout.fileno(): "out", popen.stderr.fileno(): "err"}
-        for fd in self._open:
+        self._fds = list(self._open)
+        for fd in self._fds:
             _nonblock(fd)
 
     def fileno(self):
-        return list(self._open)
+        return self._fds
 
     def read(self):
         chunks = {"out": b"", "err": b""}
@@ -179,6 +184,20 @@ class _LocalProc(Proc):
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
+            pass
+
+    def close(self):
+        for f in (self.p.stdout, self.p.stderr, self.p.stdin):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if self.p.poll() is None:
+            self.kill()
+        try:
+            self.p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             pass
 
 
@@ -457,6 +476,7 @@ def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeou
             for ln in r.lines_err.flush():
                 on_line(name, "stderr", ln)
         code = None if error else r.proc.exit_code()
+        r.proc.close()
         if code is None and not error:
             error = "the connection closed before the command reported an exit code"
         res = NodeResult(name, code, b"".join(r.out).decode("utf-8", "replace"),
@@ -498,6 +518,7 @@ def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeou
     finally:
         for r in runs.values():
             r.proc.kill()
+            r.proc.close()
         sel.close()
     return results
 
