@@ -1,0 +1,44 @@
+# Sourced by scripts/demo and scripts/test: make .venv with everything clusterctl needs.
+# The venv is built on the system Python (/usr/bin/python3) when there is one, because the
+# test cluster's nodes run it as a non-root user, who cannot read a Python under /root.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+pick_python() {
+  for p in /usr/bin/python3 "$(command -v python3 || true)"; do
+    [ -x "$p" ] || continue
+    "$p" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null && { echo "$p"; return; }
+  done
+  echo "clusterctl needs Python >= 3.10 (python3 not found)" >&2; exit 2
+}
+
+ensure_apt() {  # ensure_apt CMD PACKAGE ...: install the Debian packages whose command is missing
+  local missing=()
+  while [ $# -gt 1 ]; do command -v "$1" >/dev/null 2>&1 || missing+=("$2"); shift 2; done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if command -v apt-get >/dev/null && as_root true 2>/dev/null; then
+    echo "installing ${missing[*]} (apt-get)" >&2
+    as_root apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "please install: ${missing[*]}" >&2; return 1
+  fi
+}
+
+make_venv() {  # make_venv EXTRAS
+  local py; py=$(pick_python)
+  if [ ! -x .venv/bin/python ]; then
+    if ! "$py" -m venv .venv 2>/dev/null; then
+      rm -rf .venv
+      ensure_apt __no_such_cmd__ python3-venv
+      "$py" -m venv .venv
+    fi
+  fi
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # torch pinned: 2.13.0 is the CPU wheel these machines carry; an unpinned torch pulls a multi-GB CUDA build
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".${1:-}"
+}
