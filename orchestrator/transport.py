@@ -36,6 +36,7 @@ from .inventory import Inventory, Node
 DEFAULT_FANOUT = 64
 DEFAULT_CONNECT_TIMEOUT = 10.0
 KEEPALIVE_S = 5
+DEFAULT_LOST_TIMEOUT = 30.0  # a node silent this long (no answer to keepalives) is lost
 
 # on_line(node_name, stream ("stdout"|"stderr"), line_without_newline)
 LineCallback = Callable[[str, str, str], None]
@@ -107,9 +108,12 @@ class Proc:
 
 
 class _SSHProc(Proc):
-    def __init__(self, node: str, chan: paramiko.Channel):
-        self.node, self.chan, self.started = node, chan, time.monotonic()
+    def __init__(self, node: str, chan: paramiko.Channel, conn: "SSHConnection | None" = None):
+        self.node, self.chan, self.started, self.conn = node, chan, time.monotonic(), conn
         self._fd = chan.fileno()
+
+    def lost_reason(self) -> str | None:
+        return self.conn.lost_reason if self.conn is not None else None
 
     def fileno(self):
         return self._fd
@@ -274,11 +278,14 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 
 class SSHConnection(Connection):
     def __init__(self, node: Node, *, accept_new_host_keys: bool = False,
-                 connect_timeout: float | None = None):
+                 connect_timeout: float | None = None, lost_timeout: float = DEFAULT_LOST_TIMEOUT):
         super().__init__(node)
         self.accept_new = accept_new_host_keys
         self.connect_timeout = connect_timeout or node.ssh.connect_timeout or DEFAULT_CONNECT_TIMEOUT
+        self.lost_timeout = lost_timeout
+        self.lost_reason: str | None = None
         self._conn = None
+        self._closing = threading.Event()
 
     def _known_hosts_path(self) -> Path:
         return Path(os.path.expanduser(self.node.ssh.known_hosts or "~/.ssh/known_hosts"))
@@ -334,7 +341,28 @@ class SSHConnection(Connection):
         except BaseException as e:  # noqa: BLE001 - classified into one sentence below
             self.close()
             raise ConnectError(n.name, _explain_connect_error(e, self._conn, self.connect_timeout)) from e
-        self._conn.transport.set_keepalive(KEEPALIVE_S)
+        threading.Thread(target=self._watch, name=f"liveness-{n.name}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
+        Every KEEPALIVE_S a global request that OpenSSH must answer (it replies 'failure' to
+        unknown requests); a reply missing for `lost_timeout` closes the transport, which ends
+        every channel on it."""
+        t = self._conn.transport
+        while not self._closing.wait(KEEPALIVE_S) and t.is_active():
+            done = threading.Event()
+
+            def ping():
+                try:
+                    t.global_request("keepalive@openssh.com", wait=True)
+                finally:
+                    done.set()
+
+            threading.Thread(target=ping, daemon=True).start()
+            if not done.wait(self.lost_timeout) and t.is_active() and not self._closing.is_set():
+                self.lost_reason = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
+                t.close()
+                return
 
     @property
     def alive(self) -> bool:
@@ -347,15 +375,16 @@ class SSHConnection(Connection):
 
     def exec(self, command, *, stdin=None):
         if not self.alive:
-            raise ConnectError(self.node.name, "the SSH connection was lost")
+            raise ConnectError(self.node.name, self.lost_reason or "the SSH connection was lost")
         chan = self._conn.transport.open_session(timeout=self.connect_timeout)
         chan.exec_command(command)
         if stdin:
             chan.sendall(stdin)
         chan.shutdown_write()
-        return _SSHProc(self.node.name, chan)
+        return _SSHProc(self.node.name, chan, self)
 
     def close(self):
+        self._closing.set()
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -510,7 +539,7 @@ def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeou
                     finish(name, f"timed out after {timeout:g}s")
                 elif isinstance(r.proc, _SSHProc) and not r.proc.chan.get_transport().is_active():
                     emit(r, *r.proc.read())
-                    finish(name, "the SSH connection was lost")
+                    finish(name, r.proc.lost_reason() or "the SSH connection was lost")
                 elif stop is not None and stop.is_set():
                     r.proc.kill()
                     finish(name, "stopped")
@@ -527,13 +556,15 @@ class Cluster:
     """One connection per node, opened in parallel, reused for the whole command."""
 
     def __init__(self, inventory: Inventory, *, fanout: int = DEFAULT_FANOUT,
-                 accept_new_host_keys: bool = False, connect_timeout: float | None = None):
+                 accept_new_host_keys: bool = False, connect_timeout: float | None = None,
+                 lost_timeout: float = DEFAULT_LOST_TIMEOUT):
         if fanout < 1:
             raise ValueError("fanout must be at least 1")
         self.inventory = inventory
         self.fanout = fanout
         self.accept_new_host_keys = accept_new_host_keys
         self.connect_timeout = connect_timeout
+        self.lost_timeout = lost_timeout
         self.connections: dict[str, Connection] = {}
         self.unreachable: dict[str, NodeResult] = {}
         self.handshakes = 0  # counted, so tests can prove one handshake per node per command
@@ -556,7 +587,7 @@ class Cluster:
         def one(node: Node) -> NodeResult:
             t0 = time.monotonic()
             c = connection_for(node, accept_new_host_keys=self.accept_new_host_keys,
-                               connect_timeout=self.connect_timeout)
+                               connect_timeout=self.connect_timeout, lost_timeout=self.lost_timeout)
             try:
                 c.open()
             except ConnectError as e:

@@ -1,0 +1,140 @@
+"""The SSH transport and `clusterctl exec` against real OpenSSH servers on the test cluster."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.errors import EXIT_UNREACHABLE
+from orchestrator.inventory import parse_inventory
+from orchestrator.transport import Cluster
+
+pytestmark = pytest.mark.cluster
+
+
+def inv_of(cluster, **over):
+    return parse_inventory(yaml.safe_dump(cluster.inventory(**over)), "test-inventory")
+
+
+def test_exec_prints_every_hostname_with_its_prefix(make_cluster, tmp_path, capsys):
+    cluster = make_cluster(4)
+    path = cluster.write_inventory(tmp_path / "nodes.yaml")
+    assert main(["exec", "-i", str(path), "--", "hostname"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == [f"node{i} | node{i}" for i in range(1, 5)]
+
+    # one node's sshd stopped: the other three still answer, exit non-zero naming it
+    cluster.nodes[2].stop_sshd()
+    rc = main(["exec", "-i", str(path), "--connect-timeout", "3", "--", "hostname"])
+    out, err = capsys.readouterr()
+    assert rc == 255
+    assert sorted(out.splitlines()) == ["node1 | node1", "node2 | node2", "node4 | node4"]
+    assert "node3" in err and "connection refused" in err and "is sshd running" in err
+
+    rc = main(["exec", "-i", str(path), "--json", "--connect-timeout", "3", "--", "hostname"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 255 and doc["ok"] is False
+    by = {n["node"]: n for n in doc["nodes"]}
+    assert by["node3"]["exit_code"] is None and "refused" in by["node3"]["error"]
+    assert by["node4"]["stdout"] == "node4\n"
+    cluster.nodes[2].start_sshd()
+
+
+def test_one_handshake_per_node_for_many_commands(cluster4):
+    with Cluster(inv_of(cluster4)) as c:
+        for _ in range(3):
+            r = c.run("hostname")
+            assert r.all_ok
+        assert c.handshakes == len(cluster4.nodes)
+        assert [r[n.name].stdout.strip() for n in cluster4.nodes] == [n.name for n in cluster4.nodes]
+
+
+def test_unknown_host_key_is_refused_with_the_remedy(cluster4, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    inv = inv_of(cluster4, ssh={**cluster4.inventory()["ssh"], "known_hosts": str(empty)})
+    with Cluster(inv) as c:
+        assert not c.connections
+        for n in cluster4.nodes:
+            err = c.unreachable[n.name].error
+            assert "unknown host key" in err
+            assert f"ssh-keyscan -t ssh-ed25519 {n.host} >> {empty}" in err
+            assert "--accept-new-host-keys" in err
+    assert empty.read_text() == ""  # nothing was trusted silently
+
+    # accept-new records the keys, and a second run verifies against them
+    with Cluster(inv, accept_new_host_keys=True) as c:
+        assert c.run("true").all_ok
+    recorded = empty.read_text()
+    assert all(n.host in recorded for n in cluster4.nodes)
+    with Cluster(inv) as c:
+        assert c.run("true").all_ok
+
+
+def test_changed_host_key_is_refused_loudly(cluster4, tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    other = Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    kh = tmp_path / "known_hosts"
+    node = cluster4.nodes[0]
+    good = [ln for ln in open(cluster4.known_hosts).read().splitlines() if ln.split()[0] != node.host]
+    kh.write_text("\n".join(good + [f"{node.host} {other}"]) + "\n")
+    inv = inv_of(cluster4, ssh={**cluster4.inventory()["ssh"], "known_hosts": str(kh)})
+    with Cluster(inv, accept_new_host_keys=True) as c:  # accept-new never overrides a changed key
+        err = c.unreachable[node.name].error
+        assert "HAS CHANGED" in err and f"ssh-keygen -R {node.host}" in err
+        assert set(c.connections) == {n.name for n in cluster4.nodes[1:]}
+
+
+def test_link_down_is_unreachable_within_the_timeout_others_go_on(make_cluster):
+    cluster = make_cluster(3)
+    cluster.nodes[1].link_down()
+    inv = inv_of(cluster)
+    with Cluster(inv, connect_timeout=2) as c:
+        r = c.run("hostname")
+    assert r["node1"].ok and r["node3"].ok
+    assert "no answer" in r["node2"].error or "no route" in r["node2"].error
+    assert r.worst_exit_code == 255
+
+
+def test_connection_lost_mid_command_is_reported_not_hung(make_cluster):
+    cluster = make_cluster(2)
+    inv = inv_of(cluster)
+    with Cluster(inv, lost_timeout=4) as c:
+        # take the node's link down while a command runs: TCP alone would take minutes to
+        # notice, the liveness probe notices within lost_timeout and the run ends
+        import threading
+        t = threading.Timer(1.0, cluster.nodes[1].link_down)
+        t.start()
+        r = c.run("sleep 60", timeout=45)
+        t.join()
+    assert r["node2"].exit_code is None
+    assert "connection lost" in r["node2"].error, r["node2"].error
+    assert r["node2"].duration < 40  # ended by the liveness probe, not the 45 s command timeout
+
+
+def test_inventory_values_never_reach_a_shell_unquoted(cluster4, tmp_path):
+    # an env value full of shell syntax arrives byte-for-byte
+    evil = "$(touch /tmp/pwned-cc) `id` ; rm -rf ~ 'x' \"y\""
+    from orchestrator import shell
+    inv = inv_of(cluster4, env={"EVIL": evil})
+    with Cluster(inv) as c:
+        r = c.run(lambda n: shell.exports(n.env) + ' printf %s "$EVIL"')
+    assert all(x.stdout == evil for x in r.values())
+    assert not os.path.exists("/tmp/pwned-cc")
+
+
+def test_exec_unreachable_only_exit_code(make_cluster, tmp_path, capsys):
+    cluster = make_cluster(2)
+    for n in cluster.nodes:
+        n.stop_sshd()
+    path = cluster.write_inventory(tmp_path / "nodes.yaml")
+    rc = main(["exec", "-i", str(path), "--connect-timeout", "2", "--", "true"])
+    assert rc == 255
+    assert "Traceback" not in capsys.readouterr().err
