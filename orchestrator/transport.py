@@ -507,7 +507,8 @@ def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeou
         code = None if error else r.proc.exit_code()
         r.proc.close()
         if code is None and not error:
-            error = "the connection closed before the command reported an exit code"
+            lost = r.proc.lost_reason() if isinstance(r.proc, _SSHProc) else None
+            error = lost or "the connection closed before the command reported an exit code"
         res = NodeResult(name, code, b"".join(r.out).decode("utf-8", "replace"),
                          b"".join(r.err).decode("utf-8", "replace"),
                          time.monotonic() - r.proc.started, error)
