@@ -1,0 +1,51 @@
+"""Shared pytest fixtures.
+
+Test cluster (tests/cluster): `cluster4` is one session-wide 4-node cluster (2 fake GPUs per
+node) for tests that only *use* nodes; don't break it (stop sshd, links, clocks...). Tests that
+break nodes take `make_cluster` and build their own, always torn down after the test.
+"""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.cluster import TestCluster, require_root  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _repo_importable():
+    """Fail loudly if `orchestrator` comes from anywhere but this checkout."""
+    mod = importlib.import_module("orchestrator")
+    where = Path(mod.__file__).resolve()
+    assert REPO_ROOT in where.parents, f"orchestrator imported from {where}, not {REPO_ROOT}"
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    """4 nodes, 2 fake GPUs each, shared by the whole session (skips when not root)."""
+    require_root()
+    with TestCluster(n=4, gpus=2, name_prefix="cct") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def make_cluster():
+    """Factory: make_cluster(n, **TestCluster kwargs) -> started cluster, closed after the test."""
+    require_root()
+    made = []
+
+    def make(n, **kw):
+        kw.setdefault("name_prefix", "cctf")
+        cluster = TestCluster(n=n, **kw).start()
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.close()
