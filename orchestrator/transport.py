@@ -402,6 +402,9 @@ def _explain_connect_error(e: BaseException, conn, timeout: float) -> str:
     if isinstance(e, paramiko.AuthenticationException):
         return (f"authentication failed for {where}: add your public key to that user's "
                 f"~/.ssh/authorized_keys (ssh-copy-id), or set ssh.user / ssh.identity_file in the inventory")
+    if isinstance(e, paramiko.SSHException) and "No authentication methods" in str(e):
+        return (f"authentication failed for {where}: no key to offer. Set ssh.identity_file in the "
+                f"inventory, add the key to ssh-agent (ssh-add), or name it in ~/.ssh/config")
     if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
         return f"connection refused at {where}: is sshd running and listening on port {conn.port}?"
     if isinstance(e, (socket.timeout, TimeoutError)):

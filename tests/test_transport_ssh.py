@@ -139,3 +139,61 @@ def test_exec_unreachable_only_exit_code(make_cluster, tmp_path, capsys):
     rc = main(["exec", "-i", str(path), "--connect-timeout", "2", "--", "true"])
     assert rc == 255
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ssh_config_alias_user_port_and_identity_are_honoured(cluster4, tmp_path):
+    node = cluster4.nodes[1]
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host gpu-box\n  HostName {node.host}\n  User {cluster4.user}\n  Port 22\n"
+                   f"  IdentityFile {cluster4.identity_file}\n"
+                   f"  UserKnownHostsFile {cluster4.known_hosts}\n")
+    inv = parse_inventory(yaml.safe_dump({
+        # no user, no identity in the inventory: everything comes from the ssh config
+        "ssh": {"config_file": str(cfg), "known_hosts": str(cluster4.known_hosts)},
+        "nodes": [{"name": "box", "host": "gpu-box"}]}))
+    with Cluster(inv) as c:
+        r = c.run("hostname; whoami")
+    assert r["box"].stdout.split() == [node.name, cluster4.user], r["box"]
+
+
+def test_ssh_agent_keys_are_used(cluster4, tmp_path):
+    agent = subprocess.run(["ssh-agent", "-s"], capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ)
+    for part in agent.replace("\n", ";").split(";"):
+        if "=" in part and not part.strip().startswith("export"):
+            k, v = part.strip().split("=", 1)
+            env[k] = v
+    try:
+        inv = parse_inventory(yaml.safe_dump({
+            "ssh": {"user": cluster4.user, "known_hosts": str(cluster4.known_hosts)},  # no identity_file
+            "nodes": [{"name": "n", "host": cluster4.nodes[0].host}]}))
+        old = os.environ.get("SSH_AUTH_SOCK")
+        os.environ["SSH_AUTH_SOCK"] = env["SSH_AUTH_SOCK"]
+        try:
+            with Cluster(inv) as c:  # an empty agent: no key to offer
+                assert "authentication failed" in c.unreachable["n"].error
+            subprocess.run(["ssh-add", str(cluster4.identity_file)], env=env, check=True, capture_output=True)
+            with Cluster(inv) as c:
+                assert c.run("true").all_ok, c.unreachable
+        finally:
+            if old is None:
+                os.environ.pop("SSH_AUTH_SOCK", None)
+            else:
+                os.environ["SSH_AUTH_SOCK"] = old
+    finally:
+        subprocess.run(["kill", env["SSH_AGENT_PID"]], check=False)
+
+
+def test_proxy_jump_reaches_a_node_the_controller_cannot(make_cluster):
+    cluster = make_cluster(2)
+    jump, target = cluster.nodes
+    # the target drops the control machine's packets: only the jump host can reach it
+    target.iptables("-A", "INPUT", "-s", cluster.host_ip, "-j", "DROP")
+    direct = inv_of(cluster)
+    with Cluster(direct.select(["node2"]), connect_timeout=2) as c:
+        assert "node2" in c.unreachable
+    inv = parse_inventory(yaml.safe_dump(cluster.inventory(nodes=[
+        {"name": "node2", "host": target.host, "ssh": {"proxy_jump": f"{cluster.user}@{jump.host}"}}])))
+    with Cluster(inv) as c:
+        r = c.run("hostname")
+    assert r["node2"].stdout == "node2\n", r["node2"]
