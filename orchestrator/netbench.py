@@ -1,0 +1,244 @@
+"""`clusterctl netbench`: measure the real link between the master and every worker.
+
+TCP throughput in both directions and round-trip latency (a stdlib probe,
+probes/netprobe.py, shipped over each node's existing SSH connection), and
+optionally a real `torch.distributed` all-reduce across all nodes with their
+own backend.  The result feeds `clusterctl plan --link FILE`.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+import click
+
+from . import shell
+from .errors import ClusterctlError, EXIT_FAILED
+from .inventory import Inventory, Node
+from .options import ClusterOptions, cluster_options
+from .torchrun import iface_env
+from .transport import Cluster, Proc
+
+PROBE = resources.files("orchestrator").joinpath("probes/netprobe.py").read_bytes()
+
+
+class NetbenchError(ClusterctlError):
+    exit_code = EXIT_FAILED
+
+
+@dataclass(frozen=True)
+class LinkMeasure:
+    node: str  # the worker; the other end is the master
+    up_bps: float  # worker -> master, bits per second
+    down_bps: float  # master -> worker
+    rtt_s: float  # median TCP round trip
+
+    @property
+    def bps(self) -> float:
+        return min(self.up_bps, self.down_bps)
+
+
+@dataclass(frozen=True)
+class AllreduceMeasure:
+    nbytes: int
+    dtype: str
+    backend: str
+    nodes: int
+    times: list[float]
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class NetReport:
+    master: str
+    links: list[LinkMeasure] = field(default_factory=list)
+    allreduce: AllreduceMeasure | None = None
+
+    @property
+    def bandwidth_bps(self) -> float:
+        """The slowest direction of the slowest link: what a ring all-reduce runs at."""
+        return min(x.bps for x in self.links)
+
+    @property
+    def latency_s(self) -> float:
+        """One-way latency: half the median round trip."""
+        return statistics.median(x.rtt_s for x in self.links) / 2
+
+    def to_json(self) -> dict:
+        doc = {"master": self.master, "bandwidth_bps": self.bandwidth_bps, "latency_s": self.latency_s,
+               "links": [asdict(x) | {"bps": x.bps} for x in self.links], "allreduce": None}
+        if self.allreduce:
+            doc["allreduce"] = asdict(self.allreduce) | {"seconds": self.allreduce.seconds}
+        return doc
+
+
+def _cmd(node: Node, *args: object) -> str:
+    return f"{shell.path(node.python)} - {shell.join(args)}"
+
+
+def _first_line(proc: Proc, timeout: float) -> str:
+    """Read the first stdout line of a running proc, or fail after `timeout`."""
+    sel = selectors.DefaultSelector()
+    fds = proc.fileno()
+    for fd in fds if isinstance(fds, list) else [fds]:
+        sel.register(fd, selectors.EVENT_READ)
+    buf, err = b"", b""
+    deadline = time.monotonic() + timeout
+    try:
+        while b"\n" not in buf:
+            if proc.done() or time.monotonic() > deadline:
+                out, e = proc.read()
+                buf, err = buf + out, err + e
+                if b"\n" in buf:
+                    break
+                why = "exited" if proc.done() else f"did not start within {timeout:g}s"
+                raise NetbenchError(f"{proc.node}: the network probe {why}: "
+                                    f"{err.decode(errors='replace').strip()[-500:]}")
+            sel.select(0.2)
+            out, e = proc.read()
+            buf, err = buf + out, err + e
+    finally:
+        sel.close()
+    return buf.split(b"\n", 1)[0].decode()
+
+
+def _client(cluster: Cluster, node: Node, *args, timeout: float) -> dict:
+    r = cluster.run(_cmd(node, "client", *args), nodes=[node.name], stdin=PROBE, timeout=timeout)[node.name]
+    if not r.ok:
+        raise NetbenchError(f"{node.name}: {r.describe()}: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max_bytes: int = 1 << 30,
+                  rtt_count: int = 20, port: int = 0, timeout: float = 120) -> list[LinkMeasure]:
+    """Throughput both ways and RTT between the master and each worker, one worker at a time
+    (so workers don't share the master's link). Transfers are sized to last ~`seconds`."""
+    master = inv.master
+    conn = cluster.connections.get(master.name)
+    if conn is None:
+        raise NetbenchError(f"{master.name} (the master) is unreachable: {cluster.unreachable[master.name].error}")
+    server = conn.exec(_cmd(master, "serve", port, timeout), stdin=PROBE)
+    try:
+        word, listen_port = _first_line(server, 30).split()
+        addr = master.address if not master.is_local else "127.0.0.1"
+        out = []
+        for node in inv.nodes[1:]:
+            if node.name not in cluster.connections:
+                continue
+            rates = {}
+            for direction in ("up", "down"):
+                probe = _client(cluster, node, addr, listen_port, direction, 4 << 20, timeout=timeout)
+                est = probe["bytes"] * 8 / max(probe["seconds"], 1e-6)
+                n = int(min(max_bytes, max(4 << 20, est / 8 * seconds)))
+                res = _client(cluster, node, addr, listen_port, direction, n, timeout=timeout)
+                rates[direction] = res["bytes"] * 8 / res["seconds"]
+            rtt = _client(cluster, node, addr, listen_port, "rtt", rtt_count, timeout=timeout)["rtts"]
+            out.append(LinkMeasure(node.name, rates["up"], rates["down"], statistics.median(rtt)))
+        return out
+    finally:
+        try:
+            cluster.run(_cmd(master, "quit", "127.0.0.1", listen_port), nodes=[master.name], stdin=PROBE,
+                        timeout=10)
+        except Exception:  # noqa: BLE001 - the server also exits on its own timeout
+            pass
+        server.kill()
+        server.close()
+
+
+def measure_allreduce(cluster: Cluster, inv: Inventory, *, nbytes: int, iters: int = 3,
+                      dtype: str = "fp16", backend: str | None = None, port: int | None = None,
+                      timeout: float = 600) -> AllreduceMeasure:
+    """One process per node runs a real all-reduce of `nbytes` with the node's backend."""
+    if backend is None:
+        backend = "nccl" if all(n.gpus for n in inv.nodes) else "gloo"
+    port = port or inv.master_port
+    world = len(inv.nodes)
+
+    def cmd(node: Node) -> str:
+        env = {**node.env, **iface_env(node.iface), "OMP_NUM_THREADS": node.env.get("OMP_NUM_THREADS", "1")}
+        return shell.exports(env) + " " + _cmd(node, "allreduce", node.rank, world, inv.master.address, port,
+                                               nbytes, iters, backend, dtype)
+
+    res = cluster.run(cmd, stdin=PROBE, timeout=timeout)
+    if not res.all_ok:
+        bad = "; ".join(f"{k}: {v.describe()} {v.stderr.strip()[-300:]}" for k, v in res.failed.items())
+        raise NetbenchError(f"all-reduce failed: {bad}")
+    rank0 = json.loads(res[inv.master.name].stdout.strip().splitlines()[-1])
+    return AllreduceMeasure(rank0["bytes"], dtype, backend, world, rank0["times"])
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().replace(" ", "")
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * units[u])
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 60.3MB, 512MiB or 1GB") from None
+
+
+def _fmt_bps(bps: float) -> str:
+    return f"{bps / 1e9:.2f} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:.0f} Mbit/s"
+
+
+@click.command("netbench")
+@cluster_options
+@click.option("--seconds", type=click.FloatRange(0.2, 60), default=2.0, show_default=True,
+              help="How long each throughput transfer should last.")
+@click.option("--allreduce", "allreduce_size", default=None,
+              help="Also time a torch.distributed all-reduce of this size across all nodes (e.g. 60.3MB).")
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", show_default=True)
+@click.option("--iters", type=click.IntRange(1, 100), default=3, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0,
+              help="Port for the throughput probe on the master (default: any free port).")
+@click.option("--save", type=click.Path(dir_okay=False), help="Write the JSON here (for `plan --link`).")
+@click.option("--json", "as_json", is_flag=True)
+def netbench_command(opts: ClusterOptions, seconds, allreduce_size, dtype, iters, port, save, as_json):
+    """Measure master<->worker TCP throughput and latency (and optionally an all-reduce)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    inv = opts.load()
+    if len(inv.nodes) < 2:
+        raise click.UsageError("netbench needs at least two nodes")
+    nbytes = parse_size(allreduce_size) if allreduce_size else None
+    with opts.cluster(inv) as cluster:
+        if cluster.unreachable:
+            bad = ", ".join(f"{k} ({v.error})" for k, v in cluster.unreachable.items())
+            raise NetbenchError(f"unreachable: {bad}")
+        report = NetReport(inv.master.name, measure_links(cluster, inv, seconds=seconds, port=port))
+        if nbytes:
+            report.allreduce = measure_allreduce(cluster, inv, nbytes=nbytes, iters=iters, dtype=dtype)
+    doc = report.to_json()
+    if save:
+        with open(save, "w") as f:
+            json.dump(doc, f, indent=2)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    con = Console()
+    t = Table(title=f"links to the master ({inv.master.name})")
+    for c in ("worker", "up (→master)", "down (master→)", "rtt"):
+        t.add_column(c)
+    for x in report.links:
+        t.add_row(x.node, _fmt_bps(x.up_bps), _fmt_bps(x.down_bps), f"{x.rtt_s * 1e3:.2f} ms")
+    con.print(t)
+    if report.allreduce:
+        a = report.allreduce
+        con.print(f"all-reduce of {a.nbytes / 1e6:.1f} MB ({a.dtype}, {a.backend}, {a.nodes} nodes): "
+                  f"median {a.seconds:.3f} s over {len(a.times)}")
+    con.print(f"for the planner: clusterctl plan --bandwidth {report.bandwidth_bps / 1e6:.0f}mbit "
+              f"--latency {report.latency_s * 1e6:.0f}us" + (f"   (or --link {save})" if save else ""))
