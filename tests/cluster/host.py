@@ -208,3 +208,7 @@ def clean_stale(prefix):
     stale = [n for n in names if (m := pattern.match(n)) and not psutil.pid_exists(int(m.group(1)))]
     if stale:
         destroy({"namespaces": stale})
+    dir_pattern = re.compile(rf"^{re.escape(prefix)}(\d+)s\d+$")
+    for entry in (os.scandir(BASE_DIR) if BASE_DIR.exists() else []):
+        if (m := dir_pattern.match(entry.name)) and not psutil.pid_exists(int(m.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)

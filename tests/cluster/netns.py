@@ -15,6 +15,7 @@ import pwd
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,14 @@ def require_root():
         import pytest
         pytest.skip("needs root to create network namespaces for the test cluster "
                     "(run the suite as root, as CI does)")
+
+
+def _exit_on_sigterm():
+    """Turn a plain SIGTERM (CI timeout, kill) into SystemExit so context managers and atexit
+    tear the cluster down; leave any handler someone else installed alone."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class TestNode:
@@ -232,6 +241,7 @@ class TestCluster:
         me = psutil.Process()
         self._state = {"pid": me.pid, "create_time": me.create_time(), "prefix": self.name_prefix}
         atexit.register(self.close)
+        _exit_on_sigterm()
         with host.host_lock():
             host.clean_stale(self.name_prefix)
             self.pw = host.ensure_user(self.user)
