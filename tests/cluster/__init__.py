@@ -1,9 +1,17 @@
 """Real multi-host test cluster: network namespaces with sshd, for tests and benchmarks.
 
-    with TestCluster(n=4, gpus=8) as cluster:
-        cluster.nodes[0].run("hostname").stdout   # "node1\n"
+    with TestCluster(n=4, gpus=8) as cluster:          # gpus: int or one per node
+        cluster.nodes[0].run("hostname").stdout        # "node1\\n"
+        cluster.write_inventory(tmp_path / "nodes.yaml")
+        subprocess.run(cluster.ssh_argv(cluster.nodes[1], "nvidia-smi", "-L"))
+
+Faults per node: stop_sshd/start_sshd, link_down/link_up, iptables(*args),
+set_clock_skew(seconds), shape(rate, burst, latency)/unshape, set_gpus(n, processes=...).
+cluster.processes(node=None) lists the test user's processes in a node's network namespace.
+Needs root; tests call require_root() (the cluster4/make_cluster fixtures do it for you).
 """
 
-from .netns import DEFAULT_USER, TestCluster, TestNode, require_root
+from .netns import DEFAULT_USER, TestCluster, require_root
+from .node import TestNode
 
 __all__ = ["DEFAULT_USER", "TestCluster", "TestNode", "require_root"]
