@@ -28,17 +28,30 @@ ensure_apt() {  # ensure_apt CMD PACKAGE ...: install the Debian packages whose 
   fi
 }
 
+# The venv lives in .venv, unless this checkout sits where other users cannot read it (a clone
+# under /root, say): the test cluster's nodes run the venv as a non-root user, so then the venv
+# goes to a world-readable place and clusterctl is installed into it as a copy, not editable.
+VENV=.venv
+EDITABLE=-e
+if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 \
+   && ! runuser -u nobody -- test -r "$ROOT/pyproject.toml" 2>/dev/null; then
+  VENV=/opt/clusterctl-venv/$(printf %s "$ROOT" | md5sum | cut -c1-12)
+  EDITABLE=
+  echo "note: $ROOT is not readable by other users; using the venv $VENV" >&2
+fi
+
 make_venv() {  # make_venv EXTRAS
   local py; py=$(pick_python)
-  if [ ! -x .venv/bin/python ]; then
-    if ! "$py" -m venv .venv 2>/dev/null; then
-      rm -rf .venv
+  if [ ! -x "$VENV/bin/python" ]; then
+    mkdir -p "$(dirname "$VENV")"
+    if ! "$py" -m venv "$VENV" 2>/dev/null; then
+      rm -rf "$VENV"
       ensure_apt __no_such_cmd__ python3-venv
-      "$py" -m venv .venv
+      "$py" -m venv "$VENV"
     fi
   fi
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # torch pinned: 2.13.0 is the CPU wheel these machines carry; an unpinned torch pulls a multi-GB CUDA build
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".${1:-}"
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q $EDITABLE ".${1:-}"
 }
