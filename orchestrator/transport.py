@@ -36,7 +36,8 @@ from .inventory import Inventory, Node
 DEFAULT_FANOUT = 64
 DEFAULT_CONNECT_TIMEOUT = 10.0
 KEEPALIVE_S = 5
-DEFAULT_LOST_TIMEOUT = 30.0  # a node silent this long (no answer to keepalives) is lost
+DEFAULT_LOST_TIMEOUT = 30.0
+SWEEP_S = 0.2  # how often every running command is checked for deadlines and lost links  # a node silent this long (no answer to keepalives) is lost
 
 # on_line(node_name, stream ("stdout"|"stderr"), line_without_newline)
 LineCallback = Callable[[str, str, str], None]
@@ -174,6 +175,9 @@ class _LocalProc(Proc):
                     break
                 chunks[which] += data
         return chunks["out"], chunks["err"]
+
+    def eof_fds(self) -> list[int]:
+        return [fd for fd in self._fds if fd not in self._open]
 
     def done(self):
         return not self._open and self.p.poll() is not None
@@ -526,27 +530,46 @@ def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeou
     for p in procs:
         add(p)
     refill()
+    def check(name: str, r: _Run, now: float) -> None:
+        if r.proc.done():
+            emit(r, *r.proc.read())
+            finish(name)
+        elif r.deadline is not None and now > r.deadline:
+            emit(r, *r.proc.read())
+            r.proc.kill()
+            finish(name, f"timed out after {timeout:g}s")
+        elif isinstance(r.proc, _SSHProc) and not r.proc.chan.get_transport().is_active():
+            emit(r, *r.proc.read())
+            finish(name, r.proc.lost_reason() or "the SSH connection was lost")
+        elif stop is not None and stop.is_set():
+            r.proc.kill()
+            finish(name, "stopped")
+
+    last_sweep = time.monotonic()
     try:
         while runs:
-            for key, _ in sel.select(timeout=0.2):
-                r = runs.get(key.data)
-                if r is not None:
-                    emit(r, *r.proc.read())
+            # Only the procs whose fd fired are read and checked; a sweep over all of them every
+            # SWEEP_S catches deadlines, lost transports and stop requests. (Checking every proc on
+            # every event would cost O(nodes^2) per command at 256 nodes.)
+            fired = {key.data for key, _ in sel.select(timeout=SWEEP_S)}
             now = time.monotonic()
-            for name, r in list(runs.items()):
-                if r.proc.done():
-                    emit(r, *r.proc.read())
-                    finish(name)
-                elif r.deadline is not None and now > r.deadline:
-                    emit(r, *r.proc.read())
-                    r.proc.kill()
-                    finish(name, f"timed out after {timeout:g}s")
-                elif isinstance(r.proc, _SSHProc) and not r.proc.chan.get_transport().is_active():
-                    emit(r, *r.proc.read())
-                    finish(name, r.proc.lost_reason() or "the SSH connection was lost")
-                elif stop is not None and stop.is_set():
-                    r.proc.kill()
-                    finish(name, "stopped")
+            for name in fired:
+                r = runs.get(name)
+                if r is None:
+                    continue
+                emit(r, *r.proc.read())
+                if isinstance(r.proc, _LocalProc):
+                    for fd in r.proc.eof_fds():  # an fd at EOF stays readable: stop polling it
+                        try:
+                            sel.unregister(fd)
+                        except (KeyError, ValueError):
+                            pass
+                check(name, r, now)
+            if now - last_sweep >= SWEEP_S:
+                last_sweep = now
+                for name, r in list(runs.items()):
+                    if name not in fired:
+                        check(name, r, now)
             refill()
     finally:
         for r in runs.values():
