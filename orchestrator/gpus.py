@@ -1,0 +1,239 @@
+"""GPU facts from nvidia-smi and rocm-smi: pure parsers from the tools' text to `Gpu` records.
+
+The probes (which command to run) are constants here; running them is the caller's business
+(`launch --from-env` runs them locally, `top` over SSH, preflight may reuse both). Every
+parser takes the tool's exact output and never raises on a missing reading: "[N/A]",
+"[Not Supported]", "N/A" and empty fields become None.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+# nvidia-smi: one line per GPU, no header, no units; the order is what the parser assumes
+# when the header is absent.
+NVIDIA_GPU_FIELDS = ("index", "uuid", "name", "utilization.gpu", "memory.used", "memory.total",
+                     "temperature.gpu", "power.draw")
+NVIDIA_APP_FIELDS = ("gpu_uuid", "pid", "process_name", "used_memory")
+NVIDIA_GPU_ARGV = ("nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_GPU_FIELDS),
+                   "--format=csv,noheader,nounits")
+NVIDIA_APPS_ARGV = ("nvidia-smi", "--query-compute-apps=" + ",".join(NVIDIA_APP_FIELDS),
+                    "--format=csv,noheader,nounits")
+# rocm-smi: everything top shows, as JSON ({"card0": {...}, ...}); pids separately.
+ROCM_GPU_ARGV = ("rocm-smi", "--showid", "--showproductname", "--showuse", "--showmeminfo", "vram",
+                 "--showtemp", "--showpower", "--json")
+ROCM_PIDS_ARGV = ("rocm-smi", "--showpids", "--json")
+
+MIB = 1024 * 1024
+_MISSING = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]",
+            "unknown", "[insufficient permissions]", "-", "none"}
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_mib: int | None = None
+    command: str | None = None  # full command line, where the node let us read it
+    run_id: str | None = None  # CLUSTERCTL_RUN_ID from the process environment
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    util: float | None = None  # percent
+    mem_used_mib: int | None = None
+    mem_total_mib: int | None = None
+    temp_c: float | None = None
+    power_w: float | None = None
+    uuid: str | None = None
+    processes: tuple[GpuProcess, ...] = field(default_factory=tuple)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.processes)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("uuid")
+        d["processes"] = [asdict(p) for p in self.processes]
+        return d
+
+
+def number(value: object) -> float | None:
+    """'69.88 W' -> 69.88; '[N/A]' / '[Not Supported]' / '' -> None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    s = str(value).strip()
+    if s.lower() in _MISSING:
+        return None
+    m = re.match(r"^[-+]?\d+(?:\.\d+)?", s)
+    return float(m.group(0)) if m else None
+
+
+def _int(value: object) -> int | None:
+    v = number(value)
+    return None if v is None else int(round(v))
+
+
+def _text(value: object) -> str:
+    s = str(value or "").strip()
+    return "" if s.lower() in _MISSING else s
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return [[c.strip() for c in row] for row in csv.reader(lines, skipinitialspace=True)]
+
+
+def _header_key(head: str) -> str:
+    """'memory.used [MiB]' -> 'memory.used'; 'used_gpu_memory [MiB]' -> 'used_memory'."""
+    key = head.split("[")[0].strip()
+    return {"used_gpu_memory": "used_memory", "gpu_name": "name"}.get(key, key)
+
+
+def _records(text: str, default_fields: tuple[str, ...], marker: str) -> list[dict[str, str]]:
+    rows = _csv_rows(text)
+    if not rows:
+        return []
+    fields: tuple[str, ...] = default_fields
+    if marker in rows[0]:  # header present (format=csv without noheader)
+        fields = tuple(_header_key(h) for h in rows[0])
+        rows = rows[1:]
+    out = []
+    for row in rows:
+        if len(row) != len(fields):
+            raise ValueError(f"nvidia-smi: expected {len(fields)} fields, got {len(row)}: {row}")
+        out.append(dict(zip(fields, row)))
+    return out
+
+
+def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
+    """`nvidia-smi --query-gpu=<NVIDIA_GPU_FIELDS> --format=csv[,noheader][,nounits]`.
+
+    With a header the columns may come in any order and carry units; without one they
+    must be NVIDIA_GPU_FIELDS in order."""
+    gpus = []
+    for rec in _records(text, NVIDIA_GPU_FIELDS, "index"):
+        gpus.append(Gpu(
+            index=int(rec["index"]),
+            name=_text(rec.get("name")),
+            util=number(rec.get("utilization.gpu")),
+            mem_used_mib=_int(rec.get("memory.used")),
+            mem_total_mib=_int(rec.get("memory.total")),
+            temp_c=number(rec.get("temperature.gpu")),
+            power_w=number(rec.get("power.draw")),
+            uuid=_text(rec.get("uuid")) or None,
+        ))
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def parse_nvidia_smi_apps_csv(text: str) -> list[tuple[str, GpuProcess]]:
+    """`nvidia-smi --query-compute-apps=<NVIDIA_APP_FIELDS> --format=csv,...` -> [(gpu_uuid, proc)]."""
+    out = []
+    for rec in _records(text, NVIDIA_APP_FIELDS, "pid"):
+        pid = _int(rec.get("pid"))
+        if pid is None:
+            continue
+        out.append((_text(rec.get("gpu_uuid")),
+                    GpuProcess(pid=pid, name=_text(rec.get("process_name") or rec.get("name")),
+                               used_mib=_int(rec.get("used_memory")))))
+    return out
+
+
+def attach_processes(gpus: list[Gpu], apps: list[tuple[str, GpuProcess]]) -> list[Gpu]:
+    """Put each compute app on the GPU whose uuid it names (nvidia-smi reports them apart)."""
+    by_uuid: dict[str, list[GpuProcess]] = {}
+    for uuid, proc in apps:
+        by_uuid.setdefault(uuid, []).append(proc)
+    return [replace(g, processes=g.processes + tuple(by_uuid.get(g.uuid or "", ()))) for g in gpus]
+
+
+# ---------------------------------------------------------------- rocm-smi
+
+def _first(card: dict[str, str], *keys: str) -> str | None:
+    """The first of keys with a numeric reading."""
+    return next((card[k] for k in keys if k in card and number(card[k]) is not None), None)
+
+
+def _first_text(card: dict[str, str], *keys: str) -> str:
+    return next((_text(card[k]) for k in keys if _text(card.get(k))), "")
+
+
+def _pick(card: dict[str, str], prefix: str) -> str | None:
+    """The first key starting with prefix that has a number (sensor names differ by model)."""
+    for k, v in card.items():
+        if k.startswith(prefix) and number(v) is not None:
+            return v
+    return None
+
+
+def _rocm_gpu(key: str, card: dict[str, str]) -> Gpu:
+    m = re.search(r"(\d+)$", key)
+    index = int(m.group(1)) if m else 0
+    used_b, total_b = number(card.get("VRAM Total Used Memory (B)")), number(card.get("VRAM Total Memory (B)"))
+    name = _first_text(card, "Card Series", "Card series", "Card SKU", "Card model", "Card Model",
+                        "Device Name", "GPU ID", "Device ID")
+    return Gpu(
+        index=index,
+        name=name,
+        util=number(_first(card, "GPU use (%)", "GPU Utilization (%)")),
+        mem_used_mib=None if used_b is None else int(used_b // MIB),
+        mem_total_mib=None if total_b is None else int(total_b // MIB),
+        temp_c=number(_first(card, "Temperature (Sensor edge) (C)", "Temperature (Sensor junction) (C)")
+                      or _pick(card, "Temperature (Sensor")),
+        power_w=number(_first(card, "Average Graphics Package Power (W)",
+                              "Current Socket Graphics Package Power (W)")
+                       or _pick(card, "Current Socket") or _pick(card, "Average")),
+        uuid=_text(card.get("Unique ID")) or None,
+    )
+
+
+def parse_rocm_smi_json(text: str) -> list[Gpu]:
+    """`rocm-smi --showid --showproductname --showuse --showmeminfo vram --showtemp --showpower --json`:
+    {"card0": {"GPU use (%)": "0", ...}, "system": {...}}. Key names differ between ROCm
+    releases (edge/junction sensors, average/current socket power); the first one with a
+    number wins."""
+    data = json.loads(text) if text.strip() else {}
+    gpus = [_rocm_gpu(k, v) for k, v in data.items() if k.startswith("card") and isinstance(v, dict)]
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def parse_rocm_smi_csv(text: str) -> list[Gpu]:
+    """The same query with --csv: a `device,<key>,...` header, one `cardN,...` row per GPU."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("device,")), None)
+    if start is None:
+        return []
+    reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
+    gpus = [_rocm_gpu(row["device"], {k: v for k, v in row.items() if k and k != "device"})
+            for row in reader if (row.get("device") or "").startswith("card")]
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def parse_rocm_smi_pids_json(text: str) -> list[GpuProcess]:
+    """`rocm-smi --showpids --json`: {"system": {"PID4242": "python3, 2, 1073741824, 0, 0"}}
+    (name, GPUs used, VRAM bytes, SDMA, CU occupancy). rocm-smi does not say which GPU."""
+    data = json.loads(text) if text.strip() else {}
+    out = []
+    for key, value in (data.get("system") or {}).items():
+        m = re.match(r"^PID\s*(\d+)$", key)
+        if not m:
+            continue
+        parts = [p.strip() for p in str(value).split(",")]
+        vram = number(parts[2]) if len(parts) > 2 else None
+        out.append(GpuProcess(pid=int(m.group(1)), name=parts[0] if parts else "",
+                              used_mib=None if vram is None else int(vram // MIB)))
+    return sorted(out, key=lambda p: p.pid)
+
+
+def count_nvidia_smi_list(text: str) -> int:
+    """`nvidia-smi -L` -> number of GPUs (seed 003's `nvidia-smi --list-gpus | wc -l`)."""
+    return sum(1 for ln in text.splitlines() if ln.startswith("GPU "))
