@@ -1,0 +1,282 @@
+"""`clusterctl render slurm|k8s`: the run `clusterctl train` would start, as an sbatch script or a
+Kubernetes Indexed Job + headless Service (seed 003's SLURM recipe, seed 004's platform Job).
+
+Both call exactly `clusterctl launch --from-env` on every node, which reads the scheduler's
+variables and execs torchrun through orchestrator.torchrun, so the flags, the environment
+(scaled timeouts, inventory env, interface pins, train.env) and the trainer arguments are the
+ones `train` uses. Nothing is left for the user to keep in step by hand.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+import yaml
+
+from . import shell
+from .errors import UsageError
+from .inventory import Inventory
+from .options import ClusterOptions, cluster_options
+from .torchrun import node_env, nproc_for, target_argv
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.%/:,=+@-]+$")  # sbatch reads #SBATCH lines itself: no quoting
+IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+
+
+# ------------------------------------------------------------------ what every node gets
+
+def common_env(inv: Inventory) -> tuple[dict[str, str], list[str]]:
+    """node_env() of every node, keeping what all nodes agree on. A scheduler decides which
+    host is which rank, so a per-node setting cannot follow its node; those keys are returned
+    as dropped (the caller warns)."""
+    envs = [node_env(inv, n) for n in inv.nodes]
+    first = envs[0]
+    keep = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs[1:])}
+    dropped = sorted({k for e in envs for k in e} - set(keep))
+    return keep, dropped
+
+
+def gpus_per_node(inv: Inventory, override: int | None) -> tuple[int, bool]:
+    """(processes per node, whether to request GPUs). SLURM's --gpus-per-node and a Job's pod
+    template give every node the same, so the inventory must agree across nodes."""
+    cpu_only = all(n.gpus == 0 for n in inv.nodes)  # `gpus: 0` everywhere: ask for no GPUs
+    if override is not None:
+        return override, override > 0 and not cpu_only
+    counts = {n.name: nproc_for(n, None, inv.train.nproc_per_node) for n in inv.nodes}
+    if len(set(counts.values())) > 1:
+        desc = ", ".join(f"{k}: {v}" for k, v in counts.items())
+        raise UsageError(f"nodes have different GPU counts ({desc}); a SLURM or Kubernetes render "
+                         "gives every node the same, so pass --gpus-per-node")
+    if all(n.gpus is None for n in inv.nodes) and inv.train.nproc_per_node == "auto":
+        raise UsageError("the inventory does not say how many GPUs a node has: set `gpus:` on the "
+                         "nodes or pass --gpus-per-node")
+    return next(iter(counts.values())), not cpu_only
+
+
+def launch_argv(nproc: int) -> list[str]:
+    """The arguments after `clusterctl`: the in-pod launcher with the trainer to run."""
+    return ["launch", "--from-env", "--nproc-per-node", str(nproc), "--"]
+
+
+def _warn_dropped(dropped: list[str]) -> None:
+    if dropped:
+        click.echo("clusterctl: warning: left out per-node settings a scheduler cannot place "
+                   f"(they differ between nodes): {', '.join(dropped)}", err=True)
+
+
+def _write(text: str, output: str | None) -> None:
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        sys.stdout.write(text)
+
+
+# ------------------------------------------------------------------ SLURM
+
+def render_slurm(inv: Inventory, user_args=(), *, job_name: str = "clusterctl",
+                 gpus: int | None = None, log: str = "%x-%j.out", partition: str | None = None,
+                 time_limit: str | None = None) -> str:
+    for flag, value in (("--job-name", job_name), ("--log", log), ("--partition", partition),
+                        ("--time", time_limit)):
+        if value is not None and not SBATCH_VALUE.match(value):
+            raise UsageError(f"{flag} {value!r}: #SBATCH lines are read by sbatch without a shell, "
+                             "so use only letters, digits and _.%/:,=+@-")
+    nproc, want_gpus = gpus_per_node(inv, gpus)
+    env, dropped = common_env(inv)
+    _warn_dropped(dropped)
+    target = target_argv(inv, user_args)
+    lines = [
+        "#!/bin/bash",
+        f"# Rendered by `clusterctl render slurm` from {Path(inv.source).name}: the run `clusterctl train`",
+        "# would start, under SLURM. Submit with `sbatch FILE`; edit the inventory and render again",
+        "# rather than this file.",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={len(inv.nodes)}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if want_gpus:
+        lines.append(f"#SBATCH --gpus-per-node={nproc}")
+    lines.append(f"#SBATCH --output={log}")
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if time_limit:
+        lines.append(f"#SBATCH --time={time_limit}")
+    lines += [
+        "set -euo pipefail",
+        "",
+        "# Rank 0 and the rendezvous live on the allocation's first host.",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        'export MASTER_ADDR="$head"',
+        f"export MASTER_PORT={shell.quote(inv.master_port)}",
+        "",
+        "# The environment `clusterctl train` gives every node: timeouts scaled to the node count,",
+        "# the inventory's env, interface pins and train.env.",
+    ]
+    lines += [f"export {k}={shell.quote(v)}" for k, v in env.items()]
+    lines += [
+        "",
+        f"cd {shell.path(inv.workdir)}",
+        "",
+        "# One task per node. Each runs `launch --from-env`: it reads SLURM_NNODES, SLURM_NODEID and",
+        "# SLURM_JOB_ID, checks the node, prints the checklist and execs torchrun. A node that fails",
+        "# ends the whole step (--kill-on-bad-exit), as `train` tears every node down.",
+        "srun --kill-on-bad-exit=1 " + shell.join([inv.python, "-m", "orchestrator.cli",
+                                                    *launch_argv(nproc), *target]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+def _check_k8s_names(name: str, namespace: str | None, nnodes: int) -> None:
+    # The pods' hostnames are <name>-<index>, which must stay a DNS label (63 characters).
+    longest = f"{name}-{nnodes - 1}"
+    if not DNS1035_LABEL.match(name) or len(longest) > 63:
+        raise UsageError(f"--name {name!r}: the Job and its Service need a DNS label (lowercase "
+                         "letters, digits and '-', starting with a letter), short enough that "
+                         f"{longest!r} fits in 63 characters")
+    if namespace is not None and (not DNS1123_LABEL.match(namespace) or len(namespace) > 63):
+        raise UsageError(f"--namespace {namespace!r} is not a DNS-1123 label")
+
+
+def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = "clusterctl",
+                       namespace: str | None = None, gpus: int | None = None,
+                       gpu_resource: str = "nvidia.com/gpu") -> list[dict]:
+    if not IMAGE_RE.match(image):
+        raise UsageError(f"--image {image!r} is not an image reference")
+    nnodes = len(inv.nodes)
+    _check_k8s_names(name, namespace, nnodes)
+    nproc, want_gpus = gpus_per_node(inv, gpus)
+    env, dropped = common_env(inv)
+    _warn_dropped(dropped)
+    port = inv.master_port
+
+    def meta(extra_labels=None) -> dict:
+        m: dict = {"name": name}
+        if namespace:
+            m["namespace"] = namespace
+        m["labels"] = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "clusterctl",
+                       **(extra_labels or {})}
+        return m
+
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(),
+        "spec": {
+            # headless: one DNS record per pod, <name>-<index>.<name>, which is how node 0 is found
+            "clusterIP": "None",
+            "selector": {"job-name": name},
+            # records exist before the pods are Ready: rendezvous happens before any readiness
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": port, "targetPort": port}],
+        },
+    }
+    pod_env = [
+        {"name": "WORLD_SIZE", "value": str(nnodes)},  # nodes, as seed 004's platform sets it
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
+        {"name": "MASTER_PORT", "value": str(port)},
+        {"name": "CLUSTERCTL_RUN_ID", "value": name},
+        *({"name": k, "value": v} for k, v in env.items()),
+    ]
+    container: dict = {
+        "name": "trainer",
+        "image": image,
+        # node rank: JOB_COMPLETION_INDEX, which the Job controller sets in every Indexed pod
+        "command": ["clusterctl", *launch_argv(nproc)],
+        "args": target_argv(inv, user_args),
+        "env": pod_env,
+        "ports": [{"name": "rendezvous", "containerPort": port}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if inv.workdir.startswith("/"):
+        container["workingDir"] = inv.workdir
+    if want_gpus:
+        container["resources"] = {"limits": {gpu_resource: nproc}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nnodes,
+            "parallelism": nnodes,
+            # one failed node fails the run, as in `train`; a restarted pod cannot rejoin torchrun's
+            # static rendezvous anyway
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/name": name}},
+                "spec": {
+                    "subdomain": name,
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    # the 64 MiB default /dev/shm is too small for DataLoader workers and NCCL
+                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                },
+            },
+        },
+    }
+    return [service, job]
+
+
+def render_k8s(inv: Inventory, user_args=(), **kw) -> str:
+    objs = render_k8s_objects(inv, user_args, **kw)
+    head = (f"# Rendered by `clusterctl render k8s` from {Path(inv.source).name}: the run `clusterctl "
+            "train` would start,\n# as an Indexed Job (node rank = JOB_COMPLETION_INDEX) and the headless "
+            "Service that names node 0.\n# Apply with `kubectl apply -f FILE`.\n")
+    return head + yaml.safe_dump_all(objs, sort_keys=False, default_flow_style=False, width=100)
+
+
+# ------------------------------------------------------------------ CLI
+
+@click.group("render")
+def render_command():
+    """Write the run `train` would start as a SLURM batch script or Kubernetes manifests."""
+
+
+_gpus_opt = click.option("--gpus-per-node", "gpus", type=click.IntRange(0, 1024), default=None,
+                         help="Processes (and GPUs) per node (default: the inventory's gpus/nproc_per_node).")
+_out_opt = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+
+
+@render_command.command("slurm", context_settings={"ignore_unknown_options": True})
+@cluster_options
+@_gpus_opt
+@_out_opt
+@click.option("--job-name", default="clusterctl", show_default=True)
+@click.option("--log", default="%x-%j.out", show_default=True, help="sbatch --output pattern.")
+@click.option("--partition", default=None, help="sbatch --partition.")
+@click.option("--time", "time_limit", default=None, help="sbatch --time (e.g. 24:00:00).")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, partition, time_limit,
+                         script_args):
+    """An sbatch script: one task per node, each running `clusterctl launch --from-env`.
+
+    SCRIPT ARGS (after `--`) replace the inventory's train section, as with `train`."""
+    _write(render_slurm(opts.load(), script_args, job_name=job_name, gpus=gpus, log=log,
+                        partition=partition, time_limit=time_limit), output)
+
+
+@render_command.command("k8s", context_settings={"ignore_unknown_options": True})
+@cluster_options
+@_gpus_opt
+@_out_opt
+@click.option("--image", required=True, help="Container image with clusterctl, torch and the trainer.")
+@click.option("--name", default="clusterctl", show_default=True, help="Job and Service name.")
+@click.option("--namespace", default=None, help="metadata.namespace (default: kubectl's).")
+@click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
+              help="Extended resource to request (amd.com/gpu on ROCm clusters).")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def render_k8s_command(opts: ClusterOptions, gpus, output, image, name, namespace, gpu_resource,
+                       script_args):
+    """An Indexed Job + headless Service: one pod per node, each running `clusterctl launch
+    --from-env` with node rank JOB_COMPLETION_INDEX and node 0 as `<name>-0.<name>`."""
+    _write(render_k8s(opts.load(), script_args, image=image, name=name, namespace=namespace, gpus=gpus,
+                      gpu_resource=gpu_resource), output)
