@@ -1,0 +1,376 @@
+"""`clusterctl launch --from-env`: the in-pod launcher (seed 004's start_multinode_platform.sh).
+
+The platform (SLURM, a Kubeflow PyTorchJob, a Kubernetes Indexed Job, SkyPilot, or any
+scheduler that sets WORLD_SIZE/RANK/MASTER_ADDR like PAI) already decided how many nodes there
+are and which one this is. This reads that, finds the local GPUs, prints seed 004's checklist,
+runs the checks that make sense on one node, and execs torchrun with the flags and environment
+`clusterctl train` would use (orchestrator.torchrun). `render slurm|k8s` call exactly this.
+
+Precedence (the first platform whose marker variable is set wins; flags beat everything):
+  1. SLURM      SLURM_JOB_ID + SLURM_NNODES | SLURM_JOB_NUM_NODES, SLURM_NODEID,
+                master = MASTER_ADDR or the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`
+  2. Kubeflow   PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT
+  3. Indexed Job JOB_COMPLETION_INDEX (node rank), WORLD_SIZE (nodes), MASTER_ADDR
+  4. SkyPilot   SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, master = first of SKYPILOT_NODE_IPS
+  5. generic    WORLD_SIZE (nodes, as seed 004's platform sets it), RANK (node rank), MASTER_ADDR
+Port: --master-port, PET_MASTER_PORT, MASTER_PORT, the inventory's master_port, 29500.
+WORLD_SIZE and RANK count nodes here; set next to SLURM/SkyPilot/an Indexed Job they must agree
+with the scheduler's numbers (Kubeflow's own WORLD_SIZE/RANK are left alone).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import click
+
+from . import shell
+from .errors import EXIT_FAILED, UsageError
+from .gpus import NVIDIA_APPS_ARGV, NVIDIA_GPU_ARGV, ROCM_GPU_ARGV, Gpu, attach_processes
+from .gpus import parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv, parse_rocm_smi_json
+from .torchrun import dist_timeout_s, iface_env, node_env, nproc_for, scaled_env, target_argv, torchrun_argv
+
+DEFAULT_PORT = 29500
+TOOL_TIMEOUT_S = 15
+
+
+@dataclass(frozen=True)
+class Platform:
+    source: str  # what set the numbers, for the checklist
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str
+
+
+def scontrol_hostnames(nodelist: str) -> list[str]:
+    """`scontrol show hostnames LIST` (node[1-3] -> node1 node2 node3)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=TOOL_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise UsageError(f"could not expand SLURM_JOB_NODELIST={nodelist!r} with scontrol ({e}); "
+                         "set MASTER_ADDR or pass --master-addr") from e
+    return [h for h in out.split() if h]
+
+
+def _int(env: Mapping[str, str], key: str, lo: int = 0) -> int | None:
+    v = env.get(key)
+    if v is None or v == "":
+        return None
+    if not re.fullmatch(r"\d+", v.strip()):
+        raise UsageError(f"{key}={v!r} is not a whole number")
+    n = int(v)
+    if n < lo:
+        raise UsageError(f"{key}={v!r} must be at least {lo}")
+    return n
+
+
+def _need(value, what: str, source: str):
+    if value is None or value == "":
+        raise UsageError(f"{source}: {what} is not set, so this node cannot tell its place in the job")
+    return value
+
+
+def detect_platform(env: Mapping[str, str], *, nnodes: int | None = None, node_rank: int | None = None,
+                    master_addr: str | None = None, master_port: int | None = None,
+                    default_port: int = DEFAULT_PORT,
+                    hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> Platform:
+    """Read the platform's variables (module docstring for the precedence). Missing or
+    contradictory values raise UsageError with one sentence saying which."""
+    generic_n, generic_rank = _int(env, "WORLD_SIZE", 1), _int(env, "RANK")
+    port = _int(env, "MASTER_PORT", 1)
+    check_generic = True
+    run_id = None
+    if env.get("SLURM_JOB_ID") and (env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")):
+        source = "SLURM"
+        n = _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1)
+        rank = _int(env, "SLURM_NODEID") if node_rank is None else node_rank
+        _need(rank, "SLURM_NODEID (run it under srun, one task per node)", source)
+        addr = master_addr or env.get("MASTER_ADDR")
+        if not addr:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            _need(nodelist, "SLURM_JOB_NODELIST (or MASTER_ADDR)", source)
+            hosts = hostnames(nodelist)
+            addr = hosts[0] if hosts else None
+        run_id = env["SLURM_JOB_ID"]
+    elif env.get("PET_NNODES"):
+        source = "Kubeflow PyTorchJob (PET_*)"
+        if ":" in env["PET_NNODES"]:
+            raise UsageError(f"PET_NNODES={env['PET_NNODES']!r} is an elastic range; clusterctl runs a "
+                             "fixed number of nodes, so set minReplicas = maxReplicas")
+        n = _int(env, "PET_NNODES", 1)
+        rank = _int(env, "PET_NODE_RANK") if node_rank is None else node_rank
+        addr = master_addr or env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
+        port = _int(env, "PET_MASTER_PORT", 1) or port
+        check_generic = False  # the operator's WORLD_SIZE/RANK may count processes
+    elif env.get("JOB_COMPLETION_INDEX"):
+        source = "Kubernetes Indexed Job"
+        rank = _int(env, "JOB_COMPLETION_INDEX") if node_rank is None else node_rank
+        n = generic_n
+        addr = master_addr or env.get("MASTER_ADDR")
+        if nnodes is None:
+            _need(n, "WORLD_SIZE (the number of nodes; or pass --nnodes)", source)
+    elif env.get("SKYPILOT_NUM_NODES"):
+        source = "SkyPilot"
+        n = _int(env, "SKYPILOT_NUM_NODES", 1)
+        rank = _int(env, "SKYPILOT_NODE_RANK") if node_rank is None else node_rank
+        ips = [ip for ip in (env.get("SKYPILOT_NODE_IPS") or "").split() if ip]
+        if ips and len(ips) != n:
+            raise UsageError(f"SkyPilot: SKYPILOT_NODE_IPS lists {len(ips)} hosts but SKYPILOT_NUM_NODES={n}")
+        addr = master_addr or (ips[0] if ips else env.get("MASTER_ADDR"))
+        run_id = env.get("SKYPILOT_TASK_ID")
+    else:
+        source = "WORLD_SIZE/RANK/MASTER_ADDR"
+        n, rank, addr = generic_n, generic_rank if node_rank is None else node_rank, \
+            master_addr or env.get("MASTER_ADDR")
+        check_generic = False
+        if nnodes is None and n is None and rank is None and not addr:
+            raise UsageError("no platform variables found: set WORLD_SIZE (nodes), RANK (this node) and "
+                             "MASTER_ADDR, or run under SLURM, a Kubeflow PyTorchJob, a Kubernetes Indexed "
+                             "Job or SkyPilot")
+    if nnodes is not None:
+        n = nnodes
+    n = _need(n, "the number of nodes (WORLD_SIZE, or --nnodes)", source)
+    if node_rank is not None:
+        rank = node_rank
+    rank = _need(rank, "this node's rank (RANK, or --node-rank)", source)
+    addr = _need(addr, "the master address (MASTER_ADDR, or --master-addr)", source)
+    if check_generic:
+        if generic_n is not None and nnodes is None and generic_n != n:
+            raise UsageError(f"{source} says {n} nodes but WORLD_SIZE={generic_n}; WORLD_SIZE counts "
+                             "nodes here, so make them agree or unset WORLD_SIZE")
+        if generic_rank is not None and node_rank is None and generic_rank != rank:
+            raise UsageError(f"{source} says this is node {rank} but RANK={generic_rank}; make them agree "
+                             "or unset RANK")
+    if rank >= n:
+        raise UsageError(f"{source}: node rank {rank} is not below the node count {n}")
+    port = master_port or port or default_port
+    run_id = env.get("CLUSTERCTL_RUN_ID") or run_id or re.sub(r"[^A-Za-z0-9_.-]", "-", f"ctl-{addr}-{port}")
+    return Platform(source, n, rank, addr, port, run_id)
+
+
+# ------------------------------------------------------------------ local GPUs
+
+@dataclass(frozen=True)
+class LocalGpus:
+    tool: str | None  # "nvidia-smi" | "rocm-smi" | None (no tool: a CPU node)
+    gpus: tuple[Gpu, ...] = ()
+    error: str | None = None  # the tool is there but failed (driver mismatch...)
+
+
+def _run(argv) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+
+
+def detect_gpus(run=_run, which=shutil.which) -> LocalGpus:
+    try:
+        if which("nvidia-smi"):
+            p = run(NVIDIA_GPU_ARGV)
+            if p.returncode != 0:
+                return LocalGpus("nvidia-smi", error=(p.stdout + p.stderr).strip()[-300:] or f"exit {p.returncode}")
+            apps = run(NVIDIA_APPS_ARGV)
+            gpus = parse_nvidia_smi_csv(p.stdout)
+            if apps.returncode == 0:
+                gpus = attach_processes(gpus, parse_nvidia_smi_apps_csv(apps.stdout))
+            return LocalGpus("nvidia-smi", tuple(gpus))
+        if which("rocm-smi"):
+            p = run(ROCM_GPU_ARGV)
+            if p.returncode != 0:
+                return LocalGpus("rocm-smi", error=(p.stdout + p.stderr).strip()[-300:] or f"exit {p.returncode}")
+            return LocalGpus("rocm-smi", tuple(parse_rocm_smi_json(p.stdout)))
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return LocalGpus(None, error=str(e))
+    return LocalGpus(None)
+
+
+def visible(gpus: tuple[Gpu, ...], env: Mapping[str, str]) -> tuple[Gpu, ...]:
+    """Only the GPUs CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES leave (seed 003's fix)."""
+    for key in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        v = env.get(key)
+        if v is not None:
+            ids = {x.strip() for x in v.split(",") if x.strip()}
+            return tuple(g for g in gpus if str(g.index) in ids or (g.uuid or "") in ids)
+    return gpus
+
+
+# ------------------------------------------------------------------ node-local checks
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True
+
+
+def local_checks(plat: Platform, nproc: int, local: LocalGpus, gpus: tuple[Gpu, ...],
+                 env: Mapping[str, str], require_idle: bool = True) -> list[Check]:
+    out = []
+    if local.error:
+        out.append(Check("gpus", False, f"{local.tool or 'GPU tool'} failed: {local.error}"))
+    elif local.tool:
+        out.append(Check("gpu count", len(gpus) >= nproc,
+                         f"{len(gpus)} GPUs for {nproc} processes" + ("" if len(gpus) >= nproc else
+                         " (seed 003's `invalid device ordinal`: lower --nproc-per-node)")))
+        busy = [f"GPU {g.index}: pid {p.pid} {p.name}" for g in gpus[:nproc] for p in g.processes]
+        if require_idle:
+            out.append(Check("gpus idle", not busy, "idle" if not busy else "busy: " + "; ".join(busy)))
+    else:
+        out.append(Check("gpus", True, f"no nvidia-smi or rocm-smi: {nproc} CPU processes", fatal=False))
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        iface = env.get(key)
+        if iface and re.fullmatch(r"[A-Za-z0-9._@:-]+", iface) and os.path.isdir("/sys/class/net"):
+            out.append(Check(f"iface {iface}", os.path.exists(f"/sys/class/net/{iface}"),
+                             f"{key}={iface}" + ("" if os.path.exists(f"/sys/class/net/{iface}")
+                                                 else " but this node has no such interface")))
+            break
+    if plat.node_rank == 0:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", plat.master_port))
+            out.append(Check(f"port {plat.master_port}", True, "free on the master"))
+        except OSError as e:
+            out.append(Check(f"port {plat.master_port}", False,
+                             f"in use on the master ({e.strerror}): another run? pick another MASTER_PORT"))
+        finally:
+            s.close()
+    else:
+        try:
+            socket.getaddrinfo(plat.master_addr, plat.master_port)
+            out.append(Check("master", True, f"{plat.master_addr} resolves", fatal=False))
+        except OSError:
+            out.append(Check("master", False, f"{plat.master_addr} does not resolve yet (torchrun retries)",
+                             fatal=False))
+    return out
+
+
+# ------------------------------------------------------------------ the launch
+
+def launch_env(plat: Platform, base: Mapping[str, str], inv=None, iface: str | None = None) -> dict[str, str]:
+    """What torchrun runs under: the process env, the scaled timeouts unless already set (a
+    render exported them), the inventory's node_env when one is given, the run id."""
+    env = dict(base)
+    scaled = scaled_env(plat.nnodes)
+    if inv is not None:
+        inv_node = inv.nodes[plat.node_rank] if len(inv.nodes) == plat.nnodes else None
+        if inv_node is not None:
+            extra = node_env(inv, inv_node)
+        else:
+            from .render import common_env
+            extra = common_env(inv)[0]
+        for k, v in scaled_env(len(inv.nodes)).items():  # rescale to the platform's node count
+            if extra.get(k) == v:
+                extra[k] = scaled[k]
+        env.update(extra)
+    else:
+        for k, v in scaled.items():
+            env.setdefault(k, v)
+    if iface:
+        env.update(iface_env(iface))
+    env["CLUSTERCTL_RUN_ID"] = plat.run_id
+    return env
+
+
+def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, checks) -> str:
+    first = plat.node_rank * nproc
+    ranks = f"rank {first}" if nproc == 1 else f"ranks {first}-{first + nproc - 1}"
+    found = (f"{local.tool} sees {len(gpus)}" + (f": {gpus[0].name}" if gpus else "")) if local.tool \
+        else "no GPU tool, CPU processes"
+    t = env.get("CLUSTERCTL_DIST_TIMEOUT") or str(dist_timeout_s(plat.nnodes))
+    buf = env.get("NCCL_BUFFSIZE")
+    buf = f"{int(buf) // (1024 * 1024)} MiB" if buf and buf.isdigit() else (buf or "default")
+    lines = [
+        f"clusterctl launch --from-env ({plat.source})",
+        f"  nodes          {plat.nnodes}",
+        f"  this node      {plat.node_rank} ({socket.gethostname()}), {ranks}",
+        f"  GPUs per node  {nproc} ({found})",
+        f"  total GPUs     {plat.nnodes * nproc} (world size)",
+        f"  master         {plat.master_addr}:{plat.master_port}, run id {plat.run_id}",
+        f"  config         {shell.join(target)}",
+        f"  timeouts       collective {t} s (NCCL_TIMEOUT {env.get('NCCL_TIMEOUT', '-')}), "
+        f"NCCL_BUFFSIZE {buf}",
+    ]
+    for c in checks:
+        mark = "ok  " if c.ok else ("FAIL" if c.fatal else "warn")
+        lines.append(f"  check {mark}     {c.name}: {c.detail}")
+    return "\n".join(lines)
+
+
+@click.command("launch", context_settings={"ignore_unknown_options": True})
+@click.option("--from-env", "from_env", is_flag=True,
+              help="Take nodes, node rank and master from the platform's environment (required).")
+@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False), default=None,
+              help="Inventory for env and train args (optional; default: the trainer's defaults).")
+@click.option("--dry-run", is_flag=True, help="Print the checklist and the torchrun command; run nothing.")
+@click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None,
+              help="Processes on this node (default: the GPUs found, else 1).")
+@click.option("--nnodes", type=click.IntRange(1, 100000), default=None, help="Override the node count.")
+@click.option("--node-rank", type=click.IntRange(0, 100000), default=None, help="Override this node's rank.")
+@click.option("--master-addr", default=None, help="Override the master address.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Override the master port.")
+@click.option("--iface", default=None, help="Pin NCCL/gloo to this interface.")
+@click.option("--skip-checks", is_flag=True, help="Launch even if a node-local check fails.")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def launch_command(from_env, inventory_path, dry_run, nproc_per_node, nnodes, node_rank, master_addr,
+                   master_port, iface, skip_checks, script_args):
+    """In a pod or batch step: read the platform's variables, check this node, exec torchrun.
+
+    Reads SLURM_*, PET_* (Kubeflow), JOB_COMPLETION_INDEX (Indexed Job), SKYPILOT_* or
+    WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT (nodes, not processes), in that order. SCRIPT
+    ARGS after `--` are what torchrun runs (default: the inventory's train section, else
+    `-m trainer`). `clusterctl render slurm|k8s` write jobs that call exactly this."""
+    if not from_env:
+        raise UsageError("launch runs inside a scheduler's job and needs --from-env; to start a run "
+                         "over SSH use `clusterctl train`")
+    inv = None
+    if inventory_path:
+        from .inventory import load_inventory
+        inv = load_inventory(inventory_path)
+    plat = detect_platform(os.environ, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                           master_port=master_port,
+                           default_port=inv.master_port if inv else DEFAULT_PORT)
+    if iface is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}", iface):
+        raise UsageError(f"--iface {iface!r} is not an interface name")
+    local = detect_gpus()
+    gpus = visible(local.gpus, os.environ)
+    inv_node = inv.nodes[plat.node_rank] if inv is not None and len(inv.nodes) == plat.nnodes else None
+    if nproc_per_node is not None:
+        nproc = nproc_per_node
+    elif inv_node is not None:
+        nproc = nproc_for(inv_node, len(gpus) or None, inv.train.nproc_per_node)
+    elif inv is not None and inv.train.nproc_per_node != "auto":
+        nproc = int(inv.train.nproc_per_node)
+    else:
+        nproc = len(gpus) or 1
+    env = launch_env(plat, os.environ, inv, iface)
+    target = target_argv(inv, script_args) if inv is not None else (list(script_args) or ["-m", "trainer"])
+    require_idle = inv.checks.require_gpu_idle if inv is not None else True
+    checks = local_checks(plat, nproc, local, gpus, env, require_idle)
+    argv = torchrun_argv(python=sys.executable, nnodes=plat.nnodes, nproc=nproc, node_rank=plat.node_rank,
+                         master_addr=plat.master_addr, master_port=plat.master_port, run_id=plat.run_id,
+                         target=target)
+    click.echo(checklist(plat, nproc, local, gpus, target, env, checks), err=True)
+    failed = [c for c in checks if c.fatal and not c.ok]
+    if dry_run:
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                click.echo(f"export {k}={shell.quote(v)}")
+        click.echo(shell.join(argv))
+        sys.exit(EXIT_FAILED if failed and not skip_checks else 0)
+    if failed and not skip_checks:
+        click.echo("clusterctl: error: a node check failed (above); fix it or pass --skip-checks", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo("exec " + shell.join(argv), err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)
