@@ -156,7 +156,8 @@ def platform_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith(("SLURM_", "PET_", "SKYPILOT_")) or k in PLATFORM_VARS or k.startswith(("NCCL_", "GLOO_")):
             monkeypatch.delenv(k)
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi here: CPU processes
+    # a CPU node whatever this machine has
+    monkeypatch.setattr("orchestrator.fromenv.detect_gpus", lambda: LocalGpus(None))
 
     def set_(**kw):
         for k, v in kw.items():
