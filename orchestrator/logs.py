@@ -1,0 +1,93 @@
+"""Reading a run's logs: byte-offset following and `node/rank` prefixes.
+
+The supervisor copies each node's torchrun output byte for byte into
+runs/RUN/nodes/NODE.log. torchrun (`--tee 3`) prefixes worker lines with
+`[default<local_rank>]:`; the global rank is the node's first rank plus the
+local rank. Lines from torchrun itself keep the bare node label.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+from .output import Prefixer
+
+_RANK_RE = re.compile(rb"^\[[A-Za-z_]*?(\d+)\]:")
+
+
+class NodeLog:
+    """Follows one node's log file from a byte offset; yields whole lines only."""
+
+    def __init__(self, node: str, path: Path, first_rank: int | None, offset: int = 0):
+        self.node, self.path, self.first_rank, self.offset = node, path, first_rank, offset
+        self._partial = b""
+
+    def read_lines(self, final: bool = False) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        if final and self._partial:
+            lines.append(self._partial)
+            self._partial = b""
+        return lines
+
+    def label(self, line: bytes) -> tuple[str, int | None, bytes]:
+        m = _RANK_RE.match(line)
+        if m and self.first_rank is not None:
+            rank = self.first_rank + int(m.group(1))
+            return f"{self.node}/r{rank}", rank, line[m.end():]
+        return self.node, None, line
+
+
+def last_lines_offset(path: Path, n: int) -> int:
+    """Byte offset where the last `n` lines of a file begin (0 when it has fewer)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    pos, data = size, b""
+    with open(path, "rb") as f:
+        while pos > 0 and data.count(b"\n") <= n:
+            pos = max(0, pos - 65536)
+            f.seek(pos)
+            data = f.read(size - pos)
+    idx = len(data) - (1 if data.endswith(b"\n") else 0)
+    for _ in range(n):
+        j = data.rfind(b"\n", 0, idx)
+        if j < 0:
+            return pos
+        idx = j
+    return pos + idx + 1
+
+
+class Follower:
+    """Prints every node's new lines with `node/rN | ` prefixes, filtered by node or rank."""
+
+    def __init__(self, logs: list[NodeLog], printer: Prefixer, *, node: str | None = None,
+                 rank: int | None = None, sink: Callable[[str, str, str], None] | None = None):
+        self.logs, self.printer, self.node, self.rank = logs, printer, node, rank
+        self.sink = sink
+
+    def poll(self, final: bool = False) -> int:
+        """Print what is new; returns the number of lines printed."""
+        count = 0
+        for lg in self.logs:
+            if self.node and lg.node != self.node:
+                lg.read_lines(final)
+                continue
+            for raw in lg.read_lines(final):
+                label, rank, text = lg.label(raw)
+                if self.rank is not None and rank != self.rank:
+                    continue
+                s = text.decode("utf-8", "replace").rstrip("\r")
+                (self.sink or self.printer)(label, "stdout", s, lg.node)
+                count += 1
+        return count

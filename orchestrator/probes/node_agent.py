@@ -1,0 +1,252 @@
+"""clusterctl's node agent: shipped on stdin (`python3 - CMD ARGS`), stdlib only.
+
+Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = RUN_ID@NODE
+(two `connection: local` nodes share one machine and one home):
+  spec.json   what was started (argv, env, cwd)
+  proc.json   pid/pgid of torchrun, the waiter's pid, start time
+  log         torchrun's stdout+stderr, raw bytes (the controller copies it byte for byte)
+  exit_code   written atomically by the waiter when torchrun ends
+  error.json  torchrun's error file (TORCHELASTIC_ERROR_FILE), when it wrote one
+
+Every process of a run carries CLUSTERCTL_RUN_KEY=KEY (and CLUSTERCTL_RUN_ID=RUN_ID) in its
+environment, so the run is found again by id (scanning /proc/*/environ of this user's
+processes), never by name pattern.
+
+  start KEY SPEC_JSON_HEX      detach torchrun (own session), print {"pid", "pgid"}
+  stop KEY GRACE               SIGTERM the run, SIGKILL after GRACE s; print {"left": n}
+  status KEY                   print the run's state as JSON
+  tail KEY OFFSET              stream the log from OFFSET until the run ended and all is sent
+  live                         print the keys of runs still alive on this node
+  wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
+                               ("exited") or S seconds pass ("timeout")
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+BASE = os.path.expanduser("~/.clusterctl/node-runs")
+
+
+def rundir(run_id):
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        sys.exit("bad run id")
+    return os.path.join(BASE, run_id)
+
+
+def write_atomic(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+def run_pids(run_id):
+    """This user's processes whose environment carries CLUSTERCTL_RUN_KEY=key."""
+    marker = ("CLUSTERCTL_RUN_KEY=" + run_id).encode() + b"\0"
+    me, out = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (b"\0" + marker) in env:
+            out.append(int(name))
+    return out
+
+
+def start(run_id, spec_hex):
+    spec = json.loads(bytes.fromhex(spec_hex).decode())
+    d = rundir(run_id)
+    os.makedirs(d, exist_ok=False)
+    write_atomic(os.path.join(d, "spec.json"), json.dumps(spec))
+    r, w = os.pipe()
+    if os.fork() > 0:  # the caller: wait for the waiter to report torchrun's pid
+        os.close(w)
+        data = b""
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            data += chunk
+        if not data:
+            sys.exit("the run did not start: " + (read(os.path.join(d, "log"), "") or "")[-2000:])
+        print(data.decode().strip(), flush=True)
+        return
+    os.close(r)
+    os.setsid()  # leave the SSH session: a dropped connection must not kill the run
+    if os.fork() > 0:
+        os._exit(0)
+    waiter(d, run_id, spec, w)
+
+
+def waiter(d, run_id, spec, notify_fd):
+    import subprocess
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # release the SSH channel's pipes
+        os.dup2(devnull, fd)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the waiter outlives torchrun to record its exit
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    env = dict(os.environ)
+    env.update(spec.get("env", {}))
+    env["CLUSTERCTL_RUN_KEY"] = run_id
+    env["CLUSTERCTL_RUN_ID"] = run_id.split("@")[0]
+    env["TORCHELASTIC_ERROR_FILE"] = os.path.join(d, "error.json")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cwd = os.path.expanduser(spec.get("cwd") or "~")
+    argv = [os.path.expanduser(spec["argv"][0])] + [os.path.join(d, "torchrun") if a == "{rundir}/torchrun"
+                                                    else a for a in spec["argv"][1:]]
+    log = open(os.path.join(d, "log"), "ab", buffering=0)
+    try:
+        p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        log.write(f"clusterctl: cannot start {spec['argv'][0]!r} in {cwd}: {e}\n".encode())
+        write_atomic(os.path.join(d, "exit_code"), "127")
+        os.write(notify_fd, json.dumps({"pid": None, "error": str(e)}).encode())
+        os._exit(0)
+    info = {"pid": p.pid, "pgid": p.pid, "waiter": os.getpid(), "started": time.time()}
+    write_atomic(os.path.join(d, "proc.json"), json.dumps(info))
+    os.write(notify_fd, json.dumps(info).encode())
+    os.close(notify_fd)
+    rc = p.wait()
+    code = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
+    write_atomic(os.path.join(d, "exit_code"), str(code))
+    os._exit(0)
+
+
+def stop(run_id, grace):
+    d = rundir(run_id)
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    waiter = info.get("waiter")
+
+    def targets():
+        return [p for p in run_pids(run_id) if p != waiter]
+
+    def signal_all(sig):
+        if info.get("pgid"):
+            try:
+                os.killpg(info["pgid"], sig)
+            except OSError:
+                pass
+        for pid in targets():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    signal_all(signal.SIGTERM)
+    deadline = time.time() + float(grace)
+    while targets() and time.time() < deadline:
+        time.sleep(0.1)
+    if targets():
+        signal_all(signal.SIGKILL)
+        deadline = time.time() + 5
+        while targets() and time.time() < deadline:
+            time.sleep(0.05)
+    # the waiter records the exit code as soon as torchrun is reaped
+    deadline = time.time() + 3
+    while read(os.path.join(d, "exit_code")) is None and time.time() < deadline:
+        time.sleep(0.05)
+    if read(os.path.join(d, "exit_code")) is None and os.path.isdir(d):
+        write_atomic(os.path.join(d, "exit_code"), "137")
+    print(json.dumps({"left": len(targets())}))
+
+
+def status(run_id):
+    d = rundir(run_id)
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    code = read(os.path.join(d, "exit_code"))
+    err = read(os.path.join(d, "error.json"))
+    try:
+        size = os.path.getsize(os.path.join(d, "log"))
+    except OSError:
+        size = 0
+    print(json.dumps({"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
+                      "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
+                      "log_size": size, "error_file": err}))
+
+
+def tail(run_id, offset):
+    d = rundir(run_id)
+    path = os.path.join(d, "log")
+    out = sys.stdout.buffer
+    pos = int(offset)
+    deadline = time.time() + 30
+    while not os.path.exists(path):  # the run may be a moment from starting
+        if time.time() > deadline:
+            sys.exit("no log for run " + run_id)
+        time.sleep(0.05)
+    with open(path, "rb") as f:
+        f.seek(pos)
+        while True:
+            chunk = f.read(1 << 20)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            if os.path.exists(os.path.join(d, "exit_code")):
+                chunk = f.read()  # whatever landed between the last read and the exit
+                if not chunk:
+                    return
+                out.write(chunk)
+                out.flush()
+                continue
+            time.sleep(0.02)
+
+
+def live():
+    out = []
+    for run_id in sorted(os.listdir(BASE)) if os.path.isdir(BASE) else []:
+        d = os.path.join(BASE, run_id)
+        if read(os.path.join(d, "exit_code")) is None and run_pids(run_id):
+            out.append(run_id)
+    print(json.dumps(out))
+
+
+def is_listening(port):
+    want = "%04X" % int(port)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in (read(table, "") or "").splitlines()[1:]:
+            parts = line.split()
+            if parts[1].rsplit(":", 1)[1] == want and parts[3] == "0A":
+                return True
+    return False
+
+
+def wait_listening(run_id, port, seconds):
+    d = rundir(run_id)
+    deadline = time.time() + float(seconds)
+    while time.time() < deadline:
+        if is_listening(port):
+            print("listening")
+            return
+        if read(os.path.join(d, "exit_code")) is not None:
+            print("exited")
+            return
+        time.sleep(0.1)
+    print("timeout")
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
+     "wait-listening": wait_listening}[cmd](*args)

@@ -1,0 +1,150 @@
+"""Run records on the control machine: ~/.clusterctl/runs/RUN_ID/ ($CLUSTERCTL_HOME overrides).
+
+  spec.json        what `train` asked for (inventory, args, options)
+  run.json         the supervisor's record: state, nodes, ranks, pids, exit codes, summary
+  preflight.txt    the preflight table as the supervisor rendered it
+  supervisor.log   the supervisor's own output
+  nodes/NODE.log   byte-for-byte copies of each node's log (same offsets as on the node)
+
+Every write of a record is atomic (temp file + rename), so a crash of the controller at any
+moment leaves the last good record, and the node logs survive as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
+
+from .errors import UsageError
+
+TERMINAL = {"finished", "failed", "stopped"}
+
+
+def home() -> Path:
+    return Path(os.environ.get("CLUSTERCTL_HOME") or os.path.expanduser("~/.clusterctl"))
+
+
+def runs_dir() -> Path:
+    return home() / "runs"
+
+
+def new_run_id(name: str | None) -> str:
+    base = name or "run"
+    if not all(c.isalnum() or c in "-_." for c in base) or base.startswith("."):
+        raise UsageError(f"--name {name!r}: use letters, digits, '-', '_' and '.' only")
+    return f"{base}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Run:
+    """A run directory on the control machine."""
+
+    def __init__(self, run_id: str):
+        self.id = run_id
+        self.dir = runs_dir() / run_id
+
+    @classmethod
+    def create(cls, run_id: str, spec: dict) -> "Run":
+        r = cls(run_id)
+        (r.dir / "nodes").mkdir(parents=True)
+        write_json(r.dir / "spec.json", spec)
+        write_json(r.dir / "run.json", {"id": run_id, "state": "starting", "created": time.time()})
+        return r
+
+    @classmethod
+    def find(cls, run_id: str | None) -> "Run":
+        """A run by id or unique prefix; the latest run when None."""
+        d = runs_dir()
+        ids = sorted((p.name for p in d.iterdir() if (p / "run.json").exists()),
+                     key=lambda i: (d / i / "run.json").stat().st_ctime) if d.is_dir() else []
+        if not ids:
+            raise UsageError(f"no runs recorded under {d} yet; start one with `clusterctl train`")
+        if run_id is None:
+            return cls(ids[-1])
+        if run_id in ids:
+            return cls(run_id)
+        matches = [i for i in ids if i.startswith(run_id)]
+        if len(matches) == 1:
+            return cls(matches[0])
+        if matches:
+            raise UsageError(f"run id {run_id!r} is ambiguous: {', '.join(matches[:5])}")
+        raise UsageError(f"no run {run_id!r} under {d}; `clusterctl runs` lists them")
+
+    @staticmethod
+    def all() -> list["Run"]:
+        d = runs_dir()
+        if not d.is_dir():
+            return []
+        ids = sorted((p.name for p in d.iterdir() if (p / "run.json").exists()),
+                     key=lambda i: (d / i / "run.json").stat().st_ctime)
+        return [Run(i) for i in ids]
+
+    @property
+    def spec(self) -> dict:
+        return read_json(self.dir / "spec.json") or {}
+
+    @property
+    def record(self) -> dict:
+        return read_json(self.dir / "run.json") or {"id": self.id, "state": "unknown"}
+
+    def update(self, **changes) -> dict:
+        doc = self.record
+        doc.update(changes)
+        write_json(self.dir / "run.json", doc)
+        return doc
+
+    def node_log(self, node: str) -> Path:
+        return self.dir / "nodes" / f"{node}.log"
+
+    def supervisor_alive(self) -> bool:
+        pid = self.record.get("supervisor_pid")
+        if not pid:
+            return False
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f"CLUSTERCTL_SUPERVISOR={self.id}".encode() in f.read()
+        except OSError:
+            return False
+
+    @property
+    def terminal(self) -> bool:
+        return self.record.get("state") in TERMINAL
+
+
+def exit_meaning(code: int | None) -> str:
+    """What an exit code usually means for a torchrun node."""
+    import signal as _signal
+
+    if code is None:
+        return "no exit code (node lost)"
+    if code == 0:
+        return "success"
+    if code == 137:
+        return "killed (SIGKILL): often the out-of-memory killer"
+    if code > 128:
+        try:
+            return f"killed by {_signal.Signals(code - 128).name}"
+        except ValueError:
+            return f"killed by signal {code - 128}"
+    if code == 127:
+        return "command not found (python or torch missing on the node?)"
+    return "the training script failed"

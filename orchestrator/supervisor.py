@@ -1,0 +1,357 @@
+"""The run supervisor: one detached process per run on the control machine.
+
+`clusterctl train` starts it in its own session, so it outlives the terminal, a
+closed laptop lid or a killed `clusterctl`. It owns the run's SSH connections
+(one handshake per node for preflight, launch and log streaming), copies every
+node's log byte for byte into the run directory, and holds the failure policy:
+
+  the first node whose torchrun exits non-zero, or whose connection is lost for
+  `lost_timeout`, stops every other node (SIGTERM, then SIGKILL after `grace`).
+
+SIGTERM/SIGINT to the supervisor is a graceful stop request; a second one kills.
+Run: python -m orchestrator.supervisor RUN_ID
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import selectors
+import signal
+import sys
+import threading
+import time
+import traceback
+from importlib import resources
+
+from . import shell
+from .inventory import Inventory, Node, load_inventory
+from .runs import Run, exit_meaning
+from .torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
+from .transport import Cluster, SSHConnection
+
+AGENT = resources.files("orchestrator").joinpath("probes/node_agent.py").read_bytes()
+FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
+FAIL_FAST_GRACE = 5.0
+
+
+def agent_cmd(node: Node, *args: object) -> str:
+    return f"{shell.path(node.python)} - {shell.join(args)}"
+
+
+def node_key(run_id: str, node: Node) -> str:
+    return f"{run_id}@{node.name}"
+
+
+class LaunchError(Exception):
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+class Supervisor:
+    def __init__(self, run: Run):
+        self.run = run
+        spec = run.spec
+        self.spec = spec
+        inv = load_inventory(spec.get("inventory"))
+        self.inv: Inventory = inv.select(spec.get("nodes") or None)
+        self.grace = float(spec.get("grace", FAIL_FAST_GRACE))
+        self.stop_requests = 0
+        self.first_failure: dict | None = None
+        self.states: dict[str, dict] = {n.name: {"state": "pending"} for n in self.inv.nodes}
+        self.lock = threading.Lock()
+        self.teardown_started = False
+        self.cluster: Cluster | None = None
+
+    # ---------------------------------------------------------------- record keeping
+    def save(self, **changes) -> None:
+        with self.lock:
+            nodes = [{"name": n.name, "rank": n.rank, "host": n.host, **self.states[n.name]}
+                     for n in self.inv.nodes]
+            self.run.update(nodes=nodes, **changes)
+
+    def fail(self, message: str, code: int = 1) -> None:
+        raise LaunchError(message, code)
+
+    # ---------------------------------------------------------------- main
+    def main(self) -> int:
+        def on_signal(signum, frame):
+            self.stop_requests += 1
+            print(f"supervisor: stop request {self.stop_requests} (signal {signum})", flush=True)
+            threading.Thread(target=self.teardown, args=("stop",), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.save(supervisor_pid=os.getpid(), state="connecting")
+        try:
+            code = self._main()
+        except LaunchError as e:
+            print(f"supervisor: {e}", flush=True)
+            self.save(state="failed", exit_code=e.code, error=str(e), ended=time.time())
+            code = e.code
+        except Exception as e:  # noqa: BLE001 - record, stop nodes, never leave them running
+            traceback.print_exc()
+            self.teardown("internal error")
+            self.save(state="failed", exit_code=1, error=f"internal error: {type(e).__name__}: {e}",
+                      ended=time.time())
+            code = 1
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
+        return code
+
+    def _main(self) -> int:
+        inv, spec = self.inv, self.spec
+        self.cluster = cluster = Cluster(
+            inv, fanout=spec.get("fanout", 64), accept_new_host_keys=spec.get("accept_new_host_keys", False),
+            connect_timeout=spec.get("connect_timeout"), lost_timeout=spec.get("lost_timeout", 30.0))
+        cluster.connect()
+        if cluster.unreachable:
+            bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
+            self.fail(f"cannot reach every node, nothing was started. {bad}", 3)
+        gpus_found: dict[str, int | None] = {}
+        if not spec.get("skip_preflight"):
+            self.save(state="preflight")
+            gpus_found = self.preflight(cluster)
+        self.check_free(cluster)
+        if self.stop_requests:
+            self.fail("stopped before launch", 130)
+        nprocs = {n.name: nproc_for(n, gpus_found.get(n.name), spec.get("nproc_per_node"))
+                  for n in inv.nodes}
+        ranks = {n.name: (a, b) for n, a, b in rank_map(inv, nprocs)}
+        for n in inv.nodes:
+            self.states[n.name].update(nproc=nprocs[n.name], first_rank=ranks[n.name][0],
+                                       last_rank=ranks[n.name][1])
+        self.save(state="launching", rank_map=rank_map_text(inv, nprocs), world_size=sum(nprocs.values()))
+        self.launch(cluster, nprocs)
+        self.save(state="running", started=time.time())
+        self.stream(cluster)
+        return self.finish()
+
+    def preflight(self, cluster: Cluster) -> dict[str, int | None]:
+        from rich.console import Console
+
+        from .preflight import run_preflight
+
+        report = run_preflight(cluster, self.inv, FAST_CHECKS)
+        console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
+        report.render(console)
+        (self.run.dir / "preflight.txt").write_text(console.export_text())
+        self.save(preflight_ok=report.ok)
+        if not report.ok and not self.spec.get("force"):
+            self.fail("preflight failed (the table above says what to fix); nothing was started. "
+                      "--force launches anyway", 1)
+        return dict(report.gpus_found)
+
+    def check_free(self, cluster: Cluster) -> None:
+        """Two runs must not silently share a node."""
+        res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=60)
+        busy = {}
+        for name, r in res.items():
+            if not r.ok:
+                self.fail(f"{name}: cannot run the node agent with {self.inv.node(name).python}: "
+                          f"{r.describe()} {r.stderr.strip()[-300:]}", 1)
+            live = [k for k in json.loads(r.stdout or "[]") if k.endswith("@" + name)]
+            if live:
+                busy[name] = live
+        if busy and not self.spec.get("force"):
+            desc = "; ".join(f"{k} is running {', '.join(x.split('@')[0] for x in v)}" for k, v in busy.items())
+            self.fail(f"{desc}. Stop it with `clusterctl stop RUN`, or pass --force to share the node", 1)
+
+    def launch(self, cluster: Cluster, nprocs: dict[str, int]) -> None:
+        inv, run_id = self.inv, self.run.id
+        target = target_argv(inv, self.spec.get("args") or [])
+
+        def start_cmd(node: Node) -> str:
+            argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=nprocs[node.name],
+                                 node_rank=node.rank, master_addr=inv.master.address,
+                                 master_port=inv.master_port, run_id=run_id, target=target,
+                                 extra=["--tee", "3", "--log-dir", "{rundir}/torchrun"])
+            spec = {"argv": argv, "cwd": node.workdir,
+                    "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": run_id})}
+            return agent_cmd(node, "start", node_key(run_id, node), json.dumps(spec).encode().hex())
+
+        def started(res) -> None:
+            for name, r in res.items():
+                if not r.ok:
+                    self.fail(f"{name}: could not start torchrun: {r.describe()} {r.stderr.strip()[-500:]}")
+                info = json.loads(r.stdout.strip().splitlines()[-1])
+                self.states[name].update(state="running", pid=info.get("pid"))
+
+        master = inv.master
+        try:
+            # node 0 first: the others start once its rendezvous store listens
+            started(cluster.run(start_cmd, nodes=[master.name], stdin=AGENT, timeout=60))
+            if len(inv.nodes) > 1:
+                r = cluster.run(agent_cmd(master, "wait-listening", node_key(run_id, master), inv.master_port, 120),
+                                nodes=[master.name], stdin=AGENT, timeout=150)[master.name]
+                word = r.stdout.strip()
+                if word != "listening":
+                    self.save()
+                    return  # the master exited or never listened: stream() reports its failure
+                started(cluster.run(start_cmd, nodes=[n.name for n in inv.nodes[1:]], stdin=AGENT, timeout=60))
+        except LaunchError:
+            self.teardown("launch failed")
+            raise
+        self.save()
+
+    # ---------------------------------------------------------------- streaming and failure
+    def stream(self, cluster: Cluster) -> None:
+        """Copy every node's log into the run dir until all nodes are done."""
+        run_id = self.run.id
+        files = {n.name: open(self.run.node_log(n.name), "ab") for n in self.inv.nodes}
+        procs = {}
+        for n in self.inv.nodes:
+            if self.states[n.name].get("state") != "running":
+                continue
+            offset = files[n.name].tell()
+            procs[n.name] = cluster.connections[n.name].exec(agent_cmd(n, "tail", node_key(run_id, n), offset),
+                                                             stdin=AGENT)
+        sel = selectors.DefaultSelector()
+        fds = {name: (p.fileno() if isinstance(p.fileno(), list) else [p.fileno()]) for name, p in procs.items()}
+        for name, p in procs.items():
+            for fd in fds[name]:
+                sel.register(fd, selectors.EVENT_READ, name)
+
+        def forget(name, which):
+            for fd in which:
+                try:
+                    sel.unregister(fd)
+                except (KeyError, ValueError):
+                    pass
+        try:
+            while procs:
+                sel.select(0.2)
+                for name, p in list(procs.items()):
+                    out, err = p.read()
+                    if out:
+                        files[name].write(out)
+                        files[name].flush()
+                    if err:
+                        print(f"supervisor: {name}: {err.decode(errors='replace').strip()}", flush=True)
+                    if hasattr(p, "eof_fds"):
+                        forget(name, p.eof_fds())  # an fd at EOF stays readable: stop polling it
+                    if p.done() or not cluster.connections[name].alive:
+                        forget(name, fds[name])
+                        p.close()
+                        del procs[name]
+                        self.node_ended(cluster, name, p)
+        finally:
+            sel.close()
+            for f in files.values():
+                f.close()
+
+    def node_ended(self, cluster: Cluster, name: str, proc) -> None:
+        node = self.inv.node(name)
+        conn = cluster.connections[name]
+        if not conn.alive:
+            reason = getattr(conn, "lost_reason", None) or "the SSH connection was lost"
+            self.states[name].update(state="lost", exit_code=None, error=reason)
+            self.failed(name, None, reason)
+            return
+        r = cluster.run(agent_cmd(node, "status", node_key(self.run.id, node)), nodes=[name], stdin=AGENT,
+                        timeout=30)[name]
+        st = json.loads(r.stdout) if r.ok else {}
+        code = st.get("exit_code")
+        self.states[name].update(state="finished" if code == 0 else "failed", exit_code=code, ended=time.time(),
+                                 error_file=st.get("error_file"))
+        if code != 0:
+            self.failed(name, code, exit_meaning(code))
+        self.save()
+
+    def failed(self, name: str, code: int | None, reason: str) -> None:
+        with self.lock:
+            first = self.first_failure is None and not self.stop_requests
+            if first:
+                self.first_failure = {"node": name, "exit_code": code, "reason": reason, "at": time.time()}
+        if first:
+            print(f"supervisor: {name} failed first ({reason}); stopping every node", flush=True)
+            threading.Thread(target=self.teardown, args=(f"{name} failed",), daemon=True).start()
+
+    def teardown(self, why: str) -> None:
+        """Stop the run on every node still connected; a second stop request kills at once."""
+        grace = 0 if self.stop_requests >= 2 else self.grace
+        cluster = self.cluster
+        if cluster is None:
+            return
+        self.save(teardown=why, teardown_at=time.time())
+        live = [n for n in self.inv.nodes if self.states[n.name].get("state") in ("running", "pending")
+                and cluster.connections.get(n.name) is not None and cluster.connections[n.name].alive]
+        if live:
+            cluster.run(lambda n: agent_cmd(n, "stop", node_key(self.run.id, n), grace), stdin=AGENT,
+                        nodes=[n.name for n in live], timeout=grace + 30)
+        for n in self.inv.nodes:  # nodes we lost: stop them as soon as they answer again
+            if self.states[n.name].get("state") == "lost":
+                threading.Thread(target=self.stop_lost, args=(n,), daemon=True).start()
+
+    def stop_lost(self, node: Node, patience: float = 300) -> None:
+        deadline = time.time() + patience
+        while time.time() < deadline:
+            c = SSHConnection(node, accept_new_host_keys=False, connect_timeout=5)
+            try:
+                c.open()
+                p = c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), 0), stdin=AGENT)
+                while not p.done():
+                    time.sleep(0.1)
+                self.states[node.name].update(stopped_after_loss=True)
+                self.save()
+                return
+            except Exception:  # noqa: BLE001 - keep trying until the node answers
+                time.sleep(5)
+            finally:
+                c.close()
+
+    def finish(self) -> int:
+        ff = self.first_failure
+        if ff is None and self.stop_requests:
+            self.save(state="stopped", exit_code=130, ended=time.time(),
+                      summary=f"stopped on request{' (killed)' if self.stop_requests > 1 else ''}")
+            return 130
+        if ff is None:
+            self.save(state="finished", exit_code=0, ended=time.time(), summary="every node finished")
+            return 0
+        code = ff["exit_code"] if ff["exit_code"] is not None else 255
+        self.save(state="failed", exit_code=code, ended=time.time(), first_failure=ff,
+                  summary=self.root_cause(ff))
+        return code
+
+    def root_cause(self, ff: dict) -> str:
+        name = ff["node"]
+        st = self.states[name]
+        head = (f"{name} (ranks {st.get('first_rank')}-{st.get('last_rank')}) failed first: "
+                f"exit code {ff['exit_code']} — {ff['reason']}")
+        detail = ""
+        if st.get("error_file"):
+            try:
+                doc = json.loads(st["error_file"])
+                msg = doc.get("message", doc)
+                if isinstance(msg, dict):
+                    extra = msg.get("extraInfo", {})
+                    detail = extra.get("py_callstack") or msg.get("message") or ""
+                else:
+                    detail = str(msg)
+            except ValueError:
+                detail = st["error_file"][-2000:]
+        if not detail:
+            try:
+                with open(self.run.node_log(name), "rb") as f:
+                    f.seek(0, 2)
+                    f.seek(max(0, f.tell() - 8192))
+                    lines = f.read().decode(errors="replace").splitlines()[-15:]
+                detail = "\n".join(lines)
+            except OSError:
+                pass
+        return head + ("\n" + detail if detail else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run = Run(argv[0])
+    return Supervisor(run).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
