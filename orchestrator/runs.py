@@ -146,5 +146,5 @@ def exit_meaning(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {code - 128}"
     if code == 127:
-        return "command not found (python or torch missing on the node?)"
+        return "could not start (command or directory not found on the node; see the log below)"
     return "the training script failed"

@@ -62,7 +62,7 @@ class Supervisor:
         self.first_failure: dict | None = None
         self.states: dict[str, dict] = {n.name: {"state": "pending"} for n in self.inv.nodes}
         self.lock = threading.Lock()
-        self.teardown_started = False
+        self.lost_stoppers: dict[str, threading.Thread] = {}
         self.cluster: Cluster | None = None
 
     # ---------------------------------------------------------------- record keeping
@@ -101,6 +101,9 @@ class Supervisor:
         finally:
             if self.cluster is not None:
                 self.cluster.close()
+        for name, t in self.lost_stoppers.items():  # a lost node is stopped when it answers again
+            print(f"supervisor: waiting up to 5 min for {name} to answer, to stop it there", flush=True)
+            t.join(300)
         return code
 
     def _main(self) -> int:
@@ -251,6 +254,9 @@ class Supervisor:
             reason = getattr(conn, "lost_reason", None) or "the SSH connection was lost"
             self.states[name].update(state="lost", exit_code=None, error=reason)
             self.failed(name, None, reason)
+            self.save()
+            if self.first_failure and self.first_failure["node"] != name:
+                self.teardown("lost after the failure")  # start its stopper too
             return
         r = cluster.run(agent_cmd(node, "status", node_key(self.run.id, node)), nodes=[name], stdin=AGENT,
                         timeout=30)[name]
@@ -278,14 +284,17 @@ class Supervisor:
         if cluster is None:
             return
         self.save(teardown=why, teardown_at=time.time())
-        live = [n for n in self.inv.nodes if self.states[n.name].get("state") in ("running", "pending")
+        # every reachable node, the failed one too: its torchrun may be dead while workers linger
+        live = [n for n in self.inv.nodes if self.states[n.name].get("state") != "lost"
                 and cluster.connections.get(n.name) is not None and cluster.connections[n.name].alive]
         if live:
             cluster.run(lambda n: agent_cmd(n, "stop", node_key(self.run.id, n), grace), stdin=AGENT,
                         nodes=[n.name for n in live], timeout=grace + 30)
         for n in self.inv.nodes:  # nodes we lost: stop them as soon as they answer again
-            if self.states[n.name].get("state") == "lost":
-                threading.Thread(target=self.stop_lost, args=(n,), daemon=True).start()
+            if self.states[n.name].get("state") == "lost" and n.name not in self.lost_stoppers:
+                t = threading.Thread(target=self.stop_lost, args=(n,), daemon=True)
+                self.lost_stoppers[n.name] = t
+                t.start()
 
     def stop_lost(self, node: Node, patience: float = 300) -> None:
         deadline = time.time() + patience
@@ -294,13 +303,17 @@ class Supervisor:
             try:
                 c.open()
                 p = c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), 0), stdin=AGENT)
-                while not p.done():
+                deadline = time.time() + 30
+                while not p.done() and time.time() < deadline:
+                    p.read()
                     time.sleep(0.1)
+                print(f"supervisor: stopped the run on {node.name} after it answered again", flush=True)
                 self.states[node.name].update(stopped_after_loss=True)
                 self.save()
                 return
-            except Exception:  # noqa: BLE001 - keep trying until the node answers
-                time.sleep(5)
+            except Exception as e:  # noqa: BLE001 - keep trying until the node answers
+                print(f"supervisor: {node.name} still unreachable ({e}); retrying", flush=True)
+                time.sleep(2)
             finally:
                 c.close()
 

@@ -1,0 +1,184 @@
+"""`clusterctl train` on the real test cluster: gloo on CPU across network namespaces."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+DDP = str(Path(__file__).parent / "scripts" / "ddp_tiny.py")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "cchome"
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
+    return h
+
+
+def cli(*args, timeout=180, **kw):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy(), **kw)
+
+
+def prepare(cluster, tmp_path, **over):
+    for n in cluster.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    return str(cluster.write_inventory(tmp_path / "nodes.yaml", **over))
+
+
+def record(home):
+    runs = sorted((home / "runs").iterdir(), key=lambda p: p.stat().st_ctime)
+    return runs[-1], json.loads((runs[-1] / "run.json").read_text())
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def all_clean(cluster):
+    return all(not cluster.processes(n) for n in cluster.nodes)
+
+
+def test_four_nodes_two_procs_each_finish_with_global_ranks(cluster4, tmp_path, home):
+    inv = prepare(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "2", "--", DDP, "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert "rank 0-1 → node1 (10.213" in r.stderr and "rank 6-7 → node4" in r.stderr
+    lines = r.stdout.splitlines()
+    for g in range(8):
+        node = f"node{g // 2 + 1}"
+        want = re.compile(rf"^{node}/r{g} +\| rank {g} of 8 on {node} run=")
+        assert any(want.match(ln) for ln in lines), f"rank {g} line missing"
+        assert any(re.match(rf"^{node}/r{g} +\| rank {g} step 1 sum 36$", ln) for ln in lines)
+    assert "\x1b[" not in r.stdout  # piped: no color codes
+    _, rec = record(home)
+    assert rec["state"] == "finished" and rec["exit_code"] == 0 and rec["world_size"] == 8
+    assert all_clean(cluster4)
+
+
+def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_path, home):
+    cluster = make_cluster(4, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--", DDP, "--steps", "600", "--sleep", "0.1")
+    assert r.returncode == 0, r.stderr
+    run_dir = home / "runs" / r.stdout.strip()
+    rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" and all(
+        n.get("pid") for n in d["nodes"]) else None)(json.loads((run_dir / "run.json").read_text())), 60, "running")
+    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node3.log").read_bytes(), 60, "steps on node3")
+    victim = next(n for n in rec["nodes"] if n["name"] == "node3")["pid"]
+    os.kill(victim, signal.SIGKILL)
+    detected = time.time()
+    rec = wait_for(lambda: (lambda d: d if d.get("state") in ("failed", "finished") else None)(
+        json.loads((run_dir / "run.json").read_text())), 60, "the run to end")
+    wait_for(lambda: all_clean(cluster), 10 - (time.time() - detected) + 5, "every node clean")
+    assert time.time() - detected < 15
+    assert rec["state"] == "failed" and rec["exit_code"] != 0
+    assert rec["first_failure"]["node"] == "node3", rec["first_failure"]
+    assert rec["summary"].startswith("node3 (ranks 2-2) failed first: exit code 137")
+
+
+def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path, home):
+    cluster = make_cluster(3, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--lost-timeout", "5", "--", DDP, "--steps", "600", "--sleep", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
+                       else None, 30, "run dir")
+    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
+             if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
+    cluster.nodes[1].link_down()
+    out, err = proc.communicate(timeout=60)  # no hang: lost within 5 s + teardown
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert proc.returncode != 0
+    assert rec["state"] == "failed"
+    assert {n["name"]: n["state"] for n in rec["nodes"]}["node2"] == "lost"
+    wait_for(lambda: not cluster.processes(cluster.nodes[0]) and not cluster.processes(cluster.nodes[2]), 10,
+             "reachable nodes clean")
+    cluster.nodes[1].link_up()  # the supervisor stops the lost node once it answers again
+    wait_for(lambda: not cluster.processes(cluster.nodes[1]), 60, "the lost node cleaned after link up")
+
+
+def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--", DDP, "--steps", "40", "--sleep", "0.1", "--lines", "3000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
+                       else None, 30, "run dir")
+    rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" else None)(
+        json.loads((run_dir / "run.json").read_text())), 60, "running")
+    time.sleep(1)
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)  # the whole controller dies
+    proc.kill()
+    proc.wait()
+    # the run goes on and finishes on the nodes without it
+    wait_for(lambda: all_clean(cluster), 90, "the run to finish on the nodes")
+    r = cli("tail", run_dir.name)
+    assert r.returncode == 0, r.stderr
+    got = r.stdout.splitlines()
+    ranked = [ln for ln in got if "| rank" in ln]
+    assert len(ranked) == len(set(ranked)), "a line was printed twice"
+    for node, rank in (("node1", 0), ("node2", 1)):
+        node_log = cluster.nodes[rank].run(f"cat ~/.clusterctl/node-runs/{run_dir.name}@{node}/log").stdout
+        expected = [ln.split("]:", 1)[1] for ln in node_log.splitlines() if ln.startswith("[default")]
+        mine = [ln.split("| ", 1)[1] for ln in got if ln.startswith(f"{node}/r{rank} ")]
+        assert mine == expected
+        assert f"rank {rank} line 2999" in mine
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+
+
+def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--", DDP, "--steps", "600", "--sleep", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
+                       else None, 30, "run dir")
+    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
+             if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    wait_for(lambda: all_clean(cluster), 5, "zero processes of the run")
+    out, err = proc.communicate(timeout=30)
+    assert "stopping run" in err and "gracefully" in err
+    assert proc.returncode == 130
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+    assert time.time() - t0 < 30
+
+
+def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--", DDP, "--steps", "600", "--sleep", "0.1")
+    first = r.stdout.strip()
+    wait_for(lambda: json.loads((home / "runs" / first / "run.json").read_text()).get("state") == "running",
+             60, "first run running")
+    other = str(cluster.write_inventory(tmp_path / "other.yaml", master_port=29611))
+    r2 = cli("train", "-i", other, "--skip-preflight", "--", DDP, "--steps", "1")
+    assert r2.returncode == 1
+    assert f"is running {first}" in r2.stderr and "--force" in r2.stderr
+    s = cli("status", first)
+    assert s.returncode == 0 and "running" in s.stdout
+    st = cli("stop", first)
+    assert st.returncode == 0, st.stderr
+    wait_for(lambda: all_clean(cluster), 15, "stopped")
+    assert json.loads((home / "runs" / first / "run.json").read_text())["state"] == "stopped"
+    runs = cli("runs", "--json")
+    assert first in runs.stdout
