@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
 import selectors
 import signal
 import sys
@@ -101,6 +102,8 @@ class Supervisor:
         finally:
             if self.cluster is not None:
                 self.cluster.close()
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            self.save(supervisor_cpu_s=round(ru.ru_utime + ru.ru_stime, 3))
         for name, t in self.lost_stoppers.items():  # a lost node is stopped when it answers again
             print(f"supervisor: waiting up to 5 min for {name} to answer, to stop it there", flush=True)
             t.join(300)

@@ -1,0 +1,99 @@
+"""Log streaming throughput: 4 test-cluster nodes writing lines as fast as they can.
+
+Runs `clusterctl train` of a writer script (one rank per node) on a fresh 4-node
+namespace cluster and measures the lines per second that land, in order and
+complete, in the control machine's run directory; then copies the same node logs
+with a plain OpenSSH loop (`ssh node cat LOG`, all nodes in parallel) as the peer.
+Prints the figures, the ratio, and the controller's CPU seconds per 100k lines.
+
+    sudo .venv/bin/python bench/bench_logs.py [--lines-per-node 400000]
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.cluster import TestCluster  # noqa: E402
+
+WRITER = """
+import os, sys
+n = int(sys.argv[1]); rank = os.environ["RANK"]
+w = sys.stdout.write
+for i in range(n):
+    w(f"rank {rank} line {i:08d} " + "x" * 40 + "\\n")
+sys.stdout.flush()
+"""
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--lines-per-node", type=int, default=400_000)
+    a = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="cc-bench-logs-"))
+    os.environ["CLUSTERCTL_HOME"] = str(home)
+    writer = home / "writer.py"
+    writer.write_text(WRITER)
+    os.chmod(home, 0o755)
+    total = a.nodes * a.lines_per_node
+    with TestCluster(n=a.nodes, gpus=0, name_prefix="ccbl") as cluster:
+        for n in cluster.nodes:
+            n.run("mkdir -p ~/gpt_train")
+        inv = cluster.write_inventory(home / "nodes.yaml")
+        cpu0 = children_cpu()
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight",
+                            "--", str(writer), str(a.lines_per_node)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, timeout=900)
+        fg_cpu = children_cpu() - cpu0  # the foreground `clusterctl train`
+        run_dir = max((home / "runs").iterdir(), key=lambda p: p.stat().st_ctime)
+        rec = json.loads((run_dir / "run.json").read_text())
+        logs = {n.name: run_dir / "nodes" / f"{n.name}.log" for n in cluster.nodes}
+        # first and last byte on the controller: the copies' mtimes bracket the stream
+        t_first = rec["started"]
+        t_last = max(p.stat().st_mtime for p in logs.values())
+        lost = 0
+        for i, (name, p) in enumerate(logs.items()):
+            got = [ln for ln in p.read_bytes().split(b"\n") if b" line " in ln]
+            want = a.lines_per_node
+            idx = [int(ln.rsplit(b"line ", 1)[1].split()[0]) for ln in got]
+            if idx != list(range(want)):
+                lost += want - len(set(idx))
+        ours = total / (t_last - t_first)
+        cpu = fg_cpu + rec.get("supervisor_cpu_s", 0.0)
+        log = (run_dir / "supervisor.log").read_text()
+        # the peer: plain OpenSSH copying the same node-side logs, all nodes at once
+        t0 = time.time()
+        procs = []
+        for n in cluster.nodes:
+            path = f".clusterctl/node-runs/{run_dir.name}@{n.name}/log"
+            procs.append(subprocess.Popen(cluster.ssh_argv(n, "cat", path), stdout=subprocess.PIPE))
+        peer_bytes = sum(len(p.communicate()[0]) for p in procs)
+        t_peer = time.time() - t0
+        peer = total / t_peer
+    print(f"log streaming, {a.nodes} nodes x {a.lines_per_node} lines ({total} lines, run exit {r.returncode})")
+    print(f"  clusterctl train -> control-side files: {ours:,.0f} lines/s end to end "
+          f"(writer + torchrun --tee + node agent + SSH + supervisor), lost lines: {lost}")
+    print(f"  peer, plain `ssh node cat log` x{a.nodes} in parallel (copy only, {peer_bytes/1e6:.0f} MB): "
+          f"{peer:,.0f} lines/s")
+    print(f"  ratio clusterctl/peer: {ours / peer:.2f}  (target: >= 100k lines/s with zero loss: "
+          f"{'met' if ours >= 100_000 and lost == 0 else 'NOT met'})")
+    print(f"  controller CPU (foreground+supervisor): {cpu:.2f} s = {cpu / total * 1e5:.3f} s per 100k lines")
+    if "Traceback" in log:
+        print(log)
+
+
+if __name__ == "__main__":
+    main()
