@@ -1,0 +1,73 @@
+"""Fast trainer checks: no training, no processes beyond the CLI ones."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import UsageError, parse_args
+from trainer.model import build_model, count_params, flops_per_token
+from trainer.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_tiny_param_count_counts_tied_head_once():
+    cfg = parse_args(["--preset", "tiny"])
+    model = build_model(cfg, "meta")
+    assert count_params(model) == 30_142_848
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.config._attn_implementation == "sdpa"
+    n = count_params(model)
+    assert flops_per_token(cfg, n) == 6 * n + 12 * 6 * 6 * 64 * 512
+
+
+def test_gpt2_bpe_offline():
+    tok = load_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.decode([15496, 995]) == "Hello world"
+    assert tok.vocab_size == 50257
+
+
+def test_presets_and_pad_vocab():
+    assert parse_args([]).tokenizer == "byte"
+    cfg = parse_args(["--preset", "small", "--pad-vocab", "--n-layer", "3"])
+    assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.tokenizer) == (3, 768, 50304, "gpt2")
+    with pytest.raises(UsageError):
+        parse_args(["--n-embd", "65", "--n-head", "2"])
+    with pytest.raises(UsageError):
+        parse_args(["--strategy", "fsdp", "--comm-hook", "fp16"])
+
+
+def test_help_lists_every_flag():
+    out = cli("--help").stdout
+    flags = ["--preset", "--n-layer", "--n-embd", "--n-head", "--block-size", "--vocab-size",
+             "--pad-vocab", "--data", "--tokenizer", "--batch-size", "--grad-accum", "--max-steps",
+             "--lr", "--min-lr", "--warmup-steps", "--weight-decay", "--grad-clip", "--scale-lr",
+             "--precision", "--strategy", "--comm-hook", "--powersgd-rank", "--powersgd-start-iter",
+             "--bucket-cap-mb", "--grad-checkpointing", "--compile", "--output-dir", "--ckpt-every",
+             "--resume", "--eval-every", "--eval-steps", "--log-every", "--sample-tokens", "--seed"]
+    missing = [f for f in flags if f not in out]
+    assert not missing
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--data", "/nonexistent/corpus"], "does not exist"),
+    (["--precision", "fp8"], "invalid choice"),
+])
+def test_user_errors_exit_2_without_traceback(args, words):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert words in r.stderr.lower() and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_empty_data_dir_is_a_usage_error(tmp_path):
+    r = cli("--data", str(tmp_path))
+    assert r.returncode == 2 and "no .txt or .jsonl" in r.stderr and "Traceback" not in r.stderr
