@@ -1,0 +1,350 @@
+"""Preflight: every check on every node at once, over the Cluster's existing connections.
+
+    run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None,
+                  *, connect_timeout: float = 3.0) -> PreflightReport
+    report.ok -> bool            no check failed (warnings allowed)
+    report.gpus_found            {node name: GPUs found, or None when not probed/unknown}
+    report.render(console)       rich table node x check, remedies, rank map
+    report.to_json()             {"ok", "nodes": [{"name", "host", "rank", "checks": [...]}]}
+
+`cluster` must be connected (`with Cluster(inv) as c:`); nothing here opens a connection, so
+`train` reuses its own and a node is handshaked once per command. Per node, ONE remote
+invocation: orchestrator/probes/preflight.sh over stdin (`sh -s`), its output parsed by the
+pure parsers in orchestrator/checks. port_reachable adds a temporary listener on the master
+(orchestrator/probes/portlisten.py, started first, gone after a timeout) and a connect from
+each worker inside that worker's probe. ping runs from the control machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+from . import shell
+from .checks import CHECKS, Ctx, CheckResult, fail, load_nodeinfo, ok, skip
+from .checks.firewall import parse_firewall
+from .checks.gpu import gpus_from_probe, parse_gpu_count, parse_gpu_idle
+from .checks.net import attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable
+from .checks.ping import ping_all, ping_result
+from .checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
+from .errors import UsageError
+from .inventory import Inventory, Node
+from .torchrun import nproc_for, rank_map_text
+from .transport import Cluster, Proc
+
+_PROBES = resources.files("orchestrator").joinpath("probes")
+NODEINFO = _PROBES.joinpath("nodeinfo.py").read_text()
+PROBE = _PROBES.joinpath("preflight.sh").read_text().replace("@@NODEINFO_PY@@\n", NODEINFO).encode()
+LISTENER = _PROBES.joinpath("portlisten.py").read_bytes()
+assert "\nPYEOF\n" not in NODEINFO
+
+PER_NODE = {"gpu_count": parse_gpu_count, "gpu_idle": parse_gpu_idle, "port_free": parse_port_free,
+            "firewall": parse_firewall, "clock_skew": parse_clock_skew, "iface": parse_iface,
+            "disk": parse_disk, "port_reachable": parse_port_reachable}
+PROBE_TIMEOUT = 60.0
+
+
+def select_checks(only: str | list[str] | None = None, skip_: str | list[str] | None = None) -> list[str]:
+    """--only/--skip comma lists -> check names in table order; unknown names are usage errors."""
+    def names(v):
+        if v is None:
+            return None
+        items = v.split(",") if isinstance(v, str) else list(v)
+        items = [x.strip() for x in items if x.strip()]
+        bad = [x for x in items if x not in CHECKS]
+        if bad:
+            raise UsageError(f"unknown check {', '.join(map(repr, bad))}; the checks are: {', '.join(CHECKS)}")
+        return items
+
+    chosen, dropped = names(only), names(skip_) or []
+    return [c for c in CHECKS if (chosen is None or c in chosen) and c not in dropped]
+
+
+def output_dir(inv: Inventory, node: Node) -> str:
+    d = inv.output_dir or inv.train.output_dir or "runs"
+    if d.startswith("/") or d.startswith("~"):
+        return d
+    return node.workdir.rstrip("/") + "/" + d
+
+
+def control_workdir(inv: Inventory) -> str | None:
+    """The control machine's copy of the workdir, when it has one."""
+    p = os.path.expanduser(inv.workdir)
+    return p if os.path.isdir(p) else None
+
+
+@dataclass
+class NodeReport:
+    node: Node
+    results: dict[str, CheckResult] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "fail" for r in self.results.values())
+
+
+@dataclass
+class PreflightReport:
+    inventory: Inventory
+    checks: list[str]
+    nodes: list[NodeReport]
+    gpus_found: dict[str, int | None]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(n.ok for n in self.nodes)
+
+    @property
+    def failures(self) -> list[tuple[str, CheckResult]]:
+        return [(n.node.name, r) for n in self.nodes for r in n.results.values() if r.status == "fail"]
+
+    def nprocs(self) -> dict[str, int]:
+        return {n.node.name: nproc_for(n.node, self.gpus_found.get(n.node.name)) for n in self.nodes}
+
+    def rank_map(self) -> str:
+        return rank_map_text(self.inventory, self.nprocs())
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "nodes": [
+            {"name": n.node.name, "host": n.node.host, "rank": n.node.rank,
+             "checks": [n.results[c].to_json() for c in self.checks if c in n.results]}
+            for n in self.nodes]}
+
+    def render(self, console, details: bool = False) -> None:
+        """A node x check matrix of statuses, then the detail of everything not ok (with the
+        remedy for each fail), then the rank map. details=True adds every check's detail."""
+        from rich.table import Table
+
+        style = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+        t = Table(title=f"preflight: {len(self.nodes)} nodes, master {self.inventory.master.address}:"
+                        f"{self.inventory.master_port} ({self.seconds:.1f}s)")
+        t.add_column("node", no_wrap=True)
+        t.add_column("host", no_wrap=True)
+        for c in self.checks:
+            t.add_column(c.replace("_", "\n"), justify="center")
+        for n in self.nodes:
+            cells = [f"[{style[r.status]}]{r.status}[/]" if (r := n.results.get(c)) else "" for c in self.checks]
+            t.add_row(n.node.name, n.node.host, *cells)
+        console.print(t)
+        for n in self.nodes:
+            for r in n.results.values():
+                if details or r.status in ("warn", "fail"):
+                    console.print(f"  [{style[r.status]}]{r.status:4}[/] [bold]{_escape(n.node.name)}[/] "
+                                  f"{r.check}: {_escape(r.detail)}", soft_wrap=True)
+                    if r.remedy and r.status in ("warn", "fail"):
+                        console.print(f"         → {_escape(r.remedy)}", soft_wrap=True)
+        console.print(_escape(self.rank_map()), soft_wrap=True)
+        fails = self.failures
+        console.print("[green]preflight ok[/]" if self.ok else
+                      f"[bold red]{len(fails)} check(s) failed on "
+                      f"{len({name for name, _ in fails})} node(s)[/]")
+
+
+def _escape(s: str) -> str:
+    from rich.markup import escape
+
+    return escape(s)
+
+
+# ------------------------------------------------------------------ running
+
+
+def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeout: float) -> str:
+    role = "master" if node.rank == 0 else "worker"
+    return "sh -s -- " + " ".join([
+        shell.quote(",".join(checks)), shell.path(node.workdir), shell.path(output_dir(inv, node)),
+        shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
+        role, shell.path(node.python), shell.quote(f"{connect_timeout:g}")])
+
+
+class _Listener:
+    """The master's temporary listener on master_port (port_reachable)."""
+
+    def __init__(self, cluster: Cluster, master: Node, port: int, expected: int, seconds: float):
+        self.proc: Proc | None = None
+        self.pid: int | None = None
+        self.error: str | None = None
+        conn = cluster.connections.get(master.name)
+        if conn is None:
+            self.error = f"{master.name} (the master) is unreachable"
+            return
+        cmd = f"{shell.path(master.python)} - {shell.join([port, seconds, expected])}"
+        try:
+            self.proc = conn.exec(cmd, stdin=LISTENER)
+        except Exception as e:  # noqa: BLE001 - any failure here only means the check is skipped
+            self.error = f"cannot start the listener: {e}"
+            return
+        line = self._first_line(10.0)
+        if line.startswith("listening"):
+            self.pid = int(line.split()[1])
+        elif line.startswith("busy"):
+            self.error = f"master_port {port} is taken on {master.name} (see port_free)"
+        else:
+            self.error = f"the listener did not start on {master.name}: {line or 'no answer'}"
+
+    def _first_line(self, timeout: float) -> str:
+        buf, err = b"", b""
+        sel = selectors.DefaultSelector()
+        fds = self.proc.fileno()
+        for fd in fds if isinstance(fds, list) else [fds]:
+            sel.register(fd, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        try:
+            while b"\n" not in buf and time.monotonic() < deadline:
+                sel.select(0.1)
+                out, e = self.proc.read()
+                buf, err = buf + out, err + e
+                if not out and self.proc.done():
+                    break
+        finally:
+            sel.close()
+        if b"\n" in buf:
+            return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+        return (buf + err).decode(errors="replace").strip()[-300:]
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.close()
+
+
+def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
+                  connect_timeout: float = 3.0) -> PreflightReport:
+    t_start = time.monotonic()
+    checks = list(CHECKS) if checks is None else [c for c in CHECKS if c in checks]
+    inv = inventory
+    nodes = list(inv.nodes)
+    reports = {n.name: NodeReport(n) for n in nodes}
+    connected = [n for n in nodes if n.name in cluster.connections]
+
+    # ssh: the Cluster's handshakes (host keys verified by the transport)
+    for n in nodes:
+        if n.name in cluster.connections:
+            r = ok("ssh", "local node (no SSH)" if n.is_local else "connected, host key verified")
+        else:
+            err = cluster.unreachable.get(n.name)
+            r = fail("ssh", (err.error if err else "not connected") or "not connected",
+                     "start sshd / fix the address, user or key in the inventory")
+        reports[n.name].results["ssh"] = r
+
+    ping_out: dict[str, float | None] = {}
+    pinger = None
+    if "ping" in checks:
+        hosts = [n.host for n in nodes if not n.is_local]
+        pinger = threading.Thread(target=lambda: ping_out.update(ping_all(hosts)), daemon=True)
+        pinger.start()
+
+    probe_checks = [c for c in checks if c not in ("ssh", "ping")]
+    workers = [n for n in connected if n.rank != 0]
+    listener = None
+    if "port_reachable" in checks and workers and inv.master in connected:
+        listener = _Listener(cluster, inv.master, inv.master_port, len(workers), connect_timeout + 20)
+    elif "port_reachable" in checks and inv.master not in connected:
+        pass  # reported below per worker
+
+    t_send: dict[str, float] = {}
+    t_recv: dict[str, float] = {}
+    waiting_time: set[str] = set()
+
+    def command(node: Node) -> str:
+        t_send[node.name] = time.time()
+        waiting_time.add(node.name)
+        ct = connect_timeout if listener is not None and listener.error is None else 0
+        return _probe_command(inv, node, probe_checks, ct)
+
+    def on_line(name: str, stream: str, line: str) -> None:
+        if stream == "stdout" and name in waiting_time and line and line[0].isdigit():
+            t_recv[name] = time.time()
+            waiting_time.discard(name)
+
+    texts: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    if probe_checks and connected:
+        try:
+            res = cluster.run(command, stdin=PROBE, timeout=PROBE_TIMEOUT, nodes=[n.name for n in connected],
+                              on_line=on_line if "clock_skew" in probe_checks else None)
+        finally:
+            if listener is not None:
+                listener.close()
+        for name, r in res.items():
+            if r.exit_code is not None and "@@end" in r.stdout:
+                texts[name] = r.stdout
+            else:
+                errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
+                texts[name] = r.stdout
+
+    ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0,
+                          own_pids=frozenset([listener.pid]) if listener and listener.pid else frozenset(),
+                          t_send=t_send.get(n.name), t_recv=t_recv.get(n.name)) for n in nodes}
+
+    for n in nodes:
+        rep = reports[n.name]
+        if n.name not in cluster.connections:
+            for c in probe_checks:
+                rep.results[c] = skip(c, "node unreachable over SSH")
+            continue
+        if n.name in errors:
+            for c in probe_checks:
+                rep.results[c] = fail(c, f"the probe did not finish: {errors[n.name]}") \
+                    if c == probe_checks[0] else skip(c, "probe did not finish")
+            continue
+        for c in probe_checks:
+            if c in PER_NODE:
+                rep.results[c] = PER_NODE[c](texts[n.name], ctx_of[n.name])
+
+    done = {k: v for k, v in texts.items() if k not in errors}
+    master = inv.master.name
+    if "python_env" in probe_checks and done:
+        for name, r in compare_python_env(done, ctx_of, master).items():
+            reports[name].results["python_env"] = r
+    if "code_sync" in probe_checks and done:
+        control = None
+        cw = control_workdir(inv)
+        if cw is not None and not any(n.is_local for n in nodes):
+            control = load_nodeinfo().digest(cw)
+        for name, r in compare_code_sync(done, ctx_of, master, control).items():
+            reports[name].results["code_sync"] = r
+    if "port_reachable" in probe_checks:
+        _port_reachable(reports, inv, listener, done)
+
+    if pinger is not None:
+        pinger.join(5)
+        for n in nodes:
+            ssh_ok = n.name in cluster.connections
+            reports[n.name].results["ping"] = (ok("ping", "local node") if n.is_local
+                                               else ping_result(n.host, ping_out.get(n.host), ssh_ok))
+
+    gpus_found: dict[str, int | None] = {}
+    for n in nodes:
+        tool, gpus, _ = gpus_from_probe(done.get(n.name, ""))
+        gpus_found[n.name] = len(gpus) if gpus is not None else (0 if tool is None and n.name in done
+                                                                  and "gpu_count" in probe_checks else None)
+    for rep in reports.values():
+        rep.results = {c: rep.results[c] for c in checks if c in rep.results}
+    return PreflightReport(inv, checks, [reports[n.name] for n in nodes], gpus_found,
+                           time.monotonic() - t_start)
+
+
+def _port_reachable(reports, inv: Inventory, listener: _Listener | None, done: dict[str, str]) -> None:
+    master = inv.master
+    workers = {n.name: reports[n.name].results.get("port_reachable") for n in inv.nodes[1:]
+               if n.name in done}
+    workers = {k: v for k, v in workers.items() if v is not None}
+    if master.name not in done and master.name not in reports[master.name].results:
+        return
+    if len(inv.nodes) == 1:
+        reports[master.name].results["port_reachable"] = skip("port_reachable", "single node: no worker")
+        return
+    if listener is None:
+        err = f"{master.name} (the master) is unreachable" if master.name not in done else "no worker reachable"
+    else:
+        err = listener.error
+    m, ws = attribute_port_reachable(workers, master.name, inv.master_port, err)
+    if master.name in done:
+        reports[master.name].results["port_reachable"] = m
+    for k, v in ws.items():
+        reports[k].results["port_reachable"] = v

@@ -1,0 +1,40 @@
+"""`clusterctl preflight`: the checks of orchestrator.preflight as a command."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import EXIT_FAILED, EXIT_OK
+from .options import ClusterOptions, cluster_options
+from .preflight import run_preflight, select_checks
+from .checks import CHECKS
+
+
+@click.command("preflight")
+@cluster_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
+@click.option("--only", default=None, metavar="CHECKS", help=f"Only these checks (comma list of: {', '.join(CHECKS)}).")
+@click.option("--skip", "skip_", default=None, metavar="CHECKS", help="Leave these checks out (comma list).")
+@click.option("--details", is_flag=True, help="Show every check's detail, not only warnings and failures.")
+@click.option("--port-timeout", type=click.FloatRange(0.5, 60), default=3.0, show_default=True,
+              help="Seconds each worker waits for its connect to master:master_port.")
+def preflight_command(opts: ClusterOptions, as_json: bool, only: str | None, skip_: str | None,
+                      port_timeout: float, details: bool):
+    """Check every node before a run: SSH, ping, GPUs, ports, firewall, clocks, code, Python, iface, disk.
+
+    One probe per node over its single SSH connection. Exit code 0 when nothing failed
+    (warnings allowed), 1 when a check failed, 2 for a bad flag or inventory."""
+    checks = select_checks(only, skip_)
+    inv = opts.load()
+    with opts.cluster(inv) as cluster:
+        report = run_preflight(cluster, inv, checks, connect_timeout=port_timeout)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        from rich.console import Console
+
+        report.render(Console(), details=details)
+    sys.exit(EXIT_OK if report.ok else EXIT_FAILED)

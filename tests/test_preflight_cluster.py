@@ -1,0 +1,264 @@
+"""Preflight on the real test cluster: each check fails for its real cause on exactly the right
+node, and nothing fails on the healthy ones.
+
+One 4-node cluster for the module (faults are repaired by each test), so the whole file runs
+in seconds after the cluster is up."""
+
+import json
+import signal
+import sys
+import time
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.inventory import parse_inventory
+from orchestrator.preflight import PROBE, run_preflight
+from orchestrator.checks.firewall import parse_firewall
+from orchestrator.checks import Ctx
+from orchestrator.transport import Cluster
+from tests.cluster import TestCluster, require_root
+
+pytestmark = pytest.mark.cluster
+
+CODE = "print('train')\n"
+
+
+@pytest.fixture(scope="module")
+def cl():
+    require_root()
+    with TestCluster(n=4, gpus=2, name_prefix="ccpf") as cluster:
+        for nd in cluster.nodes:
+            write_code(nd)
+        yield cluster
+
+
+def write_code(nd, text=CODE):
+    nd.run(f"mkdir -p ~/gpt_train && printf %s {text!r} > ~/gpt_train/train.py && "
+           "printf 'data/\\n' > ~/gpt_train/.gitignore")
+
+
+def inventory(cl, **over):
+    doc = cl.inventory(checks={"disk_min_gb": 0.1}, **over)
+    return parse_inventory(yaml.safe_dump(doc), "<test>")
+
+
+def preflight(cl, inv=None, checks=None):
+    inv = inv or inventory(cl)
+    with Cluster(inv) as c:
+        report = run_preflight(c, inv, checks)
+        assert c.handshakes == len(c.connections)  # one handshake per reachable node, never two
+    return report
+
+
+def bad(report, statuses=("fail",)):
+    return {(n.node.name, r.check) for n in report.nodes for r in n.results.values() if r.status in statuses}
+
+
+def result(report, node, check):
+    return next(n for n in report.nodes if n.node.name == node).results[check]
+
+
+def test_healthy_cluster_all_ok_one_handshake_per_node(cl, tmp_path, capsys):
+    path = cl.write_inventory(tmp_path / "nodes.yaml", checks={"disk_min_gb": 0.1})
+    inv = parse_inventory(path.read_text(), str(path))
+    with Cluster(inv) as c:
+        report = run_preflight(c, inv)
+        assert c.handshakes == 4
+    assert report.ok, report.to_json()
+    assert bad(report, ("fail", "warn")) == set()
+    assert report.gpus_found == {f"node{i}": 2 for i in range(1, 5)}
+    assert "rank 0-1 → node1" in report.rank_map() and "world size 8" in report.rank_map()
+    assert result(report, "node2", "port_reachable").status == "ok"
+    assert "4/4" not in result(report, "node1", "port_reachable").detail  # 3 workers
+    rc = main(["preflight", "-i", str(path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] is True
+    assert [n["name"] for n in doc["nodes"]] == ["node1", "node2", "node3", "node4"]
+    assert {c["check"] for c in doc["nodes"][0]["checks"]} == {
+        "ssh", "ping", "gpu_count", "gpu_idle", "port_free", "port_reachable", "firewall", "clock_skew",
+        "code_sync", "python_env", "iface", "disk"}
+    # the listener is gone: nothing of ours left listening on the master
+    time.sleep(0.2)
+    assert not [p for p in cl.processes(cl.nodes[0]) if "portlisten" in " ".join(p.cmdline())
+                or (p.name().startswith("python") and any(x.laddr.port == 29500 for x in p.net_connections()))]
+
+
+def test_train_subset_reuses_connections(cl):
+    inv = inventory(cl)
+    with Cluster(inv) as c:
+        r1 = run_preflight(c, inv, ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"])
+        r2 = run_preflight(c, inv, ["gpu_count"])
+        assert c.handshakes == 4
+    assert r1.ok and r2.ok
+    assert [x for x in r1.nodes[0].results] == ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
+
+
+def test_clock_skew_on_one_node(cl):
+    nd = cl.nodes[2]
+    nd.set_clock_skew(30)
+    try:
+        report = preflight(cl)
+    finally:
+        nd.set_clock_skew(0)
+    assert bad(report) == {("node3", "clock_skew")}
+    assert result(report, "node3", "clock_skew").detail.startswith("+3")
+    assert "timedatectl" in result(report, "node3", "clock_skew").remedy
+
+
+def test_clock_skew_warn_threshold(cl):
+    nd = cl.nodes[1]
+    nd.set_clock_skew(-2.5)
+    try:
+        report = preflight(cl, checks=["clock_skew"])
+    finally:
+        nd.set_clock_skew(0)
+    assert bad(report, ("fail", "warn")) == {("node2", "clock_skew")}
+    assert result(report, "node2", "clock_skew").status == "warn"
+
+
+def test_fewer_gpus_than_inventory(cl):
+    nd = cl.nodes[1]
+    inv = inventory(cl)  # says 2 GPUs everywhere
+    nd.set_gpus(1)
+    try:
+        report = preflight(cl, inv)
+    finally:
+        nd.set_gpus(2)
+    assert bad(report) == {("node2", "gpu_count")}
+    r = result(report, "node2", "gpu_count")
+    assert "1 GPU" in r.detail and "gpus: 1" in r.remedy
+    assert report.gpus_found["node2"] == 1 and "rank 2 → node2" in report.rank_map()
+
+
+def test_gpu_held_by_leftover_process(cl):
+    nd = cl.nodes[3]
+    nd.set_gpus(2, processes=[(4242, "python", 30000, 1)])
+    try:
+        report = preflight(cl, checks=["gpu_count", "gpu_idle"])
+    finally:
+        nd.set_gpus(2)
+    assert bad(report) == {("node4", "gpu_idle")}
+    assert "pid 4242" in result(report, "node4", "gpu_idle").detail
+    assert "GPU 1" in result(report, "node4", "gpu_idle").detail
+
+
+def test_iptables_drop_on_master_port(cl):
+    master = cl.nodes[0]
+    rule = ["INPUT", "-p", "tcp", "--dport", "29500", "-j", "DROP"]
+    master.iptables("-A", *rule)
+    try:
+        report = preflight(cl)
+        # the firewall check names the rule when it may read it (root on the node)
+        out = master.run(["sh", "-s", "--", "firewall", "~/gpt_train", "~/gpt_train/runs", "29500", "eth0",
+                          master.host, "master", sys.executable, "0"], as_user=False, input=PROBE.decode()).stdout
+    finally:
+        master.iptables("-D", *rule)
+    assert bad(report) == {("node1", "port_reachable")}
+    m = result(report, "node1", "port_reachable")
+    assert "timed out" in m.detail and "29500" in m.remedy
+    assert {result(report, w, "port_reachable").status for w in ("node2", "node3", "node4")} == {"warn"}
+    inv = inventory(cl)
+    fw = parse_firewall(out, Ctx(node=inv.nodes[0], inventory=inv, is_master=True))
+    assert fw.status == "warn" and "29500" in fw.detail, (fw, out)
+
+
+def test_process_already_listening_on_master_port(cl):
+    master = cl.nodes[0]
+    p = master.popen([sys.executable, "-c", "import socket,time; s=socket.socket(); "
+                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); "
+                      "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=-1)
+    try:
+        assert p.stdout.readline().strip() == b"up"
+        report = preflight(cl)
+        pids = {x.pid for x in cl.processes(master) if "time.sleep(60)" in " ".join(x.cmdline())}
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert bad(report) == {("node1", "port_free")}
+    r = result(report, "node1", "port_free")
+    assert any(f"pid {pid}" in r.detail for pid in pids), (r, pids)
+    assert "kill" in r.remedy
+
+
+def test_worker_with_different_workdir(cl):
+    nd = cl.nodes[2]
+    write_code(nd, "print('changed')\n")
+    nd.run("mkdir -p ~/gpt_train/data && echo big > ~/gpt_train/data/x")  # ignored: no effect
+    try:
+        report = preflight(cl)
+    finally:
+        write_code(nd)
+    assert bad(report) == {("node3", "code_sync")}
+    assert "sync" in result(report, "node3", "code_sync").remedy
+
+
+def test_ignored_files_do_not_count(cl):
+    nd = cl.nodes[1]
+    nd.run("mkdir -p ~/gpt_train/data && echo big > ~/gpt_train/data/x")
+    try:
+        report = preflight(cl, checks=["code_sync"])
+    finally:
+        nd.run("rm -rf ~/gpt_train/data")
+    assert report.ok
+
+
+def test_worker_with_different_torch(cl):
+    nd = cl.nodes[3]
+    nd.run("mkdir -p ~/fake/torch && echo \"__version__ = '2.0.0'\" > ~/fake/torch/version.py && "
+           "touch ~/fake/torch/__init__.py && "
+           f"printf '#!/bin/sh\\nPYTHONPATH=$HOME/fake exec {sys.executable} \"$@\"\\n' > ~/fakepy && "
+           "chmod +x ~/fakepy")
+    doc = cl.inventory(checks={"disk_min_gb": 0.1})
+    doc["nodes"][3]["python"] = "~/fakepy"
+    report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"))
+    assert bad(report) == {("node4", "python_env")}
+    r = result(report, "node4", "python_env")
+    assert "torch 2.0.0" in r.detail and "2.13" in r.detail
+
+
+def test_missing_python_is_a_python_env_finding(cl):
+    doc = cl.inventory(checks={"disk_min_gb": 0.1})
+    doc["nodes"][1]["python"] = "/nonexistent/python3"
+    report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"), ["python_env", "code_sync", "gpu_count"])
+    assert bad(report) == {("node2", "python_env")}
+    assert result(report, "node2", "code_sync").status == "skip"
+
+
+def test_stopped_sshd(cl):
+    nd = cl.nodes[1]
+    nd.stop_sshd()
+    try:
+        report = preflight(cl)
+    finally:
+        nd.start_sshd()
+    assert bad(report) == {("node2", "ssh")}
+    n2 = next(n for n in report.nodes if n.node.name == "node2")
+    assert "refused" in n2.results["ssh"].detail
+    assert n2.results["ping"].status == "ok"  # the host is up, only sshd is gone
+    assert {r.status for c, r in n2.results.items() if c not in ("ssh", "ping")} == {"skip"}
+    assert report.gpus_found["node2"] is None
+
+
+def test_missing_iface(cl):
+    doc = cl.inventory(checks={"disk_min_gb": 0.1})
+    doc["nodes"][2]["iface"] = "eth9"
+    report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"))
+    assert bad(report) == {("node3", "iface")}
+    assert "eth9 does not exist" in result(report, "node3", "iface").detail
+
+
+def test_only_skip_and_exit_codes(cl, tmp_path, capsys):
+    path = cl.write_inventory(tmp_path / "nodes.yaml")
+    assert main(["preflight", "-i", str(path), "--only", "ssh,bogus"]) == 2
+    assert main(["preflight", "-i", str(path), "--only", "gpu_count,iface", "--skip", "iface", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["check"] for c in doc["nodes"][0]["checks"]] == ["gpu_count"]
+    cl.nodes[3].set_gpus(1)
+    try:
+        assert main(["preflight", "-i", str(path), "--only", "gpu_count"]) == 1
+    finally:
+        cl.nodes[3].set_gpus(2)
+    out = capsys.readouterr().out
+    assert "gpus: 1" in out and "node4" in out
