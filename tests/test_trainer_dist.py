@@ -67,8 +67,8 @@ def test_torn_checkpoint_is_skipped(tmp_path):
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
 def test_comm_hooks_run(tmp_path, hook):
-    r = torchrun(tmp_path, "--comm-hook", hook, "--powersgd-start-iter", "1", "--max-steps", "3")
-    assert "step 3 | loss" in r.stdout
+    r = torchrun(tmp_path, "--comm-hook", hook, "--powersgd-start-iter", "2", "--max-steps", "4")
+    assert "step 4 | loss" in r.stdout
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

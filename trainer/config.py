@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDP gradient compression hook")
     s.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix approximation rank")
     s.add_argument("--powersgd-start-iter", type=int, default=10,
-                   help="PowerSGD: plain all-reduce before this iteration")
+                   help="PowerSGD: plain all-reduce before this iteration (>= 2)")
     s.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
     s.add_argument("--compile", action="store_true", help="torch.compile the model")
     lg = p.add_argument_group("output")
@@ -182,6 +182,8 @@ def _validate(cfg: TrainConfig) -> None:
             raise UsageError(f"--data directory {cfg.data!r} holds no .txt or .jsonl files.")
     if cfg.tokenizer not in ("byte", "gpt2") and not os.path.isdir(cfg.tokenizer):
         raise UsageError(f"--tokenizer {cfg.tokenizer!r} is neither 'byte', 'gpt2' nor a local directory.")
+    if cfg.comm_hook == "powersgd" and cfg.powersgd_start_iter < 2:
+        raise UsageError("--powersgd-start-iter must be at least 2: DDP needs two plain iterations first.")
     if cfg.strategy == "fsdp" and cfg.comm_hook != "none":
         raise UsageError("--comm-hook applies to DDP only; FSDP shards gradients with reduce-scatter.")
     if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):

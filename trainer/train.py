@@ -98,8 +98,16 @@ def register_comm_hook(ddp, cfg: TrainConfig, wrap=None):
     else:
         state = None
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[cfg.comm_hook]
+        if cfg.comm_hook == "bf16" and dist.get_backend() != "nccl":
+            hook = _bf16_compress_hook_any_backend
     ddp.register_comm_hook(state, wrap(hook) if wrap else hook)
     return state
+
+
+def _bf16_compress_hook_any_backend(process_group, bucket):
+    """torch's bf16_compress_hook body; DDP refuses the public one off NCCL/XCCL, gloo handles bf16."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
 def configure_optimizer(model, cfg: TrainConfig, device: torch.device):
