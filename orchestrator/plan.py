@@ -70,14 +70,13 @@ def _presets() -> dict[str, ModelSpec]:
         "small": ModelSpec(12, 768, 12, 1024, 50257),
         "medium": ModelSpec(24, 1024, 16, 1024, 50257),
     }
-    try:  # the trainer's own presets win when it has them (trainer/model.py)
-        from trainer import model as _tm  # type: ignore
+    try:  # the trainer's presets win (trainer/config.py: name -> (L, d, heads, ctx, vocab, tokenizer));
+        # config.py is torch-free, so this keeps `clusterctl plan` fast
+        from trainer.config import PRESETS as _trainer_presets  # type: ignore
 
-        for name, cfg in getattr(_tm, "PRESETS", {}).items():
-            get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None, c=cfg: getattr(c, k, d))
-            out[name] = ModelSpec(get("n_layer"), get("n_embd"), get("n_head"),
-                                  get("n_positions", get("block_size", 1024)), get("vocab_size"))
-    except Exception:  # noqa: BLE001 - no trainer model yet, or an unexpected shape: use ours
+        for name, row in _trainer_presets.items():
+            out[name] = ModelSpec(*(int(x) for x in row[:5]))
+    except Exception:  # noqa: BLE001 - no trainer in this checkout, or another shape: use ours
         pass
     return out
 

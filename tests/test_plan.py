@@ -45,6 +45,13 @@ def test_closed_form_overrides(n_layer, heads, head_dim, ctx, vocab, pad, inner,
     assert P.param_count(m) == hf_count(m)
 
 
+def test_presets_are_the_trainers():
+    config = pytest.importorskip("trainer.config")
+    for name, row in config.PRESETS.items():
+        m = P.PRESETS[name]
+        assert (m.n_layer, m.n_embd, m.n_head, m.n_positions, m.vocab_size) == tuple(row[:5])
+
+
 def test_vocab_padding():
     m = P.model_spec("tiny", pad_vocab_to=64)
     assert m.vocab == 50304
