@@ -1,7 +1,7 @@
 """Preflight: every check on every node at once, over the Cluster's existing connections.
 
     run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None,
-                  *, connect_timeout: float = 3.0) -> PreflightReport
+                  *, connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport
     report.ok -> bool            no check failed (warnings allowed)
     report.gpus_found            {node name: GPUs found, or None when not probed/unknown}
     report.render(console)       rich table node x check, remedies, rank map
@@ -213,7 +213,9 @@ class _Listener:
 
 
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
-                  connect_timeout: float = 3.0) -> PreflightReport:
+                  connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport:
+    """control_dir: the control machine's copy code_sync compares with (default: the inventory's
+    workdir here, when it exists)."""
     t_start = time.monotonic()
     checks = list(CHECKS) if checks is None else [c for c in CHECKS if c in checks]
     inv = inventory
@@ -303,8 +305,8 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
             reports[name].results["python_env"] = r
     if "code_sync" in probe_checks and done:
         control = None
-        cw = control_workdir(inv)
-        if cw is not None and not any(n.is_local for n in nodes):
+        cw = control_dir or control_workdir(inv)
+        if cw is not None:
             control = load_nodeinfo().digest(cw)
         for name, r in compare_code_sync(done, ctx_of, master, control).items():
             reports[name].results["code_sync"] = r

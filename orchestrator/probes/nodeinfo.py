@@ -7,6 +7,7 @@ and on the control machine (imported), so both sides hash a workdir the same way
     python -c <this> receive WD  extract a tar stream from stdin into WD, then delete files the
                                  manifest (.clusterctl-manifest in the tar) does not list,
                                  leaving ignored files (data, checkpoints) alone.
+    python -c <this> prune WD    the same deletion, the manifest on stdin (after an rsync).
 
 The digest is content-based: for every file a git tree would ship (git ls-files -co
 --exclude-standard in a git checkout, else a walk honouring .gitignore files) its path,
@@ -265,17 +266,23 @@ def receive(root):
                 tar.extract(m, root, set_attrs=m.isfile(), **({"filter": "tar"} if hasattr(
                     tarfile, "tar_filter") else {}))
     mpath = os.path.join(root, MANIFEST)
-    keep = set()
     if os.path.exists(mpath):
-        with open(mpath, encoding="utf-8", errors="surrogateescape") as f:
-            keep = {ln for ln in f.read().split("\0") if ln}
+        with open(mpath, "rb") as f:
+            data = f.read()
         os.unlink(mpath)
-        removed = 0
-        for rel in walk_files(root):
-            if rel not in keep:
-                os.unlink(os.path.join(root, rel))
-                removed += 1
-        print(json.dumps({"received": len(keep), "removed": removed}))
+        prune(root, data)
+
+
+def prune(root, manifest):
+    """Delete the files under root that manifest (NUL-separated paths) does not list and no
+    .gitignore ignores: what a push left behind from an older tree."""
+    keep = {p for p in manifest.decode("utf-8", "surrogateescape").split("\0") if p}
+    removed = 0
+    for rel in walk_files(root):
+        if rel not in keep:
+            os.unlink(os.path.join(root, rel))
+            removed += 1
+    print(json.dumps({"kept": len(keep), "removed": removed}))
 
 
 def main(argv):
@@ -285,6 +292,8 @@ def main(argv):
         print(json.dumps(doc))
     elif len(argv) >= 2 and argv[0] == "receive":
         receive(argv[1])
+    elif len(argv) >= 2 and argv[0] == "prune":
+        prune(os.path.realpath(argv[1]), sys.stdin.buffer.read())
     else:
         sys.stderr.write("usage: nodeinfo.py info WORKDIR | receive WORKDIR\n")
         return 2

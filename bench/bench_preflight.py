@@ -1,0 +1,111 @@
+"""Full preflight vs `pdsh -R ssh -f 64 hostname` vs a bare fan-out over our transport.
+
+    sudo .venv/bin/python bench/bench_preflight.py [8 64 256] [--repeat 3]
+
+For each size: one test cluster, then (same run, alternating, best of --repeat):
+  pdsh   pdsh -R ssh -f 64 -w <nodes> hostname  (OpenSSH per node, through an ssh wrapper
+         carrying the cluster's key/known_hosts/user)
+  bare   Cluster(inv) connect + run("hostname")  (our transport, one handshake per node)
+  pre    Cluster(inv) connect + run_preflight(all checks)
+Prints wall seconds, the ratios, and the control process's CPU per node (getrusage of this
+process: user+sys, threads included; pdsh's is its children's). No assertions on seconds.
+Target (issue 3): pre <= 0.5 x pdsh and <= 1.5 x bare at 64 nodes.
+"""
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from orchestrator.inventory import parse_inventory  # noqa: E402
+from orchestrator.preflight import run_preflight  # noqa: E402
+from orchestrator.transport import Cluster  # noqa: E402
+from tests.cluster import TestCluster  # noqa: E402
+
+
+def cpu_self():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_children():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn, cpu=cpu_self):
+    c0, t0 = cpu(), time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, cpu() - c0, out
+
+
+def pdsh_wrapper(cluster, d: Path) -> Path:
+    w = d / "ssh"
+    w.write_text("#!/bin/sh\nexec /usr/bin/ssh -i {k} -o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes "
+                 "-o BatchMode=yes -o IdentitiesOnly=yes -o ConnectTimeout=10 -F /dev/null -l {u} \"$@\"\n"
+                 .format(k=cluster.identity_file, kh=cluster.known_hosts, u=cluster.user))
+    w.chmod(0o755)
+    return w
+
+
+def bench(n, repeat):
+    with TestCluster(n=n, gpus=8, name_prefix="ccbp") as cluster, tempfile.TemporaryDirectory() as td:
+        for nd in cluster.nodes:
+            nd.run("mkdir -p ~/gpt_train && echo 'print(1)' > ~/gpt_train/train.py")
+        inv = parse_inventory(yaml.safe_dump(cluster.inventory(checks={"disk_min_gb": 0.1})), "<bench>")
+        wrapper = pdsh_wrapper(cluster, Path(td))
+        hosts = ",".join(nd.host for nd in cluster.nodes)
+        env = dict(os.environ, PDSH_SSH_ARGS="", PDSH_RCMD_TYPE="ssh", PATH=f"{td}:{os.environ['PATH']}")
+
+        def pdsh():
+            r = subprocess.run(["pdsh", "-R", "ssh", "-f", "64", "-w", hosts, "hostname"], env=env,
+                               capture_output=True, text=True)
+            got = sum(1 for ln in r.stdout.splitlines() if ln.strip())
+            assert got == n, f"pdsh: {got}/{n} answered: {r.stderr[-500:]}"
+
+        def bare():
+            with Cluster(inv) as c:
+                res = c.run("hostname")
+                assert res.all_ok and c.handshakes == n
+
+        def pre():
+            with Cluster(inv) as c:
+                rep = run_preflight(c, inv)
+                assert c.handshakes == n
+            bad = [(x.node.name, r.check, r.detail) for x in rep.nodes for r in x.results.values()
+                   if r.status == "fail"]
+            assert rep.ok, bad[:5]
+
+        best = {}
+        for _ in range(repeat):
+            for name, fn, cpu in (("pdsh", pdsh, cpu_children), ("bare", bare, cpu_self), ("pre", pre, cpu_self)):
+                wall, c, _ = timed(fn, cpu)
+                if name not in best or wall < best[name][0]:
+                    best[name] = (wall, c)
+        (pw, pc), (bw, bc), (fw, fc) = best["pdsh"], best["bare"], best["pre"]
+        print(f"{n:4d} nodes  pdsh {pw:6.2f}s  bare {bw:6.2f}s  preflight {fw:6.2f}s  "
+              f"pre/pdsh {fw / pw:4.2f}  pre/bare {fw / bw:4.2f}  "
+              f"CPU/node: preflight {fc / n * 1000:5.1f} ms, bare {bc / n * 1000:5.1f} ms, "
+              f"pdsh(ssh children) {pc / n * 1000:5.1f} ms", flush=True)
+        return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sizes", type=int, nargs="*", default=[8, 64, 256])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    print(f"control: {os.cpu_count()} CPUs; best of {args.repeat}; fan-out 64 everywhere")
+    for n in args.sizes:
+        bench(n, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

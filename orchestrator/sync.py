@@ -1,0 +1,228 @@
+"""`clusterctl sync`: push the control machine's workdir to every node, in parallel.
+
+What is pushed is what a git tree would ship: `git ls-files -co --exclude-standard` in a git
+checkout, else every file not matched by a .gitignore (orchestrator/probes/nodeinfo.py, the
+same walker preflight's code_sync hashes with). Files the nodes have that are not pushed and
+not ignored are deleted, so `code_sync` passes afterwards; ignored files (data, checkpoints)
+are left alone.
+
+Transport: rsync when both sides have it (its own ssh command line built from the inventory's
+SSH settings: -i, -p, -J, UserKnownHostsFile and StrictHostKeyChecking=yes), else a tar stream
+over the node's existing connection into `python -c <nodeinfo> receive WORKDIR`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import click
+
+from . import shell
+from .checks import load_nodeinfo
+from .errors import EXIT_FAILED, EXIT_OK, UsageError
+from .inventory import Inventory, Node
+from .options import ClusterOptions, cluster_options
+from .transport import Cluster
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    node: str
+    method: str  # rsync | tar | skip
+    ok: bool
+    detail: str
+
+
+def file_list(src: str) -> list[str]:
+    ni = load_nodeinfo()
+    g = ni.git_files(src)
+    files = g[0] if g else ni.walk_files(src)
+    return [f for f in files if os.path.lexists(os.path.join(src, f))]
+
+
+def tar_stream(src: str, files: list[str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+        for rel in files:
+            tar.add(os.path.join(src, rel), arcname=rel, recursive=False)
+        manifest = "\0".join(files).encode("utf-8", "surrogateescape")
+        info = tarfile.TarInfo(load_nodeinfo().MANIFEST)
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+    return buf.getvalue()
+
+
+def rsync_ssh_command(node: Node) -> str:
+    """The `-e` of rsync: ssh with the inventory's settings, host keys verified."""
+    s = node.ssh
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
+    if s.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(s.known_hosts)}"]
+    if s.identity_file:
+        argv += ["-i", os.path.expanduser(s.identity_file), "-o", "IdentitiesOnly=yes"]
+    if s.port:
+        argv += ["-p", str(s.port)]
+    if s.proxy_jump:
+        argv += ["-J", s.proxy_jump]
+    if s.config_file:
+        argv += ["-F", os.path.expanduser(s.config_file)]
+    if s.connect_timeout:
+        argv += ["-o", f"ConnectTimeout={int(s.connect_timeout + 0.999)}"]
+    return " ".join(shell.quote(a) for a in argv)
+
+
+def rsync_argv(src: str, node: Node) -> list[str]:
+    dest = node.workdir
+    if dest == "~":
+        dest = "."
+    elif dest.startswith("~/"):
+        dest = dest[2:]  # rsync's remote side starts in the home directory
+    target = f"{node.ssh.user + '@' if node.ssh.user else ''}{node.host}:{dest.rstrip('/')}/"
+    if ":" in node.host and not node.host.startswith("["):
+        target = f"{node.ssh.user + '@' if node.ssh.user else ''}[{node.host}]:{dest.rstrip('/')}/"
+    return ["rsync", "-a", "--files-from=-", "--from0", "-e", rsync_ssh_command(node),
+            src.rstrip("/") + "/", target]
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except OSError:
+        return False
+
+
+def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto",
+         on_done=None) -> list[SyncResult]:
+    """Push src to every connected node; returns one result per node in rank order."""
+    results: dict[str, SyncResult] = {}
+    lock = threading.Lock()
+
+    def done(r: SyncResult):
+        with lock:
+            results[r.node] = r
+        if on_done:
+            on_done(r)
+
+    todo = []
+    for n in inv.nodes:
+        if n.name in cluster.unreachable or n.name not in cluster.connections:
+            err = cluster.unreachable.get(n.name)
+            done(SyncResult(n.name, "skip", False, err.error if err else "not connected"))
+        elif n.is_local and _same_dir(src, n.workdir):
+            done(SyncResult(n.name, "skip", True, "local node: the workdir is the source itself"))
+        else:
+            todo.append(n)
+    if not todo:
+        return [results[n.name] for n in inv.nodes]
+
+    # one round trip on the existing connections: does the node have rsync? (also makes the dir)
+    use_rsync: set[str] = set()
+    if method in ("auto", "rsync") and shutil.which("rsync"):
+        probe = cluster.run(lambda n: f"mkdir -p {shell.path(n.workdir)} && command -v rsync",
+                            nodes=[n.name for n in todo if not n.is_local], timeout=30)
+        use_rsync = {k for k, r in probe.items() if r.ok and r.stdout.strip()}
+        use_rsync |= {n.name for n in todo if n.is_local}
+    if method == "rsync":
+        for n in todo:
+            if n.name not in use_rsync:
+                done(SyncResult(n.name, "rsync", False, "rsync is missing on this node or here"))
+        todo = [n for n in todo if n.name in use_rsync]
+
+    files = file_list(src)
+    manifest = "\0".join(files).encode("utf-8", "surrogateescape")
+    receiver = shell.quote(load_nodeinfo().__loader__.get_source(load_nodeinfo().__name__))
+
+    def rsync_one(n: Node):
+        """rsync exactly the file list (rsync's own .gitignore merge knows no `!negation`), then
+        prune what the list does not name over the node's existing connection."""
+        if n.is_local:
+            os.makedirs(os.path.expanduser(n.workdir), exist_ok=True)
+            argv = ["rsync", "-a", "--files-from=-", "--from0", src.rstrip("/") + "/",
+                    os.path.expanduser(n.workdir).rstrip("/") + "/"]
+        else:
+            argv = rsync_argv(src, n)
+        try:
+            p = subprocess.run(argv, capture_output=True, input=manifest, timeout=3600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return SyncResult(n.name, "rsync", False, str(e))
+        if p.returncode != 0:
+            return SyncResult(n.name, "rsync", False, p.stderr.decode(errors="replace").strip()[-300:])
+        return None
+
+    def prune_cmd(n: Node) -> str:
+        return f"{shell.path(n.python)} -c {receiver} prune {shell.path(n.workdir)}"
+
+    tar_nodes = [n for n in todo if n.name not in use_rsync]
+    rsync_nodes = [n for n in todo if n.name in use_rsync]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(cluster.fanout, 16, len(rsync_nodes) or 1)))
+    futures = {n.name: pool.submit(rsync_one, n) for n in rsync_nodes}
+    if tar_nodes:
+        data = tar_stream(src, files)
+
+        def on_tar(r):
+            done(SyncResult(r.node, "tar", r.ok, f"pushed {len(files)} files ({len(data) / 1e6:.1f} MB tar.gz)"
+                            if r.ok else (r.error or r.stderr.strip()[-300:] or f"exit {r.exit_code}")))
+
+        cluster.run(lambda n: f"{shell.path(n.python)} -c {receiver} receive {shell.path(n.workdir)}",
+                    stdin=data, nodes=[n.name for n in tar_nodes], timeout=3600, on_done=on_tar)
+    pushed = []
+    for name, f in futures.items():
+        r = f.result()
+        if r is not None:
+            done(r)
+        else:
+            pushed.append(name)
+    pool.shutdown()
+    if pushed:
+        def on_prune(r):
+            done(SyncResult(r.node, "rsync", r.ok, f"pushed {len(files)} files with rsync" if r.ok else
+                            "rsync ok, pruning failed: " + (r.error or r.stderr.strip()[-300:])))
+
+        cluster.run(prune_cmd, stdin=manifest, nodes=pushed, timeout=600, on_done=on_prune)
+    return [results[n.name] for n in inv.nodes]
+
+
+@click.command("sync")
+@cluster_options
+@click.option("--src", type=click.Path(file_okay=False), default=None,
+              help="Local directory to push (default: the inventory's workdir on this machine).")
+@click.option("--method", type=click.Choice(["auto", "rsync", "tar"]), default="auto", show_default=True,
+              help="auto: rsync where both sides have it, else a tar stream over the SSH connection.")
+def sync_command(opts: ClusterOptions, src: str | None, method: str):
+    """Push the workdir to every node in parallel (.gitignore aware), then check code_sync."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .preflight import run_preflight
+
+    inv = opts.load()
+    src = os.path.expanduser(src or inv.workdir)
+    if not os.path.isdir(src):
+        raise UsageError(f"nothing to push: {src} is not a directory here (use --src DIR)")
+    console = Console(stderr=True)
+    with opts.cluster(inv) as cluster:
+        with Progress(TextColumn("sync"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeElapsedColumn(), console=console, transient=not console.is_terminal) as progress:
+            task = progress.add_task("", total=len(inv.nodes))
+            results = sync(cluster, inv, src, method=method,
+                           on_done=lambda r: progress.update(task, advance=1, description=r.node))
+        for r in results:
+            mark = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
+            console.print(f"  {r.node}: {mark} {r.method}: {r.detail}", soft_wrap=True, markup=True)
+        report = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
+    for n in report.nodes:
+        r = n.results.get("code_sync")
+        if r is not None and r.status != "ok":
+            console.print(f"  {n.node.name}: code_sync {r.status}: {r.detail}", soft_wrap=True)
+    ok = all(r.ok for r in results) and report.ok
+    console.print("[green]sync ok: code_sync passes on every node[/]" if ok else "[bold red]sync incomplete[/]")
+    sys.exit(EXIT_OK if ok else EXIT_FAILED)
+
