@@ -55,6 +55,19 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def _ids() -> list[str]:
+    """Recorded run ids, oldest first by creation time (not by the record's last write)."""
+    d = runs_dir()
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        rec = None if p.name.startswith(".") else read_json(p / "run.json")
+        if rec is not None:
+            found.append((rec.get("created", 0), p.name))
+    return [i for _, i in sorted(found)]
+
+
 class Run:
     """A run directory on the control machine."""
 
@@ -65,17 +78,19 @@ class Run:
     @classmethod
     def create(cls, run_id: str, spec: dict) -> "Run":
         r = cls(run_id)
-        (r.dir / "nodes").mkdir(parents=True)
-        write_json(r.dir / "spec.json", spec)
-        write_json(r.dir / "run.json", {"id": run_id, "state": "starting", "created": time.time()})
+        # built under a hidden name and renamed, so a run directory is never seen half made
+        tmp = r.dir.with_name(f".{run_id}.tmp")
+        (tmp / "nodes").mkdir(parents=True)
+        write_json(tmp / "spec.json", spec)
+        write_json(tmp / "run.json", {"id": run_id, "state": "starting", "created": time.time()})
+        os.rename(tmp, r.dir)
         return r
 
     @classmethod
     def find(cls, run_id: str | None) -> "Run":
         """A run by id or unique prefix; the latest run when None."""
         d = runs_dir()
-        ids = sorted((p.name for p in d.iterdir() if (p / "run.json").exists()),
-                     key=lambda i: (d / i / "run.json").stat().st_ctime) if d.is_dir() else []
+        ids = _ids()
         if not ids:
             raise UsageError(f"no runs recorded under {d} yet; start one with `clusterctl train`")
         if run_id is None:
@@ -91,12 +106,7 @@ class Run:
 
     @staticmethod
     def all() -> list["Run"]:
-        d = runs_dir()
-        if not d.is_dir():
-            return []
-        ids = sorted((p.name for p in d.iterdir() if (p / "run.json").exists()),
-                     key=lambda i: (d / i / "run.json").stat().st_ctime)
-        return [Run(i) for i in ids]
+        return [Run(i) for i in _ids()]
 
     @property
     def spec(self) -> dict:

@@ -39,6 +39,20 @@ def record(home):
     return runs[-1], json.loads((runs[-1] / "run.json").read_text())
 
 
+def rec_of(run_dir):
+    """run.json, or {} while the run directory is still being created."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def new_run_dir(home):
+    """The (only) run directory, once its record exists."""
+    return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
+                    if (home / "runs").exists() else None, 30, "run dir")
+
+
 def wait_for(pred, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -77,13 +91,13 @@ def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_pa
     assert r.returncode == 0, r.stderr
     run_dir = home / "runs" / r.stdout.strip()
     rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" and all(
-        n.get("pid") for n in d["nodes"]) else None)(json.loads((run_dir / "run.json").read_text())), 60, "running")
+        n.get("pid") for n in d["nodes"]) else None)(rec_of(run_dir)), 60, "running")
     wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node3.log").read_bytes(), 60, "steps on node3")
     victim = next(n for n in rec["nodes"] if n["name"] == "node3")["pid"]
     os.kill(victim, signal.SIGKILL)
     detected = time.time()
     rec = wait_for(lambda: (lambda d: d if d.get("state") in ("failed", "finished") else None)(
-        json.loads((run_dir / "run.json").read_text())), 60, "the run to end")
+        rec_of(run_dir)), 60, "the run to end")
     wait_for(lambda: all_clean(cluster), 10 - (time.time() - detected) + 5, "every node clean")
     assert time.time() - detected < 15
     assert rec["state"] == "failed" and rec["exit_code"] != 0
@@ -97,13 +111,12 @@ def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
                              "--lost-timeout", "5", "--", DDP, "--steps", "600", "--sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
-                       else None, 30, "run dir")
+    run_dir = new_run_dir(home)
     wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
              if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
     cluster.nodes[1].link_down()
     out, err = proc.communicate(timeout=60)  # no hang: lost within 5 s + teardown
-    rec = json.loads((run_dir / "run.json").read_text())
+    rec = rec_of(run_dir)
     assert proc.returncode != 0
     assert rec["state"] == "failed"
     assert {n["name"]: n["state"] for n in rec["nodes"]}["node2"] == "lost"
@@ -119,10 +132,9 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
                              "--", DDP, "--steps", "40", "--sleep", "0.1", "--lines", "3000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
-                       else None, 30, "run dir")
+    run_dir = new_run_dir(home)
     rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" else None)(
-        json.loads((run_dir / "run.json").read_text())), 60, "running")
+        rec_of(run_dir)), 60, "running")
     time.sleep(1)
     os.kill(rec["supervisor_pid"], signal.SIGKILL)  # the whole controller dies
     proc.kill()
@@ -140,7 +152,7 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
         mine = [ln.split("| ", 1)[1] for ln in got if ln.startswith(f"{node}/r{rank} ")]
         assert mine == expected
         assert f"rank {rank} line 2999" in mine
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+    assert rec_of(run_dir)["state"] == "finished"
 
 
 def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
@@ -149,8 +161,7 @@ def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
                              "--", DDP, "--steps", "600", "--sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = wait_for(lambda: next((p for p in (home / "runs").glob("*")), None) if (home / "runs").exists()
-                       else None, 30, "run dir")
+    run_dir = new_run_dir(home)
     wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
              if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
     proc.send_signal(signal.SIGINT)
@@ -159,7 +170,7 @@ def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
     out, err = proc.communicate(timeout=30)
     assert "stopping run" in err and "gracefully" in err
     assert proc.returncode == 130
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+    assert rec_of(run_dir)["state"] == "stopped"
     assert time.time() - t0 < 30
 
 
@@ -168,7 +179,7 @@ def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_pa
     inv = prepare(cluster, tmp_path)
     r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--", DDP, "--steps", "600", "--sleep", "0.1")
     first = r.stdout.strip()
-    wait_for(lambda: json.loads((home / "runs" / first / "run.json").read_text()).get("state") == "running",
+    wait_for(lambda: rec_of(home / "runs" / first).get("state") == "running",
              60, "first run running")
     other = str(cluster.write_inventory(tmp_path / "other.yaml", master_port=29611))
     r2 = cli("train", "-i", other, "--skip-preflight", "--", DDP, "--steps", "1")
@@ -179,6 +190,6 @@ def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_pa
     st = cli("stop", first)
     assert st.returncode == 0, st.stderr
     wait_for(lambda: all_clean(cluster), 15, "stopped")
-    assert json.loads((home / "runs" / first / "run.json").read_text())["state"] == "stopped"
+    assert rec_of(home / "runs" / first)["state"] == "stopped"
     runs = cli("runs", "--json")
     assert first in runs.stdout

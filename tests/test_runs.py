@@ -1,0 +1,165 @@
+"""Pure parts of train/tail/status: run records, ids, exit meanings, offset tailing, rank labels."""
+
+import io
+import json
+
+import pytest
+
+from orchestrator.errors import UsageError
+from orchestrator.logs import Follower, NodeLog, last_lines_offset
+from orchestrator.output import Prefixer
+from orchestrator.runs import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "cchome"))
+    return tmp_path / "cchome"
+
+
+def test_run_ids_carry_the_name_and_refuse_path_characters():
+    rid = new_run_id("gpt2-small")
+    assert rid.startswith("gpt2-small-") and len(rid.split("-")) == 5
+    assert new_run_id(None).startswith("run-")
+    assert new_run_id("x") != new_run_id("x")
+    for bad in ("a/b", "../x", ".hidden", "a b", "a;rm"):
+        with pytest.raises(UsageError):
+            new_run_id(bad)
+
+
+def test_create_find_update_and_latest(home):
+    a = Run.create("alpha-1", {"args": ["x.py"]})
+    b = Run.create("beta-1", {"args": []})
+    assert (a.dir / "nodes").is_dir() and a.spec == {"args": ["x.py"]}
+    assert a.record["state"] == "starting"
+    assert not list(runs_dir().glob(".*"))  # the hidden build directory was renamed away
+    assert Run.find(None).id == "beta-1"  # latest
+    assert Run.find("alph").id == "alpha-1"  # unique prefix
+    a.update(state="running", nodes=[{"name": "n1"}])
+    assert a.record["state"] == "running" and a.record["nodes"] == [{"name": "n1"}]
+    assert [r.id for r in Run.all()] == ["alpha-1", "beta-1"]
+    with pytest.raises(UsageError, match="no run 'zzz'"):
+        Run.find("zzz")
+
+
+def test_ambiguous_prefix_and_no_runs(home):
+    with pytest.raises(UsageError, match="no runs recorded"):
+        Run.find(None)
+    Run.create("job-1", {})
+    Run.create("job-2", {})
+    with pytest.raises(UsageError, match="ambiguous"):
+        Run.find("job")
+
+
+def test_half_made_run_dirs_are_ignored(home):
+    Run.create("ok-1", {})
+    (runs_dir() / ".ok-2.tmp").mkdir()
+    write_json(runs_dir() / ".ok-2.tmp" / "run.json", {"id": "ok-2"})
+    (runs_dir() / "empty").mkdir()  # no run.json yet
+    assert [r.id for r in Run.all()] == ["ok-1"]
+
+
+def test_records_are_written_atomically(tmp_path):
+    p = tmp_path / "r.json"
+    write_json(p, {"a": 1})
+    write_json(p, {"a": 2})
+    assert read_json(p) == {"a": 2}
+    assert [x.name for x in tmp_path.iterdir()] == ["r.json"]
+    p.write_text("{torn")
+    assert read_json(p) is None
+
+
+def test_a_dead_or_foreign_supervisor_pid_is_not_alive(home):
+    import os
+
+    r = Run.create("s-1", {})
+    assert not r.supervisor_alive()
+    r.update(supervisor_pid=os.getpid())  # a live pid without CLUSTERCTL_SUPERVISOR=s-1: not ours
+    assert not r.supervisor_alive()
+
+
+@pytest.mark.parametrize("code,words", [
+    (0, "success"), (137, "SIGKILL"), (143, "SIGTERM"), (139, "SIGSEGV"), (127, "could not start"),
+    (1, "script failed"), (None, "node lost"),
+])
+def test_exit_meaning(code, words):
+    assert words in exit_meaning(code)
+
+
+def test_last_lines_offset(tmp_path):
+    p = tmp_path / "log"
+    p.write_bytes(b"a\nb\nc\nd\n")
+    assert last_lines_offset(p, 2) == 4
+    assert last_lines_offset(p, 0) == 8
+    assert last_lines_offset(p, 10) == 0
+    p.write_bytes(b"a\nb\npartial")
+    assert p.read_bytes()[last_lines_offset(p, 1):] == b"partial"
+    big = b"".join(b"line %06d\n" % i for i in range(100_000))
+    p.write_bytes(big)
+    assert p.read_bytes()[last_lines_offset(p, 3):] == b"line 099997\nline 099998\nline 099999\n"
+    assert last_lines_offset(tmp_path / "missing", 5) == 0
+
+
+def test_node_log_yields_whole_lines_across_partial_writes(tmp_path):
+    p = tmp_path / "n.log"
+    lg = NodeLog("node2", p, first_rank=4)
+    assert lg.read_lines() == []  # not there yet
+    with open(p, "ab") as f:
+        f.write(b"[default0]:hello\n[default1]:par")
+        f.flush()
+        assert lg.read_lines() == [b"[default0]:hello"]
+        f.write(b"tial\nno newline at exit")
+        f.flush()
+        assert lg.read_lines() == [b"[default1]:partial"]
+        assert lg.read_lines(final=True) == [b"no newline at exit"]
+    assert lg.offset == p.stat().st_size
+
+
+def test_rank_labels_are_global():
+    lg = NodeLog("node3", None, first_rank=8)
+    assert lg.label(b"[default1]:loss 3.2") == ("node3/r9", 9, b"loss 3.2")
+    assert lg.label(b"[trainer0]:x") == ("node3/r8", 8, b"x")
+    assert lg.label(b"W1122 torchrun warning") == ("node3", None, b"W1122 torchrun warning")
+    assert NodeLog("n", None, None).label(b"[default0]:x") == ("n", None, b"[default0]:x")
+
+
+def test_follower_prints_prefixed_lines_filtered_by_node_and_rank(tmp_path):
+    (tmp_path / "a.log").write_bytes(b"[default0]:a0\n[default1]:a1\ntorchrun says\n")
+    (tmp_path / "b.log").write_bytes(b"[default0]:b0\n[default1]:b1\n")
+
+    def run(**kw):
+        out = io.StringIO()
+        logs = [NodeLog("node1", tmp_path / "a.log", 0), NodeLog("node2", tmp_path / "b.log", 2)]
+        Follower(logs, Prefixer(["node1/r1", "node2/r3"], out=out, color=False), **kw).poll(final=True)
+        return out.getvalue().splitlines()
+
+    assert run() == ["node1/r0 | a0", "node1/r1 | a1", "node1    | torchrun says", "node2/r2 | b0",
+                     "node2/r3 | b1"]
+    assert run(node="node2") == ["node2/r2 | b0", "node2/r3 | b1"]
+    assert run(rank=1) == ["node1/r1 | a1"]
+
+
+def test_color_only_on_request():
+    out = io.StringIO()
+    Prefixer(["node1/r0"], out=out, color=True)("node1/r0", "stdout", "x", "node1")
+    assert out.getvalue().startswith("\x1b[")
+    out = io.StringIO()
+    Prefixer(["node1/r0"], out=out)("node1/r0", "stdout", "x", "node1")  # StringIO is no terminal
+    assert out.getvalue() == "node1/r0 | x\n"
+
+
+def test_root_cause_prefers_the_error_file_then_the_log_tail(home):
+    from orchestrator.supervisor import Supervisor
+
+    run = Run.create("rc-1", {})
+    sup = Supervisor.__new__(Supervisor)  # only the summary logic, no inventory
+    sup.run = run
+    sup.states = {"node2": {"first_rank": 2, "last_rank": 3, "error_file": json.dumps(
+        {"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "Traceback ...\nboom"}}})}}
+    ff = {"node": "node2", "exit_code": 1, "reason": exit_meaning(1)}
+    s = sup.root_cause(ff)
+    assert s.startswith("node2 (ranks 2-3) failed first: exit code 1") and s.endswith("Traceback ...\nboom")
+    sup.states["node2"]["error_file"] = None
+    run.node_log("node2").write_bytes(b"".join(b"line %d\n" % i for i in range(100)) + b"Killed\n")
+    s = sup.root_cause(dict(ff, exit_code=137, reason=exit_meaning(137)))
+    assert "exit code 137" in s and s.endswith("line 99\nKilled") and "line 84" not in s
