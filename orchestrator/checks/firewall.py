@@ -133,7 +133,8 @@ def parse_nft(text: str, port: int) -> Facts:
             else:
                 f.blocks_port.append(rule)
         elif not m and verdict.group(1) == "accept" and chain in input_chains and \
-                ("saddr" in rule or "iifname" in rule or "iif " in rule) and "ct state" not in rule:
+                ("saddr" in rule or "iifname" in rule or "iif " in rule) and "ct state" not in rule \
+                and not re.search(r'iif(?:name)? "?lo"?\b', rule):
             f.allows_all = True
     f.summary = "nftables: input policy drop" if f.default_drop else "nftables rules present"
     return f
