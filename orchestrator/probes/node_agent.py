@@ -71,6 +71,13 @@ def run_pids(run_id):
     return out
 
 
+def pgid_of(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 def start(run_id, spec_hex):
     spec = json.loads(bytes.fromhex(spec_hex).decode())
     d = rundir(run_id)
@@ -97,6 +104,12 @@ def start(run_id, spec_hex):
     waiter(d, run_id, spec, w)
 
 
+def default_signals():
+    """An ignored signal stays ignored across exec: give the run back SIGTERM (its graceful stop)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def waiter(d, run_id, spec, notify_fd):
     import subprocess
 
@@ -117,7 +130,7 @@ def waiter(d, run_id, spec, notify_fd):
     log = open(os.path.join(d, "log"), "ab", buffering=0)
     try:
         p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_signals)
     except OSError as e:
         log.write(f"clusterctl: cannot start {spec['argv'][0]!r} in {cwd}: {e}\n".encode())
         write_atomic(os.path.join(d, "exit_code"), "127")
@@ -142,12 +155,14 @@ def stop(run_id, grace):
         return [p for p in run_pids(run_id) if p != waiter]
 
     def signal_all(sig):
-        if info.get("pgid"):
+        pids = targets()
+        # the group only while a process of this run is still in it: a pgid can be reused
+        if info.get("pgid") and any(pgid_of(p) == info["pgid"] for p in pids):
             try:
                 os.killpg(info["pgid"], sig)
             except OSError:
                 pass
-        for pid in targets():
+        for pid in pids:
             try:
                 os.kill(pid, sig)
             except OSError:
@@ -185,6 +200,18 @@ def status(run_id):
                       "log_size": size, "error_file": err}))
 
 
+def vanished(d, run_id):
+    """The waiter was killed before it could record an exit code, and nothing of the run is left."""
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    if not info.get("waiter"):
+        return False
+    try:
+        os.kill(info["waiter"], 0)
+        return False
+    except OSError:
+        return not run_pids(run_id)
+
+
 def tail(run_id, offset):
     d = rundir(run_id)
     path = os.path.join(d, "log")
@@ -195,6 +222,7 @@ def tail(run_id, offset):
         if time.time() > deadline:
             sys.exit("no log for run " + run_id)
         time.sleep(0.05)
+    idle_since = time.time()
     with open(path, "rb") as f:
         f.seek(pos)
         while True:
@@ -202,8 +230,13 @@ def tail(run_id, offset):
             if chunk:
                 out.write(chunk)
                 out.flush()
+                idle_since = time.time()
                 continue
-            if os.path.exists(os.path.join(d, "exit_code")):
+            ended = os.path.exists(os.path.join(d, "exit_code"))
+            if not ended and time.time() - idle_since > 2:  # quiet: is anyone left to write?
+                idle_since = time.time()
+                ended = vanished(d, run_id)
+            if ended:
                 chunk = f.read()  # whatever landed between the last read and the exit
                 if not chunk:
                     return

@@ -1,0 +1,164 @@
+"""The node agent, run locally exactly as it is shipped: the script on stdin, `python - CMD ARGS`."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+AGENT = (Path(__file__).parent.parent / "orchestrator" / "probes" / "node_agent.py").read_bytes()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path))
+
+    def call(*args, timeout=30, text=True):
+        r = subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, env=env, capture_output=True,
+                           timeout=timeout)
+        return r if not text else subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(),
+                                                              r.stderr.decode())
+
+    call.home = tmp_path
+    call.env = env
+    return call
+
+
+def rundir(agent, key):
+    return agent.home / ".clusterctl" / "node-runs" / key
+
+
+def start(agent, key, code, env=None):
+    spec = {"argv": [sys.executable, "-c", code], "cwd": str(agent.home), "env": env or {}}
+    r = agent("start", key, json.dumps(spec).encode().hex())
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def pids_with(key):
+    marker = f"CLUSTERCTL_RUN_KEY={key}".encode()
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and marker + b"\0" in (p / "environ").read_bytes() and \
+                    (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(int(p.name))
+        except OSError:
+            pass
+    return out
+
+
+def wait_for(pred, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_start_records_the_run_and_its_exit_code(agent):
+    info = start(agent, "r1@n1", "import os,sys; print('out', os.environ['CLUSTERCTL_RUN_ID'], "
+                                 "os.environ['X']); print('err', file=sys.stderr); sys.exit(3)", env={"X": "y"})
+    d = rundir(agent, "r1@n1")
+    assert info["pid"] == info["pgid"] and info["waiter"] != info["pid"]
+    assert wait_for(lambda: (d / "exit_code").exists())
+    assert (d / "exit_code").read_text() == "3"
+    assert sorted((d / "log").read_bytes().splitlines()) == [b"err", b"out r1 y"]
+    st = json.loads(agent("status", "r1@n1").stdout)
+    assert st["exit_code"] == 3 and st["alive"] == 0 and st["pid"] == info["pid"] and st["exists"]
+    assert json.loads(agent("live").stdout) == []
+    assert agent("start", "r1@n1", "7b7d").returncode != 0  # one run per key, never reused
+
+
+def test_a_command_that_cannot_start_exits_127(agent):
+    spec = {"argv": ["/nonexistent/python"], "cwd": str(agent.home), "env": {}}
+    r = agent("start", "bad@n1", json.dumps(spec).encode().hex())
+    assert r.returncode == 0
+    assert (rundir(agent, "bad@n1") / "exit_code").read_text() == "127"
+    assert b"cannot start" in (rundir(agent, "bad@n1") / "log").read_bytes()
+
+
+def test_bad_run_ids_are_refused(agent):
+    for key in ("../x", ".hidden", "a/b"):
+        r = agent("status", key)
+        assert r.returncode != 0 and "bad run id" in r.stderr
+
+
+def test_tail_from_an_offset_follows_until_the_exit_and_every_byte_once(agent):
+    code = "import time\nfor i in range(300):\n    print('line', i, flush=True)\n    time.sleep(0.002)\n"
+    start(agent, "t1@n1", code)
+    d = rundir(agent, "t1@n1")
+    assert wait_for(lambda: (d / "log").exists() and (d / "log").stat().st_size > 50)
+    first = agent("tail", "t1@n1", 0, text=False).stdout  # follows until the run ended
+    assert (d / "exit_code").read_text() == "0"
+    whole = (d / "log").read_bytes()
+    assert first == whole and whole.count(b"\n") == 300
+    for off in (1, 100, len(whole) - 5, len(whole)):
+        assert agent("tail", "t1@n1", off, text=False).stdout == whole[off:]
+
+
+def test_tail_ends_when_the_waiter_vanished_without_an_exit_code(agent):
+    info = start(agent, "v1@n1", "import time; print('x', flush=True); time.sleep(1)")
+    os.kill(info["waiter"], signal.SIGKILL)
+    t0 = time.time()
+    r = agent("tail", "v1@n1", 0, text=False, timeout=20)
+    assert r.stdout == b"x\n" and time.time() - t0 < 15
+
+
+ESCAPER = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# a grandchild in its own session: out of torchrun's process group, found by its environment
+subprocess.Popen([sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(600)"], start_new_session=True)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_terms_then_kills_every_process_of_the_run_and_nothing_else(agent):
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env=dict(agent.env, CLUSTERCTL_RUN_KEY="other@n1"))
+    try:
+        start(agent, "s1@n1", ESCAPER)
+        d = rundir(agent, "s1@n1")
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes() and len(pids_with("s1@n1")) == 2)
+        assert json.loads(agent("live").stdout) == ["s1@n1"]
+        t0 = time.time()
+        r = agent("stop", "s1@n1", 1)
+        assert json.loads(r.stdout) == {"left": 0}
+        assert time.time() - t0 < 10
+        assert pids_with("s1@n1") == []
+        assert (d / "exit_code").read_text() == "137"  # SIGTERM ignored: SIGKILL after the grace
+        assert bystander.poll() is None  # another run's process is untouched
+        assert json.loads(agent("live").stdout) == []
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_stop_graceful_exit_code_is_the_signal(agent):
+    start(agent, "s2@n1", "import time; print('up', flush=True); time.sleep(600)")
+    d = rundir(agent, "s2@n1")
+    assert wait_for(lambda: b"up" in (d / "log").read_bytes())
+    assert json.loads(agent("stop", "s2@n1", 5).stdout) == {"left": 0}
+    assert (d / "exit_code").read_text() == "143"  # 128 + SIGTERM
+
+
+def test_wait_listening(agent):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); time.sleep(1); "
+            "s.listen(); time.sleep(30)")
+    start(agent, "w1@n1", code)
+    assert agent("wait-listening", "w1@n1", port, 20).stdout.strip() == "listening"
+    agent("stop", "w1@n1", 0)
+    start(agent, "w2@n1", "import sys; sys.exit(1)")
+    assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
