@@ -1,16 +1,24 @@
-"""Checkpoints: atomic, newest-valid-wins, last N kept.
+"""Checkpoints: atomic, checksummed, newest-valid-wins, last N kept.
 
-DDP / single process: rank 0 writes `ckpt_{step:08d}.pt` (model, optimizer, scaler, step = data
-position, RNG states, config) to a temp file, fsyncs it and os.replace()s it into place, so a
-crash leaves either the old set or the new file, never half of one under the real name. A file
-torn some other way (disk full, copied half-way) fails to load and is skipped with a warning.
+DDP / single process: rank 0 writes `ckpt_{step:08d}.pt` (model, optimizer, GradScaler, step,
+data position, every rank's RNG states, config). The bytes go to a temp file while being hashed;
+the file is fsynced, its SHA-256 written to `ckpt_{step:08d}.pt.sha256`, and only then is the
+temp file os.replace()d into place. A crash therefore leaves the old set or the new file, never
+half of one under the real name; a file damaged later (disk full, copied half-way, bit rot) no
+longer matches its checksum and is skipped with a warning -- torch.load alone would happily
+load a zip whose tensor bytes were overwritten.
 
 FSDP: torch.distributed.checkpoint writes every rank's shards into `ckpt_{step:08d}.tmp/`;
-after a barrier rank 0 renames it to `ckpt_{step:08d}/`. Needs a filesystem all ranks share.
+after a barrier rank 0 adds `extra.pt` and a `MANIFEST.sha256` of every file, then renames the
+directory to `ckpt_{step:08d}/`. Needs a filesystem all ranks share.
+
+The data position is the step: batches are a pure function of (seed, rank, step, micro-step),
+see data.py, so restoring the step restores where in the data the run was.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import random
 import re
@@ -21,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 _NAME = re.compile(r"ckpt_(\d{8})(\.pt)?$")
+MANIFEST = "MANIFEST.sha256"
 
 
 def _rng_state() -> dict:
@@ -37,8 +46,23 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _all_rng_states() -> list[dict]:
+    """Every rank's RNG state (a collective when distributed): dropout masks differ per rank."""
+    mine = _rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _restore_rng(states: list[dict]) -> None:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _set_rng_state(states[rank] if rank < len(states) else states[0])  # world size changed: best effort
+
+
 def list_checkpoints(out_dir: str) -> list[str]:
-    """Finished checkpoints, newest first (temp files/dirs are not listed)."""
+    """Finished checkpoints, newest first (temp files/dirs and checksum files are not listed)."""
     found = [p for p in glob.glob(os.path.join(out_dir, "ckpt_*")) if _NAME.search(os.path.basename(p))]
     return sorted(found, key=lambda p: int(_NAME.search(os.path.basename(p)).group(1)), reverse=True)
 
@@ -51,67 +75,144 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        for p in (path, path + ".sha256"):
+            if os.path.exists(p):
+                os.remove(p)
+
+
 def _prune(out_dir: str, keep: int) -> None:
     for old in list_checkpoints(out_dir)[keep:]:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        _remove(old)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through (torch.save needs write/flush)."""
+
+    def __init__(self, fh):
+        self.fh, self.h = fh, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        return self.fh.write(b)
+
+    def flush(self) -> None:
+        self.fh.flush()
 
 
 def save(out_dir: str, step: int, model, optimizer, scaler, config: dict, *, rank: int,
          fsdp: bool, keep: int = 3) -> str:
-    extra = {"step": step, "scaler": scaler.state_dict() if scaler is not None else None,
-             "rng": _rng_state(), "config": config}
+    """Collective: every rank calls it (RNG states are gathered); rank 0 writes (DDP)."""
+    extra = {"step": step, "data_position": {"step": step, "seed": config.get("seed")},
+             "scaler": scaler.state_dict() if scaler is not None else None,
+             "rng": _all_rng_states(), "config": config}
     if fsdp:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        final = os.path.join(out_dir, f"ckpt_{step:08d}")
-        tmp = final + ".tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-        dist.barrier()
-        if rank == 0:
-            torch.save(extra, os.path.join(tmp, "extra.pt"))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _fsync_dir(out_dir)
-            _prune(out_dir, keep)
-        dist.barrier()
-        return final
+        return _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep)
     path = os.path.join(out_dir, f"ckpt_{step:08d}.pt")
     if rank == 0:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "wb") as fh:
-            torch.save(state, fh)
+            w = _HashingWriter(fh)
+            torch.save(state, w)
             fh.flush()
             os.fsync(fh.fileno())
+        _write_small(path + ".sha256", w.h.hexdigest() + "\n")
         os.replace(tmp, path)
         _fsync_dir(out_dir)
         _prune(out_dir, keep)
     return path
 
 
+def _write_small(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    final = os.path.join(out_dir, f"ckpt_{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dist.barrier()
+    if rank == 0:
+        torch.save(extra, os.path.join(tmp, "extra.pt"))
+        lines = [f"{_sha256(os.path.join(tmp, f))}  {f}\n" for f in sorted(os.listdir(tmp))]
+        _write_small(os.path.join(tmp, MANIFEST), "".join(lines))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(out_dir)
+        _prune(out_dir, keep)
+    dist.barrier()
+    return final
+
+
+def verify(path: str) -> None:
+    """Raise ValueError unless `path` is a complete checkpoint whose bytes match its checksums."""
+    if os.path.isdir(path):
+        man = os.path.join(path, MANIFEST)
+        if not os.path.exists(man):
+            raise ValueError(f"no {MANIFEST} (unfinished or foreign directory)")
+        with open(man) as fh:
+            for line in fh:
+                digest, name = line.rstrip("\n").split("  ", 1)
+                if not os.path.exists(os.path.join(path, name)) or _sha256(os.path.join(path, name)) != digest:
+                    raise ValueError(f"{name} is missing or does not match its checksum")
+        return
+    side = path + ".sha256"
+    if not os.path.exists(side):
+        raise ValueError("no .sha256 next to it (unfinished or foreign file)")
+    with open(side) as fh:
+        want = (fh.read().split() or [""])[0]
+    if _sha256(path) != want:
+        raise ValueError("contents do not match the checksum written with it (torn or corrupt)")
+
+
 def _load_file(path: str) -> dict:
+    verify(path)
     state = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise ValueError("not a trainer checkpoint")
     return state
 
 
+def _warn_skip(path: str, e: Exception) -> None:
+    print(f"warning: skipping checkpoint {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
 def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: bool,
          distributed: bool) -> int | None:
     """Restore the checkpoint `spec` names (auto|none|PATH); returns its step, or None.
 
-    With `auto`, candidates are tried newest first and one that fails to load is skipped with a
-    warning. For DDP rank 0 loads and broadcasts the state, so other nodes need no copy of it.
+    With `auto`, candidates are tried newest first and one that fails verification or loading
+    is skipped with a warning. For DDP rank 0 loads and broadcasts the state, so other nodes
+    need no copy of it.
     """
     if spec == "none":
         return None
     candidates = list_checkpoints(out_dir) if spec == "auto" else [spec]
     if fsdp:
-        return _load_fsdp(candidates, model, optimizer, scaler)
+        return _load_fsdp(candidates, model, optimizer, scaler, rank)
     state = None
     if rank == 0:
         for path in candidates:
@@ -120,8 +221,7 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
                 print(f"resuming from {path} (step {state['step']})", flush=True)
                 break
             except Exception as e:  # torn or foreign file: never half-load it
-                print(f"warning: skipping checkpoint {path}: {type(e).__name__}: {e}",
-                      file=sys.stderr, flush=True)
+                _warn_skip(path, e)
     if distributed:
         box = [state]
         dist.broadcast_object_list(box, src=0)
@@ -132,27 +232,35 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    _set_rng_state(state["rng"])
+    _restore_rng(state["rng"])
     return int(state["step"])
 
 
-def _load_fsdp(candidates, model, optimizer, scaler) -> int | None:
+def _load_fsdp(candidates, model, optimizer, scaler, rank) -> int | None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    for path in candidates:
-        try:
-            extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            sd = {"model": model_sd, "optim": optim_sd}
-            dcp.load(sd, checkpoint_id=path)
-            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        except Exception as e:
-            print(f"warning: skipping checkpoint {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            continue
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-        _set_rng_state(extra["rng"])
-        if dist.get_rank() == 0:
-            print(f"resuming from {path} (step {extra['step']})", flush=True)
-        return int(extra["step"])
-    return None
+    good = None
+    if rank == 0:  # one rank checks the bytes, all agree on the verdict
+        for path in candidates:
+            try:
+                verify(path)
+                good = path
+                break
+            except Exception as e:
+                _warn_skip(path, e)
+    box = [good]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    path = box[0]
+    extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    if scaler is not None and extra.get("scaler"):
+        scaler.load_state_dict(extra["scaler"])
+    _restore_rng(extra["rng"])
+    if rank == 0:
+        print(f"resuming from {path} (step {extra['step']})", flush=True)
+    return int(extra["step"])

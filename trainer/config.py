@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute activations in backward to save memory")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, metavar="DIR",
-                   help="directory (or file) of .txt/.jsonl text; default: the text of the stdlib "
-                   "module pydoc_data.topics, which ships with Python")
+                   help="directory (or file) of .txt/.jsonl text, or hf:NAME[:CONFIG] for a Hugging Face "
+                   "dataset (online only); default: the text of the stdlib module pydoc_data.topics, "
+                   "which ships with Python")
     d.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="'gpt2' (offline GPT-2 BPE), 'byte' (256 byte values), or a local Hugging Face "
                    "tokenizer directory; default: byte for nano, gpt2 otherwise")
@@ -172,11 +173,23 @@ def _validate(cfg: TrainConfig) -> None:
     for k in positive:
         if getattr(cfg, k) <= 0:
             raise UsageError(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(cfg, k)}.")
+    for k in ("warmup_steps", "ckpt_every", "eval_every", "sample_tokens", "grad_clip", "weight_decay"):
+        if getattr(cfg, k) < 0:
+            raise UsageError(f"--{k.replace('_', '-')} must not be negative, got {getattr(cfg, k)}.")
+    if cfg.lr <= 0 or (cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr):
+        raise UsageError(f"--lr must be positive and --min-lr between 0 and --lr (got {cfg.lr}, {cfg.min_lr}).")
+    if not 0 <= cfg.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {cfg.dropout}.")
+    if cfg.bucket_cap_mb <= 0:
+        raise UsageError(f"--bucket-cap-mb must be positive, got {cfg.bucket_cap_mb}.")
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--n-embd ({cfg.n_embd}) must be divisible by --n-head ({cfg.n_head}).")
-    if cfg.data is not None:
+    if cfg.data is not None and not cfg.data.startswith("hf:"):
         if not os.path.exists(cfg.data):
-            raise UsageError(f"--data path {cfg.data!r} does not exist.")
+            raise UsageError(f"--data path {cfg.data!r} does not exist "
+                             "(prefix a Hugging Face dataset name with hf:).")
+        if os.path.isfile(cfg.data) and not cfg.data.endswith((".txt", ".jsonl")):
+            raise UsageError(f"--data file {cfg.data!r} is neither .txt nor .jsonl.")
         if os.path.isdir(cfg.data) and not any(
                 f.endswith((".txt", ".jsonl")) for _, _, fs in os.walk(cfg.data) for f in fs):
             raise UsageError(f"--data directory {cfg.data!r} holds no .txt or .jsonl files.")

@@ -1,29 +1,43 @@
-"""Data: text -> tokens once, cached as a memmap; random windows per rank.
+"""Data: text -> tokens once, cached as memmapped shards; random windows per rank.
 
-Default corpus when --data is absent: the text of the stdlib module `pydoc_data.topics` (the
-help() topics, ~700 KB of English prose and code that ships with every Python), so the demo
-needs no download and no data from the user.
+Sources (--data):
+- absent: the text of the stdlib module `pydoc_data.topics` (the help() topics, ~700 KB of
+  English prose and code that ships with every CPython), so the demo needs no download and no
+  data from the user;
+- a directory (or file) of .txt files (one document each) and .jsonl files (a "text" field per
+  line);
+- `hf:NAME[:CONFIG]`, a Hugging Face dataset's train split ("text" column). Needs the optional
+  `datasets` package and a network connection; offline it fails with one clear sentence.
 
 The token stream is written once per node (LOCAL_RANK 0) to `<output-dir>/cache/<key>/`, key =
-hash of the data and the tokenizer, as uint16 (uint32 if the vocabulary exceeds 65,535). Other
-local ranks wait for the `done` marker with a timeout, so a crashed writer is an error, not a
-hang. 90 % of the stream is train, 10 % validation.
+hash of the data and the tokenizer, as shards of at most 2**28 tokens in uint16 (uint32 if the
+vocabulary exceeds 65,535), streamed to disk so memory stays flat. The writer builds everything
+in a private temp directory, writes a `done` marker last and renames the directory into place,
+so a reader sees all of it or none. Other local ranks poll for the marker with a timeout
+(CLUSTERCTL_DATA_TIMEOUT, default 1800 s): a crashed writer is an error, not a hang. The last
+10 % of every shard is validation.
 
-Batches are windows at random offsets drawn from a torch.Generator seeded by (seed, rank, step,
-micro-step): ranks see different data, and a run resumed at step S draws what it would have.
+Batches are windows at random offsets drawn from a generator seeded by (seed, rank, step,
+micro-step): ranks see different windows, and a run resumed at step S draws exactly what the
+uninterrupted run would have -- the step *is* the data position stored in checkpoints.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 
 import numpy as np
 import torch
 
+from .config import UsageError
 from .tokenizer import tokenizer_fingerprint
+
+SHARD_TOKENS = 1 << 28
+VAL_FRACTION = 0.1
 
 
 def _source_files(path: str) -> list[str]:
@@ -33,22 +47,49 @@ def _source_files(path: str) -> list[str]:
                   if f.endswith((".txt", ".jsonl")))
 
 
+def _hf_dataset(spec: str):
+    name, _, config = spec[3:].partition(":")
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(f"--data {spec} needs the 'datasets' package (pip install datasets) "
+                         "and a network connection; or give a local directory of .txt/.jsonl files.") from None
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise UsageError(f"--data {spec} is a Hugging Face dataset but HF offline mode is set; "
+                         "give a local directory of .txt/.jsonl files instead.")
+    try:
+        return datasets.load_dataset(name, config or None, split="train")
+    except Exception as e:  # offline, unknown name, gated...: one sentence, not a traceback
+        raise UsageError(f"could not load Hugging Face dataset {name!r} (offline or unknown?): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
 def _documents(path: str | None):
-    """Yield text documents: pydoc topics by default, else .txt files and .jsonl 'text' fields."""
+    """Yield text documents from the default corpus, local files, or a HF dataset."""
     if path is None:
         from pydoc_data.topics import topics
         for key in sorted(topics):
             yield topics[key]
         return
+    if path.startswith("hf:"):
+        for row in _hf_dataset(path):
+            yield row["text"]
+        return
     for f in _source_files(path):
         with open(f, encoding="utf-8", errors="replace") as fh:
             if f.endswith(".txt"):
                 yield fh.read()
-            else:
-                for line in fh:
-                    if line.strip():
-                        rec = json.loads(line)
-                        yield rec["text"] if isinstance(rec, dict) else str(rec)
+                continue
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{f}:{n} is not valid JSON ({e.msg}).") from None
+                if isinstance(rec, dict) and not isinstance(rec.get("text"), str):
+                    raise UsageError(f"{f}:{n} has no string \"text\" field.")
+                yield rec["text"] if isinstance(rec, dict) else str(rec)
 
 
 def _data_hash(path: str | None) -> str:
@@ -56,6 +97,9 @@ def _data_hash(path: str | None) -> str:
     if path is None:
         import sys
         h.update(f"pydoc_data.topics {sys.version}".encode())
+    elif path.startswith("hf:"):
+        h.update(path.encode())
+        h.update(getattr(_hf_dataset(path), "_fingerprint", "").encode())
     else:
         for f in _source_files(path):
             h.update(os.path.relpath(f, path if os.path.isdir(path) else os.path.dirname(f)).encode())
@@ -66,26 +110,50 @@ def _data_hash(path: str | None) -> str:
 
 
 def _tokenize_to(dirpath: str, path: str | None, tok) -> None:
+    """Stream documents -> tokens -> shard files in a temp dir, then rename it into place."""
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
-    ids: list[int] = []
-    for doc in _documents(path):
-        ids.extend(tok.encode(doc))
-        ids.append(tok.eot)
-    arr = np.array(ids, dtype=dtype)
-    n_train = int(len(arr) * 0.9)
     tmp = f"{dirpath}.tmp.{socket.gethostname()}.{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    for split, part in (("train", arr[:n_train]), ("val", arr[n_train:])):
-        part.tofile(os.path.join(tmp, f"{split}.bin"))
-    with open(os.path.join(tmp, "meta.json"), "w") as fh:
-        json.dump({"dtype": np.dtype(dtype).name, "tokens": len(arr), "tokenizer": tok.name}, fh)
-    with open(os.path.join(tmp, "done"), "w") as fh:
-        fh.write("ok\n")
+    shards, buf, fh, in_shard = [], [], None, 0
+
+    def flush():
+        nonlocal buf
+        if buf:
+            fh.write(np.asarray(buf, dtype=dtype).tobytes())
+            buf = []
+
+    for doc in _documents(path):
+        ids = tok.encode(doc) + [tok.eot]
+        while ids:
+            if fh is None:
+                fh = open(os.path.join(tmp, f"shard_{len(shards):05d}.bin"), "wb")
+                shards.append(0)
+            take = ids[:SHARD_TOKENS - in_shard]
+            ids = ids[len(take):]
+            buf.extend(take)
+            in_shard += len(take)
+            shards[-1] = in_shard
+            if len(buf) >= 1 << 20:
+                flush()
+            if in_shard == SHARD_TOKENS:
+                flush()
+                fh.close()
+                fh, in_shard = None, 0
+    if fh is not None:
+        flush()
+        fh.close()
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump({"dtype": np.dtype(dtype).name, "shards": shards, "tokenizer": tok.name}, f)
+    with open(os.path.join(tmp, "done"), "w") as f:
+        f.write("ok\n")
     try:
         os.replace(tmp, dirpath)
     except OSError:  # another node's writer got there first on a shared filesystem
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _seed(*parts: int) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 class TokenData:
@@ -109,21 +177,30 @@ class TokenData:
         with open(os.path.join(self.dir, "meta.json")) as fh:
             meta = json.load(fh)
         self.block_size = block_size
-        self.splits = {s: np.memmap(os.path.join(self.dir, f"{s}.bin"), dtype=meta["dtype"], mode="r")
-                       for s in ("train", "val")}
-        for s, arr in self.splits.items():
-            if len(arr) <= block_size + 1:
-                raise ValueError(f"the {s} split has {len(arr)} tokens, fewer than one window of "
-                                 f"{block_size + 1}; give more data or a smaller --block-size")
-        self.n_tokens = meta["tokens"]
+        self.n_tokens = sum(meta["shards"])
+        # per split: list of 1-D memmap views, and the cumulative count of window starts
+        self.views: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        for i, n in enumerate(meta["shards"]):
+            arr = np.memmap(os.path.join(self.dir, f"shard_{i:05d}.bin"), dtype=meta["dtype"], mode="r")
+            cut = int(n * (1 - VAL_FRACTION))
+            for split, view in (("train", arr[:cut]), ("val", arr[cut:])):
+                if len(view) > block_size + 1:
+                    self.views[split].append(view)
+        self.starts = {}
+        for split, views in self.views.items():
+            if not views:
+                raise UsageError(f"the data has too few tokens ({self.n_tokens:,}) for one {split} window of "
+                                 f"{block_size + 1}; give more data or a smaller --block-size.")
+            self.starts[split] = np.cumsum([len(v) - block_size - 1 for v in views])
 
     def batch(self, split: str, batch_size: int, seed: int, rank: int, step: int, micro: int = 0):
         """(x, y) int64 tensors of shape (batch_size, block_size), y shifted by one."""
-        data, T = self.splits[split], self.block_size
-        g = torch.Generator()
-        salt = 0 if split == "train" else 1
-        g.manual_seed(hash((seed, rank, step, micro, salt)) & 0x7FFF_FFFF_FFFF_FFFF)
-        ix = torch.randint(len(data) - T - 1, (batch_size,), generator=g).tolist()
-        x = torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64))
-        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + T] for i in ix]).astype(np.int64))
-        return x, y
+        T, views, cum = self.block_size, self.views[split], self.starts[split]
+        g = torch.Generator().manual_seed(_seed(seed, rank, step, micro, split == "val"))
+        flat = torch.randint(int(cum[-1]), (batch_size,), generator=g).numpy()
+        shard = np.searchsorted(cum, flat, side="right")
+        rows = []
+        for s, i in zip(shard, flat - np.concatenate([[0], cum])[shard]):
+            rows.append(views[s][i:i + T + 1].astype(np.int64))
+        xy = torch.from_numpy(np.stack(rows))
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()

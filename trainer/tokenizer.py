@@ -56,7 +56,13 @@ def load_tokenizer(spec: str):
     if spec == "gpt2":
         return gpt2_tokenizer()
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+    from .config import UsageError
+    try:
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--tokenizer {spec!r} is not a loadable Hugging Face tokenizer directory "
+                         f"({type(e).__name__}).") from None
     eot = tok.eos_token_id if tok.eos_token_id is not None else 0
     t = HFTokenizer(os.path.abspath(spec), tok, len(tok), eot)
     t.encode = lambda text: tok.encode(text, add_special_tokens=False)  # type: ignore[method-assign]

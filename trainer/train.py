@@ -12,7 +12,6 @@ import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,27 +21,8 @@ from . import checkpoint
 from .config import TrainConfig, UsageError
 from .data import TokenData
 from .model import build_model, count_params, flops_per_token
+from .parallel import ddp_comm_stats, peak_flops, setup_distributed, wrap_model
 from .tokenizer import load_tokenizer
-
-# Dense peak FLOP/s per device, (bf16/fp16, tf32) by a substring of torch.cuda.get_device_name().
-PEAK_FLOPS = [
-    ("H200", (989e12, 494e12)), ("H100 PCIe", (756e12, 378e12)), ("H100", (989e12, 494e12)),
-    ("A100", (312e12, 156e12)), ("A10G", (70e12, 35e12)), ("L40S", (362e12, 183e12)),
-    ("L4", (121e12, 60e12)), ("MI300X", (1307e12, 654e12)), ("MI325X", (1307e12, 654e12)),
-    ("MI250", (362e12, 181e12)), ("R9700", (191e12, 48e12)), ("RX 9070", (195e12, 49e12)),
-    ("4090", (165e12, 83e12)), ("3090", (71e12, 36e12)), ("V100", (125e12, 16e12)),
-]
-
-
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The device's dense peak, or None where unknown (CPU): MFU is then printed as n/a."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, (half, tf32) in PEAK_FLOPS:
-        if key in name:
-            return half if precision in ("bf16", "fp16") else tf32
-    return None
 
 
 def get_lr(step: int, cfg: TrainConfig, scale: float) -> float:
@@ -56,60 +36,6 @@ def get_lr(step: int, cfg: TrainConfig, scale: float) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def setup_distributed():
-    """torchrun env -> process group (nccl on GPU, gloo on CPU); plain process otherwise."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1:
-        timeout = timedelta(seconds=float(os.environ.get("CLUSTERCTL_DIST_TIMEOUT", 1800)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                                device_id=device if cuda else None)
-    return rank, local_rank, world, device
-
-
-def wrap_model(model, cfg: TrainConfig, world: int, device: torch.device):
-    if world == 1:
-        return model
-    if cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
-    if cfg.comm_hook != "none":
-        register_comm_hook(ddp, cfg)
-    return ddp
-
-
-def register_comm_hook(ddp, cfg: TrainConfig, wrap=None):
-    """fp16/bf16 compression or PowerSGD; `wrap` lets a benchmark count bytes through the hook."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    if cfg.comm_hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                                            start_powerSGD_iter=cfg.powersgd_start_iter)
-        hook = powerSGD_hook.powerSGD_hook
-    else:
-        state = None
-        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[cfg.comm_hook]
-        if cfg.comm_hook == "bf16" and dist.get_backend() != "nccl":
-            hook = _bf16_compress_hook_any_backend
-    ddp.register_comm_hook(state, wrap(hook) if wrap else hook)
-    return state
-
-
-def _bf16_compress_hook_any_backend(process_group, bucket):
-    """torch's bf16_compress_hook body; DDP refuses the public one off NCCL/XCCL, gloo handles bf16."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
-
-
 def configure_optimizer(model, cfg: TrainConfig, device: torch.device):
     """AdamW; weight decay on 2-D weights (matmuls, embeddings) only, fused on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -121,39 +47,37 @@ def configure_optimizer(model, cfg: TrainConfig, device: torch.device):
 class Trainer:
     """Holds what the step needs; `step()` is the whole optimizer step (also used by bench/)."""
 
-    def __init__(self, model, raw_model, optimizer, scaler, autocast, cfg, world, device):
-        self.model, self.raw, self.opt, self.scaler = model, raw_model, optimizer, scaler
-        self.autocast, self.cfg, self.world, self.device = autocast, cfg, world, device
-        self.ddp = world > 1 and cfg.strategy == "ddp"
-        self.fsdp = world > 1 and cfg.strategy == "fsdp"
-        self.last_comm = None  # fraction of the step spent in the syncing backward's extra time
+    def __init__(self, model, sync_module, optimizer, scaler, autocast, cfg, device):
+        self.model, self.sync_module, self.opt, self.scaler = model, sync_module, optimizer, scaler
+        self.autocast, self.cfg, self.device = autocast, cfg, device
 
     def loss(self, x, y):
         with self.autocast:
             logits = self.model(input_ids=x).logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
-    def step(self, batches, lr: float, timed: bool = False) -> float:
+    def _sync_gradients(self, on: bool) -> None:
+        # Gradients only need averaging across ranks once per optimizer step: skipping the
+        # all-reduce (DDP) / reduce-scatter (FSDP) on the other micro-steps saves
+        # (accum-1)/accum of the traffic, which is what makes accumulation pay over 1 Gbps.
+        # DDP's no_sync() context does the same; the flag fits a loop better than a `with`.
+        if self.sync_module is None:
+            return
+        if hasattr(self.sync_module, "require_backward_grad_sync"):
+            self.sync_module.require_backward_grad_sync = on
+        else:
+            self.sync_module.set_requires_gradient_sync(on)
+
+    def step(self, batches, lr: float) -> float:
+        """One optimizer step over len(batches) micro-steps; returns the mean micro-step loss."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        accum, total, bwd = len(batches), 0.0, []
+        accum, total = len(batches), 0.0
         for micro, (x, y) in enumerate(batches):
-            last = micro == accum - 1
-            # Gradients only need averaging across ranks once per optimizer step: skipping the
-            # all-reduce on the other micro-steps saves (accum-1)/accum of the traffic, which is
-            # what makes accumulation worth it over a 1 Gbps link.
-            if self.ddp:
-                self.model.require_backward_grad_sync = last
-            elif self.fsdp:
-                self.model.set_requires_gradient_sync(last)
+            self._sync_gradients(micro == accum - 1)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             loss = self.loss(x, y) / accum  # the mean over micro-steps, as one big batch would give
-            t0 = time.perf_counter()
             self.scaler.scale(loss).backward()
-            if timed:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                bwd.append(time.perf_counter() - t0)
             total += loss.item()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.opt)
@@ -161,9 +85,6 @@ class Trainer:
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
-        # Honest comm share: the syncing backward's time beyond a non-syncing one's. Only
-        # measurable with accumulation (accum > 1) and more than one rank; otherwise unknown.
-        self.last_comm = (bwd[-1] - sum(bwd[:-1]) / (accum - 1)) if timed and accum > 1 and self.ddp else None
         return total
 
 
@@ -187,10 +108,15 @@ def evaluate(trainer: Trainer, data: TokenData, cfg: TrainConfig, rank: int, ste
               for i in range(cfg.eval_steps)]
     trainer.model.train()
     val = torch.tensor(sum(losses) / len(losses))
-    if trainer.world > 1:
-        dist.all_reduce(val)
-        val /= trainer.world
-    return val.item()
+    return _mean_over_ranks(val.item())
+
+
+def _mean_over_ranks(x: float) -> float:
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 @torch.no_grad()
@@ -213,12 +139,12 @@ def sample(trainer: Trainer, tok, cfg: TrainConfig, prompt: str = "\n") -> str:
 def train(cfg: TrainConfig) -> int:
     rank, local_rank, world, device = setup_distributed()
     master = rank == 0
-    stop = {"flag": False}
+    stop = {"flag": False}  # SIGTERM (clusterctl stop): finish the step, checkpoint, exit 0
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     torch.manual_seed(cfg.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":  # TF32 matmuls/convs: ~free speed on Ampere+, fp32 accumulate
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
     os.makedirs(cfg.output_dir, exist_ok=True)
 
     tok = load_tokenizer(cfg.tokenizer)
@@ -228,72 +154,73 @@ def train(cfg: TrainConfig) -> int:
 
     raw = build_model(cfg).to(device)
     n_params = count_params(raw)
-    model = wrap_model(raw, cfg, world, device)
-    optimizer = configure_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    trainer = Trainer(model, raw, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, world, device)
     fsdp = world > 1 and cfg.strategy == "fsdp"
-    state_model = model if fsdp else raw
-    start = checkpoint.load(cfg.resume, cfg.output_dir, state_model, optimizer, scaler,
+    model, sync_module = wrap_model(raw, cfg, world, device)
+    optimizer = configure_optimizer(raw, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    trainer = Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
+    start = checkpoint.load(cfg.resume, cfg.output_dir, raw, optimizer, scaler,
                             rank=rank, fsdp=fsdp, distributed=world > 1) or 0
-    if cfg.compile:
-        trainer.model = torch.compile(model)
 
     lr_scale = world * cfg.grad_accum if cfg.scale_lr else 1
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
     fpt, peak = flops_per_token(cfg, n_params), peak_flops(device, cfg.precision)
     writer = None
     if master:
-        run_id = os.environ.get("CLUSTERCTL_RUN_ID")
-        if run_id:
-            print(f"run id {run_id}")
-        print(f"world size {world} | strategy {cfg.strategy} | device {device} | params {n_params:,} | "
-              f"effective batch {cfg.batch_size} x {world} x {cfg.grad_accum} = "
-              f"{cfg.batch_size * world * cfg.grad_accum} seqs ({tokens_per_step:,} tokens) | "
+        if os.environ.get("CLUSTERCTL_RUN_ID"):
+            print(f"run id {os.environ['CLUSTERCTL_RUN_ID']}")
+        print(f"world size {world} | strategy {cfg.strategy if world > 1 else 'single'} | device {device} | "
+              f"precision {cfg.precision} | params {n_params:,} | effective batch {cfg.batch_size} x {world} x "
+              f"{cfg.grad_accum} = {cfg.batch_size * world * cfg.grad_accum} seqs ({tokens_per_step:,} tokens) | "
+              f"lr {cfg.lr * lr_scale:.3e}{' (scaled)' if cfg.scale_lr else ''} | "
               f"data {data.n_tokens:,} tokens ({tok.name}) | start step {start}", flush=True)
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.output_dir, "logs"), purge_step=start)
 
     def save(step):
-        return checkpoint.save(cfg.output_dir, step, state_model, optimizer, scaler, asdict(cfg),
+        return checkpoint.save(cfg.output_dir, step, raw, optimizer, scaler, asdict(cfg),
                                rank=rank, fsdp=fsdp, keep=cfg.keep_ckpts)
 
-    step, t_last, terminated = start, time.perf_counter(), False
+    step, t_last, steps_since, terminated = start, time.perf_counter(), 0, False
     while step < cfg.max_steps:
         # Every rank must stop at the same step: agree on the SIGTERM flag before stepping.
         flag = torch.tensor([1.0 if stop["flag"] else 0.0])
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
-            path = save(step)
+            path = save(step) if step > start else "(none: no step since the last one)"
             if master:
                 print(f"SIGTERM received: saved checkpoint {path} at step {step}, exiting", flush=True)
             terminated = True
             break
         lr = get_lr(step, cfg, lr_scale)
-        log_now = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps
         batches = [data.batch("train", cfg.batch_size, cfg.seed, rank, step, m) for m in range(cfg.grad_accum)]
-        loss = trainer.step(batches, lr, timed=log_now)
+        loss = trainer.step(batches, lr)
         step += 1
-        if log_now:
-            lt = torch.tensor(loss)
-            if world > 1:
-                dist.all_reduce(lt)
-                lt /= world
+        steps_since += 1
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            loss = _mean_over_ranks(loss)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            now = time.perf_counter()
-            steps_done = cfg.log_every if step - start >= cfg.log_every else step - start
-            dt = (now - t_last) / max(1, steps_done)
-            t_last = now
+            dt = (time.perf_counter() - t_last) / steps_since
+            t_last, steps_since = time.perf_counter(), 0
             tps = tokens_per_step / dt
             if master:
                 mfu = f"{fpt * tps / (peak * world):.1%}" if peak else "n/a"
-                comm = f"{trainer.last_comm / dt:.0%}" if trainer.last_comm is not None else "n/a"
-                print(f"step {step} | loss {lt.item():.6f} | lr {lr:.3e} | tok/s {tps:,.0f} | mfu {mfu} | comm {comm}", flush=True)
-                writer.add_scalar("train/loss", lt.item(), step)
+                line = f"step {step} | loss {loss:.6f} | lr {lr:.3e} | tok/s {tps:,.0f} | mfu {mfu} | step {dt * 1e3:.0f} ms"
+                comm = ddp_comm_stats(sync_module) if sync_module is not None and not fsdp else None
+                if comm:  # DDP's own timers, from the last iteration its reducer sampled
+                    line += (f" | allreduce {comm['comm'] * 1e3:.0f} ms vs compute {comm['compute'] * 1e3:.0f} ms "
+                             f"(overlap {comm['overlap'] * 1e3:.0f} ms)")
+                print(line, flush=True)
+                writer.add_scalar("train/loss", loss, step)
                 writer.add_scalar("train/lr", lr, step)
                 writer.add_scalar("perf/tokens_per_s", tps, step)
+                if peak:
+                    writer.add_scalar("perf/mfu", fpt * tps / (peak * world), step)
+                if comm:
+                    writer.add_scalar("perf/allreduce_s", comm["comm"], step)
+                    writer.add_scalar("perf/compute_s", comm["compute"], step)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             val = evaluate(trainer, data, cfg, rank, step)
             if master:
