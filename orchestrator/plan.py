@@ -88,11 +88,53 @@ OVERRIDE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "
 def model_spec(preset: str = "tiny", **overrides) -> ModelSpec:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
+    return override(PRESETS[preset], **overrides)
+
+
+def override(m: ModelSpec, **overrides) -> ModelSpec:
+    """`m` with the given fields replaced (None = keep), validated."""
     over = {k: v for k, v in overrides.items() if v is not None}
     bad = set(over) - {f.name for f in fields(ModelSpec)}
     if bad:
         raise ValueError(f"unknown model field(s): {', '.join(sorted(bad))}")
-    return replace(PRESETS[preset], **over).validate()
+    return replace(m, **over).validate()
+
+
+# config.json / trainer-config spellings of each ModelSpec field (GPT2Config, generic HF, trainer.config)
+_CONFIG_KEYS = {
+    "n_layer": ("n_layer", "num_hidden_layers"),
+    "n_embd": ("n_embd", "hidden_size", "d_model"),
+    "n_head": ("n_head", "num_attention_heads"),
+    "n_positions": ("n_positions", "max_position_embeddings", "block_size", "n_ctx"),
+    "vocab_size": ("vocab_size",),
+    "n_inner": ("n_inner", "intermediate_size"),
+}
+
+
+def spec_from_config(doc: dict, base: str = "tiny") -> ModelSpec:
+    """A GPT-2 config.json (GPT2Config.to_dict), or the trainer's saved config, -> ModelSpec.
+    Fields it lacks come from preset `base`; a non-GPT-2 model_type is refused (the count would lie)."""
+    if not isinstance(doc, dict):
+        raise ValueError("a model config must be a JSON object")
+    kind = doc.get("model_type")
+    if kind not in (None, "gpt2"):
+        raise ValueError(f"model_type {kind!r} is not GPT-2; plan counts GPT-2 parameters only")
+    over: dict = {}
+    for field, keys in _CONFIG_KEYS.items():
+        for k in keys:
+            if doc.get(k) is not None:
+                try:
+                    over[field] = int(doc[k])
+                except (TypeError, ValueError):
+                    raise ValueError(f"config field {k} = {doc[k]!r} is not an integer") from None
+                break
+    if "tie_word_embeddings" in doc:
+        over["tied"] = bool(doc["tie_word_embeddings"])
+    if doc.get("pad_vocab") is True:  # trainer: vocab rounded up to a multiple of 64
+        over["pad_vocab_to"] = 64
+    if not {"n_layer", "n_embd"} <= set(over):
+        raise ValueError("the config names neither n_layer/num_hidden_layers nor n_embd/hidden_size")
+    return model_spec(base, **over)
 
 
 def param_shapes(m: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
@@ -166,12 +208,25 @@ class Link:
         return self.bandwidth_bps * self.efficiency
 
 
-NOMINAL_EFFICIENCY = 0.94  # TCP goodput on a 1 Gbit/s line: ~941 Mbit/s
+# TCP payload per Ethernet frame at MTU 1500: 1448 B (1500 - 20 IP - 32 TCP with timestamps) of 1538 B
+# on the wire (+14 header, 4 FCS, 8 preamble, 12 gap) = 0.94 -> 941 Mbit/s on 1 Gbit/s.  Checked: a tc
+# 1gbit link between namespaces, gloo all-reduce of tiny's 60.3 MB fp16 gradient over 2 nodes took 0.58 s
+# (issue 6) and 0.517 s (bench/bench_plan_wire.py); this predicts 0.513 s (-12 %, -1 %), line rate 0.482.
+NOMINAL_EFFICIENCY = 0.94
 MEASURED_EFFICIENCY = 1.0  # netbench measures goodput already
 
 
-def predict_sync_seconds(nbytes_per_rank: float, link: Link, steps: int) -> float:
-    return steps * link.latency_s + nbytes_per_rank * 8 / link.goodput_bps
+def wire_seconds(nbytes: float, link: Link, steps: int) -> float:
+    """alpha-beta: `steps` message latencies plus `nbytes` at the link's goodput."""
+    return steps * link.latency_s + nbytes * 8 / link.goodput_bps
+
+
+def predict_sync_seconds(tensor_bytes: float, link: Link, algorithm: str = "ring", nodes: int = 2,
+                         gpus_per_node: int = 1, intra: Link | None = None) -> float:
+    """Seconds to all-reduce a `tensor_bytes` tensor across `nodes` x `gpus_per_node` ranks over
+    `link` -- the function a measured (bandwidth, latency) pair feeds straight into, e.g.
+    `predict_sync_seconds(60_285_696, Link(946e6, 25e-6, 1.0), "ring", 2)` -> 0.510 s."""
+    return sync_seconds(traffic(tensor_bytes, nodes, gpus_per_node, algorithm), link, intra, gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -206,12 +261,12 @@ def traffic(S: float, nodes: int, gpus_per_node: int = 1, algo: str = "auto") ->
 def sync_seconds(t: Traffic, link: Link, intra: Link | None = None, gpus_per_node: int = 1) -> float:
     """Seconds of one sync.  Flat ring/tree with G GPUs per node: the G GPUs of a node share its NIC
     (the ring crosses each node boundary once, so the node's NIC carries one GPU's share)."""
-    s = predict_sync_seconds(t.inter_bytes, link, t.inter_steps)
+    s = wire_seconds(t.inter_bytes, link, t.inter_steps)
     if t.algo == "hierarchical":
         # all G GPUs' shards cross the node's NIC together
-        s = predict_sync_seconds(t.inter_bytes * gpus_per_node, link, t.inter_steps)
+        s = wire_seconds(t.inter_bytes * gpus_per_node, link, t.inter_steps)
         if t.intra_bytes:
-            s += predict_sync_seconds(t.intra_bytes, intra or Link(300e9 * 8, 5e-6), t.intra_steps)
+            s += wire_seconds(t.intra_bytes, intra or Link(300e9 * 8, 5e-6), t.intra_steps)
     return s
 
 
@@ -222,7 +277,8 @@ SEED_STEP_TIME_S = 1.0  # seed 001's compute time per micro-step ("计算时间:
 
 
 def compute_seconds(m: ModelSpec, *, step_time: float | None = None, peak_tflops: float | None = None,
-                    mfu: float | None = None, tokens_per_micro_step: int | None = None) -> float:
+                    mfu: float | None = None, tokens_per_micro_step: int | None = None,
+                    seq_len: int | None = None) -> float:
     """Compute seconds per micro-step per GPU: given, or FLOPs / (peak * MFU)."""
     if step_time is not None:
         if step_time <= 0:
@@ -233,7 +289,7 @@ def compute_seconds(m: ModelSpec, *, step_time: float | None = None, peak_tflops
         if peak_tflops <= 0 or not 0 < mfu <= 1:
             raise ValueError("peak TFLOP/s must be > 0 and MFU in (0, 1]")
         tokens = tokens_per_micro_step or m.n_positions
-        return flops_per_token(m) * tokens / (peak_tflops * 1e12 * mfu)
+        return flops_per_token(m, seq_len) * tokens / (peak_tflops * 1e12 * mfu)
     return SEED_STEP_TIME_S
 
 

@@ -59,6 +59,35 @@ def _load_link(path: str) -> P.Link:
     return P.Link(bw, lat, P.MEASURED_EFFICIENCY)
 
 
+def nodes_from_inventory(path: str) -> tuple[int, int]:
+    """The inventory hook: (nodes, GPUs per node) of an inventory file.  Nodes with different GPU
+    counts plan with the smallest (the slowest node sets a synchronous step); a node without a
+    `gpus` entry counts as 1."""
+    from .errors import InventoryError
+    from .inventory import load_inventory
+
+    try:
+        inv = load_inventory(path)
+    except InventoryError as e:
+        raise click.BadParameter(str(e), param_hint="--inventory") from None
+    if not inv.nodes:
+        raise click.BadParameter(f"{path} lists no nodes", param_hint="--inventory")
+    return len(inv.nodes), min((n.gpus or 1) for n in inv.nodes)
+
+
+def _model(preset, config_file, overrides) -> P.ModelSpec:
+    try:
+        if config_file:
+            from .plan_measure import load_model_file
+
+            base = load_model_file(config_file)
+        else:
+            base = P.model_spec(preset)
+        return P.override(base, **overrides)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def _bar(share: float, width: int = 20) -> str:
     blocks = " ▏▎▍▌▋▊▉█"
     cells = share * width
@@ -75,8 +104,12 @@ def _bar(share: float, width: int = 20) -> str:
 @click.option("--n-positions", "--ctx", "n_positions", type=int)
 @click.option("--vocab-size", type=int)
 @click.option("--n-inner", type=int, help="MLP width (default 4 x n_embd).")
-@click.option("--pad-vocab-to", type=click.IntRange(1), help="Round the vocabulary up to a multiple (e.g. 64).")
+@click.option("--pad-vocab-to", "--pad-vocab", "pad_vocab_to", type=click.IntRange(1),
+              help="Round the vocabulary up to a multiple (64: 50257 -> 50304).")
 @click.option("--untied", is_flag=True, help="Separate LM head (GPT-2 ties it to the embedding).")
+@click.option("--config", "config_file", type=click.Path(exists=True),
+              help="Model from a file: config.json, a HF save dir, a trainer checkpoint or a state dict "
+                   "(field options above still override it).")
 @click.option("--nodes", type=click.IntRange(1), help="Nodes (default 2, or the inventory's).")
 @click.option("--gpus-per-node", type=click.IntRange(1), help="GPUs per node (default 1, or the inventory's).")
 @click.option("-i", "--inventory", type=click.Path(exists=True, dir_okay=False),
@@ -101,6 +134,8 @@ def _bar(share: float, width: int = 20) -> str:
 @click.option("--link", "link_file", type=click.Path(exists=True, dir_okay=False),
               help="A `clusterctl netbench --save` JSON: its bandwidth_bps/latency_s (efficiency 1.0).")
 @click.option("--step-time", type=float, help="Compute seconds per micro-step (default 1.0 s, the seed's).")
+@click.option("--measure-step", is_flag=True,
+              help="Time a forward+backward micro-step of the model here (cuda if present, else cpu).")
 @click.option("--peak-tflops", type=float, help="Device peak TFLOP/s (estimate the step from FLOPs instead).")
 @click.option("--mfu", type=float, help="Model FLOPs utilization for --peak-tflops (default 0.4).")
 @click.option("--micro-batch", type=click.IntRange(1), default=16, show_default=True,
@@ -111,22 +146,16 @@ def _bar(share: float, width: int = 20) -> str:
               show_default=True, help="Recommend the smallest accumulation keeping comm under this share.")
 @click.option("--json", "as_json", is_flag=True)
 def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inner, pad_vocab_to, untied,
-                 nodes, gpus_per_node, inventory, precision, comm_hook, powersgd_rank, algo, accum, bandwidth,
-                 latency, efficiency, intra_bandwidth, link_file, step_time, peak_tflops, mfu, micro_batch,
-                 seq_len, overlap, target_share, as_json):
+                 config_file, nodes, gpus_per_node, inventory, precision, comm_hook, powersgd_rank, algo, accum,
+                 bandwidth, latency, efficiency, intra_bandwidth, link_file, step_time, measure_step, peak_tflops,
+                 mfu, micro_batch, seq_len, overlap, target_share, as_json):
     """Plan a data-parallel GPT-2 run's gradient sync: bytes, seconds, comm share, a recommendation."""
-    try:
-        m = P.model_spec(preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
-                         vocab_size=vocab_size, n_inner=n_inner, pad_vocab_to=pad_vocab_to,
-                         tied=False if untied else None)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    m = _model(preset, config_file, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
+                                         vocab_size=vocab_size, n_inner=n_inner, pad_vocab_to=pad_vocab_to,
+                                         tied=False if untied else None))
     if inventory:
-        from .inventory import load_inventory
-
-        inv = load_inventory(inventory)
-        nodes = nodes or len(inv.nodes)
-        gpus_per_node = gpus_per_node or inv.nodes[0].gpus or 1
+        inv_nodes, inv_gpus = nodes_from_inventory(inventory)
+        nodes, gpus_per_node = nodes or inv_nodes, gpus_per_node or inv_gpus
     nodes, gpus_per_node = nodes or 2, gpus_per_node or 1
     if link_file and bandwidth:
         raise click.UsageError("give --link or --bandwidth, not both")
@@ -140,26 +169,38 @@ def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inn
         intra = P.Link(P.parse_bandwidth(intra_bandwidth), 5e-6, 1.0)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--intra-bandwidth") from None
-    if step_time is not None and peak_tflops is not None:
-        raise click.UsageError("give --step-time or --peak-tflops, not both")
+    if sum(x is not None and x is not False for x in (step_time, peak_tflops, measure_step)) > 1:
+        raise click.UsageError("give one of --step-time, --peak-tflops and --measure-step")
+    if seq_len is not None and seq_len > m.n_positions:
+        raise click.BadParameter(f"{seq_len} exceeds the model's context of {m.n_positions} tokens",
+                                 param_hint="--seq-len")
+    step_source = "given" if step_time is not None else "peak x MFU" if peak_tflops is not None else "seed's 1 s"
+    if measure_step:
+        from .plan_measure import measure_step_seconds
+
+        try:
+            step_time, dev = measure_step_seconds(m, micro_batch, seq_len, precision=precision)
+        except (ValueError, RuntimeError) as e:  # RuntimeError: out of memory
+            raise click.UsageError(f"--measure-step failed: {e}") from None
+        step_source = f"measured on {dev}"
     if mfu is not None and peak_tflops is None:
         raise click.UsageError("--mfu needs --peak-tflops")
     try:
         step_s = P.compute_seconds(m, step_time=step_time, peak_tflops=peak_tflops, mfu=mfu,
-                                   tokens_per_micro_step=micro_batch * (seq_len or m.n_positions))
+                                   tokens_per_micro_step=micro_batch * (seq_len or m.n_positions), seq_len=seq_len)
         plan = P.make_plan(m, nodes=nodes, gpus_per_node=gpus_per_node, hook=comm_hook,
                            powersgd_rank=powersgd_rank, accums=accum, links=links, step_s=step_s,
                            intra=intra, algo=algo, overlap=overlap, target_share=target_share)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    doc = plan.to_json() | {"precision": precision}
+    doc = plan.to_json() | {"precision": precision, "step_source": step_source}
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
-    _render(plan, precision)
+    _render(plan, precision, step_source)
 
 
-def _render(plan: P.Plan, precision: str) -> None:
+def _render(plan: P.Plan, precision: str, step_source: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -172,7 +213,7 @@ def _render(plan: P.Plan, precision: str) -> None:
     con.print(f"{plan.nodes} node(s) x {plan.gpus_per_node} GPU(s), {precision} autocast, comm hook {hook}: "
               f"S = {plan.sync_bytes / 1e6:.1f} MB per sync; {plan.algo} all-reduce sends "
               f"{plan.bytes_per_rank / 1e6:.1f} MB per GPU over the network; compute {plan.step_s:.3g} s "
-              f"per micro-step{' (overlapped)' if plan.overlap else ''}")
+              f"per micro-step ({step_source}){', overlapped' if plan.overlap else ''}")
     t = Table(title="seconds per sync / comm share / speed-up vs 1 GPU")
     t.add_column("accum", justify="right")
     for lk in plan.links:
