@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator import plan as P  # noqa: E402
 
+ISSUE_MEASURED_S = 0.58  # issue 6 / seeds README: 2 namespaces, tc tbf 1gbit, gloo, 60.3 MB fp16
 RATES = [("1 Gbps", 1e9, "1gbit"), ("10 Gbps", 10e9, "10gbit"), ("100 Gbps", 100e9, "100gbit")]
 ACCUMS = [1, 4, 8, 16]
 
@@ -57,6 +58,10 @@ def seed_table() -> list[str]:
     seed_s = P.SEED["sync_s_fp16"]
     for label, bps, key in RATES:
         out.append(f"| seconds per sync, fp16, {label} | {seed_s[key]:g} s | {link_s[(key, 'fp16')]:.3g} s |")
+    out.append(f"| measured: gloo all-reduce of the fp16 gradient, 2 namespaces, tc 1gbit (issue 6) | "
+               f"0.58 s (seed predicts {seed_s['1gbit']:g} s, +{seed_s['1gbit'] / ISSUE_MEASURED_S - 1:.0%}) | "
+               f"0.58 s (predicted {link_s[('1gbit', 'fp16')]:.3g} s, "
+               f"{link_s[('1gbit', 'fp16')] / ISSUE_MEASURED_S - 1:+.0%}) |")
     for label, bps, key in RATES:
         seed32 = 2 * seed_s[key]
         note = "" if key == "1gbit" else " (its formula)"
@@ -80,6 +85,17 @@ def seed_table() -> list[str]:
     for a in ACCUMS:
         out.append(f"| {a} | " + " | ".join(f"{P.comm_share(link_s[(k, 'fp32')], step, a):.1%}"
                                            for _, _, k in RATES) + " |")
+    lk = P.Link(1e9, 50e-6, P.NOMINAL_EFFICIENCY)
+    out += ["", "What each `--comm-hook` sends for tiny (S per sync; 2 nodes, 1 Gbps, 1 s micro-step):", "",
+            "| comm hook | S | fp32 S / S | seconds per sync | comm share, accum 1 | accum 8 |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for hook, r in (("none (fp32 grads)", None), ("fp16 / bf16", None), ("powersgd rank 4", 4),
+                    ("powersgd rank 1", 1)):
+        h = hook.split()[0]
+        S = P.sync_bytes(m, h, r or 4)
+        sec = P.predict_sync_seconds(S, lk, "ring", 2)
+        out.append(f"| {hook} | {S / 1e6:.2f} MB | {S32 / S:.0f} | {sec:.3g} s | "
+                   f"{P.comm_share(sec, step, 1):.1%} | {P.comm_share(sec, step, 8):.2%} |")
     return out
 
 
