@@ -214,6 +214,9 @@ def _render(plan: P.Plan, precision: str, step_source: str) -> None:
               f"S = {plan.sync_bytes / 1e6:.1f} MB per sync; {plan.algo} all-reduce sends "
               f"{plan.bytes_per_rank / 1e6:.1f} MB per GPU over the network; compute {plan.step_s:.3g} s "
               f"per micro-step ({step_source}){', overlapped' if plan.overlap else ''}")
+    if plan.hook == "none" and precision != "fp32":
+        con.print(f"  note: under {precision} autocast DDP still all-reduces fp32 gradients (the parameter "
+                  f"dtype); --comm-hook {precision} sends 2 B/param")
     t = Table(title="seconds per sync / comm share / speed-up vs 1 GPU")
     t.add_column("accum", justify="right")
     for lk in plan.links:

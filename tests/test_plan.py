@@ -300,3 +300,20 @@ def test_cli_messages_are_one_clear_sentence():
     assert r.exit_code == 2 and "1gbit" in r.output  # says what a valid value looks like
     r = run("--seq-len", "4096")
     assert r.exit_code == 2 and "context" in r.output
+
+
+def test_cli_says_autocast_does_not_shrink_the_gradient():
+    r = run("--precision", "fp16", "--bandwidth", "1gbit")
+    assert r.exit_code == 0 and "120.6 MB" in r.output and "fp32 gradients" in r.output
+    assert "fp32 gradients" not in run("--precision", "fp16", "--comm-hook", "fp16").output
+
+
+def test_docs_tables_are_the_scripts_output():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "bench" / "plan_seed_table.py")], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out in (root / "docs" / "plan.md").read_text(), "regenerate with bench/plan_seed_table.py"
