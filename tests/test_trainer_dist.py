@@ -1,7 +1,12 @@
-"""Multi-process trainer runs on CPU (gloo), nano model, few steps: loss falls, resume is exact,
-every comm hook, precision and strategy runs."""
+"""Multi-process trainer runs on CPU (gloo), `nano` model, few steps: loss falls, resume is exact,
+every comm hook and half precision runs, SIGTERM checkpoints and exits 0.
+
+Process start-up (torch + transformers imports) dominates on a small CPU box, so runs are shared:
+one uninterrupted DDP run is the loss-falls run *and* the reference curve the resume test
+compares against (resuming from a copy of that run's step-6 checkpoint in a fresh directory)."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +17,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 LOSS = re.compile(r"^step (\d+) \| loss ([0-9.]+)", re.M)
+COMMON = ["--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--grad-accum", "2",
+          "--lr-decay-steps", "12"]
+
+pytestmark = pytest.mark.slow
 
 
-def torchrun(out, *args, nproc=2, timeout=120, check=True):
+def torchrun(out, *args, nproc=2, timeout=240, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "trainer", "--output-dir", str(out), "--batch-size", "4", "--sample-tokens", "4",
            "--eval-steps", "1", "--log-every", "1", *args]
@@ -28,26 +37,44 @@ def losses(stdout):
     return {int(s): float(v) for s, v in LOSS.findall(stdout)}
 
 
-def test_ddp_two_procs_loss_falls(tmp_path):
-    r = torchrun(tmp_path, "--max-steps", "30", "--lr", "3e-3", "--warmup-steps", "3", "--grad-accum", "2")
-    assert "world size 2" in r.stdout and "effective batch 4 x 2 x 2 = 16" in r.stdout
-    assert "mfu n/a" in r.stdout and "sample:" in r.stdout
+def resume_from_copy(src, dst, ckpt, *args):
+    """Copy one checkpoint of a finished run into a fresh dir and resume there."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name.startswith(ckpt):
+            (shutil.copytree if os.path.isdir(src / name) else shutil.copy)(src / name, dst / name)
+    return torchrun(dst, *args)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    return out, torchrun(out, *COMMON, "--ckpt-every", "6", "--eval-every", "6")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, torchrun(out, "--strategy", "fsdp", *COMMON, "--ckpt-every", "6")
+
+
+def test_ddp_two_procs_loss_falls_and_logs(ddp_run):
+    out, r = ddp_run
+    assert "world size 2 | strategy ddp" in r.stdout
+    assert "effective batch 4 x 2 x 2 = 16 seqs" in r.stdout
+    assert "mfu n/a" in r.stdout  # CPU: no invented peak
+    assert re.search(r"allreduce \d+ ms vs compute \d+ ms", r.stdout)
+    assert "step 6 | val loss" in r.stdout and "sample:" in r.stdout
     ls = losses(r.stdout)
-    assert ls[30] < ls[1] - 0.5, ls
-    assert os.listdir(tmp_path / "logs")  # TensorBoard event file
+    assert sorted(ls) == list(range(1, 13))
+    assert ls[12] < ls[1] - 0.5, ls
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(out / "logs"))
+    assert {"ckpt_00000006.pt", "ckpt_00000012.pt"} <= set(os.listdir(out))
 
 
-def test_four_procs_finish(tmp_path):
-    r = torchrun(tmp_path, "--max-steps", "3", nproc=4)
-    assert "world size 4" in r.stdout and "step 3 | loss" in r.stdout
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_continues_the_same_loss_curve(tmp_path, strategy):
-    common = ["--strategy", strategy, "--lr-decay-steps", "12", "--warmup-steps", "2", "--grad-accum", "2"]
-    a = torchrun(tmp_path / "a", *common, "--max-steps", "12", "--ckpt-every", "6")
-    torchrun(tmp_path / "b", *common, "--max-steps", "6")
-    b = torchrun(tmp_path / "b", *common, "--max-steps", "12", "--resume", "auto")
+def test_ddp_resume_continues_the_same_loss_curve(ddp_run, tmp_path):
+    src, a = ddp_run
+    b = resume_from_copy(src, tmp_path / "b", "ckpt_00000006", *COMMON, "--resume", "auto")
     assert "resuming from" in b.stdout and "start step 6" in b.stdout
     la, lb = losses(a.stdout), losses(b.stdout)
     assert sorted(lb) == list(range(7, 13))
@@ -55,41 +82,51 @@ def test_resume_continues_the_same_loss_curve(tmp_path, strategy):
         assert abs(la[s] - lb[s]) < 1e-4, (s, la[s], lb[s])
 
 
-def test_torn_checkpoint_is_skipped(tmp_path):
-    torchrun(tmp_path, "--max-steps", "4", "--ckpt-every", "2")
-    newest = tmp_path / "ckpt_00000004.pt"
-    data = newest.read_bytes()
-    newest.write_bytes(data[: len(data) // 2])  # torn: half a file under the real name
-    r = torchrun(tmp_path, "--max-steps", "5")
-    assert "skipping checkpoint" in r.stderr and "ckpt_00000004.pt" in r.stderr
-    assert "start step 2" in r.stdout and "step 5 | loss" in r.stdout
+def test_fsdp_trains_and_resumes_exactly(fsdp_run, tmp_path):
+    src, a = fsdp_run
+    la = losses(a.stdout)
+    assert "strategy fsdp" in a.stdout and la[12] < la[1] - 0.5, la
+    assert os.path.exists(src / "ckpt_00000006" / "MANIFEST.sha256")
+    b = resume_from_copy(src, tmp_path / "b", "ckpt_00000006", "--strategy", "fsdp", *COMMON)
+    lb = losses(b.stdout)
+    assert "start step 6" in b.stdout and sorted(lb) == list(range(7, 13))
+    for s in range(7, 13):
+        assert abs(la[s] - lb[s]) < 1e-4, (s, la[s], lb[s])
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
-def test_comm_hooks_run(tmp_path, hook):
-    r = torchrun(tmp_path, "--comm-hook", hook, "--powersgd-start-iter", "2", "--max-steps", "4")
-    assert "step 4 | loss" in r.stdout
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_half_precisions_on_cpu(tmp_path, precision):
-    r = torchrun(tmp_path, "--precision", precision, "--max-steps", "3", check=False)
-    if r.returncode == 0:
-        assert "step 3 | loss" in r.stdout
-    else:  # allowed only as a clear one-line refusal
+@pytest.mark.parametrize("hook, precision", [("fp16", "fp16"), ("bf16", "bf16")])
+def test_compression_hooks_with_half_precision(tmp_path, hook, precision):
+    r = torchrun(tmp_path, "--comm-hook", hook, "--precision", precision, "--max-steps", "3", check=False)
+    if r.returncode != 0:  # fp16 autocast on CPU may be refused, but only as one clear sentence
         assert precision == "fp16" and "not supported" in r.stderr and "Traceback" not in r.stderr
+        pytest.skip("fp16 autocast unsupported on this CPU torch build")
+    assert f"precision {precision}" in r.stdout and "step 3 | loss" in r.stdout
+    assert all(v == v and v < 10 for v in losses(r.stdout).values())  # finite, not diverged
+
+
+def test_four_procs_powersgd_loss_falls(tmp_path):
+    r = torchrun(tmp_path, *COMMON, "--comm-hook", "powersgd", "--powersgd-rank", "2",
+                 "--powersgd-start-iter", "2", nproc=4)
+    assert "world size 4" in r.stdout and "effective batch 4 x 4 x 2 = 32 seqs" in r.stdout
+    ls = losses(r.stdout)
+    assert ls[12] < ls[1] - 0.5, ls
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     cmd = [sys.executable, "-m", "trainer", "--output-dir", str(tmp_path), "--max-steps", "100000",
            "--log-every", "1", "--batch-size", "2"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    for line in p.stdout:
-        if line.startswith("step 2 |") or time.monotonic() > deadline:
-            break
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=60)
-    assert p.returncode == 0
-    assert "SIGTERM received: saved checkpoint" in out
-    assert any(n.startswith("ckpt_") for n in os.listdir(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            if line.startswith("step 2 |") or time.monotonic() > deadline:
+                break
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    m = re.search(r"SIGTERM received: saved checkpoint \S+ckpt_(\d{8})\.pt at step (\d+)", out)
+    assert m and int(m.group(1)) == int(m.group(2)) >= 2, out[-2000:]
+    assert os.path.exists(tmp_path / f"ckpt_{m.group(1)}.pt.sha256")

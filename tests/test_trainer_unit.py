@@ -21,6 +21,8 @@ def test_tiny_param_count_counts_tied_head_once():
     cfg = parse_args(["--preset", "tiny"])
     model = build_model(cfg, "meta")
     assert count_params(model) == 30_142_848
+    assert count_params(cfg) == 30_142_848  # closed form, what planners import
+    assert flops_per_token(cfg) == 6 * 30_142_848 + 12 * 6 * 6 * 64 * 512
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.config._attn_implementation == "sdpa"
     n = count_params(model)
@@ -45,27 +47,43 @@ def test_presets_and_pad_vocab():
 
 
 def test_help_lists_every_flag():
+    """Every TrainConfig field is a documented flag (except `preset`'s own derived fields)."""
+    from dataclasses import fields
+
+    from trainer.config import TrainConfig
     out = cli("--help").stdout
-    flags = ["--preset", "--n-layer", "--n-embd", "--n-head", "--block-size", "--vocab-size",
-             "--pad-vocab", "--data", "--tokenizer", "--batch-size", "--grad-accum", "--max-steps",
-             "--lr", "--min-lr", "--warmup-steps", "--weight-decay", "--grad-clip", "--scale-lr",
-             "--precision", "--strategy", "--comm-hook", "--powersgd-rank", "--powersgd-start-iter",
-             "--bucket-cap-mb", "--grad-checkpointing", "--compile", "--output-dir", "--ckpt-every",
-             "--resume", "--eval-every", "--eval-steps", "--log-every", "--sample-tokens", "--seed"]
+    flags = ["--" + f.name.replace("_", "-") for f in fields(TrainConfig)]
     missing = [f for f in flags if f not in out]
     assert not missing
+    import re
+    helped = re.findall(r"^  (--[a-z0-9-]+)", out, re.M)
+    assert len(helped) >= len(flags)  # each on its own line, with its help text
+    assert "pydoc_data.topics" in out  # the demo corpus is named
+
+
+@pytest.mark.parametrize("preset, n", [("small", 124_439_808), ("medium", 354_823_168), ("nano", 120_576)])
+def test_closed_form_matches_the_real_model(preset, n):
+    cfg = parse_args(["--preset", preset])
+    assert count_params(cfg) == count_params(build_model(cfg, "meta")) == n
+    padded = parse_args(["--preset", preset, "--pad-vocab"])
+    assert padded.vocab_size % 64 == 0 and count_params(build_model(padded, "meta")) == count_params(padded)
 
 
 @pytest.mark.parametrize("args, words", [
     (["--no-such-flag"], "unrecognized arguments"),
     (["--data", "/nonexistent/corpus"], "does not exist"),
     (["--precision", "fp8"], "invalid choice"),
+    (["--data", "/etc/hostname"], "neither .txt nor .jsonl"),
+    (["--data", "hf:some/dataset", "--max-steps", "1"], "hugging face"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--tokenizer", "/nonexistent/tok"], "neither 'byte', 'gpt2' nor a local directory"),
+    (["--resume", "/nonexistent/ckpt.pt"], "does not exist"),
 ])
 def test_user_errors_exit_2_without_traceback(args, words):
     r = cli(*args)
     assert r.returncode == 2
     assert words in r.stderr.lower() and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_empty_data_dir_is_a_usage_error(tmp_path):

@@ -52,8 +52,8 @@ def _hf_dataset(spec: str):
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"--data {spec} needs the 'datasets' package (pip install datasets) "
-                         "and a network connection; or give a local directory of .txt/.jsonl files.") from None
+        raise UsageError(f"--data {spec} is a Hugging Face dataset, which needs the 'datasets' package "
+                         "(pip install datasets) and a network connection; or give a local directory of .txt/.jsonl files.") from None
     if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
         raise UsageError(f"--data {spec} is a Hugging Face dataset but HF offline mode is set; "
                          "give a local directory of .txt/.jsonl files instead.")
