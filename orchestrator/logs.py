@@ -1,9 +1,10 @@
 """Reading a run's logs: byte-offset following and `node/rank` prefixes.
 
 The supervisor copies each node's torchrun output byte for byte into
-runs/RUN/nodes/NODE.log. torchrun (`--tee 3`) prefixes worker lines with
-`[default<local_rank>]:`; the global rank is the node's first rank plus the
-local rank. Lines from torchrun itself keep the bare node label.
+runs/RUN/nodes/NODE.log. Each worker runs under probes/rank_lines.py, which
+writes whole lines prefixed `[default<local_rank>]:` (torchrun's `--tee` format);
+the global rank is the node's first rank plus the local rank. Lines from torchrun
+itself keep the bare node label.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ from .torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv,
 from .transport import Cluster, SSHConnection
 
 AGENT = resources.files("orchestrator").joinpath("probes/node_agent.py").read_bytes()
+# runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
+RANK_LINES = resources.files("orchestrator").joinpath("probes/rank_lines.py").read_text()
 FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
 FAIL_FAST_GRACE = 5.0
 
@@ -58,6 +60,8 @@ class Supervisor:
         self.spec = spec
         inv = load_inventory(spec.get("inventory"))
         self.inv: Inventory = inv.select(spec.get("nodes") or None)
+        # torchrun's node rank is the position in this run (--nodes may pick a subset)
+        self.node_rank = {n.name: i for i, n in enumerate(self.inv.nodes)}
         self.grace = float(spec.get("grace", FAIL_FAST_GRACE))
         self.stop_requests = 0
         self.first_failure: dict | None = None
@@ -69,7 +73,7 @@ class Supervisor:
     # ---------------------------------------------------------------- record keeping
     def save(self, **changes) -> None:
         with self.lock:
-            nodes = [{"name": n.name, "rank": n.rank, "host": n.host, **self.states[n.name]}
+            nodes = [{"name": n.name, "rank": self.node_rank[n.name], "host": n.host, **self.states[n.name]}
                      for n in self.inv.nodes]
             self.run.update(nodes=nodes, **changes)
 
@@ -169,14 +173,15 @@ class Supervisor:
 
     def launch(self, cluster: Cluster, nprocs: dict[str, int]) -> None:
         inv, run_id = self.inv, self.run.id
-        target = target_argv(inv, self.spec.get("args") or [])
+        # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
+        target = ["{rundir}/rank_lines.py", *target_argv(inv, self.spec.get("args") or [])]
 
         def start_cmd(node: Node) -> str:
             argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=nprocs[node.name],
-                                 node_rank=node.rank, master_addr=inv.master.address,
+                                 node_rank=self.node_rank[node.name], master_addr=inv.master.address,
                                  master_port=inv.master_port, run_id=run_id, target=target,
-                                 extra=["--tee", "3", "--log-dir", "{rundir}/torchrun"])
-            spec = {"argv": argv, "cwd": node.workdir,
+                                 extra=["--log-dir", "{rundir}/torchrun"])
+            spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
                     "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": run_id})}
             return agent_cmd(node, "start", node_key(run_id, node), json.dumps(spec).encode().hex())
 

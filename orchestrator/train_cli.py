@@ -87,9 +87,10 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node:
                 click.echo(pf.read_text().rstrip(), err=True)
                 shown_pf = True
             if follower is None and rec.get("rank_map"):
-                if not shown_map:
+                # once: the preflight table already shows the same map unless --nproc-per-node changed it
+                if not shown_map and rec["rank_map"] not in (pf.read_text() if shown_pf else ""):
                     click.echo(rec["rank_map"], err=True)
-                    shown_map = True
+                shown_map = True
                 follower = Follower(_logs_for(run, rec, "begin" if n is None else "last", n), _printer(rec),
                                     node=node, rank=rank)
             terminal = rec.get("state") in TERMINAL
@@ -246,6 +247,26 @@ def _last_line(run: Run, node: str) -> str:
         return ""
 
 
+def ask_nodes(run: Run) -> dict[str, dict]:
+    """Each started node's own view of the run (node agent `status`), for when the supervisor is gone."""
+    spec, rec = run.spec, run.record
+    started = [nd["name"] for nd in rec.get("nodes", []) if nd.get("pid")]
+    if not started:
+        return {}
+    inv = load_inventory(spec.get("inventory")).select(started)
+    out: dict[str, dict] = {}
+    with Cluster(inv, connect_timeout=spec.get("connect_timeout"), fanout=spec.get("fanout", 64)) as cluster:
+        res = cluster.run(lambda nd: agent_cmd(nd, "status", node_key(run.id, nd)), stdin=AGENT, timeout=30)
+        for name, r in res.items():
+            try:
+                out[name] = json.loads(r.stdout) if r.ok else {"error": r.describe()}
+            except ValueError:
+                out[name] = {"error": r.stdout[-200:]}
+        for name, r in cluster.unreachable.items():
+            out[name] = {"error": r.error}
+    return out
+
+
 @click.command("status")
 @click.argument("run_id", required=False)
 @click.option("--json", "as_json", is_flag=True)
@@ -257,18 +278,25 @@ def status_command(run_id, as_json):
     run = Run.find(run_id)
     rec = run.record
     alive = run.supervisor_alive()
+    from_nodes = {} if alive or rec.get("state") in TERMINAL else ask_nodes(run)
     if as_json:
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive), indent=2))
+        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=from_nodes), indent=2))
         return
     t = Table(title=f"{run.id}: {rec.get('state')}" + ("" if alive or rec.get("state") in TERMINAL
-                                                      else " (supervisor gone: `clusterctl tail` recovers)"))
+                                                      else " (supervisor gone: asked the nodes; "
+                                                      "`clusterctl tail` recovers the logs)"))
     for c in ("node", "ranks", "state", "pid", "exit", "runtime", "last line"):
         t.add_column(c)
     for nd in rec.get("nodes", []):
         ranks = f"{nd.get('first_rank')}-{nd.get('last_rank')}" if "first_rank" in nd else "-"
-        t.add_row(nd["name"], ranks, nd.get("state", "?"), str(nd.get("pid") or "-"),
-                  "-" if nd.get("exit_code") is None else str(nd["exit_code"]), _runtime(nd, rec),
-                  _last_line(run, nd["name"]))
+        state, code, last = nd.get("state", "?"), nd.get("exit_code"), _last_line(run, nd["name"])
+        now = from_nodes.get(nd["name"])
+        if now is not None:  # the nodes' own word beats a stale record
+            code, last = now.get("exit_code", code), now.get("last_line") or last
+            state = ("unreachable" if now.get("error") else "running" if code is None and now.get("alive")
+                     else "finished" if code == 0 else "failed" if code is not None else "gone")
+        t.add_row(nd["name"], ranks, state, str(nd.get("pid") or "-"),
+                  "-" if code is None else str(code), _runtime(nd, rec), last[:100])
     Console().print(t)
     if rec.get("summary") or rec.get("error"):
         _summary(rec)

@@ -162,3 +162,56 @@ def test_wait_listening(agent):
     agent("stop", "w1@n1", 0)
     start(agent, "w2@n1", "import sys; sys.exit(1)")
     assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
+
+
+RANK_LINES = str(Path(__file__).parent.parent / "orchestrator" / "probes" / "rank_lines.py")
+
+TEARER = """
+import os, sys, time
+out = sys.stdout.buffer
+for i in range(50):  # half lines, flushed apart: a readline() tailer prints them torn
+    out.write(b"line %d " % i); out.flush(); time.sleep(0.002)
+    out.write(b"end\\n"); out.flush()
+    os.write(2, b"err %d\\n" % i)
+out.write(b"no newline at the end"); out.flush()
+sys.exit(7)
+"""
+
+
+def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp_path):
+    script = tmp_path / "tearer.py"
+    script.write_text(TEARER)
+    log = tmp_path / "log"
+    with open(log, "ab") as f:
+        r = subprocess.run([sys.executable, RANK_LINES, str(script)], stdout=f, stderr=f, timeout=60,
+                           env=dict(os.environ, LOCAL_RANK="3"))
+    assert r.returncode == 7
+    lines = log.read_bytes().split(b"\n")
+    assert lines.pop() == b""
+    assert sorted(ln for ln in lines if b"]:line " in ln) == sorted(b"[default3]:line %d end" % i for i in range(50))
+    assert sorted(ln for ln in lines if b"err" in ln) == sorted(b"[default3]:err %d" % i for i in range(50))
+    assert lines[-1] == b"[default3]:no newline at the end" and len(lines) == 101
+
+
+def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('checkpointed', flush=True), sys.exit(0)))\n"
+        "print('up', sys.argv[1:], flush=True)\n"
+        "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, RANK_LINES, "-m", "mypkg", "--flag"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, env=dict(os.environ, LOCAL_RANK="0"))
+    assert p.stdout.readline() == b"[default0]:up ['--flag']\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.stdout.read() == b"[default0]:checkpointed\n"
+    assert p.wait(10) == 0
+
+
+def test_rank_lines_dies_of_the_scripts_signal(tmp_path):
+    p = subprocess.Popen([sys.executable, RANK_LINES, "-c", "import os, signal; os.kill(os.getpid(), 9)"],
+                         stdout=subprocess.PIPE)
+    p.communicate(timeout=30)
+    assert p.returncode == -9

@@ -91,8 +91,8 @@ def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_pa
     assert r.returncode == 0, r.stderr
     run_dir = home / "runs" / r.stdout.strip()
     rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" and all(
-        n.get("pid") for n in d["nodes"]) else None)(rec_of(run_dir)), 60, "running")
-    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node3.log").read_bytes(), 60, "steps on node3")
+        n.get("pid") for n in d["nodes"]) else None)(rec_of(run_dir)), 120, "running")
+    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node3.log").read_bytes(), 120, "steps on node3")
     victim = next(n for n in rec["nodes"] if n["name"] == "node3")["pid"]
     os.kill(victim, signal.SIGKILL)
     detected = time.time()
@@ -113,7 +113,7 @@ def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
     wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
-             if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
+             if (run_dir / "nodes" / "node2.log").exists() else False, 120, "steps")
     cluster.nodes[1].link_down()
     out, err = proc.communicate(timeout=60)  # no hang: lost within 5 s + teardown
     rec = rec_of(run_dir)
@@ -134,7 +134,7 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = new_run_dir(home)
     rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" else None)(
-        rec_of(run_dir)), 60, "running")
+        rec_of(run_dir)), 120, "running")
     time.sleep(1)
     os.kill(rec["supervisor_pid"], signal.SIGKILL)  # the whole controller dies
     proc.kill()
@@ -163,7 +163,7 @@ def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
     wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
-             if (run_dir / "nodes" / "node2.log").exists() else False, 60, "steps")
+             if (run_dir / "nodes" / "node2.log").exists() else False, 120, "steps")
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     wait_for(lambda: all_clean(cluster), 5, "zero processes of the run")
@@ -193,3 +193,46 @@ def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_pa
     assert rec_of(home / "runs" / first)["state"] == "stopped"
     runs = cli("runs", "--json")
     assert first in runs.stdout
+
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def trainer_inventory(cluster, tmp_path, max_steps):
+    for n in cluster.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    return str(cluster.write_inventory(
+        tmp_path / "nodes.yaml", env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+        train={"module": "trainer", "args": ["--preset", "nano", "--max-steps", str(max_steps), "--batch-size", "4",
+                                             "--block-size", "64", "--log-every", "5", "--output-dir", "out"]}))
+
+
+def test_the_trainer_with_preflight_from_the_inventory_train_section(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = trainer_inventory(cluster, tmp_path, 20)
+    r = cli("train", "-i", inv)  # no script: the inventory's train section; preflight on
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "port" in r.stderr and "preflight ok" in r.stderr
+    assert r.stderr.count("rank 0 → node1") == 1  # the rank map once, before the first log line
+    steps = [ln for ln in r.stdout.splitlines() if ln.startswith("node1/r0 | step ") and "| loss " in ln]
+    assert len(steps) == 4
+    assert "ckpt_00000020.pt" in cluster.nodes[0].run("ls ~/gpt_train/out").stdout
+    assert all_clean(cluster)
+
+
+def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = trainer_inventory(cluster, tmp_path, 100000)
+    r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--grace", "20")
+    assert r.returncode == 0, r.stderr
+    run_dir = home / "runs" / r.stdout.strip()
+    wait_for(lambda: b"step 10 |" in (run_dir / "nodes" / "node1.log").read_bytes()
+             if (run_dir / "nodes" / "node1.log").exists() else False, 90, "training steps")
+    st = cli("stop", run_dir.name)
+    assert st.returncode == 0, st.stderr
+    wait_for(lambda: all_clean(cluster), 25, "every process gone")
+    log = (run_dir / "nodes" / "node1.log").read_bytes()
+    assert b"SIGTERM received: saved checkpoint" in log, log[-2000:]
+    assert rec_of(run_dir)["state"] == "stopped"
+    t = cli("tail", run_dir.name, "-n", "30", "--no-follow", "--rank", "0")
+    assert t.returncode == 130 and "SIGTERM received" in t.stdout

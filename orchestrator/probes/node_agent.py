@@ -125,7 +125,9 @@ def waiter(d, run_id, spec, notify_fd):
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(d, "error.json")
     env.setdefault("PYTHONUNBUFFERED", "1")
     cwd = os.path.expanduser(spec.get("cwd") or "~")
-    argv = [os.path.expanduser(spec["argv"][0])] + [os.path.join(d, "torchrun") if a == "{rundir}/torchrun"
+    for name, text in spec.get("files", {}).items():  # helpers the command runs, e.g. rank_lines.py
+        write_atomic(os.path.join(d, os.path.basename(name)), text)
+    argv = [os.path.expanduser(spec["argv"][0])] + [d + a[len("{rundir}"):] if a.startswith("{rundir}/")
                                                     else a for a in spec["argv"][1:]]
     log = open(os.path.join(d, "log"), "ab", buffering=0)
     try:
@@ -168,8 +170,22 @@ def stop(run_id, grace):
             except OSError:
                 pass
 
-    signal_all(signal.SIGTERM)
+    # the workers first: they stop (the trainer checkpoints) and torchrun, seeing them done, exits
+    # on its own; torchrun too when it has no workers (yet) or once the grace is half over
+    workers = [p for p in targets() if p != info.get("pid")]
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
     deadline = time.time() + float(grace)
+    half = time.time() + float(grace) / 2
+    while workers and [p for p in targets() if p != info.get("pid")] and time.time() < half:
+        time.sleep(0.05)
+    while workers and targets() and not [p for p in targets() if p != info.get("pid")] \
+            and time.time() < min(deadline, half + 2):
+        time.sleep(0.05)  # workers done: torchrun notices within its monitor interval
+    signal_all(signal.SIGTERM)
     while targets() and time.time() < deadline:
         time.sleep(0.1)
     if targets():
@@ -191,13 +207,18 @@ def status(run_id):
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     code = read(os.path.join(d, "exit_code"))
     err = read(os.path.join(d, "error.json"))
+    size, last = 0, ""
     try:
-        size = os.path.getsize(os.path.join(d, "log"))
+        with open(os.path.join(d, "log"), "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else ""
     except OSError:
-        size = 0
+        pass
     print(json.dumps({"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
                       "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
-                      "log_size": size, "error_file": err}))
+                      "log_size": size, "last_line": last, "error_file": err}))
 
 
 def vanished(d, run_id):

@@ -1,0 +1,93 @@
+"""Whole-line, rank-tagged output for one torchrun worker (stdlib only; the node agent writes it
+into the run directory and torchrun runs it in place of the training script).
+
+    python rank_lines.py SCRIPT ARGS...      |      python rank_lines.py -m MODULE ARGS...
+
+runs `python -u SCRIPT ARGS` (what torchrun itself would have run) with stdout and stderr on
+pipes, and writes each complete line as `[default<LOCAL_RANK>]:line` to its own stdout/stderr
+(the run's log, opened O_APPEND): every write is whole lines only, one write() per batch, so
+lines from different ranks and streams never tear or merge. torchrun's own `--tee` cannot
+promise that: it re-reads worker files with readline() and prints a partial line at EOF
+(a flush mid-line, a tqdm bar) as if it were whole.
+
+Signals torchrun or clusterctl send (TERM, INT, HUP, USR1, USR2) are passed on to the script;
+the script dies with this wrapper (PR_SET_PDEATHSIG); the wrapper exits as the script did.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+MAX_LINE = 1 << 16  # a "line" longer than this without a newline is cut, never held forever
+FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def die_with_parent():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort; the run id in the environment still finds it
+        pass
+    for s in FORWARD:
+        signal.signal(s, signal.SIG_DFL)
+
+
+def write_all(fd, data):
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def pump(src, dst, prefix):
+    """Copy src to dst as whole prefixed lines."""
+    pending = b""
+    while True:
+        chunk = os.read(src, 1 << 16)
+        if not chunk:
+            break
+        pending += chunk
+        cut = pending.rfind(b"\n") + 1
+        if not cut and len(pending) < MAX_LINE:
+            continue
+        if not cut:
+            cut = len(pending)
+        lines = pending[:cut].split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        write_all(dst, b"".join(prefix + ln + b"\n" for ln in lines))
+        pending = pending[cut:]
+    if pending:  # the script ended without a final newline
+        write_all(dst, prefix + pending + b"\n")
+
+
+def main(argv):
+    prefix = b"[default" + os.environ.get("LOCAL_RANK", "0").encode() + b"]:"
+    child = subprocess.Popen([sys.executable, "-u", *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+
+    def forward(signum, frame):
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    for s in FORWARD:
+        signal.signal(s, forward)
+    readers = [threading.Thread(target=pump, args=(p.fileno(), fd, prefix))
+               for p, fd in ((child.stdout, 1), (child.stderr, 2))]
+    for t in readers:
+        t.start()
+    rc = child.wait()
+    for t in readers:
+        t.join()
+    if rc < 0:  # die of the same signal, so torchrun reports what really happened
+        if -rc in FORWARD:
+            signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
