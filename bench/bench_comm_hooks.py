@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.config import parse_args  # noqa: E402
 from trainer.model import build_model, count_params  # noqa: E402
-from trainer.train import register_comm_hook  # noqa: E402
+from trainer.parallel import register_comm_hook  # noqa: E402
 
 
 def worker(rank, world, port, iters, prank, results):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tokens/s and MFU of the trainer on one GPU: tiny and small, bf16 + torch.compile.
-# The trainer prints "tok/s" and "mfu" (from the device's peak in trainer/train.py PEAK_FLOPS);
+# The trainer prints "tok/s" and "mfu" (from the device's peak in trainer/parallel.py PEAK_FLOPS;
+# an unlisted GPU shows "mfu n/a" unless CLUSTERCTL_PEAK_TFLOPS=<dense bf16 TFLOP/s> is set);
 # this keeps the last progress line of each run. Usage: bash bench/gpu_trainer.sh [steps]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -120,7 +120,7 @@ def test_accumulated_step_equals_one_big_batch(tmp_path):
         torch.manual_seed(0)
         model = build_model(cfg)
         before = [p.detach().clone() for p in model.parameters()]
-        losses.append(_trainer(cfg, model).step(batches, lr=1.0))
+        losses.append(_trainer(cfg, model).step(batches, lr=1.0).item())
         deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert torch.allclose(deltas[0], deltas[1], atol=1e-6)

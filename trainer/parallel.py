@@ -39,7 +39,12 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def setup_distributed():
-    """torchrun env -> process group (nccl on GPU, gloo on CPU); plain process otherwise."""
+    """torchrun env -> process group (nccl on GPU, gloo on CPU); plain process otherwise.
+
+    Returns (rank, local_rank, world, device, control_group). The control group is a gloo group
+    for the few CPU scalars ranks agree on (the SIGTERM flag every step, logged means): NCCL
+    only takes GPU tensors, and a GPU round-trip per step would stall the launch queue.
+    """
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
@@ -50,7 +55,9 @@ def setup_distributed():
         timeout = timedelta(seconds=float(os.environ.get("CLUSTERCTL_DIST_TIMEOUT", 1800)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                                 device_id=device if cuda else None)
-    return rank, local_rank, world, device
+        control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+        return rank, local_rank, world, device, control
+    return rank, local_rank, world, device, None
 
 
 def wrap_model(raw, cfg: TrainConfig, world: int, device: torch.device):
