@@ -92,3 +92,32 @@ class Follower:
                 (self.sink or self.printer)(label, "stdout", s, lg.node)
                 count += 1
         return count
+
+
+_CAUSE = b"Root Cause (first observed failure):"
+_FIELD_RE = re.compile(rb"^\s*(rank|exitcode)\s*:\s*(-?\d+)(?:\s*\(local_rank:\s*(\d+)\))?", re.M)
+
+
+def worker_failure(log: bytes) -> dict | None:
+    """torchrun's own verdict from a node log: the 'Root Cause' block of its ChildFailedError
+    -> {"rank", "local_rank", "exitcode"} (exitcode < 0: killed by that signal), or None."""
+    at = log.rfind(_CAUSE)
+    if at < 0:
+        return None
+    block = log[at + len(_CAUSE):].split(b"=" * 20, 1)[0]
+    out: dict = {}
+    for m in _FIELD_RE.finditer(block):
+        if m.group(1) == b"rank":
+            out["rank"] = int(m.group(2))
+            if m.group(3) is not None:
+                out["local_rank"] = int(m.group(3))
+        else:
+            out["exitcode"] = int(m.group(2))
+    return out if "local_rank" in out and "exitcode" in out else None
+
+
+def rank_tail(log: bytes, local_rank: int, n: int) -> list[str]:
+    """The last `n` lines one worker wrote (its traceback, usually), without the rank tag."""
+    tag = b"[default%d]:" % local_rank
+    lines = [ln[len(tag):] for ln in log.split(b"\n") if ln.startswith(tag)]
+    return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines[-n:]]

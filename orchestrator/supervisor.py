@@ -28,6 +28,7 @@ from importlib import resources
 
 from . import shell
 from .inventory import Inventory, Node, load_inventory
+from .logs import rank_tail, worker_failure
 from .runs import Run, exit_meaning
 from .torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
 from .transport import Cluster, SSHConnection
@@ -37,6 +38,7 @@ AGENT = resources.files("orchestrator").joinpath("probes/node_agent.py").read_by
 RANK_LINES = resources.files("orchestrator").joinpath("probes/rank_lines.py").read_text()
 FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
 FAIL_FAST_GRACE = 5.0
+CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 
 
 def agent_cmd(node: Node, *args: object) -> str:
@@ -273,14 +275,22 @@ class Supervisor:
         self.states[name].update(state="finished" if code == 0 else "failed", exit_code=code, ended=time.time(),
                                  error_file=st.get("error_file"))
         if code != 0:
-            self.failed(name, code, exit_meaning(code))
+            self.failed(name, code, exit_meaning(code), ended=st.get("ended"))
         self.save()
 
-    def failed(self, name: str, code: int | None, reason: str) -> None:
+    def failed(self, name: str, code: int | None, reason: str, ended: float | None = None) -> None:
+        """Record the root cause: the first node to fail. Nodes seen in one sweep are ordered by when
+        their torchrun ended (node clocks, within CAUSE_WINDOW s), so a peer's secondary
+        'connection closed' failure does not take the blame for the node that died first."""
+        ff = {"node": name, "exit_code": code, "reason": reason, "at": time.time(), "ended": ended}
         with self.lock:
-            first = self.first_failure is None and not self.stop_requests
+            cur = self.first_failure
+            first = cur is None and not self.stop_requests
             if first:
-                self.first_failure = {"node": name, "exit_code": code, "reason": reason, "at": time.time()}
+                self.first_failure = ff
+            elif (cur is not None and ended is not None and cur.get("ended") is not None
+                  and ended < cur["ended"] and ff["at"] - cur["at"] < CAUSE_WINDOW):
+                self.first_failure = ff
         if first:
             print(f"supervisor: {name} failed first ({reason}); stopping every node", flush=True)
             threading.Thread(target=self.teardown, args=(f"{name} failed",), daemon=True).start()
@@ -340,31 +350,40 @@ class Supervisor:
         return code
 
     def root_cause(self, ff: dict) -> str:
+        """One node, one reason: its exit code and meaning, then the failing worker's own words
+        (torchrun's error file, else that rank's last log lines, else the node log's last lines)."""
         name = ff["node"]
         st = self.states[name]
         head = (f"{name} (ranks {st.get('first_rank')}-{st.get('last_rank')}) failed first: "
                 f"exit code {ff['exit_code']} — {ff['reason']}")
+        try:
+            with open(self.run.node_log(name), "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - (1 << 18)))
+                log = f.read()
+        except OSError:
+            log = b""
         detail = ""
+        wf = worker_failure(log)
+        if wf is not None:
+            code = wf["exitcode"]
+            code = 128 - code if code < 0 else code
+            rank = wf["local_rank"] + (st.get("first_rank") or 0)
+            head += f"; rank {rank} exited {code} first ({exit_meaning(code)})"
+            detail = "\n".join(rank_tail(log, wf["local_rank"], 15))
         if st.get("error_file"):
             try:
                 doc = json.loads(st["error_file"])
                 msg = doc.get("message", doc)
                 if isinstance(msg, dict):
                     extra = msg.get("extraInfo", {})
-                    detail = extra.get("py_callstack") or msg.get("message") or ""
+                    detail = extra.get("py_callstack") or msg.get("message") or detail
                 else:
                     detail = str(msg)
             except ValueError:
                 detail = st["error_file"][-2000:]
         if not detail:
-            try:
-                with open(self.run.node_log(name), "rb") as f:
-                    f.seek(0, 2)
-                    f.seek(max(0, f.tell() - 8192))
-                    lines = f.read().decode(errors="replace").splitlines()[-15:]
-                detail = "\n".join(lines)
-            except OSError:
-                pass
+            detail = "\n".join(log.decode(errors="replace").splitlines()[-15:])
         return head + ("\n" + detail if detail else "")
 
 

@@ -2,6 +2,7 @@
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,29 @@ def test_root_cause_prefers_the_error_file_then_the_log_tail(home):
     run.node_log("node2").write_bytes(b"".join(b"line %d\n" % i for i in range(100)) + b"Killed\n")
     s = sup.root_cause(dict(ff, exit_code=137, reason=exit_meaning(137)))
     assert "exit code 137" in s and s.endswith("line 99\nKilled") and "line 84" not in s
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "torchrun_child_failed.log"
+
+
+def test_torchrun_root_cause_block_names_the_failing_worker():
+    """A real node log: rank 5 (local 1) exits 3, torchrun SIGTERMs local rank 0 and exits 1."""
+    from orchestrator.logs import rank_tail, worker_failure
+
+    log = FIXTURE.read_bytes()
+    assert worker_failure(log) == {"rank": 5, "local_rank": 1, "exitcode": 3}
+    assert rank_tail(log, 1, 2) == ["rank 5 step 0 sum 36", "rank 5 failing on purpose"]
+    assert worker_failure(b"no torchrun summary here\n") is None
+
+
+def test_root_cause_names_the_worker_and_quotes_its_own_lines(home):
+    from orchestrator.supervisor import Supervisor
+
+    run = Run.create("rc-2", {})
+    run.node_log("node3").write_bytes(FIXTURE.read_bytes())
+    sup = Supervisor.__new__(Supervisor)
+    sup.run, sup.states = run, {"node3": {"first_rank": 4, "last_rank": 5}}
+    s = sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)})
+    assert s.splitlines()[0] == ("node3 (ranks 4-5) failed first: exit code 1 — the training script failed; "
+                                 "rank 5 exited 3 first (the training script failed)")
+    assert s.splitlines()[-1] == "rank 5 failing on purpose"

@@ -84,6 +84,19 @@ def test_four_nodes_two_procs_each_finish_with_global_ranks(cluster4, tmp_path, 
     assert all_clean(cluster4)
 
 
+def test_a_failing_rank_is_the_root_cause_not_its_peers_errors(cluster4, tmp_path, home):
+    inv = prepare(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "2", "--", DDP, "--steps", "50",
+            "--fail-rank", "5")
+    assert r.returncode == 1, r.stderr
+    _, rec = record(home)
+    assert rec["first_failure"]["node"] == "node3", rec["first_failure"]
+    assert rec["summary"].startswith("node3 (ranks 4-5) failed first: exit code 1")
+    assert "rank 5 failing on purpose" in rec["summary"]  # the failing node's own log, not a peer's
+    assert "node3 (ranks 4-5) failed first" in r.stderr
+    wait_for(lambda: all_clean(cluster4), 10, "every node clean")
+
+
 def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_path, home):
     cluster = make_cluster(4, gpus=0)
     inv = prepare(cluster, tmp_path)

@@ -207,6 +207,10 @@ def status(run_id):
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     code = read(os.path.join(d, "exit_code"))
     err = read(os.path.join(d, "error.json"))
+    try:
+        ended = os.path.getmtime(os.path.join(d, "exit_code"))  # when torchrun ended, node clock
+    except OSError:
+        ended = None
     size, last = 0, ""
     try:
         with open(os.path.join(d, "log"), "rb") as f:
@@ -218,7 +222,7 @@ def status(run_id):
         pass
     print(json.dumps({"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
                       "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
-                      "log_size": size, "last_line": last, "error_file": err}))
+                      "log_size": size, "last_line": last, "error_file": err, "ended": ended}))
 
 
 def vanished(d, run_id):
