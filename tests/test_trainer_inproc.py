@@ -136,10 +136,12 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("hook", ["none", "fp16", "powersgd"])
-def test_only_the_last_micro_step_all_reduces(tmp_path, one_rank_group, hook):
+@pytest.mark.parametrize("hook, dtype", [("none", "fp32"), ("fp16", "fp32"), ("powersgd", "fp32"),
+                                         ("powersgd", "bf16"), ("powersgd", "fp16")])
+def test_only_the_last_micro_step_all_reduces(tmp_path, one_rank_group, hook, dtype):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    cfg = parse_args(["--block-size", "16", "--comm-hook", hook, "--powersgd-start-iter", "2"])
+    cfg = parse_args(["--block-size", "16", "--comm-hook", hook, "--powersgd-start-iter", "2",
+                      "--powersgd-dtype", dtype])
     ddp = DDP(build_model(cfg), bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
     calls = []
 

@@ -51,6 +51,7 @@ class TrainConfig:
     comm_hook: str = "none"
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10
+    powersgd_dtype: str = "fp32"
     bucket_cap_mb: float = 25.0
     grad_checkpointing: bool = False
     compile: bool = False
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix approximation rank")
     s.add_argument("--powersgd-start-iter", type=int, default=10,
                    help="PowerSGD: plain all-reduce before this iteration (>= 2)")
+    s.add_argument("--powersgd-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="PowerSGD: dtype its low-rank factors are computed and sent in; fp16/bf16 halve "
+                   "the bytes again (torch's fp16/bf16_compress_wrapper around powerSGD_hook)")
     s.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MB")
     s.add_argument("--compile", action="store_true", help="torch.compile the model")
     lg = p.add_argument_group("output")

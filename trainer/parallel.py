@@ -95,6 +95,11 @@ def register_comm_hook(ddp, cfg: TrainConfig, wrap=None):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                             start_powerSGD_iter=cfg.powersgd_start_iter)
         hook = powerSGD_hook.powerSGD_hook
+        if cfg.powersgd_dtype == "fp16":  # torch's documented recipe: P and Q computed and sent in half
+            hook = default_hooks.fp16_compress_wrapper(hook)
+        elif cfg.powersgd_dtype == "bf16":
+            hook = (default_hooks.bf16_compress_wrapper(hook) if dist.get_backend() == "nccl"
+                    else _bf16_wrapper_any_backend(hook))
     elif cfg.comm_hook == "none":
         state, hook = None, default_hooks.allreduce_hook
     else:
@@ -110,6 +115,20 @@ def _bf16_compress_hook_any_backend(process_group, bucket):
     """torch's bf16_compress_hook body; DDP refuses the public one off NCCL/XCCL, gloo handles bf16."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _bf16_wrapper_any_backend(hook):
+    """torch's bf16_compress_wrapper, under a name DDP does not refuse off NCCL."""
+    def bf16_wrapped_hook(state, bucket):
+        bucket.set_buffer(bucket.buffer().to(torch.bfloat16))
+        fut = hook(state, bucket)
+
+        def decompress(f):
+            buf = bucket.buffer()
+            buf.copy_(f.value())
+            return buf
+        return fut.then(decompress)
+    return bf16_wrapped_hook
 
 
 def ddp_comm_stats(ddp) -> dict | None:
