@@ -89,3 +89,14 @@ def test_user_errors_exit_2_without_traceback(args, words):
 def test_empty_data_dir_is_a_usage_error(tmp_path):
     r = cli("--data", str(tmp_path))
     assert r.returncode == 2 and "no .txt or .jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_local_hf_tokenizer_directory(tmp_path):
+    """--tokenizer PATH: any tokenizer saved with save_pretrained, loaded offline."""
+    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast(tokenizer_object=load_tokenizer("gpt2")._tok, eos_token="<|endoftext|>") \
+        .save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eot == 50256 and tok.vocab_size == 50257
+    assert parse_args(["--tokenizer", str(tmp_path)]).tokenizer == str(tmp_path)
