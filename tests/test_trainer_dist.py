@@ -94,9 +94,11 @@ def test_fsdp_trains_and_resumes_exactly(fsdp_run, tmp_path):
         assert abs(la[s] - lb[s]) < 1e-4, (s, la[s], lb[s])
 
 
-@pytest.mark.parametrize("hook, precision", [("fp16", "fp16"), ("bf16", "bf16")])
-def test_compression_hooks_with_half_precision(tmp_path, hook, precision):
-    r = torchrun(tmp_path, "--comm-hook", hook, "--precision", precision, "--max-steps", "3", check=False)
+@pytest.mark.parametrize("strategy, hook, precision", [("ddp", "fp16", "fp16"), ("ddp", "bf16", "bf16"),
+                                                      ("fsdp", "none", "fp16")])
+def test_compression_hooks_with_half_precision(tmp_path, strategy, hook, precision):
+    r = torchrun(tmp_path, "--strategy", strategy, "--comm-hook", hook, "--precision", precision,
+                 "--max-steps", "3", "--grad-accum", "2", check=False)
     if r.returncode != 0:  # fp16 autocast on CPU may be refused, but only as one clear sentence
         assert precision == "fp16" and "not supported" in r.stderr and "Traceback" not in r.stderr
         pytest.skip("fp16 autocast unsupported on this CPU torch build")

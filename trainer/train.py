@@ -36,16 +36,18 @@ def get_lr(step: int, cfg: TrainConfig, scale: float) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
-def configure_optimizer(model, cfg: TrainConfig, device: torch.device):
+def configure_optimizer(model, cfg: TrainConfig, device: torch.device, fused: bool = True):
     """AdamW; weight decay on 2-D weights (matmuls, embeddings) only; the fused kernel where
     this torch has it for the device (CUDA, and CPU since torch 2.4: ~4x faster step there)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    try:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
-    except (RuntimeError, ValueError):  # no fused kernel for this device/dtype
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    if fused:
+        try:
+            return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+        except (RuntimeError, ValueError):  # no fused kernel for this device/dtype
+            pass
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 class Trainer:
@@ -162,8 +164,14 @@ def train(cfg: TrainConfig) -> int:
     n_params = count_params(raw)
     fsdp = world > 1 and cfg.strategy == "fsdp"
     model, sync_module = wrap_model(raw, cfg, world, device)
-    optimizer = configure_optimizer(raw, cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    # ShardedGradScaler (FSDP + fp16) hands fused AdamW a found_inf it cannot broadcast: unfused there
+    sharded_fp16 = fsdp and cfg.precision == "fp16"
+    optimizer = configure_optimizer(raw, cfg, device, fused=not sharded_fp16)
+    if sharded_fp16:  # each rank sees only its shard's grads: all ranks must agree on inf/NaN
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler(device.type)
+    else:
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     trainer = Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
     start = checkpoint.load(cfg.resume, cfg.output_dir, raw, optimizer, scaler,
                             rank=rank, fsdp=fsdp, distributed=world > 1) or 0
