@@ -163,10 +163,14 @@ def test_processes_are_found_per_node_and_teardown_leaves_nothing(make_cluster):
     cluster = make_cluster(2)
     a, b = cluster.nodes
     ssh(cluster, a, "nohup sleep 300 >/dev/null 2>&1 &")
-    deadline = time.monotonic() + 5
-    while not cluster.processes(a) and time.monotonic() < deadline:
+    def cmdlines():
+        return [p.cmdline() for p in cluster.processes(a)]
+
+    # nohup is seen for a moment before it execs sleep; wait for the exec, not just a process
+    deadline = time.monotonic() + 10
+    while cmdlines() != [["sleep", "300"]] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p.cmdline() for p in cluster.processes(a)] == [["sleep", "300"]]
+    assert cmdlines() == [["sleep", "300"]]
     assert cluster.processes(b) == []
     pids = [p.pid for p in cluster.processes(a)]
     names = [n.ns for n in cluster.nodes]

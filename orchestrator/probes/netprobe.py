@@ -129,6 +129,9 @@ def _allreduce(rank, world, addr, port, nbytes, iters, backend, dtype):
         if dev == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    # every rank past its last collective before any tears gloo down: a rank that destroys its
+    # group while a peer still talks to it can abort that peer at exit (seen across hosts)
+    dist.barrier()
     dist.destroy_process_group()
     print(json.dumps({"rank": int(rank), "bytes": t.numel() * t.element_size(), "times": times,
                       "backend": backend}))
