@@ -158,3 +158,16 @@ def exit_meaning(code: int | None) -> str:
     if code == 127:
         return "could not start (command or directory not found on the node; see the log below)"
     return "the training script failed"
+
+
+EXIT_ABORT_MARK = "terminate called without an active exception"
+
+
+def exit_hint(code: int | None, log_text: str) -> str | None:
+    """A known failure worth one line of advice, from a worker's exit code and its log."""
+    if code == 128 + 6 and EXIT_ABORT_MARK in log_text:
+        return ("hint: a rank aborted (SIGABRT) in C++ teardown. If it happened after the last step, the "
+                "usual cause is a process group still held at interpreter exit: delete the DDP/FSDP "
+                "model, then call torch.distributed.destroy_process_group() before the script returns "
+                "(trainer/train.py does this; see README, Runs).")
+    return None

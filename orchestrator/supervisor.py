@@ -29,7 +29,7 @@ from importlib import resources
 from . import shell
 from .inventory import Inventory, Node, load_inventory
 from .logs import rank_tail, worker_failure
-from .runs import Run, exit_meaning
+from .runs import Run, exit_hint, exit_meaning
 from .torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
 from .transport import Cluster, SSHConnection
 
@@ -371,6 +371,9 @@ class Supervisor:
             rank = wf["local_rank"] + (st.get("first_rank") or 0)
             head += f"; rank {rank} exited {code} first ({exit_meaning(code)})"
             detail = "\n".join(rank_tail(log, wf["local_rank"], 15))
+            hint = exit_hint(code, log.decode(errors="replace"))
+            if hint:
+                head += "\n" + hint
         if st.get("error_file"):
             try:
                 doc = json.loads(st["error_file"])

@@ -190,3 +190,23 @@ def test_root_cause_names_the_worker_and_quotes_its_own_lines(home):
     assert s.splitlines()[0] == ("node3 (ranks 4-5) failed first: exit code 1 — the training script failed; "
                                  "rank 5 exited 3 first (the training script failed)")
     assert s.splitlines()[-1] == "rank 5 failing on purpose"
+
+
+def test_root_cause_explains_a_rank_that_aborted_in_teardown(home):
+    """torch 2.13 aborts a rank at exit when a gloo group is still held then (seen across hosts)."""
+    from orchestrator.supervisor import Supervisor
+
+    log = FIXTURE.read_bytes().replace(b"[default1]:rank 5 failing on purpose",
+                                       b"[default1]:terminate called without an active exception")
+    log = log.replace(b"  exitcode  : 3 (pid: 5169) ", b"  exitcode  : -6 (pid: 5169)  (SIGABRT)")
+    run = Run.create("rc-3", {})
+    run.node_log("node3").write_bytes(log)
+    sup = Supervisor.__new__(Supervisor)
+    sup.run, sup.states = run, {"node3": {"first_rank": 4, "last_rank": 5}}
+    lines = sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)}).splitlines()
+    assert lines[0].endswith("rank 5 exited 134 first (killed by SIGABRT)")
+    assert lines[1].startswith("hint: a rank aborted (SIGABRT) in C++ teardown") and "destroy_process_group" in lines[1]
+    assert lines[-1] == "terminate called without an active exception"
+    # the same exit code without the marker is not explained away
+    run.node_log("node3").write_bytes(log.replace(b"terminate called", b"free(): invalid pointer;"))
+    assert "hint:" not in sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)})
