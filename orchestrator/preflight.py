@@ -18,6 +18,7 @@ each worker inside that worker's probe. ping runs from the control machine meanw
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import threading
 import time
@@ -169,11 +170,13 @@ class _Listener:
         self.proc: Proc | None = None
         self.pid: int | None = None
         self.error: str | None = None
+        self.conn = None
         conn = cluster.connections.get(master.name)
         if conn is None:
             self.error = f"{master.name} (the master) is unreachable"
             return
-        cmd = f"{shell.path(master.python)} - {shell.join([port, seconds, expected])}"
+        self.conn, self.token = conn, "cc-listen-" + secrets.token_hex(6)
+        cmd = f"{shell.path(master.python)} - {shell.join([port, seconds, expected, self.token])}"
         try:
             self.proc = conn.exec(cmd, stdin=LISTENER)
         except Exception as e:  # noqa: BLE001 - any failure here only means the check is skipped
@@ -208,8 +211,28 @@ class _Listener:
         return (buf + err).decode(errors="replace").strip()[-300:]
 
     def close(self):
-        if self.proc is not None:
-            self.proc.close()
+        """Stop the listener and wait until its port is free again: `train` may bind it next.
+        Closing the channel alone is not enough (sshd can keep the pipe open, so the listener's
+        heartbeat need not fail), so kill it by the pid it reported, checked against its token."""
+        if self.proc is None:
+            return
+        self.proc.close()
+        self.proc = None
+        if self.pid is None or self.conn is None:
+            return
+        pid, token = str(self.pid), self.token
+        stop = (f"if grep -qa {token} /proc/{pid}/cmdline 2>/dev/null; then kill {pid} 2>/dev/null; fi; "
+                f"i=0; while grep -qa {token} /proc/{pid}/cmdline 2>/dev/null && [ $i -lt 50 ]; do "
+                f"sleep 0.1; i=$((i+1)); done")
+        try:
+            p = self.conn.exec(stop)
+            deadline = time.monotonic() + 8
+            while not p.done() and time.monotonic() < deadline:
+                p.read()
+                time.sleep(0.02)
+            p.close()
+        except Exception:  # noqa: BLE001 - the alarm in the listener is the last resort
+            pass
 
 
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,

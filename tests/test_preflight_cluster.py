@@ -150,11 +150,15 @@ def test_iptables_drop_on_master_port(cl):
     master.iptables("-A", *rule)
     try:
         report = preflight(cl)
+        # no worker got through, so the temporary listener waited: it must still be gone when
+        # preflight returns (train binds the port next)
+        left = master.run(["ss", "-Hltn", "sport = :29500"], as_user=False).stdout
         # the firewall check names the rule when it may read it (root on the node)
         out = master.run(["sh", "-s", "--", "firewall", "~/gpt_train", "~/gpt_train/runs", "29500", "eth0",
                           master.host, "master", sys.executable, "0"], as_user=False, input=PROBE.decode()).stdout
     finally:
         master.iptables("-D", *rule)
+    assert left.strip() == "", left
     assert bad(report) == {("node1", "port_reachable")}
     m = result(report, "node1", "port_reachable")
     assert "timed out" in m.detail and "29500" in m.remedy
@@ -168,9 +172,9 @@ def test_process_already_listening_on_master_port(cl):
     master = cl.nodes[0]
     p = master.popen([sys.executable, "-c", "import socket,time; s=socket.socket(); "
                       "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); "
-                      "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=-1)
+                      "s.listen(); print('up', flush=True); time.sleep(60)"], stdout=-1, stderr=-1)
     try:
-        assert p.stdout.readline().strip() == b"up"
+        assert p.stdout.readline().strip() == b"up", p.stderr.read() if p.stderr else ""
         report = preflight(cl)
         pids = {x.pid for x in cl.processes(master) if "time.sleep(60)" in " ".join(x.cmdline())}
     finally:

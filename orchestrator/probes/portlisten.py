@@ -1,10 +1,12 @@
 """Temporary rendezvous-port listener for preflight's port_reachable; stdlib only.
 
-    python - PORT SECONDS EXPECTED
+    python - PORT SECONDS EXPECTED [TOKEN]
 
 Prints `listening PID` (or `busy ERRNO message`) then one `peer ADDR` line per connection;
-exits after EXPECTED connections, after SECONDS, or as soon as its SSH channel is closed (a
-heartbeat line every 0.1 s fails with EPIPE then); an alarm is the last resort."""
+exits after EXPECTED connections, after SECONDS, when its SSH channel is closed (a heartbeat
+line every 0.1 s fails with EPIPE then), or when preflight kills it by that PID. TOKEN is unused
+here: it sits on the command line so preflight can check the PID is still this listener before
+killing it. An alarm is the last resort."""
 import os
 import signal
 import socket
