@@ -63,6 +63,11 @@ def wait_for(pred, timeout, what):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def log_has(path, needle):
+    """The supervisor creates a node's log copy when that node's first bytes arrive."""
+    return path.exists() and needle in path.read_bytes()
+
+
 def all_clean(cluster):
     return all(not cluster.processes(n) for n in cluster.nodes)
 
@@ -105,7 +110,7 @@ def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_pa
     run_dir = home / "runs" / r.stdout.strip()
     rec = wait_for(lambda: (lambda d: d if d.get("state") == "running" and all(
         n.get("pid") for n in d["nodes"]) else None)(rec_of(run_dir)), 120, "running")
-    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node3.log").read_bytes(), 120, "steps on node3")
+    wait_for(lambda: log_has(run_dir / "nodes" / "node3.log", b"step 3"), 120, "steps on node3")
     victim = next(n for n in rec["nodes"] if n["name"] == "node3")["pid"]
     os.kill(victim, signal.SIGKILL)
     detected = time.time()
@@ -125,8 +130,7 @@ def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path
                              "--lost-timeout", "5", "--", DDP, "--steps", "600", "--sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
-    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
-             if (run_dir / "nodes" / "node2.log").exists() else False, 120, "steps")
+    wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
     cluster.nodes[1].link_down()
     out, err = proc.communicate(timeout=60)  # no hang: lost within 5 s + teardown
     rec = rec_of(run_dir)
@@ -175,8 +179,7 @@ def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
                              "--", DDP, "--steps", "600", "--sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
-    wait_for(lambda: b"step 3" in (run_dir / "nodes" / "node2.log").read_bytes()
-             if (run_dir / "nodes" / "node2.log").exists() else False, 120, "steps")
+    wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     wait_for(lambda: all_clean(cluster), 5, "zero processes of the run")
@@ -239,8 +242,7 @@ def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_p
     r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--grace", "20")
     assert r.returncode == 0, r.stderr
     run_dir = home / "runs" / r.stdout.strip()
-    wait_for(lambda: b"step 10 |" in (run_dir / "nodes" / "node1.log").read_bytes()
-             if (run_dir / "nodes" / "node1.log").exists() else False, 90, "training steps")
+    wait_for(lambda: log_has(run_dir / "nodes" / "node1.log", b"step 10 |"), 90, "training steps")
     st = cli("stop", run_dir.name)
     assert st.returncode == 0, st.stderr
     wait_for(lambda: all_clean(cluster), 25, "every process gone")
