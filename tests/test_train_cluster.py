@@ -190,6 +190,28 @@ def test_sigint_stops_every_process_within_5s(make_cluster, tmp_path, home):
     assert time.time() - t0 < 30
 
 
+def test_second_sigint_kills_a_run_that_ignores_the_graceful_stop(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--grace", "120", "--", DDP, "--steps", "6000", "--sleep", "0.1",
+                             "--ignore-sigterm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = new_run_dir(home)
+    wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: rec_of(run_dir).get("teardown") == "stop", 30, "the graceful stop to begin")
+    time.sleep(3)  # the workers ignore SIGTERM: within the 120 s grace they are still there
+    assert any(p.cmdline()[-1:] == ["--ignore-sigterm"] for p in cluster.processes(cluster.nodes[1]))
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    wait_for(lambda: all_clean(cluster), 15, "zero processes after the second Ctrl-C")
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - t0 < 60  # not the 120 s grace
+    assert "gracefully" in err and "killing run" in err
+    assert proc.returncode == 130
+    assert rec_of(run_dir)["state"] == "stopped"
+
+
 def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_path, home):
     cluster = make_cluster(2, gpus=0)
     inv = prepare(cluster, tmp_path)

@@ -4,9 +4,11 @@
 --sleep S      sleep S seconds per step (so tests can break a node mid-run)
 --lines K      print K extra numbered lines per rank at the end (log volume tests)
 --fail-rank R  rank R exits with code 3 after the first step
+--ignore-sigterm  workers ignore SIGTERM (a job that will not stop gracefully)
 """
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -18,7 +20,10 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--lines", type=int, default=0)
 p.add_argument("--fail-rank", type=int, default=-1)
+p.add_argument("--ignore-sigterm", action="store_true")
 a = p.parse_args()
+if a.ignore_sigterm:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
