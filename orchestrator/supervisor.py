@@ -178,6 +178,8 @@ class Supervisor:
         # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
         target = ["{rundir}/rank_lines.py", *target_argv(inv, self.spec.get("args") or [])]
 
+        specs: dict[str, bytes] = {}  # node -> the agent script with its spec first (stdin, not argv)
+
         def start_cmd(node: Node) -> str:
             argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=nprocs[node.name],
                                  node_rank=self.node_rank[node.name], master_addr=inv.master.address,
@@ -185,7 +187,8 @@ class Supervisor:
                                  extra=["--log-dir", "{rundir}/torchrun"])
             spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
                     "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": run_id})}
-            return agent_cmd(node, "start", node_key(run_id, node), json.dumps(spec).encode().hex())
+            specs[node.name] = f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
+            return agent_cmd(node, "start", node_key(run_id, node), "-")
 
         def started(res) -> None:
             for name, r in res.items():
@@ -197,7 +200,7 @@ class Supervisor:
         master = inv.master
         try:
             # node 0 first: the others start once its rendezvous store listens
-            started(cluster.run(start_cmd, nodes=[master.name], stdin=AGENT, timeout=60))
+            started(cluster.run(start_cmd, nodes=[master.name], stdin=lambda n: specs[n.name], timeout=60))
             if len(inv.nodes) > 1:
                 r = cluster.run(agent_cmd(master, "wait-listening", node_key(run_id, master), inv.master_port, 120),
                                 nodes=[master.name], stdin=AGENT, timeout=150)[master.name]
@@ -205,7 +208,8 @@ class Supervisor:
                 if word != "listening":
                     self.save()
                     return  # the master exited or never listened: stream() reports its failure
-                started(cluster.run(start_cmd, nodes=[n.name for n in inv.nodes[1:]], stdin=AGENT, timeout=60))
+                started(cluster.run(start_cmd, nodes=[n.name for n in inv.nodes[1:]], stdin=lambda n: specs[n.name],
+                                    timeout=60))
         except LaunchError:
             self.teardown("launch failed")
             raise

@@ -215,3 +215,26 @@ def test_rank_lines_dies_of_the_scripts_signal(tmp_path):
                          stdout=subprocess.PIPE)
     p.communicate(timeout=30)
     assert p.returncode == -9
+
+
+def test_spec_on_stdin_keeps_env_off_the_command_line_and_the_run_dir_private(agent):
+    """The controller prepends SPEC_HEX to the script: no env value in any process's argv."""
+    spec = {"argv": [sys.executable, "-c", "import os, time; print(os.environ['API_TOKEN'], flush=True); "
+                     "time.sleep(600)"], "cwd": str(agent.home), "env": {"API_TOKEN": "tok-s3cr3t"}}
+    script = f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
+    r = subprocess.run([sys.executable, "-", "start", "p1@n1", "-"], input=script, env=agent.env,
+                       capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    d = rundir(agent, "p1@n1")
+    try:
+        assert wait_for(lambda: b"tok-s3cr3t" in (d / "log").read_bytes())
+        hexed = "tok-s3cr3t".encode().hex()
+        for pid in pids_with("p1@n1"):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"tok-s3cr3t" not in cmdline and hexed.encode() not in cmdline
+        assert (d.stat().st_mode & 0o777) == 0o700 and (d.parent.stat().st_mode & 0o777) == 0o700
+    finally:
+        agent("stop", "p1@n1", 1)
+    missing = subprocess.run([sys.executable, "-", "start", "p2@n1", "-"], input=AGENT, env=agent.env,
+                             capture_output=True, timeout=30)
+    assert missing.returncode != 0 and b"no spec" in missing.stderr

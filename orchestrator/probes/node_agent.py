@@ -12,7 +12,8 @@ Every process of a run carries CLUSTERCTL_RUN_KEY=KEY (and CLUSTERCTL_RUN_ID=RUN
 environment, so the run is found again by id (scanning /proc/*/environ of this user's
 processes), never by name pattern.
 
-  start KEY SPEC_JSON_HEX      detach torchrun (own session), print {"pid", "pgid"}
+  start KEY SPEC_JSON_HEX|-    detach torchrun (own session), print {"pid", "pgid"}; with -, the
+                               spec is SPEC_HEX, prepended to this script (off the command line)
   stop KEY GRACE               SIGTERM the run, SIGKILL after GRACE s; print {"left": n}
   status KEY                   print the run's state as JSON
   tail KEY OFFSET              stream the log from OFFSET until the run ended and all is sent
@@ -78,10 +79,19 @@ def pgid_of(pid):
         return None
 
 
-def start(run_id, spec_hex):
+def start(run_id, spec_hex="-"):
+    # "-": the controller prepends `SPEC_HEX = "..."` to this script on stdin, so the spec (the
+    # inventory's env: tokens, keys) never shows on a command line in `ps` on the node
+    if spec_hex == "-":
+        spec_hex = globals().get("SPEC_HEX") or sys.exit("no spec: expected SPEC_HEX before the script")
     spec = json.loads(bytes.fromhex(spec_hex).decode())
     d = rundir(run_id)
-    os.makedirs(d, exist_ok=False)
+    os.makedirs(BASE, mode=0o700, exist_ok=True)
+    try:
+        os.chmod(BASE, 0o700)  # spec.json holds the inventory's env: this user's eyes only
+    except OSError:
+        pass
+    os.makedirs(d, mode=0o700, exist_ok=False)
     write_atomic(os.path.join(d, "spec.json"), json.dumps(spec))
     r, w = os.pipe()
     if os.fork() > 0:  # the caller: wait for the waiter to report torchrun's pid
