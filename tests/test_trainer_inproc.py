@@ -126,6 +126,14 @@ def test_accumulated_step_equals_one_big_batch(tmp_path):
     assert torch.allclose(deltas[0], deltas[1], atol=1e-6)
 
 
+# Process groups of finished tests, kept alive until the interpreter exits. A core dump showed
+# why: once destroy_process_group drops the group, the last reference can be the comm hook's
+# Python callback that a gloo worker thread is still disposing (Future.then); the group's
+# destructor then runs on that worker and joins itself -> std::system_error -> abort of pytest.
+# Holding the group here means the main thread frees it, when the workers are long idle.
+_FINISHED_GROUPS = []
+
+
 @pytest.fixture
 def one_rank_group():
     with socket.socket() as s:
@@ -133,6 +141,7 @@ def one_rank_group():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
+    _FINISHED_GROUPS.append(dist.group.WORLD)
     dist.destroy_process_group()
 
 
