@@ -178,17 +178,18 @@ class Supervisor:
         # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
         target = ["{rundir}/rank_lines.py", *target_argv(inv, self.spec.get("args") or [])]
 
-        specs: dict[str, bytes] = {}  # node -> the agent script with its spec first (stdin, not argv)
-
         def start_cmd(node: Node) -> str:
+            return agent_cmd(node, "start", node_key(run_id, node), "-")
+
+        def start_stdin(node: Node) -> bytes:
+            """The agent script with the run spec prepended: the spec (env: tokens) stays off argv."""
             argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=nprocs[node.name],
                                  node_rank=self.node_rank[node.name], master_addr=inv.master.address,
                                  master_port=inv.master_port, run_id=run_id, target=target,
                                  extra=["--log-dir", "{rundir}/torchrun"])
             spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
                     "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": run_id})}
-            specs[node.name] = f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
-            return agent_cmd(node, "start", node_key(run_id, node), "-")
+            return f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
 
         def started(res) -> None:
             for name, r in res.items():
@@ -200,7 +201,7 @@ class Supervisor:
         master = inv.master
         try:
             # node 0 first: the others start once its rendezvous store listens
-            started(cluster.run(start_cmd, nodes=[master.name], stdin=lambda n: specs[n.name], timeout=60))
+            started(cluster.run(start_cmd, nodes=[master.name], stdin=start_stdin, timeout=60))
             if len(inv.nodes) > 1:
                 r = cluster.run(agent_cmd(master, "wait-listening", node_key(run_id, master), inv.master_port, 120),
                                 nodes=[master.name], stdin=AGENT, timeout=150)[master.name]
@@ -208,8 +209,7 @@ class Supervisor:
                 if word != "listening":
                     self.save()
                     return  # the master exited or never listened: stream() reports its failure
-                started(cluster.run(start_cmd, nodes=[n.name for n in inv.nodes[1:]], stdin=lambda n: specs[n.name],
-                                    timeout=60))
+                started(cluster.run(start_cmd, nodes=[n.name for n in inv.nodes[1:]], stdin=start_stdin, timeout=60))
         except LaunchError:
             self.teardown("launch failed")
             raise
