@@ -14,12 +14,40 @@ The digest is content-based: for every file a git tree would ship (git ls-files 
 executable bit and sha256. A git checkout and a plain copy of it hash the same, so a
 workdir pushed by `clusterctl sync` compares equal to the control machine's checkout.
 """
-import hashlib
-import json
 import os
-import re
-import subprocess
 import sys
+
+# Lazy imports (re, subprocess, hashlib, tarfile), and no json (it pulls in re and enum: 8 ms):
+# preflight starts this on every node with -S (no site: 14 ms saved), and every stdlib import it
+# skips is 1-8 ms more, per node and per command.
+
+
+def _json_char(c):
+    if " " <= c <= "~":
+        return "\\" + c if c in '"\\' else c
+    n = ord(c)
+    if n < 0x10000:
+        return f"\\u{n:04x}"
+    n -= 0x10000
+    return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
+
+
+def dumps(value):
+    """JSON for what this script prints (dict, list, str, int, bool, None); non-ASCII and
+    surrogate-escaped bytes of odd file names come out as \\u escapes, which json.loads reads."""
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + "".join(map(_json_char, value)) + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(dumps(str(k)) + ": " + dumps(v) for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(dumps(v) for v in value) + "]"
+    raise TypeError(f"cannot encode {type(value).__name__}")
 
 MANIFEST = ".clusterctl-manifest"
 
@@ -29,6 +57,8 @@ MANIFEST = ".clusterctl-manifest"
 
 def _glob_re(pat):
     """A gitignore glob -> regex over a '/'-separated relative path."""
+    import re
+
     out, i = "", 0
     while i < len(pat):
         c = pat[i]
@@ -142,6 +172,8 @@ def git_files(root):
     """(files, head, dirty) from git, or None when root is not a usable git checkout."""
     if not os.path.exists(os.path.join(root, ".git")):
         return None
+    import subprocess
+
     try:
         ls = subprocess.run(["git", "-C", root, "ls-files", "-co", "--exclude-standard", "-z"],
                             capture_output=True, timeout=60)
@@ -159,6 +191,8 @@ def git_files(root):
 
 def digest(root):
     """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of a workdir."""
+    import hashlib
+
     if not os.path.isdir(root):
         return {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
     g = git_files(root)
@@ -190,55 +224,120 @@ def digest(root):
 
 
 def _literal_assignments(path):
-    """`name = 'x'` lines of torch/version.py, without importing torch (seconds on a GPU box)."""
-    import ast
-
+    """`name = 'x'` / `name: T = 'x'` / `name = None` lines of torch/version.py, read as text
+    (importing torch takes seconds on a GPU box; even `ast` costs a few ms per node)."""
     out = {}
     try:
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
+            lines = f.read().splitlines()
+    except (OSError, ValueError):
         return out
-    for node in tree.body:
-        target = value = None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
-            out[target.id] = value.value
+    for line in lines:
+        if line[:1].isspace() or "=" not in line:
+            continue
+        left, _, value = line.partition("=")
+        name = left.split(":", 1)[0].strip()
+        value = value.split("#", 1)[0].strip()
+        if not name.isidentifier():
+            continue
+        if value == "None":
+            out[name] = None
+        elif len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" and value[0] not in value[1:-1]:
+            out[name] = value[1:-1]
     return out
 
 
-def _nccl_version():
+def venv_prefix():
+    """(prefix, include-system-site-packages) when this interpreter is a venv's, else None.
+    Under -S, site.venv() has not run, so sys.prefix is still the base Python's."""
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    for d in (exe_dir, os.path.dirname(exe_dir)):
+        cfg = os.path.join(d, "pyvenv.cfg")
+        if os.path.isfile(cfg):
+            system_site = False
+            try:
+                with open(cfg, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        key, eq, value = line.partition("=")
+                        if eq and key.strip().lower() == "include-system-site-packages":
+                            system_site = value.strip().lower() == "true"
+            except OSError:
+                pass
+            return os.path.dirname(exe_dir), system_site
+    return None
+
+
+def site_dirs():
+    """Where `import torch` would look, without running site (the probe runs python -S): sys.path
+    as it is (PYTHONPATH, stdlib), the prefix's site-packages (venvs included), the user site, and
+    the directory lines of their .pth files. `import` lines of .pth files are not run."""
+    import site
+
+    dirs = [d for d in sys.path if d]
+    extra, system_site = [], True
+    venv = venv_prefix()
+    if venv is not None:  # what site.venv() does, minus running the .pth files
+        prefix, system_site = venv
+        v = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        # the venv layout itself: distro patches to getsitepackages (Debian's dist-packages)
+        # only apply once site.venv() has changed sys.prefix, which -S skips
+        extra += [os.path.join(prefix, lib, v, "site-packages") for lib in dict.fromkeys(
+            [getattr(sys, "platlibdir", "lib"), "lib"])] + [os.path.join(prefix, "Lib", "site-packages")]
+    if system_site:
+        extra += site.getsitepackages()
+    if system_site and site.check_enableusersite():
+        extra.append(site.getusersitepackages())
+    for d in extra:
+        if not os.path.isdir(d) or d in dirs:
+            continue
+        dirs.append(d)
+        try:
+            pths = sorted(n for n in os.listdir(d) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in pths:
+            try:
+                with open(os.path.join(d, name), encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        line = line.strip()
+                        if not line or line.startswith(("#", "import ", "import\t")):
+                            continue
+                        p = os.path.join(d, line)
+                        if os.path.isdir(p) and p not in dirs:
+                            dirs.append(p)
+            except OSError:
+                continue
+    return dirs
+
+
+def _nccl_version(dirs):
     """The pip-shipped NCCL (nvidia-nccl-cuXX wheel), from its dist-info directory name."""
-    for d in sys.path:
+    for d in dirs:
         try:
             names = os.listdir(d or ".")
         except OSError:
             continue
         for name in names:
-            m = re.match(r"^nvidia_nccl_cu\d+-([^-]+)\.dist-info$", name)
-            if m:
-                return m.group(1)
+            if name.startswith("nvidia_nccl_cu") and name.endswith(".dist-info"):
+                dist, _, version = name[:-len(".dist-info")].partition("-")
+                if dist[len("nvidia_nccl_cu"):].isdigit() and version and "-" not in version:
+                    return version
     return None
 
 
 def versions():
-    import importlib.util
-    import platform
-
-    info = {"python": platform.python_version(), "executable": sys.executable, "torch": None,
+    v = sys.version_info
+    info = {"python": f"{v.major}.{v.minor}.{v.micro}", "executable": sys.executable, "torch": None,
             "cuda": None, "hip": None, "nccl": None}
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        v = _literal_assignments(os.path.join(list(spec.submodule_search_locations)[0], "version.py"))
-        info.update(torch=v.get("__version__", "?"), cuda=v.get("cuda"), hip=v.get("hip"))
-        if info["cuda"]:
-            info["nccl"] = _nccl_version()
+    dirs = site_dirs() if sys.flags.no_site else [d for d in sys.path if d]
+    for d in dirs:
+        version_py = os.path.join(d, "torch", "version.py")
+        if os.path.isfile(version_py):
+            lit = _literal_assignments(version_py)
+            info.update(torch=lit.get("__version__", "?"), cuda=lit.get("cuda"), hip=lit.get("hip"))
+            if info["cuda"]:
+                info["nccl"] = _nccl_version(dirs)
+            break
     return info
 
 
@@ -282,14 +381,14 @@ def prune(root, manifest):
         if rel not in keep:
             os.unlink(os.path.join(root, rel))
             removed += 1
-    print(json.dumps({"kept": len(keep), "removed": removed}))
+    print(dumps({"kept": len(keep), "removed": removed}))
 
 
 def main(argv):
     if len(argv) >= 2 and argv[0] == "info":
         doc = versions()
         doc["code"] = digest(argv[1]) if argv[1:] and argv[1] != "-" else None
-        print(json.dumps(doc))
+        print(dumps(doc))
     elif len(argv) >= 2 and argv[0] == "receive":
         receive(argv[1])
     elif len(argv) >= 2 and argv[0] == "prune":
