@@ -144,6 +144,34 @@ def test_gpu_held_by_leftover_process(cl):
     assert "GPU 1" in result(report, "node4", "gpu_idle").detail
 
 
+def test_gpu_memory_held_by_a_process_the_node_cannot_see(cl):
+    nd = cl.nodes[2]
+    nd.set_gpus(2, memory_used=30000)  # no process listed: another container's job
+    try:
+        report = preflight(cl, checks=["gpu_count", "gpu_idle"])
+    finally:
+        nd.set_gpus(2)
+    assert bad(report, ("fail", "warn")) == {("node3", "gpu_idle")}
+    r = result(report, "node3", "gpu_idle")
+    assert r.status == "warn" and "GPU 0 30000 MiB" in r.detail and "GPU 1 30000 MiB" in r.detail
+
+
+def test_idle_gpus_cost_one_nvidia_smi(cl):
+    # the process list is only asked for when some GPU has memory in use
+    nd = cl.nodes[1]
+    inv = inventory(cl)
+    from orchestrator.preflight import _probe_command
+    cmd = _probe_command(inv, inv.nodes[1], ["gpu_count", "gpu_idle"], 0)
+    idle = nd.run(cmd, input=PROBE.decode()).stdout
+    nd.set_gpus(2, processes=[(4242, "python", 30000, 1)])
+    try:
+        busy = nd.run(cmd, input=PROBE.decode()).stdout
+    finally:
+        nd.set_gpus(2)
+    assert "@@nvidia-gpus" in idle and "@@nvidia-apps" not in idle
+    assert "@@nvidia-apps" in busy and "4242" in busy
+
+
 def test_iptables_drop_on_master_port(cl):
     master = cl.nodes[0]
     rule = ["INPUT", "-p", "tcp", "--dport", "29500", "-j", "DROP"]

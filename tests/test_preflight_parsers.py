@@ -86,8 +86,23 @@ def test_gpu_idle_names_pid_and_command():
             + sec("proc", "python train.py --resume", rc=None, arg="48211"))
     r = parse_gpu_idle(text, ctx())
     assert r.status == "fail" and "pid 48211 (python train.py --resume" in r.detail and "kill 48211" in r.remedy
-    idle = sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv")) + "@@nvidia-apps\n\n"
+    idle_gpus = "".join(ln + "\n" for ln in read("nvidia_h100x8_noheader_nounits.csv").splitlines()[4:])
+    idle = sec("nvidia-gpus", idle_gpus) + "@@nvidia-apps\n\n"
     assert parse_gpu_idle(idle, ctx()).status == "ok"
+    # the probe skips the process query when no GPU has memory in use
+    r = parse_gpu_idle(sec("nvidia-gpus", idle_gpus), ctx())
+    assert r.status == "ok" and "no GPU memory in use on 4 GPU(s)" in r.detail
+
+
+def test_gpu_idle_memory_held_by_a_process_nvidia_smi_cannot_list():
+    # in a container nvidia-smi lists no other container's processes; memory.used still shows them
+    text = sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv")) + "@@nvidia-apps\n\n"
+    r = parse_gpu_idle(text, ctx())
+    assert r.status == "warn" and "GPU 0 71234 MiB" in r.detail and "GPU 3 71240 MiB" in r.detail
+    assert "another container" in r.detail and "GPU 4" not in r.detail
+    # a display server's few hundred MiB is no reason to warn
+    desktop = "0, GPU-x, NVIDIA GeForce RTX 4090, 3, 412, 24564, 41, 27.53\n"
+    assert parse_gpu_idle(sec("nvidia-gpus", desktop) + "@@nvidia-apps\n\n", ctx()).status == "ok"
 
 
 # ------------------------------------------------------------------ ports

@@ -30,6 +30,12 @@ def gpus_from_probe(text: str) -> tuple[str | None, list[Gpu] | None, str | None
     return None, None, None
 
 
+# Memory in use with no process listed means a holder this shell cannot see (a process in
+# another container or PID namespace). Desktop GPUs show a few hundred MiB for the display
+# server, which is not a compute app either, so only more than that is worth a warning.
+HIDDEN_HOLDER_MIB = 1024
+
+
 @dataclass(frozen=True)
 class Holder:
     """A process holding GPU memory."""
@@ -97,6 +103,16 @@ def parse_gpu_idle(text: str, ctx: Ctx) -> CheckResult:
         return skip("gpu_idle", f"{tool} failed (see gpu_count)")
     procs = gpu_processes(text)
     if not procs:
+        hidden = [g for g in gpus if (g.mem_used_mib or 0) >= HIDDEN_HOLDER_MIB]
+        if hidden:
+            held = ", ".join(f"GPU {g.index} {g.mem_used_mib} MiB" for g in hidden[:4])
+            return warn("gpu_idle", f"GPU memory in use ({held}{' ...' if len(hidden) > 4 else ''}) by no "
+                        f"process {tool} lists here: another container, or a user whose processes "
+                        "this account cannot see",
+                        f"find the owner on {ctx.node.name} (`{tool}` as root or on the host); a job "
+                        "already on these GPUs slows the run or makes it run out of memory")
+        if not any(s.name in ("nvidia-apps", "rocm-pids") for s in sections(text)):
+            return ok("gpu_idle", f"no GPU memory in use on {len(gpus)} GPU(s)")
         return ok("gpu_idle", f"no process holds GPU memory on {len(gpus)} GPU(s)")
     parts = []
     for p in procs[:4]:

@@ -18,10 +18,16 @@ if want gpu_count gpu_idle; then
   pids=""
   if has nvidia-smi; then
     echo "@@nvidia-gpus"
-    nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw \
-      --format=csv,noheader,nounits 2>&1
-    echo "@@rc $?"
-    if want gpu_idle; then
+    gpus=$(nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw \
+      --format=csv,noheader,nounits 2>&1)
+    rc=$?
+    printf '%s\n' "$gpus"
+    echo "@@rc $rc"
+    # The process list costs a second nvidia-smi (tens of ms to seconds on a real node): ask for
+    # it only when some GPU has memory in use (> 16 MiB, or a reading that is not a number). A
+    # CUDA context alone takes hundreds of MiB, so no process can hide under that.
+    if want gpu_idle && [ "$rc" = 0 ] && printf '%s\n' "$gpus" | awk -F', *' \
+        '$5 !~ /^[0-9]+$/ || $5 + 0 > 16 { busy = 1 } END { exit !busy }'; then
       echo "@@nvidia-apps"
       apps=$(nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader,nounits 2>/dev/null)
       printf '%s\n' "$apps"
@@ -97,7 +103,8 @@ if want python_env code_sync; then
   pwd_arg=-
   if want code_sync; then pwd_arg=$wd; fi
   echo "@@python"
-  "$py" - info "$pwd_arg" 2>&1 <<'PYEOF'
+  # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself
+  "$py" -S - info "$pwd_arg" 2>&1 <<'PYEOF'
 @@NODEINFO_PY@@
 PYEOF
   echo "@@rc $?"
