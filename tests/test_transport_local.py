@@ -132,3 +132,40 @@ def test_exec_cli_prefixes_and_returns_worst_code(capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     assert rc == 5 and doc["exit_code"] == 5 and not doc["ok"]
     assert [n["node"] for n in doc["nodes"]] == ["alpha", "b"]
+
+
+# ------------------------------------------------------------------ known_hosts
+
+
+def _pubkey():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
+def test_known_host_keys_finds_plain_ported_and_hashed_entries_only(tmp_path):
+    import paramiko
+
+    from orchestrator.transport import known_host_keys
+
+    a, b, c, d = (_pubkey() for _ in range(4))
+    hashed = paramiko.HostKeys.hash_host("10.0.0.3")
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"# comment\n\nnode1,10.0.0.1 {a}\n[10.0.0.2]:2222 {b}\n{hashed} {c}\n"
+                  f"10.0.0.4 ssh-ed25519 !!notbase64!!\n10.0.0.4 {d}\nshort line\n")
+    b64 = lambda keys: [k.get_base64() for k in keys]  # noqa: E731
+    assert b64(known_host_keys(kh, "10.0.0.1")) == [a.split()[1]]
+    assert b64(known_host_keys(kh, "node1")) == [a.split()[1]]
+    assert b64(known_host_keys(kh, "[10.0.0.2]:2222")) == [b.split()[1]]
+    assert known_host_keys(kh, "10.0.0.2") == []  # port 22 is another host to ssh
+    assert b64(known_host_keys(kh, "10.0.0.3")) == [c.split()[1]]
+    assert b64(known_host_keys(kh, "10.0.0.4")) == [d.split()[1]]  # the damaged line is skipped
+    assert known_host_keys(kh, "10.0.0.9") == []
+    assert known_host_keys(tmp_path / "missing", "10.0.0.1") == []
+    # a changed file is read again (accept-new appends while a command runs)
+    e = _pubkey()
+    with open(kh, "a") as f:
+        f.write(f"10.0.0.9 {e}\n")
+    assert b64(known_host_keys(kh, "10.0.0.9")) == [e.split()[1]]
