@@ -1,6 +1,6 @@
 """Fake GPU tooling installed in each test node's private bin dir."""
 
-import json
+import marshal
 import os
 import sys
 import uuid
@@ -52,14 +52,18 @@ def gpu_state(node_name, n, processes=(), model=H100, memory_total=None, memory_
 
 
 def install_nvidia_smi(bin_dir: Path, state) -> None:
-    """Write (or, with state None, remove) the fake nvidia-smi and its state."""
-    script, data = bin_dir / "nvidia-smi", bin_dir / "nvidia-smi.json"
+    """Write (or, with state None, remove) the fake nvidia-smi and its state.
+
+    The state is marshalled, not JSON: `import json` (re, enum) would be half of the fake's
+    start-up, and 64 test nodes run it on the same two cores a preflight is timed on. The fake
+    runs with this interpreter, so the marshal format always matches."""
+    script, data = bin_dir / "nvidia-smi", bin_dir / "nvidia-smi.state"
     if state is None:
         for path in (script, data):
             path.unlink(missing_ok=True)
         return
     tmp = data.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
+    tmp.write_bytes(marshal.dumps(state))
     tmp.chmod(0o644)
     os.replace(tmp, data)
     if not script.exists():

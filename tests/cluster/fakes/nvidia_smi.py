@@ -1,12 +1,12 @@
 """A fake ``nvidia-smi`` for the test cluster.
 
-Installed as ``<node bin_dir>/nvidia-smi`` with its state in ``nvidia-smi.json`` next to it
+Installed as ``<node bin_dir>/nvidia-smi`` with its state in ``nvidia-smi.state`` (marshal) next to it
 (written by ``TestNode.set_gpus``). Output formats follow real nvidia-smi (driver 550):
 ``--query-gpu`` / ``--query-compute-apps`` in csv with or without ``noheader``/``nounits``,
 ``--list-gpus`` / ``-L`` and the plain table. Runs with the system python and only the stdlib.
 """
 
-import json
+import marshal
 import os
 import sys
 import time
@@ -48,9 +48,9 @@ APP_FIELDS = {
 
 
 def load_state():
-    path = os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvidia-smi.json")
-    with open(path) as f:
-        return json.load(f)
+    path = os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvidia-smi.state")
+    with open(path, "rb") as f:
+        return marshal.load(f)
 
 
 def fmt_value(value, unit, nounits):
