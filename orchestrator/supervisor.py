@@ -97,6 +97,8 @@ class Supervisor:
             code = self._main()
         except LaunchError as e:
             print(f"supervisor: {e}", flush=True)
+            if self.cluster is not None:
+                self.cluster.close()
             self.save(state="failed", exit_code=e.code, error=str(e), ended=time.time())
             code = e.code
         except Exception as e:  # noqa: BLE001 - record, stop nodes, never leave them running
@@ -141,6 +143,9 @@ class Supervisor:
         self.launch(cluster, nprocs)
         self.save(state="running", started=time.time())
         self.stream(cluster)
+        # close before the final record: the foreground returns when it sees it, and by then
+        # no SSH session of the run should still be winding down on a node
+        cluster.close()
         return self.finish()
 
     def preflight(self, cluster: Cluster) -> dict[str, int | None]:
