@@ -50,8 +50,19 @@ make_venv() {  # make_venv EXTRAS
       "$py" -m venv "$VENV"
     fi
   fi
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  # pip's and the build backend's chatter goes to a log, shown only when a step fails
+  local log="$VENV/pip.log"
+  : > "$log"
+  pip_q() {
+    if ! "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1; then
+      tail -n 40 "$log" >&2
+      echo "pip install $* failed (full log: $log)" >&2
+      return 1
+    fi
+  }
+  echo "installing clusterctl into $VENV (log: $log)" >&2
+  pip_q --upgrade pip
   # torch pinned: 2.13.0 is the CPU wheel these machines carry; an unpinned torch pulls a multi-GB CUDA build
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q $EDITABLE ".${1:-}"
+  pip_q "torch==2.13.0"
+  pip_q $EDITABLE ".${1:-}"
 }
