@@ -133,9 +133,25 @@ def import_hostfile(hostfile, output, user, iface, master_port):
         click.echo(text, nl=False)
 
 
+def quiet_paramiko(debug: bool = False) -> None:
+    """paramiko's transport thread logs a traceback for every failed handshake (a port that
+    answers but is not sshd, a node that drops the connection); with no handler configured,
+    Python's last-resort handler prints it. The failure already reaches the user as one line
+    naming the node, so the traceback is shown with --debug only."""
+    import logging
+
+    log = logging.getLogger("paramiko")
+    if debug:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    elif not log.handlers:
+        log.addHandler(logging.NullHandler())
+        log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(__import__("os").environ.get("CLUSTERCTL_DEBUG"))
+    quiet_paramiko(debug)
     try:
         rv = cli.main(args=argv, prog_name="clusterctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0

@@ -400,7 +400,10 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import quiet_paramiko
+
     argv = sys.argv[1:] if argv is None else argv
+    quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
     run = Run(argv[0])
     return Supervisor(run).main()
 
