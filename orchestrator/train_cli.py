@@ -180,6 +180,11 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
     default); otherwise `-- train.py ARGS` or `-- -m package.module ARGS`. When any
     node fails, every node is stopped and the first failure is explained."""
+    if script and script[0].startswith("-") and script[0] != "-m":
+        raise click.UsageError(f"no such option: {script[0]}. A script and its own arguments go after "
+                               "`--`: clusterctl train -i nodes.yaml -- train.py --lr 3e-4")
+    if script and script[0] == "-m" and len(script) == 1:
+        raise click.UsageError("-m needs a module: clusterctl train -- -m package.module ARGS")
     inv = opts.load()  # a bad inventory ends here, with exit code 2
     run = Run.create(new_run_id(name), {
         "inventory": os.path.abspath(opts.inventory_path) if opts.inventory_path else None,

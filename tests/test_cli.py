@@ -36,3 +36,46 @@ def test_console_script_runs_without_importing_torch():
     code = ("import sys; from orchestrator.cli import main; rc = main(['exec', '--', 'true']); "
             "sys.exit(10 if 'torch' in sys.modules else rc)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_train_with_an_unknown_flag_is_a_usage_error_not_a_launch(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path))
+    assert main(["train", "--bogus"]) == 2
+    assert main(["train", "--", "-m"]) == 2
+    err = capsys.readouterr().err
+    assert "no such option: --bogus" in err and "after `--`" in err and "-m needs a module" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing launched
+
+
+def test_a_port_that_is_not_sshd_is_one_line_per_node_not_a_traceback(tmp_path):
+    # something that accepts and hangs up (a proxy, another service): paramiko's transport
+    # thread logs a traceback for it, which must not reach the user
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    inv = tmp_path / "nodes.yaml"
+    inv.write_text("ssh: {connect_timeout: 3, known_hosts: %s}\nnodes:\n"
+                   "  - {name: a, host: 127.0.0.1, ssh: {port: %d}}\n" % (tmp_path / "kh", port))
+    try:
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "exec", "-i", str(inv), "--", "true"],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        srv.close()
+    assert r.returncode == 255, r.stderr
+    assert "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("clusterctl: a: "), r.stderr
