@@ -188,10 +188,11 @@ def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str
     against = "the control machine's copy" if control and control.get("kind") != "missing" else "the other nodes"
     for name, code in digests.items():
         head = f" (git {code['head']}{', dirty' if code.get('dirty') else ''})" if code.get("head") else ""
-        what = f"{code['digest']}, {code['files']} files{head}"
+        n = code["files"]
+        what = f"{n} file{'' if n == 1 else 's'}, digest {code['digest']}{head}"
         if code["digest"] == ref:
             out[name] = ok("code_sync", what)
         else:
-            out[name] = fail("code_sync", f"{what} differs from {against} ({ref})",
+            out[name] = fail("code_sync", f"workdir ({what}) differs from {against} (digest {ref})",
                              "push the same code everywhere: `clusterctl sync -i <inventory>`")
     return out
