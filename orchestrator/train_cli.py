@@ -290,7 +290,8 @@ def status_command(run_id, as_json):
     t = Table(title=f"{run.id}: {rec.get('state')}" + ("" if alive or rec.get("state") in TERMINAL
                                                       else " (supervisor gone: asked the nodes; "
                                                       "`clusterctl tail` recovers the logs)"))
-    for c in ("node", "ranks", "state", "pid", "exit", "runtime", "last line"):
+    t.add_column("node", no_wrap=True)
+    for c in ("ranks", "state", "pid", "exit", "runtime", "last line"):
         t.add_column(c)
     for nd in rec.get("nodes", []):
         ranks = f"{nd.get('first_rank')}-{nd.get('last_rank')}" if "first_rank" in nd else "-"
@@ -319,8 +320,10 @@ def runs_command(as_json):
         click.echo(json.dumps(rows, indent=2))
         return
     t = Table(title="runs")
-    for c in ("run", "state", "nodes", "world", "created", "exit"):
-        t.add_column(c)
+    # the id is what `tail`/`status`/`stop` take: never cut it short, the other columns give way
+    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in rows), default=3))
+    for c in ("state", "nodes", "world", "created", "exit"):
+        t.add_column(c, no_wrap=c in ("state", "created"))
     for rec in rows:
         t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(len(rec.get("nodes", []))),
                   str(rec.get("world_size", "-")), time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("created", 0))),

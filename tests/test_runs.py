@@ -210,3 +210,16 @@ def test_root_cause_explains_a_rank_that_aborted_in_teardown(home):
     # the same exit code without the marker is not explained away
     run.node_log("node3").write_bytes(log.replace(b"terminate called", b"free(): invalid pointer;"))
     assert "hint:" not in sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)})
+
+
+def test_runs_table_never_cuts_a_run_id_short(home, monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    ids = [new_run_id("a-long-experiment-name") for _ in range(2)]
+    for rid in ids:
+        Run.create(rid, {})
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal: the other columns give way
+    assert main(["runs"]) == 0
+    out = capsys.readouterr().out
+    for rid in ids:
+        assert rid in out
