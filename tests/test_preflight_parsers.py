@@ -185,6 +185,18 @@ def test_ufw():
     assert parse_firewall(sec("ufw", read("ufw_not_root.txt"), rc=1), ctx()).status == "skip"
 
 
+def test_ufw_without_root_is_read_from_its_config():
+    # as a user without sudo, the probe reads /etc/ufw/ufw.conf instead of running ufw
+    not_root = sec("iptables", read("iptables_save_not_root.txt"), rc=4)
+    on = parse_firewall(sec("ufw-conf", "ENABLED=yes") + not_root, ctx())
+    assert on.status == "skip" and on.detail.startswith("ufw enabled (its rules need root to read); ")
+    off = parse_firewall(sec("ufw-conf", "ENABLED=no") + not_root, ctx())
+    assert off.status == "ok" and "ufw disabled" in off.detail
+    missing = parse_firewall(sec("ufw-conf", "grep: /etc/ufw/ufw.conf: No such file or directory", rc=2)
+                             + not_root, ctx())
+    assert missing.status == "skip" and "ufw enabled" not in missing.detail
+
+
 def test_firewalld():
     f = parse_firewalld(read("firewalld_state_running.txt"), read("firewalld_list_all_public.txt"), 29500)
     assert f.active and f.default_drop and not f.allows_port

@@ -64,6 +64,16 @@ def parse_ufw(text: str, port: int) -> Facts:
     return f
 
 
+def parse_ufw_conf(text: str) -> Facts:
+    """`grep ^ENABLED= /etc/ufw/ufw.conf`: what a user without root can learn of ufw."""
+    m = re.search(r"^ENABLED=\s*['\"]?(\w+)", text, re.M)
+    if m is None:
+        return Facts("ufw", False, readable=False, summary=f"ufw: {first_line(text) or 'no ENABLED= in ufw.conf'}")
+    if m.group(1).lower() == "yes":
+        return Facts("ufw", True, readable=False, summary="ufw enabled (its rules need root to read)")
+    return Facts("ufw", False, summary="ufw disabled (ENABLED=no in /etc/ufw/ufw.conf)")
+
+
 def parse_firewalld(state: str, listing: str, port: int) -> Facts:
     """`firewall-cmd --state` and `firewall-cmd --list-all`."""
     if "running" not in state or "not running" in state:
@@ -176,6 +186,8 @@ def facts_from_probe(text: str, port: int) -> list[Facts]:
     secs = {s.name: s for s in sections(text)}
     if "ufw" in secs:
         out.append(parse_ufw(secs["ufw"].body, port))
+    elif "ufw-conf" in secs:
+        out.append(parse_ufw_conf(secs["ufw-conf"].body))
     if "firewalld-state" in secs:
         out.append(parse_firewalld(secs["firewalld-state"].body,
                                    secs["firewalld"].body if "firewalld" in secs else "", port))
@@ -198,7 +210,8 @@ def parse_firewall(text: str, ctx: Ctx) -> CheckResult:
         return ok("firewall", "no ufw/firewalld/nft/iptables on the node")
     readable = [f for f in facts if f.readable]
     if not readable:
-        return skip("firewall", "rules not readable without root (" + ", ".join(f.tool for f in facts)
+        known = "".join(f"{f.summary}; " for f in facts if f.active)
+        return skip("firewall", known + "rules not readable without root (" + ", ".join(f.tool for f in facts)
                     + "); port_reachable tests the real path")
     blocks = [r for f in readable for r in f.blocks_port]
     tool = readable[0].tool
