@@ -217,7 +217,9 @@ def _render(plan: P.Plan, precision: str, step_source: str) -> None:
     if plan.hook == "none" and precision != "fp32":
         con.print(f"  note: under {precision} autocast DDP still all-reduces fp32 gradients (the parameter "
                   f"dtype); --comm-hook {precision} sends 2 B/param")
-    t = Table(title="seconds per sync / comm share / speed-up vs 1 GPU")
+    # the caption is printed as a line of its own: as a title it wrapped to the table's width
+    con.print("comm share and speed-up vs 1 GPU, per accumulation steps and link (seconds per sync in the header):")
+    t = Table()
     t.add_column("accum", justify="right")
     for lk in plan.links:
         t.add_column(f"{lk['label']}\n{lk['sync_s']:.3g} s/sync", justify="right")
