@@ -364,20 +364,17 @@ class SSHConnection(Connection):
         """Replace fabric's AutoAddPolicy on this hop and every gateway hop, and give each hop's
         client the known_hosts entries for its own host (see known_host_keys)."""
         while c is not None and not isinstance(c, (str, bool)):
-            kh = self._known_hosts_path()
+            kh = self._known_hosts_path()  # the inventory's, else ~/.ssh/known_hosts
             name = c.host if c.port == 22 else f"[{c.host}]:{c.port}"  # as paramiko looks it up
-            paths = [kh] if self.node.ssh.known_hosts is not None else \
-                [kh, Path(os.path.expanduser("~/.ssh/known_hosts"))]
+            try:
+                keys = known_host_keys(kh, name)
+            except OSError as e:
+                raise ConnectError(self.node.name, f"cannot read known_hosts {kh}: {e}") from None
             seen: set[str] = set()
-            for path in dict.fromkeys(paths):
-                try:
-                    keys = known_host_keys(path, name)
-                except OSError as e:
-                    raise ConnectError(self.node.name, f"cannot read known_hosts {path}: {e}") from None
-                for key in keys:
-                    if key.get_name() not in seen:  # the first line for a key type wins, as in ssh
-                        seen.add(key.get_name())
-                        c.client.get_host_keys().add(name, key.get_name(), key)
+            for key in keys:
+                if key.get_name() not in seen:  # the first line for a key type wins, as in ssh
+                    seen.add(key.get_name())
+                    c.client.get_host_keys().add(name, key.get_name(), key)
             c.client.set_missing_host_key_policy(
                 _HostKeyPolicy(self.node.name, c.port, kh, self.accept_new))
             c = c.gateway
