@@ -14,7 +14,7 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
-from orchestrator.preflight import PROBE, run_preflight
+from orchestrator.preflight import PROBE, _probe_command, run_preflight
 from orchestrator.checks.firewall import parse_firewall
 from orchestrator.checks import Ctx
 from orchestrator.transport import Cluster
@@ -160,7 +160,6 @@ def test_idle_gpus_cost_one_nvidia_smi(cl):
     # the process list is only asked for when some GPU has memory in use
     nd = cl.nodes[1]
     inv = inventory(cl)
-    from orchestrator.preflight import _probe_command
     cmd = _probe_command(inv, inv.nodes[1], ["gpu_count", "gpu_idle"], 0)
     idle = nd.run(cmd, input=PROBE.decode()).stdout
     nd.set_gpus(2, processes=[(4242, "python", 30000, 1)])
@@ -170,6 +169,25 @@ def test_idle_gpus_cost_one_nvidia_smi(cl):
         nd.set_gpus(2)
     assert "@@nvidia-gpus" in idle and "@@nvidia-apps" not in idle
     assert "@@nvidia-apps" in busy and "4242" in busy
+
+
+def test_ufw_is_not_run_by_a_user_without_root(cl):
+    # the test user has no sudo: ufw could only say "need root", so its config is read instead
+    nd = cl.nodes[1]
+    ufw, ran = nd.bin_dir / "ufw", nd.bin_dir / "ufw-ran"
+    ufw.write_text(f"#!/bin/sh\ntouch {ran}\necho 'Status: active'\n")
+    ufw.chmod(0o755)
+    nd.bin_dir.chmod(0o777)  # so the fake, run as the test user, could leave its mark
+    inv = inventory(cl)
+    try:
+        out = nd.run(_probe_command(inv, inv.nodes[1], ["firewall"], 0), input=PROBE.decode()).stdout
+        report = preflight(cl, inv, ["firewall"])
+    finally:
+        ufw.unlink()
+        nd.bin_dir.chmod(0o755)
+    assert "@@ufw-conf" in out and "@@ufw\n" not in out
+    assert not ran.exists()
+    assert result(report, "node2", "firewall").status in ("ok", "skip")
 
 
 def test_iptables_drop_on_master_port(cl):
