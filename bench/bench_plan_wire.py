@@ -28,7 +28,7 @@ from click.testing import CliRunner  # noqa: E402
 from orchestrator import plan as P  # noqa: E402
 from orchestrator.inventory import load_inventory  # noqa: E402
 from orchestrator.netbench import NetReport, measure_allreduce, measure_links  # noqa: E402
-from orchestrator.plan_cli import plan_command  # noqa: E402
+from orchestrator.cli.plan import plan_command  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
 from tests.cluster import TestCluster, require_root  # noqa: E402
 

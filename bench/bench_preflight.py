@@ -29,7 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.preflight import run_preflight  # noqa: E402
+from orchestrator.checks.preflight import run_preflight  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 

@@ -1,7 +1,7 @@
 """`clusterctl sync`: push the control machine's workdir to every node, in parallel.
 
 What is pushed is what a git tree would ship: `git ls-files -co --exclude-standard` in a git
-checkout, else every file not matched by a .gitignore (orchestrator/probes/nodeinfo.py, the
+checkout, else every file not matched by a .gitignore (orchestrator/remote/nodeinfo.py, the
 same walker preflight's code_sync hashes with). Files the nodes have that are not pushed and
 not ignored are deleted, so `code_sync` passes afterwards; ignored files (data, checkpoints)
 are left alone.
@@ -17,20 +17,16 @@ import io
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import click
 
-from . import shell
-from .checks import load_nodeinfo
-from .errors import EXIT_FAILED, EXIT_OK, UsageError
-from .inventory import Inventory, Node
-from .options import ClusterOptions, cluster_options
-from .transport import Cluster
+from orchestrator import shell
+from orchestrator.checks import load_nodeinfo
+from orchestrator.inventory import Inventory, Node
+from orchestrator.transport import Cluster
 
 
 @dataclass(frozen=True)
@@ -188,41 +184,3 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto",
 
         cluster.run(prune_cmd, stdin=manifest, nodes=pushed, timeout=600, on_done=on_prune)
     return [results[n.name] for n in inv.nodes]
-
-
-@click.command("sync")
-@cluster_options
-@click.option("--src", type=click.Path(file_okay=False), default=None,
-              help="Local directory to push (default: the inventory's workdir on this machine).")
-@click.option("--method", type=click.Choice(["auto", "rsync", "tar"]), default="auto", show_default=True,
-              help="auto: rsync where both sides have it, else a tar stream over the SSH connection.")
-def sync_command(opts: ClusterOptions, src: str | None, method: str):
-    """Push the workdir to every node in parallel (.gitignore aware), then check code_sync."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .preflight import run_preflight
-
-    inv = opts.load()
-    src = os.path.expanduser(src or inv.workdir)
-    if not os.path.isdir(src):
-        raise UsageError(f"nothing to push: {src} is not a directory here (use --src DIR)")
-    console = Console(stderr=True)
-    with opts.cluster(inv) as cluster:
-        with Progress(TextColumn("sync"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      TimeElapsedColumn(), console=console, transient=not console.is_terminal) as progress:
-            task = progress.add_task("", total=len(inv.nodes))
-            results = sync(cluster, inv, src, method=method,
-                           on_done=lambda r: progress.update(task, advance=1, description=r.node))
-        for r in results:
-            mark = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
-            console.print(f"  {r.node}: {mark} {r.method}: {r.detail}", soft_wrap=True, markup=True)
-        report = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
-    for n in report.nodes:
-        r = n.results.get("code_sync")
-        if r is not None and r.status != "ok":
-            console.print(f"  {n.node.name}: code_sync {r.status}: {r.detail}", soft_wrap=True)
-    ok = all(r.ok for r in results) and report.ok
-    console.print("[green]sync ok: code_sync passes on every node[/]" if ok else "[bold red]sync incomplete[/]")
-    sys.exit(EXIT_OK if ok else EXIT_FAILED)
-

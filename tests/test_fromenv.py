@@ -14,10 +14,10 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.errors import UsageError
-from orchestrator.fromenv import LocalGpus, Platform, detect_gpus, detect_platform, local_checks, visible
+from orchestrator.platforms.fromenv import LocalGpus, Platform, detect_gpus, detect_platform, local_checks, visible
 from orchestrator.gpus import Gpu, GpuProcess
 from orchestrator.inventory import load_inventory
-from orchestrator.torchrun import node_env, torchrun_argv
+from orchestrator.runs.torchrun import node_env, torchrun_argv
 
 FIX = Path(__file__).parent / "fixtures"
 PLATFORM_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "CLUSTERCTL_RUN_ID", "JOB_COMPLETION_INDEX")
@@ -157,7 +157,7 @@ def platform_env(monkeypatch):
         if k.startswith(("SLURM_", "PET_", "SKYPILOT_")) or k in PLATFORM_VARS or k.startswith(("NCCL_", "GLOO_")):
             monkeypatch.delenv(k)
     # a CPU node whatever this machine has
-    monkeypatch.setattr("orchestrator.fromenv.detect_gpus", lambda: LocalGpus(None))
+    monkeypatch.setattr("orchestrator.platforms.fromenv.detect_gpus", lambda: LocalGpus(None))
 
     def set_(**kw):
         for k, v in kw.items():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-AGENT = (Path(__file__).parent.parent / "orchestrator" / "probes" / "node_agent.py").read_bytes()
+AGENT = (Path(__file__).parent.parent / "orchestrator" / "remote" / "node_agent.py").read_bytes()
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_wait_listening(agent):
     assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
 
 
-RANK_LINES = str(Path(__file__).parent.parent / "orchestrator" / "probes" / "rank_lines.py")
+RANK_LINES = str(Path(__file__).parent.parent / "orchestrator" / "remote" / "rank_lines.py")
 
 TEARER = """
 import os, sys, time

@@ -11,7 +11,7 @@ import torch
 
 from orchestrator.checks import load_nodeinfo
 
-NODEINFO = Path(__file__).resolve().parent.parent / "orchestrator" / "probes" / "nodeinfo.py"
+NODEINFO = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "nodeinfo.py"
 
 VERSION_PY = '''from typing import Optional
 

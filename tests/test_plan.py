@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator import plan as P
-from orchestrator.plan_cli import plan_command
+from orchestrator.cli.plan import plan_command
 
 
 def hf_count(m: P.ModelSpec) -> int:
@@ -236,7 +236,7 @@ def test_spec_from_hf_config_and_trainer_config():
 def test_load_model_file_all_kinds(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from orchestrator.plan_measure import load_model_file
+    from orchestrator.plan.measure import load_model_file
 
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=300)
     model = transformers.GPT2LMHeadModel(cfg)
@@ -256,7 +256,7 @@ def test_load_model_file_all_kinds(tmp_path):
 
 
 def test_measure_step_runs_the_model():
-    from orchestrator.plan_measure import measure_step_seconds
+    from orchestrator.plan.measure import measure_step_seconds
 
     seconds, dev = measure_step_seconds(P.model_spec("nano"), micro_batch=1, seq_len=8, steps=1, device="cpu")
     assert seconds > 0 and dev == "cpu"

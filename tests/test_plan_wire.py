@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from orchestrator import plan as P
 from orchestrator.inventory import load_inventory
 from orchestrator.netbench import NetReport, measure_allreduce, measure_links
-from orchestrator.plan_cli import plan_command
+from orchestrator.cli.plan import plan_command
 from orchestrator.transport import Cluster
 from tests.cluster import TestCluster, require_root
 

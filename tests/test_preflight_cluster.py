@@ -14,7 +14,7 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
-from orchestrator.preflight import PROBE, _probe_command, run_preflight
+from orchestrator.checks.preflight import PROBE, _probe_command, run_preflight
 from orchestrator.checks.firewall import parse_firewall
 from orchestrator.checks import Ctx
 from orchestrator.transport import Cluster

@@ -16,7 +16,7 @@ from orchestrator.checks.system import (compare_code_sync, compare_python_env, p
                                         parse_timedatectl, skew)
 from orchestrator.errors import UsageError
 from orchestrator.inventory import parse_inventory
-from orchestrator.preflight import select_checks
+from orchestrator.checks.preflight import select_checks
 
 FIX = Path(__file__).parent / "fixtures" / "preflight"
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import UsageError
-from orchestrator.logs import Follower, NodeLog, last_lines_offset
-from orchestrator.output import Prefixer
-from orchestrator.runs import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
+from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
+from orchestrator.cli.output import Prefixer
+from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_color_only_on_request():
 
 
 def test_root_cause_prefers_the_error_file_then_the_log_tail(home):
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.runs.supervisor import Supervisor
 
     run = Run.create("rc-1", {})
     sup = Supervisor.__new__(Supervisor)  # only the summary logic, no inventory
@@ -171,7 +171,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "torchrun_child_failed.log"
 
 def test_torchrun_root_cause_block_names_the_failing_worker():
     """A real node log: rank 5 (local 1) exits 3, torchrun SIGTERMs local rank 0 and exits 1."""
-    from orchestrator.logs import rank_tail, worker_failure
+    from orchestrator.runs.logs import rank_tail, worker_failure
 
     log = FIXTURE.read_bytes()
     assert worker_failure(log) == {"rank": 5, "local_rank": 1, "exitcode": 3}
@@ -180,7 +180,7 @@ def test_torchrun_root_cause_block_names_the_failing_worker():
 
 
 def test_root_cause_names_the_worker_and_quotes_its_own_lines(home):
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.runs.supervisor import Supervisor
 
     run = Run.create("rc-2", {})
     run.node_log("node3").write_bytes(FIXTURE.read_bytes())
@@ -194,7 +194,7 @@ def test_root_cause_names_the_worker_and_quotes_its_own_lines(home):
 
 def test_root_cause_explains_a_rank_that_aborted_in_teardown(home):
     """torch 2.13 aborts a rank at exit when a gloo group is still held then (seen across hosts)."""
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.runs.supervisor import Supervisor
 
     log = FIXTURE.read_bytes().replace(b"[default1]:rank 5 failing on purpose",
                                        b"[default1]:terminate called without an active exception")

@@ -10,7 +10,7 @@ import yaml
 from orchestrator.checks import load_nodeinfo
 from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
-from orchestrator.preflight import run_preflight
+from orchestrator.checks.preflight import run_preflight
 from orchestrator.sync import file_list, rsync_argv, sync
 from orchestrator.transport import Cluster
 

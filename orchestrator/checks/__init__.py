@@ -1,4 +1,4 @@
-"""Preflight checks: a probe (orchestrator/probes/preflight.sh, one run per node) plus pure
+"""Preflight checks: a probe (orchestrator/remote/preflight.sh, one run per node) plus pure
 parsers from its output to a verdict (pyinfra's facts: command + process(output)).
 
 Every `parse_<check>(text, ctx) -> CheckResult` takes the node's whole probe output (sections
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..inventory import Inventory, Node
+from orchestrator.inventory import Inventory, Node
 
 # Names are the JSON keys of `clusterctl preflight --json`; this is also the column order.
 CHECKS = ("ssh", "ping", "gpu_count", "gpu_idle", "port_free", "port_reachable", "firewall",
@@ -118,14 +118,14 @@ def first_line(text: str, limit: int = 160) -> str:
 
 
 def load_nodeinfo():
-    """orchestrator/probes/nodeinfo.py as a module (the same code the nodes run)."""
+    """orchestrator/remote/nodeinfo.py as a module (the same code the nodes run)."""
     import importlib.util
     import sys
     from pathlib import Path
 
     name = "orchestrator.probes.nodeinfo"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "probes" / "nodeinfo.py"
+        path = Path(__file__).resolve().parent.parent / "remote" / "nodeinfo.py"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod

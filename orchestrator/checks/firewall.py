@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import CheckResult, Ctx, first_line, ok, sections, skip, warn
+from orchestrator.checks import CheckResult, Ctx, first_line, ok, sections, skip, warn
 
 _DENIED = ("permission denied", "you need to be root", "must be root", "operation not permitted",
            "authorization failed", "not authorized")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gpus import (Gpu, GpuProcess, attach_processes, parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv,
+from orchestrator.gpus import (Gpu, GpuProcess, attach_processes, parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv,
                     parse_rocm_smi_json, parse_rocm_smi_pids_json)
-from . import Ctx, CheckResult, fail, first_line, ok, sections, skip, warn
+from orchestrator.checks import Ctx, CheckResult, fail, first_line, ok, sections, skip, warn
 
 
 def gpus_from_probe(text: str) -> tuple[str | None, list[Gpu] | None, str | None]:

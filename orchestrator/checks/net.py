@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from . import CheckResult, Ctx, fail, first_line, ok, section, sections, skip, warn
+from orchestrator.checks import CheckResult, Ctx, fail, first_line, ok, section, sections, skip, warn
 
 
 @dataclass(frozen=True)

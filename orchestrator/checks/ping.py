@@ -14,7 +14,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import CheckResult, fail, ok, warn
+from orchestrator.checks import CheckResult, fail, ok, warn
 
 
 def _checksum(data: bytes) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from . import CheckResult, Ctx, fail, first_line, ok, section, skip, warn
+from orchestrator.checks import CheckResult, Ctx, fail, first_line, ok, section, skip, warn
 
 # ------------------------------------------------------------------ clock_skew
 

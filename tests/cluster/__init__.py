@@ -11,7 +11,7 @@ cluster.processes(node=None) lists the test user's processes in a node's network
 Needs root; tests call require_root() (the cluster4/make_cluster fixtures do it for you).
 """
 
-from .netns import DEFAULT_USER, TestCluster, require_root
-from .node import TestNode
+from tests.cluster.netns import DEFAULT_USER, TestCluster, require_root
+from tests.cluster.node import TestNode
 
 __all__ = ["DEFAULT_USER", "TestCluster", "TestNode", "require_root"]

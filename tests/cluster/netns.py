@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from . import host
-from .node import TestNode
+from tests.cluster import host
+from tests.cluster.node import TestNode
 
 DEFAULT_USER = "ccnode"
 _checked_pythons = set()

@@ -4,9 +4,9 @@ import pwd
 import subprocess
 import time
 
-from . import host
-from .fakes import gpu_state, install_nvidia_smi
-from .sshd import render_config, session_env
+from tests.cluster import host
+from tests.cluster.fakes import gpu_state, install_nvidia_smi
+from tests.cluster.sshd import render_config, session_env
 
 
 class TestNode:

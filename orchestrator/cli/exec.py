@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import ClusterOptions
-from .output import Prefixer
-from .transport import ClusterResult
+from orchestrator.cli.options import ClusterOptions
+from orchestrator.cli.output import Prefixer
+from orchestrator.transport import ClusterResult
 
 
 def summarize(result: ClusterResult) -> str:

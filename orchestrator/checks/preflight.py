@@ -9,9 +9,9 @@
 
 `cluster` must be connected (`with Cluster(inv) as c:`); nothing here opens a connection, so
 `train` reuses its own and a node is handshaked once per command. Per node, ONE remote
-invocation: orchestrator/probes/preflight.sh over stdin (`sh -s`), its output parsed by the
+invocation: orchestrator/remote/preflight.sh over stdin (`sh -s`), its output parsed by the
 pure parsers in orchestrator/checks. port_reachable adds a temporary listener on the master
-(orchestrator/probes/portlisten.py, started first, gone after a timeout) and a connect from
+(orchestrator/remote/portlisten.py, started first, gone after a timeout) and a connect from
 each worker inside that worker's probe. ping runs from the control machine meanwhile.
 """
 
@@ -25,19 +25,19 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 
-from . import shell
-from .checks import CHECKS, Ctx, CheckResult, fail, load_nodeinfo, ok, skip
-from .checks.firewall import parse_firewall
-from .checks.gpu import gpus_from_probe, parse_gpu_count, parse_gpu_idle
-from .checks.net import attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable
-from .checks.ping import ping_all, ping_result
-from .checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
-from .errors import UsageError
-from .inventory import Inventory, Node
-from .torchrun import nproc_for, rank_map_text
-from .transport import Cluster, Proc
+from orchestrator import shell
+from orchestrator.checks import CHECKS, Ctx, CheckResult, fail, load_nodeinfo, ok, skip
+from orchestrator.checks.firewall import parse_firewall
+from orchestrator.checks.gpu import gpus_from_probe, parse_gpu_count, parse_gpu_idle
+from orchestrator.checks.net import attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable
+from orchestrator.checks.ping import ping_all, ping_result
+from orchestrator.checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
+from orchestrator.errors import UsageError
+from orchestrator.inventory import Inventory, Node
+from orchestrator.runs.torchrun import nproc_for, rank_map_text
+from orchestrator.transport import Cluster, Proc
 
-_PROBES = resources.files("orchestrator").joinpath("probes")
+_PROBES = resources.files("orchestrator").joinpath("remote")
 NODEINFO = _PROBES.joinpath("nodeinfo.py").read_text()
 PROBE = _PROBES.joinpath("preflight.sh").read_text().replace("@@NODEINFO_PY@@\n", NODEINFO).encode()
 LISTENER = _PROBES.joinpath("portlisten.py").read_bytes()

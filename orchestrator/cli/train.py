@@ -17,14 +17,14 @@ import time
 
 import click
 
-from .errors import EXIT_INTERRUPTED, ClusterctlError, UsageError
-from .inventory import load_inventory
-from .logs import Follower, NodeLog, last_lines_offset
-from .options import ClusterOptions, cluster_options
-from .output import Prefixer
-from .runs import TERMINAL, Run, new_run_id
-from .supervisor import AGENT, agent_cmd, node_key
-from .transport import Cluster
+from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.cli.output import Prefixer
+from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UsageError
+from orchestrator.inventory import load_inventory
+from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
+from orchestrator.runs.store import TERMINAL, Run, new_run_id
+from orchestrator.runs.supervisor import AGENT, agent_cmd, node_key
+from orchestrator.transport import Cluster
 
 
 def _err(msg: str) -> None:
@@ -46,7 +46,7 @@ def _nproc(ctx, param, value):
 def start_supervisor(run: Run) -> subprocess.Popen:
     log = open(run.dir / "supervisor.log", "ab")
     env = dict(os.environ, CLUSTERCTL_SUPERVISOR=run.id)
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.supervisor", run.id], stdin=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.runs.supervisor", run.id], stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 

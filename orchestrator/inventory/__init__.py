@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import InventoryError
+from orchestrator.errors import InventoryError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
@@ -401,7 +401,7 @@ def parse_inventory(text: str, source: str = "<string>") -> Inventory:
 def load_inventory(path: str | Path | None) -> Inventory:
     """Load an inventory file; None means the embedded default (two local nodes)."""
     if path is None:
-        text = resources.files("orchestrator").joinpath(DEFAULT_INVENTORY).read_text()
+        text = resources.files("orchestrator.inventory").joinpath(DEFAULT_INVENTORY).read_text()
         return parse_inventory(text, source=f"<embedded {DEFAULT_INVENTORY}>")
     p = Path(path).expanduser()
     try:

@@ -19,7 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from .errors import UsageError
+from orchestrator.errors import UsageError
 
 TERMINAL = {"finished", "failed", "stopped"}
 

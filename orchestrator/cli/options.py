@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import click
 
-from .inventory import Inventory, load_inventory
-from .transport import DEFAULT_FANOUT, Cluster
+from orchestrator.inventory import Inventory, load_inventory
+from orchestrator.transport import DEFAULT_FANOUT, Cluster
 
 
 @dataclass(frozen=True)

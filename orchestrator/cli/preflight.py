@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from .errors import EXIT_FAILED, EXIT_OK
-from .options import ClusterOptions, cluster_options
-from .preflight import run_preflight, select_checks
-from .checks import CHECKS
+from orchestrator.checks import CHECKS
+from orchestrator.checks.preflight import run_preflight, select_checks
+from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.errors import EXIT_FAILED, EXIT_OK
 
 
 @click.command("preflight")

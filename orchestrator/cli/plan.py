@@ -10,7 +10,7 @@ import json
 
 import click
 
-from . import plan as P
+from orchestrator import plan as P
 
 
 def _csv_ints(ctx, param, value):
@@ -63,8 +63,8 @@ def nodes_from_inventory(path: str) -> tuple[int, int]:
     """The inventory hook: (nodes, GPUs per node) of an inventory file.  Nodes with different GPU
     counts plan with the smallest (the slowest node sets a synchronous step); a node without a
     `gpus` entry counts as 1."""
-    from .errors import InventoryError
-    from .inventory import load_inventory
+    from orchestrator.errors import InventoryError
+    from orchestrator.inventory import load_inventory
 
     try:
         inv = load_inventory(path)
@@ -78,7 +78,7 @@ def nodes_from_inventory(path: str) -> tuple[int, int]:
 def _model(preset, config_file, overrides) -> P.ModelSpec:
     try:
         if config_file:
-            from .plan_measure import load_model_file
+            from orchestrator.plan.measure import load_model_file
 
             base = load_model_file(config_file)
         else:
@@ -176,7 +176,7 @@ def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inn
                                  param_hint="--seq-len")
     step_source = "given" if step_time is not None else "peak x MFU" if peak_tflops is not None else "seed's 1 s"
     if measure_step:
-        from .plan_measure import measure_step_seconds
+        from orchestrator.plan.measure import measure_step_seconds
 
         try:
             step_time, dev = measure_step_seconds(m, micro_batch, seq_len, precision=precision)

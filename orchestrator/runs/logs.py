@@ -1,7 +1,7 @@
 """Reading a run's logs: byte-offset following and `node/rank` prefixes.
 
 The supervisor copies each node's torchrun output byte for byte into
-runs/RUN/nodes/NODE.log. Each worker runs under probes/rank_lines.py, which
+runs/RUN/nodes/NODE.log. Each worker runs under remote/rank_lines.py, which
 writes whole lines prefixed `[default<local_rank>]:` (torchrun's `--tee` format);
 the global rank is the node's first rank plus the local rank. Lines from torchrun
 itself keep the bare node label.
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from .output import Prefixer
+from orchestrator.cli.output import Prefixer
 
 _RANK_RE = re.compile(rb"^\[[A-Za-z_]*?(\d+)\]:")
 

@@ -13,24 +13,29 @@ import traceback
 
 import click
 
-from . import __version__
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ClusterctlError
-from .options import ClusterOptions, cluster_options
+from orchestrator import __version__
+from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ClusterctlError,
+)
 
 # name -> "module:attribute" of a click command, imported only when used.
 LAZY_COMMANDS = {
-    "preflight": "orchestrator.preflight_cli:preflight_command",
-    "sync": "orchestrator.sync:sync_command",
-    "train": "orchestrator.train_cli:train_command",
-    "tail": "orchestrator.train_cli:tail_command",
-    "status": "orchestrator.train_cli:status_command",
-    "runs": "orchestrator.train_cli:runs_command",
-    "stop": "orchestrator.train_cli:stop_command",
-    "plan": "orchestrator.plan_cli:plan_command",
-    "netbench": "orchestrator.netbench:netbench_command",
-    "render": "orchestrator.render:render_command",
-    "launch": "orchestrator.fromenv:launch_command",
-    "top": "orchestrator.top:top_command",
+    "preflight": "orchestrator.cli.preflight:preflight_command",
+    "sync": "orchestrator.cli.sync:sync_command",
+    "train": "orchestrator.cli.train:train_command",
+    "tail": "orchestrator.cli.train:tail_command",
+    "status": "orchestrator.cli.train:status_command",
+    "runs": "orchestrator.cli.train:runs_command",
+    "stop": "orchestrator.cli.train:stop_command",
+    "plan": "orchestrator.cli.plan:plan_command",
+    "netbench": "orchestrator.cli.netbench:netbench_command",
+    "render": "orchestrator.cli.render:render_command",
+    "launch": "orchestrator.cli.launch:launch_command",
+    "top": "orchestrator.cli.top:top_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.
@@ -78,7 +83,7 @@ def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, com
     The words are joined with spaces and run by each node's shell, as ssh does,
     so `clusterctl exec -- 'nvidia-smi -L | wc -l'` pipes on the node. Output is
     prefixed with the node name; the exit code is the worst node's."""
-    from .execute import run_exec
+    from orchestrator.cli.exec import run_exec
 
     sys.exit(run_exec(opts, " ".join(command), as_json=as_json, timeout=timeout))
 
@@ -122,7 +127,7 @@ def import_hostfile(hostfile, output, user, iface, master_port):
     """Convert a DeepSpeed/MPI hostfile (`worker-1 slots=4`) into an inventory."""
     from pathlib import Path
 
-    from .inventory import hostfile_to_yaml
+    from orchestrator.inventory import hostfile_to_yaml
 
     text = hostfile_to_yaml(Path(hostfile).read_text(), hostfile, user=user, master_port=master_port,
                             iface=iface)

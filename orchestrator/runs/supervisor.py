@@ -9,7 +9,7 @@ node's log byte for byte into the run directory, and holds the failure policy:
   `lost_timeout`, stops every other node (SIGTERM, then SIGKILL after `grace`).
 
 SIGTERM/SIGINT to the supervisor is a graceful stop request; a second one kills.
-Run: python -m orchestrator.supervisor RUN_ID
+Run: python -m orchestrator.runs.supervisor RUN_ID
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import time
 import traceback
 from importlib import resources
 
-from . import shell
-from .inventory import Inventory, Node, load_inventory
-from .logs import rank_tail, worker_failure
-from .runs import Run, exit_hint, exit_meaning
-from .torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
-from .transport import Cluster, SSHConnection
+from orchestrator import shell
+from orchestrator.inventory import Inventory, Node, load_inventory
+from orchestrator.runs.logs import rank_tail, worker_failure
+from orchestrator.runs.store import Run, exit_hint, exit_meaning
+from orchestrator.runs.torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
+from orchestrator.transport import Cluster, SSHConnection
 
-AGENT = resources.files("orchestrator").joinpath("probes/node_agent.py").read_bytes()
+AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
-RANK_LINES = resources.files("orchestrator").joinpath("probes/rank_lines.py").read_text()
+RANK_LINES = resources.files("orchestrator").joinpath("remote/rank_lines.py").read_text()
 FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
 FAIL_FAST_GRACE = 5.0
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
@@ -151,7 +151,7 @@ class Supervisor:
     def preflight(self, cluster: Cluster) -> dict[str, int | None]:
         from rich.console import Console
 
-        from .preflight import run_preflight
+        from orchestrator.checks.preflight import run_preflight
 
         report = run_preflight(cluster, self.inv, FAST_CHECKS)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
@@ -400,7 +400,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import quiet_paramiko
+    from orchestrator.cli import quiet_paramiko
 
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))

@@ -25,17 +25,15 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-import click
 
-from . import shell
-from .errors import EXIT_FAILED, UsageError
-from .gpus import NVIDIA_APPS_ARGV, NVIDIA_GPU_ARGV, ROCM_GPU_ARGV, Gpu, attach_processes
-from .gpus import parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv, parse_rocm_smi_json
-from .torchrun import dist_timeout_s, iface_env, node_env, nproc_for, scaled_env, target_argv, torchrun_argv
+from orchestrator import shell
+from orchestrator.errors import UsageError
+from orchestrator.gpus import NVIDIA_APPS_ARGV, NVIDIA_GPU_ARGV, ROCM_GPU_ARGV, Gpu, attach_processes
+from orchestrator.gpus import parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv, parse_rocm_smi_json
+from orchestrator.runs.torchrun import dist_timeout_s, iface_env, node_env, scaled_env
 
 DEFAULT_PORT = 29500
 TOOL_TIMEOUT_S = 15
@@ -266,7 +264,7 @@ def launch_env(plat: Platform, base: Mapping[str, str], inv=None, iface: str | N
         if inv_node is not None:
             extra = node_env(inv, inv_node)
         else:
-            from .render import common_env
+            from orchestrator.platforms.render import common_env
             extra = common_env(inv)[0]
         for k, v in scaled_env(len(inv.nodes)).items():  # rescale to the platform's node count
             if extra.get(k) == v:
@@ -304,73 +302,3 @@ def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, c
         mark = "ok  " if c.ok else ("FAIL" if c.fatal else "warn")
         lines.append(f"  check {mark}     {c.name}: {c.detail}")
     return "\n".join(lines)
-
-
-@click.command("launch", context_settings={"ignore_unknown_options": True})
-@click.option("--from-env", "from_env", is_flag=True,
-              help="Take nodes, node rank and master from the platform's environment (required).")
-@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False), default=None,
-              help="Inventory for env and train args (optional; default: the trainer's defaults).")
-@click.option("--dry-run", is_flag=True, help="Print the checklist and the torchrun command; run nothing.")
-@click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None,
-              help="Processes on this node (default: the GPUs found, else 1).")
-@click.option("--nnodes", type=click.IntRange(1, 100000), default=None, help="Override the node count.")
-@click.option("--node-rank", type=click.IntRange(0, 100000), default=None, help="Override this node's rank.")
-@click.option("--master-addr", default=None, help="Override the master address.")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="Override the master port.")
-@click.option("--iface", default=None, help="Pin NCCL/gloo to this interface.")
-@click.option("--skip-checks", is_flag=True, help="Launch even if a node-local check fails.")
-@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def launch_command(from_env, inventory_path, dry_run, nproc_per_node, nnodes, node_rank, master_addr,
-                   master_port, iface, skip_checks, script_args):
-    """In a pod or batch step: read the platform's variables, check this node, exec torchrun.
-
-    Reads SLURM_*, PET_* (Kubeflow), JOB_COMPLETION_INDEX (Indexed Job), SKYPILOT_* or
-    WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT (nodes, not processes), in that order. SCRIPT
-    ARGS after `--` are what torchrun runs (default: the inventory's train section, else
-    `-m trainer`). `clusterctl render slurm|k8s` write jobs that call exactly this."""
-    if not from_env:
-        raise UsageError("launch runs inside a scheduler's job and needs --from-env; to start a run "
-                         "over SSH use `clusterctl train`")
-    inv = None
-    if inventory_path:
-        from .inventory import load_inventory
-        inv = load_inventory(inventory_path)
-    plat = detect_platform(os.environ, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                           master_port=master_port,
-                           default_port=inv.master_port if inv else DEFAULT_PORT)
-    if iface is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}", iface):
-        raise UsageError(f"--iface {iface!r} is not an interface name")
-    local = detect_gpus()
-    gpus = visible(local.gpus, os.environ)
-    inv_node = inv.nodes[plat.node_rank] if inv is not None and len(inv.nodes) == plat.nnodes else None
-    if nproc_per_node is not None:
-        nproc = nproc_per_node
-    elif inv_node is not None:
-        nproc = nproc_for(inv_node, len(gpus) or None, inv.train.nproc_per_node)
-    elif inv is not None and inv.train.nproc_per_node != "auto":
-        nproc = int(inv.train.nproc_per_node)
-    else:
-        nproc = len(gpus) or 1
-    env = launch_env(plat, os.environ, inv, iface)
-    target = target_argv(inv, script_args) if inv is not None else (list(script_args) or ["-m", "trainer"])
-    require_idle = inv.checks.require_gpu_idle if inv is not None else True
-    checks = local_checks(plat, nproc, local, gpus, env, require_idle)
-    argv = torchrun_argv(python=sys.executable, nnodes=plat.nnodes, nproc=nproc, node_rank=plat.node_rank,
-                         master_addr=plat.master_addr, master_port=plat.master_port, run_id=plat.run_id,
-                         target=target)
-    click.echo(checklist(plat, nproc, local, gpus, target, env, checks), err=True)
-    failed = [c for c in checks if c.fatal and not c.ok]
-    if dry_run:
-        for k, v in env.items():
-            if os.environ.get(k) != v:
-                click.echo(f"export {k}={shell.quote(v)}")
-        click.echo(shell.join(argv))
-        sys.exit(EXIT_FAILED if failed and not skip_checks else 0)
-    if failed and not skip_checks:
-        click.echo("clusterctl: error: a node check failed (above); fix it or pass --skip-checks", err=True)
-        sys.exit(EXIT_FAILED)
-    click.echo("exec " + shell.join(argv), err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, env)

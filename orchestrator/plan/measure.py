@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from . import plan as P
+from orchestrator import plan as P
 
 
 def spec_from_state_dict(sd: dict, n_head: int | None = None) -> P.ModelSpec:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .inventory import Inventory, Node
+from orchestrator.inventory import Inventory, Node
 
 
 def dist_timeout_s(nnodes: int) -> int:

@@ -1,0 +1,101 @@
+"""`connection: local`: commands run on the control machine as subprocesses."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import threading
+import time
+
+from orchestrator.transport.base import Connection, Proc
+
+
+def _nonblock(fd: int) -> None:
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+
+
+class _LocalProc(Proc):
+    def __init__(self, node: str, popen: subprocess.Popen):
+        self.node, self.p, self.started = node, popen, time.monotonic()
+        self._open = {popen.stdout.fileno(): "out", popen.stderr.fileno(): "err"}
+        self._fds = list(self._open)
+        for fd in self._fds:
+            _nonblock(fd)
+
+    def fileno(self):
+        return self._fds
+
+    def read(self):
+        chunks = {"out": b"", "err": b""}
+        for fd, which in list(self._open.items()):
+            while True:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    break
+                if not data:
+                    del self._open[fd]
+                    break
+                chunks[which] += data
+        return chunks["out"], chunks["err"]
+
+    def eof_fds(self) -> list[int]:
+        return [fd for fd in self._fds if fd not in self._open]
+
+    def done(self):
+        return not self._open and self.p.poll() is not None
+
+    def exit_code(self):
+        rc = self.p.poll()
+        if rc is None:
+            return None
+        return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
+
+    def kill(self):
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self):
+        for f in (self.p.stdout, self.p.stderr, self.p.stdin):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if self.p.poll() is None:
+            self.kill()
+        try:
+            self.p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class LocalConnection(Connection):
+    """`connection: local`: run on the control machine, no SSH (Ansible's local)."""
+
+    def open(self):
+        pass
+
+    def exec(self, command, *, stdin=None):
+        p = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE if stdin is not None
+                             else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)  # cwd: where clusterctl runs
+        if stdin is not None:
+            def feed():
+                try:
+                    p.stdin.write(stdin)
+                    p.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            threading.Thread(target=feed, daemon=True).start()
+        return _LocalProc(self.node.name, p)
+
+    def close(self):
+        pass
+
+

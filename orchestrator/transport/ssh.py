@@ -1,0 +1,209 @@
+"""SSH connections (paramiko, via fabric for ~/.ssh/config, ProxyJump and agent keys)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import paramiko
+
+from orchestrator.errors import ConnectError, HostKeyError
+from orchestrator.inventory import Node
+from orchestrator.transport.base import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_LOST_TIMEOUT,
+    KEEPALIVE_S,
+    Connection,
+    Proc,
+)
+from orchestrator.transport.known_hosts import _HostKeyPolicy, known_host_keys
+
+
+class _SSHProc(Proc):
+    def __init__(self, node: str, chan: paramiko.Channel, conn: "SSHConnection | None" = None):
+        self.node, self.chan, self.started, self.conn = node, chan, time.monotonic(), conn
+        self._fd = chan.fileno()
+
+    def lost_reason(self) -> str | None:
+        return self.conn.lost_reason if self.conn is not None else None
+
+    def fileno(self):
+        return self._fd
+
+    def read(self):
+        out = err = b""
+        c = self.chan
+        while c.recv_ready():
+            out += c.recv(1 << 20)
+        while c.recv_stderr_ready():
+            err += c.recv_stderr(1 << 20)
+        return out, err
+
+    def done(self):
+        c = self.chan
+        return ((c.exit_status_ready() or c.closed) and (c.eof_received or c.closed)
+                and not c.recv_ready() and not c.recv_stderr_ready())
+
+    def exit_code(self):
+        if not self.chan.exit_status_ready():
+            return None
+        code = self.chan.recv_exit_status()
+        return None if code == -1 else code
+
+    def kill(self):
+        self.chan.close()
+
+    def close(self):
+        self.chan.close()
+
+
+class SSHConnection(Connection):
+    def __init__(self, node: Node, *, accept_new_host_keys: bool = False,
+                 connect_timeout: float | None = None, lost_timeout: float = DEFAULT_LOST_TIMEOUT):
+        super().__init__(node)
+        self.accept_new = accept_new_host_keys
+        self.connect_timeout = connect_timeout or node.ssh.connect_timeout or DEFAULT_CONNECT_TIMEOUT
+        self.lost_timeout = lost_timeout
+        self.lost_reason: str | None = None
+        self._conn = None
+        self._closing = threading.Event()
+
+    def _known_hosts_path(self) -> Path:
+        return Path(os.path.expanduser(self.node.ssh.known_hosts or "~/.ssh/known_hosts"))
+
+    def _make(self, host: str, user: str | None, port: int | None, gateway=None):
+        import fabric
+
+        s = self.node.ssh
+        cfg_kwargs = {}
+        if s.config_file:
+            cfg_kwargs["runtime_ssh_path"] = os.path.expanduser(s.config_file)
+        config = fabric.Config(**cfg_kwargs)
+        connect_kwargs = {"banner_timeout": self.connect_timeout, "auth_timeout": self.connect_timeout,
+                          "channel_timeout": self.connect_timeout}
+        if s.identity_file:
+            connect_kwargs["key_filename"] = [os.path.expanduser(s.identity_file)]
+        c = fabric.Connection(host, user=user, port=port, config=config, gateway=gateway,
+                              connect_timeout=self.connect_timeout, connect_kwargs=connect_kwargs)
+        self._secure(c)
+        return c
+
+    def _secure(self, c) -> None:
+        """Replace fabric's AutoAddPolicy on this hop and every gateway hop, and give each hop's
+        client the known_hosts entries for its own host (see known_host_keys)."""
+        while c is not None and not isinstance(c, (str, bool)):
+            kh = self._known_hosts_path()  # the inventory's, else ~/.ssh/known_hosts
+            name = c.host if c.port == 22 else f"[{c.host}]:{c.port}"  # as paramiko looks it up
+            try:
+                keys = known_host_keys(kh, name)
+            except OSError as e:
+                raise ConnectError(self.node.name, f"cannot read known_hosts {kh}: {e}") from None
+            seen: set[str] = set()
+            for key in keys:
+                if key.get_name() not in seen:  # the first line for a key type wins, as in ssh
+                    seen.add(key.get_name())
+                    c.client.get_host_keys().add(name, key.get_name(), key)
+            c.client.set_missing_host_key_policy(
+                _HostKeyPolicy(self.node.name, c.port, kh, self.accept_new))
+            c = c.gateway
+
+    def open(self):
+        s, n = self.node.ssh, self.node
+        gateway = None
+        if s.proxy_jump:
+            for hop in s.proxy_jump.split(","):
+                user, _, hostport = hop.rpartition("@")
+                host, _, port = hostport.partition(":")
+                gateway = self._make(host, user or None, int(port) if port else None, gateway)
+        self._conn = self._make(n.host, s.user, s.port, gateway)
+        try:
+            self._conn.open()
+        except HostKeyError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - classified into one sentence below
+            self.close()
+            raise ConnectError(n.name, _explain_connect_error(e, self._conn, self.connect_timeout)) from e
+        threading.Thread(target=self._watch, name=f"liveness-{n.name}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
+        Every KEEPALIVE_S a global request that OpenSSH must answer (it replies 'failure' to
+        unknown requests); a reply missing for `lost_timeout` closes the transport, which ends
+        every channel on it."""
+        t = self._conn.transport
+        while not self._closing.wait(KEEPALIVE_S) and t.is_active():
+            done = threading.Event()
+
+            def ping():
+                try:
+                    t.global_request("keepalive@openssh.com", wait=True)
+                finally:
+                    done.set()
+
+            threading.Thread(target=ping, daemon=True).start()
+            if not done.wait(self.lost_timeout) and t.is_active() and not self._closing.is_set():
+                self.lost_reason = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
+                t.close()
+                return
+
+    @property
+    def alive(self) -> bool:
+        t = self._conn.transport if self._conn else None
+        return bool(t and t.is_active())
+
+    @property
+    def transport(self) -> paramiko.Transport:
+        return self._conn.transport
+
+    def exec(self, command, *, stdin=None):
+        if not self.alive:
+            raise ConnectError(self.node.name, self.lost_reason or "the SSH connection was lost")
+        chan = self._conn.transport.open_session(timeout=self.connect_timeout)
+        chan.exec_command(command)
+        if stdin:
+            chan.sendall(stdin)
+        chan.shutdown_write()
+        return _SSHProc(self.node.name, chan, self)
+
+    def close(self):
+        self._closing.set()
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
+                pass
+
+
+def _explain_connect_error(e: BaseException, conn, timeout: float) -> str:
+    where = f"{conn.user}@{conn.host}:{conn.port}"
+    if isinstance(e, paramiko.BadHostKeyException):
+        return (f"WARNING: THE HOST KEY OF {conn.host} HAS CHANGED (expected {e.expected_key.get_name()} "
+                f"{e.expected_key.fingerprint}, got {e.key.fingerprint}). Someone could be intercepting "
+                f"the connection, or the machine was reinstalled. If you know why, remove the old key with "
+                f"`ssh-keygen -R {conn.host}` and add the new one; clusterctl refuses to connect until then.")
+    if isinstance(e, paramiko.AuthenticationException):
+        return (f"authentication failed for {where}: add your public key to that user's "
+                f"~/.ssh/authorized_keys (ssh-copy-id), or set ssh.user / ssh.identity_file in the inventory")
+    if isinstance(e, paramiko.SSHException) and "No authentication methods" in str(e):
+        return (f"authentication failed for {where}: no key to offer. Set ssh.identity_file in the "
+                f"inventory, add the key to ssh-agent (ssh-add), or name it in ~/.ssh/config")
+    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
+        return f"connection refused at {where}: is sshd running and listening on port {conn.port}?"
+    if isinstance(e, (socket.timeout, TimeoutError)):
+        return (f"no answer from {where} within {timeout:g}s: the host is down, the address is wrong, "
+                f"or a firewall drops port {conn.port}")
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve host name {conn.host!r}: check the inventory or /etc/hosts"
+    if isinstance(e, OSError) and e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return f"no route to {conn.host}: check the address and the network link"
+    if isinstance(e, OSError) and e.errno == errno.ECONNREFUSED:
+        return f"connection refused at {where}: is sshd running?"
+    if isinstance(e, paramiko.SSHException):
+        return f"SSH handshake with {where} failed: {e}"
+    return f"cannot connect to {where}: {type(e).__name__}: {e}"
+
+
