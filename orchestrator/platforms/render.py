@@ -1,8 +1,8 @@
 """`clusterctl render slurm|k8s`: the run `clusterctl train` would start, as an sbatch script or a
-Kubernetes Indexed Job + headless Service (seed 003's SLURM recipe, seed 004's platform Job).
+Kubernetes Indexed Job + headless Service.
 
 Both call exactly `clusterctl launch --from-env` on every node, which reads the scheduler's
-variables and execs torchrun through orchestrator.torchrun, so the flags, the environment
+variables and execs torchrun through orchestrator.runs.torchrun, so the flags, the environment
 (scaled timeouts, inventory env, interface pins, train.env) and the trainer arguments are the
 ones `train` uses. Nothing is left for the user to keep in step by hand.
 """
@@ -145,30 +145,19 @@ def _check_k8s_names(name: str, namespace: str | None, nnodes: int) -> None:
         raise UsageError(f"--namespace {namespace!r} is not a DNS-1123 label")
 
 
-def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = "clusterctl",
-                       namespace: str | None = None, gpus: int | None = None,
-                       gpu_resource: str = "nvidia.com/gpu") -> list[dict]:
-    if not IMAGE_RE.match(image):
-        raise UsageError(f"--image {image!r} is not an image reference")
-    nnodes = len(inv.nodes)
-    _check_k8s_names(name, namespace, nnodes)
-    nproc, want_gpus = gpus_per_node(inv, gpus)
-    env, dropped = common_env(inv)
-    _warn_dropped(dropped)
-    port = inv.master_port
+def _k8s_meta(name: str, namespace: str | None) -> dict:
+    m: dict = {"name": name}
+    if namespace:
+        m["namespace"] = namespace
+    m["labels"] = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "clusterctl"}
+    return m
 
-    def meta(extra_labels=None) -> dict:
-        m: dict = {"name": name}
-        if namespace:
-            m["namespace"] = namespace
-        m["labels"] = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "clusterctl",
-                       **(extra_labels or {})}
-        return m
 
-    service = {
+def _k8s_service(name: str, namespace: str | None, port: int) -> dict:
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta(),
+        "metadata": _k8s_meta(name, namespace),
         "spec": {
             # headless: one DNS record per pod, <name>-<index>.<name>, which is how node 0 is found
             "clusterIP": "None",
@@ -178,8 +167,15 @@ def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = 
             "ports": [{"name": "rendezvous", "port": port, "targetPort": port}],
         },
     }
+
+
+def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: int, want_gpus: bool,
+                   gpu_resource: str) -> dict:
+    env, dropped = common_env(inv)
+    _warn_dropped(dropped)
+    port = inv.master_port
     pod_env = [
-        {"name": "WORLD_SIZE", "value": str(nnodes)},  # nodes, as seed 004's platform sets it
+        {"name": "WORLD_SIZE", "value": str(len(inv.nodes))},  # the node count: launch --from-env reads it as nodes
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(port)},
         {"name": "CLUSTERCTL_RUN_ID", "value": name},
@@ -199,10 +195,14 @@ def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = 
         container["workingDir"] = inv.workdir
     if want_gpus:
         container["resources"] = {"limits": {gpu_resource: nproc}}
-    job = {
+    return container
+
+
+def _k8s_job(name: str, namespace: str | None, nnodes: int, container: dict) -> dict:
+    return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta(),
+        "metadata": _k8s_meta(name, namespace),
         "spec": {
             "completionMode": "Indexed",
             "completions": nnodes,
@@ -222,7 +222,20 @@ def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = 
             },
         },
     }
-    return [service, job]
+
+
+def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = "clusterctl",
+                       namespace: str | None = None, gpus: int | None = None,
+                       gpu_resource: str = "nvidia.com/gpu") -> list[dict]:
+    """The headless Service that names node 0 and the Indexed Job with one pod per node."""
+    if not IMAGE_RE.match(image):
+        raise UsageError(f"--image {image!r} is not an image reference")
+    nnodes = len(inv.nodes)
+    _check_k8s_names(name, namespace, nnodes)
+    nproc, want_gpus = gpus_per_node(inv, gpus)
+    container = _k8s_container(inv, user_args, image=image, name=name, nproc=nproc, want_gpus=want_gpus,
+                               gpu_resource=gpu_resource)
+    return [_k8s_service(name, namespace, inv.master_port), _k8s_job(name, namespace, nnodes, container)]
 
 
 def render_k8s(inv: Inventory, user_args=(), **kw) -> str:
