@@ -1,4 +1,4 @@
-"""GPU facts from nvidia-smi and rocm-smi: pure parsers from the tools' text to `Gpu` records.
+"""GPU facts from nvidia-smi, rocm-smi and amd-smi: pure parsers from the tools' text to `Gpu` records.
 
 The probes (which command to run) are constants here; running them is the caller's business
 (`launch --from-env` runs them locally, `top` over SSH, preflight may reuse both). Every
@@ -104,7 +104,10 @@ def _records(text: str, default_fields: tuple[str, ...], marker: str) -> list[di
     if not rows:
         return []
     fields: tuple[str, ...] = default_fields
-    if marker in rows[0]:  # header present (format=csv without noheader)
+    # format=csv without noheader: the first row names the fields (with " [unit]" where the
+    # field has one); it is recognised by the marker or by any field the caller asked for.
+    heads = {_header_key(h) for h in rows[0]}
+    if marker in heads or heads & set(default_fields):
         fields = tuple(_header_key(h) for h in rows[0])
         rows = rows[1:]
     out = []
@@ -115,15 +118,16 @@ def _records(text: str, default_fields: tuple[str, ...], marker: str) -> list[di
     return out
 
 
-def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
-    """`nvidia-smi --query-gpu=<NVIDIA_GPU_FIELDS> --format=csv[,noheader][,nounits]`.
+def parse_nvidia_smi_csv(text: str, fields: tuple[str, ...] = NVIDIA_GPU_FIELDS) -> list[Gpu]:
+    """`nvidia-smi --query-gpu=<fields> --format=csv[,noheader][,nounits]`.
 
-    With a header the columns may come in any order and carry units; without one they
-    must be NVIDIA_GPU_FIELDS in order."""
+    With a header the columns may come in any order, carry units and include fields not
+    read here; without one they must be `fields` in order. A query without `index` numbers
+    the GPUs by row (nvidia-smi prints them in index order)."""
     gpus = []
-    for rec in _records(text, NVIDIA_GPU_FIELDS, "index"):
+    for row, rec in enumerate(_records(text, fields, "index")):
         gpus.append(Gpu(
-            index=int(rec["index"]),
+            index=int(rec["index"]) if "index" in rec else row,
             name=_text(rec.get("name")),
             util=number(rec.get("utilization.gpu")),
             mem_used_mib=_int(rec.get("memory.used")),
@@ -234,6 +238,47 @@ def parse_rocm_smi_pids_json(text: str) -> list[GpuProcess]:
     return sorted(out, key=lambda p: p.pid)
 
 
+_LIST_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: ([^)]+)\)\s*$")
+
+
+def parse_nvidia_smi_list(text: str) -> list[Gpu]:
+    """`nvidia-smi -L`: one `GPU <i>: <name> (UUID: GPU-...)` line per GPU. The indented
+    `MIG ... Device N:` lines under a MIG-enabled GPU are its instances, not more GPUs."""
+    gpus = []
+    for ln in text.splitlines():
+        m = _LIST_LINE.match(ln)
+        if m:
+            gpus.append(Gpu(index=int(m.group(1)), name=m.group(2), uuid=m.group(3)))
+    return gpus
+
+
 def count_nvidia_smi_list(text: str) -> int:
-    """`nvidia-smi -L` -> number of GPUs (seed 003's `nvidia-smi --list-gpus | wc -l`)."""
-    return sum(1 for ln in text.splitlines() if ln.startswith("GPU "))
+    """`nvidia-smi -L` -> number of GPUs (MIG instances are not counted)."""
+    return len(parse_nvidia_smi_list(text))
+
+
+# ---------------------------------------------------------------- amd-smi
+
+_AMD_MIB = {"B": 1 / MIB, "KB": 1 / 1024, "MB": 1, "GB": 1024}  # amd-smi's "MB" is 2**20 bytes
+
+
+def parse_amd_smi_static_json(text: str) -> list[Gpu]:
+    """`amd-smi static --json`: name (asic.market_name) and VRAM size per GPU. ROCm 7
+    wraps the list as {"gpu_data": [...]}; earlier releases print the bare list. Sizes
+    come as {"value": 196592, "unit": "MB"}."""
+    data = json.loads(text) if text.strip() else []
+    entries = data.get("gpu_data", []) if isinstance(data, dict) else data
+    gpus = []
+    for pos, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        size = (entry.get("vram") or {}).get("size")
+        total = None
+        if isinstance(size, dict) and number(size.get("value")) is not None:
+            total = int(number(size["value"]) * _AMD_MIB.get(str(size.get("unit", "MB")).upper(), 1))
+        asic = entry.get("asic") or {}
+        gpus.append(Gpu(index=int(entry.get("gpu", pos)),
+                        name=_text(asic.get("market_name")) or _text((entry.get("board") or {}).get("product_name")),
+                        mem_total_mib=total,
+                        uuid=_text(asic.get("asic_serial")) or None))
+    return sorted(gpus, key=lambda g: g.index)

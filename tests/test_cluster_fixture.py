@@ -57,7 +57,8 @@ def test_fake_nvidia_smi_answers_like_the_real_one(cluster4):
     assert len(lines) == 2
     fields = lines[0].split(", ")
     assert fields[:2] == ["0", "NVIDIA H100 80GB HBM3"]
-    assert fields[2].startswith("GPU-") and fields[3:] == ["81559", "0", "0", "32", "69.88"]
+    # the recorded idle H100 (tests/fixtures/gpus/nvidia_query_gpu_h100_590_idle.csv)
+    assert fields[2].startswith("GPU-") and fields[3:] == ["81559", "0", "0", "41", "69.85"]
     listed = ssh(cluster4, node, "nvidia-smi --list-gpus").stdout.splitlines()
     assert listed[1] == f"GPU 1: NVIDIA H100 80GB HBM3 (UUID: {lines[1].split(', ')[2]})"
     with_units = ssh(cluster4, node, "nvidia-smi --query-gpu=memory.used,name --format=csv")

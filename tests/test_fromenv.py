@@ -112,13 +112,14 @@ def fake_tools(outputs):
 
 
 def test_detect_gpus_nvidia_rocm_none_and_broken():
-    gpus_csv = (FIX / "gpus" / "nvidia_h100x8_noheader_nounits.csv").read_text()
-    apps_csv = (FIX / "gpus" / "nvidia_h100x8_apps_noheader_nounits.csv").read_text()
+    gpus_csv = (FIX / "gpus" / "transcribed_nvidia_h100x8_noheader_nounits.csv").read_text()
+    apps_csv = (FIX / "gpus" / "transcribed_nvidia_h100x8_apps_noheader_nounits.csv").read_text()
     nv = detect_gpus(run=fake_tools({"nvidia-smi --query-gpu": (gpus_csv, 0),
                                      "nvidia-smi --query-compute-apps": (apps_csv, 0)}),
                      which=lambda t: t == "nvidia-smi")
     assert nv.tool == "nvidia-smi" and len(nv.gpus) == 8 and nv.gpus[0].busy
-    rocm = detect_gpus(run=fake_tools({"rocm-smi --showid": ((FIX / "gpus/rocm_mi300x_json.json").read_text(), 0)}),
+    mi300x = (FIX / "gpus/transcribed_rocm_mi300x_json.json").read_text()
+    rocm = detect_gpus(run=fake_tools({"rocm-smi --showid": (mi300x, 0)}),
                        which=lambda t: t == "rocm-smi")
     assert rocm.tool == "rocm-smi" and len(rocm.gpus) == 2
     assert detect_gpus(which=lambda t: None) == LocalGpus(None)

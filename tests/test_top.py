@@ -1,5 +1,5 @@
-"""GPU parsers from recorded tool outputs, the top probe's parser, and `top --once --json` on the
-test cluster (fake nvidia-smi per node)."""
+"""GPU parsers on the transcribed layouts (the recorded ones: test_gpu_recordings.py), the top
+probe's parser, and `top --once --json` on the test cluster (fake nvidia-smi per node)."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.gpus import (attach_processes, count_nvidia_smi_list, number, parse_nvidia_smi_apps_csv,
-                               parse_nvidia_smi_csv, parse_rocm_smi_csv, parse_rocm_smi_json,
-                               parse_rocm_smi_pids_json)
+                               parse_nvidia_smi_csv, parse_rocm_smi_json, parse_rocm_smi_pids_json)
 from orchestrator.top import parse_probe
 
 FIX = Path(__file__).parent / "fixtures" / "gpus"
@@ -26,28 +25,20 @@ def test_number_tolerates_missing_readings(text, value):
 
 
 def test_nvidia_noheader_nounits_h100x8_with_apps():
-    gpus = parse_nvidia_smi_csv(read("nvidia_h100x8_noheader_nounits.csv"))
+    gpus = parse_nvidia_smi_csv(read("transcribed_nvidia_h100x8_noheader_nounits.csv"))
     assert [g.index for g in gpus] == list(range(8))
     g0 = gpus[0]
     assert (g0.name, g0.util, g0.mem_used_mib, g0.mem_total_mib, g0.temp_c, g0.power_w) == \
         ("NVIDIA H100 80GB HBM3", 97.0, 71234, 81559, 64.0, 612.37)
-    apps = parse_nvidia_smi_apps_csv(read("nvidia_h100x8_apps_noheader_nounits.csv"))
+    apps = parse_nvidia_smi_apps_csv(read("transcribed_nvidia_h100x8_apps_noheader_nounits.csv"))
     gpus = attach_processes(gpus, apps)
     assert [len(g.processes) for g in gpus] == [1, 1, 1, 1, 0, 0, 0, 0]
     assert gpus[3].processes[0].pid == 48214 and gpus[3].processes[0].used_mib == 71216
     assert not gpus[4].busy and gpus[0].busy
 
 
-def test_nvidia_header_with_units_and_na():
-    gpus = parse_nvidia_smi_csv(read("nvidia_geforce_header_units.csv"))
-    assert gpus[0].util == 3.0 and gpus[0].mem_used_mib == 412 and gpus[0].power_w == 27.53
-    assert gpus[1].util is None and gpus[1].power_w is None and gpus[1].mem_total_mib == 24576
-    apps = parse_nvidia_smi_apps_csv(read("nvidia_apps_header_units.csv"))
-    assert [(p.pid, p.used_mib) for _, p in apps] == [(2291, 388), (3120, None)]
-
-
 def test_nvidia_not_supported_memory_on_mig():
-    (g,) = parse_nvidia_smi_csv(read("nvidia_mig_not_supported.csv"))
+    (g,) = parse_nvidia_smi_csv(read("transcribed_nvidia_mig_not_supported.csv"))
     assert g.mem_used_mib is None and g.util is None and g.mem_total_mib == 40960
 
 
@@ -62,7 +53,7 @@ def test_nvidia_list_gpus_count():
 
 
 def test_rocm_json_instinct_uses_junction_and_socket_power():
-    gpus = parse_rocm_smi_json(read("rocm_mi300x_json.json"))
+    gpus = parse_rocm_smi_json(read("transcribed_rocm_mi300x_json.json"))
     assert [g.index for g in gpus] == [0, 1]
     g = gpus[0]
     assert g.name == "AMD Instinct MI300X" and g.util == 97.0
@@ -71,24 +62,15 @@ def test_rocm_json_instinct_uses_junction_and_socket_power():
     assert g.mem_total_mib == 205822885888 // 2**20 and g.mem_used_mib == 161061273600 // 2**20
 
 
-def test_rocm_json_radeon_and_csv_agree():
-    (j,) = parse_rocm_smi_json(read("rocm_radeon_json.json"))
-    c = parse_rocm_smi_csv(read("rocm_radeon.csv"))
-    assert (j.name, j.util, j.temp_c, j.power_w, j.mem_used_mib) == \
-        ("Navi 48 [Radeon RX 9070/9070 XT/9070 GRE]", 42.0, 58.0, 187.0, 5120)
-    assert (c[0].util, c[0].temp_c, c[0].power_w, c[0].mem_used_mib) == (42.0, 58.0, 187.0, 5120)
-    assert c[1].power_w is None and c[1].util == 0.0
-
-
 def test_rocm_pids():
-    procs = parse_rocm_smi_pids_json(read("rocm_pids.json"))
+    procs = parse_rocm_smi_pids_json(read("transcribed_rocm_pids.json"))
     assert [(p.pid, p.name) for p in procs] == [(48211, "python3"), (48390, "python3")]
     assert procs[0].used_mib == 153600
 
 
 def test_parse_probe_nvidia_with_proc_env():
-    text = ("@@nvidia-gpus\n" + read("nvidia_h100x8_noheader_nounits.csv") + "@@rc 0\n@@nvidia-apps\n"
-            + read("nvidia_h100x8_apps_noheader_nounits.csv")
+    text = ("@@nvidia-gpus\n" + read("transcribed_nvidia_h100x8_noheader_nounits.csv") + "@@rc 0\n@@nvidia-apps\n"
+            + read("transcribed_nvidia_h100x8_apps_noheader_nounits.csv")
             + "@@proc 48211\npython -m trainer --preset small \nCLUSTERCTL_RUN_ID=r-20250101\n"
             + "@@proc 48212\n\n@@end\n")
     tool, gpus, loose, err = parse_probe(text)
@@ -107,7 +89,8 @@ def test_parse_probe_no_tool_failure_and_truncation():
 
 
 def test_parse_probe_rocm():
-    text = ("@@rocm-gpus\n" + read("rocm_mi300x_json.json") + "@@rc 0\n@@rocm-pids\n" + read("rocm_pids.json")
+    text = ("@@rocm-gpus\n" + read("transcribed_rocm_mi300x_json.json") + "@@rc 0\n@@rocm-pids\n"
+            + read("transcribed_rocm_pids.json")
             + "@@proc 48211\npython3 train.py\nCLUSTERCTL_RUN_ID=abc\n@@end\n")
     tool, gpus, loose, err = parse_probe(text)
     assert tool == "rocm-smi" and len(gpus) == 2 and err is None

@@ -5,7 +5,7 @@ import subprocess
 import time
 
 from tests.cluster import host
-from tests.cluster.fakes import gpu_state, install_nvidia_smi
+from tests.cluster.fakes import gpu_state, install_nvidia_smi, install_rocm_smi, rocm_state
 from tests.cluster.sshd import render_config, session_env
 
 
@@ -159,8 +159,11 @@ class TestNode:
         host.run(["tc", "-n", self.ns, "qdisc", "del", "dev", self.iface, "root"], check=False)
         host.run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
 
-    def set_gpus(self, n, processes=(), **kw):
-        """Rewrite the fake nvidia-smi: n GPUs (0 removes nvidia-smi), processes as
-        (pid, name, used_mib[, gpu_index]); more knobs in fakes.gpu_state (model, broken...)."""
+    def set_gpus(self, n, processes=(), vendor="nvidia", **kw):
+        """Rewrite the fake GPU tool: n GPUs (0 removes it), processes as (pid, name, used_mib[,
+        gpu_index]); vendor "amd" installs a fake rocm-smi instead of nvidia-smi. More knobs in
+        fakes.gpu_state / fakes.rocm_state (recording, utilization, broken...)."""
         self.gpus = n
-        install_nvidia_smi(self.bin_dir, gpu_state(self.name, n, processes, **kw) if n else None)
+        amd = vendor == "amd" and n
+        install_nvidia_smi(self.bin_dir, gpu_state(self.name, n, processes, **kw) if n and not amd else None)
+        install_rocm_smi(self.bin_dir, rocm_state(n, processes, **kw) if amd else None)

@@ -1,5 +1,14 @@
-"""Fake GPU tooling installed in each test node's private bin dir."""
+"""Fake GPU tooling installed in each test node's private bin dir, replaying recorded outputs.
 
+The fake nvidia-smi answers from a `--query-gpu` csv recorded on a real machine
+(tests/fixtures/gpus, with the header and units nvidia-smi printed); the fake rocm-smi from a
+recorded `rocm-smi --json` answer. A node with n GPUs takes the recording's first n rows,
+repeating the last one when the recording has fewer. What a recording cannot give per GPU is
+derived: the index, a uuid per node and GPU (recordings mask theirs), the PCI bus id and count.
+"""
+
+import csv
+import json
 import marshal
 import os
 import sys
@@ -7,57 +16,93 @@ import uuid
 from pathlib import Path
 
 FAKE_NVIDIA_SMI = Path(__file__).with_name("nvidia_smi.py")
+FAKE_ROCM_SMI = Path(__file__).with_name("rocm_smi.py")
+RECORDINGS = Path(__file__).resolve().parents[2] / "fixtures" / "gpus"
 # The test user cannot read pyenv shims under /root: use the real interpreter file.
 _INTERPRETER = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
-H100 = "NVIDIA H100 80GB HBM3"
-MEMORY_MIB = {H100: 81559, "NVIDIA A100-SXM4-80GB": 81920, "NVIDIA A100-SXM4-40GB": 40960}
+# An idle H100 80GB HBM3, driver 590.48.01 (every field the driver knows).
+NVIDIA_RECORDING = "nvidia_query_gpu_h100_590_idle.csv"
+# A Radeon RX 7900 XT, rocm-smi --showproductname --showuse --showmeminfo vram --json.
+ROCM_RECORDING = "rocm_json_rx7900xt_marimo9237.json"
 
 
-def gpu_state(node_name, n, processes=(), model=H100, memory_total=None, memory_used=None,
-              utilization=0, temperature=32, power_draw=69.88, power_limit=700.0,
-              driver="550.54.15", cuda="12.4", broken=None):
-    """The JSON state the fake nvidia-smi answers from.
+def read_query_gpu(name):
+    """A recorded `--query-gpu ... --format=csv` answer: ([(field, unit or None)], [row texts])."""
+    with open(RECORDINGS / name, newline="") as f:
+        rows = [r for r in csv.reader(f, skipinitialspace=True) if r]
+    fields = []
+    for head in rows[0]:
+        field, _, unit = head.partition(" [")
+        fields.append((field.strip(), unit.rstrip("]") or None))
+    return fields, [[c.strip() for c in r] for r in rows[1:]]
 
-    processes: (pid, name, used_mib) or (pid, name, used_mib, gpu_index); gpu_index defaults to 0.
-    memory_used: None = the sum of the processes on that gpu. broken: text printed instead of
-    any answer, with exit code 9 (like a driver/library mismatch).
+
+def _with_unit(value, unit):
+    return str(value) if unit is None else f"{value} {unit}"
+
+
+def gpu_state(node_name, n, processes=(), recording=NVIDIA_RECORDING, memory_used=None,
+              utilization=None, temperature=None, broken=None):
+    """The state the fake nvidia-smi answers from: the recording's rows for n GPUs.
+
+    processes: (pid, name, used_mib) or (pid, name, used_mib, gpu_index); gpu_index defaults
+    to 0. Their memory is added to the recorded memory.used of their GPU unless memory_used
+    (MiB, every GPU) is given. utilization (%) and temperature (C) replace the recorded
+    reading on every GPU. broken: text printed instead of any answer, with exit code 9 (like a
+    driver/library mismatch).
     """
+    fields, rows = read_query_gpu(recording)
+    units = dict(fields)
     gpus = []
     for i in range(n):
-        gpus.append({
-            "index": i,
-            "name": model,
-            "uuid": "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{node_name}.gpu{i}")),
-            "serial": str(1650000000000 + i),
-            "bus_id": f"00000000:{0x18 + 0x10 * i:02X}:00.0",
-            "compute_cap": "9.0",
-            "persistence_mode": "Enabled",
-            "memory_total": memory_total or MEMORY_MIB.get(model, 81559),
-            "memory_used": memory_used,
-            "utilization": utilization,
-            "utilization_memory": 0,
-            "temperature": temperature,
-            "power_draw": float(power_draw),
-            "power_limit": float(power_limit),
-            "pstate": "P0",
-        })
+        rec = dict(zip((f for f, _ in fields), rows[min(i, len(rows) - 1)]))
+        rec["index"] = str(i)
+        rec["uuid"] = "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{node_name}.gpu{i}"))
+        if "pci.bus_id" in rec:
+            rec["pci.bus_id"] = f"00000000:{0x18 + 0x10 * i:02X}:00.0"
+        if "count" in rec:
+            rec["count"] = str(n)
+        gpus.append(rec)
     procs = []
     for proc in processes:
         pid, name, mib, *rest = proc
         index = rest[0] if rest else 0
-        procs.append({"pid": int(pid), "name": name, "used_memory": int(mib),
+        procs.append({"pid": int(pid), "name": name, "used_memory": int(mib), "gpu_index": index,
                       "gpu_uuid": gpus[index]["uuid"]})
-    return {"driver": driver, "cuda": cuda, "gpus": gpus, "processes": procs, "broken": broken}
+    for i, rec in enumerate(gpus):
+        def mib(field):
+            return int(float(rec[field].split()[0]))
+        recorded = mib("memory.used")
+        used = memory_used if memory_used is not None else \
+            recorded + sum(p["used_memory"] for p in procs if p["gpu_index"] == i)
+        rec["memory.used"] = _with_unit(used, units["memory.used"])
+        if "memory.free" in rec:
+            rec["memory.free"] = _with_unit(mib("memory.free") - (used - recorded), units["memory.free"])
+        if utilization is not None:
+            rec["utilization.gpu"] = _with_unit(utilization, units["utilization.gpu"])
+        if temperature is not None:
+            rec["temperature.gpu"] = _with_unit(temperature, units["temperature.gpu"])
+    return {"fields": fields, "gpus": gpus, "processes": procs, "broken": broken}
 
 
-def install_nvidia_smi(bin_dir: Path, state) -> None:
-    """Write (or, with state None, remove) the fake nvidia-smi and its state.
+def rocm_state(n, processes=(), recording=ROCM_RECORDING):
+    """The state the fake rocm-smi answers from: the recorded card0 as card0..card<n-1>.
+    processes: (pid, name, used_mib[, gpu_index]), listed by `--showpids` (which does not say
+    which GPU, so gpu_index is dropped)."""
+    cards = json.loads((RECORDINGS / recording).read_text())
+    first = [v for k, v in sorted(cards.items()) if k.startswith("card")]
+    return {"cards": {f"card{i}": dict(first[min(i, len(first) - 1)]) for i in range(n)},
+            "processes": [(int(p[0]), p[1], int(p[2])) for p in processes]}
+
+
+def _install(bin_dir: Path, name: str, fake: Path, state) -> None:
+    """Write (or, with state None, remove) a fake tool and its state.
 
     The state is marshalled, not JSON: `import json` (re, enum) would be half of the fake's
     start-up, and 64 test nodes run it on the same two cores a preflight is timed on. The fake
     runs with this interpreter, so the marshal format always matches."""
-    script, data = bin_dir / "nvidia-smi", bin_dir / "nvidia-smi.state"
+    script, data = bin_dir / name, bin_dir / f"{name}.state"
     if state is None:
         for path in (script, data):
             path.unlink(missing_ok=True)
@@ -67,6 +112,13 @@ def install_nvidia_smi(bin_dir: Path, state) -> None:
     tmp.chmod(0o644)
     os.replace(tmp, data)
     if not script.exists():
-        body = FAKE_NVIDIA_SMI.read_text()
-        script.write_text(f"#!{_INTERPRETER} -S\n" + body)
+        script.write_text(f"#!{_INTERPRETER} -S\n" + fake.read_text())
         script.chmod(0o755)
+
+
+def install_nvidia_smi(bin_dir: Path, state) -> None:
+    _install(bin_dir, "nvidia-smi", FAKE_NVIDIA_SMI, state)
+
+
+def install_rocm_smi(bin_dir: Path, state) -> None:
+    _install(bin_dir, "rocm-smi", FAKE_ROCM_SMI, state)

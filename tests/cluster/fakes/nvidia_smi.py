@@ -1,9 +1,10 @@
-"""A fake ``nvidia-smi`` for the test cluster.
+"""A fake ``nvidia-smi`` for the test cluster, replaying a recorded ``--query-gpu`` answer.
 
 Installed as ``<node bin_dir>/nvidia-smi`` with its state in ``nvidia-smi.state`` (marshal) next to it
-(written by ``TestNode.set_gpus``). Output formats follow real nvidia-smi (driver 550):
-``--query-gpu`` / ``--query-compute-apps`` in csv with or without ``noheader``/``nounits``,
-``--list-gpus`` / ``-L`` and the plain table. Runs with the system python and only the stdlib.
+(written by ``TestNode.set_gpus`` from tests/cluster/fakes.gpu_state). ``--query-gpu`` answers any
+field the recorded driver printed, with the recorded texts and units (dropped for ``nounits``);
+``--query-compute-apps``, ``-L`` and the plain table follow the real tool's layout.
+Runs with the system python and only the stdlib.
 """
 
 import marshal
@@ -11,30 +12,9 @@ import os
 import sys
 import time
 
-# field -> (key in the gpu record, unit or None). Aliases map to the same record key.
-GPU_FIELDS = {
-    "index": ("index", None),
-    "name": ("name", None),
-    "gpu_name": ("name", None),
-    "uuid": ("uuid", None),
-    "gpu_uuid": ("uuid", None),
-    "serial": ("serial", None),
-    "pci.bus_id": ("bus_id", None),
-    "gpu_bus_id": ("bus_id", None),
-    "driver_version": ("driver", None),
-    "count": ("count", None),
-    "compute_cap": ("compute_cap", None),
-    "persistence_mode": ("persistence_mode", None),
-    "memory.total": ("memory_total", "MiB"),
-    "memory.used": ("memory_used", "MiB"),
-    "memory.free": ("memory_free", "MiB"),
-    "utilization.gpu": ("utilization", "%"),
-    "utilization.memory": ("utilization_memory", "%"),
-    "temperature.gpu": ("temperature", None),
-    "power.draw": ("power_draw", "W"),
-    "power.limit": ("power_limit", "W"),
-    "pstate": ("pstate", None),
-}
+# Names --query-gpu also accepts for a field (the header repeats the name asked for).
+GPU_ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id", "gpu_serial": "serial"}
+# compute-apps field -> (key in the process record, unit, header name)
 APP_FIELDS = {
     "pid": ("pid", None, "pid"),
     "process_name": ("name", None, "process_name"),
@@ -53,55 +33,53 @@ def load_state():
         return marshal.load(f)
 
 
-def fmt_value(value, unit, nounits):
-    if isinstance(value, float):
-        value = f"{value:.2f}"
-    if unit is None or nounits:
-        return str(value)
-    return f"{value} {unit}"
+def strip_unit(text, unit):
+    return text[:-len(unit) - 1] if unit and text.endswith(" " + unit) else text
 
 
-def csv_lines(records, fields, table, fmt):
+def bad_field(field):
+    sys.stdout.write(f'Field "{field}" is not a valid field to query.\n\n')
+    sys.exit(2)
+
+
+def format_opts(fmt):
     opts = set(fmt.split(","))
     if "csv" not in opts:
         sys.stderr.write('"--format" option must contain "csv".\n')
         sys.exit(2)
-    noheader, nounits = "noheader" in opts, "nounits" in opts
-    specs = []
+    return "noheader" in opts, "nounits" in opts
+
+
+def gpu_lines(state, gpus, fields, fmt):
+    noheader, nounits = format_opts(fmt)
+    units = dict(state["fields"])
+    keys = []
     for field in fields:
-        if field not in table:
-            sys.stdout.write(f'Field "{field}" is not a valid field to query.\n\n')
-            sys.exit(2)
-        specs.append((field, table[field]))
-    out = []
-    if not noheader:
-        heads = []
-        for field, spec in specs:
-            head = spec[2] if len(spec) > 2 else field
-            heads.append(head if spec[1] is None or nounits else f"{head} [{spec[1]}]")
-        out.append(", ".join(heads))
-    for rec in records:
-        out.append(", ".join(fmt_value(rec[spec[0]], spec[1], nounits) for _, spec in specs))
+        key = GPU_ALIASES.get(field, field)
+        if key not in units:
+            bad_field(field)
+        keys.append((field, key, units[key]))
+    out = [] if noheader else [", ".join(f if u is None or nounits else f"{f} [{u}]" for f, _, u in keys)]
+    for rec in gpus:
+        out.append(", ".join(strip_unit(rec[k], u) if nounits else rec[k] for _, k, u in keys))
     return out
 
 
-def gpu_records(state, ids):
-    gpus = state["gpus"]
-    used = {}
-    for proc in state["processes"]:
-        used[proc["gpu_uuid"]] = used.get(proc["gpu_uuid"], 0) + proc["used_memory"]
-    recs = []
-    for gpu in gpus:
-        if ids is not None and str(gpu["index"]) not in ids and gpu["uuid"] not in ids:
-            continue
-        rec = dict(gpu)
-        rec["driver"] = state["driver"]
-        rec["count"] = len(gpus)
-        if rec.get("memory_used") is None:
-            rec["memory_used"] = used.get(gpu["uuid"], 0)
-        rec["memory_free"] = rec["memory_total"] - rec["memory_used"]
-        recs.append(rec)
-    return recs
+def app_lines(apps, fields, fmt):
+    noheader, nounits = format_opts(fmt)
+    specs = []
+    for field in fields:
+        if field not in APP_FIELDS:
+            bad_field(field)
+        specs.append(APP_FIELDS[field])
+    out = [] if noheader else [", ".join(h if u is None or nounits else f"{h} [{u}]" for _, u, h in specs)]
+    for rec in apps:
+        out.append(", ".join(str(rec[k]) if u is None or nounits else f"{rec[k]} {u}" for k, u, _ in specs))
+    return out
+
+
+def selected_gpus(state, ids):
+    return [g for g in state["gpus"] if ids is None or g["index"] in ids or g["uuid"] in ids]
 
 
 def app_records(state, ids):
@@ -109,11 +87,11 @@ def app_records(state, ids):
     recs = []
     for proc in state["processes"]:
         gpu = by_uuid.get(proc["gpu_uuid"], {})
-        if ids is not None and str(gpu.get("index")) not in ids and proc["gpu_uuid"] not in ids:
+        if ids is not None and gpu.get("index") not in ids and proc["gpu_uuid"] not in ids:
             continue
         rec = dict(proc)
         rec["gpu_name"] = gpu.get("name", "")
-        rec["gpu_bus_id"] = gpu.get("bus_id", "")
+        rec["gpu_bus_id"] = gpu.get("pci.bus_id", "")
         recs.append(rec)
     return recs
 
@@ -122,34 +100,41 @@ def list_gpus(state):
     return [f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})" for g in state["gpus"]]
 
 
+def number(text):
+    head = text.split()[0] if text.split() else ""
+    try:
+        return float(head)
+    except ValueError:
+        return None
+
+
 def table(state):
-    """The plain `nvidia-smi` table (driver 550 layout, 91 columns)."""
+    """The plain `nvidia-smi` table (the 590 driver's layout, 91 columns)."""
     inner = 89
     rule = "+" + "-" * inner + "+"
     cells = "+-----------------------------------------+------------------------+----------------------+"
+    driver = state["gpus"][0].get("driver_version", "") if state["gpus"] else ""
     out = [time.strftime("%a %b %d %H:%M:%S %Y") + "       ", rule]
-    head = (f" NVIDIA-SMI {state['driver']:<23}Driver Version: {state['driver']:<15}"
-            f"CUDA Version: {state['cuda']}")
-    out.append(f"|{head:<{inner}}|")
+    out.append(f"|{' NVIDIA-SMI ' + f'{driver:<22}Driver Version: {driver:<15}':<{inner}}|")
     out.append("|" + cells[1:-1] + "|")
     out.append("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |")
     out.append("| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |")
     out.append("|                                         |                        |               MIG M. |")
     out.append("|=========================================+========================+======================|")
-    for rec in gpu_records(state, None):
-        left = f"{rec['index']:>4}  {rec['name'][:29]}"
-        out.append(f"|{left:<37}On  |{rec['bus_id']:>19} Off |{'0':>21} |")
-        power = f"{int(rec['power_draw'])}W / {int(rec['power_limit']):>4}W"
-        mem = f"{rec['memory_used']}MiB / {rec['memory_total']:>6}MiB"
-        util = f"{rec['utilization']}%"
-        out.append(f"| N/A  {rec['temperature']:>3}C    {rec['pstate']:<3}{power:>23} |{mem:>23} |"
-                   f"{util:>8}      Default |")
+    for g in state["gpus"]:
+        left = f"{g['index']:>4}  {g['name'][:29]}"
+        out.append(f"|{left:<37}On  |{g.get('pci.bus_id', ''):>19} Off |{'0':>21} |")
+        power = f"{int(number(g.get('power.draw', '')) or 0)}W / {int(number(g.get('power.limit', '')) or 0):>4}W"
+        mem = f"{int(number(g['memory.used']) or 0)}MiB / {int(number(g['memory.total']) or 0):>6}MiB"
+        util = f"{int(number(g.get('utilization.gpu', '')) or 0)}%"
+        out.append(f"| N/A  {int(number(g.get('temperature.gpu', '')) or 0):>3}C    {g.get('pstate', ''):<3}"
+                   f"{power:>23} |{mem:>23} |{util:>8}      Default |")
         out.append(f"|{'':41}|{'':24}|{'Disabled':>21} |")
         out.append(cells)
     out.append(" " * (inner + 2))
     out.append(rule)
     out.append(f"|{' Processes:':<{inner}}|")
-    out.append(f"|{'  GPU   GI   CI        PID   Type   Process name':<{inner - 11}}GPU Memory |")
+    out.append(f"|{'  GPU   GI   CI              PID   Type   Process name':<{inner - 11}}GPU Memory |")
     out.append(f"|{'        ID   ID':<{inner - 11}}Usage      |")
     out.append("|" + "=" * inner + "|")
     apps = app_records(state, None)
@@ -157,7 +142,7 @@ def table(state):
         out.append(f"|{'  No running processes found':<{inner}}|")
     index_of = {g["uuid"]: g["index"] for g in state["gpus"]}
     for app in apps:
-        left = f"  {index_of.get(app['gpu_uuid'], 0):>3}   N/A  N/A  {app['pid']:>9}      C   {app['name'][:40]}"
+        left = f"  {index_of.get(app['gpu_uuid'], '0'):>3}   N/A  N/A  {app['pid']:>15}      C   {app['name'][:35]}"
         right = f"{app['used_memory']}MiB "
         out.append(f"|{left:<{inner - len(right)}}{right}|")
     out.append(rule)
@@ -181,18 +166,16 @@ def main(argv):
             opts[arg] = next(it, "")
         elif arg in ("-i", "--id"):
             ids = set(next(it, "").split(","))
-        elif arg.startswith("--id="):
-            ids = set(arg.split("=", 1)[1].split(","))
         else:
             flags.add(arg)
     if "--id" in opts:
         ids = set(opts.pop("--id").split(","))
     if "--query-gpu" in opts:
         fields = [f.strip() for f in opts["--query-gpu"].split(",")]
-        lines = csv_lines(gpu_records(state, ids), fields, GPU_FIELDS, opts.get("--format", ""))
+        lines = gpu_lines(state, selected_gpus(state, ids), fields, opts.get("--format", ""))
     elif "--query-compute-apps" in opts:
         fields = [f.strip() for f in opts["--query-compute-apps"].split(",")]
-        lines = csv_lines(app_records(state, ids), fields, APP_FIELDS, opts.get("--format", ""))
+        lines = app_lines(app_records(state, ids), fields, opts.get("--format", ""))
     elif "-L" in flags or "--list-gpus" in flags:
         lines = list_gpus(state)
     elif not flags and not opts:
