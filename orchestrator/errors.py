@@ -40,12 +40,13 @@ class InventoryError(UsageError):
 
 
 class ConnectError(ClusterctlError):
-    """A node could not be reached or authenticated. Carries the node name."""
+    """A node could not be reached or authenticated. Carries the node name and the message
+    without it, so a per-node result can show the message under the node's own name."""
 
     exit_code = EXIT_UNREACHABLE
 
     def __init__(self, node: str, message: str):
-        self.node = node
+        self.node, self.message = node, message
         super().__init__(f"{node}: {message}")
 
 
@@ -53,10 +54,25 @@ class HostKeyError(ConnectError):
     """Unknown or changed host key. The message holds the exact remedy."""
 
 
-class CommandTimeout(ClusterctlError):
-    def __init__(self, node: str, command: str, timeout: float):
-        self.node, self.command, self.timeout = node, command, timeout
-        super().__init__(f"{node}: command did not finish within {timeout:g}s: {command}")
+class ConnectionLost(ConnectError):
+    """A node's connection went away after it was open (link down, host frozen or rebooted)."""
+
+
+class CommandFailed(ClusterctlError):
+    """A command ended without success on one node; carries its NodeResult."""
+
+    def __init__(self, result, message: str | None = None):
+        self.result = result
+        tail = (result.stderr or result.stdout or "").strip()[-500:]
+        super().__init__(message or f"{result.node}: {result.describe()}" + (f": {tail}" if tail else ""))
+
+
+class CommandTimeout(CommandFailed):
+    """A command did not finish (or did not say what was waited for) within `timeout` seconds."""
+
+    def __init__(self, result, timeout: float, message: str | None = None):
+        self.timeout = timeout
+        super().__init__(result, message)
 
 
 class ClusterFailure(ClusterctlError):
@@ -66,3 +82,12 @@ class ClusterFailure(ClusterctlError):
         self.result = result
         failed = ", ".join(sorted(result.failed)) or "none"
         super().__init__(message or f"failed on: {failed}")
+
+
+class LaunchError(ClusterctlError):
+    """`train` could not launch the run (unreachable node, failed preflight, busy node, a node
+    that would not start torchrun). `exit_code` is the run's: 1 failed, 3 unreachable, 130 stopped."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -9,19 +9,17 @@ own backend.  The result feeds `clusterctl plan --link FILE`.
 from __future__ import annotations
 
 import json
-import selectors
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 import click
 
 from orchestrator import shell
-from orchestrator.errors import ClusterctlError, EXIT_FAILED
+from orchestrator.errors import EXIT_FAILED, ClusterctlError, CommandFailed, CommandTimeout
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs.torchrun import iface_env
-from orchestrator.transport import Cluster, Proc
+from orchestrator.transport import Cluster, Proc, first_line
 
 PROBE = resources.files("orchestrator").joinpath("remote/netprobe.py").read_bytes()
 
@@ -84,29 +82,14 @@ def _cmd(node: Node, *args: object) -> str:
 
 
 def _first_line(proc: Proc, timeout: float) -> str:
-    """Read the first stdout line of a running proc, or fail after `timeout`."""
-    sel = selectors.DefaultSelector()
-    fds = proc.fileno()
-    for fd in fds if isinstance(fds, list) else [fds]:
-        sel.register(fd, selectors.EVENT_READ)
-    buf, err = b"", b""
-    deadline = time.monotonic() + timeout
+    """The probe server's first stdout line (where it listens), or NetbenchError."""
     try:
-        while b"\n" not in buf:
-            if proc.done() or time.monotonic() > deadline:
-                out, e = proc.read()
-                buf, err = buf + out, err + e
-                if b"\n" in buf:
-                    break
-                why = "exited" if proc.done() else f"did not start within {timeout:g}s"
-                raise NetbenchError(f"{proc.node}: the network probe {why}: "
-                                    f"{err.decode(errors='replace').strip()[-500:]}")
-            sel.select(0.2)
-            out, e = proc.read()
-            buf, err = buf + out, err + e
-    finally:
-        sel.close()
-    return buf.split(b"\n", 1)[0].decode()
+        return first_line(proc, timeout)
+    except CommandTimeout as e:
+        raise NetbenchError(f"{proc.node}: the network probe did not start within {timeout:g}s: "
+                            f"{e.result.stderr.strip()[-500:]}") from None
+    except CommandFailed as e:
+        raise NetbenchError(f"{proc.node}: the network probe exited: {e.result.stderr.strip()[-500:]}") from None
 
 
 def _client(cluster: Cluster, node: Node, *args, timeout: float) -> dict:

@@ -158,7 +158,7 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto",
 
     tar_nodes = [n for n in todo if n.name not in use_rsync]
     rsync_nodes = [n for n in todo if n.name in use_rsync]
-    pool = ThreadPoolExecutor(max_workers=max(1, min(cluster.fanout, 16, len(rsync_nodes) or 1)))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(cluster.fanout, len(rsync_nodes))))  # the one fan-out cap
     futures = {n.name: pool.submit(rsync_one, n) for n in rsync_nodes}
     if tar_nodes:
         data = tar_stream(src, files)

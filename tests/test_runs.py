@@ -9,6 +9,8 @@ import pytest
 from orchestrator.errors import UsageError
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.cli.output import Prefixer
+from orchestrator.runs.policy import root_cause
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
 from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
 
 
@@ -29,9 +31,9 @@ def test_run_ids_carry_the_name_and_refuse_path_characters():
 
 
 def test_create_find_update_and_latest(home):
-    a = Run.create("alpha-1", {"args": ["x.py"]})
-    b = Run.create("beta-1", {"args": []})
-    assert (a.dir / "nodes").is_dir() and a.spec == {"args": ["x.py"]}
+    a = Run.create("alpha-1", RunSpec(args=("x.py",)))
+    b = Run.create("beta-1", RunSpec(args=()))
+    assert (a.dir / "nodes").is_dir() and a.spec == RunSpec(args=("x.py",))
     assert a.record["state"] == "starting"
     assert not list(runs_dir().glob(".*"))  # the hidden build directory was renamed away
     assert Run.find(None).id == "beta-1"  # latest
@@ -46,14 +48,14 @@ def test_create_find_update_and_latest(home):
 def test_ambiguous_prefix_and_no_runs(home):
     with pytest.raises(UsageError, match="no runs recorded"):
         Run.find(None)
-    Run.create("job-1", {})
-    Run.create("job-2", {})
+    Run.create("job-1", RunSpec())
+    Run.create("job-2", RunSpec())
     with pytest.raises(UsageError, match="ambiguous"):
         Run.find("job")
 
 
 def test_half_made_run_dirs_are_ignored(home):
-    Run.create("ok-1", {})
+    Run.create("ok-1", RunSpec())
     (runs_dir() / ".ok-2.tmp").mkdir()
     write_json(runs_dir() / ".ok-2.tmp" / "run.json", {"id": "ok-2"})
     (runs_dir() / "empty").mkdir()  # no run.json yet
@@ -73,7 +75,7 @@ def test_records_are_written_atomically(tmp_path):
 def test_a_dead_or_foreign_supervisor_pid_is_not_alive(home):
     import os
 
-    r = Run.create("s-1", {})
+    r = Run.create("s-1", RunSpec())
     assert not r.supervisor_alive()
     r.update(supervisor_pid=os.getpid())  # a live pid without CLUSTERCTL_SUPERVISOR=s-1: not ours
     assert not r.supervisor_alive()
@@ -149,20 +151,15 @@ def test_color_only_on_request():
     assert out.getvalue() == "node1/r0 | x\n"
 
 
-def test_root_cause_prefers_the_error_file_then_the_log_tail(home):
-    from orchestrator.runs.supervisor import Supervisor
-
-    run = Run.create("rc-1", {})
-    sup = Supervisor.__new__(Supervisor)  # only the summary logic, no inventory
-    sup.run = run
-    sup.states = {"node2": {"first_rank": 2, "last_rank": 3, "error_file": json.dumps(
-        {"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "Traceback ...\nboom"}}})}}
-    ff = {"node": "node2", "exit_code": 1, "reason": exit_meaning(1)}
-    s = sup.root_cause(ff)
+def test_root_cause_prefers_the_error_file_then_the_log_tail():
+    st = NodeStatus("node2", 1, "h2", first_rank=2, last_rank=3, error_file=json.dumps(
+        {"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "Traceback ...\nboom"}}}))
+    ff = FirstFailure("node2", 1, exit_meaning(1))
+    s = root_cause(ff, st, b"")
     assert s.startswith("node2 (ranks 2-3) failed first: exit code 1") and s.endswith("Traceback ...\nboom")
-    sup.states["node2"]["error_file"] = None
-    run.node_log("node2").write_bytes(b"".join(b"line %d\n" % i for i in range(100)) + b"Killed\n")
-    s = sup.root_cause(dict(ff, exit_code=137, reason=exit_meaning(137)))
+    st.error_file = None
+    log = b"".join(b"line %d\n" % i for i in range(100)) + b"Killed\n"
+    s = root_cause(FirstFailure("node2", 137, exit_meaning(137)), st, log)
     assert "exit code 137" in s and s.endswith("line 99\nKilled") and "line 84" not in s
 
 
@@ -179,37 +176,26 @@ def test_torchrun_root_cause_block_names_the_failing_worker():
     assert worker_failure(b"no torchrun summary here\n") is None
 
 
-def test_root_cause_names_the_worker_and_quotes_its_own_lines(home):
-    from orchestrator.runs.supervisor import Supervisor
-
-    run = Run.create("rc-2", {})
-    run.node_log("node3").write_bytes(FIXTURE.read_bytes())
-    sup = Supervisor.__new__(Supervisor)
-    sup.run, sup.states = run, {"node3": {"first_rank": 4, "last_rank": 5}}
-    s = sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)})
+def test_root_cause_names_the_worker_and_quotes_its_own_lines():
+    st = NodeStatus("node3", 2, "h3", first_rank=4, last_rank=5)
+    s = root_cause(FirstFailure("node3", 1, exit_meaning(1)), st, FIXTURE.read_bytes())
     assert s.splitlines()[0] == ("node3 (ranks 4-5) failed first: exit code 1 — the training script failed; "
                                  "rank 5 exited 3 first (the training script failed)")
     assert s.splitlines()[-1] == "rank 5 failing on purpose"
 
 
-def test_root_cause_explains_a_rank_that_aborted_in_teardown(home):
+def test_root_cause_explains_a_rank_that_aborted_in_teardown():
     """torch 2.13 aborts a rank at exit when a gloo group is still held then (seen across hosts)."""
-    from orchestrator.runs.supervisor import Supervisor
-
     log = FIXTURE.read_bytes().replace(b"[default1]:rank 5 failing on purpose",
                                        b"[default1]:terminate called without an active exception")
     log = log.replace(b"  exitcode  : 3 (pid: 5169) ", b"  exitcode  : -6 (pid: 5169)  (SIGABRT)")
-    run = Run.create("rc-3", {})
-    run.node_log("node3").write_bytes(log)
-    sup = Supervisor.__new__(Supervisor)
-    sup.run, sup.states = run, {"node3": {"first_rank": 4, "last_rank": 5}}
-    lines = sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)}).splitlines()
+    st, ff = NodeStatus("node3", 2, "h3", first_rank=4, last_rank=5), FirstFailure("node3", 1, exit_meaning(1))
+    lines = root_cause(ff, st, log).splitlines()
     assert lines[0].endswith("rank 5 exited 134 first (killed by SIGABRT)")
     assert lines[1].startswith("hint: a rank aborted (SIGABRT) in C++ teardown") and "destroy_process_group" in lines[1]
     assert lines[-1] == "terminate called without an active exception"
     # the same exit code without the marker is not explained away
-    run.node_log("node3").write_bytes(log.replace(b"terminate called", b"free(): invalid pointer;"))
-    assert "hint:" not in sup.root_cause({"node": "node3", "exit_code": 1, "reason": exit_meaning(1)})
+    assert "hint:" not in root_cause(ff, st, log.replace(b"terminate called", b"free(): invalid pointer;"))
 
 
 def test_runs_table_never_cuts_a_run_id_short(home, monkeypatch, capsys):
@@ -217,7 +203,7 @@ def test_runs_table_never_cuts_a_run_id_short(home, monkeypatch, capsys):
 
     ids = [new_run_id("a-long-experiment-name") for _ in range(2)]
     for rid in ids:
-        Run.create(rid, {})
+        Run.create(rid, RunSpec())
     monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal: the other columns give way
     assert main(["runs"]) == 0
     out = capsys.readouterr().out

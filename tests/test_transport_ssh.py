@@ -197,3 +197,26 @@ def test_proxy_jump_reaches_a_node_the_controller_cannot(make_cluster):
     with Cluster(inv) as c:
         r = c.run("hostname")
     assert r["node2"].stdout == "node2\n", r["node2"]
+
+
+def test_an_ssh_proc_offers_a_list_of_fds_and_types_a_lost_connection(make_cluster):
+    from orchestrator.errors import ConnectionLost
+    from orchestrator.transport import ErrorKind, stream
+
+    cluster = make_cluster(1)
+    with Cluster(inv_of(cluster), lost_timeout=3) as c:
+        conn = c.connections["node1"]
+        p = conn.exec("hostname")
+        assert isinstance(p.fds(), list) and len(p.fds()) == 1
+        assert stream([p], timeout=30)["node1"].stdout == "node1\n"
+        assert p.lost_reason() is None and conn.lost_reason is None
+        import threading
+        t = threading.Timer(1.0, cluster.nodes[0].link_down)  # while the command runs
+        t.start()
+        r = c.run("sleep 60", timeout=45)["node1"]
+        t.join()
+        assert r.kind is ErrorKind.LOST and "connection lost" in r.error, r
+        assert isinstance(r.exception(), ConnectionLost)
+        with pytest.raises(ConnectionLost):
+            conn.exec("true")
+    cluster.nodes[0].link_up()

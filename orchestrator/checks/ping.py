@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.checks import CheckResult, fail, ok, warn
+from orchestrator.transport import DEFAULT_FANOUT
 
 
 def _checksum(data: bytes) -> int:
@@ -108,7 +109,7 @@ def _ping_processes(hosts: list[str], timeout: float) -> dict[str, float | None]
             return None
         return time.monotonic() - t0 if r.returncode == 0 else None
 
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as ex:
+    with ThreadPoolExecutor(max_workers=min(DEFAULT_FANOUT, max(1, len(hosts)))) as ex:
         return dict(zip(hosts, ex.map(one, hosts)))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import selectors
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,10 +31,10 @@ from orchestrator.checks.gpu import gpus_from_probe, parse_gpu_count, parse_gpu_
 from orchestrator.checks.net import attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable
 from orchestrator.checks.ping import ping_all, ping_result
 from orchestrator.checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
-from orchestrator.errors import UsageError
+from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs.torchrun import nproc_for, rank_map_text
-from orchestrator.transport import Cluster, Proc
+from orchestrator.transport import Cluster, Proc, first_line, wait
 
 _PROBES = resources.files("orchestrator").joinpath("remote")
 NODEINFO = _PROBES.joinpath("nodeinfo.py").read_text()
@@ -182,33 +181,16 @@ class _Listener:
         except Exception as e:  # noqa: BLE001 - any failure here only means the check is skipped
             self.error = f"cannot start the listener: {e}"
             return
-        line = self._first_line(10.0)
+        try:
+            line = first_line(self.proc, 10.0).strip()
+        except CommandFailed as e:  # CommandTimeout too: it ended, or said nothing in time
+            line = (e.result.stdout + e.result.stderr).strip()[-300:]
         if line.startswith("listening"):
             self.pid = int(line.split()[1])
         elif line.startswith("busy"):
             self.error = f"master_port {port} is taken on {master.name} (see port_free)"
         else:
             self.error = f"the listener did not start on {master.name}: {line or 'no answer'}"
-
-    def _first_line(self, timeout: float) -> str:
-        buf, err = b"", b""
-        sel = selectors.DefaultSelector()
-        fds = self.proc.fileno()
-        for fd in fds if isinstance(fds, list) else [fds]:
-            sel.register(fd, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        try:
-            while b"\n" not in buf and time.monotonic() < deadline:
-                sel.select(0.1)
-                out, e = self.proc.read()
-                buf, err = buf + out, err + e
-                if not out and self.proc.done():
-                    break
-        finally:
-            sel.close()
-        if b"\n" in buf:
-            return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
-        return (buf + err).decode(errors="replace").strip()[-300:]
 
     def close(self):
         """Stop the listener and wait until its port is free again: `train` may bind it next.
@@ -225,12 +207,7 @@ class _Listener:
                 f"i=0; while grep -qa {token} /proc/{pid}/cmdline 2>/dev/null && [ $i -lt 50 ]; do "
                 f"sleep 0.1; i=$((i+1)); done")
         try:
-            p = self.conn.exec(stop)
-            deadline = time.monotonic() + 8
-            while not p.done() and time.monotonic() < deadline:
-                p.read()
-                time.sleep(0.02)
-            p.close()
+            wait(self.conn.exec(stop), 8)
         except Exception:  # noqa: BLE001 - the alarm in the listener is the last resort
             pass
 

@@ -27,7 +27,7 @@ def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
     if as_json:
         doc = {"ok": result.all_ok, "exit_code": result.worst_exit_code, "nodes": [
             {"node": r.node, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
-             "duration": round(r.duration, 3), "error": r.error} for r in result.values()]}
+             "duration": round(r.duration, 3), "error": r.error, "error_kind": r.kind} for r in result.values()]}
         print(json.dumps(doc, indent=2))
     elif not result.all_ok:
         print(summarize(result), file=sys.stderr)

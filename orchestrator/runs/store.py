@@ -19,9 +19,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from orchestrator.errors import UsageError
+import psutil
 
-TERMINAL = {"finished", "failed", "stopped"}
+from orchestrator.errors import UsageError
+from orchestrator.runs.spec import NodeStatus, RunSpec, RunState
+
+SUPERVISOR_MARK = "CLUSTERCTL_SUPERVISOR"  # in the supervisor's environment: its run id
 
 
 def home() -> Path:
@@ -76,13 +79,13 @@ class Run:
         self.dir = runs_dir() / run_id
 
     @classmethod
-    def create(cls, run_id: str, spec: dict) -> "Run":
+    def create(cls, run_id: str, spec: RunSpec) -> "Run":
         r = cls(run_id)
         # built under a hidden name and renamed, so a run directory is never seen half made
         tmp = r.dir.with_name(f".{run_id}.tmp")
         (tmp / "nodes").mkdir(parents=True)
-        write_json(tmp / "spec.json", spec)
-        write_json(tmp / "run.json", {"id": run_id, "state": "starting", "created": time.time()})
+        write_json(tmp / "spec.json", spec.to_json())
+        write_json(tmp / "run.json", {"id": run_id, "state": RunState.STARTING, "created": time.time()})
         os.rename(tmp, r.dir)
         return r
 
@@ -109,12 +112,20 @@ class Run:
         return [Run(i) for i in _ids()]
 
     @property
-    def spec(self) -> dict:
-        return read_json(self.dir / "spec.json") or {}
+    def spec(self) -> RunSpec:
+        """What `train` asked for; keys a record lacks take RunSpec's defaults."""
+        return RunSpec.from_json(read_json(self.dir / "spec.json"))
 
     @property
     def record(self) -> dict:
-        return read_json(self.dir / "run.json") or {"id": self.id, "state": "unknown"}
+        return read_json(self.dir / "run.json") or {"id": self.id, "state": RunState.UNKNOWN.value}
+
+    def state(self, record: dict | None = None) -> RunState:
+        st = (record or self.record).get("state")
+        return RunState(st) if st in RunState._value2member_map_ else RunState.UNKNOWN
+
+    def nodes(self, record: dict | None = None) -> list[NodeStatus]:
+        return [NodeStatus.from_json(d) for d in (record or self.record).get("nodes", [])]
 
     def update(self, **changes) -> dict:
         doc = self.record
@@ -126,18 +137,25 @@ class Run:
         return self.dir / "nodes" / f"{node}.log"
 
     def supervisor_alive(self) -> bool:
-        pid = self.record.get("supervisor_pid")
+        """The recorded supervisor still runs: the pid exists, carries this run's mark in its
+        environment, and (when recorded) was created when the supervisor was, so a reused pid
+        is never taken for it."""
+        rec = self.record
+        pid = rec.get("supervisor_pid")
         if not pid:
             return False
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                return f"CLUSTERCTL_SUPERVISOR={self.id}".encode() in f.read()
-        except OSError:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE or p.environ().get(SUPERVISOR_MARK) != self.id:
+                return False
+            born = rec.get("supervisor_created")
+            return born is None or abs(p.create_time() - born) < 1.0
+        except psutil.Error:
             return False
 
     @property
     def terminal(self) -> bool:
-        return self.record.get("state") in TERMINAL
+        return self.state().terminal
 
 
 def exit_meaning(code: int | None) -> str:

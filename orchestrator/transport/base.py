@@ -2,32 +2,52 @@
 
 from __future__ import annotations
 
+import enum
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
+from orchestrator.errors import (
+    ClusterFailure,
+    CommandFailed,
+    CommandTimeout,
+    ConnectError,
+    ConnectionLost,
+)
 from orchestrator.inventory import Node
 
-DEFAULT_FANOUT = 64
 DEFAULT_CONNECT_TIMEOUT = 10.0
 KEEPALIVE_S = 5
-DEFAULT_LOST_TIMEOUT = 30.0
-SWEEP_S = 0.2  # how often every running command is checked for deadlines and lost links  # a node silent this long (no answer to keepalives) is lost
+DEFAULT_LOST_TIMEOUT = 30.0  # a node silent this long (no answer to keepalives) is lost
 
 # on_line(node_name, stream ("stdout"|"stderr"), line_without_newline)
 LineCallback = Callable[[str, str, str], None]
+# on_bytes(node_name, stream ("stdout"|"stderr"), raw bytes as they arrived)
+BytesCallback = Callable[[str, str, bytes], None]
 
 
 # ------------------------------------------------------------------ results
 
 
+class ErrorKind(str, enum.Enum):
+    """Why a command has no exit code to report."""
+
+    CONNECT = "connect"  # the node could not be reached or authenticated
+    LOST = "lost"  # the connection went away while the command ran
+    TIMEOUT = "timeout"  # the command ran past its timeout and was killed
+    STOPPED = "stopped"  # the caller asked every command to stop
+
+
 @dataclass(frozen=True)
 class NodeResult:
     node: str
-    exit_code: int | None  # None: never ran to completion (unreachable, timed out, lost)
+    exit_code: int | None  # None: never ran to completion (unreachable, timed out, lost, stopped)
     stdout: str = ""
     stderr: str = ""
     duration: float = 0.0
-    error: str | None = None  # connection/timeout problem, not a non-zero exit
+    error: str | None = None  # connection/timeout problem in words, not a non-zero exit
+    kind: ErrorKind | None = None  # set whenever `error` is
+    timeout: float | None = None  # the limit the command ran under (for CommandTimeout)
 
     @property
     def ok(self) -> bool:
@@ -35,12 +55,34 @@ class NodeResult:
 
     @property
     def reachable(self) -> bool:
-        return self.exit_code is not None or (self.error or "").startswith("timed out")
+        """The node answered: it ran the command (whatever its exit code) or ran it too long."""
+        return self.exit_code is not None or self.kind is ErrorKind.TIMEOUT
 
     def describe(self) -> str:
         if self.error:
             return self.error
         return f"exit code {self.exit_code}"
+
+    def exception(self) -> Exception | None:
+        """The typed error for a result that is not ok (None when it is): ConnectError,
+        ConnectionLost, CommandTimeout, else CommandFailed. Each carries the node; the
+        command errors carry this result."""
+        if self.ok:
+            return None
+        if self.kind is ErrorKind.CONNECT:
+            return ConnectError(self.node, self.error or "cannot connect")
+        if self.kind is ErrorKind.LOST:
+            return ConnectionLost(self.node, self.error or "the connection was lost")
+        if self.kind is ErrorKind.TIMEOUT:
+            return CommandTimeout(self, self.timeout or 0.0)
+        return CommandFailed(self)
+
+    def check(self) -> "NodeResult":
+        """This result when it is ok; else raise its typed error (see `exception`)."""
+        e = self.exception()
+        if e is not None:
+            raise e
+        return self
 
 
 class ClusterResult(dict):
@@ -64,39 +106,74 @@ class ClusterResult(dict):
         codes = [255 if v.exit_code is None else v.exit_code for v in self.values()]
         return max(codes, default=0)
 
+    def check(self, message: str | None = None) -> "ClusterResult":
+        """This result when every node is ok; else raise ClusterFailure wrapping it."""
+        if not self.all_ok:
+            raise ClusterFailure(self, message)
+        return self
+
 
 # ------------------------------------------------------------------ processes
 
 
-class Proc:
-    """A running command. Output is read non-blockingly after `fileno()` polls readable."""
+class Proc(ABC):
+    """A running command. The engine polls `fds()` for readability, then reads without blocking."""
 
     node: str
     started: float
 
-    def fileno(self) -> int | list[int]: ...
-    def read(self) -> tuple[bytes, bytes]: ...
-    def done(self) -> bool: ...
-    def exit_code(self) -> int | None: ...
+    @abstractmethod
+    def fds(self) -> list[int]:
+        """The descriptors still worth polling (a stream at EOF drops out); always a list."""
+
+    @abstractmethod
+    def read(self) -> tuple[bytes, bytes]:
+        """Whatever stdout and stderr bytes are ready now; never blocks."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """The command ended and all its output was read."""
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """The exit code once known (128+N for signal N), else None."""
+
+    @abstractmethod
+    def lost_reason(self) -> str | None:
+        """Why the command's connection is gone, in words; None while it is fine."""
+
+    @abstractmethod
     def kill(self) -> None: ...
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
 # ------------------------------------------------------------------ connections
 
 
-class Connection:
+class Connection(ABC):
     """One node, opened once, reused for everything a command does."""
 
     def __init__(self, node: Node):
         self.node = node
 
-    def open(self) -> None: ...
-    def exec(self, command: str, *, stdin: bytes | None = None) -> Proc: ...
+    @abstractmethod
+    def open(self) -> None:
+        """Connect; raises ConnectError (or HostKeyError) naming the node."""
+
+    @abstractmethod
+    def exec(self, command: str, *, stdin: bytes | None = None) -> Proc:
+        """Start `command` in the node's shell; raises ConnectionLost when the connection is gone."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
     @property
     def alive(self) -> bool:
         return True
 
-
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the connection is gone, in words; None while it is alive."""
+        return None

@@ -1,4 +1,10 @@
-"""The fan-out engine: one select loop over every running command, and the Cluster of connections."""
+"""The fan-out engine: the one select loop over running commands, the one fan-out cap, and the
+Cluster of connections.
+
+Output flows as events to sinks (ClusterShell's EventHandler): `on_bytes` gets raw chunks as
+they arrive (a log copied byte for byte), `on_line` whole lines per node and stream (a terminal
+prefixer), `on_done` each node's NodeResult as it ends. Callers never poll a Proc themselves.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +15,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import paramiko
-
-from orchestrator.errors import ConnectError
+from orchestrator.errors import CommandFailed, CommandTimeout, ConnectError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.transport.base import (
-    DEFAULT_FANOUT,
     DEFAULT_LOST_TIMEOUT,
-    SWEEP_S,
+    BytesCallback,
     ClusterResult,
     Connection,
+    ErrorKind,
     LineCallback,
     NodeResult,
     Proc,
 )
-from orchestrator.transport.local import LocalConnection, _LocalProc
-from orchestrator.transport.ssh import SSHConnection, _SSHProc
+from orchestrator.transport.local import LocalConnection
+from orchestrator.transport.ssh import SSHConnection
+
+DEFAULT_FANOUT = 64  # the most nodes contacted at once, by anything (ClusterShell's default too)
+SWEEP_S = 0.2  # how often every running command is checked for deadlines, lost links and stop
 
 
 def connection_for(node: Node, **kw) -> Connection:
+    """The node's transport: a subprocess for `connection: local`, else SSH."""
     if node.is_local:
         return LocalConnection(node)
     return SSHConnection(node, **kw)
@@ -62,123 +70,176 @@ class _Lines:
 class _Run:
     proc: Proc
     deadline: float | None
+    fds: set[int] = field(default_factory=set)  # registered with the selector
     out: list[bytes] = field(default_factory=list)
     err: list[bytes] = field(default_factory=list)
-    lines_out: _Lines = field(default_factory=_Lines)
-    lines_err: _Lines = field(default_factory=_Lines)
+    lines: dict[str, _Lines] = field(default_factory=lambda: {"stdout": _Lines(), "stderr": _Lines()})
 
 
-def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, timeout: float | None = None,
-           capture: bool = True, stop: threading.Event | None = None,
+class Engine:
+    """Drives running procs to completion with one select loop.
+
+    Only the procs whose descriptors fired are read; a sweep over all of them every SWEEP_S
+    catches deadlines, lost connections and stop requests (checking every proc on every event
+    would cost O(nodes^2) per command at 256 nodes)."""
+
+    def __init__(self, *, on_line: LineCallback | None = None, on_bytes: BytesCallback | None = None,
+                 on_done: Callable[[NodeResult], None] | None = None, timeout: float | None = None,
+                 capture: bool = True, fanout: int = DEFAULT_FANOUT):
+        self.on_line, self.on_bytes, self.on_done = on_line, on_bytes, on_done
+        self.timeout, self.capture, self.fanout = timeout, capture, fanout
+        self.sel = selectors.DefaultSelector()
+        self.runs: dict[str, _Run] = {}
+        self.results: dict[str, NodeResult] = {}
+
+    # ---------------------------------------------------------------- procs in and out
+    def add(self, proc: Proc) -> None:
+        r = _Run(proc, None if self.timeout is None else time.monotonic() + self.timeout)
+        self.runs[proc.node] = r
+        self._sync_fds(r)
+
+    def _sync_fds(self, r: _Run) -> None:
+        """Poll exactly the descriptors the proc still offers (one at EOF stays readable forever)."""
+        want = set(r.proc.fds())
+        for fd in r.fds - want:
+            self._unregister(fd)
+        for fd in want - r.fds:
+            self.sel.register(fd, selectors.EVENT_READ, r.proc.node)
+        r.fds = want
+
+    def _unregister(self, fd: int) -> None:
+        try:
+            self.sel.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def _emit(self, r: _Run, out: bytes, err: bytes) -> None:
+        for stream, data, store in (("stdout", out, r.out), ("stderr", err, r.err)):
+            if not data:
+                continue
+            if self.capture:
+                store.append(data)
+            if self.on_bytes:
+                self.on_bytes(r.proc.node, stream, data)
+            if self.on_line:
+                for ln in r.lines[stream].feed(data):
+                    self.on_line(r.proc.node, stream, ln)
+
+    def _finish(self, name: str, kind: ErrorKind | None = None, error: str | None = None) -> None:
+        r = self.runs.pop(name)
+        for fd in r.fds:
+            self._unregister(fd)
+        if self.on_line:
+            for stream, lines in r.lines.items():
+                for ln in lines.flush():
+                    self.on_line(name, stream, ln)
+        code = None if kind else r.proc.exit_code()
+        if code is None and kind is None:
+            kind = ErrorKind.LOST
+            error = r.proc.lost_reason() or "the connection closed before the command reported an exit code"
+        r.proc.close()
+        res = NodeResult(name, code, b"".join(r.out).decode("utf-8", "replace"),
+                         b"".join(r.err).decode("utf-8", "replace"), time.monotonic() - r.proc.started,
+                         error, kind, self.timeout)
+        self.results[name] = res
+        if self.on_done:
+            self.on_done(res)
+
+    def _check(self, name: str, r: _Run, now: float, stop: threading.Event | None) -> None:
+        if r.proc.done():
+            self._emit(r, *r.proc.read())
+            self._finish(name)
+        elif r.deadline is not None and now > r.deadline:
+            self._emit(r, *r.proc.read())
+            r.proc.kill()
+            self._finish(name, ErrorKind.TIMEOUT, f"timed out after {self.timeout:g}s")
+        elif (why := r.proc.lost_reason()) is not None:
+            self._emit(r, *r.proc.read())
+            self._finish(name, ErrorKind.LOST, why)
+        elif stop is not None and stop.is_set():
+            r.proc.kill()
+            self._finish(name, ErrorKind.STOPPED, "stopped")
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, *, pending: Callable[[], Proc | None] | None = None, stop: threading.Event | None = None,
+            until: Callable[[], bool] | None = None) -> dict[str, NodeResult]:
+        """Run until every proc ended; `pending` is asked for more as slots free up (the fan-out
+        cap); `stop` kills what still runs; `until` returning true ends the loop early and leaves
+        the procs still running to the caller (unpolled)."""
+        self._refill(pending)
+        last_sweep = time.monotonic()
+        released = False
+        try:
+            while self.runs:
+                fired = {key.data for key, _ in self.sel.select(timeout=SWEEP_S)}
+                now = time.monotonic()
+                for name in fired:
+                    if (r := self.runs.get(name)) is not None:
+                        self._emit(r, *r.proc.read())
+                        self._sync_fds(r)
+                        self._check(name, r, now, stop)
+                if now - last_sweep >= SWEEP_S:
+                    last_sweep = now
+                    for name, r in list(self.runs.items()):
+                        if name not in fired:
+                            self._check(name, r, now, stop)
+                if until is not None and until():
+                    released = True
+                    break
+                self._refill(pending)
+        finally:
+            self._close(kill=not released)
+        return self.results
+
+    def _refill(self, pending: Callable[[], Proc | None] | None) -> None:
+        while pending is not None and len(self.runs) < self.fanout and (p := pending()) is not None:
+            self.add(p)
+
+    def _close(self, kill: bool) -> None:
+        for r in self.runs.values():
+            if kill:
+                r.proc.kill()
+                r.proc.close()
+        self.runs.clear()
+        self.sel.close()
+
+
+def stream(procs: Iterable[Proc], *, on_line: LineCallback | None = None, on_bytes: BytesCallback | None = None,
+           timeout: float | None = None, capture: bool = True, stop: threading.Event | None = None,
            on_done: Callable[[NodeResult], None] | None = None,
            pending: Callable[[], Proc | None] | None = None,
            fanout: int = DEFAULT_FANOUT) -> dict[str, NodeResult]:
-    """Drive running procs to completion with one select loop.
-
-    Lines go to `on_line` whole, per node and per stream; a proc past `timeout`
-    is closed and reported as timed out; `stop` ends everything early; `pending`
-    is asked for more procs as slots free up (fan-out capping)."""
-    sel = selectors.DefaultSelector()
-    runs: dict[str, _Run] = {}
-    results: dict[str, NodeResult] = {}
-
-    def add(p: Proc):
-        fds = p.fileno()
-        for fd in fds if isinstance(fds, list) else [fds]:
-            sel.register(fd, selectors.EVENT_READ, p.node)
-        runs[p.node] = _Run(p, None if timeout is None else time.monotonic() + timeout)
-
-    def emit(r: _Run, out: bytes, err: bytes):
-        if capture:
-            if out:
-                r.out.append(out)
-            if err:
-                r.err.append(err)
-        if on_line:
-            for ln in r.lines_out.feed(out) if out else ():
-                on_line(r.proc.node, "stdout", ln)
-            for ln in r.lines_err.feed(err) if err else ():
-                on_line(r.proc.node, "stderr", ln)
-
-    def finish(name: str, error: str | None = None):
-        r = runs.pop(name)
-        fds = r.proc.fileno()
-        for fd in fds if isinstance(fds, list) else [fds]:
-            try:
-                sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-        if on_line:
-            for ln in r.lines_out.flush():
-                on_line(name, "stdout", ln)
-            for ln in r.lines_err.flush():
-                on_line(name, "stderr", ln)
-        code = None if error else r.proc.exit_code()
-        r.proc.close()
-        if code is None and not error:
-            lost = r.proc.lost_reason() if isinstance(r.proc, _SSHProc) else None
-            error = lost or "the connection closed before the command reported an exit code"
-        res = NodeResult(name, code, b"".join(r.out).decode("utf-8", "replace"),
-                         b"".join(r.err).decode("utf-8", "replace"),
-                         time.monotonic() - r.proc.started, error)
-        results[name] = res
-        if on_done:
-            on_done(res)
-
-    def refill():
-        while pending is not None and len(runs) < fanout and (p := pending()) is not None:
-            add(p)
-
+    """Drive running procs to completion (see Engine): node name -> NodeResult."""
+    engine = Engine(on_line=on_line, on_bytes=on_bytes, on_done=on_done, timeout=timeout, capture=capture,
+                    fanout=fanout)
     for p in procs:
-        add(p)
-    refill()
-    def check(name: str, r: _Run, now: float) -> None:
-        if r.proc.done():
-            emit(r, *r.proc.read())
-            finish(name)
-        elif r.deadline is not None and now > r.deadline:
-            emit(r, *r.proc.read())
-            r.proc.kill()
-            finish(name, f"timed out after {timeout:g}s")
-        elif isinstance(r.proc, _SSHProc) and not r.proc.chan.get_transport().is_active():
-            emit(r, *r.proc.read())
-            finish(name, r.proc.lost_reason() or "the SSH connection was lost")
-        elif stop is not None and stop.is_set():
-            r.proc.kill()
-            finish(name, "stopped")
+        engine.add(p)
+    return engine.run(pending=pending, stop=stop)
 
-    last_sweep = time.monotonic()
-    try:
-        while runs:
-            # Only the procs whose fd fired are read and checked; a sweep over all of them every
-            # SWEEP_S catches deadlines, lost transports and stop requests. (Checking every proc on
-            # every event would cost O(nodes^2) per command at 256 nodes.)
-            fired = {key.data for key, _ in sel.select(timeout=SWEEP_S)}
-            now = time.monotonic()
-            for name in fired:
-                r = runs.get(name)
-                if r is None:
-                    continue
-                emit(r, *r.proc.read())
-                if isinstance(r.proc, _LocalProc):
-                    for fd in r.proc.eof_fds():  # an fd at EOF stays readable: stop polling it
-                        try:
-                            sel.unregister(fd)
-                        except (KeyError, ValueError):
-                            pass
-                check(name, r, now)
-            if now - last_sweep >= SWEEP_S:
-                last_sweep = now
-                for name, r in list(runs.items()):
-                    if name not in fired:
-                        check(name, r, now)
-            refill()
-    finally:
-        for r in runs.values():
-            r.proc.kill()
-            r.proc.close()
-        sel.close()
-    return results
+
+def first_line(proc: Proc, timeout: float) -> str:
+    """The first stdout line of a running proc, which keeps running (a server saying where it
+    listens). Raises CommandTimeout when none came within `timeout` (the proc is then killed),
+    CommandFailed when the proc ended without one."""
+    lines: list[str] = []
+    engine = Engine(on_line=lambda _n, s, ln: lines.append(ln) if s == "stdout" else None, timeout=timeout)
+    engine.add(proc)
+    res = engine.run(until=lambda: bool(lines)).get(proc.node)
+    if lines:
+        return lines[0]
+    if res is not None and res.kind is ErrorKind.TIMEOUT:
+        raise CommandTimeout(res, timeout, f"{proc.node}: no answer within {timeout:g}s: "
+                                           f"{res.stderr.strip()[-500:]}")
+    raise CommandFailed(res, f"{proc.node}: ended before saying anything ({res.describe()}): "
+                             f"{res.stderr.strip()[-500:]}")
+
+
+def wait(proc: Proc, timeout: float) -> NodeResult:
+    """Drive one proc to its end (killed after `timeout`)."""
+    return stream([proc], timeout=timeout)[proc.node]
+
+
+# ------------------------------------------------------------------ the cluster
 
 
 class Cluster:
@@ -209,19 +270,24 @@ class Cluster:
     def nodes(self) -> tuple[Node, ...]:
         return self.inventory.nodes
 
+    def connection_for(self, node: Node, *, connect_timeout: float | None = None) -> Connection:
+        """A new, unopened connection to `node` with this cluster's settings."""
+        return connection_for(node, accept_new_host_keys=self.accept_new_host_keys,
+                              connect_timeout=connect_timeout or self.connect_timeout,
+                              lost_timeout=self.lost_timeout)
+
     def connect(self) -> ClusterResult:
         """Open every node's connection (skipping those already open)."""
         todo = [n for n in self.nodes if n.name not in self.connections]
 
         def one(node: Node) -> NodeResult:
             t0 = time.monotonic()
-            c = connection_for(node, accept_new_host_keys=self.accept_new_host_keys,
-                               connect_timeout=self.connect_timeout, lost_timeout=self.lost_timeout)
+            c = self.connection_for(node)
             try:
                 c.open()
             except ConnectError as e:
-                msg = str(e).removeprefix(f"{node.name}: ")
-                return NodeResult(node.name, None, duration=time.monotonic() - t0, error=msg)
+                return NodeResult(node.name, None, duration=time.monotonic() - t0, error=e.message,
+                                  kind=ErrorKind.CONNECT)
             self.connections[node.name] = c
             if not node.is_local:
                 self.handshakes += 1
@@ -242,41 +308,35 @@ class Cluster:
 
     def run(self, command: str | Callable[[Node], str], *, timeout: float | None = 60,
             stdin: bytes | Callable[[Node], bytes | None] | None = None,
-            on_line: LineCallback | None = None, nodes: Iterable[str] | None = None,
-            capture: bool = True, stop: threading.Event | None = None,
-            on_done: Callable[[NodeResult], None] | None = None) -> ClusterResult:
+            on_line: LineCallback | None = None, on_bytes: BytesCallback | None = None,
+            nodes: Iterable[str] | None = None, capture: bool = True, stop: threading.Event | None = None,
+            on_done: Callable[[NodeResult], None] | None = None, follow: bool = False) -> ClusterResult:
         """Run on every (selected) connected node at once; at most `fanout` in flight.
-        Unreachable nodes appear in the result with their connection error."""
-        wanted = [n for n in self.nodes if nodes is None or n.name in set(nodes)]
-        queue = [n for n in wanted if n.name in self.connections]
+        Unreachable nodes appear in the result with their connection error. follow=True: a
+        command that lasts as long as a run (a log follow) holds its slot all that time, so
+        every node's starts at once, uncapped; a node past the cap would go unwatched."""
+        chosen = None if nodes is None else set(nodes)
+        wanted = [n for n in self.nodes if chosen is None or n.name in chosen]
         results: dict[str, NodeResult] = {}
         for n in wanted:
             if n.name in self.unreachable:
                 results[n.name] = self.unreachable[n.name]
             elif n.name not in self.connections:
-                results[n.name] = NodeResult(n.name, None, error="not connected")
-
-        def start(node: Node) -> Proc | None:
-            cmd = command(node) if callable(command) else command
-            data = stdin(node) if callable(stdin) else stdin
-            try:
-                return self.connections[node.name].exec(cmd, stdin=data)
-            except (ConnectError, paramiko.SSHException, OSError, EOFError) as e:
-                msg = str(e).removeprefix(f"{node.name}: ")
-                results[node.name] = NodeResult(node.name, None, error=msg or "the SSH connection was lost")
-                return None
-
-        it = iter(queue)
+                results[n.name] = NodeResult(n.name, None, error="not connected", kind=ErrorKind.CONNECT)
+        queue = iter([n for n in wanted if n.name in self.connections])
 
         def pending() -> Proc | None:
-            for node in it:
-                p = start(node)
-                if p is not None:
-                    return p
+            for node in queue:
+                try:
+                    return self.connections[node.name].exec(command(node) if callable(command) else command,
+                                                            stdin=stdin(node) if callable(stdin) else stdin)
+                except ConnectError as e:  # ConnectionLost: the node went away since connect()
+                    results[node.name] = NodeResult(node.name, None, error=e.message, kind=ErrorKind.LOST)
             return None
 
-        results.update(stream((), on_line=on_line, timeout=timeout, capture=capture, stop=stop,
-                              on_done=on_done, pending=pending, fanout=self.fanout))
+        results.update(stream((), on_line=on_line, on_bytes=on_bytes, timeout=timeout, capture=capture,
+                              stop=stop, on_done=on_done, pending=pending,
+                              fanout=max(1, len(wanted)) if follow else self.fanout))
         return ClusterResult((n.name, results[n.name]) for n in wanted)
 
     def close(self):

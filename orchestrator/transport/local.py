@@ -21,12 +21,11 @@ class _LocalProc(Proc):
     def __init__(self, node: str, popen: subprocess.Popen):
         self.node, self.p, self.started = node, popen, time.monotonic()
         self._open = {popen.stdout.fileno(): "out", popen.stderr.fileno(): "err"}
-        self._fds = list(self._open)
-        for fd in self._fds:
+        for fd in self._open:
             _nonblock(fd)
 
-    def fileno(self):
-        return self._fds
+    def fds(self) -> list[int]:
+        return list(self._open)  # a pipe at EOF stays readable forever: it is no longer offered
 
     def read(self):
         chunks = {"out": b"", "err": b""}
@@ -42,9 +41,6 @@ class _LocalProc(Proc):
                 chunks[which] += data
         return chunks["out"], chunks["err"]
 
-    def eof_fds(self) -> list[int]:
-        return [fd for fd in self._fds if fd not in self._open]
-
     def done(self):
         return not self._open and self.p.poll() is not None
 
@@ -54,7 +50,12 @@ class _LocalProc(Proc):
             return None
         return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, like a shell
 
+    def lost_reason(self) -> str | None:
+        return None  # a local subprocess has no link to lose
+
     def kill(self):
+        # the command's own process group (start_new_session): the shell and everything it
+        # started, except what left the group on purpose (the node agent's detached run)
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -67,6 +68,7 @@ class _LocalProc(Proc):
                     f.close()
                 except OSError:
                     pass
+        self._open.clear()
         if self.p.poll() is None:
             self.kill()
         try:
@@ -97,5 +99,3 @@ class LocalConnection(Connection):
 
     def close(self):
         pass
-
-

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import paramiko
 
-from orchestrator.errors import ConnectError, HostKeyError
+from orchestrator.errors import ConnectError, ConnectionLost, HostKeyError
 from orchestrator.inventory import Node
 from orchestrator.transport.base import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -24,15 +24,15 @@ from orchestrator.transport.known_hosts import _HostKeyPolicy, known_host_keys
 
 
 class _SSHProc(Proc):
-    def __init__(self, node: str, chan: paramiko.Channel, conn: "SSHConnection | None" = None):
+    def __init__(self, node: str, chan: paramiko.Channel, conn: "SSHConnection"):
         self.node, self.chan, self.started, self.conn = node, chan, time.monotonic(), conn
         self._fd = chan.fileno()
 
-    def lost_reason(self) -> str | None:
-        return self.conn.lost_reason if self.conn is not None else None
+    def fds(self) -> list[int]:
+        return [self._fd]  # paramiko's one pipe for the channel, stdout and stderr alike
 
-    def fileno(self):
-        return self._fd
+    def lost_reason(self) -> str | None:
+        return self.conn.lost_reason
 
     def read(self):
         out = err = b""
@@ -68,7 +68,7 @@ class SSHConnection(Connection):
         self.accept_new = accept_new_host_keys
         self.connect_timeout = connect_timeout or node.ssh.connect_timeout or DEFAULT_CONNECT_TIMEOUT
         self.lost_timeout = lost_timeout
-        self.lost_reason: str | None = None
+        self._lost: str | None = None  # set by the liveness watch when the peer went silent
         self._conn = None
         self._closing = threading.Event()
 
@@ -146,7 +146,7 @@ class SSHConnection(Connection):
 
             threading.Thread(target=ping, daemon=True).start()
             if not done.wait(self.lost_timeout) and t.is_active() and not self._closing.is_set():
-                self.lost_reason = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
+                self._lost = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
                 t.close()
                 return
 
@@ -156,17 +156,28 @@ class SSHConnection(Connection):
         return bool(t and t.is_active())
 
     @property
+    def lost_reason(self) -> str | None:
+        if self._lost is not None:
+            return self._lost
+        if self._conn is not None and self._conn.transport is not None and not self.alive:
+            return "the SSH connection was closed" if self._closing.is_set() else "the SSH connection was lost"
+        return None
+
+    @property
     def transport(self) -> paramiko.Transport:
         return self._conn.transport
 
     def exec(self, command, *, stdin=None):
         if not self.alive:
-            raise ConnectError(self.node.name, self.lost_reason or "the SSH connection was lost")
-        chan = self._conn.transport.open_session(timeout=self.connect_timeout)
-        chan.exec_command(command)
-        if stdin:
-            chan.sendall(stdin)
-        chan.shutdown_write()
+            raise ConnectionLost(self.node.name, self.lost_reason or "the SSH connection was lost")
+        try:
+            chan = self._conn.transport.open_session(timeout=self.connect_timeout)
+            chan.exec_command(command)
+            if stdin:
+                chan.sendall(stdin)
+            chan.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as e:  # the transport died under us
+            raise ConnectionLost(self.node.name, self.lost_reason or f"the SSH connection was lost ({e})") from e
         return _SSHProc(self.node.name, chan, self)
 
     def close(self):

@@ -1,0 +1,113 @@
+"""Starting a run on the nodes through the node agent (orchestrator/remote/node_agent.py).
+
+The agent is shipped on stdin to every command (`python - CMD ARGS`); a run's processes on a
+node are found by its key RUN_ID@NODE, never by name. `launch` starts the master first and the
+others once its rendezvous port listens.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from orchestrator import shell
+from orchestrator.errors import LaunchError
+from orchestrator.inventory import Inventory, Node
+from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
+from orchestrator.runs.torchrun import node_env, target_argv, torchrun_argv
+from orchestrator.transport import Cluster, ClusterResult
+
+AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
+# runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
+RANK_LINES = resources.files("orchestrator").joinpath("remote/rank_lines.py").read_text()
+AGENT_TIMEOUT = 60.0  # one agent command (start, status, live)
+LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
+
+
+def agent_cmd(node: Node, *args: object) -> str:
+    return f"{shell.path(node.python)} - {shell.join(args)}"
+
+
+def node_key(run_id: str, node: Node) -> str:
+    return f"{run_id}@{node.name}"
+
+
+def agent_status(cluster: Cluster, run_id: str, nodes: list[str] | None = None) -> dict[str, dict]:
+    """Each node's own view of the run (agent `status`): node -> its JSON, or {"error": why}."""
+    res = cluster.run(lambda n: agent_cmd(n, "status", node_key(run_id, n)), stdin=AGENT, timeout=30, nodes=nodes)
+    out: dict[str, dict] = {}
+    for name, r in res.items():
+        try:
+            out[name] = json.loads(r.stdout) if r.ok else {"error": r.describe()}
+        except ValueError:
+            out[name] = {"error": r.stdout[-200:]}
+    return out
+
+
+def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None) -> ClusterResult:
+    """SIGTERM the run on each node, SIGKILL after `grace` seconds."""
+    return cluster.run(lambda n: agent_cmd(n, "stop", node_key(run_id, n), grace), stdin=AGENT, nodes=nodes,
+                       timeout=grace + 30)
+
+
+def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
+    """Two runs must not silently share a node: LaunchError naming the runs found, unless forced."""
+    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT)
+    busy = {}
+    for name, r in res.items():
+        if not r.ok:
+            raise LaunchError(f"{name}: cannot run the node agent with {inv.node(name).python}: "
+                              f"{r.describe()} {r.stderr.strip()[-300:]}")
+        live = [k for k in json.loads(r.stdout or "[]") if k.endswith("@" + name)]
+        if live:
+            busy[name] = live
+    if busy and not force:
+        desc = "; ".join(f"{k} is running {', '.join(x.split('@')[0] for x in v)}" for k, v in busy.items())
+        raise LaunchError(f"{desc}. Stop it with `clusterctl stop RUN`, or pass --force to share the node")
+
+
+class Launcher:
+    """Builds each node's start command and spec, and starts torchrun in rank order."""
+
+    def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, spec: RunSpec,
+                 statuses: dict[str, NodeStatus]):
+        self.cluster, self.inv, self.run_id, self.statuses = cluster, inv, run_id, statuses
+        # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
+        self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args)]
+
+    def start_cmd(self, node: Node) -> str:
+        return agent_cmd(node, "start", node_key(self.run_id, node), "-")
+
+    def start_stdin(self, node: Node) -> bytes:
+        """The agent script with the node's spec prepended: the spec (env: tokens) stays off argv."""
+        inv, st = self.inv, self.statuses[node.name]
+        argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=st.nproc, node_rank=st.rank,
+                             master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
+                             target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
+        spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
+                "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id})}
+        return f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
+
+    def start(self, names: list[str]) -> None:
+        res = self.cluster.run(self.start_cmd, nodes=names, stdin=self.start_stdin, timeout=AGENT_TIMEOUT)
+        for name, r in res.items():
+            if not r.ok:
+                raise LaunchError(f"{name}: could not start torchrun: {r.describe()} {r.stderr.strip()[-500:]}")
+            info = json.loads(r.stdout.strip().splitlines()[-1])
+            st = self.statuses[name]
+            st.state, st.pid = NodeState.RUNNING, info.get("pid")
+
+    def master_listening(self) -> bool:
+        master = self.inv.master
+        r = self.cluster.run(agent_cmd(master, "wait-listening", node_key(self.run_id, master),
+                                       self.inv.master_port, LISTEN_WAIT),
+                             nodes=[master.name], stdin=AGENT, timeout=LISTEN_WAIT + 30)[master.name]
+        return r.stdout.strip() == "listening"
+
+    def launch(self) -> None:
+        """Node 0 first: the others start once its rendezvous store listens. When the master
+        exits or never listens, the others are not started and the log watch reports it."""
+        master = self.inv.master
+        self.start([master.name])
+        if len(self.inv.nodes) > 1 and self.master_listening():
+            self.start([n.name for n in self.inv.nodes[1:]])

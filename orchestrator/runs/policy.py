@@ -1,0 +1,105 @@
+"""The failure policy, stated once, and the root cause of a failed run.
+
+  The first node whose torchrun exits non-zero, or whose connection is lost for
+  `lost_timeout`, is the root cause, and stops every other node (SIGTERM, then SIGKILL
+  after `grace`). A stop request is not a failure: what fails after it is not blamed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.runs.logs import rank_tail, worker_failure
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
+from orchestrator.runs.store import exit_hint, exit_meaning
+
+CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
+LOG_TAIL_BYTES = 1 << 18  # how much of a node's log the root cause looks at
+
+
+class FailurePolicy:
+    """Records the root cause and calls `on_first` once, when the first failure is seen."""
+
+    def __init__(self, on_first: Callable[[FirstFailure], None]):
+        self.on_first = on_first
+        self.first: FirstFailure | None = None
+        self.stop_requests = 0
+        self._lock = threading.Lock()
+
+    def failed(self, name: str, code: int | None, reason: str, ended: float | None = None) -> None:
+        """Nodes seen within CAUSE_WINDOW s are ordered by when their torchrun ended (node
+        clocks), so a peer's secondary 'connection closed' failure does not take the blame for
+        the node that died first."""
+        ff = FirstFailure(name, code, reason, time.time(), ended)
+        with self._lock:
+            cur = self.first
+            first = cur is None and not self.stop_requests
+            if first:
+                self.first = ff
+            elif (cur is not None and ended is not None and cur.ended is not None
+                  and ended < cur.ended and ff.at - cur.at < CAUSE_WINDOW):
+                self.first = ff
+        if first:
+            self.on_first(ff)
+
+    def result(self, status_of: Callable[[str], NodeStatus], log_of: Callable[[str], Path]) -> RunResult:
+        """How the run ended: stopped on request (130), every node finished (0), or the first
+        failure's exit code (255 for a lost node) with its root cause."""
+        ff = self.first
+        if ff is None and self.stop_requests:
+            killed = " (killed)" if self.stop_requests > 1 else ""
+            return RunResult(RunState.STOPPED, EXIT_INTERRUPTED, f"stopped on request{killed}")
+        if ff is None:
+            return RunResult(RunState.FINISHED, 0, "every node finished")
+        code = ff.exit_code if ff.exit_code is not None else 255
+        return RunResult(RunState.FAILED, code, root_cause(ff, status_of(ff.node), log_tail(log_of(ff.node))), ff)
+
+
+def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read()
+    except OSError:
+        return b""
+
+
+def root_cause(ff: FirstFailure, st: NodeStatus, log: bytes) -> str:
+    """One node, one reason: its exit code and meaning, then the failing worker's own words
+    (torchrun's error file, else that rank's last log lines, else the node log's last lines)."""
+    head = (f"{ff.node} (ranks {st.first_rank}-{st.last_rank}) failed first: "
+            f"exit code {ff.exit_code} — {ff.reason}")
+    detail = ""
+    wf = worker_failure(log)
+    if wf is not None:
+        code = wf["exitcode"]
+        code = 128 - code if code < 0 else code
+        rank = wf["local_rank"] + (st.first_rank or 0)
+        head += f"; rank {rank} exited {code} first ({exit_meaning(code)})"
+        detail = "\n".join(rank_tail(log, wf["local_rank"], 15))
+        hint = exit_hint(code, log.decode(errors="replace"))
+        if hint:
+            head += "\n" + hint
+    if st.error_file:
+        detail = _error_file_detail(st.error_file) or detail
+    if not detail:
+        detail = "\n".join(log.decode(errors="replace").splitlines()[-15:])
+    return head + ("\n" + detail if detail else "")
+
+
+def _error_file_detail(text: str) -> str:
+    """torchrun's error file: the worker's Python call stack, else its message."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text[-2000:]
+    msg = doc.get("message", doc)
+    if isinstance(msg, dict):
+        return msg.get("extraInfo", {}).get("py_callstack") or msg.get("message") or ""
+    return str(msg)

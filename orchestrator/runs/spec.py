@@ -1,0 +1,160 @@
+"""The typed state of a run: what `train` asked for (RunSpec), each node's state, the run's end.
+
+Every default lives here once. The JSON records (spec.json, run.json) are read back through
+these types: a record written by an older clusterctl lacks keys, and they take the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.inventory import Inventory, load_inventory
+from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
+
+
+class RunState(str, enum.Enum):
+    """A run as a whole (run.json "state"); str-valued so the JSON stays readable."""
+
+    STARTING = "starting"  # the record exists, the supervisor is starting
+    CONNECTING = "connecting"
+    PREFLIGHT = "preflight"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    UNKNOWN = "unknown"  # no readable record
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED)
+
+
+class NodeState(str, enum.Enum):
+    """One node of a run (run.json nodes[].state, and what `status` shows)."""
+
+    PENDING = "pending"  # not started (yet)
+    RUNNING = "running"  # torchrun started and not known to have ended
+    FINISHED = "finished"  # torchrun exited 0
+    FAILED = "failed"  # torchrun exited non-zero
+    LOST = "lost"  # the connection went silent while the run ran
+    UNREACHABLE = "unreachable"  # `status` could not ask the node
+    GONE = "gone"  # the node no longer knows the run's process, and recorded no exit code
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _fields(cls, doc: dict) -> dict:
+    """The keys of `doc` that are fields of `cls` (an older or newer record may have others)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in doc.items() if k in names}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What `train` asked for, as recorded in spec.json."""
+
+    inventory: str | None = None  # absolute path, or None for the embedded demo
+    nodes: tuple[str, ...] = ()  # --nodes; empty: every node
+    args: tuple[str, ...] = ()  # the user's SCRIPT ARGS; empty: the inventory's train section
+    skip_preflight: bool = False
+    force: bool = False
+    nproc_per_node: int | str = "auto"
+    grace: float = 5.0  # seconds between SIGTERM and SIGKILL when the run is stopped
+    lost_timeout: float = DEFAULT_LOST_TIMEOUT
+    fanout: int = DEFAULT_FANOUT
+    accept_new_host_keys: bool = False
+    connect_timeout: float | None = None
+    cwd: str | None = None
+
+    @classmethod
+    def from_json(cls, doc: dict | None) -> "RunSpec":
+        kw = _fields(cls, doc or {})
+        for k in ("nodes", "args"):
+            if k in kw:
+                kw[k] = tuple(kw[k] or ())
+        return cls(**{k: v for k, v in kw.items() if v is not None})  # null: the default
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args)}
+
+    def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
+        """The run's inventory, narrowed to its nodes (or to `nodes`)."""
+        return load_inventory(self.inventory).select(nodes or list(self.nodes) or None)
+
+
+DEFAULTS = RunSpec()
+
+
+@dataclass
+class NodeStatus:
+    """One node of a run, as the supervisor knows it (run.json nodes[])."""
+
+    name: str
+    rank: int
+    host: str
+    state: NodeState = NodeState.PENDING
+    nproc: int | None = None
+    first_rank: int | None = None
+    last_rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    ended: float | None = None
+    error: str | None = None
+    error_file: str | None = None  # torchrun's error file (JSON text), when it wrote one
+    stopped_after_loss: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "NodeStatus":
+        kw = _fields(cls, doc)
+        kw.setdefault("rank", 0)
+        kw.setdefault("host", "")
+        st = kw.get("state")
+        kw["state"] = NodeState(st) if st in NodeState._value2member_map_ else NodeState.PENDING
+        return cls(**kw)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None and not (k == "stopped_after_loss" and not v)}
+
+    @property
+    def ranks(self) -> str:
+        return "-" if self.first_rank is None else f"{self.first_rank}-{self.last_rank}"
+
+
+@dataclass(frozen=True)
+class FirstFailure:
+    """The root cause of a failed run: the first node to fail, and why."""
+
+    node: str
+    exit_code: int | None  # None: the node was lost
+    reason: str
+    at: float = field(default_factory=time.time)  # when the supervisor saw it (control clock)
+    ended: float | None = None  # when the node's torchrun ended (node clock), when known
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: the state and exit code recorded, and the one-paragraph summary."""
+
+    state: RunState
+    exit_code: int
+    summary: str
+    first_failure: FirstFailure | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"state": self.state, "exit_code": self.exit_code, "summary": self.summary}
+        if self.first_failure is not None:
+            doc["first_failure"] = self.first_failure.to_json()
+        return doc
