@@ -1,0 +1,1 @@
+"""Schedulers and platforms: SLURM and Kubernetes renders, and the in-pod launcher (`launch --from-env`)."""
