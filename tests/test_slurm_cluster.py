@@ -2,6 +2,7 @@
 test nodes (tests/cluster/slurm.py). Jobs are submitted with sbatch from node1 as the test
 user, in a clean environment, so every SLURM_* variable a job sees was set by SLURM."""
 
+import json
 import os
 import shutil
 import time
@@ -45,7 +46,7 @@ def trainer_inventory(cluster, path, max_steps, port):
                                              "4", "--block-size", "64", "--log-every", "5", "--output-dir", "out"]})
 
 
-def render(cluster, tmp_path, inv, job_name):
+def render(cluster, inv, job_name):
     """`clusterctl render slurm`, written into node1's home (where sbatch is run)."""
     script = cluster.nodes[0].home / f"{job_name}.sbatch"
     assert main(["render", "slurm", "-i", str(inv), "--gpus-per-node", "1", "--job-name", job_name,
@@ -72,7 +73,7 @@ def wait_for(pred, timeout, what):
 def test_rendered_sbatch_runs_the_trainer_on_two_nodes(slurm, tmp_path):
     cluster = slurm.cluster
     inv = trainer_inventory(cluster, tmp_path / "nodes.yaml", 10, 29610)
-    script = render(cluster, tmp_path, inv, "trainjob")
+    script = render(cluster, inv, "trainjob")
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=1" in text
     assert "export GLOO_SOCKET_IFNAME=eth0" in text
@@ -112,7 +113,7 @@ def trainer_ranks(cluster, node, job):
 def test_scancel_leaves_no_process_on_any_node(slurm, tmp_path):
     cluster = slurm.cluster
     inv = trainer_inventory(cluster, tmp_path / "nodes.yaml", 100000, 29620)
-    script = render(cluster, tmp_path, inv, "longjob")
+    script = render(cluster, inv, "longjob")
     job = slurm.sbatch(script.name)
     for nd in cluster.nodes:
         wait_for(lambda: trainer_ranks(cluster, nd, job) or
@@ -141,10 +142,21 @@ def ssh_setup_in_node1_home(cluster):
         chown(cluster, p)
 
 
-def test_inventory_from_slurm_inside_a_job_reaches_the_allocated_nodes(slurm, tmp_path):
+def test_inventory_from_slurm_inside_a_job_reaches_the_allocated_nodes(slurm):
+    """Inside an sbatch job: from-slurm alone (the user's ~/.ssh) for exec, and with a site
+    template (the venv's python) for preflight and top."""
     cluster = slurm.cluster
     ssh_setup_in_node1_home(cluster)
     py = cluster.python
+    # a site inventory: the venv's python, the user's key, the cluster's known_hosts, nodes by address
+    site = cluster.inventory()
+    site["ssh"]["identity_file"] = "~/.ssh/id_ed25519"
+    site["workdir"] = "~/site_run"  # the same (empty) code on every node: preflight's code_sync passes
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/site_run")
+    template = cluster.nodes[0].home / "site.yaml"
+    template.write_text(yaml.safe_dump(site))
+    chown(cluster, template)
     script = cluster.nodes[0].home / "fromslurm.sbatch"
     script.write_text(f"""#!/bin/bash
 #SBATCH --nodes=2
@@ -153,6 +165,9 @@ def test_inventory_from_slurm_inside_a_job_reaches_the_allocated_nodes(slurm, tm
 set -eu
 {py} -m orchestrator.cli inventory from-slurm -o inv.yaml
 {py} -m orchestrator.cli exec -i inv.yaml -- hostname
+{py} -m orchestrator.cli inventory from-slurm --template site.yaml -o site-inv.yaml
+{py} -m orchestrator.cli preflight -i site-inv.yaml
+{py} -m orchestrator.cli top -i site-inv.yaml --once --json > top.json
 """)
     chown(cluster, script)
     job = slurm.sbatch(script.name)
@@ -164,3 +179,10 @@ set -eu
                             {"name": "node2", "host": "node2", "gpus": 2}]
     lines = out.splitlines()
     assert "node1 | node1" in lines and "node2 | node2" in lines, out
+    # with the site's settings: preflight passes and top sees both nodes' GPUs
+    site = yaml.safe_load((cluster.nodes[0].home / "site-inv.yaml").read_text())
+    assert [(n["name"], n["host"], n["gpus"]) for n in site["nodes"]] == \
+        [(nd.name, nd.host, 2) for nd in cluster.nodes]
+    assert "preflight: 2 nodes, master 10.213." in out and "check(s) failed" not in out, out
+    top = json.loads((cluster.nodes[0].home / "top.json").read_text())
+    assert [(n["name"], n["error"], len(n["gpus"])) for n in top["nodes"]] == [("node1", None, 2), ("node2", None, 2)]

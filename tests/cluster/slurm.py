@@ -178,10 +178,11 @@ PartitionName=test Nodes={self.nodelist()} Default=YES MaxTime=INFINITE State=UP
 
     def _start_munged(self):
         m = self.munge_dir
-        self.munged = self._spawn(_pdeath([
-            "setpriv", "--reuid=munge", "--regid=munge", "--init-groups", "--",
-            "munged", "-F", f"--socket={self.socket}", f"--key-file={m}/munge.key",
-            f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed"]),
+        # the uid switch first: changing credentials clears a parent-death signal set before it
+        self.munged = self._spawn([
+            "setpriv", "--reuid=munge", "--regid=munge", "--init-groups", "--", *_pdeath([
+                "munged", "-F", f"--socket={self.socket}", f"--key-file={m}/munge.key",
+            f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed"])],
             "munged.out")
         self._wait(lambda: self.socket.exists(), 10, "munged's socket", self.munged)
 
@@ -280,7 +281,7 @@ PartitionName=test Nodes={self.nodelist()} Default=YES MaxTime=INFINITE State=UP
 
     def client(self, argv, check=True, timeout=30):
         """A SLURM command on the host, as root (sinfo, scontrol, scancel)."""
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **{"SLURM_CONF": str(self.conf)}}
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(self.conf)}
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         if check and r.returncode != 0:
             raise SlurmError(f"{shlex.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")
@@ -310,5 +311,8 @@ PartitionName=test Nodes={self.nodelist()} Default=YES MaxTime=INFINITE State=UP
     def wait_job(self, job_id, timeout, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
                                                   "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")):
         """Wait until the job is in one of `states` (default: ended); return its record."""
-        return self._wait(lambda: (lambda j: j if j.get("JobState") in states else None)(self.job(job_id)),
-                          timeout, f"job {job_id} to reach {'/'.join(states)}", self.slurmctld)
+        def ended():
+            job = self.job(job_id)
+            return job if job.get("JobState") in states else None
+
+        return self._wait(ended, timeout, f"job {job_id} to reach {'/'.join(states)}", self.slurmctld)
