@@ -90,7 +90,7 @@ def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, com
 
 @cli.group("inventory")
 def inventory_group():
-    """Check an inventory, or import one from a DeepSpeed/MPI hostfile."""
+    """Check an inventory, or import one from a DeepSpeed/MPI hostfile or a SLURM allocation."""
 
 
 @inventory_group.command("check")
@@ -131,6 +131,31 @@ def import_hostfile(hostfile, output, user, iface, master_port):
 
     text = hostfile_to_yaml(Path(hostfile).read_text(), hostfile, user=user, master_port=master_port,
                             iface=iface)
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@inventory_group.command("from-slurm")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+@click.option("--template", type=click.Path(dir_okay=False),
+              help="Take every setting but the node list from this inventory (ssh, workdir, python, env, "
+                   "train; per-node settings of the nodes it names).")
+@click.option("--user", help="ssh.user for every node.")
+@click.option("--iface", help="Network interface for every node (sets NCCL/GLOO_SOCKET_IFNAME).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="Rendezvous port (default: the template's, else 29500).")
+def from_slurm(output, template, user, iface, master_port):
+    """Inside salloc/sbatch: an inventory of the allocated nodes and their GPUs."""
+    import os
+    from pathlib import Path
+
+    from orchestrator.platforms.slurm import inventory_yaml, read_allocation
+
+    text = inventory_yaml(read_allocation(os.environ), template, user=user, iface=iface,
+                          master_port=master_port)
     if output:
         Path(output).write_text(text)
         click.echo(f"wrote {output}", err=True)
