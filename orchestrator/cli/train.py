@@ -19,7 +19,7 @@ import click
 
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.output import Prefixer
-from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UsageError
+from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError, UsageError
 from orchestrator.inventory import load_inventory
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.runs.store import TERMINAL, Run, new_run_id
@@ -165,9 +165,11 @@ def recover(run: Run, follower: Follower) -> int:
 @click.option("--name", help="A name for the run (its id is NAME-DATE-TIME-XXXX).")
 @click.option("--detach", is_flag=True, help="Return once the run is launched; re-attach with `clusterctl tail`.")
 @click.option("--skip-preflight", is_flag=True, help="Launch without the fast preflight.")
-@click.option("--force", is_flag=True, help="Launch despite a failed preflight or a node busy with another run.")
+@click.option("--force", is_flag=True, help="Launch despite a failed preflight, a node busy with another run, "
+                                            "or more processes than a node has GPUs.")
 @click.option("--nproc-per-node", default="auto", callback=_nproc, show_default=True,
-              help="Processes per node: auto = GPUs found, else the inventory's gpus, else 1.")
+              help="Processes per node: auto = train.nproc_per_node, else the inventory's gpus (gpus: 0 = "
+                   "one), else the GPUs found, else 1. More than a node's GPUs exits 2 unless --force.")
 @click.option("--grace", type=click.FloatRange(0, 3600), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
@@ -363,8 +365,11 @@ def stop_command(run_id, grace, timeout):
     for name, r in res.items():
         if not r.ok:
             _err(f"clusterctl: {name}: could not stop: {r.describe()}")
+    lost = {name: r.describe() for name, r in res.items() if not r.reachable}
+    if lost:
+        raise UnreachableError(lost, "so the run may still be there; run `clusterctl stop` again once they answer")
     if not res.all_ok:
-        raise ClusterctlError("some nodes could not be reached; run `clusterctl stop` again once they answer")
+        raise ClusterctlError("some nodes could not stop the run (above); run `clusterctl stop` again")
     _summary(run.record)
 
 

@@ -27,10 +27,12 @@ import traceback
 from importlib import resources
 
 from orchestrator import shell
+from orchestrator.errors import EXIT_UNREACHABLE, EXIT_USAGE
 from orchestrator.inventory import Inventory, Node, load_inventory
 from orchestrator.runs.logs import rank_tail, worker_failure
 from orchestrator.runs.store import Run, exit_hint, exit_meaning
-from orchestrator.runs.torchrun import nproc_for, node_env, rank_map, rank_map_text, target_argv, torchrun_argv
+from orchestrator.runs.torchrun import (node_env, nprocs_for, rank_map, rank_map_text, target_argv, too_many_procs,
+                                        torchrun_argv)
 from orchestrator.transport import Cluster, SSHConnection
 
 AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
@@ -125,7 +127,7 @@ class Supervisor:
         cluster.connect()
         if cluster.unreachable:
             bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
-            self.fail(f"cannot reach every node, nothing was started. {bad}", 3)
+            self.fail(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
         gpus_found: dict[str, int | None] = {}
         if not spec.get("skip_preflight"):
             self.save(state="preflight")
@@ -133,8 +135,8 @@ class Supervisor:
         self.check_free(cluster)
         if self.stop_requests:
             self.fail("stopped before launch", 130)
-        nprocs = {n.name: nproc_for(n, gpus_found.get(n.name), spec.get("nproc_per_node"))
-                  for n in inv.nodes}
+        nprocs = nprocs_for(inv, gpus_found, spec.get("nproc_per_node"))
+        self.check_gpus(nprocs, gpus_found)
         ranks = {n.name: (a, b) for n, a, b in rank_map(inv, nprocs)}
         for n in inv.nodes:
             self.states[n.name].update(nproc=nprocs[n.name], first_rank=ranks[n.name][0],
@@ -162,6 +164,16 @@ class Supervisor:
             self.fail("preflight failed (the table above says what to fix); nothing was started. "
                       "--force launches anyway", 1)
         return dict(report.gpus_found)
+
+    def check_gpus(self, nprocs: dict[str, int], gpus_found: dict[str, int | None]) -> None:
+        """More processes than GPUs on a GPU node is a usage error (exit 2) unless --force."""
+        over = too_many_procs(self.inv, nprocs, gpus_found)
+        if over and not self.spec.get("force"):
+            desc = "; ".join(f"{name}: {k} processes, {g} GPUs {where}" for name, (k, g, where) in over.items())
+            most = min(g for _, g, _ in over.values())
+            self.fail(f"more processes than GPUs ({desc}): the extra ranks would fail with 'invalid device "
+                      f"ordinal'. Use --nproc-per-node {most} or fewer (or leave it out: one process per GPU), "
+                      f"or --force to launch anyway; nothing was started.", EXIT_USAGE)
 
     def check_free(self, cluster: Cluster) -> None:
         """Two runs must not silently share a node."""
