@@ -83,6 +83,9 @@ def test_nodes_subset_trains_with_its_first_node_as_rank_0(cpu3, tmp_path, home)
     r = cli("train", "-i", inv, "--nodes", "node2,node3", "--", DDP, "--steps", "2")  # preflight on
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "world size 2 on 2 nodes: rank 0 → node2" in r.stderr
+    head = [c.strip() for c in next(ln for ln in r.stderr.splitlines() if "┃ node " in ln).split("┃")]
+    row = [c.strip() for c in next(ln for ln in r.stderr.splitlines() if "│ node2 " in ln).split("│")]
+    assert row[head.index("free")] == "ok", r.stderr  # train's preflight checks the master's port
     assert re.search(r"^node2/r0 +\| rank 0 of 2 on node2 ", r.stdout, re.M), r.stdout
     assert re.search(r"^node3/r1 +\| rank 1 of 2 on node3 ", r.stdout, re.M), r.stdout
     rec = last_run(home)
@@ -98,7 +101,7 @@ def test_netbench_allreduce_on_a_subset_completes(cpu3, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
     assert doc["master"] == "node2" and [x["node"] for x in doc["links"]] == ["node3"]
-    assert doc["allreduce"]["nodes"] == 2 and doc["allreduce"]["bytes"] == 1_000_000
+    assert doc["allreduce"]["nodes"] == 2 and doc["allreduce"]["nbytes"] == 1_000_000
 
 
 # ------------------------------------------------------------------ processes per node
@@ -115,7 +118,8 @@ def test_gpus_0_is_one_process_per_node_and_too_many_processes_is_a_usage_error(
     assert "world size 2 on 2 nodes: rank 0 → node1" in r.stdout and "rank 1 → node2" in r.stdout
     r = cli("train", "-i", cpu, "--", DDP, "--steps", "1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "world size 2 on 2 nodes" in r.stderr
+    assert "world size 2 on 2 nodes: rank 0 → node1" in r.stderr
+    assert re.search(r"^node2/r1 +\| rank 1 of 2 on node2 ", r.stdout, re.M), r.stdout
     rec = last_run(home)
     assert rec["world_size"] == 2 and [n["nproc"] for n in rec["nodes"]] == [1, 1]
 

@@ -158,7 +158,10 @@ class Supervisor:
         report = run_preflight(cluster, self.inv, FAST_CHECKS)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
         report.render(console)
-        (self.run.dir / "preflight.txt").write_text(console.export_text())
+        # written whole, then renamed: `train` prints the file the moment it exists
+        tmp = self.run.dir / "preflight.txt.tmp"
+        tmp.write_text(console.export_text())
+        os.replace(tmp, self.run.dir / "preflight.txt")
         self.save(preflight_ok=report.ok)
         if not report.ok and not self.spec.get("force"):
             self.fail("preflight failed (the table above says what to fix); nothing was started. "
