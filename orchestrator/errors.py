@@ -9,12 +9,36 @@ traceback only with `--debug`.
 
 from __future__ import annotations
 
-# Exit codes (documented in README "Exit codes").
+import textwrap
+from typing import Collection
+
+# The exit codes of every command; `clusterctl --help` prints EXIT_CODES.
 EXIT_OK = 0
 EXIT_FAILED = 1  # a check failed, a node's command failed, the job failed
 EXIT_USAGE = 2  # bad flag, bad inventory, bad input file
 EXIT_UNREACHABLE = 3  # could not connect to / authenticate with a node
 EXIT_INTERRUPTED = 130  # Ctrl-C
+
+EXIT_CODES = (
+    (EXIT_OK, "ok"),
+    (EXIT_FAILED, "a check, command or job failed; train returns the first failed node's exit code, "
+                  "exec the worst node's (124 for a command past --timeout)"),
+    (EXIT_USAGE, "bad flag or inventory, or more processes per node than it has GPUs (without --force)"),
+    (EXIT_UNREACHABLE, "a node could not be reached or authenticated (whatever the other nodes did)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+
+def exit_codes_text(width: int = 78) -> str:
+    """EXIT_CODES as help text: one entry per code, wrapped to `width`."""
+    return "\n".join(textwrap.fill(meaning, width, initial_indent=f"{code:>3}  ", subsequent_indent=" " * 5)
+                     for code, meaning in EXIT_CODES)
+
+
+def with_unreachable(unreachable: Collection[str], code: int) -> int:
+    """The exit code of a command that did what it could on the nodes it reached: any node it
+    could not reach makes it EXIT_UNREACHABLE, whatever happened on the others; else `code`."""
+    return EXIT_UNREACHABLE if unreachable else code
 
 
 class ClusterctlError(Exception):
@@ -48,6 +72,17 @@ class ConnectError(ClusterctlError):
     def __init__(self, node: str, message: str):
         self.node, self.message = node, message
         super().__init__(f"{node}: {message}")
+
+
+class UnreachableError(ClusterctlError):
+    """Nodes could not be reached, so the command did nothing. Carries {node: reason}."""
+
+    exit_code = EXIT_UNREACHABLE
+
+    def __init__(self, reasons: dict[str, str], consequence: str = "nothing was run"):
+        self.reasons = dict(reasons)
+        why = "; ".join(f"{node}: {reason}" for node, reason in self.reasons.items())
+        super().__init__(f"cannot reach {', '.join(self.reasons)}, {consequence}. {why}")
 
 
 class HostKeyError(ConnectError):
@@ -86,7 +121,7 @@ class ClusterFailure(ClusterctlError):
 
 class LaunchError(ClusterctlError):
     """`train` could not launch the run (unreachable node, failed preflight, busy node, a node
-    that would not start torchrun). `exit_code` is the run's: 1 failed, 3 unreachable, 130 stopped."""
+    that would not start torchrun). `exit_code` is the run's: 1 failed, 2 a usage error (more processes than GPUs), 3 unreachable, 130 stopped."""
 
     def __init__(self, message: str, exit_code: int = EXIT_FAILED):
         super().__init__(message)

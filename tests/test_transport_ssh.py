@@ -31,13 +31,13 @@ def test_exec_prints_every_hostname_with_its_prefix(make_cluster, tmp_path, caps
     cluster.nodes[2].stop_sshd()
     rc = main(["exec", "-i", str(path), "--connect-timeout", "3", "--", "hostname"])
     out, err = capsys.readouterr()
-    assert rc == 255
+    assert rc == EXIT_UNREACHABLE
     assert sorted(out.splitlines()) == ["node1 | node1", "node2 | node2", "node4 | node4"]
     assert "node3" in err and "connection refused" in err and "is sshd running" in err
 
     rc = main(["exec", "-i", str(path), "--json", "--connect-timeout", "3", "--", "hostname"])
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 255 and doc["ok"] is False
+    assert rc == EXIT_UNREACHABLE and doc["ok"] is False and doc["exit_code"] == EXIT_UNREACHABLE
     by = {n["node"]: n for n in doc["nodes"]}
     assert by["node3"]["exit_code"] is None and "refused" in by["node3"]["error"]
     assert by["node4"]["stdout"] == "node4\n"
@@ -137,7 +137,7 @@ def test_exec_unreachable_only_exit_code(make_cluster, tmp_path, capsys):
         n.stop_sshd()
     path = cluster.write_inventory(tmp_path / "nodes.yaml")
     rc = main(["exec", "-i", str(path), "--connect-timeout", "2", "--", "true"])
-    assert rc == 255
+    assert rc == EXIT_UNREACHABLE
     assert "Traceback" not in capsys.readouterr().err
 
 

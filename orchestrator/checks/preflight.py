@@ -33,7 +33,7 @@ from orchestrator.checks.ping import ping_all, ping_result
 from orchestrator.checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.torchrun import nproc_for, rank_map_text
+from orchestrator.runs.torchrun import nprocs_for, rank_map_text
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
 _PROBES = resources.files("orchestrator").joinpath("remote")
@@ -104,7 +104,7 @@ class PreflightReport:
         return [(n.node.name, r) for n in self.nodes for r in n.results.values() if r.status == "fail"]
 
     def nprocs(self) -> dict[str, int]:
-        return {n.node.name: nproc_for(n.node, self.gpus_found.get(n.node.name)) for n in self.nodes}
+        return nprocs_for(self.inventory, self.gpus_found)
 
     def rank_map(self) -> str:
         return rank_map_text(self.inventory, self.nprocs())

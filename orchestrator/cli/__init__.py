@@ -20,6 +20,7 @@ from orchestrator.errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     ClusterctlError,
+    exit_codes_text,
 )
 
 # name -> "module:attribute" of a click command, imported only when used.
@@ -41,9 +42,8 @@ LAZY_COMMANDS = {
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.
 
 \b
-Exit codes: 0 ok; 1 a check, command or job failed (train: the first failed
-node's code); 2 bad flag or inventory; 3 a node unreachable; 130 interrupted.
-exec returns the worst node's exit code (255 for a node that never answered)."""
+Exit codes, the same for every command:
+""" + exit_codes_text()
 
 
 class LazyGroup(click.Group):

@@ -7,7 +7,10 @@ import sys
 
 from orchestrator.cli.options import ClusterOptions
 from orchestrator.cli.output import Prefixer
+from orchestrator.errors import with_unreachable
 from orchestrator.transport import ClusterResult
+
+EXIT_TIMED_OUT = 124  # a node's command ran past --timeout (timeout(1)'s code)
 
 
 def summarize(result: ClusterResult) -> str:
@@ -18,6 +21,14 @@ def summarize(result: ClusterResult) -> str:
     return "\n".join(lines)
 
 
+def exit_code(result: ClusterResult) -> int:
+    """3 when any node could not be reached (or was lost before its command ended), else the
+    worst node's exit code, a command past --timeout counting as 124."""
+    unreachable = [name for name, r in result.items() if not r.reachable]
+    codes = [EXIT_TIMED_OUT if r.exit_code is None else r.exit_code for r in result.values()]
+    return with_unreachable(unreachable, max(codes, default=0))
+
+
 def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
              timeout: float | None = None) -> int:
     inv = opts.load()
@@ -25,10 +36,10 @@ def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
     with opts.cluster(inv) as cluster:
         result = cluster.run(command, timeout=timeout, on_line=printer, capture=as_json)
     if as_json:
-        doc = {"ok": result.all_ok, "exit_code": result.worst_exit_code, "nodes": [
+        doc = {"ok": result.all_ok, "exit_code": exit_code(result), "nodes": [
             {"node": r.node, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
              "duration": round(r.duration, 3), "error": r.error, "error_kind": r.kind} for r in result.values()]}
         print(json.dumps(doc, indent=2))
     elif not result.all_ok:
         print(summarize(result), file=sys.stderr)
-    return result.worst_exit_code
+    return exit_code(result)

@@ -5,8 +5,8 @@ import json
 import click
 
 from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.errors import UnreachableError
 from orchestrator.netbench import (
-    NetbenchError,
     NetReport,
     measure_allreduce,
     measure_links,
@@ -41,8 +41,7 @@ def netbench_command(opts: ClusterOptions, seconds, allreduce_size, dtype, iters
     nbytes = parse_size(allreduce_size) if allreduce_size else None
     with opts.cluster(inv) as cluster:
         if cluster.unreachable:
-            bad = ", ".join(f"{k} ({v.error})" for k, v in cluster.unreachable.items())
-            raise NetbenchError(f"unreachable: {bad}")
+            raise UnreachableError({k: v.error for k, v in cluster.unreachable.items()}, "nothing was measured")
         report = NetReport(inv.master.name, measure_links(cluster, inv, seconds=seconds, port=port))
         if nbytes:
             report.allreduce = measure_allreduce(cluster, inv, nbytes=nbytes, iters=iters, dtype=dtype)

@@ -53,7 +53,8 @@ def cluster_options(f):
     @click.option("--connect-timeout", type=click.FloatRange(0.1, 600), default=None,
                   help="Seconds to wait for each node's SSH handshake (default: inventory or 10).")
     @click.option("--nodes", "nodes", multiple=True, callback=_split_nodes,
-                  help="Only these nodes (comma-separated names; ranks keep the inventory order).")
+                  help="Only these nodes (comma-separated names), renumbered from rank 0 in "
+                       "inventory order: the first of them is the master.")
     @functools.wraps(f)
     def wrapper(*args, inventory_path, fanout, accept_new_host_keys, connect_timeout, nodes, **kw):
         opts = ClusterOptions(inventory_path, fanout, accept_new_host_keys, connect_timeout, nodes)

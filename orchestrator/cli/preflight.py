@@ -10,7 +10,7 @@ import click
 from orchestrator.checks import CHECKS
 from orchestrator.checks.preflight import run_preflight, select_checks
 from orchestrator.cli.options import ClusterOptions, cluster_options
-from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, with_unreachable
 
 
 @click.command("preflight")
@@ -26,15 +26,17 @@ def preflight_command(opts: ClusterOptions, as_json: bool, only: str | None, ski
     """Check every node before a run: SSH, ping, GPUs, ports, firewall, clocks, code, Python, iface, disk.
 
     One probe per node over its single SSH connection. Exit code 0 when nothing failed
-    (warnings allowed), 1 when a check failed, 2 for a bad flag or inventory."""
+    (warnings allowed), 1 when a check failed, 2 for a bad flag or inventory, 3 when a
+    node could not be reached (the other nodes are still checked and shown)."""
     checks = select_checks(only, skip_)
     inv = opts.load()
     with opts.cluster(inv) as cluster:
         report = run_preflight(cluster, inv, checks, connect_timeout=port_timeout)
+        unreachable = list(cluster.unreachable)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         from rich.console import Console
 
         report.render(Console(), details=details)
-    sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+    sys.exit(with_unreachable(unreachable, EXIT_OK if report.ok else EXIT_FAILED))

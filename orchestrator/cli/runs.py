@@ -16,7 +16,7 @@ import time
 import click
 
 from orchestrator.cli.output import Prefixer
-from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
+from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
 from orchestrator.runs.launch import agent_status, stop_on
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.runs.spec import NodeState, NodeStatus, RunState
@@ -284,7 +284,10 @@ def stop_command(run_id, grace, timeout):
                summary="stopped with `clusterctl stop`")
     for name, r in res.failed.items():
         _err(f"clusterctl: {name}: could not stop: {r.describe()}")
-    res.check("some nodes could not be reached; run `clusterctl stop` again once they answer")
+    lost = {name: r.describe() for name, r in res.items() if not r.reachable}
+    if lost:
+        raise UnreachableError(lost, "so the run may still be there; run `clusterctl stop` again once they answer")
+    res.check("some nodes could not stop the run (above); run `clusterctl stop` again")
     _summary(run.record)
 
 

@@ -6,7 +6,7 @@ import sys
 import click
 
 from orchestrator.cli.options import ClusterOptions, cluster_options
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, UsageError
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, UsageError, with_unreachable
 from orchestrator.sync import sync
 
 
@@ -44,11 +44,12 @@ def sync_command(opts: ClusterOptions, src: str | None, method: str):
             mark = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
             console.print(f"  {r.node}: {mark} {r.method}: {r.detail}", soft_wrap=True, markup=True)
         report = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
+        unreachable = list(cluster.unreachable)
     for n in report.nodes:
         r = n.results.get("code_sync")
         if r is not None and r.status != "ok":
             console.print(f"  {n.node.name}: code_sync {r.status}: {r.detail}", soft_wrap=True)
     ok = all(r.ok for r in results) and report.ok
     console.print("[green]sync ok: code_sync passes on every node[/]" if ok else "[bold red]sync incomplete[/]")
-    sys.exit(EXIT_OK if ok else EXIT_FAILED)
+    sys.exit(with_unreachable(unreachable, EXIT_OK if ok else EXIT_FAILED))
 

@@ -7,7 +7,7 @@ import time
 import click
 
 from orchestrator.cli.options import ClusterOptions, cluster_options
-from orchestrator.errors import EXIT_OK, EXIT_UNREACHABLE
+from orchestrator.errors import EXIT_OK, with_unreachable
 from orchestrator.top import collect, table
 
 
@@ -35,7 +35,7 @@ def top_command(opts: ClusterOptions, once: bool, as_json: bool, interval: float
             else:
                 from rich.console import Console
                 Console().print(table(views, _title(inv, views)))
-            sys.exit(EXIT_OK if all(v.reachable for v in views) else EXIT_UNREACHABLE)
+            sys.exit(with_unreachable([v.name for v in views if not v.reachable], EXIT_OK))
         _live(cluster, inv, interval)
 
 

@@ -58,9 +58,11 @@ def _check_script(script: tuple[str, ...]) -> None:
 @click.option("--name", help="A name for the run (its id is NAME-DATE-TIME-XXXX).")
 @click.option("--detach", is_flag=True, help="Return once the run is launched; re-attach with `clusterctl tail`.")
 @click.option("--skip-preflight", is_flag=True, help="Launch without the fast preflight.")
-@click.option("--force", is_flag=True, help="Launch despite a failed preflight or a node busy with another run.")
+@click.option("--force", is_flag=True, help="Launch despite a failed preflight, a node busy with another run, "
+                                            "or more processes than a node has GPUs.")
 @click.option("--nproc-per-node", default=DEFAULTS.nproc_per_node, callback=_nproc, show_default=True,
-              help="Processes per node: auto = GPUs found, else the inventory's gpus, else 1.")
+              help="Processes per node: auto = train.nproc_per_node, else the inventory's gpus (gpus: 0 = "
+                   "one), else the GPUs found, else 1. More than a node's GPUs exits 2 unless --force.")
 @click.option("--grace", type=click.FloatRange(0, 3600), default=DEFAULTS.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout, show_default=True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import InventoryError
+from orchestrator.inventory.sshconfig import config_hostname
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
@@ -217,12 +218,15 @@ class InventoryModel(_Model):
 
 @dataclass(frozen=True)
 class Node:
-    """One node with every inventory default merged in. Rank = list position."""
+    """One node with every inventory default merged in. `rank` is the node rank of the run:
+    its position among the nodes selected (`Inventory.select`), so rank 0 is the master."""
 
     name: str
     rank: int
     host: str
-    address: str  # what other nodes use to reach it (MASTER_ADDR for rank 0)
+    # what other nodes use to reach it (MASTER_ADDR for rank 0): `address:`, else the ssh_config
+    # HostName of `host`, else `host`
+    address: str
     gpus: int | None
     iface: str | None
     connection: str
@@ -252,6 +256,7 @@ class Inventory:
 
     @property
     def master(self) -> Node:
+        """Rank 0: the first node of this (possibly selected) inventory."""
         return self.nodes[0]
 
     def node(self, name: str) -> Node:
@@ -261,13 +266,14 @@ class Inventory:
         raise KeyError(name)
 
     def select(self, names: list[str] | None) -> "Inventory":
-        """A copy with only the named nodes (ranks kept from the full list)."""
+        """A copy with only the named nodes, in inventory order and renumbered from 0: the
+        first one selected is the master of whatever runs on the subset."""
         if not names:
             return self
         unknown = [n for n in names if n not in {x.name for x in self.nodes}]
         if unknown:
             raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
-        keep = tuple(n for n in self.nodes if n.name in names)
+        keep = tuple(replace(n, rank=i) for i, n in enumerate(n for n in self.nodes if n.name in names))
         return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
                          self.env, self.train, self.checks, self.source)
 
@@ -296,8 +302,9 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
         python = nm.python or model.python
         if nm.connection == "local" and nm.python is None and "python" not in model.model_fields_set:
             python = sys.executable  # a local node runs where clusterctl runs: same interpreter
+        address = nm.address or (config_hostname(host, ssh.config_file) if nm.connection == "ssh" else host)
         nodes.append(Node(
-            name=nm.name, rank=i, host=host, address=nm.address or host, gpus=nm.gpus, iface=nm.iface,
+            name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
             connection=nm.connection, ssh=ssh, env=env, python=python,
             workdir=nm.workdir or model.workdir, line=line,
         ))

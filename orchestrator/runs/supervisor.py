@@ -23,13 +23,13 @@ import traceback
 
 import psutil
 
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, ClusterctlError, LaunchError
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import AGENT, Launcher, agent_cmd, agent_status, check_free, node_key, stop_on
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
 from orchestrator.runs.store import Run, exit_meaning
-from orchestrator.runs.torchrun import nproc_for, rank_map, rank_map_text
+from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import copy_logs
 from orchestrator.transport import Cluster, NodeResult, wait
 
@@ -134,16 +134,30 @@ class Supervisor:
         report = run_preflight(cluster, self.inv, FAST_CHECKS)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
         report.render(console)
-        (self.run.dir / "preflight.txt").write_text(console.export_text())
+        # written whole, then renamed: `train` prints the file the moment it exists
+        tmp = self.run.dir / "preflight.txt.tmp"
+        tmp.write_text(console.export_text())
+        os.replace(tmp, self.run.dir / "preflight.txt")
         self.save(preflight_ok=report.ok)
         if not report.ok and not self.spec.force:
             raise LaunchError("preflight failed (the table above says what to fix); nothing was started. "
                               "--force launches anyway")
         return dict(report.gpus_found)
 
+    def check_gpus(self, nprocs: dict[str, int], gpus_found: dict[str, int | None]) -> None:
+        """More processes than GPUs on a GPU node is a usage error (exit 2) unless --force."""
+        over = too_many_procs(self.inv, nprocs, gpus_found)
+        if over and not self.spec.force:
+            desc = "; ".join(f"{name}: {k} processes, {g} GPUs {where}" for name, (k, g, where) in over.items())
+            most = min(g for _, g, _ in over.values())
+            raise LaunchError(f"more processes than GPUs ({desc}): the extra ranks would fail with 'invalid device "
+                              f"ordinal'. Use --nproc-per-node {most} or fewer (or leave it out: one process per "
+                              f"GPU), or --force to launch anyway; nothing was started.", EXIT_USAGE)
+
     def assign_ranks(self, gpus_found: dict[str, int | None]) -> None:
         inv = self.inv
-        nprocs = {n.name: nproc_for(n, gpus_found.get(n.name), self.spec.nproc_per_node) for n in inv.nodes}
+        nprocs = nprocs_for(inv, gpus_found, self.spec.nproc_per_node)
+        self.check_gpus(nprocs, gpus_found)
         for n, first, last in rank_map(inv, nprocs):
             st = self.statuses[n.name]
             st.nproc, st.first_rank, st.last_rank = nprocs[n.name], first, last

@@ -12,8 +12,8 @@ from orchestrator.inventory import Inventory, Node
 
 
 def dist_timeout_s(nnodes: int) -> int:
-    """Collective timeout scaled with the node count (seed 004's table: 1 node 1 h,
-    2-7 nodes 2 h, 8+ nodes 4 h). With fail-fast teardown this is a safety net,
+    """Collective timeout scaled with the node count: 1 node 1 h, 2-7 nodes 2 h,
+    8+ nodes 4 h. With fail-fast teardown this is a safety net,
     not the failure detector."""
     if nnodes <= 1:
         return 3600
@@ -23,7 +23,7 @@ def dist_timeout_s(nnodes: int) -> int:
 
 
 def nccl_buffsize(nnodes: int) -> int:
-    """Seed 004: 32 MB from 8 nodes up, 16 MB below."""
+    """NCCL's socket buffer: 32 MB from 8 nodes up, 16 MB below."""
     return (32 if nnodes >= 8 else 16) * 1024 * 1024
 
 
@@ -32,7 +32,7 @@ def scaled_env(nnodes: int) -> dict[str, str]:
     return {
         # read by the trainer for init_process_group(timeout=...)
         "CLUSTERCTL_DIST_TIMEOUT": str(t),
-        # what seed 004 exports; harmless where NCCL ignores it
+        # the same timeout for NCCL; harmless where NCCL ignores it
         "NCCL_TIMEOUT": str(t),
         "NCCL_BUFFSIZE": str(nccl_buffsize(nnodes)),
         # surface NCCL errors as exceptions so a dead peer ends the process instead of hanging
@@ -61,14 +61,39 @@ def node_env(inv: Inventory, node: Node, *, extra: dict[str, str] | None = None)
 
 
 def nproc_for(node: Node, found_gpus: int | None = None, override: int | str | None = None) -> int:
-    """Processes per node: an explicit number wins; else the GPUs found by preflight,
-    else the inventory's `gpus`, else 1 (a CPU node)."""
+    """Processes per node, the one rule `preflight`'s rank map, `train` and the renders share:
+    an explicit number (--nproc-per-node, train.nproc_per_node) wins; else the inventory's
+    `gpus:` (`gpus: 0` is a CPU node: one process); else the GPUs the probe found; else 1."""
     if override not in (None, "auto"):
         return int(override)
-    for g in (found_gpus, node.gpus):
-        if g:
-            return int(g)
-    return 1
+    if node.gpus is not None:
+        return node.gpus or 1
+    return found_gpus or 1
+
+
+def nprocs_for(inv: Inventory, gpus_found: dict[str, int | None],
+               override: int | str | None = None) -> dict[str, int]:
+    """nproc_for every node; `override` (the --nproc-per-node flag) else the inventory's
+    train.nproc_per_node."""
+    chosen = override if override not in (None, "auto") else inv.train.nproc_per_node
+    return {n.name: nproc_for(n, gpus_found.get(n.name), chosen) for n in inv.nodes}
+
+
+def too_many_procs(inv: Inventory, nprocs: dict[str, int],
+                   gpus_found: dict[str, int | None]) -> dict[str, tuple[int, int, str]]:
+    """{node: (processes, GPUs, "found" | "in the inventory")} for every GPU node asked to run
+    more processes than it has GPUs: the extra ranks would die with 'invalid device ordinal'.
+    The GPUs are those the probe found, else (not probed) the inventory's `gpus:`. Fewer
+    processes are fine, and a CPU node (`gpus: 0`, or no GPU found) runs any number."""
+    out = {}
+    for n in inv.nodes:
+        if n.gpus == 0:
+            continue
+        found = gpus_found.get(n.name)
+        gpus, where = (found, "found") if found is not None else (n.gpus, "in the inventory")
+        if gpus and nprocs[n.name] > gpus:
+            out[n.name] = (nprocs[n.name], gpus, where)
+    return out
 
 
 def target_argv(inv: Inventory, user_args: Sequence[str] = ()) -> list[str]:
@@ -86,7 +111,8 @@ def torchrun_argv(*, python: str, nnodes: int, nproc: int, node_rank: int | str,
                   master_port: int | str, run_id: str, target: Sequence[str],
                   extra: Sequence[str] = ()) -> list[str]:
     """`python -m torch.distributed.run` (the interpreter's own torchrun, whatever PATH says)
-    with a static rendezvous: ranks are node_rank * nproc + local_rank, in inventory order."""
+    with a static rendezvous: ranks are node_rank * nproc + local_rank, node_rank being the position among
+    the nodes of the run (`Inventory.select` renumbers a subset from 0)."""
     return [python, "-m", "torch.distributed.run",
             "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank", str(node_rank),
             "--master-addr", master_addr, "--master-port", str(master_port), "--rdzv-id", run_id,
@@ -104,7 +130,7 @@ def rank_map(inv: Inventory, nprocs: dict[str, int]) -> list[tuple[Node, int, in
 
 
 def rank_map_text(inv: Inventory, nprocs: dict[str, int]) -> str:
-    """Seed 003's success banner: `rank 0-7 -> node1 (10.0.0.1), ...` with the world size."""
+    """The rank map: `rank 0-7 → node1 (10.0.0.1), ...` with the world size."""
     parts = []
     rows = rank_map(inv, nprocs)
     for node, a, b in rows:
