@@ -10,6 +10,7 @@ from orchestrator.inventory import parse_inventory
 from orchestrator.inventory.sshconfig import config_hostname
 from orchestrator.runs.torchrun import nproc_for, nprocs_for, rank_map_text, too_many_procs
 from orchestrator.transport import ClusterResult, NodeResult
+from orchestrator.transport.base import ErrorKind
 
 
 def inv_of(nodes, **top):
@@ -89,8 +90,8 @@ def test_unreachable_wins_over_every_failure():
 
 def test_exec_exit_code():
     ok, bad = NodeResult("a", 0), NodeResult("b", 7)
-    refused = NodeResult("c", None, error="connection refused at u@h:22: is sshd running?")
-    slow = NodeResult("d", None, error="timed out after 1s")
+    refused = NodeResult("c", None, error="connection refused at u@h:22: is sshd running?", kind=ErrorKind.CONNECT)
+    slow = NodeResult("d", None, error="timed out after 1s", kind=ErrorKind.TIMEOUT)
     assert exit_code(ClusterResult(a=ok, b=bad)) == 7
     assert exit_code(ClusterResult(a=ok, b=bad, c=refused)) == EXIT_UNREACHABLE
     assert exit_code(ClusterResult(a=ok, d=slow)) == 124
