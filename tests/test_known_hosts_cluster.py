@@ -194,3 +194,18 @@ def test_host_certificate_is_refused_by_name_where_openssh_accepts_it(node, tmp_
     assert not ok
     assert f"{kh}; its line 2 names a @cert-authority" in err and "not supported" in err
     assert f"ssh-keyscan -p 2223 -t ssh-ed25519 {nd.host} >> {kh}" in err
+
+
+def test_preflight_refuses_a_revoked_key_in_one_paragraph(node, tmp_path, capsys):
+    """The reported case: a known_hosts listing the node's key and also @revoked-ing it."""
+    from orchestrator.cli import main
+
+    cluster, nd, keys = node
+    kh = tmp_path / "known_hosts"
+    kh.write_text(fill("{H} {E}\n@revoked {H} {E}\n", keys))
+    inv = cluster.write_inventory(tmp_path / "nodes.yaml",
+                                  ssh={**cluster.inventory()["ssh"], "known_hosts": str(kh)})
+    rc = main(["preflight", "-i", str(inv), "--only", "ssh"])
+    out, err = capsys.readouterr()
+    assert rc != 0 and "preflight ok" not in out + err, (rc, out, err)
+    assert "REVOKED HOST KEY" in out + err and "Traceback" not in out + err
