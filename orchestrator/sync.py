@@ -7,8 +7,9 @@ not ignored are deleted, so `code_sync` passes afterwards; ignored files (data, 
 are left alone.
 
 Transport: rsync when both sides have it (its own ssh command line built from the inventory's
-SSH settings: -i, -p, -J, UserKnownHostsFile and StrictHostKeyChecking=yes), else a tar stream
-over the node's existing connection into `python -c <nodeinfo> receive WORKDIR`.
+SSH settings: IdentityFile, -p, UserKnownHostsFile and StrictHostKeyChecking=yes, the same
+options for each ProxyJump hop through a ProxyCommand), else a tar stream over the node's
+existing connection into `python -c <nodeinfo> receive WORKDIR`.
 """
 
 from __future__ import annotations
@@ -57,22 +58,79 @@ def tar_stream(src: str, files: list[str]) -> bytes:
 
 
 def rsync_ssh_command(node: Node) -> str:
-    """The `-e` of rsync: ssh with the inventory's settings, host keys verified."""
+    """The `-e` of rsync: ssh with the inventory's settings, host keys verified against the same
+    known_hosts as clusterctl's own connections, on the node and on every ProxyJump hop.
+
+    rsync splits this string itself, at spaces, honouring '...' and "..." (no shell): the
+    single-quoted words of shlex.quote survive that split intact."""
+    return " ".join(shell.quote(a) for a in ssh_argv(node))
+
+
+def ssh_argv(node: Node) -> list[str]:
+    """`ssh` with the node's port, identity, known_hosts and StrictHostKeyChecking=yes; the
+    destination (user@host) is for the caller to add. ProxyJump becomes a ProxyCommand that runs
+    `ssh -W` with the same options for each hop (`-J` would give the hops none of them)."""
     s = node.ssh
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
-    if s.known_hosts:
-        argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(s.known_hosts)}"]
-    if s.identity_file:
-        argv += ["-i", os.path.expanduser(s.identity_file), "-o", "IdentitiesOnly=yes"]
-    if s.port:
-        argv += ["-p", str(s.port)]
+    argv = ["ssh", *_ssh_options(node), *(["-p", str(s.port)] if s.port else [])]
     if s.proxy_jump:
-        argv += ["-J", s.proxy_jump]
+        argv += ["-o", "ProxyCommand=" + _proxy_command(node, s.proxy_jump.split(","))]
+    return argv
+
+
+def _ssh_options(node: Node) -> list[str]:
+    """Options every ssh process reaching this node takes (itself and each jump hop). Values go
+    through ssh's own parsing: % is ssh's token character, and a -o value is split at spaces
+    unless double-quoted."""
+    s = node.ssh
+    known_hosts = os.path.abspath(os.path.expanduser(s.known_hosts or "~/.ssh/known_hosts"))
+    argv = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", "UserKnownHostsFile=" + _config_value(known_hosts),
+            "-o", "GlobalKnownHostsFile=/dev/null"]  # clusterctl's connections read only one file
+    if s.identity_file:
+        # not -i: ssh checks that an -i path exists before expanding its % tokens, so no
+        # spelling of a path with % in it works there
+        argv += ["-o", "IdentityFile=" + _config_value(os.path.abspath(os.path.expanduser(s.identity_file))),
+                 "-o", "IdentitiesOnly=yes"]
     if s.config_file:
-        argv += ["-F", os.path.expanduser(s.config_file)]
+        argv += ["-F", os.path.abspath(os.path.expanduser(s.config_file))]
     if s.connect_timeout:
         argv += ["-o", f"ConnectTimeout={int(s.connect_timeout + 0.999)}"]
-    return " ".join(shell.quote(a) for a in argv)
+    return argv
+
+
+def _proxy_command(node: Node, hops: list[str]) -> str:
+    """The ProxyCommand that connects to %h:%p through the last of `hops`, itself reached
+    through the ones before it. ssh expands % tokens in it, then runs it with `sh -c`: every
+    word is %-escaped and shell-quoted, except the -W target that ssh is meant to fill in."""
+    *before, hop = hops
+    user, _, hostport = hop.rpartition("@")
+    host, port = _split_host_port(hostport)
+    words = ["ssh", *_ssh_options(node), *(["-p", port] if port else []), *(["-l", user] if user else [])]
+    if before:
+        words += ["-o", "ProxyCommand=" + _proxy_command(node, before)]
+    words = [shell.quote(_percent(w)) for w in words]
+    return " ".join(words + ["-W", "'[%h]:%p'", shell.quote(_percent(host))])
+
+
+def _split_host_port(hostport: str) -> tuple[str, str | None]:
+    """"host:port", "[v6]:port", "host" or a bare IPv6 address -> (host, port or None)."""
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        return host, rest[1:] or None
+    if hostport.count(":") == 1:
+        host, _, port = hostport.partition(":")
+        return host, port or None
+    return hostport, None
+
+
+def _percent(value: str) -> str:
+    return value.replace("%", "%%")
+
+
+def _config_value(value: str) -> str:
+    """A value for `ssh -o Key=VALUE`: ssh splits it like a config line (quotes, backslash
+    escapes) and expands % tokens in file names."""
+    return '"' + _percent(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def rsync_argv(src: str, node: Node) -> list[str]:
@@ -81,9 +139,8 @@ def rsync_argv(src: str, node: Node) -> list[str]:
         dest = "."
     elif dest.startswith("~/"):
         dest = dest[2:]  # rsync's remote side starts in the home directory
-    target = f"{node.ssh.user + '@' if node.ssh.user else ''}{node.host}:{dest.rstrip('/')}/"
-    if ":" in node.host and not node.host.startswith("["):
-        target = f"{node.ssh.user + '@' if node.ssh.user else ''}[{node.host}]:{dest.rstrip('/')}/"
+    host = f"[{node.host}]" if ":" in node.host and not node.host.startswith("[") else node.host
+    target = f"{node.ssh.user + '@' if node.ssh.user else ''}{host}:{dest.rstrip('/')}/"
     return ["rsync", "-a", "--files-from=-", "--from0", "-e", rsync_ssh_command(node),
             src.rstrip("/") + "/", target]
 

@@ -3,6 +3,7 @@ sbatch script run under a fake srun/scontrol, locally and on the test cluster, l
 
 import json
 import os
+import shlex
 import socket
 import stat
 import subprocess
@@ -99,6 +100,26 @@ def test_every_value_is_quoted(tmp_path):
 def test_sbatch_header_values_are_checked(capsys):
     assert main(["render", "slurm", "-i", str(INV), "--job-name", "a b"]) == 2
     assert "#SBATCH" in capsys.readouterr().err
+
+
+def trainer_args(text):
+    """The trainer's arguments in a rendered sbatch script or Kubernetes manifest."""
+    if text.startswith("#!"):
+        return shlex.split(text.splitlines()[-1].split(" -- ", 1)[1])
+    return k8s_docs(text)[1]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("cmd", [["slurm"], ["k8s", "--image", "img"]])
+def test_unknown_flags_before_the_script_are_refused(cmd, capsys):
+    """A mistyped option is an error (exit 2), not an argument for the trainer."""
+    assert main(["render", *cmd, "-i", str(INV), "--partiton", "gpu"]) == 2
+    out, err = capsys.readouterr()
+    assert "No such option '--partiton'" in err and out == ""
+    # after `--`, or after the script's name, every word is the trainer's, flags included
+    text = rendered(["render", *cmd, "-i", str(INV), "--", "train.py", "--partiton", "gpu"], capsys)
+    assert trainer_args(text) == ["train.py", "--partiton", "gpu"]
+    text = rendered(["render", *cmd, "-i", str(INV), "train.py", "--lr", "3e-4"], capsys)
+    assert trainer_args(text) == ["train.py", "--lr", "3e-4"]
 
 
 def test_uneven_gpus_need_an_explicit_count(tmp_path, capsys):

@@ -1,8 +1,12 @@
 """clusterctl sync: the file list, the rsync command line, and pushes to the real test cluster
 (rsync and tar paths) after which code_sync passes."""
 
+import json
 import os
+import shlex
+import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -11,7 +15,7 @@ from orchestrator.checks import load_nodeinfo
 from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
 from orchestrator.checks.preflight import run_preflight
-from orchestrator.sync import file_list, rsync_argv, sync
+from orchestrator.sync import file_list, rsync_argv, ssh_argv, sync
 from orchestrator.transport import Cluster
 
 
@@ -69,9 +73,40 @@ def test_rsync_command_line_carries_the_inventory_ssh_settings():
     argv = rsync_argv("/src", inv.nodes[0])
     assert argv[-2:] == ["/src/", "u@10.0.0.1:gpt train/"] and "--files-from=-" in argv
     e = argv[argv.index("-e") + 1]
-    for want in ("-i /k/id", "-p 2222", "-J jump@bastion:22", "UserKnownHostsFile=/k/kh",
-                 "StrictHostKeyChecking=yes", "BatchMode=yes"):
+    for want in ('IdentityFile="/k/id"', "-p 2222", 'UserKnownHostsFile="/k/kh"', "StrictHostKeyChecking=yes",
+                 "BatchMode=yes"):
         assert want in e
+    assert "-J" not in e.split()  # -J would give the jump hop none of these options
+
+
+def test_rsync_splits_the_ssh_command_into_exactly_our_words(tmp_path):
+    """rsync, not a shell, splits -e: run the real rsync with a fake ssh that records its argv."""
+    odd = tmp_path / "it's 100% a \"dir\"" / "known hosts"
+    inv = parse_inventory(yaml.safe_dump({
+        "ssh": {"user": "u", "port": 2222, "identity_file": str(odd.parent / "id key"),
+                "known_hosts": str(odd), "proxy_jump": "j@bastion:2200,k@[fd00::1]:22"},
+        "workdir": "~/w", "nodes": [{"name": "a", "host": "10.0.0.1"}]}), "<t>")
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\nsys.exit(1)\n")
+    fake.chmod(0o755)
+    (tmp_path / "src").mkdir()
+    subprocess.run(rsync_argv(str(tmp_path / "src"), inv.nodes[0]), input=b"", capture_output=True,
+                   env=dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}"), timeout=30)
+    got = json.loads((tmp_path / "argv.json").read_text())
+    want = ssh_argv(inv.nodes[0])[1:]
+    assert got[:len(want)] == want and got[len(want):len(want) + 4] == ["-l", "u", "10.0.0.1", "rsync"], got
+    assert f'UserKnownHostsFile="{str(odd).replace("%", "%%").replace(chr(34), chr(92) + chr(34))}"' in got
+    proxy = next(a for a in got if a.startswith("ProxyCommand="))
+    # the ProxyCommand is run by sh -c: its words are the second hop's ssh with the same options,
+    # reached through the first hop by a nested ProxyCommand
+    words = shlex.split(proxy[len("ProxyCommand="):])
+    assert words[0] == "ssh" and words[-3:] == ["-W", "[%h]:%p", "fd00::1"]
+    assert "-l" in words and words[words.index("-l") + 1] == "k"
+    assert any(w.startswith("UserKnownHostsFile=") and "%%%%" in w for w in words)  # escaped twice
+    inner = next(w for w in words if w.startswith("ProxyCommand="))
+    assert "-p 2200" in inner and "-l j" in inner and inner.endswith("-W '[%%h]:%%p' bastion")
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +148,36 @@ def test_sync_command(cl, tmp_path, capsys):
     assert main(["sync", "-i", str(path), "--src", str(src)]) == 0
     assert "code_sync passes" in capsys.readouterr().err
     assert main(["sync", "-i", str(path), "--src", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.cluster
+def test_rsync_through_a_jump_host_with_odd_known_hosts_and_identity_paths(cl, tmp_path):
+    """The target drops the control machine's packets, so rsync must go through the jump host;
+    root's own ~/.ssh knows neither host nor key: both hops need the inventory's files, whose
+    paths hold a space, a quote and a %."""
+    src = tmp_path / "src"
+    make_tree(src)
+    odd = tmp_path / "it's 100% a dir"
+    odd.mkdir()
+    shutil.copy(cl.known_hosts, odd / "known hosts")
+    shutil.copy(cl.identity_file, odd / "id key")
+    jump, target = cl.nodes[0], cl.nodes[2]
+    ssh = {**cl.inventory()["ssh"], "known_hosts": str(odd / "known hosts"), "identity_file": str(odd / "id key")}
+    inv = parse_inventory(yaml.safe_dump(cl.inventory(ssh=ssh, nodes=[
+        {"name": "node3", "host": target.host, "ssh": {"proxy_jump": f"{cl.user}@{jump.host}"}}])), "<t>")
+    target.iptables("-A", "INPUT", "-s", cl.host_ip, "-j", "DROP")
+    try:
+        with Cluster(inv) as c:
+            res = sync(c, inv, str(src), method="rsync")
+        assert [(r.method, r.ok) for r in res] == [("rsync", True)], res
+        assert target.run("cat ~/gpt_train/train.py").stdout == "print('train')\n"
+
+        # the jump hop verifies its host key against the same file: without its line, refused
+        (odd / "known hosts").write_text("".join(
+            ln for ln in open(cl.known_hosts) if not ln.startswith(jump.host + " ")))
+        p = subprocess.run(rsync_argv(str(src), inv.nodes[0]), input=b"train.py", capture_output=True,
+                           timeout=60)
+        assert p.returncode != 0 and b"Host key verification failed" in p.stderr, p.stderr
+    finally:
+        target.iptables("-D", "INPUT", "-s", cl.host_ip, "-j", "DROP")
+        target.run("rm -rf ~/gpt_train")

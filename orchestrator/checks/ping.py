@@ -1,8 +1,9 @@
-"""ping: ICMP echo from the control machine to every node at once, from one socket.
+"""ping: ICMP echo from the control machine to every node at once, one socket per address family.
 
-An ICMP datagram socket (Linux ping sockets, allowed by net.ipv4.ping_group_range) or a raw
-one (root) sends all echoes and collects the replies with one select loop; without either,
-`ping -c1` per node (bounded threads). A node that answers SSH but not ICMP is a warn."""
+An ICMP datagram socket (Linux ping sockets, allowed by net.ipv4.ping_group_range, which covers
+ICMPv6 too) or a raw one (root) sends all echoes and collects the replies with one select loop;
+without either, `ping -c1` per node (bounded threads; ping picks IPv4 or IPv6 from the address).
+A node that answers SSH but not ICMP is a warn."""
 
 from __future__ import annotations
 
@@ -27,75 +28,103 @@ def _checksum(data: bytes) -> int:
     return ~s & 0xFFFF
 
 
-def _echo(ident: int, seq: int) -> bytes:
+# per address family: (protocol, echo request type, echo reply type)
+_ICMP = {socket.AF_INET: (socket.IPPROTO_ICMP, 8, 0), socket.AF_INET6: (socket.IPPROTO_ICMPV6, 128, 129)}
+
+
+def _echo(ident: int, seq: int, family: int = socket.AF_INET) -> bytes:
     payload = struct.pack("!d", time.monotonic())
-    hdr = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
-    return struct.pack("!BBHHH", 8, 0, _checksum(hdr + payload), ident, seq) + payload
+    kind = _ICMP[family][1]
+    hdr = struct.pack("!BBHHH", kind, 0, 0, ident, seq)
+    # ICMPv6's checksum covers a pseudo-header only the kernel knows: it fills that one in
+    csum = _checksum(hdr + payload) if family == socket.AF_INET else 0
+    return struct.pack("!BBHHH", kind, 0, csum, ident, seq) + payload
 
 
-def _open_socket() -> tuple[socket.socket, bool] | None:
+def _open_socket(family: int = socket.AF_INET) -> tuple[socket.socket, bool] | None:
     for kind, raw in ((socket.SOCK_DGRAM, False), (socket.SOCK_RAW, True)):
         try:
-            return socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP), raw
+            return socket.socket(family, kind, _ICMP[family][0]), raw
         except OSError:
             continue
     return None
 
 
-def ping_all(hosts: list[str], timeout: float = 1.0, tries: int = 2) -> dict[str, float | None]:
-    """host -> round trip in seconds, or None (no reply within timeout)."""
-    addrs: dict[str, str] = {}
-    for h in hosts:
-        try:
-            addrs[h] = socket.gethostbyname(h.strip("[]"))
-        except OSError:
-            pass
-    opened = _open_socket()
-    if opened is None:
-        return _ping_processes(hosts, timeout)
-    sock, raw = opened
-    ident = os.getpid() & 0xFFFF
-    seq_of = {}
-    sent_at = {}
-    rtts: dict[str, float | None] = {h: None for h in hosts}
-    by_addr: dict[str, list[str]] = {}
-    for h, a in addrs.items():
-        by_addr.setdefault(a, []).append(h)
+def _resolve(host: str) -> tuple[int, str] | None:
+    """(address family, address) of host as a connection to it would use it (getaddrinfo's first)."""
     try:
-        sock.setblocking(False)
-        for attempt in range(tries):
-            for i, (a, hs) in enumerate(by_addr.items()):
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        if family in _ICMP:
+            return family, sockaddr[0]
+    return None
+
+
+def ping_all(hosts: list[str], timeout: float = 1.0, tries: int = 2) -> dict[str, float | None]:
+    """host -> round trip in seconds, or None (no reply within timeout). IPv4 and IPv6 hosts
+    alike: one ICMP socket per address family for all hosts, `ping` processes without one."""
+    rtts: dict[str, float | None] = {h: None for h in hosts}
+    by_addr: dict[tuple[int, str], list[str]] = {}
+    for h in hosts:
+        resolved = _resolve(h)
+        if resolved is not None:
+            by_addr.setdefault(resolved, []).append(h)
+    socks: dict[int, tuple[socket.socket, bool]] = {}
+    for family in sorted({f for f, _ in by_addr}):
+        opened = _open_socket(family)
+        if opened is not None:
+            socks[family] = opened
+    no_socket = [h for (f, _), hs in by_addr.items() if f not in socks for h in hs]
+    if no_socket:
+        rtts.update(_ping_processes(no_socket, timeout))
+    by_addr = {k: hs for k, hs in by_addr.items() if k[0] in socks}
+    ident = os.getpid() & 0xFFFF
+    seq_of: dict[tuple[int, int], str] = {}
+    sent_at: dict[tuple[int, int], float] = {}
+    family_of = {s.fileno(): f for f, (s, _) in socks.items()}
+    try:
+        for s, _ in socks.values():
+            s.setblocking(False)
+        for attempt in range(tries if by_addr else 0):
+            for i, ((family, a), hs) in enumerate(by_addr.items()):
                 if all(rtts[h] is not None for h in hs):
                     continue
                 seq = (attempt * len(by_addr) + i) & 0xFFFF
-                seq_of[seq] = a
-                sent_at[seq] = time.monotonic()
+                seq_of[family, seq] = a
+                sent_at[family, seq] = time.monotonic()
                 try:
-                    sock.sendto(_echo(ident, seq), (a, 0))
+                    socks[family][0].sendto(_echo(ident, seq, family), (a, 0))
                 except OSError:
                     pass
             deadline = time.monotonic() + timeout / tries
-            while time.monotonic() < deadline and any(v is None for v in rtts.values()):
-                r, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
-                if not r:
+            while time.monotonic() < deadline and any(rtts[h] is None for hs in by_addr.values() for h in hs):
+                ready, _, _ = select.select([s for s, _ in socks.values()], [], [],
+                                            max(0.0, deadline - time.monotonic()))
+                if not ready:
                     break
-                try:
-                    data, (src, _) = sock.recvfrom(2048)
-                except OSError:
-                    continue
-                if raw:
-                    data = data[(data[0] & 0x0F) * 4:]
-                if len(data) < 8 or data[0] != 0:
-                    continue
-                _, _, _, rid, rseq = struct.unpack("!BBHHH", data[:8])
-                if (raw and rid != ident) or seq_of.get(rseq) != src:
-                    continue
-                rtt = time.monotonic() - sent_at[rseq]
-                for h in by_addr.get(src, []):
-                    if rtts[h] is None:
-                        rtts[h] = rtt
+                for sock in ready:
+                    family = family_of[sock.fileno()]
+                    raw = socks[family][1]
+                    try:
+                        data, src = sock.recvfrom(2048)
+                    except OSError:
+                        continue
+                    if raw and family == socket.AF_INET:
+                        data = data[(data[0] & 0x0F) * 4:]  # a raw IPv4 socket keeps the IP header
+                    if len(data) < 8 or data[0] != _ICMP[family][2]:
+                        continue
+                    _, _, _, rid, rseq = struct.unpack("!BBHHH", data[:8])
+                    if (raw and rid != ident) or seq_of.get((family, rseq)) != src[0]:
+                        continue
+                    rtt = time.monotonic() - sent_at[family, rseq]
+                    for h in by_addr.get((family, src[0]), []):
+                        if rtts[h] is None:
+                            rtts[h] = rtt
     finally:
-        sock.close()
+        for s, _ in socks.values():
+            s.close()
     return rtts
 
 

@@ -7,6 +7,11 @@ from orchestrator.platforms.render import _write, render_k8s, render_slurm
 
 # ------------------------------------------------------------------ CLI
 
+# Options are parsed up to `--` or the script's name, so a mistyped flag before them
+# (`--partiton gpu`) is refused by click with exit 2 instead of joining the trainer's arguments.
+_SCRIPT_ARGS = {"allow_interspersed_args": False}
+
+
 @click.group("render")
 def render_command():
     """Write the run `train` would start as a SLURM batch script or Kubernetes manifests."""
@@ -17,7 +22,7 @@ _gpus_opt = click.option("--gpus-per-node", "gpus", type=click.IntRange(0, 1024)
 _out_opt = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
 
 
-@render_command.command("slurm", context_settings={"ignore_unknown_options": True})
+@render_command.command("slurm", context_settings=_SCRIPT_ARGS)
 @cluster_options
 @_gpus_opt
 @_out_opt
@@ -35,7 +40,7 @@ def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, part
                         partition=partition, time_limit=time_limit), output)
 
 
-@render_command.command("k8s", context_settings={"ignore_unknown_options": True})
+@render_command.command("k8s", context_settings=_SCRIPT_ARGS)
 @cluster_options
 @_gpus_opt
 @_out_opt

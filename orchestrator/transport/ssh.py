@@ -20,7 +20,7 @@ from orchestrator.transport.base import (
     Connection,
     Proc,
 )
-from orchestrator.transport.known_hosts import _HostKeyPolicy, known_host_keys
+from orchestrator.transport.known_hosts import _HostKeyPolicy, host_entries
 
 
 class _SSHProc(Proc):
@@ -93,22 +93,21 @@ class SSHConnection(Connection):
         return c
 
     def _secure(self, c) -> None:
-        """Replace fabric's AutoAddPolicy on this hop and every gateway hop, and give each hop's
-        client the known_hosts entries for its own host (see known_host_keys)."""
+        """Replace fabric's AutoAddPolicy on this hop and every gateway hop with one that decides
+        on the presented key from the known_hosts entries for that hop's own host (see
+        known_hosts.py), and make each hop's handshake use a key type listed for it."""
+        kh = self._known_hosts_path()  # the inventory's, else ~/.ssh/known_hosts
         while c is not None and not isinstance(c, (str, bool)):
-            kh = self._known_hosts_path()  # the inventory's, else ~/.ssh/known_hosts
-            name = c.host if c.port == 22 else f"[{c.host}]:{c.port}"  # as paramiko looks it up
+            name = c.host if c.port == 22 else f"[{c.host}]:{c.port}"  # as ssh looks it up
             try:
-                keys = known_host_keys(kh, name)
+                entries = host_entries(kh, name)
             except OSError as e:
                 raise ConnectError(self.node.name, f"cannot read known_hosts {kh}: {e}") from None
-            seen: set[str] = set()
-            for key in keys:
-                if key.get_name() not in seen:  # the first line for a key type wins, as in ssh
-                    seen.add(key.get_name())
-                    c.client.get_host_keys().add(name, key.get_name(), key)
+            disabled = entries.disabled_algorithms()
+            if disabled:
+                c.connect_kwargs["disabled_algorithms"] = disabled
             c.client.set_missing_host_key_policy(
-                _HostKeyPolicy(self.node.name, c.port, kh, self.accept_new))
+                _HostKeyPolicy(self.node.name, c.port, entries, self.accept_new))
             c = c.gateway
 
     def open(self):
