@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trainer.config import UsageError, parse_args
+from trainer.config import PRESETS, TrainConfig, UsageError, make_config, parse_args
 from trainer.model import build_model, count_params, flops_per_token
 from trainer.tokenizer import load_tokenizer
 
@@ -59,6 +59,34 @@ def test_help_lists_every_flag():
     helped = re.findall(r"^  (--[a-z0-9-]+)", out, re.M)
     assert len(helped) >= len(flags)  # each on its own line, with its help text
     assert "pydoc_data.topics" in out  # the demo corpus is named
+
+
+def test_each_default_is_the_dataclass_default():
+    """No flags = TrainConfig(): the parser states no default of its own; the nano preset's shape
+    is the dataclass's, and another preset's shape comes from its named fields."""
+    assert parse_args([]) == TrainConfig() == make_config({})
+    tiny = PRESETS["tiny"]
+    cfg = parse_args(["--preset", "tiny", "--n-head", "3"])
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size, cfg.tokenizer) == \
+        (tiny.n_layer, tiny.n_embd, 3, tiny.block_size, tiny.vocab_size, tiny.tokenizer)
+    out = cli("--help").stdout
+    assert "(default: 0.001)" in out and "(default: from --preset)" in out
+
+
+def test_unknown_or_mistyped_config_keys_are_errors_naming_them():
+    with pytest.raises(UsageError, match=r"unknown config keys: foo, n_layers"):
+        make_config({"lr": 1e-3, "n_layers": 3, "foo": 1})
+    with pytest.raises(UsageError, match=r"config key n_layer must be int, got True"):
+        make_config({"n_layer": True})
+    with pytest.raises(UsageError, match=r"config key lr must be float, got '1e-3'"):
+        make_config({"lr": "1e-3"})
+    with pytest.raises(UsageError, match=r"unknown preset 'huge'"):
+        make_config({"preset": "huge"})
+    assert make_config({"lr": 1, "min_lr": None}).lr == 1.0 and isinstance(make_config({"lr": 1}).lr, float)
+    with pytest.raises(UsageError, match="--batch-size must be positive, got 0"):
+        parse_args(["--batch-size", "0"])
+    with pytest.raises(UsageError, match="--grad-clip must not be negative"):
+        parse_args(["--grad-clip", "-1"])
 
 
 @pytest.mark.parametrize("preset, n", [("small", 124_439_808), ("medium", 354_823_168), ("nano", 120_576)])
