@@ -185,3 +185,23 @@ def test_bf16_hook_on_gloo_averages_bf16_rounded_gradients(tmp_path, one_rank_gr
     pairs = list(zip(plain.parameters(), ddp.module.parameters()))
     assert all(torch.equal(p.grad.to(torch.bfloat16).float(), q.grad) for p, q in pairs)
     assert any(not torch.equal(p.grad, q.grad) for p, q in pairs)  # the rounding did happen
+
+
+@pytest.mark.parametrize("zero, gathered_after_forward", [(3, False), (2, True)])
+def test_zero2_keeps_parameters_gathered_between_forward_and_backward(tmp_path, one_rank_group, zero,
+                                                                      gathered_after_forward):
+    """--zero 2 is FSDP2 without resharding after forward: after the forward pass a block holds its
+    unsharded parameters (plain tensors) until backward; --zero 3 is back to sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel import shard_model
+    cfg = parse_args(["--block-size", "16", "--strategy", "fsdp", "--zero", str(zero)])
+    model = build_model(cfg)
+    shard_model(model, cfg, torch.device("cpu"))
+    block = model.transformer.h[0]
+    assert all(isinstance(p, DTensor) for p in block.parameters())  # sharded before forward
+    x, y = _data(tmp_path, 16).batch("train", 2, 0, 0, 0)
+    loss = _trainer(cfg, model).loss(x, y)
+    assert all(not isinstance(p, DTensor) for p in block.parameters()) == gathered_after_forward
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in block.parameters())  # and sharded again after backward

@@ -1,11 +1,12 @@
 """Fast trainer checks: no training, no processes beyond the CLI ones."""
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from trainer.config import PRESETS, TrainConfig, UsageError, make_config, parse_args
+from trainer.config import PRESETS, TrainConfig, UsageError, check_precision, make_config, parse_args
 from trainer.model import build_model, count_params, flops_per_token
 from trainer.tokenizer import load_tokenizer
 
@@ -55,7 +56,6 @@ def test_help_lists_every_flag():
     flags = ["--" + f.name.replace("_", "-") for f in fields(TrainConfig)]
     missing = [f for f in flags if f not in out]
     assert not missing
-    import re
     helped = re.findall(r"^  (--[a-z0-9-]+)", out, re.M)
     assert len(helped) >= len(flags)  # each on its own line, with its help text
     assert "pydoc_data.topics" in out  # the demo corpus is named
@@ -128,3 +128,30 @@ def test_local_hf_tokenizer_directory(tmp_path):
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.eot == 50256 and tok.vocab_size == 50257
     assert parse_args(["--tokenizer", str(tmp_path)]).tokenizer == str(tmp_path)
+
+
+def test_fp16_on_cpu_is_refused_unless_asked_for():
+    check_precision(parse_args(["--precision", "fp16"]), "cuda")
+    check_precision(parse_args(["--precision", "bf16"]), "cpu")
+    check_precision(parse_args(["--precision", "fp16", "--allow-slow-fp16"]), "cpu")
+    with pytest.raises(UsageError, match=r"measured \d+-\d+x slower than fp32"):
+        check_precision(parse_args(["--precision", "fp16"]), "cpu")
+
+
+def test_fp16_on_a_cpu_only_run_exits_2_naming_the_way_out(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "trainer", "--precision", "fp16", "--output-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # CPU-only even on a GPU host
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert re.search(r"measured \d+-\d+x slower than fp32", r.stderr), r.stderr
+    for words in ("--precision bf16", "or fp32", "--allow-slow-fp16"):
+        assert words in r.stderr
+    assert not os.listdir(tmp_path)  # refused before any data, model or checkpoint work
+
+
+@pytest.mark.parametrize("args", [["--zero", "2"], ["--cpu-offload"]])
+def test_fsdp_only_flags_are_refused_with_ddp(args):
+    with pytest.raises(UsageError, match="apply to --strategy fsdp only"):
+        parse_args(args)
+    assert parse_args(["--strategy", "fsdp", *args]).strategy == "fsdp"

@@ -49,6 +49,12 @@ PRESET_FIELDS = tuple(f.name for f in fields(Preset) if f.name != "about")
 _BASE = PRESETS[DEFAULT_PRESET]
 
 
+# fp16 autocast on a CPU without fp16 matmul kernels, torch 2.13.0+cpu on 2 AMD EPYC cores: one
+# layer of tiny at ctx 128, 1 thread, 4.3-4.9 CPU-s per step against 0.35 s in fp32 (bf16 0.24-0.31 s);
+# the full tiny preset 10-20 s per step against 0.5 s.
+CPU_FP16_SLOWDOWN = "14-40x"
+
+
 def _opt(default, help: str, *, group: str, choices=None, metavar=None, bound=None, from_preset=False):
     """A TrainConfig field with what its flag needs. bound: ">0" or ">=0", checked in make_config."""
     return field(default=default, metadata=dict(help=help, group=group, choices=choices, metavar=metavar,
@@ -88,10 +94,18 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "max gradient norm (0 disables)", group="optimisation", bound=">=0")
     scale_lr: bool = _opt(False, "treat --lr/--min-lr as the rates for one process without accumulation and "
                           "scale them linearly with world size x grad-accum", group="optimisation")
-    precision: str = _opt("fp32", "autocast dtype; fp16 adds a GradScaler", group="systems",
-                          choices=["fp32", "fp16", "bf16"])
-    strategy: str = _opt("ddp", "DistributedDataParallel, or FSDP2 fully_shard per block (ZeRO-3)", group="systems",
+    precision: str = _opt("fp32", "autocast dtype; fp16 adds a GradScaler (on a CPU-only run fp16 needs "
+                          "--allow-slow-fp16)", group="systems", choices=["fp32", "fp16", "bf16"])
+    allow_slow_fp16: bool = _opt(False, "accept --precision fp16 on a CPU-only run, where fp16 autocast "
+                                 f"measured {CPU_FP16_SLOWDOWN} slower than fp32", group="systems")
+    strategy: str = _opt("ddp", "DistributedDataParallel, or FSDP2 fully_shard per block", group="systems",
                          choices=["ddp", "fsdp"])
+    zero: int = _opt(3, "with --strategy fsdp: 3 frees gathered parameters after forward and gathers them "
+                     "again for backward (ZeRO-3, least memory); 2 keeps them until backward (ZeRO-2-like: "
+                     "one all-gather fewer per step, more memory)", group="systems", choices=[2, 3])
+    cpu_offload: bool = _opt(False, "with --strategy fsdp: keep sharded parameters, gradients and optimizer "
+                             "state in CPU memory, optimizer step on the CPU (FSDP2 CPUOffloadPolicy)",
+                             group="systems")
     comm_hook: str = _opt("none", "DDP gradient compression hook", group="systems",
                           choices=["none", "fp16", "bf16", "powersgd"])
     powersgd_rank: int = _opt(4, "PowerSGD matrix approximation rank", group="systems", bound=">0")
@@ -231,6 +245,9 @@ def _validate(cfg: TrainConfig) -> None:
         raise UsageError("--powersgd-start-iter must be at least 2: DDP needs two plain iterations first.")
     if cfg.strategy == "fsdp" and cfg.comm_hook != "none":
         raise UsageError("--comm-hook applies to DDP only; FSDP shards gradients with reduce-scatter.")
+    if cfg.strategy != "fsdp" and (cfg.zero != 3 or cfg.cpu_offload):
+        raise UsageError("--zero 2 and --cpu-offload apply to --strategy fsdp only "
+                         "(DDP keeps a full replica on every rank).")
     if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):
         raise UsageError(f"--resume checkpoint {cfg.resume!r} does not exist.")
 
@@ -242,6 +259,14 @@ def _validate_data_path(path: str) -> None:
         raise UsageError(f"--data file {path!r} is neither .txt nor .jsonl.")
     if os.path.isdir(path) and not any(f.endswith((".txt", ".jsonl")) for _, _, fs in os.walk(path) for f in fs):
         raise UsageError(f"--data directory {path!r} holds no .txt or .jsonl files.")
+
+
+def check_precision(cfg: TrainConfig, device_type: str) -> None:
+    """fp16 autocast on a CPU is accepted by torch but crawls; refuse it unless asked for."""
+    if device_type == "cpu" and cfg.precision == "fp16" and not cfg.allow_slow_fp16:
+        raise UsageError(f"--precision fp16 on a CPU-only run measured {CPU_FP16_SLOWDOWN} slower than fp32 "
+                         "(tiny: 10-20 s per step against 0.5 s); use --precision bf16 (not slower than fp32 "
+                         "on a CPU) or fp32, or pass --allow-slow-fp16 to run it anyway.")
 
 
 def main_usage_error(err: UsageError) -> int:

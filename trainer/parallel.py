@@ -70,7 +70,7 @@ def wrap_model(raw, cfg: TrainConfig, world: int, device: torch.device):
     if world == 1:
         return maybe_compiled, None
     if cfg.strategy == "fsdp":
-        shard_model(raw, cfg)
+        shard_model(raw, cfg, device)
         return (torch.compile(raw) if cfg.compile else raw), raw
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(maybe_compiled, device_ids=[device.index] if device.type == "cuda" else None,
@@ -80,13 +80,22 @@ def wrap_model(raw, cfg: TrainConfig, world: int, device: torch.device):
     return ddp, ddp
 
 
-def shard_model(raw, cfg: TrainConfig) -> None:
-    """FSDP2: fully_shard each transformer block, then the root (for the embeddings and final LN)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kw = {}
+def shard_model(raw, cfg: TrainConfig, device: torch.device) -> None:
+    """FSDP2: fully_shard each transformer block, then the root (for the embeddings and final LN).
+
+    --zero 3 frees a block's gathered parameters after its forward and gathers them again in
+    backward; --zero 2 (reshard_after_forward=False) keeps them gathered from forward to backward:
+    one all-gather fewer per block per step for the memory of the unsharded parameters, while
+    gradients and optimizer state stay sharded, as in ZeRO-2. --cpu-offload keeps the shards,
+    their gradients and the optimizer state in CPU memory and runs the optimizer step there.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {"reshard_after_forward": cfg.zero == 3}
     if cfg.precision in ("bf16", "fp16"):  # compute in half, reduce-scatter in fp32
         half = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    if cfg.cpu_offload:  # pinned host memory lets copies overlap compute; it needs an accelerator
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in raw.transformer.h:
         fully_shard(block, **kw)
     fully_shard(raw, **kw)

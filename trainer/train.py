@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint
-from .config import TrainConfig, UsageError
+from .config import TrainConfig, UsageError, check_precision
 from .data import TokenData
 from .model import build_model, count_params, flops_per_token
 from .parallel import ddp_comm_stats, peak_flops, setup_distributed, wrap_model
@@ -191,7 +191,11 @@ class Run:
         return Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
 
     def strategy(self) -> str:
-        return self.cfg.strategy if self.world > 1 else "single"
+        if self.world == 1:
+            return "single"
+        if self.fsdp:
+            return f"fsdp zero-{self.cfg.zero}" + (" cpu-offload" if self.cfg.cpu_offload else "")
+        return "ddp"
 
     def banner(self) -> None:
         cfg, world = self.cfg, self.world
@@ -274,6 +278,7 @@ def _loop(run: Run, stop) -> tuple[int, bool]:
 
 
 def train(cfg: TrainConfig) -> int:
+    check_precision(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # before any process group
     stop = SimpleNamespace(requested=False)  # SIGTERM (clusterctl stop): finish the step, checkpoint, exit 0
     signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "requested", True))
     run = Run(cfg)
