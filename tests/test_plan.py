@@ -47,9 +47,10 @@ def test_closed_form_overrides(n_layer, heads, head_dim, ctx, vocab, pad, inner,
 
 def test_presets_are_the_trainers():
     config = pytest.importorskip("trainer.config")
-    for name, row in config.PRESETS.items():
+    for name, p in config.PRESETS.items():
         m = P.PRESETS[name]
-        assert (m.n_layer, m.n_embd, m.n_head, m.n_positions, m.vocab_size) == tuple(row[:5])
+        assert (m.n_layer, m.n_embd, m.n_head, m.n_positions, m.vocab_size) == \
+            (p.n_layer, p.n_embd, p.n_head, p.block_size, p.vocab_size)
 
 
 def test_vocab_padding():

@@ -145,7 +145,7 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("hook, dtype", [("none", "fp32"), ("fp16", "fp32"), ("powersgd", "fp32"),
+@pytest.mark.parametrize("hook, dtype", [("none", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"), ("powersgd", "fp32"),
                                          ("powersgd", "bf16"), ("powersgd", "fp16")])
 def test_only_the_last_micro_step_all_reduces(tmp_path, one_rank_group, hook, dtype):
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,3 +168,40 @@ def test_only_the_last_micro_step_all_reduces(tmp_path, one_rank_group, hook, dt
         t.step([d.batch("train", 2, 0, 0, step, m) for m in range(4)], lr=1e-3)
         n_buckets = len(set(calls))
         assert n_buckets >= 1 and len(calls) == n_buckets  # one reduction per bucket per *step*
+
+
+def test_bf16_hook_on_gloo_averages_bf16_rounded_gradients(tmp_path, one_rank_group):
+    """The bf16 hook DDP accepts off NCCL: one rank's synced gradients are its own, rounded to bf16."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    cfg = parse_args(["--block-size", "16", "--comm-hook", "bf16"])
+    torch.manual_seed(0)
+    plain = build_model(cfg)
+    ddp = DDP(build_model(cfg), gradient_as_bucket_view=True)
+    ddp.module.load_state_dict(plain.state_dict())
+    register_comm_hook(ddp, cfg)
+    x, y = _data(tmp_path, 16).batch("train", 2, 0, 0, 0)
+    for model in (plain, ddp):
+        _trainer(cfg, model).loss(x, y).backward()
+    pairs = list(zip(plain.parameters(), ddp.module.parameters()))
+    assert all(torch.equal(p.grad.to(torch.bfloat16).float(), q.grad) for p, q in pairs)
+    assert any(not torch.equal(p.grad, q.grad) for p, q in pairs)  # the rounding did happen
+
+
+@pytest.mark.parametrize("zero, gathered_after_forward", [(3, False), (2, True)])
+def test_zero2_keeps_parameters_gathered_between_forward_and_backward(tmp_path, one_rank_group, zero,
+                                                                      gathered_after_forward):
+    """--zero 2 is FSDP2 without resharding after forward: after the forward pass a block holds its
+    unsharded parameters (plain tensors) until backward; --zero 3 is back to sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel import shard_model
+    cfg = parse_args(["--block-size", "16", "--strategy", "fsdp", "--zero", str(zero)])
+    model = build_model(cfg)
+    shard_model(model, cfg, torch.device("cpu"))
+    block = model.transformer.h[0]
+    assert all(isinstance(p, DTensor) for p in block.parameters())  # sharded before forward
+    x, y = _data(tmp_path, 16).batch("train", 2, 0, 0, 0)
+    loss = _trainer(cfg, model).loss(x, y)
+    assert all(not isinstance(p, DTensor) for p in block.parameters()) == gathered_after_forward
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in block.parameters())  # and sharded again after backward

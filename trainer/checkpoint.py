@@ -20,16 +20,23 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import pickle
 import random
 import re
 import shutil
 import sys
+import zipfile
 
 import torch
 import torch.distributed as dist
 
 _NAME = re.compile(r"ckpt_(\d{8})(\.pt)?$")
 MANIFEST = "MANIFEST.sha256"
+# What a checkpoint that cannot be used raises while being verified or read: ValueError from
+# verify() (no or wrong checksum, malformed manifest) and from _load_file (not a trainer dict);
+# OSError for unreadable files; and from torch.load on bytes that passed a checksum but are not
+# a torch file: a zip error, an unpickling error, EOFError, or RuntimeError (torch's zip reader).
+UNUSABLE = (ValueError, OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile)
 
 
 def _rng_state() -> dict:
@@ -220,7 +227,7 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
                 state = _load_file(path)
                 print(f"resuming from {path} (step {state['step']})", flush=True)
                 break
-            except Exception as e:  # torn or foreign file: never half-load it
+            except UNUSABLE as e:  # torn or foreign file: never half-load it
                 _warn_skip(path, e)
     if distributed:
         box = [state]
@@ -246,7 +253,7 @@ def _load_fsdp(candidates, model, optimizer, scaler, rank) -> int | None:
                 verify(path)
                 good = path
                 break
-            except Exception as e:
+            except (ValueError, OSError) as e:  # see UNUSABLE: what verify() raises
                 _warn_skip(path, e)
     box = [good]
     dist.broadcast_object_list(box, src=0)

@@ -70,15 +70,7 @@ def wrap_model(raw, cfg: TrainConfig, world: int, device: torch.device):
     if world == 1:
         return maybe_compiled, None
     if cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = None
-        if cfg.precision in ("bf16", "fp16"):  # compute in half, reduce-scatter in fp32
-            half = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
-            mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-        kw = {"mp_policy": mp} if mp else {}
-        for block in raw.transformer.h:
-            fully_shard(block, **kw)
-        fully_shard(raw, **kw)
+        shard_model(raw, cfg, device)
         return (torch.compile(raw) if cfg.compile else raw), raw
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(maybe_compiled, device_ids=[device.index] if device.type == "cuda" else None,
@@ -86,6 +78,27 @@ def wrap_model(raw, cfg: TrainConfig, world: int, device: torch.device):
     if cfg.comm_hook != "none":
         register_comm_hook(ddp, cfg)
     return ddp, ddp
+
+
+def shard_model(raw, cfg: TrainConfig, device: torch.device) -> None:
+    """FSDP2: fully_shard each transformer block, then the root (for the embeddings and final LN).
+
+    --zero 3 frees a block's gathered parameters after its forward and gathers them again in
+    backward; --zero 2 (reshard_after_forward=False) keeps them gathered from forward to backward:
+    one all-gather fewer per block per step for the memory of the unsharded parameters, while
+    gradients and optimizer state stay sharded, as in ZeRO-2. --cpu-offload keeps the shards,
+    their gradients and the optimizer state in CPU memory and runs the optimizer step there.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {"reshard_after_forward": cfg.zero == 3}
+    if cfg.precision in ("bf16", "fp16"):  # compute in half, reduce-scatter in fp32
+        half = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    if cfg.cpu_offload:  # pinned host memory lets copies overlap compute; it needs an accelerator
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in raw.transformer.h:
+        fully_shard(block, **kw)
+    fully_shard(raw, **kw)
 
 
 def register_comm_hook(ddp, cfg: TrainConfig, wrap=None):
@@ -112,9 +125,18 @@ def register_comm_hook(ddp, cfg: TrainConfig, wrap=None):
 
 
 def _bf16_compress_hook_any_backend(process_group, bucket):
-    """torch's bf16_compress_hook body; DDP refuses the public one off NCCL/XCCL, gloo handles bf16."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+    """What torch's bf16_compress_hook does, for any backend: DDP refuses that hook (by its name)
+    off NCCL/XCCL, while gloo all-reduces bf16 fine. The bucket is cast to bf16, pre-divided by
+    the world size, all-reduced, and copied back into the fp32 bucket."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f):
+        buffer.copy_(f.value()[0])
+        return buffer
+    return fut.then(decompress)
 
 
 def _bf16_wrapper_any_backend(hook):
@@ -134,13 +156,23 @@ def _bf16_wrapper_any_backend(hook):
 def ddp_comm_stats(ddp) -> dict | None:
     """DDP's own sampled timers (its reducer times iterations 1-10, then every 100th): the last
     sampled backward's all-reduce span, compute span and their overlap, in seconds. None when
-    not DDP or nothing sampled yet. A private torch API, hence the guard."""
-    try:
-        d = ddp._get_ddp_logging_data()
-        if "backward_comm_time" not in d:
-            return None
-        return {"iteration": d["iteration"], "comm": d["backward_comm_time"] / 1e9,
-                "compute": (d["forward_compute_time"] + d["backward_compute_time"]) / 1e9,
-                "overlap": d["backward_compute_comm_overlap_time"] / 1e9}
-    except Exception:
+    nothing is sampled yet or this torch does not offer the figures.
+
+    torch exposes them only through DDP's private, prototype `_get_ddp_logging_data`. It raises
+    AssertionError when the DDP module has no logger; a torch release without the method (or
+    with other key names) leaves the progress line without the figures instead of failing it.
+    """
+    getter = getattr(ddp, "_get_ddp_logging_data", None)
+    if getter is None:
         return None
+    try:
+        d = getter()
+    except AssertionError:
+        return None
+    keys = ("backward_comm_time", "forward_compute_time", "backward_compute_time",
+            "backward_compute_comm_overlap_time")
+    if not all(isinstance(d.get(k), int) for k in keys):
+        return None
+    return {"iteration": d.get("iteration"), "comm": d["backward_comm_time"] / 1e9,
+            "compute": (d["forward_compute_time"] + d["backward_compute_time"]) / 1e9,
+            "overlap": d["backward_compute_comm_overlap_time"] / 1e9}

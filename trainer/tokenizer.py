@@ -60,7 +60,8 @@ def load_tokenizer(spec: str):
     from .config import UsageError
     try:
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except Exception as e:
+    except Exception as e:  # a directory that is no tokenizer fails in many ways (OSError, ValueError,
+        # KeyError, JSON errors) by what is missing or damaged; each is the same user mistake
         raise UsageError(f"--tokenizer {spec!r} is not a loadable Hugging Face tokenizer directory "
                          f"({type(e).__name__}).") from None
     eot = tok.eos_token_id if tok.eos_token_id is not None else 0

@@ -13,13 +13,14 @@ import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint
-from .config import TrainConfig, UsageError
+from .config import TrainConfig, UsageError, check_precision
 from .data import TokenData
 from .model import build_model, count_params, flops_per_token
 from .parallel import ddp_comm_stats, peak_flops, setup_distributed, wrap_model
@@ -97,16 +98,15 @@ class Trainer:
 
 
 def _make_autocast(precision: str, device: torch.device):
+    """The autocast context for --precision (a no-op for fp32), checked with torch's public
+    predicates first so an unsupported combination is a UsageError, not a RuntimeError."""
     if precision == "fp32":
         return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    try:
-        ctx = torch.autocast(device_type=device.type, dtype=dtype)
-        with ctx:
-            pass
-    except Exception as e:  # pragma: no cover - depends on the torch build
-        raise UsageError(f"--precision {precision} is not supported on {device.type} by this torch build ({e}).")
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    if not torch.amp.is_autocast_available(device.type):
+        raise UsageError(f"--precision {precision}: this torch build has no autocast for {device.type}.")
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UsageError("--precision bf16: this GPU does not support bfloat16; use fp16 or fp32.")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 @torch.no_grad()
@@ -145,125 +145,163 @@ def sample(trainer: Trainer, tok, cfg: TrainConfig, prompt: str = "\n") -> str:
     return tok.decode(ids[0].tolist())
 
 
-def train(cfg: TrainConfig) -> int:
-    rank, local_rank, world, device, control = setup_distributed()
-    master = rank == 0
-    stop = {"flag": False}  # SIGTERM (clusterctl stop): finish the step, checkpoint, exit 0
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    torch.manual_seed(cfg.seed)
-    if device.type == "cuda":  # TF32 matmuls/convs: ~free speed on Ampere+, fp32 accumulate
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-    os.makedirs(cfg.output_dir, exist_ok=True)
+class Run:
+    """Everything one training process holds: process group, data, model, trainer, writer."""
 
-    tok = load_tokenizer(cfg.tokenizer)
-    if tok.vocab_size > cfg.vocab_size:
-        raise UsageError(f"the {tok.name} tokenizer has {tok.vocab_size} tokens but --vocab-size is {cfg.vocab_size}.")
-    data = TokenData(cfg.data, tok, os.path.join(cfg.output_dir, "cache"), cfg.block_size, local_rank)
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.local_rank, self.world, self.device, self.control = setup_distributed()
+        self.master = self.rank == 0
+        self.fsdp = self.world > 1 and cfg.strategy == "fsdp"
+        torch.manual_seed(cfg.seed)
+        if self.device.type == "cuda":  # TF32 matmuls/convs: ~free speed on Ampere+, fp32 accumulate
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cudnn.conv.fp32_precision = "tf32"
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        self.tok = load_tokenizer(cfg.tokenizer)
+        if self.tok.vocab_size > cfg.vocab_size:
+            raise UsageError(f"the {self.tok.name} tokenizer has {self.tok.vocab_size} tokens but --vocab-size "
+                             f"is {cfg.vocab_size}.")
+        self.data = TokenData(cfg.data, self.tok, os.path.join(cfg.output_dir, "cache"), cfg.block_size,
+                              self.local_rank)
+        self.raw = build_model(cfg).to(self.device)
+        self.n_params = count_params(self.raw)
+        self.trainer = self._build_trainer()
+        self.start = checkpoint.load(cfg.resume, cfg.output_dir, self.raw, self.trainer.opt, self.trainer.scaler,
+                                     rank=self.rank, fsdp=self.fsdp, distributed=self.world > 1) or 0
+        self.lr_scale = self.world * cfg.grad_accum if cfg.scale_lr else 1
+        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * self.world
+        self.fpt, self.peak = flops_per_token(cfg, self.n_params), peak_flops(self.device, cfg.precision)
+        self.writer = None
+        if self.master:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(cfg.output_dir, "logs"), purge_step=self.start)
 
-    raw = build_model(cfg).to(device)
-    n_params = count_params(raw)
-    fsdp = world > 1 and cfg.strategy == "fsdp"
-    model, sync_module = wrap_model(raw, cfg, world, device)
-    # ShardedGradScaler (FSDP + fp16) hands fused AdamW a found_inf it cannot broadcast: unfused there
-    sharded_fp16 = fsdp and cfg.precision == "fp16"
-    optimizer = configure_optimizer(raw, cfg, device, fused=not sharded_fp16)
-    if sharded_fp16:  # each rank sees only its shard's grads: all ranks must agree on inf/NaN
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler(device.type)
-    else:
-        scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    trainer = Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
-    start = checkpoint.load(cfg.resume, cfg.output_dir, raw, optimizer, scaler,
-                            rank=rank, fsdp=fsdp, distributed=world > 1) or 0
+    def _build_trainer(self) -> Trainer:
+        cfg, device = self.cfg, self.device
+        model, sync_module = wrap_model(self.raw, cfg, self.world, device)
+        # ShardedGradScaler (FSDP + fp16) hands fused AdamW a found_inf it cannot broadcast: unfused there
+        sharded_fp16 = self.fsdp and cfg.precision == "fp16"
+        optimizer = configure_optimizer(self.raw, cfg, device, fused=not sharded_fp16)
+        if sharded_fp16:  # each rank sees only its shard's grads: all ranks must agree on inf/NaN
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            scaler = ShardedGradScaler(device.type)
+        else:
+            scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        return Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
 
-    lr_scale = world * cfg.grad_accum if cfg.scale_lr else 1
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world
-    fpt, peak = flops_per_token(cfg, n_params), peak_flops(device, cfg.precision)
-    writer = None
-    if master:
+    def strategy(self) -> str:
+        if self.world == 1:
+            return "single"
+        if self.fsdp:
+            return f"fsdp zero-{self.cfg.zero}" + (" cpu-offload" if self.cfg.cpu_offload else "")
+        return "ddp"
+
+    def banner(self) -> None:
+        cfg, world = self.cfg, self.world
         if os.environ.get("CLUSTERCTL_RUN_ID"):
             print(f"run id {os.environ['CLUSTERCTL_RUN_ID']}")
-        print(f"world size {world} | strategy {cfg.strategy if world > 1 else 'single'} | device {device} | "
-              f"precision {cfg.precision} | params {n_params:,} | effective batch {cfg.batch_size} x {world} x "
-              f"{cfg.grad_accum} = {cfg.batch_size * world * cfg.grad_accum} seqs ({tokens_per_step:,} tokens) | "
-              f"lr {cfg.lr * lr_scale:.3e}{' (scaled)' if cfg.scale_lr else ''} | "
-              f"data {data.n_tokens:,} tokens ({tok.name}) | start step {start}", flush=True)
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.output_dir, "logs"), purge_step=start)
+        seqs = cfg.batch_size * world * cfg.grad_accum
+        print(f"world size {world} | strategy {self.strategy()} | device {self.device} | "
+              f"precision {cfg.precision} | params {self.n_params:,} | effective batch {cfg.batch_size} x {world} x "
+              f"{cfg.grad_accum} = {seqs} seqs ({self.tokens_per_step:,} tokens) | "
+              f"lr {cfg.lr * self.lr_scale:.3e}{' (scaled)' if cfg.scale_lr else ''} | "
+              f"data {self.data.n_tokens:,} tokens ({self.tok.name}) | start step {self.start}", flush=True)
 
-    def save(step):
-        return checkpoint.save(cfg.output_dir, step, raw, optimizer, scaler, asdict(cfg),
-                               rank=rank, fsdp=fsdp, keep=cfg.keep_ckpts)
+    def save(self, step: int) -> str:
+        t = self.trainer
+        return checkpoint.save(self.cfg.output_dir, step, self.raw, t.opt, t.scaler, asdict(self.cfg),
+                               rank=self.rank, fsdp=self.fsdp, keep=self.cfg.keep_ckpts)
 
-    step, t_last, steps_since, terminated = start, time.perf_counter(), 0, False
+    def report(self, step: int, lr: float, loss: float, dt: float) -> None:
+        """Rank 0: the progress line and its TensorBoard scalars."""
+        tps = self.tokens_per_step / dt
+        mfu = self.fpt * tps / (self.peak * self.world) if self.peak else None
+        line = (f"step {step} | loss {loss:.6f} | lr {lr:.3e} | tok/s {tps:,.0f} | "
+                f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} | step {dt * 1e3:.0f} ms")
+        sync = self.trainer.sync_module
+        comm = ddp_comm_stats(sync) if sync is not None and not self.fsdp else None
+        if comm:  # DDP's own timers, from the last iteration its reducer sampled
+            line += (f" | allreduce {comm['comm'] * 1e3:.0f} ms vs compute {comm['compute'] * 1e3:.0f} ms "
+                     f"(overlap {comm['overlap'] * 1e3:.0f} ms)")
+        print(line, flush=True)
+        scalars = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tps, "perf/mfu": mfu}
+        if comm:
+            scalars.update({"perf/allreduce_s": comm["comm"], "perf/compute_s": comm["compute"]})
+        for tag, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, step)
+
+    def validate(self, step: int) -> None:
+        val = evaluate(self.trainer, self.data, self.cfg, self.rank, step, self.control)
+        if self.master:
+            print(f"step {step} | val loss {val:.6f}", flush=True)
+            self.writer.add_scalar("val/loss", val, step)
+
+
+def _stop_agreed(run: Run, stop) -> bool:
+    """Every rank must stop at the same step: agree on the SIGTERM flag before stepping."""
+    flag = torch.tensor([1.0 if stop.requested else 0.0])
+    if run.control is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=run.control)
+    return bool(flag.item())
+
+
+def _loop(run: Run, stop) -> tuple[int, bool]:
+    """Optimizer steps from run.start to max_steps -> (last step, stopped by SIGTERM)."""
+    cfg = run.cfg
+    step, t_last, steps_since = run.start, time.perf_counter(), 0
     while step < cfg.max_steps:
-        # Every rank must stop at the same step: agree on the SIGTERM flag before stepping.
-        flag = torch.tensor([1.0 if stop["flag"] else 0.0])
-        if control is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-        if flag.item():
-            path = save(step) if step > start else "(none: no step since the last one)"
-            if master:
+        if _stop_agreed(run, stop):
+            path = run.save(step) if step > run.start else "(none: no step since the last one)"
+            if run.master:
                 print(f"SIGTERM received: saved checkpoint {path} at step {step}, exiting", flush=True)
-            terminated = True
-            break
-        lr = get_lr(step, cfg, lr_scale)
-        batches = [data.batch("train", cfg.batch_size, cfg.seed, rank, step, m) for m in range(cfg.grad_accum)]
-        loss = trainer.step(batches, lr)
+            return step, True
+        lr = get_lr(step, cfg, run.lr_scale)
+        batches = [run.data.batch("train", cfg.batch_size, cfg.seed, run.rank, step, m) for m in range(cfg.grad_accum)]
+        loss = run.trainer.step(batches, lr)
         step += 1
         steps_since += 1
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            loss = _mean_over_ranks(loss.item(), control)
-            if device.type == "cuda":
+            loss = _mean_over_ranks(loss.item(), run.control)
+            if run.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = (time.perf_counter() - t_last) / steps_since
             t_last, steps_since = time.perf_counter(), 0
-            tps = tokens_per_step / dt
-            if master:
-                mfu = f"{fpt * tps / (peak * world):.1%}" if peak else "n/a"
-                line = f"step {step} | loss {loss:.6f} | lr {lr:.3e} | tok/s {tps:,.0f} | mfu {mfu} | step {dt * 1e3:.0f} ms"
-                comm = ddp_comm_stats(sync_module) if sync_module is not None and not fsdp else None
-                if comm:  # DDP's own timers, from the last iteration its reducer sampled
-                    line += (f" | allreduce {comm['comm'] * 1e3:.0f} ms vs compute {comm['compute'] * 1e3:.0f} ms "
-                             f"(overlap {comm['overlap'] * 1e3:.0f} ms)")
-                print(line, flush=True)
-                writer.add_scalar("train/loss", loss, step)
-                writer.add_scalar("train/lr", lr, step)
-                writer.add_scalar("perf/tokens_per_s", tps, step)
-                if peak:
-                    writer.add_scalar("perf/mfu", fpt * tps / (peak * world), step)
-                if comm:
-                    writer.add_scalar("perf/allreduce_s", comm["comm"], step)
-                    writer.add_scalar("perf/compute_s", comm["compute"], step)
+            if run.master:
+                run.report(step, lr, loss, dt)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-            val = evaluate(trainer, data, cfg, rank, step, control)
-            if master:
-                print(f"step {step} | val loss {val:.6f}", flush=True)
-                writer.add_scalar("val/loss", val, step)
+            run.validate(step)
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.max_steps:
-            save(step)
+            run.save(step)
+    return step, False
 
+
+def train(cfg: TrainConfig) -> int:
+    check_precision(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # before any process group
+    stop = SimpleNamespace(requested=False)  # SIGTERM (clusterctl stop): finish the step, checkpoint, exit 0
+    signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "requested", True))
+    run = Run(cfg)
+    if run.master:
+        run.banner()
+    step, terminated = _loop(run, stop)
     if not terminated:
-        if step > start:
-            save(step)
-        val = evaluate(trainer, data, cfg, rank, step, control)
-        text = sample(trainer, tok, cfg) if cfg.sample_tokens else ""
-        if master:
-            print(f"step {step} | val loss {val:.6f}", flush=True)
-            writer.add_scalar("val/loss", val, step)
-            if text:
-                print("sample:\n" + text, flush=True)
-    if writer:
-        writer.close()
-    if world > 1:
+        if step > run.start:
+            run.save(step)
+        run.validate(step)
+        text = sample(run.trainer, run.tok, cfg) if cfg.sample_tokens else ""
+        if run.master and text:
+            print("sample:\n" + text, flush=True)
+    if run.writer:
+        run.writer.close()
+    if run.world > 1:
         dist.barrier()
         # DDP/FSDP (and the control group) keep references to the process groups. Drop them so
         # destroy_process_group frees the gloo group now, joining its worker threads, instead
         # of at interpreter exit: a worker still releasing a finished all_reduce's tensors
         # needs the GIL then, and torch 2.13 aborts the rank ("terminate called without an
         # active exception", SIGABRT), failing a finished run (seen in ~1 of 4 cross-host runs).
-        del trainer, model, sync_module, optimizer, control
+        del run
         gc.collect()
         dist.destroy_process_group()
     return 0

@@ -43,12 +43,12 @@ def _presets() -> dict[str, ModelSpec]:
         "small": ModelSpec(12, 768, 12, 1024, 50257),
         "medium": ModelSpec(24, 1024, 16, 1024, 50257),
     }
-    try:  # the trainer's presets win (trainer/config.py: name -> (L, d, heads, ctx, vocab, tokenizer));
+    try:  # the trainer's presets win (trainer/config.py: name -> Preset(n_layer, n_embd, ...));
         # config.py is torch-free, so this keeps `clusterctl plan` fast
         from trainer.config import PRESETS as _trainer_presets  # type: ignore
 
-        for name, row in _trainer_presets.items():
-            out[name] = ModelSpec(*(int(x) for x in row[:5]))
+        for name, p in _trainer_presets.items():
+            out[name] = ModelSpec(p.n_layer, p.n_embd, p.n_head, p.block_size, p.vocab_size)
     except Exception:  # noqa: BLE001 - no trainer in this checkout, or another shape: use ours
         pass
     return out
