@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -161,7 +161,7 @@ class TrainSection(_Model):
     script: str | None = None
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    nproc_per_node: int | Literal["auto"] = "auto"
+    nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     output_dir: str | None = None
 
     @field_validator("env", mode="before")
@@ -177,7 +177,7 @@ class TrainSection(_Model):
         if isinstance(v, list):
             for a in v:
                 if isinstance(a, bool) or not isinstance(a, (str, int, float)):
-                    raise ValueError("each argument must be a string; quote numbers and booleans")
+                    raise ValueError("each argument must be text or a number; quote booleans and nulls")
             return [str(a) for a in v]
         return v
 

@@ -194,7 +194,8 @@ def _scan_events(text: str, source: str) -> None:
                 stack[-1][2] += size
             continue
         if event.tag is not None:
-            fail(f"YAML tag {excerpt(event.tag)} is not allowed in an inventory; write the plain "
+            tag = event.tag.replace("tag:yaml.org,2002:", "!!", 1)
+            fail(f"YAML tag {excerpt(tag)} is not allowed in an inventory; write the plain "
                  f"value (quote it to make it a string)", event)
         if is_key and event.anchor is not None:
             fail(f"a key cannot carry an anchor (&{excerpt(event.anchor)[1:-1]})", event)
@@ -261,9 +262,9 @@ class _Loader(yaml.CSafeLoader):
             raise InventoryError(f"the number {excerpt(node.value)} is too long",
                                  line=node.start_mark.line + 1) from None
 
-    def construct_yaml_timestamp(self, node, values=None):
+    def construct_yaml_timestamp(self, node):
         try:
-            return super().construct_yaml_timestamp(node, values)
+            return super().construct_yaml_timestamp(node)
         except (ValueError, OverflowError):
             raise InventoryError(f"{excerpt(node.value)} reads as a date but is not one; quote it if you "
                                  f"mean the text", line=node.start_mark.line + 1) from None
@@ -361,7 +362,7 @@ def _use_written_numbers(root, data) -> None:
 
 
 def _is_plain_number(node, value) -> bool:
-    return (isinstance(node, yaml.ScalarNode) and node.style is None
+    return (isinstance(node, yaml.ScalarNode) and not node.style  # libyaml marks plain with ''
             and isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
