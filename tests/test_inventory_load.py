@@ -53,24 +53,36 @@ def test_fifo_is_refused_without_blocking(worker, tmp_path):
     fifo = tmp_path / "inv.fifo"
     os.mkfifo(fifo)
     r = worker.check(fifo, timeout=2.0)  # an open() that blocks on the FIFO never answers
-    assert r["rc"] == EXIT_USAGE and "is a FIFO" in r["err"], r
+    assert r["rc"] == EXIT_USAGE and f"{fifo}: this is a FIFO (named pipe)" in r["err"], r
 
 
-def test_fifo_through_the_real_cli_process(tmp_path):
-    fifo = tmp_path / "inv.fifo"
-    os.mkfifo(fifo)
+def _cap_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
 
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES))
 
-    p = subprocess.run([sys.executable, "-m", "orchestrator.cli", "inventory", "check", "-i", str(fifo)],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, preexec_fn=cap)
-    assert p.returncode == EXIT_USAGE and "is a FIFO" in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize("kind,needle", [
+    ("fifo", "a FIFO (named pipe), not a file"),
+    ("bomb", "expands the document past"),
+    ("deep", "nested more than"),
+    ("latin1", "is not UTF-8"),
+])
+def test_the_real_cli_process_exits_2_with_one_line(tmp_path, kind, needle):
+    """A fresh `python -m orchestrator.cli` under the 256 MiB cap (the timeout covers start-up)."""
+    p = tmp_path / "inv.yaml"
+    if kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p.write_bytes({"bomb": alias_bomb(9).encode(), "deep": b"x: " + b"[" * 100_000 + b"\n",
+                       "latin1": b"workdir: caf\xe9\n"}[kind])
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "inventory", "check", "-i", str(p)],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_cap_memory)
+    assert r.returncode == EXIT_USAGE, r.stderr
+    assert needle in r.stderr and r.stderr.count("\n") == 1 and r.stderr.startswith(f"clusterctl: error: {p}")
 
 
 @pytest.mark.parametrize("make,needle", [
-    (lambda d: d, "is a directory"),
-    (lambda d: "/dev/zero", "is a character device"),
+    (lambda d: d, "this is a directory, not a file"),
+    (lambda d: "/dev/zero", "this is a character device"),
     (lambda d: _symlink_loop(d), "symlink loop"),
     (lambda d: _sparse(d, MAX_BYTES + 1), "1 MiB"),
 ])

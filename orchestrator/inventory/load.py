@@ -85,17 +85,17 @@ def read_inventory_bytes(path: str | os.PathLike) -> bytes:
                              f"--inventory out to use the embedded two-local-node default)") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise InventoryError(f"cannot read inventory {shown}: a symbolic link in the path points "
-                                 f"back to itself (symlink loop)") from None
-        raise InventoryError(f"cannot read inventory {shown}: {e.strerror}") from None
+            raise InventoryError("cannot read the inventory: a symbolic link in the path points back to "
+                                 "itself (symlink loop)", path=shown) from None
+        raise InventoryError(f"cannot read the inventory: {e.strerror}", path=shown) from None
     except ValueError:
-        raise InventoryError(f"cannot read inventory {shown}: the path contains a NUL byte") from None
+        raise InventoryError("cannot read the inventory: the path contains a NUL byte", path=shown) from None
     _check_regular(st, shown)
     try:
         # O_NONBLOCK: if the path was swapped for a FIFO since stat, open still returns at once.
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise InventoryError(f"cannot read inventory {shown}: {e.strerror}") from None
+        raise InventoryError(f"cannot read the inventory: {e.strerror}", path=shown) from None
     try:
         _check_regular(os.fstat(fd), shown)
         chunks, size = [], 0
@@ -106,12 +106,12 @@ def read_inventory_bytes(path: str | os.PathLike) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except OSError as e:
-        raise InventoryError(f"cannot read inventory {shown}: {e.strerror}") from None
+        raise InventoryError(f"cannot read the inventory: {e.strerror}", path=shown) from None
     finally:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > MAX_BYTES:
-        raise InventoryError(f"inventory {shown} is larger than {MAX_BYTES >> 20} MiB; {LIMITS}")
+        raise InventoryError(f"the inventory is larger than {MAX_BYTES >> 20} MiB; {LIMITS}", path=shown)
     return data
 
 
@@ -121,9 +121,9 @@ def _check_regular(st: os.stat_result, shown: str) -> None:
         kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
                 else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        raise InventoryError(f"inventory {shown} is {kind}; give the path of a YAML file")
+        raise InventoryError(f"this is {kind}, not a file; give the path of an inventory YAML file", path=shown)
     if st.st_size > MAX_BYTES:
-        raise InventoryError(f"inventory {shown} is {st.st_size:,} bytes; {LIMITS}")
+        raise InventoryError(f"the inventory is {st.st_size:,} bytes; {LIMITS}", path=shown)
 
 
 def decode_inventory(data: bytes, source: str) -> str:
