@@ -41,7 +41,7 @@ def cluster_options(f):
     """Adds -i/--inventory, --fanout, --accept-new-host-keys, --connect-timeout, --nodes
     and passes them to the command as one `opts: ClusterOptions` argument."""
 
-    @click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+    @click.option("-i", "--inventory", "inventory_path", type=click.Path(),
                   default=lambda: os.environ.get("CLUSTERCTL_INVENTORY"),
                   help="Inventory YAML (default: $CLUSTERCTL_INVENTORY, else the embedded "
                        "two-local-node demo).")

@@ -11,12 +11,10 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field, replace
-from importlib import resources
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.errors import InventoryError
 from orchestrator.inventory.sshconfig import config_hostname
@@ -28,10 +26,21 @@ IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 DEFAULT_INVENTORY = "default_inventory.yaml"
+MAX_NODES = 4096  # the most nodes an inventory lists (the --fanout ceiling too)
+
+
+def excerpt(value: Any, limit: int = 60) -> str:
+    """A value as an error message may quote it: repr (control characters escaped), cut short."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= limit else value[:limit - 3] + "...")
+    text = repr(value) if isinstance(value, (int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Strict: a YAML boolean is never a number or a string, a number never a string."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _check_path(v: str | None) -> str | None:
@@ -48,11 +57,12 @@ def _check_env(v: dict[str, Any]) -> dict[str, str]:
     out = {}
     for k, val in v.items():
         if not ENV_KEY_RE.match(str(k)):
-            raise ValueError(f"environment variable name {k!r} is not a valid identifier")
-        if isinstance(val, (dict, list)) or val is None:
-            raise ValueError(f"environment variable {k} must be a string or number")
+            raise ValueError(f"environment variable name {excerpt(k)} is not a valid identifier")
         if isinstance(val, bool):
-            val = "1" if val else "0"
+            raise ValueError(f"environment variable {k} is a YAML boolean; quote the text you mean "
+                             f"(\"1\", \"true\")")
+        if not isinstance(val, (str, int, float)):
+            raise ValueError(f"environment variable {k} must be a string or number")
         out[str(k)] = str(val)
     return out
 
@@ -72,7 +82,7 @@ class SSHSettings(_Model):
     @classmethod
     def _user(cls, v):
         if v is not None and not USER_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid user name")
+            raise ValueError(f"{excerpt(v)} is not a valid user name")
         return v
 
     @field_validator("identity_file", "known_hosts", "config_file")
@@ -84,7 +94,7 @@ class SSHSettings(_Model):
     @classmethod
     def _jump(cls, v):
         if v is not None and not re.match(r"^[A-Za-z0-9_.@:,\[\]-]+$", v):
-            raise ValueError(f"{v!r} is not a valid ProxyJump ([user@]host[:port][,...])")
+            raise ValueError(f"{excerpt(v)} is not a valid ProxyJump ([user@]host[:port][,...])")
         return v
 
     def merged(self, override: "SSHSettings | None") -> "SSHSettings":
@@ -111,21 +121,21 @@ class NodeModel(_Model):
     @classmethod
     def _name(cls, v):
         if not NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid node name (letters, digits, '.', '_', '-')")
+            raise ValueError(f"{excerpt(v)} is not a valid node name (letters, digits, '.', '_', '-')")
         return v
 
     @field_validator("host", "address")
     @classmethod
     def _host(cls, v):
         if v is not None and not HOST_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid host name or address")
+            raise ValueError(f"{excerpt(v)} is not a valid host name or address")
         return v
 
     @field_validator("iface")
     @classmethod
     def _iface(cls, v):
         if v is not None and not IFACE_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid interface name")
+            raise ValueError(f"{excerpt(v)} is not a valid interface name")
         return v
 
     @field_validator("env", mode="before")
@@ -152,7 +162,7 @@ class TrainSection(_Model):
     script: str | None = None
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    nproc_per_node: int | Literal["auto"] = "auto"
+    nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     output_dir: str | None = None
 
     @field_validator("env", mode="before")
@@ -165,13 +175,18 @@ class TrainSection(_Model):
     def _args(cls, v):
         if isinstance(v, str):
             raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny']")
-        return [str(a) for a in v] if isinstance(v, list) else v
+        if isinstance(v, list):
+            for a in v:
+                if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+                    raise ValueError("each argument must be text or a number; quote booleans and nulls")
+            return [str(a) for a in v]
+        return v
 
     @field_validator("module")
     @classmethod
     def _module(cls, v):
         if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", v):
-            raise ValueError(f"{v!r} is not a Python module name")
+            raise ValueError(f"{excerpt(v)} is not a Python module name")
         return v
 
 
@@ -191,7 +206,7 @@ class InventoryModel(_Model):
     output_dir: str | None = None
     python: str = "python3"
     env: dict[str, str] = Field(default_factory=dict)
-    nodes: list[NodeModel]
+    nodes: list[NodeModel] = Field(max_length=MAX_NODES)
     train: TrainSection = Field(default_factory=TrainSection)
     checks: ChecksSection = Field(default_factory=ChecksSection)
 
@@ -312,114 +327,10 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
                      dict(model.env), model.train, model.checks, source)
 
 
-# ---------------------------------------------------------------- YAML with lines
+# ---------------------------------------------------------------- YAML files
 
-
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise InventoryError(f"duplicate key {key!r} (first on line {seen[key]})",
-                                     line=key_node.start_mark.line + 1, key=str(key))
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-def _node_at(root, loc: tuple) -> tuple[Any, Any]:
-    """Walk a composed YAML tree along a pydantic error location.
-    Returns (deepest node found, key node of the last mapping step)."""
-    node, key_node = root, None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == part:
-                    node, key_node = v, k
-                    break
-            else:
-                return node, key_node
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node, key_node = node.value[part], None
-        else:
-            return node, key_node
-    return node, key_node
-
-
-def _format_loc(loc: tuple) -> str:
-    out = ""
-    for p in loc:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def parse_inventory(text: str, source: str = "<string>") -> Inventory:
-    """Parse and validate inventory YAML. Raises InventoryError with file:line."""
-    try:
-        root = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)
-    except InventoryError as e:
-        raise InventoryError(str(e), path=source, line=e.line, key=e.key) from None
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark else None
-        raise InventoryError(f"YAML syntax error: {e.problem or e}", path=source, line=line) from None
-    except yaml.YAMLError as e:
-        raise InventoryError(f"YAML error: {e}", path=source) from None
-    if data is None:
-        raise InventoryError("the inventory is empty: it needs at least a 'nodes:' list", path=source)
-    if not isinstance(data, dict):
-        raise InventoryError("the inventory must be a mapping with a 'nodes:' list at the top", path=source, line=1)
-    try:
-        model = InventoryModel.model_validate(data)
-    except ValidationError as e:
-        msgs = []
-        first_line = None
-        for err in e.errors():
-            loc = tuple(p for p in err["loc"])
-            node, key_node = _node_at(root, loc)
-            kn = key_node if err["type"] == "extra_forbidden" and key_node is not None else node
-            line = (kn.start_mark.line + 1) if kn is not None else None
-            first_line = first_line or line
-            key = _format_loc(loc)
-            msg = err["msg"]
-            if err["type"] == "extra_forbidden":
-                msg = f"unknown key {loc[-1]!r}"
-            elif err["type"] == "missing":
-                msg = f"missing required key {loc[-1]!r}"
-            else:
-                msg = msg.removeprefix("Value error, ")
-                if "input" in err and err["type"] not in ("value_error",):
-                    msg += f" (got {err['input']!r})"
-            msgs.append((line, f"{key}: {msg}" if key else msg))
-        head_line, head = msgs[0]
-        rest = "".join(f"\n  {source}:{ln}: {m}" for ln, m in msgs[1:])
-        raise InventoryError(head + rest, path=source, line=head_line,
-                             key=_format_loc(tuple(e.errors()[0]["loc"]))) from None
-    lines = {}
-    nodes_node, _ = _node_at(root, ("nodes",))
-    if isinstance(nodes_node, yaml.SequenceNode):
-        lines = {i: n.start_mark.line + 1 for i, n in enumerate(nodes_node.value)}
-    return _resolve(model, source, lines)
-
-
-def load_inventory(path: str | Path | None) -> Inventory:
-    """Load an inventory file; None means the embedded default (two local nodes)."""
-    if path is None:
-        text = resources.files("orchestrator.inventory").joinpath(DEFAULT_INVENTORY).read_text()
-        return parse_inventory(text, source=f"<embedded {DEFAULT_INVENTORY}>")
-    p = Path(path).expanduser()
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise InventoryError(f"inventory file not found: {p} (see inventory.example.yaml, or leave "
-                             f"--inventory out to use the embedded two-local-node default)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise InventoryError(f"cannot read inventory {p}: {e}") from None
-    return parse_inventory(text, source=str(path))
-
+# The loader needs the models and _resolve above; it lives in load.py.
+from orchestrator.inventory.load import load_inventory, parse_inventory  # noqa: E402
 
 # ---------------------------------------------------------------- hostfiles
 
