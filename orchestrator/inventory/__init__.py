@@ -330,7 +330,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
 # ---------------------------------------------------------------- YAML files
 
 # The loader needs the models and _resolve above; it lives in load.py.
-from orchestrator.inventory.load import load_inventory, parse_inventory  # noqa: E402
+from orchestrator.inventory.load import load_inventory, parse_inventory  # noqa: E402,F401 - the public loaders
 
 # ---------------------------------------------------------------- hostfiles
 
