@@ -36,7 +36,6 @@ from orchestrator.transport import Cluster, SSHConnection
 AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
 RANK_LINES = resources.files("orchestrator").joinpath("remote/rank_lines.py").read_text()
-FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
 FAIL_FAST_GRACE = 5.0
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 
@@ -151,7 +150,7 @@ class Supervisor:
     def preflight(self, cluster: Cluster) -> dict[str, int | None]:
         from rich.console import Console
 
-        from orchestrator.checks.preflight import run_preflight
+        from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
 
         report = run_preflight(cluster, self.inv, FAST_CHECKS)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
