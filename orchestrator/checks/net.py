@@ -208,6 +208,12 @@ def parse_iface(text: str, ctx: Ctx) -> CheckResult:
     if ctx.is_master:
         return ok("iface", f"{iface} up, {addr}")
     r = next((x for x in sections(text) if x.name == "ip-route"), None)
+    unresolved = section(text, "unresolved")
+    if r is None and unresolved is not None:
+        # a scheduler's DNS name for the master can appear only once the master's pod is up;
+        # port_reachable fails if it never does
+        return warn("iface", f"{iface} up, {addr}; the master {unresolved.arg} does not resolve here (yet?)",
+                    f"check the master's name from {ctx.node.name} (`getent ahosts {unresolved.arg}`)")
     if r is None:
         return ok("iface", f"{iface} up, {addr} (route not checked)")
     route = parse_ip_route(r.body) if r.rc in (0, None) else None
@@ -270,7 +276,11 @@ IP = Probe("ip", r"""if [ -n "$iface" ] && has ip; then
   if [ "$role" != master ]; then
     dest=$master
     case $dest in *[!0-9.:]*) dest=$(getent ahosts "$dest" 2>/dev/null | awk 'NR == 1 { print $1 }') ;; esac
-    echo "@@ip-route $dest"; ip -j route get "$dest" 2>&1; echo "@@rc $?"
+    if [ -n "$dest" ]; then
+      echo "@@ip-route $dest"; ip -j route get "$dest" 2>&1; echo "@@rc $?"
+    else
+      echo "@@unresolved $master"
+    fi
   fi
 elif [ -n "$iface" ]; then
   echo "@@sys-net"; cat "/sys/class/net/$iface/operstate" 2>&1; echo "@@rc $?"

@@ -20,14 +20,14 @@ def parse_output_dir(text: str, ctx: Ctx) -> CheckResult:
     lines = s.body.splitlines()
     tested = lines[0].strip() if lines else target
     why = first_line("\n".join(lines[1:])) or f"exit code {s.rc}"
-    under = "" if tested.rstrip("/") == target.rstrip("/") else f" (not there yet: tested {tested}, where it is created)"
+    under = "" if tested.rstrip("/") == target.rstrip("/") else f" in {tested} (where it will be created)"
     remedy = (f"make {target} writable for the SSH user on {ctx.node.name} (`chmod u+w`, `chown`), remount "
               "its filesystem read-write, or point `output_dir:` in the inventory elsewhere")
     if s.rc == 124:
         return fail("output_dir", f"writing to {tested} hung for {TIMEOUT_S}s (a stale network mount?)", remedy)
     if s.rc not in (0, None):
         return fail("output_dir", f"cannot write to {tested}{under}: {why}", remedy)
-    return ok("output_dir", f"{target} writable (a file written, fsynced and deleted){under}")
+    return ok("output_dir", f"{target} writable: a file written, fsynced and deleted{under}")
 
 
 # The test file's name carries the shell's pid: two preflights at once do not collide.

@@ -21,27 +21,28 @@ _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
 def nodeset(names: list[str]) -> str:
     """Fold node names into ranges: node1 node2 node3 node5 -> node[1-3,5] (ClusterShell's
     NodeSet notation; zero-padded numbers keep their width). Groups keep first-seen order."""
-    groups: dict[tuple[str, str, int], list[int]] = {}
-    plain: list[str] = []
+    groups: dict[tuple[str, str], list[int]] = {}
+    pads: dict[tuple[str, str], int] = {}
     order: list[object] = []
     for n in dict.fromkeys(names):
         m = _NUMBERED.match(n)
         if not m:
-            plain.append(n)
             order.append(n)
             continue
-        digits = m.group(2)
-        key = (m.group(1), m.group(3), len(digits) if digits.startswith("0") and len(digits) > 1 else 0)
+        digits, key = m.group(2), (m.group(1), m.group(3))
         if key not in groups:
             groups[key] = []
             order.append(key)
         groups[key].append(int(digits))
+        if digits.startswith("0") and len(digits) > 1:
+            pads[key] = max(pads.get(key, 0), len(digits))
     out = []
     for item in order:
         if isinstance(item, str):
             out.append(item)
             continue
-        prefix, suffix, pad = item
+        prefix, suffix = item
+        pad = pads.get(item, 0)
         nums = sorted(set(groups[item]))
         if len(nums) == 1:
             out.append(f"{prefix}{nums[0]:0{pad}d}{suffix}")
@@ -126,8 +127,9 @@ class PreflightReport:
 
         rows = self._rows()
         heads = {c: c.replace("_", "\n") for c in self.checks}
-        col = {c: max(4, *(len(p) for p in heads[c].split("\n"))) + 3 for c in self.checks}  # + padding, rule
-        node_w = min(max(len("node"), *(len(r[0]) for r in rows)), max(12, width // 4)) + 4
+        # a column is as wide as its widest header word (statuses are 4), plus a space between
+        col = {c: max(4, *(len(p) for p in heads[c].split("\n"))) + 2 for c in self.checks}
+        node_w = min(max(len("node"), *(len(r[0]) for r in rows)), max(12, width // 3)) + 2
         chunks, cur, used = [], [], node_w
         for c in self.checks:
             if cur and used + col[c] > width:
@@ -138,8 +140,8 @@ class PreflightReport:
         chunks.append(cur)
         tables = []
         for chunk in chunks:
-            t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-            t.add_column("node", overflow="fold", max_width=node_w - 3)
+            t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, show_edge=False)
+            t.add_column("node", overflow="fold", max_width=node_w - 2)
             for c in chunk:
                 t.add_column(heads[c], justify="center", no_wrap=True)
             for names, statuses in rows:
