@@ -13,7 +13,7 @@ from orchestrator.checks import Ctx, sections
 from orchestrator.checks.gpu import parse_gpu_count
 from orchestrator.checks.output_dir import parse_output_dir
 from orchestrator.checks.python import compare_python_env
-from orchestrator.checks.registry import BY_NAME, CHECKS, REGISTRY, fast_checks, probe_script
+from orchestrator.checks.registry import CHECKS, REGISTRY, fast_checks, probe_script
 from orchestrator.checks.report import NodeReport, PreflightReport, nodeset
 from orchestrator.checks.shm import parse_shm
 from orchestrator.checks import fail, ok, warn

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from orchestrator.checks import CheckResult
+from orchestrator.checks.registry import BY_NAME
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs.torchrun import nproc_for, rank_map, rank_map_text
 
@@ -163,7 +164,8 @@ class PreflightReport:
                 if r is None or not (details or r.status in ("warn", "fail")):
                     continue
                 own = re.compile(rf"(?<![\w.-]){re.escape(n.node.name)}(?![\w.-])")
-                key = (c, r.status, own.sub("\0", r.detail), own.sub("\0", r.remedy or ""))
+                remedy = r.remedy or (BY_NAME[c].remedy if r.status == "fail" else "")
+                key = (c, r.status, own.sub("\0", r.detail), own.sub("\0", remedy))
                 groups.setdefault(key, []).append(n.node.name)
         grid = Table.grid(padding=(0, 1))
         grid.add_column(no_wrap=True)
