@@ -1,22 +1,18 @@
-"""`clusterctl top`: every GPU of every node in one live table (replaces `watch -n 1 rocm-smi`
-on each node, seed 000).
+"""`clusterctl top`: every GPU of every node in one live table (instead of `watch -n 1 rocm-smi`
+on each node).
 
 One SSH connection per node for the whole session (transport.Cluster) and one remote
-invocation per node per refresh: remote/gputop.sh asks nvidia-smi or rocm-smi for the GPUs and
-their compute processes, and reads each process's command line and CLUSTERCTL_RUN_ID from /proc
-where the node allows it. Parsing is pure (parse_probe + orchestrator.gpus).
+invocation per node per refresh: the GPU probe preflight uses too (orchestrator.gpus.GPU_PROBE,
+with every process listed), read by the same parser (orchestrator.gpus.gpu_facts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from importlib import resources
+from dataclasses import dataclass, field
 
+from orchestrator.gpus import GPU_PROBE, Gpu, GpuProcess, gpu_facts
 
-from orchestrator.gpus import (Gpu, GpuProcess, attach_processes, parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv,
-                   parse_rocm_smi_json, parse_rocm_smi_pids_json)
-
-PROBE = resources.files("orchestrator").joinpath("remote/gputop.sh").read_bytes()
+PROBE = ("gpu_apps=always\n" + GPU_PROBE + 'echo "@@end"\n').encode()
 PROBE_TIMEOUT_S = 20.0
 
 
@@ -38,57 +34,14 @@ class NodeGpus:
         return d
 
 
-def _sections(text: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    cur: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith("@@"):
-            cur = out.setdefault(line[2:].strip(), [])
-        elif cur is not None:
-            cur.append(line)
-    return out
-
-
-def _proc_info(sections: dict[str, list[str]]) -> dict[int, tuple[str | None, str | None]]:
-    info = {}
-    for key, lines in sections.items():
-        if not key.startswith("proc "):
-            continue
-        pid = int(key.split()[1])
-        cmd = (lines[0].strip() if lines else "") or None
-        run_id = next((ln.split("=", 1)[1] for ln in lines[1:] if ln.startswith("CLUSTERCTL_RUN_ID=")), None)
-        info[pid] = (cmd, run_id or None)
-    return info
-
-
 def parse_probe(text: str) -> tuple[str | None, list[Gpu], list[GpuProcess], str | None]:
-    """gputop.sh output -> (tool, gpus, unplaced processes, error)."""
-    s = _sections(text)
-    if "end" not in s:
+    """The probe's output -> (tool, gpus, processes not placed on a GPU, error)."""
+    if "\n@@end" not in "\n" + text:
         return None, [], [], "the GPU probe stopped before the end of its output"
-    rc = next((k.split()[1] for k in s if k.startswith("rc ")), "0")
-    info = _proc_info(s)
-
-    def enrich(p: GpuProcess) -> GpuProcess:
-        cmd, run_id = info.get(p.pid, (None, None))
-        return replace(p, command=cmd, run_id=run_id)
-
-    try:
-        if "nvidia-gpus" in s:
-            body = "\n".join(s["nvidia-gpus"])
-            if rc != "0":
-                return "nvidia-smi", [], [], f"nvidia-smi failed (exit {rc}): {body.strip()[-300:]}"
-            apps = [(u, enrich(p)) for u, p in parse_nvidia_smi_apps_csv("\n".join(s.get("nvidia-apps", [])))]
-            return "nvidia-smi", attach_processes(parse_nvidia_smi_csv(body), apps), [], None
-        if "rocm-gpus" in s:
-            body = "\n".join(s["rocm-gpus"])
-            if rc != "0":
-                return "rocm-smi", [], [], f"rocm-smi failed (exit {rc})"
-            procs = [enrich(p) for p in parse_rocm_smi_pids_json("\n".join(s.get("rocm-pids", [])))]
-            return "rocm-smi", parse_rocm_smi_json(body), procs, None
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-        return None, [], [], f"could not parse the GPU tool's output: {e}"
-    return None, [], [], None  # "@@none": no GPU tool, a CPU node
+    f = gpu_facts(text)
+    if f.gpus is None and f.tool is not None:
+        return f.tool, [], [], f"{f.tool} failed: {f.error}"
+    return f.tool, list(f.gpus or ()), list(f.processes), None
 
 
 def collect(cluster, nodes=None) -> list[NodeGpus]:

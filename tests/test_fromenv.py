@@ -14,8 +14,9 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.errors import UsageError
-from orchestrator.platforms.fromenv import LocalGpus, Platform, detect_gpus, detect_platform, local_checks, visible
-from orchestrator.gpus import Gpu, GpuProcess
+from orchestrator.platforms.fromenv import (LocalGpus, Platform, detect_gpus, detect_platform, local_checks, local_gpus,
+                                            visible)
+from orchestrator.gpus import Gpu
 from orchestrator.inventory import load_inventory
 from orchestrator.runs.torchrun import node_env, torchrun_argv
 
@@ -104,27 +105,24 @@ def test_missing_or_contradictory_variables_say_which(env, words):
 
 # ------------------------------------------------------------------ GPUs and checks
 
-def fake_tools(outputs):
-    def run(argv):
-        out, rc = outputs[argv[0] + " " + argv[1].split("=")[0]]
-        return subprocess.CompletedProcess(argv, rc, out, "")
-    return run
+def test_detect_gpus_runs_the_gpu_probe_with_a_fake_nvidia_smi_on_path(tmp_path):
+    from tests.cluster.fakes import gpu_state, install_nvidia_smi
+
+    install_nvidia_smi(tmp_path, gpu_state("n1", 2, processes=[(4242, "python", 30000, 1)]))
+    local = detect_gpus({"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    assert local.tool == "nvidia-smi" and len(local.gpus) == 2 and local.error is None
+    assert [len(g.processes) for g in local.gpus] == [0, 1] and local.gpus[1].processes[0].pid == 4242
+    assert detect_gpus({"PATH": "/nonexistent"}) == LocalGpus(None)
 
 
-def test_detect_gpus_nvidia_rocm_none_and_broken():
-    gpus_csv = (FIX / "gpus" / "transcribed_nvidia_h100x8_noheader_nounits.csv").read_text()
-    apps_csv = (FIX / "gpus" / "transcribed_nvidia_h100x8_apps_noheader_nounits.csv").read_text()
-    nv = detect_gpus(run=fake_tools({"nvidia-smi --query-gpu": (gpus_csv, 0),
-                                     "nvidia-smi --query-compute-apps": (apps_csv, 0)}),
-                     which=lambda t: t == "nvidia-smi")
+def test_local_gpus_nvidia_rocm_and_broken():
+    nv = local_gpus(sec("nvidia-gpus", read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv"))
+                    + sec("nvidia-apps", read_gpu("transcribed_nvidia_h100x8_apps_noheader_nounits.csv"), rc=None))
     assert nv.tool == "nvidia-smi" and len(nv.gpus) == 8 and nv.gpus[0].busy
-    mi300x = (FIX / "gpus/transcribed_rocm_mi300x_json.json").read_text()
-    rocm = detect_gpus(run=fake_tools({"rocm-smi --showid": (mi300x, 0)}),
-                       which=lambda t: t == "rocm-smi")
+    rocm = local_gpus(sec("rocm-gpus", read_gpu("transcribed_rocm_mi300x_json.json")))
     assert rocm.tool == "rocm-smi" and len(rocm.gpus) == 2
-    assert detect_gpus(which=lambda t: None) == LocalGpus(None)
-    broken = detect_gpus(run=fake_tools({"nvidia-smi --query-gpu": ("Failed to initialize NVML", 9)}),
-                         which=lambda t: t == "nvidia-smi")
+    assert local_gpus("@@no-gpu-tool\n") == LocalGpus(None)
+    broken = local_gpus(sec("nvidia-gpus", "Failed to initialize NVML", rc=9))
     assert broken.error == "Failed to initialize NVML"
 
 
@@ -135,19 +133,59 @@ def test_visible_devices_limit_the_gpus():
     assert visible(gpus, {}) == gpus
 
 
-def test_checks_gpu_count_busy_and_port():
-    plat = Platform("x", 2, 0, "127.0.0.1", 0, "r")
-    gpus = (Gpu(0, "g"), Gpu(1, "g", processes=(GpuProcess(77, "python"),)))
+def sec(name, body, rc=0, arg=""):
+    head = f"@@{name}" + (f" {arg}" if arg else "")
+    return f"{head}\n{body.rstrip(chr(10))}\n" + (f"@@rc {rc}\n" if rc is not None else "")
+
+
+def read_gpu(name):
+    return (FIX / "gpus" / name).read_text()
+
+
+def recorded(text):
+    """A probe runner that answers with recorded output (what the node's tools printed)."""
+    return lambda inventory, node, checks, env: text
+
+
+def test_local_checks_read_the_probe_with_preflights_parsers():
+    four = "".join(read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv").splitlines(keepends=True)[:2])
+    text = (sec("nvidia-gpus", four) + sec("nvidia-apps", read_gpu("transcribed_nvidia_h100x8_apps_noheader_nounits.csv"), rc=None)
+            + sec("proc", "python train.py", rc=None, arg="48211")
+            + sec("ss", "LISTEN 0 128 0.0.0.0:29511 0.0.0.0:* users:((\"python\",pid=77,fd=3))")
+            + sec("shm", "Filesystem 1024-blocks Used Available Capacity Mounted on\n"
+                         "shm 65536 0 65536 0% /dev/shm") + "@@end\n")
+    plat = Platform("x", 2, 0, "127.0.0.1", 29511, "r")
+    local = local_gpus(text)
+    got = {r.check: r for r in local_checks(plat, 4, local, {}, probe=recorded(text))}
+    assert list(got) == ["gpu_count", "gpu_idle", "port_free", "iface", "shm"]  # no inventory: no output_dir
+    assert got["gpu_count"].status == "fail" and "invalid device ordinal" in got["gpu_count"].remedy
+    assert got["gpu_idle"].status == "fail" and "pid 48211" in got["gpu_idle"].detail
+    assert got["port_free"].status == "fail" and "pid 77" in got["port_free"].detail
+    assert got["iface"].status == "skip" and got["shm"].status == "fail"
+    # CUDA_VISIBLE_DEVICES narrows what gpu_count counts: 1 visible GPU for 2 processes
+    vis = {r.check: r for r in local_checks(plat, 2, local, {"CUDA_VISIBLE_DEVICES": "1"}, probe=recorded(text))}
+    assert vis["gpu_count"].status == "fail" and "1 GPU " in vis["gpu_count"].detail
+    # a worker does not check the port; a CPU node with no GPU tool is fine
+    worker = Platform("x", 2, 1, "127.0.0.1", 29511, "r")
+    cpu = {r.check: r for r in local_checks(worker, 1, LocalGpus(None), {}, probe=recorded("@@no-gpu-tool\n"))}
+    assert cpu["gpu_count"].status == "ok" and cpu["port_free"].status == "skip"
+
+
+def test_local_checks_run_the_probe_here(tmp_path):
+    # the real probe on this machine: a free port, an existing iface, a writable output dir
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text(yaml.safe_dump({"workdir": str(tmp_path), "output_dir": "out",
+                                        "nodes": [{"name": "a", "host": "127.0.0.1"}]}))
+    inv = load_inventory(str(inv_path))
     with socket.socket() as s:
-        s.bind(("", 0))
-        s.listen()
-        plat = Platform("x", 2, 0, "127.0.0.1", s.getsockname()[1], "r")
-        checks = {c.name.split()[0]: c for c in local_checks(plat, 4, LocalGpus("nvidia-smi", gpus), gpus, {})}
-    assert not checks["gpu"].ok and "invalid device ordinal" in checks["gpu"].detail
-    assert not checks["gpus"].ok and "pid 77" in checks["gpus"].detail
-    assert not checks["port"].ok
-    ok = local_checks(Platform("x", 2, 1, "localhost", 1, "r"), 1, LocalGpus(None), (), {"GLOO_SOCKET_IFNAME": "lo"})
-    assert all(c.ok for c in ok)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plat = Platform("x", 1, 0, "127.0.0.1", port, "r")
+    got = {r.check: r for r in local_checks(plat, 1, LocalGpus(None), {"GLOO_SOCKET_IFNAME": "lo"}, inv)}
+    assert got["port_free"].status == "ok" and got["iface"].status == "ok" and "lo up" in got["iface"].detail
+    assert got["output_dir"].status == "ok" and str(tmp_path) in got["output_dir"].detail
+    assert got["gpu_count"].status in ("ok", "warn", "fail")  # whatever this machine has
+    assert not list(tmp_path.glob("**/.clusterctl-write-test*"))
 
 
 # ------------------------------------------------------------------ the command
@@ -208,9 +246,11 @@ def test_failed_check_exits_1_before_exec(platform_env, capsys):
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()
-        platform_env(WORLD_SIZE=2, RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=s.getsockname()[1])
+        port = s.getsockname()[1]
+        platform_env(WORLD_SIZE=2, RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         assert main(["launch", "--from-env", "--", "x.py"]) == 1
-    assert "in use on the master" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{port} already in use by pid {os.getpid()}" in err and "check FAIL" in err
 
 
 # ------------------------------------------------------------------ two test-cluster nodes

@@ -75,3 +75,18 @@ def test_json_without_the_json_module():
     ni = load_nodeinfo()
     value = {"a": None, "b": True, "c": [3, "x"], "d": 'q"b\\s\n\t\x01é😀\udcff', "e": {}}
     assert json.loads(ni.dumps(value)) == value
+
+
+def test_a_rocm_torch_with_its_bundled_rccl_and_a_cuda_torch_with_libnccl_in_torch_lib(tmp_path):
+    python, site = fake_venv(tmp_path / "venv")
+    (site / "torch" / "lib").mkdir(parents=True)
+    (site / "torch" / "version.py").write_text("__version__ = '2.13.0+rocm6.3'\ncuda = None\nhip = '6.3.42131'\n")
+    if not Path("/opt/rocm/lib").is_dir():  # a machine with ROCm installed has a system RCCL
+        assert (info(python)["hip"], info(python)["rccl"]) == ("6.3.42131", None)
+    (site / "torch" / "lib" / "librccl.so").write_bytes(b"")
+    doc = info(python)
+    assert (doc["hip"], doc["rccl"], doc["cuda"], doc["nccl"]) == ("6.3.42131", "bundled", None, None)
+    (site / "torch" / "version.py").write_text("__version__ = '2.0.1'\ncuda = '11.8'\nhip = None\n")
+    (site / "torch" / "lib" / "libnccl.so.2").write_bytes(b"")
+    doc = info(python)
+    assert (doc["cuda"], doc["nccl"], doc["rccl"]) == ("11.8", "bundled", None)

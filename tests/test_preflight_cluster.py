@@ -5,7 +5,9 @@ One 4-node cluster for the module (faults are repaired by each test), so the who
 in seconds after the cluster is up."""
 
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -14,7 +16,8 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
-from orchestrator.checks.preflight import PROBE, _probe_command, run_preflight
+from orchestrator.checks.preflight import _probe_command, run_preflight
+from orchestrator.checks.registry import CHECKS, probe_script
 from orchestrator.checks.firewall import parse_firewall
 from orchestrator.checks import Ctx
 from orchestrator.transport import Cluster
@@ -44,7 +47,12 @@ def inventory(cl, **over):
     return parse_inventory(yaml.safe_dump(doc), "<test>")
 
 
-def preflight(cl, inv=None, checks=None):
+# The test nodes have fake NVIDIA GPUs and this venv's CPU torch: python_env fails there by
+# design (test_python_env_needs_a_cuda_torch_on_gpu_nodes); the other tests leave it out.
+NOT_ENV = [c for c in CHECKS if c != "python_env"]
+
+
+def preflight(cl, inv=None, checks=NOT_ENV):
     inv = inv or inventory(cl)
     with Cluster(inv) as c:
         report = run_preflight(c, inv, checks)
@@ -66,19 +74,19 @@ def test_healthy_cluster_all_ok_one_handshake_per_node(cl, tmp_path, capsys):
     with Cluster(inv) as c:
         report = run_preflight(c, inv)
         assert c.handshakes == 4
-    assert report.ok, report.to_json()
-    assert bad(report, ("fail", "warn")) == set()
+    # everything ok but python_env: a CPU torch cannot drive the (fake) NVIDIA GPUs
+    assert bad(report, ("fail", "warn")) == {(f"node{i}", "python_env") for i in range(1, 5)}, report.to_json()
+    env = result(report, "node1", "python_env")
+    assert "CPU-only build" in env.detail and "https://download.pytorch.org/whl/cu12x" in env.remedy
     assert report.gpus_found == {f"node{i}": 2 for i in range(1, 5)}
     assert "rank 0-1 → node1" in report.rank_map() and "world size 8" in report.rank_map()
     assert result(report, "node2", "port_reachable").status == "ok"
     assert "4/4" not in result(report, "node1", "port_reachable").detail  # 3 workers
-    rc = main(["preflight", "-i", str(path), "--json"])
+    rc = main(["preflight", "-i", str(path), "--json", "--skip", "python_env"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"] is True
     assert [n["name"] for n in doc["nodes"]] == ["node1", "node2", "node3", "node4"]
-    assert {c["check"] for c in doc["nodes"][0]["checks"]} == {
-        "ssh", "ping", "gpu_count", "gpu_idle", "port_free", "port_reachable", "firewall", "clock_skew",
-        "code_sync", "python_env", "iface", "disk"}
+    assert [c["check"] for c in doc["nodes"][0]["checks"]] == NOT_ENV
     # the listener is gone: nothing of ours left listening on the master
     time.sleep(0.2)
     assert not [p for p in cl.processes(cl.nodes[0]) if "portlisten" in " ".join(p.cmdline())
@@ -162,10 +170,11 @@ def test_idle_gpus_cost_one_nvidia_smi(cl):
     nd = cl.nodes[1]
     inv = inventory(cl)
     cmd = _probe_command(inv, inv.nodes[1], ["gpu_count", "gpu_idle"], 0)
-    idle = nd.run(cmd, input=PROBE.decode()).stdout
+    probe = probe_script(["gpu_count", "gpu_idle"]).decode()
+    idle = nd.run(cmd, input=probe).stdout
     nd.set_gpus(2, processes=[(4242, "python", 30000, 1)])
     try:
-        busy = nd.run(cmd, input=PROBE.decode()).stdout
+        busy = nd.run(cmd, input=probe).stdout
     finally:
         nd.set_gpus(2)
     assert "@@nvidia-gpus" in idle and "@@nvidia-apps" not in idle
@@ -181,7 +190,8 @@ def test_ufw_is_not_run_by_a_user_without_root(cl):
     nd.bin_dir.chmod(0o777)  # so the fake, run as the test user, could leave its mark
     inv = inventory(cl)
     try:
-        out = nd.run(_probe_command(inv, inv.nodes[1], ["firewall"], 0), input=PROBE.decode()).stdout
+        out = nd.run(_probe_command(inv, inv.nodes[1], ["firewall"], 0),
+                     input=probe_script(["firewall"]).decode()).stdout
         report = preflight(cl, inv, ["firewall"])
     finally:
         ufw.unlink()
@@ -202,7 +212,8 @@ def test_iptables_drop_on_master_port(cl):
         left = master.run(["ss", "-Hltn", "sport = :29500"], as_user=False).stdout
         # the firewall check names the rule when it may read it (root on the node)
         out = master.run(["sh", "-s", "--", "firewall", "~/gpt_train", "~/gpt_train/runs", "29500", "eth0",
-                          master.host, "master", sys.executable, "0"], as_user=False, input=PROBE.decode()).stdout
+                          master.host, "master", sys.executable, "0"], as_user=False,
+                         input=probe_script(["firewall"]).decode()).stdout
     finally:
         master.iptables("-D", *rule)
     assert left.strip() == "", left
@@ -263,7 +274,9 @@ def test_worker_with_different_torch(cl):
            "chmod +x ~/fakepy")
     doc = cl.inventory(checks={"disk_min_gb": 0.1})
     doc["nodes"][3]["python"] = "~/fakepy"
-    report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"))
+    for nd_doc in doc["nodes"]:
+        nd_doc["gpus"] = 0  # CPU nodes: a CPU torch is right, only the versions differ
+    report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"), ["python_env"])
     assert bad(report) == {("node4", "python_env")}
     r = result(report, "node4", "python_env")
     assert "torch 2.0.0" in r.detail and "2.13" in r.detail
@@ -272,6 +285,8 @@ def test_worker_with_different_torch(cl):
 def test_missing_python_is_a_python_env_finding(cl):
     doc = cl.inventory(checks={"disk_min_gb": 0.1})
     doc["nodes"][1]["python"] = "/nonexistent/python3"
+    for nd_doc in doc["nodes"]:
+        nd_doc["gpus"] = 0  # CPU nodes: a CPU torch is right (gpu_count only warns)
     report = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"), ["python_env", "code_sync", "gpu_count"])
     assert bad(report) == {("node2", "python_env")}
     assert result(report, "node2", "code_sync").status == "skip"
@@ -313,3 +328,66 @@ def test_only_skip_and_exit_codes(cl, tmp_path, capsys):
         cl.nodes[3].set_gpus(2)
     out = capsys.readouterr().out
     assert "gpus: 1" in out and "node4" in out
+
+
+def fake_torch(nd, name, version_py, dist_info=None):
+    """~/NAME: a python that finds a torch/version.py of our own first (what nodeinfo reads)."""
+    nd.run(f"mkdir -p ~/{name}-site/torch && printf %b {version_py!r} > ~/{name}-site/torch/version.py && "
+           f"touch ~/{name}-site/torch/__init__.py"
+           + (f" && mkdir -p ~/{name}-site/{dist_info}" if dist_info else "")
+           + f" && printf '#!/bin/sh\\nPYTHONPATH=$HOME/{name}-site exec {sys.executable} \"$@\"\\n' > ~/{name} && "
+           f"chmod +x ~/{name}")
+
+
+def test_python_env_needs_a_cuda_torch_on_gpu_nodes(cl):
+    report = preflight(cl, checks=["gpu_count", "python_env"])
+    assert bad(report) == {(f"node{i}", "python_env") for i in range(1, 5)}
+    r = result(report, "node3", "python_env")
+    assert "CPU-only build" in r.detail and "2 NVIDIA GPUs" in r.detail
+    assert "--index-url https://download.pytorch.org/whl/cu12x" in r.remedy and "gpus: 0" in r.remedy
+    # a CUDA build with the pip NCCL on every node passes (torch's version file, as a wheel has it)
+    for nd in cl.nodes:
+        fake_torch(nd, "cudapy", "__version__ = '2.13.0+cu126'\ncuda = '12.6'\nhip = None\n",
+                   "nvidia_nccl_cu12-2.26.2.dist-info")
+    good = preflight(cl, inventory(cl, python="~/cudapy"), ["gpu_count", "python_env"])
+    assert good.ok, good.to_json()
+    assert "cuda 12.6 nccl 2.26.2" in result(good, "node2", "python_env").detail
+    # the same CPU torch on a node declared a CPU node (gpus: 0) is right
+    doc = cl.inventory(checks={"disk_min_gb": 0.1})
+    doc["nodes"][1]["gpus"] = 0
+    cpu = preflight(cl, parse_inventory(yaml.safe_dump(doc), "<t>"), ["gpu_count", "python_env"])
+    assert result(cpu, "node2", "python_env").status == "ok"
+    g = result(cpu, "node2", "gpu_count")
+    assert g.status == "warn" and "one CPU process" in g.detail
+
+
+def test_small_dev_shm_on_one_node(cl):
+    nd = cl.nodes[1]
+    nd.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", "/dev/shm"], as_user=False)
+    try:
+        report = preflight(cl, checks=["shm"])
+    finally:
+        nd.run(["umount", "/dev/shm"], as_user=False)
+    assert bad(report, ("fail", "warn")) == {("node2", "shm")}
+    r = result(report, "node2", "shm")
+    assert r.status == "fail" and "64 MiB" in r.detail and "--shm-size" in r.remedy
+
+
+def test_read_only_output_dir_fails_preflight_and_train_refuses(cl, tmp_path, monkeypatch):
+    nd = cl.nodes[2]
+    nd.run("mkdir -p ~/gpt_train/runs && chmod 555 ~/gpt_train/runs")
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "cchome"))
+    path = cl.write_inventory(tmp_path / "nodes.yaml", checks={"disk_min_gb": 0.1})
+    try:
+        report = preflight(cl, checks=["output_dir"])
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(path), "--",
+                            "train.py"], capture_output=True, text=True, timeout=120, env=os.environ.copy())
+        left = [p.cmdline() for x in cl.nodes for p in cl.processes(x) if "train.py" in " ".join(p.cmdline())]
+    finally:
+        nd.run("chmod 755 ~/gpt_train/runs && rmdir ~/gpt_train/runs")
+    assert bad(report) == {("node3", "output_dir")}
+    f = result(report, "node3", "output_dir")
+    assert "Permission denied" in f.detail and "gpt_train/runs" in f.detail
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "output_dir" in r.stderr and "node3" in r.stderr and "nothing was started" in r.stderr
+    assert "torch.distributed.run" not in r.stderr and not left

@@ -5,15 +5,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.checks import CHECKS, Ctx, sections
+from orchestrator.checks import Ctx, sections
+from orchestrator.checks.registry import CHECKS
 from orchestrator.checks.firewall import (parse_firewall, parse_firewalld, parse_iptables_save, parse_nft,
                                           parse_ufw)
 from orchestrator.checks.gpu import parse_gpu_count, parse_gpu_idle
 from orchestrator.checks.net import (attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable,
                                      parse_proc_net_tcp, parse_ss)
 from orchestrator.checks.ping import ping_result
-from orchestrator.checks.system import (compare_code_sync, compare_python_env, parse_clock_skew, parse_disk,
-                                        parse_timedatectl, skew)
+from orchestrator.checks.python import compare_code_sync, compare_python_env
+from orchestrator.checks.system import parse_clock_skew, parse_disk, parse_timedatectl, skew
 from orchestrator.errors import UsageError
 from orchestrator.inventory import parse_inventory
 from orchestrator.checks.preflight import select_checks

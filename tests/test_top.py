@@ -81,7 +81,7 @@ def test_parse_probe_nvidia_with_proc_env():
 
 
 def test_parse_probe_no_tool_failure_and_truncation():
-    assert parse_probe("@@none\n@@end\n") == (None, [], [], None)
+    assert parse_probe("@@no-gpu-tool\n@@end\n") == (None, [], [], None)
     tool, gpus, _, err = parse_probe("@@nvidia-gpus\nFailed to initialize NVML: Driver/library version "
                                      "mismatch\n@@rc 9\n@@nvidia-apps\n@@end\n")
     assert tool == "nvidia-smi" and not gpus and "mismatch" in err

@@ -1,22 +1,28 @@
-"""Preflight checks: a probe (orchestrator/remote/preflight.sh, one run per node) plus pure
-parsers from its output to a verdict (pyinfra's facts: command + process(output)).
+"""Preflight checks. A check is one unit, declared once as a `Check`:
 
-Every `parse_<check>(text, ctx) -> CheckResult` takes the node's whole probe output (sections
-that start with `@@name` lines) and a `Ctx` with what the inventory expects; nothing here runs
-a command, so each parser is unit-tested from recorded tool outputs (tests/fixtures/preflight).
+  - `probes`: the shell snippets that gather its facts on a node. The registry
+    (orchestrator/checks/registry.py) assembles the snippets of the chosen checks into ONE script
+    per node (`sh -s`), each snippet once, however many checks read it;
+  - `parse(text, ctx) -> CheckResult`: a pure function from the node's whole probe output
+    (sections that start with `@@name` lines) and a `Ctx` to a verdict; or `compare(texts,
+    ctx_of)` when the verdict needs every node's output (python_env, code_sync);
+  - metadata: the nodes it applies to, whether train's fast preflight runs it, the usual remedy.
+
+Nothing here runs a command, so every parser is unit-tested from recorded tool outputs
+(tests/fixtures/preflight) and the same parsers read a probe run locally (launch --from-env).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from orchestrator.inventory import Inventory, Node
 
-# Names are the JSON keys of `clusterctl preflight --json`; this is also the column order.
-CHECKS = ("ssh", "ping", "gpu_count", "gpu_idle", "port_free", "port_reachable", "firewall",
-          "clock_skew", "code_sync", "python_env", "iface", "disk")
 STATUSES = ("ok", "warn", "fail", "skip")
+NODES = ("all", "master", "workers")
+_NAMES: set[str] = set()  # every Check's name, filled as the check modules load
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class CheckResult:
     remedy: str | None = None
 
     def __post_init__(self):
-        if self.check not in CHECKS or self.status not in STATUSES:
+        if self.check not in _NAMES or self.status not in STATUSES:
             raise ValueError(f"bad check result {self.check}/{self.status}")
 
     def to_json(self) -> dict:
@@ -63,12 +69,46 @@ class Ctx:
     own_pids: frozenset[int] = frozenset()  # our temporary listener: not a conflict on the port
     t_send: float | None = None  # control clock (time.time) just before the probe started
     t_recv: float | None = None  # ... when the node's @@time line arrived
+    visible_gpus: tuple[str, ...] | None = None  # CUDA/HIP_VISIBLE_DEVICES entries (launch --from-env)
     extra: dict = field(default_factory=dict)
 
     @property
     def port(self) -> int:
         return self.inventory.master_port
 
+
+@dataclass(frozen=True)
+class Probe:
+    """A shell snippet that prints `@@section` lines and the tools' output. It runs inside the
+    one probe script, where $wd $out $port $iface $master $role $py $ct are set (see
+    orchestrator/remote/preflight.sh) and `want CHECK...` says whether a check was asked for."""
+
+    name: str
+    text: str
+    first: bool = False  # runs before the others (clock_skew's timestamp: the less before it, the better)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # the column, the --only/--skip name and the JSON key
+    summary: str  # what it verifies, one line
+    remedy: str  # the usual fix (a failure's own remedy is more precise where it has one)
+    probes: tuple[Probe, ...] = ()  # () = gathered on the control machine (ssh, ping)
+    parse: Callable[[str, Ctx], CheckResult] | None = None
+    compare: Callable[[dict[str, str], dict[str, Ctx]], dict[str, CheckResult]] | None = None
+    nodes: str = "all"  # all | master | workers: where it means something (the others skip it)
+    fast: bool = False  # part of the quick preflight `clusterctl train` runs before launching
+
+    def __post_init__(self):
+        if self.nodes not in NODES:
+            raise ValueError(f"check {self.name}: nodes must be one of {NODES}")
+        _NAMES.add(self.name)
+
+    def applies_to(self, node: Node, is_master: bool) -> bool:
+        return self.nodes == "all" or (self.nodes == "master") == is_master
+
+
+# ------------------------------------------------------------------ the probe's output
 
 _SECTION = re.compile(r"^@@([A-Za-z0-9_-]+)(?: (.*))?$")
 

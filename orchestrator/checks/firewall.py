@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from orchestrator.checks import CheckResult, Ctx, first_line, ok, sections, skip, warn
+from orchestrator.checks import Check, CheckResult, Ctx, Probe, first_line, ok, sections, skip, warn
 
 _DENIED = ("permission denied", "you need to be root", "must be root", "operation not permitted",
            "authorization failed", "not authorized")
@@ -234,3 +234,28 @@ def parse_firewall(text: str, ctx: Ctx) -> CheckResult:
                     + ("`sudo ufw allow from <subnet>`" if d.tool == "ufw" else "accept its saddr in the input chain"))
     active = [f.summary for f in readable if f.active] or [readable[0].summary]
     return ok("firewall", "; ".join(active))
+
+
+# sudo only when it asks for no password; ufw (a Python program, ~0.1 s) is not run without
+# root: it would only say it needs root, and its config says whether it is on.
+RULES = Probe("firewall", r"""sudo=""
+if [ "$(id -u)" != 0 ] && has sudo && sudo -n true >/dev/null 2>&1; then sudo="sudo -n"; fi
+if has ufw; then
+  if [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; then
+    echo "@@ufw"; $sudo ufw status verbose 2>&1; echo "@@rc $?"
+  else
+    echo "@@ufw-conf"; grep '^ENABLED=' /etc/ufw/ufw.conf 2>&1; echo "@@rc $?"
+  fi
+fi
+if has firewall-cmd; then
+  echo "@@firewalld-state"; firewall-cmd --state 2>&1; echo "@@rc $?"
+  echo "@@firewalld"; $sudo firewall-cmd --list-all 2>&1; echo "@@rc $?"
+fi
+if has nft; then echo "@@nft"; $sudo nft list ruleset 2>&1; echo "@@rc $?"; fi
+if has iptables-save; then echo "@@iptables"; $sudo iptables-save 2>&1; echo "@@rc $?"; fi
+""")
+
+FIREWALL = Check(
+    "firewall", "no ufw/firewalld/nftables/iptables rule drops master_port or NCCL's ports",
+    "allow the other nodes' subnet in the firewall (NCCL opens random ports)",
+    probes=(RULES,), parse=parse_firewall)

@@ -1,33 +1,31 @@
-"""gpu_count and gpu_idle: nvidia-smi / rocm-smi sections of the probe (parsers in ..gpus)."""
+"""gpu_count and gpu_idle: GPU_PROBE's nvidia-smi / rocm-smi sections (parsers in ..gpus).
+
+Processes per node follow one rule (runs/torchrun.py nproc_for): `gpus: N` in the inventory
+-> N processes; `gpus: 0` -> a CPU node, one process; `gpus` unset -> the GPUs found."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.gpus import (Gpu, GpuProcess, attach_processes, parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv,
-                    parse_rocm_smi_json, parse_rocm_smi_pids_json)
-from orchestrator.checks import Ctx, CheckResult, fail, first_line, ok, sections, skip, warn
+from orchestrator.checks import Check, Ctx, CheckResult, Probe, fail, ok, skip, warn
+from orchestrator.gpus import GPU_PROBE, GpuFacts, gpu_facts
+
+# Preflight lists the GPU processes only when gpu_idle is asked for and some GPU holds memory.
+GPU = Probe("gpu", "gpu_apps=never\nif want gpu_idle; then gpu_apps=busy; fi\n" + GPU_PROBE)
 
 
-def gpus_from_probe(text: str) -> tuple[str | None, list[Gpu] | None, str | None]:
-    """(tool, gpus, error): tool None when neither nvidia-smi nor rocm-smi exists;
-    gpus None when the tool failed (error says why)."""
-    for s in sections(text):
-        if s.name == "nvidia-gpus":
-            if s.rc not in (0, None):
-                return "nvidia-smi", None, first_line(s.body) or f"exit code {s.rc}"
-            try:
-                return "nvidia-smi", parse_nvidia_smi_csv(s.body), None
-            except (ValueError, KeyError) as e:
-                return "nvidia-smi", None, f"unreadable output: {e}"
-        if s.name == "rocm-gpus":
-            if s.rc not in (0, None):
-                return "rocm-smi", None, first_line(s.body) or f"exit code {s.rc}"
-            try:
-                return "rocm-smi", parse_rocm_smi_json(s.body), None
-            except ValueError as e:
-                return "rocm-smi", None, f"unreadable output: {e}"
-    return None, None, None
+def facts(text: str, ctx: Ctx | None = None) -> GpuFacts:
+    env = None
+    if ctx is not None and ctx.visible_gpus is not None:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(ctx.visible_gpus)}
+    return gpu_facts(text, env)
+
+
+def gpus_from_probe(text: str):
+    """(tool, gpus, error): tool None when neither nvidia-smi nor rocm-smi exists; gpus None
+    when the tool failed (error says why)."""
+    f = gpu_facts(text)
+    return f.tool, (list(f.gpus) if f.gpus is not None else None), f.error
 
 
 # Memory in use with no process listed means a holder this shell cannot see (a process in
@@ -47,73 +45,66 @@ class Holder:
     command: str | None  # full command line, where /proc let us read it
 
 
-def gpu_processes(text: str) -> list[Holder]:
-    cmdlines: dict[int, str | None] = {}
-    found: list[tuple[GpuProcess, int | None]] = []
-    for s in sections(text):
-        if s.name == "proc" and s.arg.strip().isdigit():
-            cmdlines[int(s.arg)] = s.body.strip() or None
-        elif s.name == "nvidia-apps":
-            try:
-                apps = parse_nvidia_smi_apps_csv(s.body)
-            except ValueError:
-                apps = []
-            gpus = gpus_from_probe(text)[1] or []
-            index = {p.pid: g.index for g in attach_processes(gpus, apps) for p in g.processes}
-            found += [(p, index.get(p.pid)) for _, p in apps]
-        elif s.name == "rocm-pids":
-            try:
-                found += [(p, None) for p in parse_rocm_smi_pids_json(s.body)]
-            except ValueError:
-                pass
-    return [Holder(p.pid, p.name, p.used_mib, gpu, cmdlines.get(p.pid)) for p, gpu in found]
+def gpu_processes(text: str, ctx: Ctx | None = None) -> list[Holder]:
+    return [Holder(p.pid, p.name, p.used_mib, gpu, p.command) for p, gpu in facts(text, ctx).holders()]
 
 
 def parse_gpu_count(text: str, ctx: Ctx) -> CheckResult:
-    want = ctx.node.gpus
-    tool, gpus, err = gpus_from_probe(text)
-    if tool is None:
+    want, name = ctx.node.gpus, ctx.node.name
+    f = facts(text, ctx)
+    if f.tool is None:
         if want == 0:
-            return ok("gpu_count", "CPU node (gpus: 0), no GPU tool needed")
-        return fail("gpu_count", "neither nvidia-smi nor rocm-smi found on PATH",
-                    f"install the GPU driver tools on {ctx.node.name}, or set `gpus: 0` for a CPU node")
-    if gpus is None:
-        return fail("gpu_count", f"{tool} failed: {err}",
-                    f"fix the driver on {ctx.node.name} (`{tool}` must work); a driver/library "
+            return ok("gpu_count", "CPU node (gpus: 0): one process, no GPU tool needed")
+        detail = "neither nvidia-smi nor rocm-smi found on PATH"
+        remedy = f"install the GPU driver tools on {name}, or set `gpus: 0` for a CPU node"
+        if want is None:
+            return warn("gpu_count", f"{detail}: the node runs one CPU process", remedy)
+        return fail("gpu_count", f"{detail}, inventory says {want}", remedy)
+    if f.gpus is None:
+        return fail("gpu_count", f"{f.tool} failed: {f.error}",
+                    f"fix the driver on {name} (`{f.tool}` must work); a driver/library "
                     "mismatch usually needs a reboot or reinstall")
-    n = len(gpus)
-    model = gpus[0].name if gpus else ""
-    what = f"{n} GPU{'s' if n != 1 else ''}" + (f" ({model})" if model else "") + f" via {tool}"
+    n = len(f.gpus)
+    model = f.gpus[0].name if f.gpus else ""
+    what = f"{n} GPU{'s' if n != 1 else ''}" + (f" ({model})" if model else "") + f" via {f.tool}"
     if want is None:
-        return ok("gpu_count", f"{what}; inventory does not say (nproc_per_node will be {n or 1})")
+        return ok("gpu_count", f"{what}; inventory does not say: {n or 1} process{'es' if n > 1 else ''}"
+                  + ("" if n else " (CPU)"))
+    if want == 0:
+        if n == 0:
+            return ok("gpu_count", f"{what}; CPU node (gpus: 0): one process")
+        return warn("gpu_count", f"{what}, but the inventory says gpus: 0: the node runs one CPU process",
+                    f"drop `gpus: 0` for {name} (or set `gpus: {n}`) to train on its GPUs")
     if n == want:
         return ok("gpu_count", what)
-    remedy = (f"set `gpus: {n}` for {ctx.node.name} in the inventory (torchrun --nproc-per-node {n or 1} "
-              f"there); launching {want} processes on {n} GPUs fails with 'invalid device ordinal'")
     if n < want:
-        return fail("gpu_count", f"{what}, inventory says {want}", remedy)
-    return warn("gpu_count", f"{what}, inventory says {want} (only {want} will be used)", remedy)
+        return fail("gpu_count", f"{what}, inventory says {want}",
+                    f"set `gpus: {n}` for {name} in the inventory (torchrun --nproc-per-node {n or 1} "
+                    f"there): {want} processes on {n} GPU{'s' if n != 1 else ''} fail with "
+                    "'invalid device ordinal'")
+    return warn("gpu_count", f"{what}, inventory says {want}: {n - want} GPU{'s' if n - want != 1 else ''} "
+                f"stay idle", f"set `gpus: {n}` for {name} to use them all (fewer processes than GPUs is fine)")
 
 
 def parse_gpu_idle(text: str, ctx: Ctx) -> CheckResult:
-    tool, gpus, err = gpus_from_probe(text)
-    if tool is None:
+    f = facts(text, ctx)
+    if f.tool is None:
         return skip("gpu_idle", "no GPU tool on the node")
-    if gpus is None:
-        return skip("gpu_idle", f"{tool} failed (see gpu_count)")
-    procs = gpu_processes(text)
+    if f.gpus is None:
+        return skip("gpu_idle", f"{f.tool} failed (see gpu_count)")
+    procs = gpu_processes(text, ctx)
     if not procs:
-        hidden = [g for g in gpus if (g.mem_used_mib or 0) >= HIDDEN_HOLDER_MIB]
+        hidden = [g for g in f.gpus if (g.mem_used_mib or 0) >= HIDDEN_HOLDER_MIB]
         if hidden:
             held = ", ".join(f"GPU {g.index} {g.mem_used_mib} MiB" for g in hidden[:4])
             return warn("gpu_idle", f"GPU memory in use ({held}{' ...' if len(hidden) > 4 else ''}) by no "
-                        f"process {tool} lists here: another container, or a user whose processes "
+                        f"process {f.tool} lists here: another container, or a user whose processes "
                         "this account cannot see",
-                        f"find the owner on {ctx.node.name} (`{tool}` as root or on the host); a job "
+                        f"find the owner on {ctx.node.name} (`{f.tool}` as root or on the host); a job "
                         "already on these GPUs slows the run or makes it run out of memory")
-        if not any(s.name in ("nvidia-apps", "rocm-pids") for s in sections(text)):
-            return ok("gpu_idle", f"no GPU memory in use on {len(gpus)} GPU(s)")
-        return ok("gpu_idle", f"no process holds GPU memory on {len(gpus)} GPU(s)")
+        if not f.listed:
+            return ok("gpu_idle", f"no GPU memory in use on {len(f.gpus)} GPU(s)")
+        return ok("gpu_idle", f"no process holds GPU memory on {len(f.gpus)} GPU(s)")
     parts = []
     for p in procs[:4]:
         mem = f", {p.used_mib} MiB" if p.used_mib is not None else ""
@@ -127,3 +118,13 @@ def parse_gpu_idle(text: str, ctx: Ctx) -> CheckResult:
     if ctx.inventory.checks.require_gpu_idle:
         return fail("gpu_idle", detail, remedy)
     return warn("gpu_idle", detail, remedy)
+
+
+GPU_COUNT = Check(
+    "gpu_count", "the GPUs nvidia-smi/rocm-smi report match the inventory's `gpus:`",
+    "set `gpus:` for the node to what nvidia-smi/rocm-smi report, or fix the driver",
+    probes=(GPU,), parse=parse_gpu_count, fast=True)
+GPU_IDLE = Check(
+    "gpu_idle", "no process already holds GPU memory",
+    "stop the leftover process (`clusterctl stop` for a clusterctl run)",
+    probes=(GPU,), parse=parse_gpu_idle)

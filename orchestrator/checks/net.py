@@ -1,5 +1,5 @@
 """port_free, port_reachable and iface: `ss -Hltnp` (or /proc/net/tcp), a worker's connect to
-the master, `ip -j addr` / `ip -j route get`."""
+the master, `ip -j addr` / `ip -j route get` (or /sys/class/net without iproute2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from orchestrator.checks import CheckResult, Ctx, fail, first_line, ok, section, sections, skip, warn
+from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, sections, skip, warn
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,9 @@ def parse_iface(text: str, ctx: Ctx) -> CheckResult:
     if not iface:
         return skip("iface", "no iface in the inventory (NCCL picks one itself)")
     s = section(text, "ip-addr")
+    sysfs = section(text, "sys-net")
+    if s is None and sysfs is not None:
+        return _iface_from_sysfs(iface, sysfs, ctx)
     if s is None:
         return skip("iface", "not probed")
     if s.rc == 127 or "not found" in s.body and s.rc:
@@ -205,6 +208,12 @@ def parse_iface(text: str, ctx: Ctx) -> CheckResult:
     if ctx.is_master:
         return ok("iface", f"{iface} up, {addr}")
     r = next((x for x in sections(text) if x.name == "ip-route"), None)
+    unresolved = section(text, "unresolved")
+    if r is None and unresolved is not None:
+        # a scheduler's DNS name for the master can appear only once the master's pod is up;
+        # port_reachable fails if it never does
+        return warn("iface", f"{iface} up, {addr}; the master {unresolved.arg} does not resolve here (yet?)",
+                    f"check the master's name from {ctx.node.name} (`getent ahosts {unresolved.arg}`)")
     if r is None:
         return ok("iface", f"{iface} up, {addr} (route not checked)")
     route = parse_ip_route(r.body) if r.rc in (0, None) else None
@@ -217,3 +226,76 @@ def parse_iface(text: str, ctx: Ctx) -> CheckResult:
                     f"set iface: {dev} for {ctx.node.name} (export NCCL_SOCKET_IFNAME={dev} "
                     f"GLOO_SOCKET_IFNAME={dev}), or fix the routes")
     return ok("iface", f"{iface} up, {addr}, route to master via {dev}")
+
+
+def _iface_from_sysfs(iface: str, s, ctx: Ctx) -> CheckResult:
+    """/sys/class/net/IFACE/operstate, read where iproute2 is not installed (slim containers)."""
+    state = first_line(s.body)
+    if s.rc not in (0, None):
+        return fail("iface", f"{iface} does not exist (no /sys/class/net/{iface})",
+                    f"set the node's iface to one listed in /sys/class/net on {ctx.node.name}; "
+                    f"NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME={iface} would make rendezvous fail")
+    if state.lower() in ("down", "lowerlayerdown", "notpresent"):
+        return fail("iface", f"{iface} is down (state {state})", f"`sudo ip link set {iface} up` on {ctx.node.name}")
+    return ok("iface", f"{iface} {state} (no `ip` on the node: address and route not checked)")
+
+
+# ------------------------------------------------------------------ probes and registration
+
+SS = Probe("ss", r"""if has ss; then
+  echo "@@ss"; ss -Hltnp 2>&1; echo "@@rc $?"
+else
+  echo "@@proc-net-tcp"; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null
+  hex=$(printf '%04X' "$port")
+  for ino in $(awk -v p=":$hex" '$4 == "0A" && substr($2, length($2) - 4) == p { print $10 }' \
+               /proc/net/tcp /proc/net/tcp6 2>/dev/null); do
+    for fd in $(find /proc/[0-9]*/fd -lname "socket:\[$ino\]" 2>/dev/null); do
+      pid=${fd#/proc/}; pid=${pid%%/*}
+      echo "@@sockowner $pid $ino"
+      tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null; echo
+    done
+  done
+fi
+""")
+
+# $ct is 0 when the master's test listener did not start: nothing to connect to then.
+CONNECT = Probe("connect", r"""if [ "$role" = worker ] && [ "$ct" != 0 ]; then
+  echo "@@connect $master $port"
+  if has bash && has timeout; then
+    timeout "$ct" bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$master" "$port" 2>&1; echo "@@rc $?"
+  elif has nc; then
+    nc -z -w "$ct" "$master" "$port" 2>&1; echo "@@rc $?"
+  else
+    echo "@@rc 127"; echo "neither bash+timeout nor nc on the node"
+  fi
+fi
+""")
+
+IP = Probe("ip", r"""if [ -n "$iface" ] && has ip; then
+  echo "@@ip-addr"; ip -j addr show dev "$iface" 2>&1; echo "@@rc $?"
+  if [ "$role" != master ]; then
+    dest=$master
+    case $dest in *[!0-9.:]*) dest=$(getent ahosts "$dest" 2>/dev/null | awk 'NR == 1 { print $1 }') ;; esac
+    if [ -n "$dest" ]; then
+      echo "@@ip-route $dest"; ip -j route get "$dest" 2>&1; echo "@@rc $?"
+    else
+      echo "@@unresolved $master"
+    fi
+  fi
+elif [ -n "$iface" ]; then
+  echo "@@sys-net"; cat "/sys/class/net/$iface/operstate" 2>&1; echo "@@rc $?"
+fi
+""")
+
+PORT_FREE = Check(
+    "port_free", "nothing else listens on master_port on the master",
+    "stop the process on master_port, or pick another master_port in the inventory",
+    probes=(SS,), parse=parse_port_free, nodes="master", fast=True)
+PORT_REACHABLE = Check(
+    "port_reachable", "every worker can open a TCP connection to master:master_port",
+    "allow TCP master_port (and NCCL's ephemeral ports) into the master",
+    probes=(CONNECT,), parse=parse_port_reachable, fast=True)
+IFACE = Check(
+    "iface", "the inventory's iface exists, is up, has an address and routes to the master",
+    "set `iface:` to the interface that reaches the master (`ip -br addr`)",
+    probes=(IP,), parse=parse_iface)

@@ -4,13 +4,14 @@
                   *, connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport
     report.ok -> bool            no check failed (warnings allowed)
     report.gpus_found            {node name: GPUs found, or None when not probed/unknown}
-    report.render(console)       rich table node x check, remedies, rank map
+    report.render(console)       node x check table that fits the console, grouped findings, rank map
     report.to_json()             {"ok", "nodes": [{"name", "host", "rank", "checks": [...]}]}
 
 `cluster` must be connected (`with Cluster(inv) as c:`); nothing here opens a connection, so
 `train` reuses its own and a node is handshaked once per command. Per node, ONE remote
-invocation: orchestrator/remote/preflight.sh over stdin (`sh -s`), its output parsed by the
-pure parsers in orchestrator/checks. port_reachable adds a temporary listener on the master
+invocation: the probe script the registry assembles for the chosen checks
+(orchestrator/checks/registry.py) over stdin (`sh -s`), its output read by the checks' pure
+parsers. port_reachable adds a temporary listener on the master
 (orchestrator/remote/portlisten.py, started first, gone after a timeout) and a connect from
 each worker inside that worker's probe. ping runs from the control machine meanwhile.
 """
@@ -19,33 +20,28 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from importlib import resources
+from typing import Mapping
 
 from orchestrator import shell
-from orchestrator.checks import CHECKS, Ctx, CheckResult, fail, load_nodeinfo, ok, skip
-from orchestrator.checks.firewall import parse_firewall
-from orchestrator.checks.gpu import gpus_from_probe, parse_gpu_count, parse_gpu_idle
-from orchestrator.checks.net import attribute_port_reachable, parse_iface, parse_port_free, parse_port_reachable
+from orchestrator.checks import Ctx, CheckResult, fail, load_nodeinfo, ok, skip
+from orchestrator.checks.gpu import gpus_from_probe
+from orchestrator.checks.net import attribute_port_reachable
 from orchestrator.checks.ping import ping_all, ping_result
-from orchestrator.checks.system import compare_code_sync, compare_python_env, parse_clock_skew, parse_disk
+from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, probe_script
+from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.torchrun import nprocs_for, rank_map_text
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
-_PROBES = resources.files("orchestrator").joinpath("remote")
-NODEINFO = _PROBES.joinpath("nodeinfo.py").read_text()
-PROBE = _PROBES.joinpath("preflight.sh").read_text().replace("@@NODEINFO_PY@@\n", NODEINFO).encode()
-LISTENER = _PROBES.joinpath("portlisten.py").read_bytes()
-assert "\nPYEOF\n" not in NODEINFO
-
-PER_NODE = {"gpu_count": parse_gpu_count, "gpu_idle": parse_gpu_idle, "port_free": parse_port_free,
-            "firewall": parse_firewall, "clock_skew": parse_clock_skew, "iface": parse_iface,
-            "disk": parse_disk, "port_reachable": parse_port_reachable}
+LISTENER = resources.files("orchestrator").joinpath("remote", "portlisten.py").read_bytes()
 PROBE_TIMEOUT = 60.0
+# The control machine's own checks: everything else runs in the node's probe.
+CONTROL = ("ssh", "ping")
+FAST_CHECKS = fast_checks()  # what `clusterctl train` runs before it launches anything
 
 
 def select_checks(only: str | list[str] | None = None, skip_: str | list[str] | None = None) -> list[str]:
@@ -75,80 +71,6 @@ def control_workdir(inv: Inventory) -> str | None:
     """The control machine's copy of the workdir, when it has one."""
     p = os.path.expanduser(inv.workdir)
     return p if os.path.isdir(p) else None
-
-
-@dataclass
-class NodeReport:
-    node: Node
-    results: dict[str, CheckResult] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.status != "fail" for r in self.results.values())
-
-
-@dataclass
-class PreflightReport:
-    inventory: Inventory
-    checks: list[str]
-    nodes: list[NodeReport]
-    gpus_found: dict[str, int | None]
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(n.ok for n in self.nodes)
-
-    @property
-    def failures(self) -> list[tuple[str, CheckResult]]:
-        return [(n.node.name, r) for n in self.nodes for r in n.results.values() if r.status == "fail"]
-
-    def nprocs(self) -> dict[str, int]:
-        return nprocs_for(self.inventory, self.gpus_found)
-
-    def rank_map(self) -> str:
-        return rank_map_text(self.inventory, self.nprocs())
-
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "nodes": [
-            {"name": n.node.name, "host": n.node.host, "rank": n.node.rank,
-             "checks": [n.results[c].to_json() for c in self.checks if c in n.results]}
-            for n in self.nodes]}
-
-    def render(self, console, details: bool = False) -> None:
-        """A node x check matrix of statuses, then the detail of everything not ok (with the
-        remedy for each fail), then the rank map. details=True adds every check's detail."""
-        from rich.table import Table
-
-        style = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
-        t = Table(title=f"preflight: {len(self.nodes)} nodes, master {self.inventory.master.address}:"
-                        f"{self.inventory.master_port} ({self.seconds:.1f}s)")
-        t.add_column("node", no_wrap=True)
-        t.add_column("host", no_wrap=True)
-        for c in self.checks:
-            t.add_column(c.replace("_", "\n"), justify="center")
-        for n in self.nodes:
-            cells = [f"[{style[r.status]}]{r.status}[/]" if (r := n.results.get(c)) else "" for c in self.checks]
-            t.add_row(n.node.name, n.node.host, *cells)
-        console.print(t)
-        for n in self.nodes:
-            for r in n.results.values():
-                if details or r.status in ("warn", "fail"):
-                    console.print(f"  [{style[r.status]}]{r.status:4}[/] [bold]{_escape(n.node.name)}[/] "
-                                  f"{r.check}: {_escape(r.detail)}", soft_wrap=True)
-                    if r.remedy and r.status in ("warn", "fail"):
-                        console.print(f"         → {_escape(r.remedy)}", soft_wrap=True)
-        console.print(_escape(self.rank_map()), soft_wrap=True)
-        fails = self.failures
-        console.print("[green]preflight ok[/]" if self.ok else
-                      f"[bold red]{len(fails)} check(s) failed on "
-                      f"{len({name for name, _ in fails})} node(s)[/]")
-
-
-def _escape(s: str) -> str:
-    from rich.markup import escape
-
-    return escape(s)
 
 
 # ------------------------------------------------------------------ running
@@ -217,7 +139,7 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
     """control_dir: the control machine's copy code_sync compares with (default: the inventory's
     workdir here, when it exists)."""
     t_start = time.monotonic()
-    checks = list(CHECKS) if checks is None else [c for c in CHECKS if c in checks]
+    checks = list(CHECKS) if checks is None else ordered(checks)
     inv = inventory
     nodes = list(inv.nodes)
     reports = {n.name: NodeReport(n) for n in nodes}
@@ -229,8 +151,7 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
             r = ok("ssh", "local node (no SSH)" if n.is_local else "connected, host key verified")
         else:
             err = cluster.unreachable.get(n.name)
-            r = fail("ssh", (err.error if err else "not connected") or "not connected",
-                     "start sshd / fix the address, user or key in the inventory")
+            r = fail("ssh", (err.error if err else "not connected") or "not connected", BY_NAME["ssh"].remedy)
         reports[n.name].results["ssh"] = r
 
     ping_out: dict[str, float | None] = {}
@@ -240,34 +161,35 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
         pinger = threading.Thread(target=lambda: ping_out.update(ping_all(hosts)), daemon=True)
         pinger.start()
 
-    probe_checks = [c for c in checks if c not in ("ssh", "ping")]
+    probe_checks = [c for c in checks if c not in CONTROL]
     workers = [n for n in connected if n.rank != 0]
     listener = None
     if "port_reachable" in checks and workers and inv.master in connected:
         listener = _Listener(cluster, inv.master, inv.master_port, len(workers), connect_timeout + 20)
-    elif "port_reachable" in checks and inv.master not in connected:
-        pass  # reported below per worker
 
     t_send: dict[str, float] = {}
     t_recv: dict[str, float] = {}
-    waiting_time: set[str] = set()
+    at_time: set[str] = set()  # nodes whose @@time line arrived: the next line is their clock
 
     def command(node: Node) -> str:
         t_send[node.name] = time.time()
-        waiting_time.add(node.name)
         ct = connect_timeout if listener is not None and listener.error is None else 0
         return _probe_command(inv, node, probe_checks, ct)
 
     def on_line(name: str, stream: str, line: str) -> None:
-        if stream == "stdout" and name in waiting_time and line and line[0].isdigit():
+        if stream != "stdout" or name in t_recv:
+            return
+        if name in at_time:
             t_recv[name] = time.time()
-            waiting_time.discard(name)
+        elif line == "@@time":
+            at_time.add(name)
 
     texts: dict[str, str] = {}
     errors: dict[str, str] = {}
     if probe_checks and connected:
         try:
-            res = cluster.run(command, stdin=PROBE, timeout=PROBE_TIMEOUT, nodes=[n.name for n in connected],
+            res = cluster.run(command, stdin=probe_script(probe_checks), timeout=PROBE_TIMEOUT,
+                              nodes=[n.name for n in connected],
                               on_line=on_line if "clock_skew" in probe_checks else None)
         finally:
             if listener is not None:
@@ -279,37 +201,31 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
                 errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
                 texts[name] = r.stdout
 
+    extra = {}
+    if "code_sync" in probe_checks:
+        cw = control_dir or control_workdir(inv)
+        extra["control_code"] = load_nodeinfo().digest(cw) if cw is not None else None
     ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0,
                           own_pids=frozenset([listener.pid]) if listener and listener.pid else frozenset(),
-                          t_send=t_send.get(n.name), t_recv=t_recv.get(n.name)) for n in nodes}
+                          t_send=t_send.get(n.name), t_recv=t_recv.get(n.name), extra=extra) for n in nodes}
 
+    done = {k: v for k, v in texts.items() if k not in errors}
     for n in nodes:
         rep = reports[n.name]
         if n.name not in cluster.connections:
             for c in probe_checks:
                 rep.results[c] = skip(c, "node unreachable over SSH")
-            continue
-        if n.name in errors:
+        elif n.name in errors:
             for c in probe_checks:
                 rep.results[c] = fail(c, f"the probe did not finish: {errors[n.name]}") \
                     if c == probe_checks[0] else skip(c, "probe did not finish")
-            continue
-        for c in probe_checks:
-            if c in PER_NODE:
-                rep.results[c] = PER_NODE[c](texts[n.name], ctx_of[n.name])
-
-    done = {k: v for k, v in texts.items() if k not in errors}
-    master = inv.master.name
-    if "python_env" in probe_checks and done:
-        for name, r in compare_python_env(done, ctx_of, master).items():
-            reports[name].results["python_env"] = r
-    if "code_sync" in probe_checks and done:
-        control = None
-        cw = control_dir or control_workdir(inv)
-        if cw is not None:
-            control = load_nodeinfo().digest(cw)
-        for name, r in compare_code_sync(done, ctx_of, master, control).items():
-            reports[name].results["code_sync"] = r
+        else:
+            rep.results.update(node_results(probe_checks, texts[n.name], ctx_of[n.name]))
+    for c in probe_checks:
+        compare = BY_NAME[c].compare
+        if compare is not None and done:
+            for name, r in compare(done, {k: ctx_of[k] for k in done}).items():
+                reports[name].results[c] = r
     if "port_reachable" in probe_checks:
         _port_reachable(reports, inv, listener, done)
 
@@ -329,6 +245,31 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
         rep.results = {c: rep.results[c] for c in checks if c in rep.results}
     return PreflightReport(inv, checks, [reports[n.name] for n in nodes], gpus_found,
                            time.monotonic() - t_start)
+
+
+def node_results(checks: list[str], text: str, ctx: Ctx) -> dict[str, CheckResult]:
+    """The per-node verdicts of one node's probe output (the cross-node ones come from the
+    checks' `compare`). A check meant for other nodes (master / workers only) is a skip."""
+    out = {}
+    for c in checks:
+        spec = BY_NAME[c]
+        if not spec.applies_to(ctx.node, ctx.is_master):
+            out[c] = skip(c, "only the master" if spec.nodes == "master" else "workers only")
+        elif spec.parse is not None:
+            out[c] = spec.parse(text, ctx)
+    return out
+
+
+def probe_locally(inv: Inventory, node: Node, checks: list[str], env: Mapping[str, str] | None = None,
+                  timeout: float = PROBE_TIMEOUT) -> str:
+    """The same probe, run on this machine (`launch --from-env` checks its own node)."""
+    checks = ordered(checks)
+    try:
+        p = subprocess.run(["/bin/sh", "-c", _probe_command(inv, node, checks, 0)], input=probe_script(checks),
+                           capture_output=True, timeout=timeout, env=dict(env) if env is not None else None)
+    except subprocess.TimeoutExpired as e:
+        return (e.stdout or b"").decode(errors="replace")
+    return p.stdout.decode(errors="replace")
 
 
 def _port_reachable(reports, inv: Inventory, listener: _Listener | None, done: dict[str, str]) -> None:

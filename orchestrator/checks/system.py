@@ -1,12 +1,8 @@
-"""clock_skew, disk, python_env and code_sync. The last two compare nodes with each other:
-`node_python`/`node_code` read one node, `compare_*` decide across the cluster (pure too)."""
+"""clock_skew and disk: `date +%s.%N` and `timedatectl show`; `df -Pk` of workdir and output dir."""
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-
-from orchestrator.checks import CheckResult, Ctx, fail, first_line, ok, section, skip, warn
+from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, skip, warn
 
 # ------------------------------------------------------------------ clock_skew
 
@@ -96,103 +92,25 @@ def parse_disk(text: str, ctx: Ctx) -> CheckResult:
     return ok("disk", ", ".join(parts) if rows[0][0] != rows[1][0] else parts[0].replace("workdir", "workdir+output"))
 
 
-# ------------------------------------------------------------------ python_env / code_sync
+# ------------------------------------------------------------------ probes and registration
 
+CLOCK = Probe("clock", """echo "@@time"; date +%s.%N
+if has timedatectl; then echo "@@timedatectl"; timedatectl show 2>&1; echo "@@rc $?"; fi
+""", first=True)
 
-def node_info(text: str) -> tuple[dict | None, str | None]:
-    """The nodeinfo.py JSON of the @@python section, or (None, why not)."""
-    s = section(text, "python")
-    if s is None:
-        return None, "not probed"
-    for line in reversed(s.body.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line), None
-            except ValueError:
-                break
-    return None, first_line(s.body) or f"exit code {s.rc}"
+# near(): the nearest existing ancestor (an output dir may not exist before the first run)
+DF = Probe("df", r"""near() { d=$1; while [ -n "$d" ] && [ ! -e "$d" ]; do case $d in */*) d=${d%/*} ;; *) d=. ;; esac; done; printf '%s' "${d:-/}"; }
+echo "@@df"
+printf 'workdir %s\noutput %s\n' "$wd" "$out"
+df -Pk "$(near "$wd")" "$(near "$out")" 2>&1
+echo "@@rc $?"
+""")
 
-
-ENV_KEYS = ("python", "torch", "cuda", "hip", "nccl")
-
-
-def env_of(info: dict) -> dict[str, str]:
-    return {k: str(info.get(k) or "-") for k in ENV_KEYS}
-
-
-def env_text(env: dict[str, str]) -> str:
-    return " ".join(f"{k} {env[k]}" for k in ENV_KEYS if env.get(k, "-") != "-") or "-"
-
-
-def _reference(values: dict[str, object], master: str, control: object = None) -> object:
-    """The value the others must equal: the control machine's when given, else the most common
-    (ties go to the master's)."""
-    if control is not None:
-        return control
-    counts = Counter(values.values())
-    top = max(counts.values())
-    tied = [v for v, c in counts.items() if c == top]
-    return values[master] if values.get(master) in tied else tied[0]
-
-
-def compare_python_env(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str) -> dict[str, CheckResult]:
-    out, envs = {}, {}
-    for name, text in texts.items():
-        info, why = node_info(text)
-        node = ctx_of[name].node
-        if info is None:
-            out[name] = fail("python_env", f"{node.python} does not run: {why}",
-                             f"install Python (and torch) on {name}, or set `python:` for it in the inventory")
-        else:
-            envs[name] = env_of(info)
-            if envs[name]["torch"] == "-":
-                out[name] = fail("python_env", f"{env_text(envs[name])}; torch is not installed for {node.python}",
-                                 f"`{node.python} -m pip install torch` on {name}")
-    if not envs:
-        return out
-    ref = _reference({k: tuple(sorted(v.items())) for k, v in envs.items()},
-                     master if master in envs else next(iter(envs)))
-    ref_env = dict(ref)
-    for name, env in envs.items():
-        if name in out:
-            continue
-        diff = [k for k in ENV_KEYS if env[k] != ref_env[k]]
-        if not diff:
-            out[name] = ok("python_env", env_text(env))
-        else:
-            side = ", ".join(f"{k} {env[k]} (others {ref_env[k]})" for k in diff)
-            out[name] = fail("python_env", f"mismatch: {side}",
-                             f"install the same versions on {name} ({env_text(ref_env)}); mixed torch/NCCL "
-                             "versions hang or crash in the first collective")
-    return out
-
-
-def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str,
-                      control: dict | None = None) -> dict[str, CheckResult]:
-    """Equal workdir digests everywhere, and equal to the control machine's copy when given."""
-    out, digests = {}, {}
-    for name, text in texts.items():
-        info, why = node_info(text)
-        wd = ctx_of[name].node.workdir
-        code = (info or {}).get("code")
-        if info is None or not code:
-            out[name] = skip("code_sync", f"no digest: the node's python does not run ({why})")
-        elif code.get("kind") == "missing":
-            out[name] = fail("code_sync", f"{wd} does not exist", "`clusterctl sync -i <inventory>` pushes it")
-        else:
-            digests[name] = code
-    if not digests:
-        return out
-    ref = _reference({k: v["digest"] for k, v in digests.items()}, master if master in digests else next(iter(digests)),
-                     control.get("digest") if control and control.get("kind") != "missing" else None)
-    against = "the control machine's copy" if control and control.get("kind") != "missing" else "the other nodes"
-    for name, code in digests.items():
-        head = f" (git {code['head']}{', dirty' if code.get('dirty') else ''})" if code.get("head") else ""
-        n = code["files"]
-        what = f"{n} file{'' if n == 1 else 's'}, digest {code['digest']}{head}"
-        if code["digest"] == ref:
-            out[name] = ok("code_sync", what)
-        else:
-            out[name] = fail("code_sync", f"workdir ({what}) differs from {against} (digest {ref})",
-                             "push the same code everywhere: `clusterctl sync -i <inventory>`")
-    return out
+CLOCK_SKEW = Check(
+    "clock_skew", "the node's clock is within checks.clock_skew_warn/fail of the control machine's",
+    "sync the clock: `sudo timedatectl set-ntp true` (chrony/systemd-timesyncd)",
+    probes=(CLOCK,), parse=parse_clock_skew)
+DISK = Check(
+    "disk", "workdir and output dir have checks.disk_min_gb free",
+    "free space on the node or lower checks.disk_min_gb",
+    probes=(DF,), parse=parse_disk)

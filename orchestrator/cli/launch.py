@@ -68,13 +68,12 @@ def launch_command(from_env, inventory_path, dry_run, nproc_per_node, nnodes, no
         nproc = len(gpus) or 1
     env = launch_env(plat, os.environ, inv, iface)
     target = target_argv(inv, script_args) if inv is not None else (list(script_args) or ["-m", "trainer"])
-    require_idle = inv.checks.require_gpu_idle if inv is not None else True
-    checks = local_checks(plat, nproc, local, gpus, env, require_idle)
+    checks = local_checks(plat, nproc, local, env, inv)
     argv = torchrun_argv(python=sys.executable, nnodes=plat.nnodes, nproc=nproc, node_rank=plat.node_rank,
                          master_addr=plat.master_addr, master_port=plat.master_port, run_id=plat.run_id,
                          target=target)
     click.echo(checklist(plat, nproc, local, gpus, target, env, checks), err=True)
-    failed = [c for c in checks if c.fatal and not c.ok]
+    failed = [c for c in checks if c.status == "fail"]
     if dry_run:
         for k, v in env.items():
             if os.environ.get(k) != v:

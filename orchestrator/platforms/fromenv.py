@@ -1,10 +1,12 @@
-"""`clusterctl launch --from-env`: the in-pod launcher (seed 004's start_multinode_platform.sh).
+"""`clusterctl launch --from-env`: the in-pod launcher.
 
 The platform (SLURM, a Kubeflow PyTorchJob, a Kubernetes Indexed Job, SkyPilot, or any
 scheduler that sets WORLD_SIZE/RANK/MASTER_ADDR like PAI) already decided how many nodes there
-are and which one this is. This reads that, finds the local GPUs, prints seed 004's checklist,
-runs the checks that make sense on one node, and execs torchrun with the flags and environment
-`clusterctl train` would use (orchestrator.torchrun). `render slurm|k8s` call exactly this.
+are and which one this is. This reads that, finds the local GPUs, prints a checklist, runs the
+preflight checks that make sense on one node (the same probe and parsers as `clusterctl
+preflight`, run locally: orchestrator/checks/registry.py LOCAL_CHECKS), and execs torchrun with
+the flags and environment `clusterctl train` would use (orchestrator.torchrun). `render
+slurm|k8s` call exactly this.
 
 Precedence (the first platform whose marker variable is set wins; flags beat everything):
   1. SLURM      SLURM_JOB_ID + SLURM_NNODES | SLURM_JOB_NUM_NODES, SLURM_NODEID,
@@ -12,7 +14,7 @@ Precedence (the first platform whose marker variable is set wins; flags beat eve
   2. Kubeflow   PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT
   3. Indexed Job JOB_COMPLETION_INDEX (node rank), WORLD_SIZE (nodes), MASTER_ADDR
   4. SkyPilot   SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, master = first of SKYPILOT_NODE_IPS
-  5. generic    WORLD_SIZE (nodes, as seed 004's platform sets it), RANK (node rank), MASTER_ADDR
+  5. generic    WORLD_SIZE (nodes, as such a platform sets it), RANK (node rank), MASTER_ADDR
 Port: --master-port, PET_MASTER_PORT, MASTER_PORT, the inventory's master_port, 29500.
 WORLD_SIZE and RANK count nodes here; set next to SLURM/SkyPilot/an Indexed Job they must agree
 with the scheduler's numbers (Kubeflow's own WORLD_SIZE/RANK are left alone).
@@ -20,19 +22,19 @@ with the scheduler's numbers (Kubeflow's own WORLD_SIZE/RANK are left alone).
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import re
-import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-
 from orchestrator import shell
+from orchestrator.checks import CheckResult, Ctx
 from orchestrator.errors import UsageError
-from orchestrator.gpus import NVIDIA_APPS_ARGV, NVIDIA_GPU_ARGV, ROCM_GPU_ARGV, Gpu, attach_processes
-from orchestrator.gpus import parse_nvidia_smi_apps_csv, parse_nvidia_smi_csv, parse_rocm_smi_json
+from orchestrator.gpus import GPU_PROBE, Gpu, gpu_facts
+from orchestrator.gpus import visible  # noqa: F401 - part of this module's interface (CUDA_VISIBLE_DEVICES)
 from orchestrator.runs.torchrun import dist_timeout_s, iface_env, node_env, scaled_env
 
 DEFAULT_PORT = 29500
@@ -165,91 +167,66 @@ class LocalGpus:
     error: str | None = None  # the tool is there but failed (driver mismatch...)
 
 
-def _run(argv) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+def local_gpus(text: str) -> LocalGpus:
+    """GPU_PROBE's output -> LocalGpus (every GPU the tool lists; visible() narrows them)."""
+    f = gpu_facts(text)
+    if f.tool is not None and f.gpus is None:
+        return LocalGpus(f.tool, error=f.error)
+    return LocalGpus(f.tool, tuple(f.gpus or ()))
 
 
-def detect_gpus(run=_run, which=shutil.which) -> LocalGpus:
+def detect_gpus(env: Mapping[str, str] | None = None) -> LocalGpus:
+    """Run the GPU probe (the one preflight and top run) on this machine."""
     try:
-        if which("nvidia-smi"):
-            p = run(NVIDIA_GPU_ARGV)
-            if p.returncode != 0:
-                return LocalGpus("nvidia-smi", error=(p.stdout + p.stderr).strip()[-300:] or f"exit {p.returncode}")
-            apps = run(NVIDIA_APPS_ARGV)
-            gpus = parse_nvidia_smi_csv(p.stdout)
-            if apps.returncode == 0:
-                gpus = attach_processes(gpus, parse_nvidia_smi_apps_csv(apps.stdout))
-            return LocalGpus("nvidia-smi", tuple(gpus))
-        if which("rocm-smi"):
-            p = run(ROCM_GPU_ARGV)
-            if p.returncode != 0:
-                return LocalGpus("rocm-smi", error=(p.stdout + p.stderr).strip()[-300:] or f"exit {p.returncode}")
-            return LocalGpus("rocm-smi", tuple(parse_rocm_smi_json(p.stdout)))
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        p = subprocess.run(["/bin/sh", "-s"], input=("gpu_apps=always\n" + GPU_PROBE).encode(), capture_output=True,
+                           timeout=TOOL_TIMEOUT_S, env=dict(env) if env is not None else None)
+    except (OSError, subprocess.SubprocessError) as e:
         return LocalGpus(None, error=str(e))
-    return LocalGpus(None)
-
-
-def visible(gpus: tuple[Gpu, ...], env: Mapping[str, str]) -> tuple[Gpu, ...]:
-    """Only the GPUs CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES leave (seed 003's fix)."""
-    for key in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
-        v = env.get(key)
-        if v is not None:
-            ids = {x.strip() for x in v.split(",") if x.strip()}
-            return tuple(g for g in gpus if str(g.index) in ids or (g.uuid or "") in ids)
-    return gpus
+    return local_gpus(p.stdout.decode(errors="replace"))
 
 
 # ------------------------------------------------------------------ node-local checks
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fatal: bool = True
+_IFACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}")
 
 
-def local_checks(plat: Platform, nproc: int, local: LocalGpus, gpus: tuple[Gpu, ...],
-                 env: Mapping[str, str], require_idle: bool = True) -> list[Check]:
-    out = []
-    if local.error:
-        out.append(Check("gpus", False, f"{local.tool or 'GPU tool'} failed: {local.error}"))
-    elif local.tool:
-        out.append(Check("gpu count", len(gpus) >= nproc,
-                         f"{len(gpus)} GPUs for {nproc} processes" + ("" if len(gpus) >= nproc else
-                         " (seed 003's `invalid device ordinal`: lower --nproc-per-node)")))
-        busy = [f"GPU {g.index}: pid {p.pid} {p.name}" for g in gpus[:nproc] for p in g.processes]
-        if require_idle:
-            out.append(Check("gpus idle", not busy, "idle" if not busy else "busy: " + "; ".join(busy)))
-    else:
-        out.append(Check("gpus", True, f"no nvidia-smi or rocm-smi: {nproc} CPU processes", fatal=False))
-    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        iface = env.get(key)
-        if iface and re.fullmatch(r"[A-Za-z0-9._@:-]+", iface) and os.path.isdir("/sys/class/net"):
-            out.append(Check(f"iface {iface}", os.path.exists(f"/sys/class/net/{iface}"),
-                             f"{key}={iface}" + ("" if os.path.exists(f"/sys/class/net/{iface}")
-                                                 else " but this node has no such interface")))
-            break
-    if plat.node_rank == 0:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", plat.master_port))
-            out.append(Check(f"port {plat.master_port}", True, "free on the master"))
-        except OSError as e:
-            out.append(Check(f"port {plat.master_port}", False,
-                             f"in use on the master ({e.strerror}): another run? pick another MASTER_PORT"))
-        finally:
-            s.close()
-    else:
-        try:
-            socket.getaddrinfo(plat.master_addr, plat.master_port)
-            out.append(Check("master", True, f"{plat.master_addr} resolves", fatal=False))
-        except OSError:
-            out.append(Check("master", False, f"{plat.master_addr} does not resolve yet (torchrun retries)",
-                             fatal=False))
-    return out
+def local_context(plat: Platform, nproc: int, local: LocalGpus, env: Mapping[str, str], inv=None) -> Ctx:
+    """This node as preflight's parsers see it: `gpus` = the processes to launch (0 when there is
+    no GPU: a CPU node), its iface from GLOO/NCCL_SOCKET_IFNAME when that names one interface,
+    the master from the platform, the inventory's checks settings and output dir when given."""
+    from orchestrator.inventory import parse_inventory
+
+    base = inv if inv is not None else parse_inventory(
+        f"master_port: {int(plat.master_port)}\nnodes: [{{name: master, host: localhost}}]\n", "<launch --from-env>")
+    same = inv is not None and len(inv.nodes) == plat.nnodes
+    template = base.nodes[plat.node_rank] if same else base.nodes[0]
+    iface = next((v for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                  if (v := env.get(k)) and _IFACE.fullmatch(v)), None)
+    me = dataclasses.replace(template, name=socket.gethostname() or "this-node", rank=plat.node_rank,
+                             gpus=nproc if local.tool is not None and local.gpus else 0, iface=iface,
+                             python=sys.executable, connection="local")
+    master = dataclasses.replace(base.nodes[0], name="master", rank=0, host=plat.master_addr,
+                                 address=plat.master_addr)
+    nodes = (me,) if plat.node_rank == 0 else (master, me)
+    view = dataclasses.replace(base, nodes=nodes, master_port=plat.master_port, _by_name={})
+    vis = next((env[k] for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+                if env.get(k) is not None), None)
+    return Ctx(node=me, inventory=view, is_master=plat.node_rank == 0,
+               visible_gpus=None if vis is None else tuple(x.strip() for x in vis.split(",") if x.strip()))
+
+
+def local_checks(plat: Platform, nproc: int, local: LocalGpus, env: Mapping[str, str], inv=None,
+                 probe: Callable | None = None) -> list[CheckResult]:
+    """preflight's node-local checks on this node: one probe run here (`probe(inventory, node,
+    checks, env) -> text`, default checks.preflight.probe_locally), read by the same parsers.
+    output_dir only with an inventory (it says where the run writes)."""
+    from orchestrator.checks.preflight import node_results, probe_locally
+    from orchestrator.checks.registry import LOCAL_CHECKS
+
+    ctx = local_context(plat, nproc, local, env, inv)
+    names = [c for c in LOCAL_CHECKS if c != "output_dir" or inv is not None]
+    text = (probe or probe_locally)(ctx.inventory, ctx.node, names, env)
+    return list(node_results(names, text, ctx).values())
 
 
 # ------------------------------------------------------------------ the launch
@@ -299,6 +276,7 @@ def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, c
         f"NCCL_BUFFSIZE {buf}",
     ]
     for c in checks:
-        mark = "ok  " if c.ok else ("FAIL" if c.fatal else "warn")
-        lines.append(f"  check {mark}     {c.name}: {c.detail}")
+        lines.append(f"  check {c.status.upper() if c.status == 'fail' else c.status:4}     {c.check}: {c.detail}")
+        if c.remedy and c.status in ("warn", "fail"):
+            lines.append(f"                   → {c.remedy}")
     return "\n".join(lines)

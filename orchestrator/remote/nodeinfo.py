@@ -325,18 +325,35 @@ def _nccl_version(dirs):
     return None
 
 
+def _bundled(dirs, prefix):
+    """"bundled" when a directory holds lib<prefix>*.so* (torch/lib of a wheel that ships it)."""
+    for d in dirs:
+        try:
+            if any(n.startswith(prefix) and ".so" in n for n in os.listdir(d)):
+                return "bundled"
+        except OSError:
+            continue
+    return None
+
+
 def versions():
+    """Python and torch facts without importing torch: torch/version.py read as text, NCCL from
+    the nvidia-nccl-cu* wheel (or a libnccl in torch/lib), RCCL from librccl in torch/lib or
+    /opt/rocm/lib. Set only for a CUDA (nccl) or ROCm (rccl) build of torch."""
     v = sys.version_info
     info = {"python": f"{v.major}.{v.minor}.{v.micro}", "executable": sys.executable, "torch": None,
-            "cuda": None, "hip": None, "nccl": None}
+            "cuda": None, "hip": None, "nccl": None, "rccl": None}
     dirs = site_dirs() if sys.flags.no_site else [d for d in sys.path if d]
     for d in dirs:
         version_py = os.path.join(d, "torch", "version.py")
         if os.path.isfile(version_py):
             lit = _literal_assignments(version_py)
             info.update(torch=lit.get("__version__", "?"), cuda=lit.get("cuda"), hip=lit.get("hip"))
+            lib = os.path.join(d, "torch", "lib")
             if info["cuda"]:
-                info["nccl"] = _nccl_version(dirs)
+                info["nccl"] = _nccl_version(dirs) or _bundled([lib], "libnccl")
+            if info["hip"]:
+                info["rccl"] = _bundled([lib, "/opt/rocm/lib"], "librccl")
             break
     return info
 

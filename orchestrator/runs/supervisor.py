@@ -33,7 +33,6 @@ from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text, too_
 from orchestrator.runs.watch import copy_logs
 from orchestrator.transport import Cluster, NodeResult, wait
 
-FAST_CHECKS = ["ssh", "gpu_count", "port_free", "port_reachable", "code_sync"]
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers
 
 
@@ -129,7 +128,7 @@ class Supervisor:
     def preflight(self, cluster: Cluster) -> dict[str, int | None]:
         from rich.console import Console
 
-        from orchestrator.checks.preflight import run_preflight
+        from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
 
         report = run_preflight(cluster, self.inv, FAST_CHECKS)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)

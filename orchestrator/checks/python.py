@@ -1,0 +1,202 @@
+"""python_env and code_sync: orchestrator/remote/nodeinfo.py run by the node's python (-S, no
+torch import) reports versions and a workdir digest. `node_info` reads one node; `compare_*`
+decide across the cluster (pure too). python_env also reads GPU_PROBE's sections: a node that
+trains on NVIDIA GPUs needs a CUDA build of torch with NCCL, one on AMD GPUs a ROCm build with
+RCCL."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from importlib import resources
+
+from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, skip, warn
+from orchestrator.checks.gpu import GPU, facts
+
+# ------------------------------------------------------------------ one node
+
+
+def node_info(text: str) -> tuple[dict | None, str | None]:
+    """The nodeinfo.py JSON of the @@python section, or (None, why not)."""
+    s = section(text, "python")
+    if s is None:
+        return None, "not probed"
+    for line in reversed(s.body.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line), None
+            except ValueError:
+                break
+    return None, first_line(s.body) or f"exit code {s.rc}"
+
+
+ENV_KEYS = ("python", "torch", "cuda", "hip", "nccl")
+
+CUDA_INDEX = "https://download.pytorch.org/whl/cu12x"
+ROCM_INDEX = "https://download.pytorch.org/whl/rocm6.x"
+
+
+def env_of(info: dict) -> dict[str, str]:
+    return {k: str(info.get(k) or "-") for k in ENV_KEYS}
+
+
+def env_text(env: dict[str, str]) -> str:
+    return " ".join(f"{k} {env[k]}" for k in ENV_KEYS if env.get(k, "-") != "-") or "-"
+
+
+def accelerator(text: str, ctx: Ctx) -> tuple[str | None, str]:
+    """("nvidia" | "amd" | None, what was found): the GPUs this node trains on. None for a CPU
+    node: no GPU tool, no GPUs, or `gpus: 0` in the inventory (one CPU process by choice)."""
+    if ctx.node.gpus == 0:
+        return None, "CPU node (gpus: 0)"
+    f = facts(text, ctx)
+    if f.vendor is None or (f.gpus is not None and not f.gpus):
+        return None, "no GPUs found"
+    n = f"{len(f.gpus)} " if f.gpus is not None else ""
+    return f.vendor, f"{n}{'NVIDIA' if f.vendor == 'nvidia' else 'AMD'} GPU{'s' if n != '1 ' else ''}"
+
+
+def check_accelerator(info: dict, text: str, ctx: Ctx) -> CheckResult | None:
+    """A fail or warn when torch cannot drive the node's GPUs, None when it can (or no GPUs)."""
+    vendor, found = accelerator(text, ctx)
+    if vendor is None:
+        return None
+    name, py, torch = ctx.node.name, ctx.node.python, info.get("torch")
+    pin = f"torch=={torch.split('+')[0]}" if torch and torch != "?" else "torch"
+    if vendor == "nvidia":
+        if not info.get("cuda"):
+            build = f"a ROCm build (hip {info['hip']})" if info.get("hip") else "a CPU-only build"
+            return fail("python_env", f"torch {torch} is {build} but the node has {found} (torch.version.cuda "
+                        "is None)",
+                        f"`{py} -m pip install {pin} --index-url {CUDA_INDEX}` on {name} (cu12x: the CUDA "
+                        "version `nvidia-smi` shows or lower, e.g. cu126), or set `gpus: 0` to run it as a "
+                        "CPU node")
+        if not info.get("nccl"):
+            return warn("python_env", f"torch {torch} (CUDA {info['cuda']}) on {found}, but no NCCL found next "
+                        "to it (no nvidia-nccl-cu* package, no libnccl in torch/lib)",
+                        f"install torch from {CUDA_INDEX} (it brings nvidia-nccl-cu12); a build without NCCL "
+                        "cannot use the nccl backend")
+        return None
+    if not info.get("hip"):
+        build = f"a CUDA build (cuda {info['cuda']})" if info.get("cuda") else "a CPU-only build"
+        return fail("python_env", f"torch {torch} is {build} but the node has {found} (torch.version.hip is None)",
+                    f"`{py} -m pip install {pin} --index-url {ROCM_INDEX}` on {name} (rocm6.x: the installed "
+                    "ROCm release, e.g. rocm6.3), or set `gpus: 0` to run it as a CPU node")
+    if not info.get("rccl"):
+        return warn("python_env", f"torch {torch} (HIP {info['hip']}) on {found}, but no RCCL found "
+                    "(no librccl in torch/lib or /opt/rocm/lib)",
+                    f"install torch from {ROCM_INDEX}, or ROCm's rccl package: the nccl backend needs RCCL")
+    return None
+
+
+# ------------------------------------------------------------------ across the cluster
+
+
+def _reference(values: dict[str, object], master: str, control: object = None) -> object:
+    """The value the others must equal: the control machine's when given, else the most common
+    (ties go to the master's)."""
+    if control is not None:
+        return control
+    counts = Counter(values.values())
+    top = max(counts.values())
+    tied = [v for v, c in counts.items() if c == top]
+    return values[master] if values.get(master) in tied else tied[0]
+
+
+def compare_python_env(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str | None = None
+                       ) -> dict[str, CheckResult]:
+    out, envs, notes = {}, {}, {}
+    for name, text in texts.items():
+        info, why = node_info(text)
+        node = ctx_of[name].node
+        if info is None:
+            out[name] = fail("python_env", f"{node.python} does not run: {why}",
+                             f"install Python (and torch) on {name}, or set `python:` for it in the inventory")
+            continue
+        envs[name] = env_of(info)
+        if envs[name]["torch"] == "-":
+            out[name] = fail("python_env", f"{env_text(envs[name])}; torch is not installed for {node.python}",
+                             f"`{node.python} -m pip install torch` on {name}")
+            continue
+        r = check_accelerator(info, text, ctx_of[name])
+        if r is not None and r.status == "fail":
+            out[name] = r
+        elif r is not None:
+            notes[name] = r
+    if not envs:
+        return out
+    if master is None or master not in envs:
+        master = next((k for k, c in ctx_of.items() if c.is_master and k in envs), next(iter(envs)))
+    ref_env = dict(_reference({k: tuple(sorted(v.items())) for k, v in envs.items()}, master))
+    for name, env in envs.items():
+        if name in out:
+            continue
+        diff = [k for k in ENV_KEYS if env[k] != ref_env[k]]
+        if diff:
+            side = ", ".join(f"{k} {env[k]} (others {ref_env[k]})" for k in diff)
+            out[name] = fail("python_env", f"mismatch: {side}",
+                             f"install the same versions on {name} ({env_text(ref_env)}); mixed torch/NCCL "
+                             "versions hang or crash in the first collective")
+        else:
+            out[name] = notes.get(name) or ok("python_env", env_text(env))
+    return out
+
+
+def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str | None = None,
+                      control: dict | None = None) -> dict[str, CheckResult]:
+    """Equal workdir digests everywhere, and equal to the control machine's copy when given."""
+    out, digests = {}, {}
+    for name, text in texts.items():
+        info, why = node_info(text)
+        wd = ctx_of[name].node.workdir
+        code = (info or {}).get("code")
+        if info is None or not code:
+            out[name] = skip("code_sync", f"no digest: the node's python does not run ({why})")
+        elif code.get("kind") == "missing":
+            out[name] = fail("code_sync", f"{wd} does not exist", "`clusterctl sync -i <inventory>` pushes it")
+        else:
+            digests[name] = code
+    if not digests:
+        return out
+    if master is None or master not in digests:
+        master = next((k for k, c in ctx_of.items() if c.is_master and k in digests), next(iter(digests)))
+    ref = _reference({k: v["digest"] for k, v in digests.items()}, master,
+                     control.get("digest") if control and control.get("kind") != "missing" else None)
+    against = "the control machine's copy" if control and control.get("kind") != "missing" else "the other nodes"
+    for name, code in digests.items():
+        head = f" (git {code['head']}{', dirty' if code.get('dirty') else ''})" if code.get("head") else ""
+        n = code["files"]
+        what = f"{n} file{'' if n == 1 else 's'}, digest {code['digest']}{head}"
+        if code["digest"] == ref:
+            out[name] = ok("code_sync", what)
+        else:
+            out[name] = fail("code_sync", f"workdir ({what}) differs from {against} (digest {ref})",
+                             "push the same code everywhere: `clusterctl sync -i <inventory>`")
+    return out
+
+
+# ------------------------------------------------------------------ probe and registration
+
+NODEINFO = resources.files("orchestrator").joinpath("remote", "nodeinfo.py").read_text()
+assert "\nPYEOF\n" not in NODEINFO
+
+# -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
+# The workdir digest only when code_sync is asked for ("-" skips it).
+PYTHON = Probe("python", """pwd_arg=-
+if want code_sync; then pwd_arg=$wd; fi
+echo "@@python"
+"$py" -S - info "$pwd_arg" 2>&1 <<'PYEOF'
+""" + NODEINFO + """PYEOF
+echo "@@rc $?"
+""")
+
+PYTHON_ENV = Check(
+    "python_env", "the same Python/torch/CUDA/NCCL everywhere, and a torch that drives the node's GPUs",
+    "install the same torch on every node, a CUDA build (download.pytorch.org/whl/cu12x) on NVIDIA "
+    "GPUs, a ROCm build (whl/rocm6.x) on AMD GPUs",
+    probes=(GPU, PYTHON), compare=compare_python_env)
+CODE_SYNC = Check(
+    "code_sync", "the workdir has the same files everywhere (and as the control machine's copy)",
+    "push the same code everywhere: `clusterctl sync -i <inventory>`",
+    probes=(PYTHON,), compare=lambda texts, ctx_of: compare_code_sync(
+        texts, ctx_of, control=next((c.extra.get("control_code") for c in ctx_of.values()), None)), fast=True)
