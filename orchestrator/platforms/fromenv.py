@@ -80,82 +80,113 @@ def _need(value, what: str, source: str):
     return value
 
 
+@dataclass
+class _Read:
+    """What one platform's variables say, before the overrides and the cross-checks."""
+
+    source: str
+    n: int | None
+    rank: int | None
+    addr: str | None
+    port: int | None = None
+    run_id: str | None = None
+    check_generic: bool = True  # WORLD_SIZE/RANK, when set too, must agree (they count nodes here)
+
+
+def _slurm(env, node_rank, master_addr, nnodes, hostnames) -> _Read:
+    source = "SLURM"
+    n = _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1)
+    rank = _int(env, "SLURM_NODEID") if node_rank is None else node_rank
+    _need(rank, "SLURM_NODEID (run it under srun, one task per node)", source)
+    addr = master_addr or env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        _need(nodelist, "SLURM_JOB_NODELIST (or MASTER_ADDR)", source)
+        hosts = hostnames(nodelist)
+        addr = hosts[0] if hosts else None
+    return _Read(source, n, rank, addr, run_id=env["SLURM_JOB_ID"])
+
+
+def _kubeflow(env, node_rank, master_addr, nnodes, hostnames) -> _Read:
+    if ":" in env["PET_NNODES"]:
+        raise UsageError(f"PET_NNODES={env['PET_NNODES']!r} is an elastic range; clusterctl runs a "
+                         "fixed number of nodes, so set minReplicas = maxReplicas")
+    rank = _int(env, "PET_NODE_RANK") if node_rank is None else node_rank
+    addr = master_addr or env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
+    # the operator's WORLD_SIZE/RANK may count processes: not cross-checked
+    return _Read("Kubeflow PyTorchJob (PET_*)", _int(env, "PET_NNODES", 1), rank, addr,
+                 port=_int(env, "PET_MASTER_PORT", 1), check_generic=False)
+
+
+def _indexed_job(env, node_rank, master_addr, nnodes, hostnames) -> _Read:
+    source = "Kubernetes Indexed Job"
+    rank = _int(env, "JOB_COMPLETION_INDEX") if node_rank is None else node_rank
+    n = _int(env, "WORLD_SIZE", 1)
+    if nnodes is None:
+        _need(n, "WORLD_SIZE (the number of nodes; or pass --nnodes)", source)
+    return _Read(source, n, rank, master_addr or env.get("MASTER_ADDR"))
+
+
+def _skypilot(env, node_rank, master_addr, nnodes, hostnames) -> _Read:
+    n = _int(env, "SKYPILOT_NUM_NODES", 1)
+    rank = _int(env, "SKYPILOT_NODE_RANK") if node_rank is None else node_rank
+    ips = [ip for ip in (env.get("SKYPILOT_NODE_IPS") or "").split() if ip]
+    if ips and len(ips) != n:
+        raise UsageError(f"SkyPilot: SKYPILOT_NODE_IPS lists {len(ips)} hosts but SKYPILOT_NUM_NODES={n}")
+    addr = master_addr or (ips[0] if ips else env.get("MASTER_ADDR"))
+    return _Read("SkyPilot", n, rank, addr, run_id=env.get("SKYPILOT_TASK_ID"))
+
+
+def _generic(env, node_rank, master_addr, nnodes, hostnames) -> _Read:
+    n, rank = _int(env, "WORLD_SIZE", 1), _int(env, "RANK") if node_rank is None else node_rank
+    addr = master_addr or env.get("MASTER_ADDR")
+    if nnodes is None and n is None and rank is None and not addr:
+        raise UsageError("no platform variables found: set WORLD_SIZE (nodes), RANK (this node) and "
+                         "MASTER_ADDR, or run under SLURM, a Kubeflow PyTorchJob, a Kubernetes Indexed "
+                         "Job or SkyPilot")
+    return _Read("WORLD_SIZE/RANK/MASTER_ADDR", n, rank, addr, check_generic=False)
+
+
+# In precedence order: (does this platform's marker appear?, its reader).
+_PLATFORMS: tuple[tuple[Callable[[Mapping[str, str]], bool], Callable[..., _Read]], ...] = (
+    (lambda env: bool(env.get("SLURM_JOB_ID") and (env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))),
+     _slurm),
+    (lambda env: bool(env.get("PET_NNODES")), _kubeflow),
+    (lambda env: bool(env.get("JOB_COMPLETION_INDEX")), _indexed_job),
+    (lambda env: bool(env.get("SKYPILOT_NUM_NODES")), _skypilot),
+    (lambda env: True, _generic),
+)
+
+
+def _cross_check(r: _Read, env: Mapping[str, str], n: int, rank: int, nnodes, node_rank) -> None:
+    generic_n, generic_rank = _int(env, "WORLD_SIZE", 1), _int(env, "RANK")
+    if generic_n is not None and nnodes is None and generic_n != n:
+        raise UsageError(f"{r.source} says {n} nodes but WORLD_SIZE={generic_n}; WORLD_SIZE counts "
+                         "nodes here, so make them agree or unset WORLD_SIZE")
+    if generic_rank is not None and node_rank is None and generic_rank != rank:
+        raise UsageError(f"{r.source} says this is node {rank} but RANK={generic_rank}; make them agree "
+                         "or unset RANK")
+
+
 def detect_platform(env: Mapping[str, str], *, nnodes: int | None = None, node_rank: int | None = None,
                     master_addr: str | None = None, master_port: int | None = None,
                     default_port: int = DEFAULT_PORT,
                     hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> Platform:
     """Read the platform's variables (module docstring for the precedence). Missing or
     contradictory values raise UsageError with one sentence saying which."""
-    generic_n, generic_rank = _int(env, "WORLD_SIZE", 1), _int(env, "RANK")
-    port = _int(env, "MASTER_PORT", 1)
-    check_generic = True
-    run_id = None
-    if env.get("SLURM_JOB_ID") and (env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")):
-        source = "SLURM"
-        n = _int(env, "SLURM_NNODES", 1) or _int(env, "SLURM_JOB_NUM_NODES", 1)
-        rank = _int(env, "SLURM_NODEID") if node_rank is None else node_rank
-        _need(rank, "SLURM_NODEID (run it under srun, one task per node)", source)
-        addr = master_addr or env.get("MASTER_ADDR")
-        if not addr:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            _need(nodelist, "SLURM_JOB_NODELIST (or MASTER_ADDR)", source)
-            hosts = hostnames(nodelist)
-            addr = hosts[0] if hosts else None
-        run_id = env["SLURM_JOB_ID"]
-    elif env.get("PET_NNODES"):
-        source = "Kubeflow PyTorchJob (PET_*)"
-        if ":" in env["PET_NNODES"]:
-            raise UsageError(f"PET_NNODES={env['PET_NNODES']!r} is an elastic range; clusterctl runs a "
-                             "fixed number of nodes, so set minReplicas = maxReplicas")
-        n = _int(env, "PET_NNODES", 1)
-        rank = _int(env, "PET_NODE_RANK") if node_rank is None else node_rank
-        addr = master_addr or env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")
-        port = _int(env, "PET_MASTER_PORT", 1) or port
-        check_generic = False  # the operator's WORLD_SIZE/RANK may count processes
-    elif env.get("JOB_COMPLETION_INDEX"):
-        source = "Kubernetes Indexed Job"
-        rank = _int(env, "JOB_COMPLETION_INDEX") if node_rank is None else node_rank
-        n = generic_n
-        addr = master_addr or env.get("MASTER_ADDR")
-        if nnodes is None:
-            _need(n, "WORLD_SIZE (the number of nodes; or pass --nnodes)", source)
-    elif env.get("SKYPILOT_NUM_NODES"):
-        source = "SkyPilot"
-        n = _int(env, "SKYPILOT_NUM_NODES", 1)
-        rank = _int(env, "SKYPILOT_NODE_RANK") if node_rank is None else node_rank
-        ips = [ip for ip in (env.get("SKYPILOT_NODE_IPS") or "").split() if ip]
-        if ips and len(ips) != n:
-            raise UsageError(f"SkyPilot: SKYPILOT_NODE_IPS lists {len(ips)} hosts but SKYPILOT_NUM_NODES={n}")
-        addr = master_addr or (ips[0] if ips else env.get("MASTER_ADDR"))
-        run_id = env.get("SKYPILOT_TASK_ID")
-    else:
-        source = "WORLD_SIZE/RANK/MASTER_ADDR"
-        n, rank, addr = generic_n, generic_rank if node_rank is None else node_rank, \
-            master_addr or env.get("MASTER_ADDR")
-        check_generic = False
-        if nnodes is None and n is None and rank is None and not addr:
-            raise UsageError("no platform variables found: set WORLD_SIZE (nodes), RANK (this node) and "
-                             "MASTER_ADDR, or run under SLURM, a Kubeflow PyTorchJob, a Kubernetes Indexed "
-                             "Job or SkyPilot")
-    if nnodes is not None:
-        n = nnodes
-    n = _need(n, "the number of nodes (WORLD_SIZE, or --nnodes)", source)
-    if node_rank is not None:
-        rank = node_rank
-    rank = _need(rank, "this node's rank (RANK, or --node-rank)", source)
-    addr = _need(addr, "the master address (MASTER_ADDR, or --master-addr)", source)
-    if check_generic:
-        if generic_n is not None and nnodes is None and generic_n != n:
-            raise UsageError(f"{source} says {n} nodes but WORLD_SIZE={generic_n}; WORLD_SIZE counts "
-                             "nodes here, so make them agree or unset WORLD_SIZE")
-        if generic_rank is not None and node_rank is None and generic_rank != rank:
-            raise UsageError(f"{source} says this is node {rank} but RANK={generic_rank}; make them agree "
-                             "or unset RANK")
+    reader = next(read for applies, read in _PLATFORMS if applies(env))
+    r = reader(env, node_rank, master_addr, nnodes, hostnames)
+    n = _need(nnodes if nnodes is not None else r.n, "the number of nodes (WORLD_SIZE, or --nnodes)", r.source)
+    rank = _need(node_rank if node_rank is not None else r.rank, "this node's rank (RANK, or --node-rank)",
+                 r.source)
+    addr = _need(r.addr, "the master address (MASTER_ADDR, or --master-addr)", r.source)
+    if r.check_generic:
+        _cross_check(r, env, n, rank, nnodes, node_rank)
     if rank >= n:
-        raise UsageError(f"{source}: node rank {rank} is not below the node count {n}")
-    port = master_port or port or default_port
-    run_id = env.get("CLUSTERCTL_RUN_ID") or run_id or re.sub(r"[^A-Za-z0-9_.-]", "-", f"ctl-{addr}-{port}")
-    return Platform(source, n, rank, addr, port, run_id)
+        raise UsageError(f"{r.source}: node rank {rank} is not below the node count {n}")
+    port = master_port or r.port or _int(env, "MASTER_PORT", 1) or default_port
+    run_id = env.get("CLUSTERCTL_RUN_ID") or r.run_id or re.sub(r"[^A-Za-z0-9_.-]", "-", f"ctl-{addr}-{port}")
+    return Platform(r.source, n, rank, addr, port, run_id)
 
 
 # ------------------------------------------------------------------ local GPUs
