@@ -62,6 +62,62 @@ def _resolve(host: str) -> tuple[int, str] | None:
     return None
 
 
+class _Round:
+    """One ICMP echo exchange over one socket per address family, matched by (family, seq)."""
+
+    def __init__(self, by_addr: dict[tuple[int, str], list[str]], socks: dict[int, tuple[socket.socket, bool]],
+                 rtts: dict[str, float | None]):
+        self.by_addr, self.socks, self.rtts = by_addr, socks, rtts
+        self.ident = os.getpid() & 0xFFFF
+        self.seq_of: dict[tuple[int, int], str] = {}
+        self.sent_at: dict[tuple[int, int], float] = {}
+        self.family_of = {s.fileno(): f for f, (s, _) in socks.items()}
+
+    def pending(self) -> bool:
+        return any(self.rtts[h] is None for hs in self.by_addr.values() for h in hs)
+
+    def send(self, attempt: int) -> None:
+        for i, ((family, a), hs) in enumerate(self.by_addr.items()):
+            if all(self.rtts[h] is not None for h in hs):
+                continue
+            seq = (attempt * len(self.by_addr) + i) & 0xFFFF
+            self.seq_of[family, seq] = a
+            self.sent_at[family, seq] = time.monotonic()
+            try:
+                self.socks[family][0].sendto(_echo(self.ident, seq, family), (a, 0))
+            except OSError:
+                pass
+
+    def receive(self, sock: socket.socket) -> None:
+        family = self.family_of[sock.fileno()]
+        raw = self.socks[family][1]
+        try:
+            data, src = sock.recvfrom(2048)
+        except OSError:
+            return
+        if raw and family == socket.AF_INET:
+            data = data[(data[0] & 0x0F) * 4:]  # a raw IPv4 socket keeps the IP header
+        if len(data) < 8 or data[0] != _ICMP[family][2]:
+            return
+        _, _, _, rid, rseq = struct.unpack("!BBHHH", data[:8])
+        if (raw and rid != self.ident) or self.seq_of.get((family, rseq)) != src[0]:
+            return
+        rtt = time.monotonic() - self.sent_at[family, rseq]
+        for h in self.by_addr.get((family, src[0]), []):
+            if self.rtts[h] is None:
+                self.rtts[h] = rtt
+
+    def wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.pending():
+            ready, _, _ = select.select([s for s, _ in self.socks.values()], [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return
+            for sock in ready:
+                self.receive(sock)
+
+
 def ping_all(hosts: list[str], timeout: float = 1.0, tries: int = 2) -> dict[str, float | None]:
     """host -> round trip in seconds, or None (no reply within timeout). IPv4 and IPv6 hosts
     alike: one ICMP socket per address family for all hosts, `ping` processes without one."""
@@ -79,49 +135,13 @@ def ping_all(hosts: list[str], timeout: float = 1.0, tries: int = 2) -> dict[str
     no_socket = [h for (f, _), hs in by_addr.items() if f not in socks for h in hs]
     if no_socket:
         rtts.update(_ping_processes(no_socket, timeout))
-    by_addr = {k: hs for k, hs in by_addr.items() if k[0] in socks}
-    ident = os.getpid() & 0xFFFF
-    seq_of: dict[tuple[int, int], str] = {}
-    sent_at: dict[tuple[int, int], float] = {}
-    family_of = {s.fileno(): f for f, (s, _) in socks.items()}
+    exchange = _Round({k: hs for k, hs in by_addr.items() if k[0] in socks}, socks, rtts)
     try:
         for s, _ in socks.values():
             s.setblocking(False)
-        for attempt in range(tries if by_addr else 0):
-            for i, ((family, a), hs) in enumerate(by_addr.items()):
-                if all(rtts[h] is not None for h in hs):
-                    continue
-                seq = (attempt * len(by_addr) + i) & 0xFFFF
-                seq_of[family, seq] = a
-                sent_at[family, seq] = time.monotonic()
-                try:
-                    socks[family][0].sendto(_echo(ident, seq, family), (a, 0))
-                except OSError:
-                    pass
-            deadline = time.monotonic() + timeout / tries
-            while time.monotonic() < deadline and any(rtts[h] is None for hs in by_addr.values() for h in hs):
-                ready, _, _ = select.select([s for s, _ in socks.values()], [], [],
-                                            max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    break
-                for sock in ready:
-                    family = family_of[sock.fileno()]
-                    raw = socks[family][1]
-                    try:
-                        data, src = sock.recvfrom(2048)
-                    except OSError:
-                        continue
-                    if raw and family == socket.AF_INET:
-                        data = data[(data[0] & 0x0F) * 4:]  # a raw IPv4 socket keeps the IP header
-                    if len(data) < 8 or data[0] != _ICMP[family][2]:
-                        continue
-                    _, _, _, rid, rseq = struct.unpack("!BBHHH", data[:8])
-                    if (raw and rid != ident) or seq_of.get((family, rseq)) != src[0]:
-                        continue
-                    rtt = time.monotonic() - sent_at[family, rseq]
-                    for h in by_addr.get((family, src[0]), []):
-                        if rtts[h] is None:
-                            rtts[h] = rtt
+        for attempt in range(tries if exchange.by_addr else 0):
+            exchange.send(attempt)
+            exchange.wait(timeout / tries)
     finally:
         for s, _ in socks.values():
             s.close()
