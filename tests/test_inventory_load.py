@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.errors import EXIT_USAGE, InventoryError
 from orchestrator.inventory import load_inventory, parse_inventory
-from orchestrator.inventory.load import MAX_BYTES, MAX_DEPTH
+from orchestrator.inventory.read import MAX_BYTES, MAX_DEPTH
 from tests.inventory_worker import LIMIT_BYTES, REPO_ROOT, Worker
 
 NODES = "nodes:\n  - {name: a, host: h1}\n"
