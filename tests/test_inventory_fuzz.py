@@ -236,8 +236,12 @@ def keep_valid(draw, doc: Map) -> None:
         m.pairs.append((key, value))
     elif op == "add_nodes" and isinstance(doc.get("nodes"), Seq):
         items = doc.get("nodes").items
+        taken = {str(getattr(m.get("name"), "text", "")) for m in items if isinstance(m, Map)}
+        i = len(items)
         for _ in range(draw(st.integers(1, 40))):
-            i = len(items)  # names and hosts stay unique however often this runs
+            while f"extra{i}" in taken:  # names and hosts stay unique, also after delete_node
+                i += 1
+            taken.add(f"extra{i}")
             items.append(Map([("name", Plain(f"extra{i}")), ("host", Plain(f"10.9.{i // 200}.{i % 200}")),
                               ("gpus", Plain(str(draw(st.integers(0, 1024)))))], flow=True))
     elif op == "style":
