@@ -1,60 +1,50 @@
-"""`clusterctl sync`: push the control machine's workdir to every node, in parallel.
+"""`clusterctl sync`: push the control machine's workdir to every node.
 
-What is pushed is what a git tree would ship: `git ls-files -co --exclude-standard` in a git
-checkout, else every file not matched by a .gitignore (orchestrator/remote/nodeinfo.py, the
-same walker preflight's code_sync hashes with). Files the nodes have that are not pushed and
-not ignored are deleted, so `code_sync` passes afterwards; ignored files (data, checkpoints)
-are left alone.
+What is pushed is what a git tree would ship (`git ls-files -co --exclude-standard` in a git
+checkout, else every file not matched by a .gitignore: orchestrator/remote/nodeinfo.py, the
+walker preflight's code_sync hashes with), plus the inventory's `sync.include` and --include,
+minus `sync.exclude` and --exclude (orchestrator/transfer/files.py). Files the nodes have that
+are not pushed and not ignored are deleted afterwards, so `code_sync` passes; ignored files
+(data, checkpoints) are left alone.
 
-Transport: rsync when both sides have it (its own ssh command line built from the inventory's
-SSH settings: IdentityFile, -p, UserKnownHostsFile and StrictHostKeyChecking=yes, the same
-options for each ProxyJump hop through a ProxyCommand), else a tar stream over the node's
-existing connection into `python -c <nodeinfo> receive WORKDIR`.
+Methods (`auto` picks per push, after one probe round trip that also creates the workdir):
+  relay  one tar stream from here to the first node, forwarded node to node (each byte leaves
+         this machine once; orchestrator/transfer/chain.py); direct pushes where nodes cannot
+         reach each other
+  tar    the same stream pushed from here to every node directly
+  rsync  rsync per node, which sends only what changed; its own ssh command line is built from the
+         inventory's SSH settings (IdentityFile, -p, UserKnownHostsFile, StrictHostKeyChecking=yes,
+         and the same options for each ProxyJump hop through a ProxyCommand)
+  auto   rsync where every candidate has it and the bytes rsync would send (each node's changed
+         files, by size and mtime, summed over nodes) are at most one stream's worth, i.e. small
+         updates of a synced tree; otherwise the relay.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import re
 import shutil
 import subprocess
-import tarfile
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
 
 from orchestrator import shell
 from orchestrator.checks import load_nodeinfo
 from orchestrator.inventory import Inventory, Node
+from orchestrator.transfer import SyncReport, SyncResult
+from orchestrator.transfer import chain as relay
+from orchestrator.transfer.archive import estimate
+from orchestrator.transfer.files import git_list, select_files
+from orchestrator.transfer.progress import SyncEvents
 from orchestrator.transport import Cluster
 
-
-@dataclass(frozen=True)
-class SyncResult:
-    node: str
-    method: str  # rsync | tar | skip
-    ok: bool
-    detail: str
+__all__ = ["SyncReport", "SyncResult", "choose_methods", "file_list", "rsync_argv", "sync"]
 
 
 def file_list(src: str) -> list[str]:
-    ni = load_nodeinfo()
-    g = ni.git_files(src)
-    files = g[0] if g else ni.walk_files(src)
-    return [f for f in files if os.path.lexists(os.path.join(src, f))]
-
-
-def tar_stream(src: str, files: list[str]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-        for rel in files:
-            tar.add(os.path.join(src, rel), arcname=rel, recursive=False)
-        manifest = "\0".join(files).encode("utf-8", "surrogateescape")
-        info = tarfile.TarInfo(load_nodeinfo().MANIFEST)
-        info.size = len(manifest)
-        tar.addfile(info, io.BytesIO(manifest))
-    return buf.getvalue()
+    """The files a git tree would ship (no include/exclude)."""
+    return git_list(src)
 
 
 def rsync_ssh_command(node: Node) -> str:
@@ -152,18 +142,68 @@ def _same_dir(a: str, b: str) -> bool:
         return False
 
 
-def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto",
-         on_done=None) -> list[SyncResult]:
-    """Push src to every connected node; returns one result per node in rank order."""
-    results: dict[str, SyncResult] = {}
-    lock = threading.Lock()
+def choose_methods(method: str, rsync_here: bool, probes: dict[str, tuple[int, bool]],
+                   stream_bytes: int) -> dict[str, str]:
+    """node -> rsync | relay | tar, from each node's (changed bytes, has rsync). See the module doc."""
+    if method in ("relay", "tar"):
+        return {n: method for n in probes}
+    if method == "rsync":
+        return {n: "rsync" if rsync_here and has else "missing" for n, (_, has) in probes.items()}
+    capable = [n for n, (_, has) in probes.items() if has and rsync_here]
+    small = sum(probes[n][0] for n in capable) <= stream_bytes
+    return {n: "rsync" if n in capable and small else "relay" for n in probes}
 
-    def done(r: SyncResult):
-        with lock:
-            results[r.node] = r
-        if on_done:
-            on_done(r)
 
+_RSYNC_SENT = re.compile(r"^Total bytes sent: ([\d,.]+)", re.M)
+
+
+def _rsync_one(src: str, n: Node, manifest: bytes) -> tuple[SyncResult | None, int]:
+    """rsync exactly the file list (rsync's own .gitignore merge knows no `!negation`); returns
+    (a failure or None, bytes rsync sent)."""
+    t0 = time.monotonic()
+    if n.is_local:
+        os.makedirs(os.path.expanduser(n.workdir), exist_ok=True)
+        argv = ["rsync", "-a", "--files-from=-", "--from0", src.rstrip("/") + "/",
+                os.path.expanduser(n.workdir).rstrip("/") + "/"]
+    else:
+        argv = rsync_argv(src, n)
+    argv.insert(1, "--stats")
+    try:
+        p = subprocess.run(argv, capture_output=True, input=manifest, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return SyncResult(n.name, "rsync", False, str(e), 0, time.monotonic() - t0), 0
+    m = _RSYNC_SENT.search(p.stdout.decode(errors="replace"))
+    sent = int(re.sub(r"[,.]", "", m.group(1))) if m else 0
+    if p.returncode != 0:
+        err = p.stderr.decode(errors="replace").strip()[-300:]
+        return SyncResult(n.name, "rsync", False, err, 0, time.monotonic() - t0), sent
+    return None, sent
+
+
+def _probe(cluster: Cluster, todo: list[Node], src: str, files: list[str]) -> dict:
+    """One round trip per node: create the workdir, count the bytes that differ there (size or
+    mtime), say whether rsync is installed. node -> (changed bytes, has rsync) or an error."""
+    recs = []
+    for rel in files:
+        try:
+            st = os.lstat(os.path.join(src, rel))
+        except OSError:
+            continue
+        recs.append(f"{st.st_size} {int(st.st_mtime)} ".encode() + rel.encode("utf-8", "surrogateescape"))
+    src_code = shell.quote(relay.relay_source())
+    res = cluster.run(lambda n: f"{shell.path(n.python)} -c {src_code} changed {shell.path(n.workdir)}",
+                      stdin=b"\0".join(recs) + b"\0", nodes=[n.name for n in todo], timeout=60)
+    out = {}
+    for name, r in res.items():
+        m = re.search(r"^changed (\d+) \d+\nrsync (yes|no)$", r.stdout, re.M)
+        if r.ok and m:
+            out[name] = (int(m.group(1)), m.group(2) == "yes")
+        else:
+            out[name] = (r.error or r.stderr.strip()[-300:] or f"exit code {r.exit_code}")
+    return out
+
+
+def _targets(cluster: Cluster, inv: Inventory, src: str, done) -> list[Node]:
     todo = []
     for n in inv.nodes:
         if n.name in cluster.unreachable or n.name not in cluster.connections:
@@ -173,71 +213,98 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto",
             done(SyncResult(n.name, "skip", True, "local node: the workdir is the source itself"))
         else:
             todo.append(n)
-    if not todo:
-        return [results[n.name] for n in inv.nodes]
+    return todo
 
-    # one round trip on the existing connections: does the node have rsync? (also makes the dir)
-    use_rsync: set[str] = set()
-    if method in ("auto", "rsync") and shutil.which("rsync"):
-        probe = cluster.run(lambda n: f"mkdir -p {shell.path(n.workdir)} && command -v rsync",
-                            nodes=[n.name for n in todo if not n.is_local], timeout=30)
-        use_rsync = {k for k, r in probe.items() if r.ok and r.stdout.strip()}
-        use_rsync |= {n.name for n in todo if n.is_local}
-    if method == "rsync":
-        for n in todo:
-            if n.name not in use_rsync:
-                done(SyncResult(n.name, "rsync", False, "rsync is missing on this node or here"))
-        todo = [n for n in todo if n.name in use_rsync]
 
-    files = file_list(src)
+def _explain_choice(methods: dict[str, str], probes: dict, stream_bytes: int) -> str:
+    rs = [n for n, m in methods.items() if m == "rsync"]
+    changed = sum(probes[n][0] for n in probes if probes[n][1])
+    if rs:
+        return (f"auto: rsync to {len(rs)} node(s): {changed / 1e6:.1f} MB differ there in all, at "
+                f"most one stream ({stream_bytes / 1e6:.1f} MB)")
+    return (f"auto: relay: a full stream ({stream_bytes / 1e6:.1f} MB) sent once costs less than "
+            f"rsync's per-node changes")
+
+
+def _push(cluster: Cluster, src: str, files: list[str], methods: dict[str, str], by_name: dict,
+          events: SyncEvents, done) -> tuple[list[str], int, list[str]]:
+    """Run every method's push; returns (nodes pushed, bytes sent from here, notes)."""
     manifest = "\0".join(files).encode("utf-8", "surrogateescape")
-    receiver = shell.quote(load_nodeinfo().__loader__.get_source(load_nodeinfo().__name__))
-
-    def rsync_one(n: Node):
-        """rsync exactly the file list (rsync's own .gitignore merge knows no `!negation`), then
-        prune what the list does not name over the node's existing connection."""
-        if n.is_local:
-            os.makedirs(os.path.expanduser(n.workdir), exist_ok=True)
-            argv = ["rsync", "-a", "--files-from=-", "--from0", src.rstrip("/") + "/",
-                    os.path.expanduser(n.workdir).rstrip("/") + "/"]
-        else:
-            argv = rsync_argv(src, n)
-        try:
-            p = subprocess.run(argv, capture_output=True, input=manifest, timeout=3600)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return SyncResult(n.name, "rsync", False, str(e))
-        if p.returncode != 0:
-            return SyncResult(n.name, "rsync", False, p.stderr.decode(errors="replace").strip()[-300:])
-        return None
-
-    def prune_cmd(n: Node) -> str:
-        return f"{shell.path(n.python)} -c {receiver} prune {shell.path(n.workdir)}"
-
-    tar_nodes = [n for n in todo if n.name not in use_rsync]
-    rsync_nodes = [n for n in todo if n.name in use_rsync]
-    pool = ThreadPoolExecutor(max_workers=max(1, min(cluster.fanout, len(rsync_nodes))))  # the one fan-out cap
-    futures = {n.name: pool.submit(rsync_one, n) for n in rsync_nodes}
-    if tar_nodes:
-        data = tar_stream(src, files)
-
-        def on_tar(r):
-            done(SyncResult(r.node, "tar", r.ok, f"pushed {len(files)} files ({len(data) / 1e6:.1f} MB tar.gz)"
-                            if r.ok else (r.error or r.stderr.strip()[-300:] or f"exit {r.exit_code}")))
-
-        cluster.run(lambda n: f"{shell.path(n.python)} -c {receiver} receive {shell.path(n.workdir)}",
-                    stdin=data, nodes=[n.name for n in tar_nodes], timeout=3600, on_done=on_tar)
-    pushed = []
+    pick = {m: [by_name[n] for n, x in methods.items() if x == m] for m in ("rsync", "relay", "tar", "missing")}
+    for n in pick["missing"]:
+        done(SyncResult(n.name, "rsync", False, "rsync is missing on this node or here"))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(cluster.fanout, len(pick["rsync"]) or 1)))
+    futures = {n.name: pool.submit(_rsync_one, src, n, manifest) for n in pick["rsync"]}
+    pushed, sent, notes = [], 0, []
+    for m in ("relay", "tar"):
+        if pick[m]:
+            res, nbytes, more = relay.push(cluster, pick[m], src, files, chain=m == "relay",
+                                           on_bytes=events.advanced)
+            sent, notes = sent + nbytes, notes + more
+            for r in res:
+                if r.ok:
+                    pushed.append((r.node, r))
+                else:
+                    done(r)
     for name, f in futures.items():
-        r = f.result()
-        if r is not None:
-            done(r)
+        failure, nbytes = f.result()
+        sent += nbytes
+        if failure is not None:
+            done(failure)
         else:
-            pushed.append(name)
+            pushed.append((name, SyncResult(name, "rsync", True, f"{len(files)} files with rsync",
+                                            nbytes)))
     pool.shutdown()
-    if pushed:
-        def on_prune(r):
-            done(SyncResult(r.node, "rsync", r.ok, f"pushed {len(files)} files with rsync" if r.ok else
-                            "rsync ok, pruning failed: " + (r.error or r.stderr.strip()[-300:])))
+    return pushed, sent, notes
 
-        cluster.run(prune_cmd, stdin=manifest, nodes=pushed, timeout=600, on_done=on_prune)
-    return [results[n.name] for n in inv.nodes]
+
+def _prune(cluster: Cluster, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:
+    """Delete what the file list does not name (and no .gitignore ignores) on the pushed nodes."""
+    if not pushed:
+        return
+    manifest = "\0".join(files).encode("utf-8", "surrogateescape")
+    ni = load_nodeinfo()
+    receiver = shell.quote(ni.__loader__.get_source(ni.__name__))
+    by = dict(pushed)
+
+    def on_prune(r):
+        p = by[r.node]
+        done(p if r.ok else SyncResult(p.node, p.method, False, "pushed, but removing stale files failed: "
+                                       + (r.error or r.stderr.strip()[-300:]), p.bytes, p.seconds))
+
+    cluster.run(lambda n: f"{shell.path(n.python)} -c {receiver} prune {shell.path(n.workdir)}",
+                stdin=manifest, nodes=list(by), timeout=600, on_done=on_prune)
+
+
+def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", include=(), exclude=(),
+         events: SyncEvents | None = None) -> SyncReport:
+    """Push src to every connected node; one result per inventory node in rank order."""
+    events = events or SyncEvents()
+    t0 = time.monotonic()
+    results: dict[str, SyncResult] = {}
+
+    def done(r: SyncResult):
+        results[r.node] = r
+        events.finished(r)
+
+    todo = _targets(cluster, inv, src, done)
+    files = select_files(src, tuple(inv.sync.include) + tuple(include),
+                         tuple(inv.sync.exclude) + tuple(exclude))
+    tree_bytes, stream_bytes = estimate(src, files)
+    sent, notes = 0, []
+    if todo:
+        probes = _probe(cluster, todo, src, files)
+        for name, p in probes.items():
+            if isinstance(p, str):
+                done(SyncResult(name, "skip", False, f"cannot prepare the workdir: {p}"))
+        probes = {k: v for k, v in probes.items() if not isinstance(v, str)}
+        methods = choose_methods(method, bool(shutil.which("rsync")), probes, stream_bytes)
+        if method == "auto" and probes:
+            notes.append(_explain_choice(methods, probes, stream_bytes))
+        for name, m in methods.items():
+            events.planned(name, m, probes[name][0] if m == "rsync" else stream_bytes)
+        pushed, sent, more = _push(cluster, src, files, methods, {n.name: n for n in todo}, events, done)
+        notes += more
+        _prune(cluster, pushed, files, done)
+    return SyncReport([results[n.name] for n in inv.nodes], time.monotonic() - t0, tree_bytes,
+                      len(files), sent, notes)

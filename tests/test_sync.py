@@ -129,7 +129,7 @@ def test_sync_pushes_and_code_sync_passes(cl, tmp_path, method, capsys):
     inv = parse_inventory(yaml.safe_dump(cl.inventory()), "<t>")
     with Cluster(inv) as c:
         before = run_preflight(c, inv, ["code_sync"], control_dir=str(src))
-        res = sync(c, inv, str(src), method=method)
+        res = sync(c, inv, str(src), method=method).results
         after = run_preflight(c, inv, ["code_sync"], control_dir=str(src))
         assert c.handshakes == 3
     assert not before.ok

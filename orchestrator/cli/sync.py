@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -14,42 +15,60 @@ from orchestrator.sync import sync
 @cluster_options
 @click.option("--src", type=click.Path(file_okay=False), default=None,
               help="Local directory to push (default: the inventory's workdir on this machine).")
-@click.option("--method", type=click.Choice(["auto", "rsync", "tar"]), default="auto", show_default=True,
-              help="auto: rsync where both sides have it, else a tar stream over the SSH connection.")
-def sync_command(opts: ClusterOptions, src: str | None, method: str):
-    """Push the workdir to every node in parallel (.gitignore aware), then check code_sync."""
+@click.option("--method", type=click.Choice(["auto", "relay", "tar", "rsync"]), default="auto",
+              show_default=True,
+              help="relay: one stream from here, forwarded node to node (each byte leaves this machine "
+                   "once); tar: that stream to every node directly; rsync: per node, only what changed; "
+                   "auto: rsync for small updates of a synced tree, else the relay.")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Also ship this directory or glob even if .gitignore excludes it (repeatable; adds "
+                   "to the inventory's sync.include).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Never ship paths matching this glob (repeatable; adds to sync.exclude).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (per-node name, ok, method, bytes, seconds, error) instead "
+                   "of the progress view.")
+def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tuple[str, ...],
+                 exclude: tuple[str, ...], as_json: bool):
+    """Push the workdir to every node (.gitignore aware), then check code_sync."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
     from orchestrator.checks.preflight import run_preflight
+    from orchestrator.transfer.progress import RichEvents, SyncEvents, summary
 
     inv = opts.load()
     src = os.path.expanduser(src or inv.workdir)
     if not os.path.isdir(src):
         raise UsageError(f"nothing to push: {src} is not a directory here (use --src DIR)")
+    for p in include + exclude:
+        if not p or p.startswith(("/", "~")) or ".." in p.split("/"):
+            raise UsageError(f"--include/--exclude {p!r}: give a path or glob inside {src}")
     console = Console(stderr=True)
     with opts.cluster(inv) as cluster:
-        with Progress(TextColumn("sync"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      TimeElapsedColumn(), console=console, transient=not console.is_terminal) as progress:
-            task = progress.add_task("", total=len(inv.nodes))
-            results = sync(cluster, inv, src, method=method,
-                           on_done=lambda r: progress.update(task, advance=1, description=r.node))
-        for r in results:
-            mark = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
-            console.print(f"  {r.node}: {mark} {r.method}: {r.detail}", soft_wrap=True, markup=True)
-        report = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
+        if as_json:
+            report = sync(cluster, inv, src, method=method, include=include, exclude=exclude,
+                          events=SyncEvents())
+        else:
+            with RichEvents(console) as events:
+                report = sync(cluster, inv, src, method=method, include=include, exclude=exclude,
+                              events=events)
+        code = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
         unreachable = list(cluster.unreachable)
-    for n in report.nodes:
-        r = n.results.get("code_sync")
-        if r is not None and r.status != "ok":
-            console.print(f"  {n.node.name}: code_sync {r.status}: {r.detail}", soft_wrap=True)
-    ok = all(r.ok for r in results) and report.ok
+    bad_code = {n.node.name: r.detail for n in code.nodes
+                if (r := n.results.get("code_sync")) is not None and r.status != "ok"}
+    ok = report.ok and code.ok
+    if as_json:
+        doc = report.to_json() | {"ok": ok, "code_sync": bad_code or "ok"}
+        click.echo(json.dumps(doc, indent=2))
+        sys.exit(with_unreachable(unreachable, EXIT_OK if ok else EXIT_FAILED))
+    for r in report.results:
+        mark = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
+        console.print(f"  {r.node}: {mark} {r.method}: {r.detail}", soft_wrap=True, markup=True,
+                      highlight=False)
+    for note in report.notes:
+        console.print(f"  note: {note}", soft_wrap=True, markup=False, highlight=False)
+    for name, detail in bad_code.items():
+        console.print(f"  {name}: code_sync: {detail}", soft_wrap=True, markup=False)
+    console.print(summary(report), soft_wrap=True, highlight=False)
     console.print("[green]sync ok: code_sync passes on every node[/]" if ok else "[bold red]sync incomplete[/]")
     sys.exit(with_unreachable(unreachable, EXIT_OK if ok else EXIT_FAILED))
-

@@ -199,6 +199,24 @@ class ChecksSection(_Model):
     require_gpu_idle: bool = True
 
 
+class SyncSection(_Model):
+    """What `clusterctl sync` ships besides what git would: paths relative to the pushed directory.
+    include: directories or globs shipped even when .gitignore excludes them (a data directory);
+    exclude: globs never shipped (matched against the path, each parent directory and, without a
+    '/', the base name)."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _relative(cls, v):
+        for p in v:
+            if not p or "\x00" in p or p.startswith(("/", "~")) or ".." in p.split("/"):
+                raise ValueError(f"{p!r} must be a non-empty path or glob inside the pushed directory")
+        return v
+
+
 class InventoryModel(_Model):
     ssh: SSHSettings = Field(default_factory=SSHSettings)
     master_port: int = Field(default=29500, ge=1, le=65535)
@@ -209,6 +227,7 @@ class InventoryModel(_Model):
     nodes: list[NodeModel] = Field(max_length=MAX_NODES)
     train: TrainSection = Field(default_factory=TrainSection)
     checks: ChecksSection = Field(default_factory=ChecksSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -267,6 +286,7 @@ class Inventory:
     train: TrainSection
     checks: ChecksSection
     source: str = "<memory>"
+    sync: SyncSection = field(default_factory=SyncSection)
     _by_name: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -290,7 +310,7 @@ class Inventory:
             raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
         keep = tuple(replace(n, rank=i) for i, n in enumerate(n for n in self.nodes if n.name in names))
         return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
-                         self.env, self.train, self.checks, self.source)
+                         self.env, self.train, self.checks, self.source, self.sync)
 
 
 def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
@@ -324,7 +344,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
             workdir=nm.workdir or model.workdir, line=line,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
-                     dict(model.env), model.train, model.checks, source)
+                     dict(model.env), model.train, model.checks, source, model.sync)
 
 
 # ---------------------------------------------------------------- YAML files

@@ -88,12 +88,20 @@ class LocalConnection(Connection):
                              else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True)  # cwd: where clusterctl runs
         if stdin is not None:
-            def feed():
+            chunks = [stdin] if isinstance(stdin, (bytes, bytearray, memoryview)) else stdin
+
+            def feed():  # bytes, or an iterable of byte chunks (a stream); then EOF
                 try:
-                    p.stdin.write(stdin)
-                    p.stdin.close()
-                except (BrokenPipeError, OSError):
+                    for chunk in chunks:
+                        p.stdin.write(chunk)
+                        p.stdin.flush()
+                except Exception:  # noqa: BLE001 - the command exited, or the producer failed
                     pass
+                finally:
+                    try:
+                        p.stdin.close()
+                    except OSError:
+                        pass
             threading.Thread(target=feed, daemon=True).start()
         return _LocalProc(self.node.name, p)
 

@@ -172,9 +172,12 @@ class SSHConnection(Connection):
         try:
             chan = self._conn.transport.open_session(timeout=self.connect_timeout)
             chan.exec_command(command)
-            if stdin:
-                chan.sendall(stdin)
-            chan.shutdown_write()
+            if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)):
+                _send_chunks(chan, [stdin] if stdin else [])
+                chan.shutdown_write()
+            else:  # an iterable of chunks, fed from a thread so the caller's read loop keeps running
+                threading.Thread(target=_send_stdin, args=(chan, stdin), daemon=True,
+                                 name=f"stdin-{self.node.name}").start()
         except (paramiko.SSHException, OSError, EOFError) as e:  # the transport died under us
             raise ConnectionLost(self.node.name, self.lost_reason or f"the SSH connection was lost ({e})") from e
         return _SSHProc(self.node.name, chan, self)
@@ -186,6 +189,32 @@ class SSHConnection(Connection):
                 self._conn.close()
             except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
                 pass
+
+
+STDIN_CHUNK = 1 << 20
+
+
+def _send_chunks(chan: paramiko.Channel, chunks) -> None:
+    """Send each chunk in memoryview slices of at most STDIN_CHUNK: paramiko's sendall re-slices
+    what it is given for every packet, so a whole bytes object would cost O(size^2)."""
+    for chunk in chunks:
+        view = memoryview(chunk)
+        for i in range(0, len(view), STDIN_CHUNK):
+            chan.sendall(view[i:i + STDIN_CHUNK])
+
+
+def _send_stdin(chan: paramiko.Channel, chunks) -> None:
+    """Feed a stream of chunks, then EOF. A producer that fails ends the stream early (the
+    command sees EOF; the producer reports its own error)."""
+    try:
+        _send_chunks(chan, chunks)
+    except Exception:  # noqa: BLE001 - a closed channel or a failed producer: the command sees EOF
+        pass
+    finally:
+        try:
+            chan.shutdown_write()
+        except Exception:  # noqa: BLE001 - the channel may already be gone
+            pass
 
 
 def _explain_connect_error(e: BaseException, conn, timeout: float) -> str:

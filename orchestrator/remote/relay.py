@@ -1,0 +1,335 @@
+"""clusterctl's sync relay: receive a tar stream, forward it to the next node, write it into the
+workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed.
+
+    recv XFER WORKDIR       the relay; its stdin is the control protocol below
+    changed WORKDIR         stdin: NUL-terminated "SIZE MTIME PATH" records of the files a sync
+                            would ship; prints "changed BYTES FILES" (files whose size or mtime
+                            differ here) and "rsync yes|no"; creates WORKDIR
+    stop XFER WORKDIR       end this user's processes of transfer XFER (found by the environment
+                            marker CLUSTERCTL_XFER=XFER, never by name) and remove its staging dir
+
+The `recv` protocol. Stdin (the node's own SSH channel, so no key or secret is placed on a node):
+    token HEX                  what an upstream node must send first on the TCP connection
+    next HOST PORT TOKEN | last    where to forward the stream (and the token to present there)
+    source stdin | tcp         stdin: framed data follows here (4-byte big-endian length, then
+                               that many bytes; length 0 ends); tcp: accept it on the port
+    sha256 HEX                 the stream's digest, announced by the control machine
+Stdout, one event a line: "port P" (listening on ephemeral port P, all addresses), "linked" or
+"link-failed WHY", "progress BYTES", "forward-failed WHY", "done BYTES FILES".
+
+The stream is extracted into WORKDIR/.clusterctl-relay-XFER while it passes through, and moved
+into WORKDIR only when its sha256 matches the announced one, so a corrupted stream changes nothing.
+Every wait has a timeout (--idle seconds without progress, --connect-timeout for the downstream).
+"""
+import hashlib
+import hmac
+import os
+import select
+import shutil
+import socket
+import struct
+import sys
+import time
+
+CHUNK = 1 << 20
+CORRUPT_ENV = "CLUSTERCTL_RELAY_CORRUPT_AT"  # test knob: flip the forwarded byte at this offset
+
+
+class Failed(Exception):
+    pass
+
+
+def emit(line):
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class Stdin:
+    """fd 0 read with a timeout per wait: lines and length-prefixed frames."""
+
+    def __init__(self, idle):
+        self.buf, self.idle, self.eof = bytearray(), idle, False
+
+    def _fill(self):
+        if self.eof:
+            return False
+        if not select.select([0], [], [], self.idle)[0]:
+            raise Failed(f"nothing from the control machine for {self.idle:g}s")
+        data = os.read(0, CHUNK)
+        self.eof = not data
+        self.buf += data
+        return bool(data)
+
+    def line(self):
+        while b"\n" not in self.buf:
+            if not self._fill():
+                raise Failed("the control machine closed the connection mid-protocol")
+        i = self.buf.index(b"\n")
+        out = bytes(self.buf[:i]).decode()
+        del self.buf[:i + 1]
+        return out.split()
+
+    def exact(self, n):
+        while len(self.buf) < n:
+            if not self._fill():
+                raise Failed("the stream from the control machine ended early")
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def frame(self):
+        (n,) = struct.unpack(">I", self.exact(4))
+        return self.exact(n) if n else b""
+
+
+def expect(words, key, count):
+    if not words or words[0] != key or len(words) != count:
+        raise Failed(f"protocol error: expected {key!r}, got {' '.join(words)[:80]!r}")
+    return words[1:]
+
+
+def accept_upstream(lsock, token, idle):
+    """The first connection that presents `token`; others are closed."""
+    deadline = time.monotonic() + idle
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Failed(f"no upstream node connected within {idle:g}s")
+        lsock.settimeout(left)
+        try:
+            conn, _ = lsock.accept()
+        except socket.timeout:
+            continue
+        conn.settimeout(min(left, 10))
+        want, got = token.encode() + b"\n", b""
+        try:  # exactly the token's length: the stream follows it at once
+            while len(got) < len(want):
+                part = conn.recv(len(want) - len(got))
+                if not part:
+                    break
+                got += part
+        except OSError:
+            pass
+        if hmac.compare_digest(got, want):
+            conn.settimeout(idle)
+            return conn
+        conn.close()
+
+
+class Pass:
+    """The stream as a file for tarfile: each chunk is hashed and forwarded before it is read."""
+
+    def __init__(self, pull, down, idle):
+        self.pull, self.down, self.idle = pull, down, idle
+        self.sha, self.total, self.pending = hashlib.sha256(), 0, b""
+        self.forward_error = None
+        self.corrupt_at = int(os.environ.get(CORRUPT_ENV, "-1"))
+        self.last_report = 0.0
+
+    def next_chunk(self):
+        data = self.pull()
+        if not data:
+            return False
+        self.sha.update(data)
+        if self.down is not None:
+            self.forward(data)
+        self.total += len(data)
+        now = time.monotonic()
+        if now - self.last_report > 0.25:
+            self.last_report = now
+            emit(f"progress {self.total}")
+        self.pending = data
+        return True
+
+    def forward(self, data):
+        if self.total <= self.corrupt_at < self.total + len(data):
+            i = self.corrupt_at - self.total
+            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+        try:
+            self.down.sendall(data)
+        except OSError as e:  # the downstream fails on its own; this node keeps its copy
+            self.forward_error = f"forwarding to the next node failed: {e}"
+            emit("forward-failed " + self.forward_error)
+            self.down.close()
+            self.down = None
+
+    def read(self, n=-1):
+        if not self.pending and not self.next_chunk():
+            return b""
+        if n < 0 or n >= len(self.pending):
+            out, self.pending = self.pending, b""
+        else:
+            out, self.pending = self.pending[:n], self.pending[n:]
+        return out
+
+    def drain(self):
+        self.pending = b""
+        while self.next_chunk():
+            self.pending = b""
+
+
+def within(root, path):
+    p = os.path.realpath(path)
+    return p == root or p.startswith(root + os.sep)
+
+
+def extract(stream, staging):
+    """Unpack the tar stream into staging; returns the number of entries."""
+    import tarfile
+
+    root = os.path.realpath(staging)
+    count = 0
+    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
+        for m in tar:
+            if m.name.startswith("/") or ".." in m.name.split("/") or \
+                    not within(root, os.path.join(root, m.name)):
+                raise Failed("refusing unsafe path in the stream: " + m.name)
+            if m.isfile() or m.issym():
+                kw = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+                tar.extract(m, root, set_attrs=m.isfile(), **kw)
+                count += 1
+    return count
+
+
+def install(staging, workdir):
+    """Move every staged file over its place in workdir (same filesystem: renames)."""
+    for d, dirs, files in os.walk(staging):
+        rel = os.path.relpath(d, staging)
+        dest_dir = workdir if rel == "." else os.path.join(workdir, rel)
+        os.makedirs(dest_dir, exist_ok=True)
+        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            dest = os.path.join(dest_dir, name)
+            if os.path.isdir(dest) and not os.path.islink(dest):
+                raise Failed(f"cannot replace the directory {dest} with a file")
+            os.replace(os.path.join(d, name), dest)
+
+
+def link_downstream(words, connect_timeout):
+    if words == ["last"]:
+        return None
+    host, port, token = expect(words, "next", 4)
+    try:
+        down = socket.create_connection((host, int(port)), timeout=connect_timeout)
+        down.sendall(token.encode() + b"\n")
+    except OSError as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        emit(f"link-failed {host}:{port}: {why}")
+        return None
+    emit("linked")
+    return down
+
+
+def recv(xfer, workdir, idle, connect_timeout):
+    inp = Stdin(idle)
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    lsock = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
+    emit(f"port {lsock.getsockname()[1]}")
+    (token,) = expect(inp.line(), "token", 2)
+    down = link_downstream(inp.line(), connect_timeout)
+    (source,) = expect(inp.line(), "source", 2)
+    if source == "tcp":
+        up = accept_upstream(lsock, token, idle)
+
+        def pull():
+            return up.recv(CHUNK)
+    else:
+        pull = inp.frame
+    lsock.close()
+    stream = Pass(pull, down, idle)
+    staging = os.path.join(workdir, ".clusterctl-relay-" + xfer)
+    os.makedirs(staging)
+    try:
+        try:
+            files = extract(stream, staging)
+            error = None
+        except Exception as e:  # noqa: BLE001 - keep forwarding for the nodes downstream
+            files, error = 0, f"writing the files failed: {e}"
+        stream.drain()
+        if down is not None:
+            down.close()
+        (announced,) = expect(inp.line(), "sha256", 2)
+        got = stream.sha.hexdigest()
+        if got != announced:
+            raise Failed(f"the stream received here ({stream.total} bytes, sha256 {got[:16]}) does not "
+                         f"match the one the control machine sent (sha256 {announced[:16]}): it was "
+                         "corrupted on the way; nothing was written into the workdir")
+        if error:
+            raise Failed(error)
+        install(staging, workdir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    emit(f"done {stream.total} {files}")
+
+
+def changed(workdir):
+    os.makedirs(workdir, exist_ok=True)
+    data = sys.stdin.buffer.read()
+    nbytes = nfiles = 0
+    for rec in data.split(b"\0"):
+        if not rec:
+            continue
+        size, mtime, path = rec.split(b" ", 2)
+        try:
+            st = os.lstat(os.path.join(workdir.encode(), path))
+            same = st.st_size == int(size) and int(st.st_mtime) == int(mtime)
+        except OSError:
+            same = False
+        if not same:
+            nbytes, nfiles = nbytes + int(size), nfiles + 1
+    emit(f"changed {nbytes} {nfiles}")
+    emit("rsync " + ("yes" if shutil.which("rsync") else "no"))
+
+
+def stop(xfer, workdir):
+    """SIGTERM this user's processes carrying CLUSTERCTL_XFER=xfer; remove the staging dir."""
+    import signal
+
+    marker = ("CLUSTERCTL_XFER=" + xfer).encode() + b"\0"
+    me, uid, n = os.getpid(), os.getuid(), 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat("/proc/" + name).st_uid != uid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if b"\0" + marker in env:
+            try:
+                os.kill(int(name), signal.SIGTERM)
+                n += 1
+            except OSError:
+                pass
+    shutil.rmtree(os.path.join(workdir, ".clusterctl-relay-" + xfer), ignore_errors=True)
+    emit(f"stopped {n}")
+
+
+def main(argv):
+    opts = {"--idle": 120.0, "--connect-timeout": 5.0}
+    while len(argv) >= 2 and argv[-2] in opts:
+        opts[argv[-2]] = float(argv[-1])
+        argv = argv[:-2]
+    if len(argv) == 3 and argv[0] == "recv" and argv[1].replace("-", "").isalnum():
+        os.makedirs(argv[2], exist_ok=True)
+        recv(argv[1], os.path.realpath(argv[2]), opts["--idle"], opts["--connect-timeout"])
+    elif len(argv) == 2 and argv[0] == "changed":
+        changed(argv[1])
+    elif len(argv) == 3 and argv[0] == "stop" and argv[1].replace("-", "").isalnum():
+        stop(argv[1], argv[2])
+    else:
+        sys.stderr.write("usage: relay.py recv XFER WORKDIR | changed WORKDIR | stop XFER WORKDIR\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except socket.timeout:
+        sys.stderr.write("relay: the stream stalled (no data within the idle timeout)\n")
+        sys.exit(1)
+    except (Failed, OSError) as e:
+        sys.stderr.write(f"relay: {e}\n")
+        sys.exit(1)
