@@ -13,7 +13,10 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # "path" or "path:qualname" -> why it may be longer
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "orchestrator/remote/nodeinfo.py": "shipped to each node as one script (python -S -c, stdlib only): it "
+                                       "cannot import a sibling module there",
+}
 
 
 def product_files() -> list[Path]:

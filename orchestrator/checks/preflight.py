@@ -134,6 +134,90 @@ class _Listener:
             pass
 
 
+def _ssh_results(cluster: Cluster, nodes: list[Node], reports: dict[str, NodeReport]) -> None:
+    """ssh: the Cluster's handshakes (host keys verified by the transport)."""
+    for n in nodes:
+        if n.name in cluster.connections:
+            r = ok("ssh", "local node (no SSH)" if n.is_local else "connected, host key verified")
+        else:
+            err = cluster.unreachable.get(n.name)
+            r = fail("ssh", (err.error if err else "not connected") or "not connected", BY_NAME["ssh"].remedy)
+        reports[n.name].results["ssh"] = r
+
+
+class _Probes:
+    """One run of the probe script on every connected node, with the control clock read around
+    each node's @@time line (for clock_skew)."""
+
+    def __init__(self, inv: Inventory, checks: list[str], connect_timeout: float, listener):
+        self.inv, self.checks, self.connect_timeout, self.listener = inv, checks, connect_timeout, listener
+        self.t_send: dict[str, float] = {}
+        self.t_recv: dict[str, float] = {}
+        self._at_time: set[str] = set()  # nodes whose @@time line arrived: the next line is their clock
+        self.texts: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+
+    def command(self, node: Node) -> str:
+        self.t_send[node.name] = time.time()
+        listening = self.listener is not None and self.listener.error is None
+        return _probe_command(self.inv, node, self.checks, self.connect_timeout if listening else 0)
+
+    def on_line(self, name: str, stream: str, line: str) -> None:
+        if stream != "stdout" or name in self.t_recv:
+            return
+        if name in self._at_time:
+            self.t_recv[name] = time.time()
+        elif line == "@@time":
+            self._at_time.add(name)
+
+    def run(self, cluster: Cluster, connected: list[Node]) -> None:
+        try:
+            res = cluster.run(self.command, stdin=probe_script(self.checks), timeout=PROBE_TIMEOUT,
+                              nodes=[n.name for n in connected],
+                              on_line=self.on_line if "clock_skew" in self.checks else None)
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+        for name, r in res.items():
+            if r.exit_code is None or "@@end" not in r.stdout:
+                self.errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
+            self.texts[name] = r.stdout
+
+    @property
+    def done(self) -> dict[str, str]:
+        return {k: v for k, v in self.texts.items() if k not in self.errors}
+
+
+def _probe_verdicts(cluster: Cluster, nodes: list[Node], reports: dict[str, NodeReport], probes: _Probes,
+                    ctx_of: dict[str, Ctx]) -> None:
+    checks, done = probes.checks, probes.done
+    for n in nodes:
+        rep = reports[n.name]
+        if n.name not in cluster.connections:
+            for c in checks:
+                rep.results[c] = skip(c, "node unreachable over SSH")
+        elif n.name in probes.errors:
+            for c in checks:
+                rep.results[c] = fail(c, f"the probe did not finish: {probes.errors[n.name]}") \
+                    if c == checks[0] else skip(c, "probe did not finish")
+        else:
+            rep.results.update(node_results(checks, probes.texts[n.name], ctx_of[n.name]))
+    for c in checks:
+        compare = BY_NAME[c].compare
+        if compare is not None and done:
+            for name, r in compare(done, {k: ctx_of[k] for k in done}).items():
+                reports[name].results[c] = r
+
+
+def _gpus_found(nodes: list[Node], done: dict[str, str], probed_gpus: bool) -> dict[str, int | None]:
+    found: dict[str, int | None] = {}
+    for n in nodes:
+        tool, gpus, _ = gpus_from_probe(done.get(n.name, ""))
+        found[n.name] = len(gpus) if gpus is not None else (0 if tool is None and n.name in done
+                                                             and probed_gpus else None)
+    return found
+
+
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
                   connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport:
     """control_dir: the control machine's copy code_sync compares with (default: the inventory's
@@ -144,15 +228,7 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
     nodes = list(inv.nodes)
     reports = {n.name: NodeReport(n) for n in nodes}
     connected = [n for n in nodes if n.name in cluster.connections]
-
-    # ssh: the Cluster's handshakes (host keys verified by the transport)
-    for n in nodes:
-        if n.name in cluster.connections:
-            r = ok("ssh", "local node (no SSH)" if n.is_local else "connected, host key verified")
-        else:
-            err = cluster.unreachable.get(n.name)
-            r = fail("ssh", (err.error if err else "not connected") or "not connected", BY_NAME["ssh"].remedy)
-        reports[n.name].results["ssh"] = r
+    _ssh_results(cluster, nodes, reports)
 
     ping_out: dict[str, float | None] = {}
     pinger = None
@@ -166,85 +242,31 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
     listener = None
     if "port_reachable" in checks and workers and inv.master in connected:
         listener = _Listener(cluster, inv.master, inv.master_port, len(workers), connect_timeout + 20)
-
-    t_send: dict[str, float] = {}
-    t_recv: dict[str, float] = {}
-    at_time: set[str] = set()  # nodes whose @@time line arrived: the next line is their clock
-
-    def command(node: Node) -> str:
-        t_send[node.name] = time.time()
-        ct = connect_timeout if listener is not None and listener.error is None else 0
-        return _probe_command(inv, node, probe_checks, ct)
-
-    def on_line(name: str, stream: str, line: str) -> None:
-        if stream != "stdout" or name in t_recv:
-            return
-        if name in at_time:
-            t_recv[name] = time.time()
-        elif line == "@@time":
-            at_time.add(name)
-
-    texts: dict[str, str] = {}
-    errors: dict[str, str] = {}
+    probes = _Probes(inv, probe_checks, connect_timeout, listener)
     if probe_checks and connected:
-        try:
-            res = cluster.run(command, stdin=probe_script(probe_checks), timeout=PROBE_TIMEOUT,
-                              nodes=[n.name for n in connected],
-                              on_line=on_line if "clock_skew" in probe_checks else None)
-        finally:
-            if listener is not None:
-                listener.close()
-        for name, r in res.items():
-            if r.exit_code is not None and "@@end" in r.stdout:
-                texts[name] = r.stdout
-            else:
-                errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
-                texts[name] = r.stdout
+        probes.run(cluster, connected)
 
     extra = {}
     if "code_sync" in probe_checks:
         cw = control_dir or control_workdir(inv)
         extra["control_code"] = load_nodeinfo().digest(cw) if cw is not None else None
-    ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0,
-                          own_pids=frozenset([listener.pid]) if listener and listener.pid else frozenset(),
-                          t_send=t_send.get(n.name), t_recv=t_recv.get(n.name), extra=extra) for n in nodes}
-
-    done = {k: v for k, v in texts.items() if k not in errors}
-    for n in nodes:
-        rep = reports[n.name]
-        if n.name not in cluster.connections:
-            for c in probe_checks:
-                rep.results[c] = skip(c, "node unreachable over SSH")
-        elif n.name in errors:
-            for c in probe_checks:
-                rep.results[c] = fail(c, f"the probe did not finish: {errors[n.name]}") \
-                    if c == probe_checks[0] else skip(c, "probe did not finish")
-        else:
-            rep.results.update(node_results(probe_checks, texts[n.name], ctx_of[n.name]))
-    for c in probe_checks:
-        compare = BY_NAME[c].compare
-        if compare is not None and done:
-            for name, r in compare(done, {k: ctx_of[k] for k in done}).items():
-                reports[name].results[c] = r
+    own = frozenset([listener.pid]) if listener and listener.pid else frozenset()
+    ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0, own_pids=own,
+                          t_send=probes.t_send.get(n.name), t_recv=probes.t_recv.get(n.name), extra=extra)
+              for n in nodes}
+    _probe_verdicts(cluster, nodes, reports, probes, ctx_of)
     if "port_reachable" in probe_checks:
-        _port_reachable(reports, inv, listener, done)
+        _port_reachable(reports, inv, listener, probes.done)
 
     if pinger is not None:
         pinger.join(5)
         for n in nodes:
-            ssh_ok = n.name in cluster.connections
-            reports[n.name].results["ping"] = (ok("ping", "local node") if n.is_local
-                                               else ping_result(n.host, ping_out.get(n.host), ssh_ok))
-
-    gpus_found: dict[str, int | None] = {}
-    for n in nodes:
-        tool, gpus, _ = gpus_from_probe(done.get(n.name, ""))
-        gpus_found[n.name] = len(gpus) if gpus is not None else (0 if tool is None and n.name in done
-                                                                  and "gpu_count" in probe_checks else None)
+            reports[n.name].results["ping"] = (ok("ping", "local node") if n.is_local else
+                                               ping_result(n.host, ping_out.get(n.host), n.name in cluster.connections))
     for rep in reports.values():
         rep.results = {c: rep.results[c] for c in checks if c in rep.results}
-    return PreflightReport(inv, checks, [reports[n.name] for n in nodes], gpus_found,
-                           time.monotonic() - t_start)
+    return PreflightReport(inv, checks, [reports[n.name] for n in nodes],
+                           _gpus_found(nodes, probes.done, "gpu_count" in probe_checks), time.monotonic() - t_start)
 
 
 def node_results(checks: list[str], text: str, ctx: Ctx) -> dict[str, CheckResult]:

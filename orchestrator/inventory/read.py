@@ -127,71 +127,85 @@ def _check_characters(text: str, source: str) -> None:
 # ---------------------------------------------------------------- YAML, bounded
 
 
-def _scan_events(text: str, source: str) -> None:
-    """Walk libyaml's event stream once, refusing depth, size, alias, tag and key abuse before
-    any tree is built. Each value counts as the number of values it expands to."""
-    anchors: dict[str, int] = {}
-    stack: list[list] = []  # [is_mapping, children seen, expanded size, anchor, line]
-    total = aliases = 0
+class _EventBudget:
+    """Counts libyaml's events against the limits; `fail` raises at the event that crosses one.
+    Each value counts as the number of values it expands to."""
 
-    def fail(msg: str, event) -> None:
-        raise InventoryError(msg, path=source, line=_yaml_line(event.start_mark))
+    def __init__(self, source: str):
+        self.source = source
+        self.anchors: dict[str, int] = {}
+        self.stack: list[list] = []  # [is_mapping, children seen, expanded size, anchor]
+        self.total = self.aliases = 0
 
-    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
-        if isinstance(event, yaml.DocumentStartEvent):
-            anchors.clear()
-            continue
-        if not isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionStartEvent,
-                                  yaml.CollectionEndEvent)):
-            continue
-        if isinstance(event, yaml.CollectionEndEvent):
-            _, _, size, anchor, _ = stack.pop()
-            if anchor is not None:
-                anchors[anchor] = size
-            if stack:
-                stack[-1][2] += size
-            continue
-        is_key = bool(stack) and stack[-1][0] and stack[-1][1] % 2 == 0
-        if stack:
-            stack[-1][1] += 1
-        if isinstance(event, yaml.AliasEvent):
-            aliases += 1
-            if is_key:
-                fail(f"an alias (*{excerpt(event.anchor)[1:-1]}) cannot be a key", event)
-            if event.anchor not in anchors:
-                fail(f"alias *{excerpt(event.anchor)[1:-1]} refers to no complete anchor above it "
-                     f"(undefined, or an anchor that contains its own alias)", event)
-            if aliases > MAX_ALIASES:
-                fail(f"more than {MAX_ALIASES:,} aliases; {LIMITS}", event)
-            size = anchors[event.anchor]
-            total += size
-            if total > MAX_YAML_NODES:
-                fail(f"alias *{excerpt(event.anchor)[1:-1]} expands the document past "
-                     f"{MAX_YAML_NODES:,} values; {LIMITS}", event)
-            if stack:
-                stack[-1][2] += size
-            continue
+    def fail(self, msg: str, event) -> None:
+        raise InventoryError(msg, path=self.source, line=_yaml_line(event.start_mark))
+
+    def end(self) -> None:
+        _, _, size, anchor = self.stack.pop()
+        if anchor is not None:
+            self.anchors[anchor] = size
+        if self.stack:
+            self.stack[-1][2] += size
+
+    def alias(self, event, is_key: bool) -> None:
+        self.aliases += 1
+        name = excerpt(event.anchor)[1:-1]
+        if is_key:
+            self.fail(f"an alias (*{name}) cannot be a key", event)
+        if event.anchor not in self.anchors:
+            self.fail(f"alias *{name} refers to no complete anchor above it "
+                      f"(undefined, or an anchor that contains its own alias)", event)
+        if self.aliases > MAX_ALIASES:
+            self.fail(f"more than {MAX_ALIASES:,} aliases; {LIMITS}", event)
+        size = self.anchors[event.anchor]
+        self.total += size
+        if self.total > MAX_YAML_NODES:
+            self.fail(f"alias *{name} expands the document past {MAX_YAML_NODES:,} values; {LIMITS}", event)
+        if self.stack:
+            self.stack[-1][2] += size
+
+    def value(self, event, is_key: bool) -> None:
+        """A scalar, or the start of a list or mapping."""
         if event.tag is not None:
             tag = event.tag.replace("tag:yaml.org,2002:", "!!", 1)
-            fail(f"YAML tag {excerpt(tag)} is not allowed in an inventory; write the plain "
-                 f"value (quote it to make it a string)", event)
+            self.fail(f"YAML tag {excerpt(tag)} is not allowed in an inventory; write the plain "
+                      f"value (quote it to make it a string)", event)
         if is_key and event.anchor is not None:
-            fail(f"a key cannot carry an anchor (&{excerpt(event.anchor)[1:-1]})", event)
-        total += 1
-        if total > MAX_YAML_NODES:
-            fail(f"more than {MAX_YAML_NODES:,} YAML values; {LIMITS}", event)
+            self.fail(f"a key cannot carry an anchor (&{excerpt(event.anchor)[1:-1]})", event)
+        self.total += 1
+        if self.total > MAX_YAML_NODES:
+            self.fail(f"more than {MAX_YAML_NODES:,} YAML values; {LIMITS}", event)
         if isinstance(event, yaml.ScalarEvent):
             if event.anchor is not None:
-                anchors[event.anchor] = 1
-            if stack:
-                stack[-1][2] += 1
-            continue
+                self.anchors[event.anchor] = 1
+            if self.stack:
+                self.stack[-1][2] += 1
+            return
         if is_key:
-            fail("a key must be a plain string, not a list or a mapping", event)
-        if len(stack) >= MAX_DEPTH:
-            fail(f"nested more than {MAX_DEPTH} levels deep; {LIMITS}", event)
-        stack.append([isinstance(event, yaml.MappingStartEvent), 0, 1, event.anchor,
-                      _yaml_line(event.start_mark)])
+            self.fail("a key must be a plain string, not a list or a mapping", event)
+        if len(self.stack) >= MAX_DEPTH:
+            self.fail(f"nested more than {MAX_DEPTH} levels deep; {LIMITS}", event)
+        self.stack.append([isinstance(event, yaml.MappingStartEvent), 0, 1, event.anchor])
+
+
+def _scan_events(text: str, source: str) -> None:
+    """Walk libyaml's event stream once, refusing depth, size, alias, tag and key abuse before
+    any tree is built."""
+    budget = _EventBudget(source)
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.DocumentStartEvent):
+            budget.anchors.clear()
+        elif isinstance(event, yaml.CollectionEndEvent):
+            budget.end()
+        elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionStartEvent)):
+            stack = budget.stack
+            is_key = bool(stack) and stack[-1][0] and stack[-1][1] % 2 == 0
+            if stack:
+                stack[-1][1] += 1
+            if isinstance(event, yaml.AliasEvent):
+                budget.alias(event, is_key)
+            else:
+                budget.value(event, is_key)
 
 
 def _bad_char(s: str) -> str | None:
