@@ -7,6 +7,7 @@ break nodes take `make_cluster` and build their own, always torn down after the 
 
 import importlib
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,24 @@ def make_cluster():
     yield make
     for cluster in made:
         cluster.close()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private CLUSTERCTL_HOME (run records, claims) for the test."""
+    h = tmp_path / "cchome"
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
+    return h
+
+
+def wait_for(pred, timeout=10.0, what="the condition", interval=0.1):
+    """Poll pred() until it returns something truthy, and return that; fail the test naming
+    `what` after `timeout` seconds. A wait on a condition, never a sleep that hopes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

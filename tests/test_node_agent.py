@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_for
+
 AGENT = (Path(__file__).parent.parent / "orchestrator" / "remote" / "node_agent.py").read_bytes()
 
 
@@ -51,15 +53,6 @@ def pids_with(key):
         except OSError:
             pass
     return out
-
-
-def wait_for(pred, timeout=10):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_start_records_the_run_and_its_exit_code(agent):

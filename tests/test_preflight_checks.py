@@ -23,6 +23,11 @@ from orchestrator.checks.preflight import FAST_CHECKS
 FIX = Path(__file__).parent / "fixtures" / "preflight"
 
 
+def read_gpu(name):
+    """A GPU tool's output from tests/fixtures/gpus (recorded, or transcribed_*)."""
+    return (FIX.parent / "gpus" / name).read_text()
+
+
 def read(name):
     return (FIX / name).read_text()
 
@@ -110,8 +115,8 @@ def info(torch="2.13.0", cuda=None, hip=None, nccl=None, rccl=None):
                                      "rccl": rccl, "code": None}))
 
 
-NVIDIA = sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv"))
-AMD = sec("rocm-gpus", read("rocm_radeon_json.json"))
+NVIDIA = sec("nvidia-gpus", read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv"))
+AMD = sec("rocm-gpus", read_gpu("rocm_json_rx7900xt_marimo9237.json"))
 
 
 def env_verdict(text, node=M):
@@ -154,7 +159,7 @@ def test_gpu_count_wording_follows_the_processes_per_node_rule():
     fewer = parse_gpu_count(NVIDIA, two)
     assert fewer.status == "warn" and "6 GPUs stay idle" in fewer.detail
     assert "invalid device ordinal" not in (fewer.remedy or "") and "fine" in fewer.remedy
-    one = "".join(read("nvidia_h100x8_noheader_nounits.csv").splitlines(keepends=True)[:1])
+    one = "".join(read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv").splitlines(keepends=True)[:1])
     more = parse_gpu_count(sec("nvidia-gpus", one), ctx(M))
     assert more.status == "fail" and "8 processes on 1 GPU fail" in more.remedy
 

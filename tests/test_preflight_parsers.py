@@ -22,6 +22,11 @@ from orchestrator.checks.preflight import select_checks
 FIX = Path(__file__).parent / "fixtures" / "preflight"
 
 
+def read_gpu(name):
+    """A GPU tool's output from tests/fixtures/gpus (recorded, or transcribed_*)."""
+    return (FIX.parent / "gpus" / name).read_text()
+
+
 def read(name):
     return (FIX / name).read_text()
 
@@ -53,21 +58,21 @@ def test_sections_split_and_rc():
 # ------------------------------------------------------------------ gpus
 
 def test_gpu_count_h100x8_ok_and_fewer_fails():
-    text = sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv"))
+    text = sec("nvidia-gpus", read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv"))
     assert parse_gpu_count(text, ctx()).status == "ok"
-    one = "\n".join(read("nvidia_h100x8_noheader_nounits.csv").splitlines()[:1])
+    one = "\n".join(read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv").splitlines()[:1])
     r = parse_gpu_count(sec("nvidia-gpus", one), ctx())
     assert r.status == "fail" and "inventory says 8" in r.detail and "gpus: 1" in r.remedy
     assert "invalid device ordinal" in r.remedy
 
 
 def test_gpu_count_not_supported_fields_still_count():
-    r = parse_gpu_count(sec("nvidia-gpus", read("nvidia_mig_not_supported.csv")), ctx())
+    r = parse_gpu_count(sec("nvidia-gpus", read_gpu("transcribed_nvidia_mig_not_supported.csv")), ctx())
     assert "A100" in r.detail
 
 
 def test_gpu_count_rocm_json():
-    r = parse_gpu_count(sec("rocm-gpus", read("rocm_radeon_json.json")), ctx())
+    r = parse_gpu_count(sec("rocm-gpus", read_gpu("rocm_json_rx7900xt_marimo9237.json")), ctx())
     assert "via rocm-smi" in r.detail
 
 
@@ -82,12 +87,12 @@ def test_gpu_count_driver_mismatch():
 
 
 def test_gpu_idle_names_pid_and_command():
-    text = (sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv"))
-            + sec("nvidia-apps", read("nvidia_h100x8_apps_noheader_nounits.csv"), rc=None)
+    text = (sec("nvidia-gpus", read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv"))
+            + sec("nvidia-apps", read_gpu("transcribed_nvidia_h100x8_apps_noheader_nounits.csv"), rc=None)
             + sec("proc", "python train.py --resume", rc=None, arg="48211"))
     r = parse_gpu_idle(text, ctx())
     assert r.status == "fail" and "pid 48211 (python train.py --resume" in r.detail and "kill 48211" in r.remedy
-    idle_gpus = "".join(ln + "\n" for ln in read("nvidia_h100x8_noheader_nounits.csv").splitlines()[4:])
+    idle_gpus = "".join(ln + "\n" for ln in read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv").splitlines()[4:])
     idle = sec("nvidia-gpus", idle_gpus) + "@@nvidia-apps\n\n"
     assert parse_gpu_idle(idle, ctx()).status == "ok"
     # the probe skips the process query when no GPU has memory in use
@@ -97,7 +102,7 @@ def test_gpu_idle_names_pid_and_command():
 
 def test_gpu_idle_memory_held_by_a_process_nvidia_smi_cannot_list():
     # in a container nvidia-smi lists no other container's processes; memory.used still shows them
-    text = sec("nvidia-gpus", read("nvidia_h100x8_noheader_nounits.csv")) + "@@nvidia-apps\n\n"
+    text = sec("nvidia-gpus", read_gpu("transcribed_nvidia_h100x8_noheader_nounits.csv")) + "@@nvidia-apps\n\n"
     r = parse_gpu_idle(text, ctx())
     assert r.status == "warn" and "GPU 0 71234 MiB" in r.detail and "GPU 3 71240 MiB" in r.detail
     assert "another container" in r.detail and "GPU 4" not in r.detail

@@ -36,13 +36,6 @@ def cpu3():
         yield cluster
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "cchome"
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
-
-
 def cli(*args, timeout=180):
     """`clusterctl ARGS` as a user runs it; a hang fails the test at `timeout`."""
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)], capture_output=True,

@@ -24,10 +24,7 @@ from orchestrator.transport import (
 )
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "cchome"))
-    return tmp_path / "cchome"
+pytestmark = pytest.mark.usefixtures("home")  # every test gets its own CLUSTERCTL_HOME
 
 
 def local_inv(n=2):

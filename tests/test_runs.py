@@ -14,10 +14,7 @@ from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
 from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "cchome"))
-    return tmp_path / "cchome"
+pytestmark = pytest.mark.usefixtures("home")  # every test gets its own CLUSTERCTL_HOME
 
 
 def test_run_ids_carry_the_name_and_refuse_path_characters():

@@ -5,7 +5,6 @@ user, in a clean environment, so every SLURM_* variable a job sees was set by SL
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import yaml
 
 from orchestrator.cli import main
 from tests.cluster import TestCluster, require_root
+from tests.conftest import wait_for
 from tests.cluster.slurm import Slurm
 
 pytestmark = pytest.mark.cluster
@@ -58,16 +58,6 @@ def render(cluster, inv, job_name):
 def job_output(cluster, job_name, job_id):
     path = cluster.nodes[0].home / f"{job_name}-{job_id}.out"
     return path.read_text() if path.exists() else f"(no {path.name})"
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_rendered_sbatch_runs_the_trainer_on_two_nodes(slurm, tmp_path):

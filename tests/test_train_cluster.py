@@ -11,16 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_for
+
 pytestmark = pytest.mark.cluster
 
 DDP = str(Path(__file__).parent / "scripts" / "ddp_tiny.py")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "cchome"
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
 
 
 def cli(*args, timeout=180, **kw):
@@ -51,16 +46,6 @@ def new_run_dir(home):
     """The (only) run directory, once its record exists."""
     return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
                     if (home / "runs").exists() else None, 30, "run dir")
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def log_has(path, needle):
