@@ -47,6 +47,24 @@ def last_run(home):
     return json.loads((runs[-1] / "run.json").read_text())
 
 
+def flat(text):
+    """The text with every run of whitespace made one space (the rank map wraps to the terminal)."""
+    return " ".join(text.split())
+
+
+def table_cell(text, node, column):
+    """The preflight table's cell for `node` under the column whose last header word is `column`
+    (the table folds to the terminal width, so the column may sit in a later block)."""
+    header = None
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["node"]:
+            header = words
+        elif header and words[:1] == [node] and column in header and len(words) == len(header):
+            return words[header.index(column)]
+    raise AssertionError(f"no {column!r} cell for {node} in:\n{text}")
+
+
 def checks_of(doc, node):
     n = next(n for n in doc["nodes"] if n["name"] == node)
     return {c["check"]: c for c in n["checks"]}
@@ -75,10 +93,8 @@ def test_nodes_subset_trains_with_its_first_node_as_rank_0(cpu3, tmp_path, home)
     inv = cpu3.write_inventory(tmp_path / "nodes.yaml", checks=CHECKS)
     r = cli("train", "-i", inv, "--nodes", "node2,node3", "--", DDP, "--steps", "2")  # preflight on
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "world size 2 on 2 nodes: rank 0 → node2" in r.stderr
-    head = [c.strip() for c in next(ln for ln in r.stderr.splitlines() if "┃ node " in ln).split("┃")]
-    row = [c.strip() for c in next(ln for ln in r.stderr.splitlines() if "│ node2 " in ln).split("│")]
-    assert row[head.index("free")] == "ok", r.stderr  # train's preflight checks the master's port
+    assert "world size 2 on 2 nodes: rank 0 → node2" in flat(r.stderr)
+    assert table_cell(r.stderr, "node2", "free") == "ok", r.stderr  # train's preflight checks the master's port
     assert re.search(r"^node2/r0 +\| rank 0 of 2 on node2 ", r.stdout, re.M), r.stdout
     assert re.search(r"^node3/r1 +\| rank 1 of 2 on node3 ", r.stdout, re.M), r.stdout
     rec = last_run(home)
@@ -108,10 +124,10 @@ def test_gpus_0_is_one_process_per_node_and_too_many_processes_is_a_usage_error(
         {"name": nd.name, "host": nd.host, "iface": nd.iface, "gpus": 0} for nd in cluster.nodes])
     r = cli("preflight", "-i", cpu, "--only", "ssh,gpu_count")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "world size 2 on 2 nodes: rank 0 → node1" in r.stdout and "rank 1 → node2" in r.stdout
+    assert "world size 2 on 2 nodes: rank 0 → node1" in flat(r.stdout) and "rank 1 → node2" in r.stdout
     r = cli("train", "-i", cpu, "--", DDP, "--steps", "1")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "world size 2 on 2 nodes: rank 0 → node1" in r.stderr
+    assert "world size 2 on 2 nodes: rank 0 → node1" in flat(r.stderr)
     assert re.search(r"^node2/r1 +\| rank 1 of 2 on node2 ", r.stdout, re.M), r.stdout
     rec = last_run(home)
     assert rec["world_size"] == 2 and [n["nproc"] for n in rec["nodes"]] == [1, 1]

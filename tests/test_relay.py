@@ -71,7 +71,7 @@ def test_include_ships_gitignored_paths_and_exclude_removes(tmp_path):
 
 def test_inventory_sync_section():
     inv = parse_inventory("nodes: [{name: a, host: h}]\nsync: {include: [data], exclude: ['*.ckpt']}\n", "<t>")
-    assert inv.sync.include == ("data",) and inv.select(["a"]).sync.exclude == ("*.ckpt",)
+    assert inv.sync.include == ["data"] and inv.select(["a"]).sync.exclude == ["*.ckpt"]
     for bad in ("{include: [/etc]}", "{include: [../up]}", "{inclde: [data]}"):
         with pytest.raises(InventoryError, match=r"<t>:2: sync\."):
             parse_inventory(f"nodes: [{{name: a, host: h}}]\nsync: {bad}\n", "<t>")

@@ -156,7 +156,7 @@ set -eu
 {py} -m orchestrator.cli inventory from-slurm -o inv.yaml
 {py} -m orchestrator.cli exec -i inv.yaml -- hostname
 {py} -m orchestrator.cli inventory from-slurm --template site.yaml -o site-inv.yaml
-{py} -m orchestrator.cli preflight -i site-inv.yaml
+{py} -m orchestrator.cli preflight -i site-inv.yaml --skip python_env
 {py} -m orchestrator.cli top -i site-inv.yaml --once --json > top.json
 """)
     chown(cluster, script)
@@ -169,7 +169,8 @@ set -eu
                             {"name": "node2", "host": "node2", "gpus": 2}]
     lines = out.splitlines()
     assert "node1 | node1" in lines and "node2 | node2" in lines, out
-    # with the site's settings: preflight passes and top sees both nodes' GPUs
+    # with the site's settings: preflight passes (python_env left out: the nodes' fake GPUs
+    # beside a CPU torch fail it, as they should) and top sees both nodes' GPUs
     site = yaml.safe_load((cluster.nodes[0].home / "site-inv.yaml").read_text())
     assert [(n["name"], n["host"], n["gpus"]) for n in site["nodes"]] == \
         [(nd.name, nd.host, 2) for nd in cluster.nodes]

@@ -168,7 +168,7 @@ def test_rsync_through_a_jump_host_with_odd_known_hosts_and_identity_paths(cl, t
     target.iptables("-A", "INPUT", "-s", cl.host_ip, "-j", "DROP")
     try:
         with Cluster(inv) as c:
-            res = sync(c, inv, str(src), method="rsync")
+            res = sync(c, inv, str(src), method="rsync").results
         assert [(r.method, r.ok) for r in res] == [("rsync", True)], res
         assert target.run("cat ~/gpt_train/train.py").stdout == "print('train')\n"
 

@@ -205,8 +205,8 @@ class SyncSection(_Model):
     exclude: globs never shipped (matched against the path, each parent directory and, without a
     '/', the base name)."""
 
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
 
     @field_validator("include", "exclude")
     @classmethod
