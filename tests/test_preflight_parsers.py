@@ -18,23 +18,9 @@ from orchestrator.checks.system import parse_clock_skew, parse_disk, parse_timed
 from orchestrator.errors import UsageError
 from orchestrator.inventory import parse_inventory
 from orchestrator.checks.preflight import select_checks
+from tests.probe_text import read, read_gpu, sec
 
 FIX = Path(__file__).parent / "fixtures" / "preflight"
-
-
-def read_gpu(name):
-    """A GPU tool's output from tests/fixtures/gpus (recorded, or transcribed_*)."""
-    return (FIX.parent / "gpus" / name).read_text()
-
-
-def read(name):
-    return (FIX / name).read_text()
-
-
-def sec(name, body, rc=0, arg=""):
-    """Wrap a tool's output as the probe prints it."""
-    head = f"@@{name}" + (f" {arg}" if arg else "")
-    return f"{head}\n{body.rstrip(chr(10))}\n" + (f"@@rc {rc}\n" if rc is not None else "")
 
 
 INV = parse_inventory(yaml.safe_dump({
