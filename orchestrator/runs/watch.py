@@ -3,16 +3,26 @@
 One agent `tail KEY OFFSET` per running node, all driven by the transport's engine: stdout
 bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets as on the node), the
 agent's own stderr lines to the supervisor's log. `on_end` hears each node's end.
+
+SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
+resumes at the size of the control copy, so every byte lands exactly once. The node is reported
+lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, IO
+import queue
+import threading
+import time
+from typing import IO, Callable
 
+from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import AGENT, agent_cmd, node_key
 from orchestrator.runs.store import Run
-from orchestrator.transport import Cluster, NodeResult
+from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
+
+BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
 
 
 class LogCopier:
@@ -43,18 +53,94 @@ class LogCopier:
             f.close()
 
 
+def reconnect(cluster: Cluster, node: Node, lost: NodeResult, echo: Callable[[str], None],
+              stop: threading.Event | None = None) -> bool:
+    """Reopen a node's dropped connection with backoff until `lost_timeout` after the node was
+    last heard from (one attempt at least). True once it is open again."""
+    conn = cluster.connections[node.name]
+    deadline = getattr(conn, "last_heard", time.monotonic()) + cluster.lost_timeout
+    echo(f"supervisor: {node.name}: {lost.error or 'connection lost'}; reconnecting")
+    for attempt in range(10_000):
+        try:
+            conn.reopen()
+            echo(f"supervisor: {node.name}: reconnected")
+            return True
+        except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
+            why = str(e)
+        wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+        if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
+            echo(f"supervisor: {node.name}: no answer for {cluster.lost_timeout:g}s ({why}); lost")
+            return False
+        time.sleep(wait)
+    return False
+
+
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
-              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None) -> None:
-    """Copy each node's log until its run ended there and every byte arrived (or the node is
-    lost: the engine ends its tail with ErrorKind.LOST). No timeout: a run lasts as long as it
-    trains; a silent node is caught by the transport's liveness watch. `after_write` runs after
-    each chunk lands in a log copy (`tail` prints the new lines)."""
+              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
+              stop: threading.Event | None = None) -> None:
+    """Copy each node's log until its run ended there and every byte arrived, or the node is
+    lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
+    long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
+    `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines)."""
     if not nodes:
         return
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
+    by_name = {n.name: n for n in nodes}
+    active = set(by_name)
+    events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
+
+    def start_tail(name: str) -> Proc:
+        node = by_name[name]
+        return cluster.connections[name].exec(agent_cmd(node, "tail", node_key(run.id, node),
+                                                        copier.offset(name)), stdin=AGENT)
+
+    def recover(res: NodeResult) -> None:
+        """On its own thread: reconnect and resume, or report the node lost."""
+        name = res.node
+        while reconnect(cluster, by_name[name], res, echo, stop):
+            try:
+                events.put(start_tail(name))
+                return
+            except ClusterctlError as e:  # dropped again at once
+                res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
+        events.put(res)
+
+    def on_done(res: NodeResult) -> None:
+        if res.kind is ErrorKind.LOST and not (stop is not None and stop.is_set()):
+            threading.Thread(target=recover, args=(res,), name=f"reconnect-{res.node}", daemon=True).start()
+            return
+        active.discard(res.node)
+        on_end(res)
+
+    def pending() -> Proc | None:
+        while True:
+            try:
+                item = events.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(item, NodeResult):
+                on_done_final(item)
+                continue
+            return item
+
+    def on_done_final(res: NodeResult) -> None:
+        active.discard(res.node)
+        on_end(res)
+
+    for name in list(active):
+        try:
+            events.put(start_tail(name))
+        except ClusterctlError as e:
+            on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
     try:
-        cluster.run(lambda n: agent_cmd(n, "tail", node_key(run.id, n), copier.offset(n.name)), stdin=AGENT,
-                    nodes=[n.name for n in nodes], timeout=None, capture=False, on_bytes=copier.on_bytes,
-                    on_line=copier.on_line, on_done=on_end, follow=True)
+        while active:
+            stream((), on_bytes=copier.on_bytes, on_line=copier.on_line, on_done=on_done, pending=pending,
+                   timeout=None, capture=False, stop=stop, fanout=max(1, len(by_name)))
+            if active:  # only reconnecting nodes left: wait for one to come back or be lost
+                try:
+                    item = events.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                events.put(item)
     finally:
         copier.close()
