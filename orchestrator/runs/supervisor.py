@@ -328,7 +328,7 @@ class Supervisor:
         """Retry a node on a fresh connection until it answers, then stop the run there."""
         deadline = time.time() + LOST_PATIENCE
         while time.time() < deadline:
-            c = self.cluster.connection_for(node, connect_timeout=5)
+            c = self.cluster.connection_for(node, connect_timeout=3)
             try:
                 c.open()
                 res = wait(c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), grace), stdin=AGENT),
@@ -347,7 +347,7 @@ class Supervisor:
                 say(f"{node.name} still unreachable ({e}); retrying")
             finally:
                 c.close()
-            time.sleep(2)
+            time.sleep(1)
 
     def finish(self) -> int:
         result = self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))

@@ -128,6 +128,9 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
         on_end(res)
 
     for name in list(active):
+        if name not in cluster.connections:  # never connected (an adopted run's node that is down)
+            on_done_final(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
+            continue
         try:
             events.put(start_tail(name))
         except ClusterctlError as e:
