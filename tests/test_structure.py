@@ -13,7 +13,10 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # "path" or "path:qualname" -> why it may be longer
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "orchestrator/remote/node_agent.py": "shipped to each node as one self-contained script on stdin "
+                                         "(`python - CMD`); it cannot import a sibling module there",
+}
 
 
 def product_files() -> list[Path]:

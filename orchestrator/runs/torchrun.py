@@ -12,8 +12,8 @@ from orchestrator.inventory import Inventory, Node
 
 
 def dist_timeout_s(nnodes: int) -> int:
-    """Collective timeout scaled with the node count (seed 004's table: 1 node 1 h,
-    2-7 nodes 2 h, 8+ nodes 4 h). With fail-fast teardown this is a safety net,
+    """Collective timeout scaled with the node count (1 node 1 h, 2-7 nodes 2 h,
+    8+ nodes 4 h). With fail-fast teardown this is a safety net,
     not the failure detector."""
     if nnodes <= 1:
         return 3600
@@ -23,7 +23,7 @@ def dist_timeout_s(nnodes: int) -> int:
 
 
 def nccl_buffsize(nnodes: int) -> int:
-    """Seed 004: 32 MB from 8 nodes up, 16 MB below."""
+    """NCCL's buffer: 32 MB from 8 nodes up, 16 MB below."""
     return (32 if nnodes >= 8 else 16) * 1024 * 1024
 
 
@@ -32,7 +32,7 @@ def scaled_env(nnodes: int) -> dict[str, str]:
     return {
         # read by the trainer for init_process_group(timeout=...)
         "CLUSTERCTL_DIST_TIMEOUT": str(t),
-        # what seed 004 exports; harmless where NCCL ignores it
+        # NCCL's own collective timeout; harmless where NCCL ignores it
         "NCCL_TIMEOUT": str(t),
         "NCCL_BUFFSIZE": str(nccl_buffsize(nnodes)),
         # surface NCCL errors as exceptions so a dead peer ends the process instead of hanging
@@ -104,7 +104,7 @@ def rank_map(inv: Inventory, nprocs: dict[str, int]) -> list[tuple[Node, int, in
 
 
 def rank_map_text(inv: Inventory, nprocs: dict[str, int]) -> str:
-    """Seed 003's success banner: `rank 0-7 -> node1 (10.0.0.1), ...` with the world size."""
+    """The launch banner: `rank 0-7 -> node1 (10.0.0.1), ...` with the world size."""
     parts = []
     rows = rank_map(inv, nprocs)
     for node, a, b in rows:

@@ -75,6 +75,75 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, echo: Callable[[st
     return False
 
 
+class _Copy:
+    """The tails of one copy_logs call: each node's tail runs on the engine; a dropped one is
+    reconnected on its own thread and handed back to the engine through `events`."""
+
+    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
+                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None):
+        self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop = \
+            cluster, run, on_end, copier, echo, stop
+        self.nodes = {n.name: n for n in nodes}
+        self.active = set(self.nodes)  # not ended and not lost
+        self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
+
+    def start_tail(self, name: str) -> Proc:
+        node = self.nodes[name]
+        return self.cluster.connections[name].exec(
+            agent_cmd(node, "tail", node_key(self.run.id, node), self.copier.offset(name)), stdin=AGENT)
+
+    def recover(self, res: NodeResult) -> None:
+        """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
+        name = res.node
+        while reconnect(self.cluster, self.nodes[name], res, self.echo, self.stop):
+            try:
+                self.events.put(self.start_tail(name))
+                return
+            except ClusterctlError as e:  # dropped again at once
+                res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
+        self.events.put(res)
+
+    def on_done(self, res: NodeResult) -> None:
+        if res.kind is ErrorKind.LOST and not (self.stop is not None and self.stop.is_set()):
+            threading.Thread(target=self.recover, args=(res,), name=f"reconnect-{res.node}", daemon=True).start()
+            return
+        self.ended(res)
+
+    def ended(self, res: NodeResult) -> None:
+        self.active.discard(res.node)
+        self.on_end(res)
+
+    def pending(self) -> Proc | None:
+        """For the engine: the next resumed tail; final results met on the way are reported."""
+        while True:
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                return None
+            if not isinstance(item, NodeResult):
+                return item
+            self.ended(item)
+
+    def run(self) -> None:
+        for name in list(self.active):
+            if name not in self.cluster.connections:  # never connected (an adopted run's node that is down)
+                self.ended(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
+                continue
+            try:
+                self.events.put(self.start_tail(name))
+            except ClusterctlError as e:
+                self.on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
+        while self.active:
+            stream((), on_bytes=self.copier.on_bytes, on_line=self.copier.on_line, on_done=self.on_done,
+                   pending=self.pending, timeout=None, capture=False, stop=self.stop,
+                   fanout=max(1, len(self.nodes)))
+            if self.active:  # only reconnecting nodes left: wait for one to come back or be lost
+                try:
+                    self.events.put(self.events.get(timeout=1.0))
+                except queue.Empty:
+                    pass
+
+
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None) -> None:
@@ -85,65 +154,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     if not nodes:
         return
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
-    by_name = {n.name: n for n in nodes}
-    active = set(by_name)
-    events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
-
-    def start_tail(name: str) -> Proc:
-        node = by_name[name]
-        return cluster.connections[name].exec(agent_cmd(node, "tail", node_key(run.id, node),
-                                                        copier.offset(name)), stdin=AGENT)
-
-    def recover(res: NodeResult) -> None:
-        """On its own thread: reconnect and resume, or report the node lost."""
-        name = res.node
-        while reconnect(cluster, by_name[name], res, echo, stop):
-            try:
-                events.put(start_tail(name))
-                return
-            except ClusterctlError as e:  # dropped again at once
-                res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
-        events.put(res)
-
-    def on_done(res: NodeResult) -> None:
-        if res.kind is ErrorKind.LOST and not (stop is not None and stop.is_set()):
-            threading.Thread(target=recover, args=(res,), name=f"reconnect-{res.node}", daemon=True).start()
-            return
-        active.discard(res.node)
-        on_end(res)
-
-    def pending() -> Proc | None:
-        while True:
-            try:
-                item = events.get_nowait()
-            except queue.Empty:
-                return None
-            if isinstance(item, NodeResult):
-                on_done_final(item)
-                continue
-            return item
-
-    def on_done_final(res: NodeResult) -> None:
-        active.discard(res.node)
-        on_end(res)
-
-    for name in list(active):
-        if name not in cluster.connections:  # never connected (an adopted run's node that is down)
-            on_done_final(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
-            continue
-        try:
-            events.put(start_tail(name))
-        except ClusterctlError as e:
-            on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
     try:
-        while active:
-            stream((), on_bytes=copier.on_bytes, on_line=copier.on_line, on_done=on_done, pending=pending,
-                   timeout=None, capture=False, stop=stop, fanout=max(1, len(by_name)))
-            if active:  # only reconnecting nodes left: wait for one to come back or be lost
-                try:
-                    item = events.get(timeout=1.0)
-                except queue.Empty:
-                    continue
-                events.put(item)
+        _Copy(cluster, run, nodes, on_end, copier, echo, stop).run()
     finally:
         copier.close()
