@@ -110,7 +110,9 @@ class Supervisor:
             self.release_claims()
             if self.cluster is not None:
                 self.cluster.close()
-            self.save(state=RunState.FAILED, exit_code=e.exit_code, error=str(e), ended=time.time())
+            stopped = self.policy.stop_requests and e.exit_code == EXIT_INTERRUPTED
+            self.save(state=RunState.STOPPED if stopped else RunState.FAILED, exit_code=e.exit_code, error=str(e),
+                      ended=time.time())
             code = e.exit_code
         except Exception as e:  # noqa: BLE001 - record, stop nodes, never leave them running
             traceback.print_exc()
