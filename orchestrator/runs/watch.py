@@ -124,7 +124,7 @@ class _Copy:
                 return item
             self.ended(item)
 
-    def run(self) -> None:
+    def copy(self) -> None:
         for name in list(self.active):
             if name not in self.cluster.connections:  # never connected (an adopted run's node that is down)
                 self.ended(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
@@ -155,6 +155,6 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
         return
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
     try:
-        _Copy(cluster, run, nodes, on_end, copier, echo, stop).run()
+        _Copy(cluster, run, nodes, on_end, copier, echo, stop).copy()
     finally:
         copier.close()
