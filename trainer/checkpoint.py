@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import zipfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,19 @@ class _HashingWriter:
 
 def save(out_dir: str, step: int, model, optimizer, scaler, config: dict, *, rank: int,
          fsdp: bool, keep: int = 3) -> str:
-    """Collective: every rank calls it (RNG states are gathered); rank 0 writes (DDP)."""
+    """Collective: every rank calls it (RNG states are gathered); rank 0 writes (DDP). Under
+    clusterctl, rank 0 also writes how long the save took to $CLUSTERCTL_NODE_DIR/save_seconds:
+    `clusterctl stop` gives the job at least twice that before SIGKILL."""
+    t0 = time.monotonic()
+    path = _save(out_dir, step, model, optimizer, scaler, config, rank=rank, fsdp=fsdp, keep=keep)
+    node_dir = os.environ.get("CLUSTERCTL_NODE_DIR")
+    if rank == 0 and node_dir and os.path.isdir(node_dir):
+        _write_small(os.path.join(node_dir, "save_seconds"), f"{time.monotonic() - t0:.3f}\n")
+    return path
+
+
+def _save(out_dir: str, step: int, model, optimizer, scaler, config: dict, *, rank: int,
+          fsdp: bool, keep: int = 3) -> str:
     extra = {"step": step, "data_position": {"step": step, "seed": config.get("seed")},
              "scaler": scaler.state_dict() if scaler is not None else None,
              "rng": _all_rng_states(), "config": config}

@@ -1,14 +1,18 @@
 """`clusterctl tail`, `status`, `runs`, `stop`, and following a run's logs (shared with `train`).
 
-Everything here re-attaches by run id: the supervisor's copies first, then the nodes
-themselves when the supervisor is gone (a crashed or killed controller loses nothing).
+Everything here re-attaches by run id. When the run's supervisor is gone (a crashed or
+killed controller), `tail`, `status` and `stop` start one that adopts the run
+(orchestrator/runs/supervisor.py --adopt): it resumes the log copies where they stopped,
+so nothing is lost or printed twice, and applies the failure policy and pending stops.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,14 +21,17 @@ import click
 
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
-from orchestrator.runs.launch import agent_status, stop_on
+from orchestrator.runs.launch import agent_status
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
-from orchestrator.runs.spec import NodeState, NodeStatus, RunState
+from orchestrator.runs.policy import MAX_GRACE
+from orchestrator.runs.spec import NodeState, NodeStatus
 from orchestrator.runs.store import Run
-from orchestrator.runs.watch import copy_logs
+from orchestrator.runs.supervisor import LOG_DRAIN_S, spawn
 from orchestrator.transport import Cluster
 
 SUPERVISOR_GRACE_S = 10  # a run this young may not have recorded its supervisor yet
+SUPERVISOR_START_S = 30  # how long a replacement supervisor may take to record itself
+MAX_RESTARTS = 3  # replacements one `tail` starts before it gives up (see supervisor.log)
 
 
 def _err(msg: str) -> None:
@@ -78,11 +85,28 @@ class _Show:
         return self.follower
 
 
+def ensure_supervisor(run: Run) -> subprocess.Popen | None:
+    """Start a supervisor that adopts the run when the recorded one is gone and the run still
+    needs one (not ended, or a stop still pending); returns it once it has recorded itself."""
+    rec = run.record
+    if run.supervisor_alive() or time.time() - rec.get("created", 0) < SUPERVISOR_GRACE_S:
+        return None
+    if run.state(rec).terminal and not rec.get("stop_pending"):
+        return None
+    _err(f"clusterctl: the supervisor of {run.id} is gone; starting one that takes the run over")
+    proc = spawn(run, adopt=True)
+    deadline = time.time() + SUPERVISOR_START_S
+    while time.time() < deadline and proc.poll() is None and run.record.get("supervisor_pid") != proc.pid:
+        time.sleep(0.1)
+    return proc
+
+
 def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node: str | None = None,
            rank: int | None = None, on_interrupt=None, show_preflight: bool = True,
            supervisor: subprocess.Popen | None = None) -> int:
     """Print the run's lines until it ends (or once, without following)."""
     show = _Show(run, n, node, rank, show_preflight)
+    restarts = 0
     while True:
         try:
             rec = run.record
@@ -95,9 +119,11 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node:
             if supervisor is not None:
                 supervisor.poll()  # reap it, so a dead supervisor is seen as dead
             if not run.supervisor_alive() and time.time() - rec.get("created", 0) > SUPERVISOR_GRACE_S:
-                rec = run.record
-                if not run.state(rec).terminal:
-                    return recover(run, show.start(rec))
+                if restarts >= MAX_RESTARTS:
+                    raise ClusterctlError(f"the supervisor of {run.id} keeps dying; see "
+                                          f"{run.dir / 'supervisor.log'}")
+                supervisor = ensure_supervisor(run) or supervisor
+                restarts += 1
             time.sleep(0.1)
         except KeyboardInterrupt:
             if on_interrupt is None:
@@ -106,31 +132,6 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node:
     _summary(run.record)
     code = run.record.get("exit_code")
     return 1 if code is None else int(code)
-
-
-def recover(run: Run, follower: Follower) -> int:
-    """The supervisor is gone but the run was not finished: fetch the rest from the nodes by
-    byte offset (so every line is printed exactly once), and record how it ended."""
-    spec, rec = run.spec, run.record
-    _err(f"clusterctl: the supervisor of {run.id} is gone; reading the rest from the nodes")
-    inv = spec.load_inventory()
-    started = {nd.name for nd in run.nodes(rec) if nd.pid}
-    with Cluster(inv, connect_timeout=spec.connect_timeout, fanout=spec.fanout,
-                 lost_timeout=spec.lost_timeout) as cluster:
-        reachable = [nd for nd in inv.nodes if nd.name in started and nd.name in cluster.connections]
-        copy_logs(cluster, run, reachable, on_end=lambda _res: None, echo=_err, after_write=follower.poll)
-        follower.poll(final=True)
-        now = agent_status(cluster, run.id, [nd.name for nd in reachable])
-    codes = {name: doc.get("exit_code") for name, doc in now.items()}
-    bad = {k: v for k, v in codes.items() if v != 0}
-    first = next(iter(bad.items()), None)
-    nodes = [dict(nd, exit_code=codes.get(nd["name"], nd.get("exit_code"))) for nd in rec.get("nodes", [])]
-    run.update(nodes=nodes, state=RunState.FAILED if bad else RunState.FINISHED,
-               exit_code=(first[1] if first and first[1] is not None else (255 if first else 0)),
-               summary="recovered from the nodes after the supervisor was gone"
-               + (f"; {first[0]} exited {first[1]}" if first else ""), ended=time.time())
-    _summary(run.record)
-    return int(run.record["exit_code"])
 
 
 @click.command("tail")
@@ -205,12 +206,14 @@ def status_command(run_id, as_json):
     rec = run.record
     alive, terminal = run.supervisor_alive(), run.state(rec).terminal
     from_nodes = {} if alive or terminal else ask_nodes(run)
+    if not alive:
+        ensure_supervisor(run)
     if as_json:
         click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=from_nodes), indent=2))
         return
     t = Table(title=f"{run.id}: {rec.get('state')}" + ("" if alive or terminal else
-                                                      " (supervisor gone: asked the nodes; "
-                                                      "`clusterctl tail` recovers the logs)"))
+                                                      " (supervisor gone: asked the nodes and started "
+                                                      "one that takes the run over)"))
     t.add_column("node", no_wrap=True)
     for c in ("ranks", "state", "pid", "exit", "runtime", "last line"):
         t.add_column(c)
@@ -225,6 +228,9 @@ def status_command(run_id, as_json):
     Console().print(t)
     if rec.get("summary") or rec.get("error"):
         _summary(rec)
+    if rec.get("stop_pending"):
+        _err(f"clusterctl: stop pending on {', '.join(rec['stop_pending'])}: not confirmed yet; it is carried "
+             "out as soon as the node answers again")
 
 
 @click.command("runs")
@@ -250,45 +256,52 @@ def runs_command(as_json):
     Console().print(t)
 
 
-def _stop_by_supervisor(run: Run, timeout: float) -> None:
-    """Ask the supervisor for its graceful stop and wait until the run's record says it ended."""
-    os.kill(run.record["supervisor_pid"], signal.SIGTERM)
+def _wait_ended(run: Run, timeout: float) -> dict:
+    """Wait until the run's record says it ended; returns the record."""
     deadline = time.time() + timeout
     while not run.terminal:
         if time.time() > deadline:
-            raise ClusterctlError(f"run {run.id} did not stop within {timeout:g}s")
+            raise ClusterctlError(f"run {run.id} did not stop within {timeout:g}s; "
+                                  f"`clusterctl status {run.id}` shows where it stands")
+        if not run.supervisor_alive():
+            ensure_supervisor(run)
         time.sleep(0.2)
+    return run.record
 
 
 @click.command("stop")
 @click.argument("run_id")
 @click.option("--grace", type=click.FloatRange(0, 3600), default=None,
-              help="Seconds between SIGTERM and SIGKILL (default: the run's own).")
-@click.option("--timeout", type=click.FloatRange(1), default=120, show_default=True)
+              help="Seconds between SIGTERM and SIGKILL (default: the run's own), stretched to twice "
+                   f"the job's last checkpoint save, up to {MAX_GRACE:g}s.")
+@click.option("--timeout", type=click.FloatRange(1), default=None,
+              help=f"How long to wait for the run to end (default: the grace + {LOG_DRAIN_S + 60:g}s).")
 def stop_command(run_id, grace, timeout):
-    """Stop a run on every node: SIGTERM (the trainer checkpoints), then SIGKILL."""
+    """Stop a run on every node: SIGTERM (the trainer checkpoints), then SIGKILL.
+
+    Exits 1 naming every node where the stop could not be confirmed (unreachable); that stop
+    stays pending and is carried out as soon as the node answers again."""
     run = Run.find(run_id)
-    if run.terminal:
-        _err(f"clusterctl: run {run.id} already {run.record.get('state')}")
+    rec = run.record
+    if run.terminal and not rec.get("stop_pending"):
+        _err(f"clusterctl: run {run.id} already {rec.get('state')}")
         return
-    if run.supervisor_alive() and grace is None:
-        _stop_by_supervisor(run, timeout)
-        _summary(run.record)
-        return
+    run.request_stop(grace, by=f"{getpass.getuser()}@{socket.gethostname()}")
     if run.supervisor_alive():
-        os.kill(run.record["supervisor_pid"], signal.SIGKILL)  # stop directly, with the grace asked for
+        os.kill(rec["supervisor_pid"], signal.SIGTERM)
+    else:
+        ensure_supervisor(run)  # a replacement reads the request when it starts
     spec = run.spec
-    with Cluster(spec.load_inventory(), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
-        res = stop_on(cluster, run.id, spec.grace if grace is None else grace)
-    run.update(state=RunState.STOPPED, exit_code=EXIT_INTERRUPTED, ended=time.time(),
-               summary="stopped with `clusterctl stop`")
-    for name, r in res.failed.items():
-        _err(f"clusterctl: {name}: could not stop: {r.describe()}")
-    lost = {name: r.describe() for name, r in res.items() if not r.reachable}
-    if lost:
-        raise UnreachableError(lost, "so the run may still be there; run `clusterctl stop` again once they answer")
-    res.check("some nodes could not stop the run (above); run `clusterctl stop` again")
-    _summary(run.record)
+    wait = timeout or (max(spec.grace, grace or 0, MAX_GRACE) + LOG_DRAIN_S + spec.lost_timeout + 60)
+    rec = _wait_ended(run, wait)
+    pending = rec.get("stop_pending") or []
+    if pending:
+        raise UnreachableError({n: "not reachable" for n in pending},
+                               f"so run {run.id} could not be confirmed stopped there. The stop stays "
+                               f"pending: it is carried out as soon as "
+                               f"{'that node answers' if len(pending) == 1 else 'they answer'} again "
+                               f"(`clusterctl status {run.id}` shows it)")
+    _summary(rec)
 
 
-__all__ = ["follow", "runs_command", "status_command", "stop_command", "tail_command"]
+__all__ = ["ensure_supervisor", "follow", "runs_command", "status_command", "stop_command", "tail_command"]

@@ -1,14 +1,18 @@
 """`clusterctl train`: record the run, start its detached supervisor, follow its logs.
 
 The supervisor (orchestrator/runs/supervisor.py) owns the run from there; `train` only
-prints what it records, so Ctrl-C here is a stop request to it, and a killed `train`
-loses nothing (`clusterctl tail` re-attaches: orchestrator/cli/runs.py).
+prints what it records, so Ctrl-C here is a stop request to it (recorded in the run, so a
+replacement supervisor honours it too), and a killed `train` loses nothing (`clusterctl
+tail` re-attaches: orchestrator/cli/runs.py). `--detach` returns once the run holds its
+nodes and is launching, or with the error that stopped it (another run holds a node: 1).
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,8 +22,11 @@ import click
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
-from orchestrator.runs.spec import DEFAULTS, RunSpec
-from orchestrator.runs.store import SUPERVISOR_MARK, Run, new_run_id
+from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
+from orchestrator.runs.store import Run, new_run_id
+from orchestrator.runs.supervisor import spawn
+
+DETACH_WAIT_S = 600  # --detach: how long connecting, claiming and preflight may take
 
 
 def _err(msg: str) -> None:
@@ -39,10 +46,25 @@ def _nproc(ctx, param, value):
 
 
 def start_supervisor(run: Run) -> subprocess.Popen:
-    log = open(run.dir / "supervisor.log", "ab")
-    env = dict(os.environ, **{SUPERVISOR_MARK: run.id})
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.runs.supervisor", run.id], stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return spawn(run)
+
+
+def wait_launching(run: Run, sup: subprocess.Popen) -> int:
+    """--detach: wait until the run holds its nodes and launches (0), or ended before (its code)."""
+    deadline = time.time() + DETACH_WAIT_S
+    while time.time() < deadline:
+        rec = run.record
+        state = run.state(rec)
+        if state in (RunState.LAUNCHING, RunState.RUNNING):
+            return 0
+        if state.terminal or sup.poll() is not None:
+            rec = run.record
+            _err(f"clusterctl: run {run.id} {rec.get('state')}: {rec.get('error') or rec.get('summary') or ''}")
+            return int(rec.get("exit_code") or 1)
+        time.sleep(0.1)
+    _err(f"clusterctl: run {run.id} still {run.state()} after {DETACH_WAIT_S}s; it goes on "
+         f"(`clusterctl tail {run.id}`)")
+    return 0
 
 
 def _check_script(script: tuple[str, ...]) -> None:
@@ -86,13 +108,15 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     _err(f"clusterctl: run {run.id} on {len(inv.nodes)} nodes (records in {run.dir})")
     if detach:
         click.echo(run.id)
-        return
+        sys.exit(wait_launching(run, sup))
     presses = []
 
     def interrupt():
         presses.append(time.time())
+        run.request_stop(None, by=f"{getpass.getuser()}@{socket.gethostname()}")
+        pid = run.record.get("supervisor_pid") if run.supervisor_alive() else sup.pid
         try:
-            os.kill(sup.pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             return
         if len(presses) == 1:

@@ -5,8 +5,18 @@ Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = R
   spec.json   what was started (argv, env, cwd)
   proc.json   pid/pgid of torchrun, the waiter's pid, start time
   log         torchrun's stdout+stderr, raw bytes (the controller copies it byte for byte)
-  exit_code   written atomically by the waiter when torchrun ends
+  ended       when torchrun ended (node clock), written the moment the waiter reaped it
+  exit_code   written atomically by the waiter once torchrun ended and nothing of the run is left
   error.json  torchrun's error file (TORCHELASTIC_ERROR_FILE), when it wrote one
+  stop        a stop request {"grace", "at"}: the waiter carries it out even when the `stop`
+              that wrote it lost its connection half way
+  save_seconds  how long the job's last checkpoint took (the trainer writes it; the stop grace
+              covers it)
+and ~/.clusterctl/claims/NODE, the node's claim {"run", "key", "who", "since"}: one run at a time.
+
+The waiter (the parent of torchrun) is a child subreaper: a worker orphaned by a dead torchrun is
+reparented to it, and once torchrun ended by any means, the waiter kills what is left of the run
+(its process group, then every process carrying the run key). No controller is involved.
 
 Every process of a run carries CLUSTERCTL_RUN_KEY=KEY (and CLUSTERCTL_RUN_ID=RUN_ID) in its
 environment, so the run is found again by id (scanning /proc/*/environ of this user's
@@ -18,6 +28,9 @@ processes), never by name pattern.
   status KEY                   print the run's state as JSON
   tail KEY OFFSET              stream the log from OFFSET until the run ended and all is sent
   live                         print the keys of runs still alive on this node
+  claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
+                               the holder's record}; a claim whose run has ended is replaced
+  release NODE KEY             drop the node's claim if run KEY holds it
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
                                ("exited") or S seconds pass ("timeout")
 """
@@ -28,6 +41,10 @@ import sys
 import time
 
 BASE = os.path.expanduser("~/.clusterctl/node-runs")
+CLAIMS = os.path.expanduser("~/.clusterctl/claims")
+CLAIM_START_S = 900  # a claim whose run never started on the node is held this long (preflight, launch)
+MAX_GRACE = 300.0  # the stop grace is stretched to 2x the last checkpoint save, up to this
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def rundir(run_id):
@@ -120,6 +137,15 @@ def default_signals():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def prctl(option, arg):
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 - not Linux, or no libc: the run key still finds the processes
+        return False
+
+
 def waiter(d, run_id, spec, notify_fd):
     import subprocess
 
@@ -128,10 +154,12 @@ def waiter(d, run_id, spec, notify_fd):
         os.dup2(devnull, fd)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the waiter outlives torchrun to record its exit
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned workers become our children, not init's
     env = dict(os.environ)
     env.update(spec.get("env", {}))
     env["CLUSTERCTL_RUN_KEY"] = run_id
     env["CLUSTERCTL_RUN_ID"] = run_id.split("@")[0]
+    env["CLUSTERCTL_NODE_DIR"] = d  # where the job may leave save_seconds
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(d, "error.json")
     env.setdefault("PYTHONUNBUFFERED", "1")
     cwd = os.path.expanduser(spec.get("cwd") or "~")
@@ -152,15 +180,76 @@ def waiter(d, run_id, spec, notify_fd):
     write_atomic(os.path.join(d, "proc.json"), json.dumps(info))
     os.write(notify_fd, json.dumps(info).encode())
     os.close(notify_fd)
-    rc = p.wait()
+    rc = supervise(d, run_id, info)
+    write_atomic(os.path.join(d, "ended"), repr(time.time()))
+    # torchrun is gone, by any means: nothing of the run may outlive it on this node
+    info["waiter"] = os.getpid()
+    end_run(run_id, info, grace=2.0)
+    reap_until_gone(run_id, 5.0)
     code = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
     write_atomic(os.path.join(d, "exit_code"), str(code))
     os._exit(0)
 
 
-def stop(run_id, grace):
-    d = rundir(run_id)
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+def supervise(d, run_id, info):
+    """Wait for torchrun (reaping the orphans handed to us meanwhile) and carry out a stop
+    request found in the run directory; torchrun's wait status as Popen reports it."""
+    stopping = None
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return 1
+        if pid == info["pid"]:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if pid:
+            continue  # an orphaned worker, reaped
+        if stopping is None:
+            req = read(os.path.join(d, "stop"))
+            if req is not None:
+                grace = float(json.loads(req).get("grace", 5))
+                stopping = threading_start(end_run, run_id, info, grace)
+        time.sleep(0.2)
+
+
+def threading_start(fn, *args):
+    import threading
+
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def reap_until_gone(run_id, seconds):
+    """Reap our children until no process of the run is left (or `seconds` pass)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        if not [p for p in run_pids(run_id) if p != os.getpid()]:
+            return
+        time.sleep(0.05)
+
+
+def save_seconds(d):
+    try:
+        return float(read(os.path.join(d, "save_seconds"), "") or 0)
+    except ValueError:
+        return 0.0
+
+
+def stop_grace(grace, save_s):
+    """The grace a stop gives the job: at least 2x its last checkpoint save, up to MAX_GRACE
+    (a longer grace asked for explicitly is kept)."""
+    return max(float(grace), min(2 * float(save_s), MAX_GRACE))
+
+
+def end_run(run_id, info, grace):
+    """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
+    after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared."""
     waiter = info.get("waiter")
 
     def targets():
@@ -203,13 +292,26 @@ def stop(run_id, grace):
         deadline = time.time() + 5
         while targets() and time.time() < deadline:
             time.sleep(0.05)
-    # the waiter records the exit code as soon as torchrun is reaped
-    deadline = time.time() + 3
+    return len(targets())
+
+
+def stop(run_id, grace):
+    d = rundir(run_id)
+    if not os.path.isdir(d):
+        print(json.dumps({"left": len(run_pids(run_id))}))
+        return
+    grace = stop_grace(grace, save_seconds(d))
+    if read(os.path.join(d, "stop")) is None:  # first: the waiter finishes the stop if we are cut off
+        write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time()}))
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    left = end_run(run_id, info, grace)
+    # the waiter records the exit code once torchrun is reaped and the run is cleaned up
+    deadline = time.time() + 8
     while read(os.path.join(d, "exit_code")) is None and time.time() < deadline:
         time.sleep(0.05)
-    if read(os.path.join(d, "exit_code")) is None and os.path.isdir(d):
+    if read(os.path.join(d, "exit_code")) is None and not run_pids(run_id):
         write_atomic(os.path.join(d, "exit_code"), "137")
-    print(json.dumps({"left": len(targets())}))
+    print(json.dumps({"left": left}))
 
 
 def status(run_id):
@@ -217,9 +319,9 @@ def status(run_id):
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     code = read(os.path.join(d, "exit_code"))
     err = read(os.path.join(d, "error.json"))
-    try:
-        ended = os.path.getmtime(os.path.join(d, "exit_code"))  # when torchrun ended, node clock
-    except OSError:
+    try:  # when torchrun ended, node clock
+        ended = float(read(os.path.join(d, "ended"), "") or os.path.getmtime(os.path.join(d, "exit_code")))
+    except (OSError, ValueError):
         ended = None
     size, last = 0, ""
     try:
@@ -232,7 +334,8 @@ def status(run_id):
         pass
     print(json.dumps({"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
                       "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
-                      "log_size": size, "last_line": last, "error_file": err, "ended": ended}))
+                      "log_size": size, "last_line": last, "error_file": err, "ended": ended,
+                      "save_seconds": save_seconds(d), "stop_requested": read(os.path.join(d, "stop")) is not None}))
 
 
 def vanished(d, run_id):
@@ -290,6 +393,62 @@ def live():
     print(json.dumps(out))
 
 
+def node_name_ok(name):
+    if not name or "/" in name or name.startswith("."):
+        sys.exit("bad node name")
+    return os.path.join(CLAIMS, name)
+
+
+def claim_stale(doc):
+    """A claim is stale once its run has no process left on this node, and it either started
+    here (its run directory exists) or never did within CLAIM_START_S."""
+    key = doc.get("key", "")
+    if not key or run_pids(key):
+        return False
+    started = os.path.isdir(os.path.join(BASE, key)) if "/" not in key else False
+    return started or time.time() - float(doc.get("since", 0)) > CLAIM_START_S
+
+
+def claim(node, key, who):
+    """Take the node for run KEY. Check and write happen under an exclusive lock on the node, so
+    of two claims at once exactly one wins; a stale claim is replaced."""
+    import fcntl
+
+    path = node_name_ok(node)
+    os.makedirs(CLAIMS, mode=0o700, exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            held = json.loads(read(path, "") or "{}")
+        except ValueError:
+            held = {}
+        if held and held.get("key") != key and not claim_stale(held):
+            print(json.dumps({"ok": False, **held}))
+            return
+        if held.get("key") != key:
+            held = {"run": key.split("@")[0], "key": key, "who": who, "since": time.time()}
+            write_atomic(path, json.dumps(held))
+        print(json.dumps({"ok": True, **held}))
+
+
+def release(node, key):
+    import fcntl
+
+    path = node_name_ok(node)
+    if not os.path.isdir(CLAIMS):
+        print(json.dumps({"released": False}))
+        return
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            held = json.loads(read(path, "") or "{}")
+        except ValueError:
+            held = {}
+        if held.get("key") == key:
+            os.unlink(path)
+    print(json.dumps({"released": held.get("key") == key}))
+
+
 def is_listening(port):
     want = "%04X" % int(port)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -317,4 +476,4 @@ def wait_listening(run_id, port, seconds):
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
-     "wait-listening": wait_listening}[cmd](*args)
+     "wait-listening": wait_listening, "claim": claim, "release": release}[cmd](*args)

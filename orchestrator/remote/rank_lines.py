@@ -11,7 +11,8 @@ promise that: it re-reads worker files with readline() and prints a partial line
 (a flush mid-line, a tqdm bar) as if it were whole.
 
 Signals torchrun or clusterctl send (TERM, INT, HUP, USR1, USR2) are passed on to the script;
-the script dies with this wrapper (PR_SET_PDEATHSIG); the wrapper exits as the script did.
+the wrapper dies with torchrun and the script with the wrapper (PR_SET_PDEATHSIG, SIGKILL), so a
+killed torchrun leaves no worker behind; the wrapper exits as the script did.
 """
 import os
 import signal
@@ -23,13 +24,18 @@ MAX_LINE = 1 << 16  # a "line" longer than this without a newline is cut, never 
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def die_with_parent():
+def set_pdeathsig():
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; the run id in the environment still finds it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except Exception:  # noqa: BLE001 - best effort; the node agent still finds it by run key
         pass
+
+
+def die_with_parent():
+    set_pdeathsig()
     for s in FORWARD:
         signal.signal(s, signal.SIG_DFL)
 
@@ -63,6 +69,10 @@ def pump(src, dst, prefix):
 
 
 def main(argv):
+    parent = os.getppid()
+    set_pdeathsig()
+    if os.getppid() != parent:  # torchrun died before the death signal was armed
+        return 128 + signal.SIGKILL
     prefix = b"[default" + os.environ.get("LOCAL_RANK", "0").encode() + b"]:"
     child = subprocess.Popen([sys.executable, "-u", *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, preexec_fn=die_with_parent)

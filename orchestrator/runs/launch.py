@@ -8,6 +8,7 @@ others once its rendezvous port listens.
 from __future__ import annotations
 
 import json
+import time
 from importlib import resources
 
 from orchestrator import shell
@@ -32,9 +33,11 @@ def node_key(run_id: str, node: Node) -> str:
     return f"{run_id}@{node.name}"
 
 
-def agent_status(cluster: Cluster, run_id: str, nodes: list[str] | None = None) -> dict[str, dict]:
+def agent_status(cluster: Cluster, run_id: str, nodes: list[str] | None = None,
+                 timeout: float = 30) -> dict[str, dict]:
     """Each node's own view of the run (agent `status`): node -> its JSON, or {"error": why}."""
-    res = cluster.run(lambda n: agent_cmd(n, "status", node_key(run_id, n)), stdin=AGENT, timeout=30, nodes=nodes)
+    res = cluster.run(lambda n: agent_cmd(n, "status", node_key(run_id, n)), stdin=AGENT, timeout=timeout,
+                      nodes=nodes)
     out: dict[str, dict] = {}
     for name, r in res.items():
         try:
@@ -50,15 +53,45 @@ def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None
                        timeout=grace + 30)
 
 
+def _agent_json(name: str, inv: Inventory, r):
+    """The JSON an agent command printed last; LaunchError when the agent could not run."""
+    if not r.ok:
+        raise LaunchError(f"{name}: cannot run the node agent with {inv.node(name).python}: "
+                          f"{r.describe()} {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str) -> None:
+    """Take every node for this run, one at a time in rank order (the node agent's `claim`,
+    atomic on the node): of two launches at once on the same nodes exactly one gets them all.
+    Refused: the claims taken are released and LaunchError names the run holding the node."""
+    taken: list[str] = []
+    for node in inv.nodes:
+        r = cluster.run(agent_cmd(node, "claim", node.name, node_key(run_id, node), who), stdin=AGENT,
+                        nodes=[node.name], timeout=AGENT_TIMEOUT)[node.name]
+        doc = _agent_json(node.name, inv, r)
+        if not doc.get("ok"):
+            release_nodes(cluster, inv, run_id, taken)
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc.get("since") or 0))
+            raise LaunchError(f"{node.name} is running {doc.get('run', '?')} (claimed by {doc.get('who', '?')} "
+                              f"since {since}). Stop it with `clusterctl stop {doc.get('run', 'RUN')}`, or pass "
+                              "--force to share the node")
+        taken.append(node.name)
+
+
+def release_nodes(cluster: Cluster, inv: Inventory, run_id: str, names: list[str] | None = None) -> ClusterResult:
+    """Drop this run's claims (a claim held by another run is left alone)."""
+    return cluster.run(lambda n: agent_cmd(n, "release", n.name, node_key(run_id, n)), stdin=AGENT,
+                       nodes=names, timeout=AGENT_TIMEOUT)
+
+
 def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
-    """Two runs must not silently share a node: LaunchError naming the runs found, unless forced."""
+    """Runs alive on the nodes that hold no claim (started with --force, or by an older
+    clusterctl): LaunchError naming them, unless forced."""
     res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT)
     busy = {}
     for name, r in res.items():
-        if not r.ok:
-            raise LaunchError(f"{name}: cannot run the node agent with {inv.node(name).python}: "
-                              f"{r.describe()} {r.stderr.strip()[-300:]}")
-        live = [k for k in json.loads(r.stdout or "[]") if k.endswith("@" + name)]
+        live = [k for k in _agent_json(name, inv, r) if k.endswith("@" + name)]
         if live:
             busy[name] = live
     if busy and not force:

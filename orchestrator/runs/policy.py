@@ -2,7 +2,12 @@
 
   The first node whose torchrun exits non-zero, or whose connection is lost for
   `lost_timeout`, is the root cause, and stops every other node (SIGTERM, then SIGKILL
-  after `grace`). A stop request is not a failure: what fails after it is not blamed.
+  after `grace`). "First" is by the nodes' own end times, not by the order the controller
+  heard of them. A stop request is not a failure: what fails after it is not blamed, and
+  a stopped run is recorded as stopped.
+
+  The grace covers a checkpoint: at least twice the job's last save (node agent's
+  save_seconds), up to MAX_GRACE; a longer grace asked for explicitly is kept.
 """
 
 from __future__ import annotations
@@ -18,8 +23,26 @@ from orchestrator.runs.logs import rank_tail, worker_failure
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import exit_hint, exit_meaning
 
+MAX_GRACE = 300.0  # the same cap as the node agent's
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 LOG_TAIL_BYTES = 1 << 18  # how much of a node's log the root cause looks at
+
+
+def stop_grace(grace: float, save_seconds: float = 0.0) -> float:
+    """The seconds between SIGTERM and SIGKILL: `grace`, stretched to 2x the last checkpoint save."""
+    return max(float(grace), min(2 * float(save_seconds), MAX_GRACE))
+
+
+def earliest_failure(first: FirstFailure | None, statuses: list[NodeStatus]) -> FirstFailure | None:
+    """The root cause by the nodes' own clocks: a node whose torchrun failed before the one seen
+    first takes its place (a peer seen first may only have died of the real failure)."""
+    failed = [st for st in statuses if st.exit_code not in (None, 0) and st.node_ended is not None]
+    if not failed:
+        return first
+    st = min(failed, key=lambda s: s.node_ended)
+    if first is None or (first.ended is not None and st.node_ended < first.ended):
+        return FirstFailure(st.name, st.exit_code, exit_meaning(st.exit_code), ended=st.node_ended)
+    return first
 
 
 class FailurePolicy:
@@ -47,10 +70,14 @@ class FailurePolicy:
         if first:
             self.on_first(ff)
 
-    def result(self, status_of: Callable[[str], NodeStatus], log_of: Callable[[str], Path]) -> RunResult:
+    def result(self, status_of: Callable[[str], NodeStatus], log_of: Callable[[str], Path],
+               statuses: list[NodeStatus] = ()) -> RunResult:
         """How the run ended: stopped on request (130), every node finished (0), or the first
-        failure's exit code (255 for a lost node) with its root cause."""
+        failure's exit code (255 for a lost node) with its root cause (among `statuses`, the
+        earliest by the nodes' own clocks)."""
         ff = self.first
+        if ff is not None:
+            ff = earliest_failure(ff, list(statuses))
         if ff is None and self.stop_requests:
             killed = " (killed)" if self.stop_requests > 1 else ""
             return RunResult(RunState.STOPPED, EXIT_INTERRUPTED, f"stopped on request{killed}")

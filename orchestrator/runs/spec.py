@@ -107,7 +107,8 @@ class NodeStatus:
     last_rank: int | None = None
     pid: int | None = None
     exit_code: int | None = None
-    ended: float | None = None
+    ended: float | None = None  # when the supervisor saw the end (control clock)
+    node_ended: float | None = None  # when torchrun ended, by the node's own clock
     error: str | None = None
     error_file: str | None = None  # torchrun's error file (JSON text), when it wrote one
     stopped_after_loss: bool = False

@@ -4,6 +4,9 @@
   run.json         the supervisor's record: state, nodes, ranks, pids, exit codes, summary
   preflight.txt    the preflight table as the supervisor rendered it
   supervisor.log   the supervisor's own output
+  supervisor.lock  held (flock) by the one supervisor of the run; a replacement takes it over
+  stop.json        a stop request {"grace", "at", "by"}: written by `stop` (or Ctrl-C), read by
+                   whichever supervisor runs the run; the run then ends "stopped", whatever fails
   nodes/NODE.log   byte-for-byte copies of each node's log (same offsets as on the node)
 
 Every write of a record is atomic (temp file + rename), so a crash of the controller at any
@@ -135,6 +138,31 @@ class Run:
 
     def node_log(self, node: str) -> Path:
         return self.dir / "nodes" / f"{node}.log"
+
+    def request_stop(self, grace: float | None, by: str) -> dict:
+        """Record a stop request (the first one's time is kept; a later grace replaces it)."""
+        old = self.stop_request or {}
+        doc = {"grace": grace if grace is not None else old.get("grace"), "at": old.get("at", time.time()),
+               "by": by, "requests": old.get("requests", 0) + 1}
+        write_json(self.dir / "stop.json", doc)
+        return doc
+
+    @property
+    def stop_request(self) -> dict | None:
+        return read_json(self.dir / "stop.json")
+
+    def lock_supervisor(self):
+        """Take the run's supervisor lock (held until this process exits); None when another
+        live supervisor holds it."""
+        import fcntl
+
+        f = open(self.dir / "supervisor.lock", "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return None
+        return f
 
     def supervisor_alive(self) -> bool:
         """The recorded supervisor still runs: the pid exists, carries this run's mark in its

@@ -2,20 +2,31 @@
 
 `clusterctl train` starts it in its own session, so it outlives the terminal, a
 closed laptop lid or a killed `clusterctl`. It owns the run's connections (one
-handshake per node for preflight, launch and log streaming), copies every node's
-log byte for byte into the run directory (runs/watch.py), and applies the failure
-policy (runs/policy.py): the first node to fail stops every other node.
+handshake per node for preflight, launch and log streaming), takes the nodes' claims
+before launch and drops them at the end, copies every node's log byte for byte into
+the run directory (runs/watch.py, reconnecting dropped connections), and applies the
+failure policy (runs/policy.py): the first node to fail stops every other node.
 
-SIGTERM/SIGINT to the supervisor is a graceful stop request; a second one kills.
-Run: python -m orchestrator.runs.supervisor RUN_ID
+It can be replaced: `tail`, `status` and `stop` start one with --adopt when the
+recorded supervisor is gone. It takes the run over from the records (run.json, the
+nodes' own records), resumes the log copies at their sizes, carries out a pending stop
+and applies the failure policy to what happened while nobody watched.
+
+SIGTERM/SIGINT to the supervisor is a graceful stop request (runs/RUN/stop.json may give
+the grace); a second one kills. A node that cannot be reached to stop it stays in the
+record's stop_pending and is retried until it answers (up to LOST_PATIENCE).
+Run: python -m orchestrator.runs.supervisor RUN_ID [--adopt]
 """
 
 from __future__ import annotations
 
+import getpass
 import io
 import os
 import resource
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -25,15 +36,29 @@ import psutil
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, ClusterctlError, LaunchError
 from orchestrator.inventory import Node
-from orchestrator.runs.launch import AGENT, Launcher, agent_cmd, agent_status, check_free, node_key, stop_on
-from orchestrator.runs.policy import FailurePolicy
+from orchestrator.runs.launch import (AGENT, Launcher, agent_cmd, agent_status, check_free, claim_nodes,
+                                      node_key, release_nodes, stop_on)
+from orchestrator.runs.policy import FailurePolicy, stop_grace
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
-from orchestrator.runs.store import Run, exit_meaning
+from orchestrator.runs.store import SUPERVISOR_MARK, Run, exit_meaning
 from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import copy_logs
-from orchestrator.transport import Cluster, NodeResult, wait
+from orchestrator.transport import Cluster, ErrorKind, NodeResult, wait
 
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers
+LOG_DRAIN_S = 60.0  # after a stop's grace, how long the nodes' logs may take to close
+
+
+def spawn(run: Run, adopt: bool = False) -> subprocess.Popen:
+    """Start the run's supervisor, detached (own session), its output in supervisor.log."""
+    log = open(run.dir / "supervisor.log", "ab")
+    env = dict(os.environ, **{SUPERVISOR_MARK: run.id})
+    argv = [sys.executable, "-m", "orchestrator.runs.supervisor", run.id] + (["--adopt"] if adopt else [])
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+    finally:
+        log.close()
 
 
 def say(text: str) -> None:
@@ -41,16 +66,22 @@ def say(text: str) -> None:
 
 
 class Supervisor:
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, run: Run, adopt: bool = False):
+        self.run, self.adopt = run, adopt
         self.spec = run.spec
         self.inv = self.spec.load_inventory()
         # torchrun's node rank is the position in this run (--nodes may pick a subset)
         self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(self.inv.nodes)}
+        if adopt:
+            self.statuses.update({st.name: st for st in run.nodes() if st.name in self.statuses})
         self.policy = FailurePolicy(self._first_failure)
-        self.lock = threading.Lock()
-        self.lost_stoppers: dict[str, threading.Thread] = {}
+        self.lock = threading.Lock()  # run.json writes
+        self.tlock = threading.Lock()  # teardowns: one at a time
+        self.stoppers: dict[str, threading.Thread] = {}
         self.cluster: Cluster | None = None
+        self.claimed = False
+        self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
+        self.drain_timer: threading.Timer | None = None
 
     def save(self, **changes) -> None:
         with self.lock:
@@ -66,34 +97,46 @@ class Supervisor:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        req = self.run.stop_request
+        if req:  # a stop asked for before this supervisor ran (or while none did)
+            self.policy.stop_requests = max(1, int(req.get("requests", 1)))
         self.save(supervisor_pid=os.getpid(), supervisor_created=psutil.Process().create_time(),
-                  state=RunState.CONNECTING)
+                  **({"adopted_at": time.time()} if self.adopt else {"state": RunState.CONNECTING}))
         try:
-            code = self._main()
+            code = self._adopt() if self.adopt else self._main()
         except LaunchError as e:
             say(str(e))
+            self.release_claims()
             if self.cluster is not None:
                 self.cluster.close()
-            self.save(state=RunState.FAILED, exit_code=e.exit_code, error=str(e), ended=time.time())
+            stopped = self.policy.stop_requests and e.exit_code == EXIT_INTERRUPTED
+            self.save(state=RunState.STOPPED if stopped else RunState.FAILED, exit_code=e.exit_code, error=str(e),
+                      ended=time.time())
             code = e.exit_code
         except Exception as e:  # noqa: BLE001 - record, stop nodes, never leave them running
             traceback.print_exc()
             self.teardown("internal error")
+            self.release_claims()
             self.save(state=RunState.FAILED, exit_code=1, error=f"internal error: {type(e).__name__}: {e}",
                       ended=time.time())
             code = 1
         finally:
+            if self.drain_timer is not None:
+                self.drain_timer.cancel()
             if self.cluster is not None:
                 self.cluster.close()
             ru = resource.getrusage(resource.RUSAGE_SELF)
             self.save(supervisor_cpu_s=round(ru.ru_utime + ru.ru_stime, 3))
-        for name, t in self.lost_stoppers.items():  # a lost node is stopped when it answers again
+        for name, t in list(self.stoppers.items()):  # a lost node is stopped when it answers again
             say(f"waiting up to {LOST_PATIENCE:g}s for {name} to answer, to stop it there")
             t.join(LOST_PATIENCE)
         return code
 
     def _main(self) -> int:
         cluster = self.connect()
+        if not self.spec.force:
+            claim_nodes(cluster, self.inv, self.run.id, f"{getpass.getuser()}@{socket.gethostname()}")
+            self.claimed = True
         gpus_found: dict[str, int | None] = {}
         if not self.spec.skip_preflight:
             self.save(state=RunState.PREFLIGHT)
@@ -108,19 +151,59 @@ class Supervisor:
             self.teardown("launch failed")
             raise
         self.save(state=RunState.RUNNING, started=time.time())
-        running = [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING]
-        copy_logs(cluster, self.run, running, self.node_ended, echo=say)
+        if self.policy.stop_requests:  # asked while launching
+            self.teardown("stop")
+        return self.watch(cluster, [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING])
+
+    def watch(self, cluster: Cluster, running: list[Node]) -> int:
+        copy_logs(cluster, self.run, running, self.node_ended, echo=say, stop=self.drained)
+        self.release_claims()
         # close before the final record: the foreground returns when it sees it, and by then
         # no SSH session of the run should still be winding down on a node
         cluster.close()
         return self.finish()
 
-    def connect(self) -> Cluster:
+    def _adopt(self) -> int:
+        """Take over a run whose supervisor is gone, from the records."""
+        state = self.run.state()
+        say(f"adopting run {self.run.id} ({state})")
+        started = [n for n in self.inv.nodes if self.statuses[n.name].pid]
+        cluster = self.connect(patient=True)
+        self.claimed = not self.spec.force
+        if state.terminal:  # ended, with a stop still pending on some nodes: carry it out
+            self.stop_pending_again()
+            return int(self.run.record.get("exit_code") or 0)
+        if state is not RunState.RUNNING:
+            self.teardown("the supervisor died while launching")
+            copy_logs(cluster, self.run, started, lambda _res: None, echo=say, stop=self.drained)
+            raise LaunchError("the supervisor died before the launch was complete; what had started was stopped")
+        now = agent_status(cluster, self.run.id, [n.name for n in started if n.name in cluster.connections])
+        ended = sorted((doc["ended"] or 0, name) for name, doc in now.items() if doc.get("exit_code") is not None)
+        for _, name in ended:  # what ended while nobody watched, in the order it ended on the nodes
+            self.record_end(name, now[name])
+        if self.policy.stop_requests:
+            self.teardown("stop")
+        return self.watch(cluster, started)
+
+    def stop_pending_again(self) -> None:
+        pending = [n for n in self.inv.nodes if n.name in (self.run.record.get("stop_pending") or [])]
+        for n in pending:
+            self.statuses[n.name].state = NodeState.LOST
+        with self.tlock:
+            for n in pending:
+                self.start_stopper(n, self.grace())
+        self.save(stop_pending=sorted(self.stoppers))
+
+    def connect(self, patient: bool = False) -> Cluster:
         spec = self.spec
         self.cluster = cluster = Cluster(self.inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
-        if cluster.unreachable:
+        deadline = time.monotonic() + spec.lost_timeout
+        while patient and cluster.unreachable and time.monotonic() < deadline:
+            time.sleep(1)
+            cluster.connect()  # an adopted run's node may be a moment from answering
+        if cluster.unreachable and not patient:
             bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
             raise LaunchError(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
         return cluster
@@ -162,24 +245,48 @@ class Supervisor:
             st.nproc, st.first_rank, st.last_rank = nprocs[n.name], first, last
         self.save(state=RunState.LAUNCHING, rank_map=rank_map_text(inv, nprocs), world_size=sum(nprocs.values()))
 
+    def release_claims(self, names: list[str] | None = None) -> None:
+        """Drop this run's claims on the connected nodes (a node with a stop pending keeps it)."""
+        if not self.claimed or self.cluster is None:
+            return
+        names = [n for n in (names or self.statuses) if n not in self.stoppers and n in self.cluster.connections]
+        if names:
+            release_nodes(self.cluster, self.inv, self.run.id, names)
+
     # ---------------------------------------------------------------- nodes ending, failure
     def node_ended(self, res: NodeResult) -> None:
         """A node's log copy ended: the node was lost, or its torchrun ended (ask the agent how)."""
-        name, st = res.node, self.statuses[res.node]
+        name = res.node
         conn = self.cluster.connections.get(name)
-        if conn is None or not conn.alive:
-            reason = (conn.lost_reason if conn else None) or res.error or "the SSH connection was lost"
-            st.state, st.exit_code, st.error = NodeState.LOST, None, reason
-            self.policy.failed(name, None, reason)
-            self.save()
-            first = self.policy.first
-            if first is not None and first.node != name:
-                self.teardown("lost after the failure")  # start its stopper too
+        now = agent_status(self.cluster, self.run.id, [name])[name] if conn is not None and conn.alive else {}
+        if now.get("exit_code") is not None:
+            self.record_end(name, now)
             return
-        now = agent_status(self.cluster, self.run.id, [name])[name]
+        st = self.statuses[name]
+        if res.kind is ErrorKind.STOPPED and now.get("alive"):
+            st.error = "still running when the log copy was given up"
+            self.save()
+            return
+        if now.get("exists") and not now.get("alive"):  # reachable, but no process and no exit code
+            st.state, st.error = NodeState.GONE, "the run vanished on the node without an exit code"
+            self.policy.failed(name, None, st.error)
+            self.save()
+            return
+        reason = (conn.lost_reason if conn else None) or res.error or "the SSH connection was lost"
+        st.state, st.exit_code, st.error = NodeState.LOST, None, reason
+        self.policy.failed(name, None, reason)
+        self.save()
+        if self.policy.first is not None or self.policy.stop_requests:  # start its stopper too
+            threading.Thread(target=self.teardown, args=("lost after the failure or stop",), daemon=True).start()
+
+    def record_end(self, name: str, now: dict) -> None:
+        """A node's torchrun ended: its exit code and end time, by the node's own record."""
+        st = self.statuses[name]
+        if st.state in (NodeState.FINISHED, NodeState.FAILED) and st.node_ended == now.get("ended"):
+            return
         code = now.get("exit_code")
         st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
-        st.exit_code, st.ended, st.error_file = code, time.time(), now.get("error_file")
+        st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.get("ended"), now.get("error_file")
         if code != 0:
             self.policy.failed(name, code, exit_meaning(code), ended=now.get("ended"))
         self.save()
@@ -188,47 +295,78 @@ class Supervisor:
         say(f"{ff.node} failed first ({ff.reason}); stopping every node")
         threading.Thread(target=self.teardown, args=(f"{ff.node} failed",), daemon=True).start()
 
+    def grace(self) -> float:
+        """A second stop request kills; else the grace asked for (stop --grace, else the run's),
+        stretched to cover the job's last checkpoint save on any node."""
+        if self.policy.stop_requests >= 2:
+            return 0.0
+        req = self.run.stop_request or {}
+        grace = req.get("grace") if req.get("grace") is not None else self.spec.grace
+        live = [n for n, c in self.cluster.connections.items() if c.alive] if self.cluster else []
+        saves = [d.get("save_seconds") or 0
+                 for d in agent_status(self.cluster, self.run.id, live, timeout=10).values()] if live else []
+        return stop_grace(grace, max(saves, default=0))
+
     def teardown(self, why: str) -> None:
-        """Stop the run on every node still connected; a second stop request kills at once."""
-        grace = 0 if self.policy.stop_requests >= 2 else self.spec.grace
+        """Stop the run on every node; a node that cannot be reached now is stopped once it answers
+        (its name stays in the record's stop_pending until then)."""
         cluster = self.cluster
         if cluster is None:
             return
-        self.save(teardown=why, teardown_at=time.time())
-        # every reachable node, the failed one too: its torchrun may be dead while workers linger
-        live = [n.name for n in self.inv.nodes if self.statuses[n.name].state is not NodeState.LOST
-                and (c := cluster.connections.get(n.name)) is not None and c.alive]
-        if live:
-            stop_on(cluster, self.run.id, grace, live)
-        for n in self.inv.nodes:  # nodes we lost: stop them as soon as they answer again
-            if self.statuses[n.name].state is NodeState.LOST and n.name not in self.lost_stoppers:
-                t = threading.Thread(target=self.stop_lost, args=(n,), daemon=True)
-                self.lost_stoppers[n.name] = t
-                t.start()
+        with self.tlock:
+            grace = self.grace()
+            self.save(teardown=why, teardown_at=time.time(), stop_grace=grace)
+            if self.drain_timer is None:  # the logs may take the grace, then LOG_DRAIN_S, to close
+                self.drain_timer = threading.Timer(grace + LOG_DRAIN_S, self.drained.set)
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+        # every reachable node, the failed one too: what is left of the run there is stopped
+        live = [n.name for n in self.inv.nodes if (c := cluster.connections.get(n.name)) is not None and c.alive]
+        res = stop_on(cluster, self.run.id, grace, live) if live else {}
+        with self.tlock:
+            for n in self.inv.nodes:  # nodes not reached: stop them as soon as they answer again
+                r = res.get(n.name)
+                if (r is None or not r.reachable) and self.statuses[n.name].state in (NodeState.RUNNING,
+                                                                                    NodeState.LOST):
+                    say(f"{n.name}: could not confirm the stop ({r.describe() if r else 'not connected'}); "
+                        "retrying until the node answers")
+                    self.start_stopper(n, grace)
+            self.save(stop_pending=sorted(self.stoppers))
 
-    def stop_lost(self, node: Node) -> None:
-        """Retry a lost node on a fresh connection until it answers, then kill the run there."""
+    def start_stopper(self, node: Node, grace: float) -> None:
+        if node.name not in self.stoppers:
+            t = threading.Thread(target=self.stop_lost, args=(node, grace), daemon=True)
+            self.stoppers[node.name] = t
+            t.start()
+
+    def stop_lost(self, node: Node, grace: float) -> None:
+        """Retry a node on a fresh connection until it answers, then stop the run there."""
         deadline = time.time() + LOST_PATIENCE
         while time.time() < deadline:
-            c = self.cluster.connection_for(node, connect_timeout=5)
+            c = self.cluster.connection_for(node, connect_timeout=3)
             try:
                 c.open()
-                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), 0), stdin=AGENT), 30)
+                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), grace), stdin=AGENT),
+                           grace + 30)
                 if res.reachable:
                     say(f"stopped the run on {node.name} after it answered again")
+                    wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run.id, node)),
+                                stdin=AGENT), 30)
                     self.statuses[node.name].stopped_after_loss = True
-                    self.save()
+                    with self.tlock:
+                        self.stoppers.pop(node.name, None)
+                        self.save(stop_pending=sorted(self.stoppers))
                     return
                 say(f"{node.name}: the stop did not finish ({res.describe()}); retrying")
             except ClusterctlError as e:  # ConnectError, ConnectionLost: not answering yet
                 say(f"{node.name} still unreachable ({e}); retrying")
             finally:
                 c.close()
-            time.sleep(2)
+            time.sleep(1)
 
     def finish(self) -> int:
-        result = self.policy.result(self.statuses.__getitem__, self.run.node_log)
-        self.save(**result.to_json(), ended=time.time())
+        result = self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
+        self.save(**result.to_json(), ended=time.time(), stop_pending=sorted(self.stoppers))
         return result.exit_code
 
 
@@ -237,7 +375,13 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
-    return Supervisor(Run(argv[0])).main()
+    run = Run(argv[0])
+    lock = run.lock_supervisor()
+    if lock is None:  # another supervisor runs the run
+        return 0
+    if "--adopt" in argv and run.state().terminal and not (run.record.get("stop_pending")):
+        return 0  # nothing left to do: it ended between the check and this start
+    return Supervisor(run, adopt="--adopt" in argv).main()
 
 
 if __name__ == "__main__":

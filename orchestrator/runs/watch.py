@@ -3,16 +3,26 @@
 One agent `tail KEY OFFSET` per running node, all driven by the transport's engine: stdout
 bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets as on the node), the
 agent's own stderr lines to the supervisor's log. `on_end` hears each node's end.
+
+SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
+resumes at the size of the control copy, so every byte lands exactly once. The node is reported
+lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, IO
+import queue
+import threading
+import time
+from typing import IO, Callable
 
+from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import AGENT, agent_cmd, node_key
 from orchestrator.runs.store import Run
-from orchestrator.transport import Cluster, NodeResult
+from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
+
+BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
 
 
 class LogCopier:
@@ -43,18 +53,108 @@ class LogCopier:
             f.close()
 
 
+def reconnect(cluster: Cluster, node: Node, lost: NodeResult, echo: Callable[[str], None],
+              stop: threading.Event | None = None) -> bool:
+    """Reopen a node's dropped connection with backoff until `lost_timeout` after the node was
+    last heard from (one attempt at least). True once it is open again."""
+    conn = cluster.connections[node.name]
+    deadline = getattr(conn, "last_heard", time.monotonic()) + cluster.lost_timeout
+    echo(f"supervisor: {node.name}: {lost.error or 'connection lost'}; reconnecting")
+    for attempt in range(10_000):
+        try:
+            conn.reopen()
+            echo(f"supervisor: {node.name}: reconnected")
+            return True
+        except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
+            why = str(e)
+        wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+        if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
+            echo(f"supervisor: {node.name}: no answer for {cluster.lost_timeout:g}s ({why}); lost")
+            return False
+        time.sleep(wait)
+    return False
+
+
+class _Copy:
+    """The tails of one copy_logs call: each node's tail runs on the engine; a dropped one is
+    reconnected on its own thread and handed back to the engine through `events`."""
+
+    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
+                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None):
+        self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop = \
+            cluster, run, on_end, copier, echo, stop
+        self.nodes = {n.name: n for n in nodes}
+        self.active = set(self.nodes)  # not ended and not lost
+        self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
+
+    def start_tail(self, name: str) -> Proc:
+        node = self.nodes[name]
+        return self.cluster.connections[name].exec(
+            agent_cmd(node, "tail", node_key(self.run.id, node), self.copier.offset(name)), stdin=AGENT)
+
+    def recover(self, res: NodeResult) -> None:
+        """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
+        name = res.node
+        while reconnect(self.cluster, self.nodes[name], res, self.echo, self.stop):
+            try:
+                self.events.put(self.start_tail(name))
+                return
+            except ClusterctlError as e:  # dropped again at once
+                res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
+        self.events.put(res)
+
+    def on_done(self, res: NodeResult) -> None:
+        if res.kind is ErrorKind.LOST and not (self.stop is not None and self.stop.is_set()):
+            threading.Thread(target=self.recover, args=(res,), name=f"reconnect-{res.node}", daemon=True).start()
+            return
+        self.ended(res)
+
+    def ended(self, res: NodeResult) -> None:
+        self.active.discard(res.node)
+        self.on_end(res)
+
+    def pending(self) -> Proc | None:
+        """For the engine: the next resumed tail; final results met on the way are reported."""
+        while True:
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                return None
+            if not isinstance(item, NodeResult):
+                return item
+            self.ended(item)
+
+    def copy(self) -> None:
+        for name in list(self.active):
+            if name not in self.cluster.connections:  # never connected (an adopted run's node that is down)
+                self.ended(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
+                continue
+            try:
+                self.events.put(self.start_tail(name))
+            except ClusterctlError as e:
+                self.on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
+        while self.active:
+            stream((), on_bytes=self.copier.on_bytes, on_line=self.copier.on_line, on_done=self.on_done,
+                   pending=self.pending, timeout=None, capture=False, stop=self.stop,
+                   fanout=max(1, len(self.nodes)))
+            if self.active:  # only reconnecting nodes left: wait for one to come back or be lost
+                try:
+                    self.events.put(self.events.get(timeout=1.0))
+                except queue.Empty:
+                    pass
+
+
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
-              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None) -> None:
-    """Copy each node's log until its run ended there and every byte arrived (or the node is
-    lost: the engine ends its tail with ErrorKind.LOST). No timeout: a run lasts as long as it
-    trains; a silent node is caught by the transport's liveness watch. `after_write` runs after
-    each chunk lands in a log copy (`tail` prints the new lines)."""
+              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
+              stop: threading.Event | None = None) -> None:
+    """Copy each node's log until its run ended there and every byte arrived, or the node is
+    lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
+    long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
+    `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines)."""
     if not nodes:
         return
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
     try:
-        cluster.run(lambda n: agent_cmd(n, "tail", node_key(run.id, n), copier.offset(n.name)), stdin=AGENT,
-                    nodes=[n.name for n in nodes], timeout=None, capture=False, on_bytes=copier.on_bytes,
-                    on_line=copier.on_line, on_done=on_end, follow=True)
+        _Copy(cluster, run, nodes, on_end, copier, echo, stop).copy()
     finally:
         copier.close()

@@ -169,6 +169,11 @@ class Connection(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def reopen(self) -> None:
+        """Replace a lost connection with a fresh one to the same node; raises like `open`."""
+        self.close()
+        self.open()
+
     @property
     def alive(self) -> bool:
         return True

@@ -71,6 +71,7 @@ class SSHConnection(Connection):
         self._lost: str | None = None  # set by the liveness watch when the peer went silent
         self._conn = None
         self._closing = threading.Event()
+        self.last_heard = time.monotonic()  # the node's last answer (open, or a keepalive reply)
 
     def _known_hosts_path(self) -> Path:
         return Path(os.path.expanduser(self.node.ssh.known_hosts or "~/.ssh/known_hosts"))
@@ -126,25 +127,37 @@ class SSHConnection(Connection):
         except BaseException as e:  # noqa: BLE001 - classified into one sentence below
             self.close()
             raise ConnectError(n.name, _explain_connect_error(e, self._conn, self.connect_timeout)) from e
-        threading.Thread(target=self._watch, name=f"liveness-{n.name}", daemon=True).start()
+        self.last_heard = time.monotonic()
+        threading.Thread(target=self._watch, args=(self._closing,), name=f"liveness-{n.name}",
+                         daemon=True).start()
 
-    def _watch(self) -> None:
+    def reopen(self) -> None:
+        """Replace a lost connection with a new one to the same node, same settings and host-key
+        checks; raises ConnectError like `open`. Procs of the old connection stay lost."""
+        self.close()
+        self._closing = threading.Event()
+        self._lost, self._conn = None, None
+        self.open()
+
+    def _watch(self, closing: threading.Event) -> None:
         """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
         Every KEEPALIVE_S a global request that OpenSSH must answer (it replies 'failure' to
         unknown requests); a reply missing for `lost_timeout` closes the transport, which ends
         every channel on it."""
         t = self._conn.transport
-        while not self._closing.wait(KEEPALIVE_S) and t.is_active():
+        while not closing.wait(KEEPALIVE_S) and t.is_active():
             done = threading.Event()
 
             def ping():
                 try:
                     t.global_request("keepalive@openssh.com", wait=True)
+                    if t.is_active():
+                        self.last_heard = time.monotonic()
                 finally:
                     done.set()
 
             threading.Thread(target=ping, daemon=True).start()
-            if not done.wait(self.lost_timeout) and t.is_active() and not self._closing.is_set():
+            if not done.wait(self.lost_timeout) and t.is_active() and not closing.is_set():
                 self._lost = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
                 t.close()
                 return
