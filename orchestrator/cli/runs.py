@@ -75,7 +75,7 @@ class _Show:
             self.shown_pf = True
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
-            if rec["rank_map"] not in self.pf_text:
+            if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
                 click.echo(rec["rank_map"], err=True)
             self.start(rec)
 
