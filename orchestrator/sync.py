@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator import shell
 from orchestrator.checks import load_nodeinfo
+from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
@@ -203,8 +204,26 @@ def _probe(cluster: Cluster, todo: list[Node], src: str, files: list[str]) -> di
     return out
 
 
+def _refuse_local_overwrite(n: Node, src: str) -> None:
+    """A local node's workdir is mirrored from src and pruned of what src does not have. Refuse
+    when that directory holds the caller (the current directory or one of its parents, such as a
+    relative `workdir: .` in the embedded default) or is the home or root directory: a sync from
+    elsewhere would delete what is there."""
+    target = os.path.realpath(os.path.expanduser(n.workdir))
+    cwd = os.path.realpath(os.getcwd())
+    if target in ("/", os.path.realpath(os.path.expanduser("~"))) or \
+            cwd == target or cwd.startswith(target.rstrip("/") + "/"):
+        raise UsageError(f"node {n.name} is local and its workdir {n.workdir!r} is {target}, which holds the "
+                         f"current directory (or is your home or /): syncing {src} there would replace it and "
+                         "delete what it does not have. Give the node an absolute workdir of its own, or run "
+                         "sync with -i pointing at the inventory whose nodes should receive the code")
+
+
 def _targets(cluster: Cluster, inv: Inventory, src: str, done) -> list[Node]:
     todo = []
+    for n in inv.nodes:
+        if n.is_local and not _same_dir(src, n.workdir):
+            _refuse_local_overwrite(n, src)
     for n in inv.nodes:
         if n.name in cluster.unreachable or n.name not in cluster.connections:
             err = cluster.unreachable.get(n.name)

@@ -181,3 +181,20 @@ def test_rsync_through_a_jump_host_with_odd_known_hosts_and_identity_paths(cl, t
     finally:
         target.iptables("-D", "INPUT", "-s", cl.host_ip, "-j", "DROP")
         target.run("rm -rf ~/gpt_train")
+
+
+def test_sync_refuses_to_mirror_into_the_directory_it_runs_in(tmp_path, monkeypatch, capsys):
+    """The embedded default's local nodes have `workdir: .`: a sync from elsewhere would replace the
+    directory the user stands in and prune everything the source lacks."""
+    from orchestrator.cli import main
+
+    src, here = tmp_path / "src", tmp_path / "here"
+    src.mkdir()
+    (src / "train.py").write_text("print('x')\n")
+    here.mkdir()
+    (here / "precious.txt").write_text("keep me\n")
+    monkeypatch.chdir(here)
+    rc = main(["sync", "--src", str(src)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds the current directory" in err, err
+    assert (here / "precious.txt").read_text() == "keep me\n" and not (here / "train.py").exists()
