@@ -207,3 +207,12 @@ def test_a_small_report_keeps_the_one_line_rank_map():
     out = rendered(small, width=140)
     assert small.rank_map() in out and "preflight ok" in out
     assert sections("@@a\n@@end\n")[-1].name == "end"
+
+
+def test_only_control_checks_run_without_a_probe(capsys):
+    """`--only ssh` (or ping) sends no probe to the nodes and still reports."""
+    from orchestrator.cli import main
+
+    assert main(["preflight", "--only", "ssh", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [[c["check"] for c in n["checks"]] for n in doc["nodes"]] == [["ssh"], ["ssh"]]

@@ -191,6 +191,8 @@ class _Probes:
 def _probe_verdicts(cluster: Cluster, nodes: list[Node], reports: dict[str, NodeReport], probes: _Probes,
                     ctx_of: dict[str, Ctx]) -> None:
     checks, done = probes.checks, probes.done
+    if not checks:  # only the control machine's checks (ssh, ping) were asked for
+        return
     for n in nodes:
         rep = reports[n.name]
         if n.name not in cluster.connections:
