@@ -74,10 +74,14 @@ def cli(debug):
 @cli.command("exec", context_settings={"ignore_unknown_options": True})
 @cluster_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of prefixed lines.")
+@click.option("-b", "--gather", is_flag=True,
+              help="Gather identical output under one header naming its nodes as a range, like "
+                   "`clush -b` (stderr lines marked 'stderr: ').")
 @click.option("--timeout", type=click.FloatRange(0.1), default=None,
               help="Seconds each node's command may run (default: no limit).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, command: tuple[str, ...]):
+def exec_command(opts: ClusterOptions, as_json: bool, gather: bool, timeout: float | None,
+                 command: tuple[str, ...]):
     """Run COMMAND on every node in parallel, like pdsh: `clusterctl exec -- nvidia-smi -L`.
 
     The words are joined with spaces and run by each node's shell, as ssh does,
@@ -85,7 +89,7 @@ def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, com
     prefixed with the node name; the exit code is the worst node's."""
     from orchestrator.cli.exec import run_exec
 
-    sys.exit(run_exec(opts, " ".join(command), as_json=as_json, timeout=timeout))
+    sys.exit(run_exec(opts, " ".join(command), as_json=as_json, timeout=timeout, gather=gather))
 
 
 @cli.group("inventory")
