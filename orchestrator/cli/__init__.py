@@ -94,7 +94,8 @@ def exec_command(opts: ClusterOptions, as_json: bool, gather: bool, timeout: flo
 
 @cli.group("inventory")
 def inventory_group():
-    """Check an inventory, or import one from a DeepSpeed/MPI hostfile or a SLURM allocation."""
+    """Check an inventory, or import one from an Ansible inventory, a DeepSpeed/MPI hostfile or a
+    SLURM allocation."""
 
 
 @inventory_group.command("check")
@@ -135,6 +136,28 @@ def import_hostfile(hostfile, output, user, iface, master_port):
 
     text = hostfile_to_yaml(Path(hostfile).read_text(), hostfile, user=user, master_port=master_port,
                             iface=iface)
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@inventory_group.command("import-ansible")
+@click.argument("ansible_inventory", type=click.Path(exists=True, dir_okay=False))
+@click.option("--group", default="all", show_default=True, help="Only the hosts of this group (and its children).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+def import_ansible(ansible_inventory, group, output, master_port):
+    """Convert an Ansible inventory (INI or YAML) into an inventory: ansible_host, ansible_user,
+    ansible_port, ansible_ssh_private_key_file and ansible_python_interpreter, group vars included."""
+    from pathlib import Path
+
+    from orchestrator.inventory.ansible import ansible_to_yaml
+    from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
+
+    text = decode_inventory(read_inventory_bytes(ansible_inventory), ansible_inventory)
+    text = ansible_to_yaml(text, ansible_inventory, group=group, master_port=master_port)
     if output:
         Path(output).write_text(text)
         click.echo(f"wrote {output}", err=True)
