@@ -14,6 +14,7 @@ import traceback
 import click
 
 from orchestrator import __version__
+from orchestrator.cli.jsonout import emit, error_doc, wants_json
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.errors import (
     EXIT_FAILED,
@@ -209,32 +210,40 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(__import__("os").environ.get("CLUSTERCTL_DEBUG"))
     quiet_paramiko(debug)
+
+    def fail(message: str, code: int, kind: str) -> int:
+        """The paragraph on stderr; with --json also the error object on stdout (cli/jsonout.py)."""
+        click.echo(message, err=True)
+        if as_json:
+            emit(error_doc(message.removeprefix("clusterctl: error: "), code, kind))
+        return code
+
+    as_json = wants_json(argv)
     try:
         rv = cli.main(args=argv, prog_name="clusterctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
     except click.exceptions.Abort:
-        click.echo("Interrupted.", err=True)
-        return EXIT_INTERRUPTED
+        return fail("Interrupted.", EXIT_INTERRUPTED, "interrupted")
     except click.ClickException as e:
-        e.show()
-        return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+        code = EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+        if not as_json:
+            e.show()
+            return code
+        return fail(f"clusterctl: error: {e.format_message()}", code, "usage")
     except ClusterctlError as e:
         if debug:
             traceback.print_exc()
-        click.echo(f"clusterctl: error: {e}", err=True)
-        return e.exit_code
+        return fail(f"clusterctl: error: {e}", e.exit_code, type(e).__name__)
     except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        return EXIT_INTERRUPTED
+        return fail("Interrupted.", EXIT_INTERRUPTED, "interrupted")
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a clear line
         if debug:
             traceback.print_exc()
-        else:
-            click.echo(f"clusterctl: internal error: {type(e).__name__}: {e}\n"
-                       f"This is a bug; rerun with --debug for the traceback.", err=True)
-        return EXIT_FAILED
+            return EXIT_FAILED
+        return fail(f"clusterctl: internal error: {type(e).__name__}: {e}\n"
+                    f"This is a bug; rerun with --debug for the traceback.", EXIT_FAILED, "internal")
 
 
 if __name__ == "__main__":

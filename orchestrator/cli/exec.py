@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from orchestrator.cli.jsonout import node_result
 from orchestrator.cli.gather import Gatherer, group_by
 from orchestrator.cli.options import ClusterOptions
 from orchestrator.cli.output import Prefixer
@@ -42,9 +43,10 @@ def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
         sys.stdout.write(printer.render())
         sys.stdout.flush()
     if as_json:
+        ranks = {n.name: n.rank for n in inv.nodes}
         doc = {"ok": result.all_ok, "exit_code": exit_code(result), "nodes": [
-            {"node": r.node, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
-             "duration": round(r.duration, 3), "error": r.error, "error_kind": r.kind} for r in result.values()]}
+            node_result(r, ranks.get(r.node), node=r.node, stdout=r.stdout, stderr=r.stderr,
+                        duration=round(r.duration, 3)) for r in result.values()]}
         print(json.dumps(doc, indent=2))
     elif not result.all_ok:
         print(summarize(result, gathered=gather), file=sys.stderr)

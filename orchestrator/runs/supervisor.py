@@ -26,6 +26,7 @@ import psutil
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, ClusterctlError, LaunchError
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import AGENT, Launcher, agent_cmd, agent_status, check_free, node_key, stop_on
+from orchestrator.runs.notify import notify_end
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
 from orchestrator.runs.store import Run, exit_meaning
@@ -237,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
-    return Supervisor(Run(argv[0])).main()
+    run = Run(argv[0])
+    try:
+        return Supervisor(run).main()
+    finally:
+        notify_end(run, say)  # train --notify / train.notify: once, when the run has ended (runs/notify.py)
 
 
 if __name__ == "__main__":
