@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from orchestrator.cli.jsonout import node_result
 from orchestrator.cli.gather import Gatherer, group_by
+from orchestrator.cli.jsonout import node_result
 from orchestrator.cli.options import ClusterOptions
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import with_unreachable
