@@ -14,6 +14,7 @@ import traceback
 import click
 
 from orchestrator import __version__
+from orchestrator.cli.jsonout import emit, error_doc, wants_json
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.errors import (
     EXIT_FAILED,
@@ -74,10 +75,14 @@ def cli(debug):
 @cli.command("exec", context_settings={"ignore_unknown_options": True})
 @cluster_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of prefixed lines.")
+@click.option("-b", "--gather", is_flag=True,
+              help="Gather identical output under one header naming its nodes as a range, like "
+                   "`clush -b` (stderr lines marked 'stderr: ').")
 @click.option("--timeout", type=click.FloatRange(0.1), default=None,
               help="Seconds each node's command may run (default: no limit).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, command: tuple[str, ...]):
+def exec_command(opts: ClusterOptions, as_json: bool, gather: bool, timeout: float | None,
+                 command: tuple[str, ...]):
     """Run COMMAND on every node in parallel, like pdsh: `clusterctl exec -- nvidia-smi -L`.
 
     The words are joined with spaces and run by each node's shell, as ssh does,
@@ -85,12 +90,13 @@ def exec_command(opts: ClusterOptions, as_json: bool, timeout: float | None, com
     prefixed with the node name; the exit code is the worst node's."""
     from orchestrator.cli.exec import run_exec
 
-    sys.exit(run_exec(opts, " ".join(command), as_json=as_json, timeout=timeout))
+    sys.exit(run_exec(opts, " ".join(command), as_json=as_json, timeout=timeout, gather=gather))
 
 
 @cli.group("inventory")
 def inventory_group():
-    """Check an inventory, or import one from a DeepSpeed/MPI hostfile or a SLURM allocation."""
+    """Check an inventory, or import one from an Ansible inventory, a DeepSpeed/MPI hostfile or a
+    SLURM allocation."""
 
 
 @inventory_group.command("check")
@@ -131,6 +137,28 @@ def import_hostfile(hostfile, output, user, iface, master_port):
 
     text = hostfile_to_yaml(Path(hostfile).read_text(), hostfile, user=user, master_port=master_port,
                             iface=iface)
+    if output:
+        Path(output).write_text(text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@inventory_group.command("import-ansible")
+@click.argument("ansible_inventory", type=click.Path(exists=True, dir_okay=False))
+@click.option("--group", default="all", show_default=True, help="Only the hosts of this group (and its children).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+def import_ansible(ansible_inventory, group, output, master_port):
+    """Convert an Ansible inventory (INI or YAML) into an inventory: ansible_host, ansible_user,
+    ansible_port, ansible_ssh_private_key_file and ansible_python_interpreter, group vars included."""
+    from pathlib import Path
+
+    from orchestrator.inventory.ansible import ansible_to_yaml
+    from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
+
+    text = decode_inventory(read_inventory_bytes(ansible_inventory), ansible_inventory)
+    text = ansible_to_yaml(text, ansible_inventory, group=group, master_port=master_port)
     if output:
         Path(output).write_text(text)
         click.echo(f"wrote {output}", err=True)
@@ -182,32 +210,40 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or bool(__import__("os").environ.get("CLUSTERCTL_DEBUG"))
     quiet_paramiko(debug)
+
+    def fail(message: str, code: int, kind: str) -> int:
+        """The paragraph on stderr; with --json also the error object on stdout (cli/jsonout.py)."""
+        click.echo(message, err=True)
+        if as_json:
+            emit(error_doc(message.removeprefix("clusterctl: error: "), code, kind))
+        return code
+
+    as_json = wants_json(argv)
     try:
         rv = cli.main(args=argv, prog_name="clusterctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
     except click.exceptions.Abort:
-        click.echo("Interrupted.", err=True)
-        return EXIT_INTERRUPTED
+        return fail("Interrupted.", EXIT_INTERRUPTED, "interrupted")
     except click.ClickException as e:
-        e.show()
-        return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+        code = EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+        if not as_json:
+            e.show()
+            return code
+        return fail(f"clusterctl: error: {e.format_message()}", code, "usage")
     except ClusterctlError as e:
         if debug:
             traceback.print_exc()
-        click.echo(f"clusterctl: error: {e}", err=True)
-        return e.exit_code
+        return fail(f"clusterctl: error: {e}", e.exit_code, type(e).__name__)
     except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        return EXIT_INTERRUPTED
+        return fail("Interrupted.", EXIT_INTERRUPTED, "interrupted")
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a clear line
         if debug:
             traceback.print_exc()
-        else:
-            click.echo(f"clusterctl: internal error: {type(e).__name__}: {e}\n"
-                       f"This is a bug; rerun with --debug for the traceback.", err=True)
-        return EXIT_FAILED
+            return EXIT_FAILED
+        return fail(f"clusterctl: internal error: {type(e).__name__}: {e}\n"
+                    f"This is a bug; rerun with --debug for the traceback.", EXIT_FAILED, "internal")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from orchestrator.cli.gather import Gatherer, group_by
+from orchestrator.cli.jsonout import node_result
 from orchestrator.cli.options import ClusterOptions
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import with_unreachable
@@ -13,12 +15,13 @@ from orchestrator.transport import ClusterResult
 EXIT_TIMED_OUT = 124  # a node's command ran past --timeout (timeout(1)'s code)
 
 
-def summarize(result: ClusterResult) -> str:
-    """One line per failed node, for stderr after the streamed output."""
-    lines = []
-    for name, r in result.failed.items():
-        lines.append(f"clusterctl: {name}: {r.describe()}")
-    return "\n".join(lines)
+def summarize(result: ClusterResult, gathered: bool = False) -> str:
+    """One line per failed node (per group of nodes that failed alike, when gathered), for stderr
+    after the output."""
+    failed = {name: r.describe() for name, r in result.failed.items()}
+    if gathered:
+        return "\n".join(f"clusterctl: {nodes}: {why}" for nodes, why in group_by(failed))
+    return "\n".join(f"clusterctl: {name}: {why}" for name, why in failed.items())
 
 
 def exit_code(result: ClusterResult) -> int:
@@ -30,16 +33,21 @@ def exit_code(result: ClusterResult) -> int:
 
 
 def run_exec(opts: ClusterOptions, command: str, *, as_json: bool = False,
-             timeout: float | None = None) -> int:
+             timeout: float | None = None, gather: bool = False) -> int:
     inv = opts.load()
-    printer = None if as_json else Prefixer([n.name for n in inv.nodes])
+    names = [n.name for n in inv.nodes]
+    printer = None if as_json else Gatherer(names) if gather else Prefixer(names)
     with opts.cluster(inv) as cluster:
         result = cluster.run(command, timeout=timeout, on_line=printer, capture=as_json)
+    if isinstance(printer, Gatherer):
+        sys.stdout.write(printer.render())
+        sys.stdout.flush()
     if as_json:
+        ranks = {n.name: n.rank for n in inv.nodes}
         doc = {"ok": result.all_ok, "exit_code": exit_code(result), "nodes": [
-            {"node": r.node, "exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
-             "duration": round(r.duration, 3), "error": r.error, "error_kind": r.kind} for r in result.values()]}
+            node_result(r, ranks.get(r.node), node=r.node, stdout=r.stdout, stderr=r.stderr,
+                        duration=round(r.duration, 3)) for r in result.values()]}
         print(json.dumps(doc, indent=2))
     elif not result.all_ok:
-        print(summarize(result), file=sys.stderr)
+        print(summarize(result, gathered=gather), file=sys.stderr)
     return exit_code(result)

@@ -31,10 +31,35 @@ class ClusterOptions:
 
 
 def _split_nodes(ctx, param, value):
-    out = []
+    """`--nodes gpu[03-05],gpu09 --nodes gpu12` -> the names, each range expanded (NodeSet syntax)."""
+    from orchestrator.inventory.ranges import expand
+
+    out: list[str] = []
     for v in value or ():
-        out += [x for x in v.split(",") if x]
+        try:
+            out += [x for x in expand(v, what="--nodes") if x not in out]
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
     return tuple(out)
+
+
+def complete_nodes(ctx, param, incomplete: str):
+    """Shell completion for --nodes: the node names of the inventory given with -i (or
+    $CLUSTERCTL_INVENTORY, else the default), folded to one range when they share a prefix."""
+    from click.shell_completion import CompletionItem
+
+    from orchestrator.inventory.ranges import fold
+
+    try:
+        names = [n.name for n in load_inventory(ctx.params.get("inventory_path") or os.environ.get("CLUSTERCTL_INVENTORY")).nodes]
+    except Exception:  # noqa: BLE001 - completion never fails loudly; a bad inventory completes nothing
+        return []
+    head, _, last = incomplete.rpartition(",")
+    prefix = head + "," if head else ""
+    items = [CompletionItem(prefix + n) for n in names if n.startswith(last)]
+    if not last and len(names) > 1:
+        items.insert(0, CompletionItem(prefix + fold(names), help="every node"))
+    return items
 
 
 def cluster_options(f):
@@ -52,8 +77,8 @@ def cluster_options(f):
                        "StrictHostKeyChecking=accept-new). Changed keys are always refused.")
     @click.option("--connect-timeout", type=click.FloatRange(0.1, 600), default=None,
                   help="Seconds to wait for each node's SSH handshake (default: inventory or 10).")
-    @click.option("--nodes", "nodes", multiple=True, callback=_split_nodes,
-                  help="Only these nodes (comma-separated names), renumbered from rank 0 in "
+    @click.option("--nodes", "nodes", multiple=True, callback=_split_nodes, shell_complete=complete_nodes,
+                  help="Only these nodes (names or ranges: gpu[03-05],gpu09), renumbered from rank 0 in "
                        "inventory order: the first of them is the master.")
     @functools.wraps(f)
     def wrapper(*args, inventory_path, fanout, accept_new_host_keys, connect_timeout, nodes, **kw):

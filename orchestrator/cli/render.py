@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.jsonout import emit
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.platforms.render import _write, render_k8s, render_slurm
 
@@ -20,6 +21,19 @@ def render_command():
 _gpus_opt = click.option("--gpus-per-node", "gpus", type=click.IntRange(0, 1024), default=None,
                          help="Processes (and GPUs) per node (default: the inventory's gpus/nproc_per_node).")
 _out_opt = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+_json_opt = click.option("--json", "as_json", is_flag=True,
+                         help="Print {ok, target, text, output, nodes, ...} (orchestrator/schemas/render.json); "
+                              "with -o the file is written as well.")
+
+
+def _done(text: str, output: str | None, as_json: bool, target: str, inv, **meta) -> None:
+    if not as_json:
+        _write(text, output)
+        return
+    if output:
+        _write(text, output)
+    emit({"ok": True, "target": target, "output": output, "nodes": [n.name for n in inv.nodes],
+          "master": inv.master.name, "master_port": inv.master_port, **meta, "text": text})
 
 
 @render_command.command("slurm", context_settings=_SCRIPT_ARGS)
@@ -30,14 +44,16 @@ _out_opt = click.option("-o", "--output", type=click.Path(dir_okay=False), help=
 @click.option("--log", default="%x-%j.out", show_default=True, help="sbatch --output pattern.")
 @click.option("--partition", default=None, help="sbatch --partition.")
 @click.option("--time", "time_limit", default=None, help="sbatch --time (e.g. 24:00:00).")
+@_json_opt
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, partition, time_limit,
-                         script_args):
+                         as_json, script_args):
     """An sbatch script: one task per node, each running `clusterctl launch --from-env`.
 
     SCRIPT ARGS (after `--`) replace the inventory's train section, as with `train`."""
-    _write(render_slurm(opts.load(), script_args, job_name=job_name, gpus=gpus, log=log,
-                        partition=partition, time_limit=time_limit), output)
+    inv = opts.load()
+    _done(render_slurm(inv, script_args, job_name=job_name, gpus=gpus, log=log, partition=partition,
+                       time_limit=time_limit), output, as_json, "slurm", inv, job_name=job_name)
 
 
 @render_command.command("k8s", context_settings=_SCRIPT_ARGS)
@@ -49,10 +65,12 @@ def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, part
 @click.option("--namespace", default=None, help="metadata.namespace (default: kubectl's).")
 @click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
               help="Extended resource to request (amd.com/gpu on ROCm clusters).")
+@_json_opt
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def render_k8s_command(opts: ClusterOptions, gpus, output, image, name, namespace, gpu_resource,
-                       script_args):
+                       as_json, script_args):
     """An Indexed Job + headless Service: one pod per node, each running `clusterctl launch
     --from-env` with node rank JOB_COMPLETION_INDEX and node 0 as `<name>-0.<name>`."""
-    _write(render_k8s(opts.load(), script_args, image=image, name=name, namespace=namespace, gpus=gpus,
-                      gpu_resource=gpu_resource), output)
+    inv = opts.load()
+    _done(render_k8s(inv, script_args, image=image, name=name, namespace=namespace, gpus=gpus,
+                     gpu_resource=gpu_resource), output, as_json, "k8s", inv, job_name=name)

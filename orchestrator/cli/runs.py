@@ -19,6 +19,7 @@ import time
 
 import click
 
+from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
 from orchestrator.runs.launch import agent_status
@@ -36,6 +37,17 @@ MAX_RESTARTS = 3  # replacements one `tail` starts before it gives up (see super
 
 def _err(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def complete_run_ids(ctx, param, incomplete: str):
+    """Shell completion: the recorded run ids, newest first."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        runs = reversed(Run.all())
+        return [CompletionItem(r.id, help=str(r.record.get("state", ""))) for r in runs if r.id.startswith(incomplete)]
+    except Exception:  # noqa: BLE001 - completion never fails loudly
+        return []
 
 
 def _logs_for(run: Run, rec: dict, n: int | None) -> list[NodeLog]:
@@ -61,8 +73,9 @@ def _summary(rec: dict) -> None:
 class _Show:
     """What `follow` prints once: the preflight table, the rank map, then the log lines."""
 
-    def __init__(self, run: Run, n: int | None, node: str | None, rank: int | None, show_preflight: bool):
-        self.run, self.n, self.node, self.rank = run, n, node, rank
+    def __init__(self, run: Run, n: int | None, node: str | None, rank: int | None, show_preflight: bool,
+                 sink=None):
+        self.run, self.n, self.node, self.rank, self.sink = run, n, node, rank, sink
         self.shown_pf = not show_preflight
         self.pf_text = ""
         self.follower: Follower | None = None
@@ -81,7 +94,8 @@ class _Show:
 
     def start(self, rec: dict) -> Follower:
         if self.follower is None:
-            self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), node=self.node, rank=self.rank)
+            self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), node=self.node, rank=self.rank,
+                                     sink=self.sink)
         return self.follower
 
 
@@ -103,9 +117,10 @@ def ensure_supervisor(run: Run) -> subprocess.Popen | None:
 
 def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node: str | None = None,
            rank: int | None = None, on_interrupt=None, show_preflight: bool = True,
-           supervisor: subprocess.Popen | None = None) -> int:
-    """Print the run's lines until it ends (or once, without following)."""
-    show = _Show(run, n, node, rank, show_preflight)
+           supervisor: subprocess.Popen | None = None, sink=None) -> int:
+    """Print the run's lines until it ends (or once, without following); `sink(label, stream,
+    text, node)` takes each line instead of the prefixed printer (--json)."""
+    show = _Show(run, n, node, rank, show_preflight, sink)
     restarts = 0
     while True:
         try:
@@ -135,16 +150,22 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node:
 
 
 @click.command("tail")
-@click.argument("run_id", required=False)
+@click.argument("run_id", required=False, shell_complete=complete_run_ids)
 @click.option("-n", "lines", type=click.IntRange(0), default=None, help="Start with the last N lines of each node.")
 @click.option("--no-follow", is_flag=True, help="Print what is there and return.")
 @click.option("--node", help="Only this node's lines.")
 @click.option("--rank", type=click.IntRange(0), default=None, help="Only this global rank's lines.")
-def tail_command(run_id, lines, no_follow, node, rank):
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per log line, then one for the run "
+                                                        "(orchestrator/schemas/tail.json).")
+def tail_command(run_id, lines, no_follow, node, rank, as_json):
     """Re-attach to a run (the latest by default); Ctrl-C detaches, the run goes on."""
     run = Run.find(run_id)
     try:
-        sys.exit(follow(run, keep_following=not no_follow, n=lines, node=node, rank=rank))
+        code = follow(run, keep_following=not no_follow, n=lines, node=node, rank=rank,
+                      sink=json_lines if as_json else None)
+        if as_json:
+            emit(run_doc(run.record), compact=True)
+        sys.exit(code)
     except KeyboardInterrupt:
         _err(f"clusterctl: detached from {run.id}; it keeps running (clusterctl stop {run.id} to stop it)")
         sys.exit(EXIT_INTERRUPTED)
@@ -195,7 +216,7 @@ def _node_state_now(now: dict, code: int | None) -> NodeState:
 
 
 @click.command("status")
-@click.argument("run_id", required=False)
+@click.argument("run_id", required=False, shell_complete=complete_run_ids)
 @click.option("--json", "as_json", is_flag=True)
 def status_command(run_id, as_json):
     """Per node: state, pid, exit code, runtime and last line of a run (the latest by default)."""
@@ -270,18 +291,25 @@ def _wait_ended(run: Run, timeout: float) -> dict:
 
 
 @click.command("stop")
-@click.argument("run_id")
+@click.argument("run_id", shell_complete=complete_run_ids)
 @click.option("--grace", type=click.FloatRange(0, 3600), default=None,
               help="Seconds between SIGTERM and SIGKILL (default: the run's own), stretched to twice "
                    f"the job's last checkpoint save, up to {MAX_GRACE:g}s.")
 @click.option("--timeout", type=click.FloatRange(1), default=None,
               help=f"How long to wait for the run to end (default: the grace + {LOG_DRAIN_S + 60:g}s).")
-def stop_command(run_id, grace, timeout):
+@click.option("--json", "as_json", is_flag=True, help="Print the run as it ended (orchestrator/schemas/stop.json).")
+def stop_command(run_id, grace, timeout, as_json):
     """Stop a run on every node: SIGTERM (the trainer checkpoints), then SIGKILL.
 
-    Exits 1 naming every node where the stop could not be confirmed (unreachable); that stop
+    Exits 3 naming every node where the stop could not be confirmed (unreachable); that stop
     stays pending and is carried out as soon as the node answers again."""
     run = Run.find(run_id)
+    _stop(run, grace, timeout)
+    if as_json:
+        emit(run_doc(run.record))
+
+
+def _stop(run: Run, grace: float | None, timeout: float | None) -> None:
     rec = run.record
     if run.terminal and not rec.get("stop_pending"):
         _err(f"clusterctl: run {run.id} already {rec.get('state')}")

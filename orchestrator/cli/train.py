@@ -19,9 +19,11 @@ import time
 
 import click
 
+from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
 from orchestrator.runs.supervisor import spawn
@@ -89,9 +91,15 @@ def _check_script(script: tuple[str, ...]) -> None:
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout, show_default=True,
               help="A node that does not answer for this long is lost, and the run is torn down.")
+@click.option("--notify", metavar="CMD", default=None,
+              help="Shell command run on this machine when the run ends, with CLUSTERCTL_RUN_ID, "
+                   "CLUSTERCTL_STATUS, CLUSTERCTL_EXIT_CODE and CLUSTERCTL_FAILURE set (default: the "
+                   "inventory's train.notify).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per log line, then one for the run (orchestrator/schemas/train.json).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, script):
+                  lost_timeout, notify, as_json, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -104,10 +112,11 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd()))
+    save_notify(run, notify)
     sup = start_supervisor(run)
     _err(f"clusterctl: run {run.id} on {len(inv.nodes)} nodes (records in {run.dir})")
     if detach:
-        click.echo(run.id)
+        emit({"ok": True, "run_id": run.id, "records": str(run.dir)}) if as_json else click.echo(run.id)
         sys.exit(wait_launching(run, sup))
     presses = []
 
@@ -124,9 +133,11 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         else:
             _err(f"clusterctl: killing run {run.id} on every node now")
 
-    code = follow(run, on_interrupt=interrupt, supervisor=sup)
+    code = follow(run, on_interrupt=interrupt, supervisor=sup, sink=json_lines if as_json else None)
     if presses and code == 0:
         code = EXIT_INTERRUPTED
+    if as_json:
+        emit(run_doc(run.record), compact=True)
     sys.exit(code)
 
 

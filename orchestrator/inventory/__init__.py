@@ -164,6 +164,7 @@ class TrainSection(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     output_dir: str | None = None
+    notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
 
     @field_validator("env", mode="before")
     @classmethod

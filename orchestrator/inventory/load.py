@@ -38,6 +38,7 @@ from orchestrator.inventory import (
     _resolve,
     excerpt,
 )
+from orchestrator.inventory.ranges import expand_ranges
 from orchestrator.inventory.read import (
     MAX_ERRORS_SHOWN,
     _check_characters,
@@ -169,6 +170,7 @@ def parse_inventory(text: str, source: str = "<string>") -> Inventory:
     if not isinstance(data, dict):
         raise InventoryError("the inventory must be a mapping with a 'nodes:' list at the top", path=source,
                              line=_yaml_line(root.start_mark))
+    root, data = expand_ranges(root, data, source)  # `name: gpu[01-32]` -> 32 node entries (ranges.py)
     _use_written_numbers(root, data)
     try:
         model = InventoryModel.model_validate(data)

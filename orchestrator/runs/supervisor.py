@@ -38,6 +38,7 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, 
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import (AGENT, Launcher, agent_cmd, agent_status, check_free, claim_nodes,
                                       node_key, release_nodes, stop_on)
+from orchestrator.runs.notify import notify_end
 from orchestrator.runs.policy import FailurePolicy, stop_grace
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
 from orchestrator.runs.store import SUPERVISOR_MARK, Run, exit_meaning
@@ -381,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--adopt" in argv and run.state().terminal and not (run.record.get("stop_pending")):
         return 0  # nothing left to do: it ended between the check and this start
-    return Supervisor(run, adopt="--adopt" in argv).main()
+    try:
+        return Supervisor(run, adopt="--adopt" in argv).main()
+    finally:
+        notify_end(run, say)  # train --notify / train.notify: when the run has ended (runs/notify.py)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""What `--json` prints, one style for every command (the schemas are orchestrator/schemas/*.json).
+
+- One document on stdout (`train`/`tail`: one object per line, see `line_event`), indented JSON.
+- A report has `"ok": bool`; per-node results are objects with `"name"` (and `"rank"` where the
+  command knows it), `"ok"`, `"exit_code"` (null when the node never finished), `"error"` (text
+  or null) and `"error_kind"` (`unreachable`, `timeout`, `lost`, ... or null).
+- A user error (bad flag, bad inventory, unknown run, unreachable nodes) prints
+  `{"ok": false, "error": {"message", "exit_code", "kind"}}` on stdout and exits with that
+  code; the same paragraph still goes to stderr for whoever watches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+
+def emit(doc, *, compact: bool = False) -> None:
+    click.echo(json.dumps(doc, separators=(",", ":")) if compact else json.dumps(doc, indent=2))
+
+
+def error_doc(message: str, exit_code: int, kind: str) -> dict:
+    return {"ok": False, "error": {"message": message, "exit_code": exit_code, "kind": kind}}
+
+
+def wants_json(argv: list[str]) -> bool:
+    """--json among the options (not among a trainer's or command's own words after `--`)."""
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    return "--json" in own
+
+
+def node_result(r, rank: int | None = None, **extra) -> dict:
+    """A transport NodeResult in the shared per-node shape."""
+    doc = {"name": r.node}
+    if rank is not None:
+        doc["rank"] = rank
+    kind = getattr(r.kind, "value", r.kind)
+    return doc | {"ok": r.ok, "exit_code": r.exit_code, "error": r.error,
+                  "error_kind": None if kind is None else str(kind)} | extra
+
+
+def line_event(label: str, stream: str, text: str, node: str | None = None) -> dict:
+    """A run's log line: {"event": "line", "node", "rank", "stream", "line", "t"}; `label` is the
+    printed prefix, `node/rN` for a rank's line, the bare node for torchrun's own."""
+    name, _, rank = label.partition("/r")
+    return {"event": "line", "node": node or name, "rank": int(rank) if rank.isdigit() else None,
+            "stream": stream, "line": text, "t": round(time.time(), 3)}
+
+
+def json_lines(label: str, stream: str, text: str, node: str | None = None) -> None:
+    """A line sink (like output.Prefixer) that prints each line as a compact `line_event`."""
+    emit(line_event(label, stream, text, node), compact=True)
+
+
+def run_doc(rec: dict) -> dict:
+    """A run record as `train`/`tail`/`stop` report its end: {"event": "end", "ok", "run_id", ...}."""
+    code = rec.get("exit_code")
+    nodes = []
+    for nd in rec.get("nodes", []):
+        ncode = nd.get("exit_code")
+        nodes.append({"name": nd.get("name"), "rank": nd.get("rank"), "ok": ncode == 0,
+                      "exit_code": ncode, "error": nd.get("error"),
+                      "error_kind": "lost" if nd.get("state") in ("lost", "unreachable") else
+                      ("failed" if ncode not in (0, None) else None),
+                      "state": nd.get("state"), "first_rank": nd.get("first_rank"),
+                      "last_rank": nd.get("last_rank")})
+    return {"event": "end", "ok": code == 0, "run_id": rec.get("id"), "state": rec.get("state"),
+            "exit_code": code, "summary": rec.get("summary"), "error": rec.get("error"),
+            "first_failure": rec.get("first_failure"), "nodes": nodes}

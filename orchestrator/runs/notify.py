@@ -1,0 +1,101 @@
+"""Telling someone a run ended: `train --notify CMD` (or `notify:` in the inventory's train section).
+
+The supervisor runs CMD once, on the control machine, when the run has ended (so it fires for
+detached runs too), with /bin/sh -c and these variables in its environment:
+
+    CLUSTERCTL_RUN_ID     the run id
+    CLUSTERCTL_STATUS     finished, failed or stopped
+    CLUSTERCTL_EXIT_CODE  the run's exit code (0 ok, else the first failed node's)
+    CLUSTERCTL_FAILURE    the first failure in one line ("" when none)
+
+for example `notify-send "$CLUSTERCTL_RUN_ID $CLUSTERCTL_STATUS"` or a curl to a webhook. The
+command is the user's own (from their flag or inventory), run as a shell line on their own
+machine; run data reaches it only through the environment, never inside the command text. It
+has NOTIFY_TIMEOUT seconds; its output and any failure go to the supervisor's log, and never
+change how the run is recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Callable
+
+from orchestrator.runs.store import SUPERVISOR_MARK, Run, read_json, write_json
+
+NOTIFY_TIMEOUT = 60.0
+_FILE = "notify.json"
+
+
+def save_notify(run: Run, command: str | None) -> None:
+    """Record the --notify command in the run directory (before the supervisor starts)."""
+    if command:
+        write_json(run.dir / _FILE, {"command": command})
+
+
+def notify_command(run: Run) -> str | None:
+    """--notify, else the inventory's train.notify, else None."""
+    doc = read_json(run.dir / _FILE) or {}
+    if doc.get("command"):
+        return doc["command"]
+    try:
+        return getattr(run.spec.load_inventory().train, "notify", None)
+    except Exception:  # noqa: BLE001 - an inventory that no longer loads has nothing to say here
+        return None
+
+
+def failure_text(rec: dict) -> str:
+    ff = rec.get("first_failure") or {}
+    if ff:
+        code = ff.get("exit_code")
+        return f"{ff.get('node')}: {ff.get('reason')}" + ("" if code is None else f" (exit code {code})")
+    return rec.get("error") or ("" if rec.get("exit_code") == 0 else rec.get("summary") or "")
+
+
+def notify_env(rec: dict) -> dict[str, str]:
+    code = rec.get("exit_code")
+    return {"CLUSTERCTL_RUN_ID": str(rec.get("id", "")), "CLUSTERCTL_STATUS": str(rec.get("state", "")),
+            "CLUSTERCTL_EXIT_CODE": "" if code is None else str(code),
+            "CLUSTERCTL_FAILURE": " ".join(failure_text(rec).split())[:1000]}
+
+
+def _cwd(run: Run) -> str:
+    """Where `train` was started (so `--notify ./notify.sh` works), else the run directory."""
+    try:
+        cwd = run.spec.cwd
+    except Exception:  # noqa: BLE001
+        cwd = None
+    return cwd if cwd and os.path.isdir(cwd) else str(run.dir)
+
+
+def notify_end(run: Run, say: Callable[[str], None] = print, timeout: float = NOTIFY_TIMEOUT) -> int | None:
+    """Run the notify command for an ended run; returns its exit code (None: none, or it did not
+    finish). Never raises."""
+    try:
+        command = notify_command(run)
+        if not command:
+            return None
+        rec = run.record
+        env = {k: v for k, v in os.environ.items() if k != SUPERVISOR_MARK}  # the command is not the supervisor
+        env.update(notify_env(rec))
+        say(f"notify: {command} (run {rec.get('state')}, exit code {rec.get('exit_code')})")
+        proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=_cwd(run))
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the command and its children
+            proc.communicate()
+            say(f"notify: the command ran past {timeout:g}s and was killed")
+            return None
+        text = out.decode(errors="replace").strip()
+        if text:
+            say(f"notify output: {text[-2000:]}")
+        if proc.returncode != 0:
+            say(f"notify: the command exited {proc.returncode}")
+        return proc.returncode
+    except Exception as e:  # noqa: BLE001 - a notification never changes how the run ended
+        say(f"notify: failed: {type(e).__name__}: {e}")
+        return None
