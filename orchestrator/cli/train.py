@@ -67,9 +67,16 @@ def _check_script(script: tuple[str, ...]) -> None:
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout, show_default=True,
               help="A node that does not answer for this long is lost, and the run is torn down.")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=None,
+              help="Relaunch after an infrastructure failure (node lost, killed, peer died) up to N times, "
+                   "from the last checkpoint, with spare nodes taking lost ones' places [default: the "
+                   "inventory's train.max_restarts, else 0].")
+@click.option("--min-nodes", type=click.IntRange(1), default=None,
+              help="A restart may go on with fewer nodes, down to this many, when no spare is left "
+                   "(the script must take a different world size).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, script):
+                  lost_timeout, max_restarts, min_nodes, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -81,9 +88,12 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
-        accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd()))
+        accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
+        max_restarts=max_restarts, min_nodes=min_nodes))
     sup = start_supervisor(run)
-    _err(f"clusterctl: run {run.id} on {len(inv.nodes)} nodes (records in {run.dir})")
+    spares = sum(1 for n in inv.nodes if n.spare)
+    _err(f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"
+         f"{f' (+{spares} spare)' if spares else ''} (records in {run.dir})")
     if detach:
         click.echo(run.id)
         return

@@ -52,7 +52,8 @@ def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None
 
 def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
     """Two runs must not silently share a node: LaunchError naming the runs found, unless forced."""
-    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT)
+    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT,
+                      nodes=[n.name for n in inv.nodes])
     busy = {}
     for name, r in res.items():
         if not r.ok:
@@ -72,6 +73,7 @@ class Launcher:
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, spec: RunSpec,
                  statuses: dict[str, NodeStatus]):
         self.cluster, self.inv, self.run_id, self.statuses = cluster, inv, run_id, statuses
+        self.extra_env: dict[str, dict[str, str]] = {}  # node -> its own additions (checkpoint dir, attempt)
         # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
         self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args)]
 
@@ -85,7 +87,8 @@ class Launcher:
                              master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
                              target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
         spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
-                "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id})}
+                "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id,
+                                                               **self.extra_env.get(node.name, {})})}
         return f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
 
     def start(self, names: list[str]) -> None:

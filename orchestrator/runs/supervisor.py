@@ -27,7 +27,7 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, 
 from orchestrator.inventory import Node
 from orchestrator.runs.launch import AGENT, Launcher, agent_cmd, agent_status, check_free, node_key, stop_on
 from orchestrator.runs.policy import FailurePolicy
-from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
+from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import copy_logs
@@ -44,9 +44,13 @@ class Supervisor:
     def __init__(self, run: Run):
         self.run = run
         self.spec = run.spec
-        self.inv = self.spec.load_inventory()
+        self.full_inv = self.spec.load_inventory()  # spares included: restarts (runs/restart.py) draw on them
+        self.inv = self.full_inv.select([n.name for n in self.full_inv.nodes if not n.spare])
         # torchrun's node rank is the position in this run (--nodes may pick a subset)
         self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(self.inv.nodes)}
+        self.key = run.id  # the run's id on the nodes; attempt k > 1 of a restarted run: RUN_ID.aK
+        self.log_start: dict[str, int] = {}  # where this attempt's bytes begin in each node's log copy
+        self.say = say
         self.policy = FailurePolicy(self._first_failure)
         self.lock = threading.Lock()
         self.lost_stoppers: dict[str, threading.Thread] = {}
@@ -93,7 +97,23 @@ class Supervisor:
         return code
 
     def _main(self) -> int:
-        cluster = self.connect()
+        from orchestrator.runs.restart import Attempts
+
+        return Attempts(self, self.connect()).run()
+
+    # ---------------------------------------------------------------- one attempt (runs/restart.py loops)
+    def begin_attempt(self, k: int, inv) -> None:
+        """Fresh per-attempt state: the nodes in their rank order, statuses, failure policy, key."""
+        stops = self.policy.stop_requests
+        self.inv, self.key = inv, self.run.id if k == 1 else f"{self.run.id}.a{k}"
+        self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(inv.nodes)}
+        self.policy = FailurePolicy(self._first_failure)
+        self.policy.stop_requests = stops
+        self.log_start = {n.name: (p.stat().st_size if (p := self.run.node_log(n.name)).exists() else 0)
+                          for n in inv.nodes}
+
+    def attempt(self, cluster: Cluster, env: dict[str, str], node_env: dict[str, dict[str, str]]) -> RunResult:
+        """Preflight, launch and watch this attempt's nodes; how it ended (nothing saved as final)."""
         gpus_found: dict[str, int | None] = {}
         if not self.spec.skip_preflight:
             self.save(state=RunState.PREFLIGHT)
@@ -102,25 +122,26 @@ class Supervisor:
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
+        launcher = Launcher(cluster, self.inv, self.key, self.spec, self.statuses)
+        launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
         try:
-            Launcher(cluster, self.inv, self.run.id, self.spec, self.statuses).launch()
+            launcher.launch()
         except LaunchError:
             self.teardown("launch failed")
             raise
         self.save(state=RunState.RUNNING, started=time.time())
         running = [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING]
-        copy_logs(cluster, self.run, running, self.node_ended, echo=say)
-        # close before the final record: the foreground returns when it sees it, and by then
-        # no SSH session of the run should still be winding down on a node
-        cluster.close()
-        return self.finish()
+        copy_logs(cluster, self.run, running, self.node_ended, echo=say, key=self.key, start_at=self.log_start)
+        return self.policy.result(self.statuses.__getitem__, self.run.node_log)
 
     def connect(self) -> Cluster:
         spec = self.spec
         self.cluster = cluster = Cluster(self.inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
-        if cluster.unreachable:
+        for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
+            say(f"spare {name} is unreachable: {cluster.unreachable[name].error}")  # not needed to start
+        if any(not self.full_inv.node(k).spare for k in cluster.unreachable):
             bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
             raise LaunchError(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
         return cluster
@@ -176,7 +197,7 @@ class Supervisor:
             if first is not None and first.node != name:
                 self.teardown("lost after the failure")  # start its stopper too
             return
-        now = agent_status(self.cluster, self.run.id, [name])[name]
+        now = agent_status(self.cluster, self.key, [name])[name]
         code = now.get("exit_code")
         st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
         st.exit_code, st.ended, st.error_file = code, time.time(), now.get("error_file")
@@ -199,24 +220,25 @@ class Supervisor:
         live = [n.name for n in self.inv.nodes if self.statuses[n.name].state is not NodeState.LOST
                 and (c := cluster.connections.get(n.name)) is not None and c.alive]
         if live:
-            stop_on(cluster, self.run.id, grace, live)
+            stop_on(cluster, self.key, grace, live)
         for n in self.inv.nodes:  # nodes we lost: stop them as soon as they answer again
             if self.statuses[n.name].state is NodeState.LOST and n.name not in self.lost_stoppers:
-                t = threading.Thread(target=self.stop_lost, args=(n,), daemon=True)
+                t = threading.Thread(target=self.stop_lost, args=(n, self.key), daemon=True)
                 self.lost_stoppers[n.name] = t
                 t.start()
 
-    def stop_lost(self, node: Node) -> None:
+    def stop_lost(self, node: Node, key: str) -> None:
         """Retry a lost node on a fresh connection until it answers, then kill the run there."""
         deadline = time.time() + LOST_PATIENCE
         while time.time() < deadline:
             c = self.cluster.connection_for(node, connect_timeout=5)
             try:
                 c.open()
-                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), 0), stdin=AGENT), 30)
+                res = wait(c.exec(agent_cmd(node, "stop", node_key(key, node), 0), stdin=AGENT), 30)
                 if res.reachable:
                     say(f"stopped the run on {node.name} after it answered again")
-                    self.statuses[node.name].stopped_after_loss = True
+                    if node.name in self.statuses:
+                        self.statuses[node.name].stopped_after_loss = True
                     self.save()
                     return
                 say(f"{node.name}: the stop did not finish ({res.describe()}); retrying")
@@ -226,8 +248,7 @@ class Supervisor:
                 c.close()
             time.sleep(2)
 
-    def finish(self) -> int:
-        result = self.policy.result(self.statuses.__getitem__, self.run.node_log)
+    def finish(self, result: RunResult) -> int:
         self.save(**result.to_json(), ended=time.time())
         return result.exit_code
 

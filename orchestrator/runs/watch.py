@@ -19,12 +19,13 @@ class LogCopier:
     """Byte and line sinks for the engine: a node's stdout appended to its log copy."""
 
     def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = print,
-                 after_write: Callable[[], object] | None = None):
+                 after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None):
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
         self.echo, self.after_write = echo, after_write
+        self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
 
     def offset(self, name: str) -> int:
-        return self.files[name].tell()
+        return self.files[name].tell() - self.start_at.get(name, 0)
 
     def on_bytes(self, name: str, stream: str, data: bytes) -> None:
         if stream == "stdout":
@@ -44,16 +45,19 @@ class LogCopier:
 
 
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
-              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None) -> None:
+              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
+              key: str | None = None, start_at: dict[str, int] | None = None) -> None:
     """Copy each node's log until its run ended there and every byte arrived (or the node is
     lost: the engine ends its tail with ErrorKind.LOST). No timeout: a run lasts as long as it
     trains; a silent node is caught by the transport's liveness watch. `after_write` runs after
-    each chunk lands in a log copy (`tail` prints the new lines)."""
+    each chunk lands in a log copy (`tail` prints the new lines). `key`: the run's id on the
+    nodes when it is not run.id (a restart's RUN_ID.aK); `start_at`: where each node's log
+    begins in its copy."""
     if not nodes:
         return
-    copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
+    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at)
     try:
-        cluster.run(lambda n: agent_cmd(n, "tail", node_key(run.id, n), copier.offset(n.name)), stdin=AGENT,
+        cluster.run(lambda n: agent_cmd(n, "tail", node_key(key or run.id, n), copier.offset(n.name)), stdin=AGENT,
                     nodes=[n.name for n in nodes], timeout=None, capture=False, on_bytes=copier.on_bytes,
                     on_line=copier.on_line, on_done=on_end, follow=True)
     finally:
