@@ -68,11 +68,11 @@ def start_steps(text):
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-n2", "master-n1"])
 def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_cluster, tmp_path, home, victim):
     cluster = make_cluster(5, gpus=0)
-    inv = inventory(cluster, tmp_path, 60)
+    inv = inventory(cluster, tmp_path, 200)
     proc = start(inv)
     try:
         run_dir = run_dir_of(home)
-        wait_for(lambda: copied(run_dir, "ckpt_00000010.pt"), 240, "the step-10 checkpoint on the control machine")
+        wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 240, "a checkpoint on the control machine")
         cluster.nodes[victim].link_down()  # for good: never brought back during the run
         out, err = proc.communicate(timeout=240)
     finally:
@@ -92,7 +92,7 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     master_log = (run_dir / "nodes" / f"{want[0]}.log").read_text()
     resumed = [s for s in start_steps(master_log) if s]
     assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
-    assert "step 60 | loss" in master_log
-    assert copied(run_dir, "ckpt_00000060.pt")
+    assert "step 200 | loss" in master_log
+    assert copied(run_dir, "ckpt_00000200.pt")
     # TensorBoard events from both attempts' masters came home
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))

@@ -95,7 +95,11 @@ class CheckpointStore:
         stage = self.dir / f".{name}.partial"
         stage.mkdir(exist_ok=True)
         with tarfile.open(tar_path, "r") as tar:
-            tar.extractall(stage, filter="data")
+            members = tar.getmembers()
+            for m in members:  # only plain files and directories, only below the stage
+                if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts:
+                    raise tarfile.TarError(f"refusing tar member {m.name!r}")
+            tar.extractall(stage, members=members)
         src = stage / name
         if not is_complete(src):
             return False
@@ -176,20 +180,22 @@ class ArtifactCopier:
 
     # ------------------------------------------------------------ tensorboard
     def poll_tensorboard(self, nodes: list[str]) -> None:
-        for node in nodes:
-            conn = self.cluster.connections.get(node)
-            if conn is None or not conn.alive:
-                continue
+        """Every node at once: the bytes its event files gained since the last poll."""
+        names = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        have, bufs = {}, {n: bytearray() for n in names}
+        for node in names:
             local = self.tb_dir / node  # one subdirectory per node: event file names may repeat
-            have = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
+            have[node] = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
                 if local.is_dir() else {}
-            buf = bytearray()
-            r = self.cluster.run(lambda n: artifacts_cmd(n, "since", self.dirs[node]["tensorboard"],
-                                                         json.dumps(have).encode().hex()),
-                                 stdin=AGENT, nodes=[node], timeout=60, capture=False,
-                                 on_bytes=lambda _n, stream, data: buf.extend(data) if stream == "stdout" else None)
-            if r[node].ok:
-                write_frames(bytes(buf), local)
+        if not names:
+            return
+        res = self.cluster.run(lambda n: artifacts_cmd(n, "since", self.dirs[n.name]["tensorboard"],
+                                                       json.dumps(have[n.name]).encode().hex()),
+                               stdin=AGENT, nodes=names, timeout=60, capture=False,
+                               on_bytes=lambda n, stream, data: bufs[n].extend(data) if stream == "stdout" else None)
+        for node, r in res.items():
+            if r.ok:
+                write_frames(bytes(bufs[node]), self.tb_dir / node)
 
     # ------------------------------------------------------------ the loop
     def sweep(self, nodes: list[str]) -> None:

@@ -136,7 +136,7 @@ class Supervisor:
 
     def connect(self) -> Cluster:
         spec = self.spec
-        self.cluster = cluster = Cluster(self.inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
+        self.cluster = cluster = Cluster(self.full_inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
         for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
