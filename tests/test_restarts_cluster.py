@@ -96,3 +96,22 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     assert copied(run_dir, "ckpt_00000200.pt")
     # TensorBoard events from both attempts' masters came home
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp_path):
+    cluster = make_cluster(3, gpus=0)
+    shared_dir = tmp_path / "shared-out"  # the host's /tmp: every node's namespace sees it
+    shared_dir.mkdir()
+    shared_dir.chmod(0o777)
+    verdicts = {}
+    for label, out in (("home", "~/own-out"), ("tmp", str(shared_dir))):
+        inv = str(cluster.write_inventory(tmp_path / f"{label}.yaml", output_dir=out))
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "preflight", "-i", inv, "--only",
+                            "output_shared", "--json"], capture_output=True, text=True, timeout=120)
+        doc = json.loads(r.stdout)
+        verdicts[label] = {n["name"]: next(c for c in n["checks"] if c["check"] == "output_shared")
+                           for n in doc["nodes"]}
+    assert "not shared" in verdicts["home"]["node1"]["detail"]
+    assert all(v["status"] == "ok" for v in verdicts["home"].values())
+    assert verdicts["tmp"]["node1"]["detail"] == "shared with every node"
+    assert "(shared)" in verdicts["tmp"]["node2"]["detail"]
