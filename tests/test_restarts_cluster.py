@@ -5,7 +5,9 @@ import json
 import os
 import re
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,8 +102,8 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
 
 def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp_path):
     cluster = make_cluster(3, gpus=0)
-    shared_dir = tmp_path / "shared-out"  # the host's /tmp: every node's namespace sees it
-    shared_dir.mkdir()
+    # the host's /tmp: every node's namespace sees it (pytest's tmp_path is root's alone)
+    shared_dir = Path(tempfile.mkdtemp(prefix="cc-shared-", dir="/tmp"))
     shared_dir.chmod(0o777)
     verdicts = {}
     for label, out in (("home", "~/own-out"), ("tmp", str(shared_dir))):
@@ -115,3 +117,4 @@ def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp
     assert all(v["status"] == "ok" for v in verdicts["home"].values())
     assert verdicts["tmp"]["node1"]["detail"] == "shared with every node"
     assert "(shared)" in verdicts["tmp"]["node2"]["detail"]
+    shutil.rmtree(shared_dir, ignore_errors=True)
