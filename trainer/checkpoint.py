@@ -9,8 +9,11 @@ longer matches its checksum and is skipped with a warning -- torch.load alone wo
 load a zip whose tensor bytes were overwritten.
 
 FSDP: torch.distributed.checkpoint writes every rank's shards into `ckpt_{step:08d}.tmp/`;
-after a barrier rank 0 adds `extra.pt` and a `MANIFEST.sha256` of every file, then renames the
-directory to `ckpt_{step:08d}/`. Needs a filesystem all ranks share.
+after a barrier rank 0 adds `extra.pt`, every rank hashes the files it wrote, and the
+`MANIFEST.sha256` lists every rank's files; then the directory is renamed to `ckpt_{step:08d}/`.
+Without a shared filesystem each node finalizes its own directory (its shards, the full
+manifest): no node alone holds a complete checkpoint, and `verify` says so. clusterctl gathers
+the pieces into one complete checkpoint and puts it back on every node before a restart.
 
 The data position is the step: batches are a pure function of (seed, rank, step, micro-step),
 see data.py, so restoring the step restores where in the data the run was.
@@ -164,12 +167,25 @@ def _write_small(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _own_files(tmp: str, rank: int) -> list[str]:
+    """The files this rank wrote into a DCP directory: its `__RANK_*.distcp` shards (rank 0 also
+    .metadata and extra.pt)."""
+    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine += [f for f in (".metadata", "extra.pt") if os.path.exists(os.path.join(tmp, f))]
+    return mine
+
+
 def _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     final = os.path.join(out_dir, f"ckpt_{step:08d}")
     tmp = final + ".tmp"
-    if rank == 0:
+    if _local_rank() == 0:  # every node: a shared directory or one of its own
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -177,14 +193,26 @@ def _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep) -> str:
     dist.barrier()
     if rank == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
-        lines = [f"{_sha256(os.path.join(tmp, f))}  {f}\n" for f in sorted(os.listdir(tmp))]
-        _write_small(os.path.join(tmp, MANIFEST), "".join(lines))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(out_dir)
-        _prune(out_dir, keep)
+    # the manifest names every rank's files, wherever they were written
+    entries = [(f, _sha256(os.path.join(tmp, f))) for f in _own_files(tmp, rank)]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entries)
+    lines = sorted(f"{digest}  {name}\n" for part in gathered for name, digest in part)
+    if rank == 0:
+        _finalize(tmp, final, out_dir, lines, keep)
+    dist.barrier()
+    if _local_rank() == 0 and rank != 0 and os.path.isdir(tmp) and not os.path.isdir(final):
+        _finalize(tmp, final, out_dir, lines, keep)  # not shared with rank 0: this node's own part
     dist.barrier()
     return final
+
+
+def _finalize(tmp, final, out_dir, lines, keep) -> None:
+    _write_small(os.path.join(tmp, MANIFEST), "".join(lines))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(out_dir)
+    _prune(out_dir, keep)
 
 
 def verify(path: str) -> None:
@@ -259,20 +287,24 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
 def _load_fsdp(candidates, model, optimizer, scaler, rank) -> int | None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    good = None
-    if rank == 0:  # one rank checks the bytes, all agree on the verdict
+    # one rank per node checks the bytes (nodes need not share a filesystem); the newest
+    # checkpoint complete on every node wins
+    ok = None
+    if _local_rank() == 0:
+        ok = []
         for path in candidates:
             try:
                 verify(path)
-                good = path
-                break
+                ok.append(os.path.basename(path))
             except (ValueError, OSError) as e:  # see UNUSABLE: what verify() raises
                 _warn_skip(path, e)
-    box = [good]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
+    votes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, ok)
+    sets = [set(v) for v in votes if v is not None]
+    good = [p for p in candidates if all(os.path.basename(p) in s for s in sets)]
+    if not good:
         return None
-    path = box[0]
+    path = good[0]
     extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}

@@ -167,7 +167,11 @@ class Run:
         self.raw = build_model(cfg).to(self.device)
         self.n_params = count_params(self.raw)
         self.trainer = self._build_trainer()
-        self.start = checkpoint.load(cfg.resume, cfg.output_dir, self.raw, self.trainer.opt, self.trainer.scaler,
+        # under clusterctl, checkpoints and TensorBoard go where it copies them off the node from
+        self.ckpt_dir = os.environ.get("CLUSTERCTL_CHECKPOINT_DIR") or cfg.output_dir
+        self.tb_dir = os.environ.get("CLUSTERCTL_TENSORBOARD_DIR") or os.path.join(cfg.output_dir, "logs")
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.start = checkpoint.load(cfg.resume, self.ckpt_dir, self.raw, self.trainer.opt, self.trainer.scaler,
                                      rank=self.rank, fsdp=self.fsdp, distributed=self.world > 1) or 0
         self.lr_scale = self.world * cfg.grad_accum if cfg.scale_lr else 1
         self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * self.world
@@ -175,7 +179,8 @@ class Run:
         self.writer = None
         if self.master:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(os.path.join(cfg.output_dir, "logs"), purge_step=self.start)
+            # the step a checkpoint was saved at was logged before it: drop only what comes after
+            self.writer = SummaryWriter(self.tb_dir, purge_step=self.start + 1)
 
     def _build_trainer(self) -> Trainer:
         cfg, device = self.cfg, self.device
@@ -210,7 +215,7 @@ class Run:
 
     def save(self, step: int) -> str:
         t = self.trainer
-        return checkpoint.save(self.cfg.output_dir, step, self.raw, t.opt, t.scaler, asdict(self.cfg),
+        return checkpoint.save(self.ckpt_dir, step, self.raw, t.opt, t.scaler, asdict(self.cfg),
                                rank=self.rank, fsdp=self.fsdp, keep=self.cfg.keep_ckpts)
 
     def report(self, step: int, lr: float, loss: float, dt: float) -> None:

@@ -13,13 +13,14 @@ from orchestrator.checks.firewall import FIREWALL
 from orchestrator.checks.gpu import GPU_COUNT, GPU_IDLE
 from orchestrator.checks.net import IFACE, PORT_FREE, PORT_REACHABLE
 from orchestrator.checks.output_dir import OUTPUT_DIR
+from orchestrator.checks.output_shared import OUTPUT_SHARED
 from orchestrator.checks.python import CODE_SYNC, PYTHON_ENV
 from orchestrator.checks.shm import SHM
 from orchestrator.checks.system import CLOCK_SKEW, DISK
 
 REGISTRY: tuple[Check, ...] = (
     SSH, PING, GPU_COUNT, GPU_IDLE, PORT_FREE, PORT_REACHABLE, FIREWALL, CLOCK_SKEW, CODE_SYNC,
-    PYTHON_ENV, IFACE, DISK, SHM, OUTPUT_DIR)
+    PYTHON_ENV, IFACE, DISK, SHM, OUTPUT_DIR, OUTPUT_SHARED)
 
 CHECKS: tuple[str, ...] = tuple(c.name for c in REGISTRY)
 BY_NAME: dict[str, Check] = {c.name: c for c in REGISTRY}

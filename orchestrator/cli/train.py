@@ -97,9 +97,16 @@ def _check_script(script: tuple[str, ...]) -> None:
                    "inventory's train.notify).")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per log line, then one for the run (orchestrator/schemas/train.json).")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=None,
+              help="Relaunch after an infrastructure failure (node lost, killed, peer died) up to N times, "
+                   "from the last checkpoint, with spare nodes taking lost ones' places [default: the "
+                   "inventory's train.max_restarts, else 0].")
+@click.option("--min-nodes", type=click.IntRange(1), default=None,
+              help="A restart may go on with fewer nodes, down to this many, when no spare is left "
+                   "(the script must take a different world size).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, script):
+                  lost_timeout, notify, as_json, max_restarts, min_nodes, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -111,10 +118,13 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
-        accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd()))
+        accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
+        max_restarts=max_restarts, min_nodes=min_nodes))
     save_notify(run, notify)
     sup = start_supervisor(run)
-    _err(f"clusterctl: run {run.id} on {len(inv.nodes)} nodes (records in {run.dir})")
+    spares = sum(1 for n in inv.nodes if n.spare)
+    _err(f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"
+         f"{f' (+{spares} spare)' if spares else ''} (records in {run.dir})")
     if detach:
         emit({"ok": True, "run_id": run.id, "records": str(run.dir)}) if as_json else click.echo(run.id)
         sys.exit(wait_launching(run, sup))

@@ -116,6 +116,7 @@ class NodeModel(_Model):
     python: str | None = None
     workdir: str | None = None
     address: str | None = None  # address other nodes use to reach this one (default: host)
+    spare: bool = False  # not used at first: takes a lost node's place when a run restarts
 
     @field_validator("name")
     @classmethod
@@ -165,6 +166,7 @@ class TrainSection(_Model):
     nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     output_dir: str | None = None
     notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
+    max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
 
     @field_validator("env", mode="before")
     @classmethod
@@ -270,6 +272,7 @@ class Node:
     python: str
     workdir: str
     line: int | None = None
+    spare: bool = False  # held back for restarts (runs/restart.py)
 
     @property
     def is_local(self) -> bool:
@@ -342,7 +345,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
         nodes.append(Node(
             name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
             connection=nm.connection, ssh=ssh, env=env, python=python,
-            workdir=nm.workdir or model.workdir, line=line,
+            workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
                      dict(model.env), model.train, model.checks, source, model.sync)

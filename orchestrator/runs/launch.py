@@ -88,7 +88,8 @@ def release_nodes(cluster: Cluster, inv: Inventory, run_id: str, names: list[str
 def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
     """Runs alive on the nodes that hold no claim (started with --force, or by an older
     clusterctl): LaunchError naming them, unless forced."""
-    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT)
+    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT,
+                      nodes=[n.name for n in inv.nodes])
     busy = {}
     for name, r in res.items():
         live = [k for k in _agent_json(name, inv, r) if k.endswith("@" + name)]
@@ -105,6 +106,7 @@ class Launcher:
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, spec: RunSpec,
                  statuses: dict[str, NodeStatus]):
         self.cluster, self.inv, self.run_id, self.statuses = cluster, inv, run_id, statuses
+        self.extra_env: dict[str, dict[str, str]] = {}  # node -> its own additions (checkpoint dir, attempt)
         # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
         self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args)]
 
@@ -118,7 +120,8 @@ class Launcher:
                              master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
                              target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
         spec = {"argv": argv, "cwd": node.workdir, "files": {"rank_lines.py": RANK_LINES},
-                "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id})}
+                "env": node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id,
+                                                               **self.extra_env.get(node.name, {})})}
         return f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
 
     def start(self, names: list[str]) -> None:

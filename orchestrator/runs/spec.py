@@ -74,6 +74,8 @@ class RunSpec:
     accept_new_host_keys: bool = False
     connect_timeout: float | None = None
     cwd: str | None = None
+    max_restarts: int | None = None  # --max-restarts; None: the inventory's train.max_restarts
+    min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":

@@ -40,7 +40,7 @@ from orchestrator.runs.launch import (AGENT, Launcher, agent_cmd, agent_status, 
                                       node_key, release_nodes, stop_on)
 from orchestrator.runs.notify import notify_end
 from orchestrator.runs.policy import FailurePolicy, stop_grace
-from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunState
+from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import SUPERVISOR_MARK, Run, exit_meaning
 from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import copy_logs
@@ -70,11 +70,18 @@ class Supervisor:
     def __init__(self, run: Run, adopt: bool = False):
         self.run, self.adopt = run, adopt
         self.spec = run.spec
-        self.inv = self.spec.load_inventory()
+        self.full_inv = self.spec.load_inventory()  # spares included: restarts (runs/restart.py) draw on them
+        self.inv = self.full_inv.select([n.name for n in self.full_inv.nodes if not n.spare])
         # torchrun's node rank is the position in this run (--nodes may pick a subset)
         self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(self.inv.nodes)}
+        self.key = run.id  # the run's id on the nodes; attempt k > 1 of a restarted run: RUN_ID.aK
+        self.log_start: dict[str, int] = {}  # where this attempt's bytes begin in each node's log copy
+        self.say = say
         if adopt:
             self.statuses.update({st.name: st for st in run.nodes() if st.name in self.statuses})
+            attempts = run.record.get("attempts") or []
+            if attempts:  # a restarted run: the attempt that was running when the supervisor died
+                self.key = attempts[-1].get("key") or run.id
         self.policy = FailurePolicy(self._first_failure)
         self.lock = threading.Lock()  # run.json writes
         self.tlock = threading.Lock()  # teardowns: one at a time
@@ -138,6 +145,26 @@ class Supervisor:
         if not self.spec.force:
             claim_nodes(cluster, self.inv, self.run.id, f"{getpass.getuser()}@{socket.gethostname()}")
             self.claimed = True
+        from orchestrator.runs.restart import Attempts
+
+        return Attempts(self, cluster).run()
+
+    # ---------------------------------------------------------------- one attempt (runs/restart.py loops)
+    def begin_attempt(self, k: int, inv) -> None:
+        """Fresh per-attempt state: the nodes in their rank order, statuses, failure policy, key."""
+        stops = self.policy.stop_requests
+        self.inv, self.key = inv, self.run.id if k == 1 else f"{self.run.id}.a{k}"
+        self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(inv.nodes)}
+        self.policy = FailurePolicy(self._first_failure)
+        self.policy.stop_requests = stops
+        if self.drain_timer is not None:  # the last attempt's teardown: its drain is over
+            self.drain_timer.cancel()
+        self.drained, self.drain_timer = threading.Event(), None
+        self.log_start = {n.name: (p.stat().st_size if (p := self.run.node_log(n.name)).exists() else 0)
+                          for n in inv.nodes}
+
+    def attempt(self, cluster: Cluster, env: dict[str, str], node_env: dict[str, dict[str, str]]) -> RunResult:
+        """Preflight, launch and watch this attempt's nodes; how it ended (nothing saved as final)."""
         gpus_found: dict[str, int | None] = {}
         if not self.spec.skip_preflight:
             self.save(state=RunState.PREFLIGHT)
@@ -146,23 +173,33 @@ class Supervisor:
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
+        launcher = Launcher(cluster, self.inv, self.key, self.spec, self.statuses)
+        launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
         try:
-            Launcher(cluster, self.inv, self.run.id, self.spec, self.statuses).launch()
+            launcher.launch()
         except LaunchError:
             self.teardown("launch failed")
             raise
         self.save(state=RunState.RUNNING, started=time.time())
         if self.policy.stop_requests:  # asked while launching
             self.teardown("stop")
-        return self.watch(cluster, [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING])
+        running = [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING]
+        copy_logs(cluster, self.run, running, self.node_ended, echo=say, stop=self.drained, key=self.key,
+                  start_at=self.log_start)
+        return self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
 
     def watch(self, cluster: Cluster, running: list[Node]) -> int:
-        copy_logs(cluster, self.run, running, self.node_ended, echo=say, stop=self.drained)
+        """An adopted run: copy the logs to the end, then record how it ended."""
+        copy_logs(cluster, self.run, running, self.node_ended, echo=say, stop=self.drained, key=self.key)
+        return self.close_and_finish()
+
+    def close_and_finish(self, result: RunResult | None = None) -> int:
         self.release_claims()
         # close before the final record: the foreground returns when it sees it, and by then
         # no SSH session of the run should still be winding down on a node
-        cluster.close()
-        return self.finish()
+        if self.cluster is not None:
+            self.cluster.close()
+        return self.finish(result)
 
     def _adopt(self) -> int:
         """Take over a run whose supervisor is gone, from the records."""
@@ -178,7 +215,7 @@ class Supervisor:
             self.teardown("the supervisor died while launching")
             copy_logs(cluster, self.run, started, lambda _res: None, echo=say, stop=self.drained)
             raise LaunchError("the supervisor died before the launch was complete; what had started was stopped")
-        now = agent_status(cluster, self.run.id, [n.name for n in started if n.name in cluster.connections])
+        now = agent_status(cluster, self.key, [n.name for n in started if n.name in cluster.connections])
         ended = sorted((doc["ended"] or 0, name) for name, doc in now.items() if doc.get("exit_code") is not None)
         for _, name in ended:  # what ended while nobody watched, in the order it ended on the nodes
             self.record_end(name, now[name])
@@ -197,14 +234,16 @@ class Supervisor:
 
     def connect(self, patient: bool = False) -> Cluster:
         spec = self.spec
-        self.cluster = cluster = Cluster(self.inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
+        self.cluster = cluster = Cluster(self.full_inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
         deadline = time.monotonic() + spec.lost_timeout
         while patient and cluster.unreachable and time.monotonic() < deadline:
             time.sleep(1)
             cluster.connect()  # an adopted run's node may be a moment from answering
-        if cluster.unreachable and not patient:
+        for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
+            say(f"spare {name} is unreachable: {cluster.unreachable[name].error}")  # not needed to start
+        if not patient and any(not self.full_inv.node(k).spare for k in cluster.unreachable):
             bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
             raise LaunchError(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
         return cluster
@@ -259,7 +298,7 @@ class Supervisor:
         """A node's log copy ended: the node was lost, or its torchrun ended (ask the agent how)."""
         name = res.node
         conn = self.cluster.connections.get(name)
-        now = agent_status(self.cluster, self.run.id, [name])[name] if conn is not None and conn.alive else {}
+        now = agent_status(self.cluster, self.key, [name])[name] if conn is not None and conn.alive else {}
         if now.get("exit_code") is not None:
             self.record_end(name, now)
             return
@@ -305,7 +344,7 @@ class Supervisor:
         grace = req.get("grace") if req.get("grace") is not None else self.spec.grace
         live = [n for n, c in self.cluster.connections.items() if c.alive] if self.cluster else []
         saves = [d.get("save_seconds") or 0
-                 for d in agent_status(self.cluster, self.run.id, live, timeout=10).values()] if live else []
+                 for d in agent_status(self.cluster, self.key, live, timeout=10).values()] if live else []
         return stop_grace(grace, max(saves, default=0))
 
     def teardown(self, why: str) -> None:
@@ -323,7 +362,7 @@ class Supervisor:
                 self.drain_timer.start()
         # every reachable node, the failed one too: what is left of the run there is stopped
         live = [n.name for n in self.inv.nodes if (c := cluster.connections.get(n.name)) is not None and c.alive]
-        res = stop_on(cluster, self.run.id, grace, live) if live else {}
+        res = stop_on(cluster, self.key, grace, live) if live else {}
         with self.tlock:
             for n in self.inv.nodes:  # nodes not reached: stop them as soon as they answer again
                 r = res.get(n.name)
@@ -347,13 +386,14 @@ class Supervisor:
             c = self.cluster.connection_for(node, connect_timeout=3)
             try:
                 c.open()
-                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.run.id, node), grace), stdin=AGENT),
+                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.key, node), grace), stdin=AGENT),
                            grace + 30)
                 if res.reachable:
                     say(f"stopped the run on {node.name} after it answered again")
                     wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run.id, node)),
                                 stdin=AGENT), 30)
-                    self.statuses[node.name].stopped_after_loss = True
+                    if node.name in self.statuses:
+                        self.statuses[node.name].stopped_after_loss = True
                     with self.tlock:
                         self.stoppers.pop(node.name, None)
                         self.save(stop_pending=sorted(self.stoppers))
@@ -365,8 +405,9 @@ class Supervisor:
                 c.close()
             time.sleep(1)
 
-    def finish(self) -> int:
-        result = self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
+    def finish(self, result: RunResult | None = None) -> int:
+        if result is None:
+            result = self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
         self.save(**result.to_json(), ended=time.time(), stop_pending=sorted(self.stoppers))
         return result.exit_code
 

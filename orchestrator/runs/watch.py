@@ -29,12 +29,13 @@ class LogCopier:
     """Byte and line sinks for the engine: a node's stdout appended to its log copy."""
 
     def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = print,
-                 after_write: Callable[[], object] | None = None):
+                 after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None):
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
         self.echo, self.after_write = echo, after_write
+        self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
 
     def offset(self, name: str) -> int:
-        return self.files[name].tell()
+        return self.files[name].tell() - self.start_at.get(name, 0)
 
     def on_bytes(self, name: str, stream: str, data: bytes) -> None:
         if stream == "stdout":
@@ -80,9 +81,9 @@ class _Copy:
     reconnected on its own thread and handed back to the engine through `events`."""
 
     def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
-                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None):
-        self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop = \
-            cluster, run, on_end, copier, echo, stop
+                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
+        self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
+            cluster, run, on_end, copier, echo, stop, key
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
@@ -90,7 +91,7 @@ class _Copy:
     def start_tail(self, name: str) -> Proc:
         node = self.nodes[name]
         return self.cluster.connections[name].exec(
-            agent_cmd(node, "tail", node_key(self.run.id, node), self.copier.offset(name)), stdin=AGENT)
+            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name)), stdin=AGENT)
 
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
@@ -146,15 +147,18 @@ class _Copy:
 
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
-              stop: threading.Event | None = None) -> None:
+              stop: threading.Event | None = None, key: str | None = None,
+              start_at: dict[str, int] | None = None) -> None:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
-    `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines)."""
+    `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines). `key`:
+    the run's id on the nodes when it is not run.id (a restart's RUN_ID.aK); `start_at`: where
+    each node's log begins in its copy."""
     if not nodes:
         return
-    copier = LogCopier(run, [n.name for n in nodes], echo, after_write)
+    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at)
     try:
-        _Copy(cluster, run, nodes, on_end, copier, echo, stop).copy()
+        _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id).copy()
     finally:
         copier.close()

@@ -1,0 +1,125 @@
+"""A run's files on a node, for the control machine to copy: shipped on stdin, stdlib only.
+
+A run keeps what must outlive a node under ~/.clusterctl/artifacts/RUN_ID/ on every node:
+checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOARD_DIR).
+
+  prepare RUN_ID            create both directories; print {"checkpoints": ABS, "tensorboard": ABS}
+  list DIR                  print the completed checkpoints in DIR as JSON, newest first:
+                            [{"name", "step", "kind": "file"|"dir", "files": [[rel, size], ...]}]
+                            a file counts once its .sha256 sits next to it (written before the
+                            file is renamed into place), a directory once it has its final name
+  send DIR NAME...          write an uncompressed tar of those checkpoints (and .sha256 files) to stdout
+  receive DIR               read a tar from stdin; each top-level entry lands under its name
+                            atomically (extracted beside it, then renamed over what was there)
+  since DIR OFFSETS_HEX     every file under DIR past the offset the control machine already has
+                            ({rel: offset} as hex JSON), as frames: a JSON header line
+                            {"rel", "offset", "size"} then `size` bytes; paths may be named explicitly
+"""
+import json
+import os
+import re
+import shutil
+import sys
+import tarfile
+
+BASE = os.path.expanduser("~/.clusterctl/artifacts")
+NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
+CHUNK = 1 << 20
+
+
+def prepare(run_id):
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        sys.exit("bad run id")
+    out = {}
+    for sub in ("checkpoints", "tensorboard"):
+        d = os.path.join(BASE, run_id, sub)
+        os.makedirs(d, exist_ok=True)
+        out[sub] = d
+    print(json.dumps(out))
+
+
+def _files(root, rel=""):
+    """[[rel, size]] of the regular files under root/rel, sorted."""
+    out = []
+    top = os.path.join(root, rel)
+    if os.path.isfile(top):
+        return [[rel, os.path.getsize(top)]]
+    for d, dirs, names in os.walk(top):
+        dirs.sort()
+        for n in sorted(names):
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append([os.path.relpath(p, root), os.path.getsize(p)])
+    return out
+
+
+def list_ckpts(d):
+    found = []
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+        m = NAME.match(name)
+        if not m:
+            continue
+        path = os.path.join(d, name)
+        if m.group(2):
+            if not os.path.exists(path + ".sha256"):
+                continue
+            files = _files(d, name) + _files(d, name + ".sha256")
+            kind = "file"
+        elif os.path.isdir(path):
+            files, kind = _files(d, name), "dir"
+        else:
+            continue
+        found.append({"name": name, "step": int(m.group(1)), "kind": kind, "files": files})
+    found.sort(key=lambda c: c["step"], reverse=True)
+    print(json.dumps(found))
+
+
+def send(d, *names):
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+        for name in names:
+            if not NAME.match(name):
+                sys.exit("not a checkpoint name: " + name)
+            for rel in (name, name + ".sha256") if name.endswith(".pt") else (name,):
+                if os.path.exists(os.path.join(d, rel)):
+                    tar.add(os.path.join(d, rel), arcname=rel)
+
+
+def receive(d):
+    os.makedirs(d, exist_ok=True)
+    stage = os.path.join(d, ".receive.%d" % os.getpid())
+    os.makedirs(stage)
+    try:
+        with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+            for member in tar:
+                if member.name.startswith(("/", "..")) or "/../" in member.name or not (member.isfile() or member.isdir()):
+                    sys.exit("refusing tar member " + member.name)
+                tar.extract(member, stage, set_attrs=False)
+        for name in sorted(os.listdir(stage), key=lambda n: n.endswith(".sha256"), reverse=True):
+            # a checksum before its file: the trainer never sees a file without its .sha256
+            dst = os.path.join(d, name)
+            if os.path.isdir(dst) and not os.path.islink(dst):
+                shutil.rmtree(dst)
+            os.replace(os.path.join(stage, name), dst)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print("ok")
+
+
+def since(d, offsets_hex):
+    have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
+    out = sys.stdout.buffer
+    for rel, size in _files(d) if os.path.isdir(d) else []:
+        start = int(have.get(rel, 0))
+        if size <= start:
+            continue
+        with open(os.path.join(d, rel), "rb") as f:
+            f.seek(start)
+            data = f.read(size - start)
+        out.write(json.dumps({"rel": rel, "offset": start, "size": len(data)}).encode() + b"\n")
+        out.write(data)
+    out.flush()
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    {"prepare": prepare, "list": list_ckpts, "send": send, "receive": receive, "since": since}[cmd](*args)

@@ -1,0 +1,217 @@
+"""Restarts: a run whose failure is the infrastructure's is launched again, from its last checkpoint.
+
+  After an attempt fails, `classify` decides whose failure it was. A lost node, a worker killed
+  by a signal (the OOM killer's SIGKILL included) or a collective error after a peer died is the
+  infrastructure's: the run is launched again as attempt k+1 (at most --max-restarts times), with
+  the newest complete checkpoint restored onto the nodes, on the healthy nodes plus spares
+  (`spare: true` nodes take a lost node's place in rank order); with no spare left, --min-nodes
+  lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
+  communication error) is not retried: it would fail the same way again.
+
+Each attempt is started under its own key RUN_ID.aK on the nodes (attempt 1 keeps RUN_ID), so
+its processes are found by id like any run's; its logs append to the same nodes/NODE.log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import LaunchError
+from orchestrator.inventory import Inventory
+from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier, RestoreError, artifacts_cmd, restore
+from orchestrator.runs.logs import worker_failure
+from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
+
+if TYPE_CHECKING:
+    from orchestrator.runs.supervisor import Supervisor
+    from orchestrator.transport import Cluster
+
+# a worker's error that says a peer or the network went away, not that the script is wrong
+COMM_ERROR = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|DistBackendError|"
+    r"RendezvousConnectionError|NCCL (?:error|communicator was aborted)|remote process exited|"
+    r"ProcessGroupGloo.*(?:Read|Write|Timed out)|Gloo connectFullMesh failed|Socket Timeout|"
+    r"Timed out waiting|watchdog caught collective operation timeout|TCPStore|ECONNREFUSED|"
+    r"Connection refused", re.I)
+EXCEPTION_LINE = re.compile(r"^(?:\[[A-Za-z_]*\d+\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", re.M)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One node at the end of an attempt, as `classify` reads it."""
+
+    name: str
+    state: str  # a NodeState value: finished, failed, lost, ...
+    exit_code: int | None
+    log: str = ""  # the tail of the node's log for this attempt
+
+
+@dataclass(frozen=True)
+class Verdict:
+    retry: bool  # the infrastructure's failure: worth another attempt
+    cause: str  # finished | stopped | node lost | killed by signal | peer failure | script error
+    detail: str
+    bad_nodes: tuple[str, ...] = ()  # not to be used again this run
+
+
+def _last_exception(log: str) -> str | None:
+    found = EXCEPTION_LINE.findall(log)
+    return found[-1].strip() if found else None
+
+
+def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False) -> Verdict:
+    """Whose failure was it? `first` is the node the failure policy blamed (None: none failed)."""
+    if stopped:
+        return Verdict(False, "stopped", "stopped on request")
+    if first is None and all(o.state == NodeState.FINISHED.value for o in outcomes):
+        return Verdict(False, "finished", "every node finished")
+    lost = tuple(o.name for o in outcomes if o.state == NodeState.LOST.value)
+    if lost:
+        return Verdict(True, "node lost", f"{', '.join(lost)} lost", lost)
+    by_name = {o.name: o for o in outcomes}
+    root = by_name.get(first) if first else next((o for o in outcomes if o.exit_code not in (0, None)), None)
+    if root is None:
+        return Verdict(False, "script error", "no node reported a failure")
+    wf = worker_failure(root.log.encode())
+    code = wf["exitcode"] if wf else root.exit_code
+    if code is not None and (code < 0 or code > 128):
+        sig = -code if code < 0 else code - 128
+        what = "killed by SIGKILL (the OOM killer, or a kill -9)" if sig == 9 else f"killed by signal {sig}"
+        return Verdict(True, "killed by signal", f"{root.name}: a worker was {what}")
+    exc = _last_exception(root.log)
+    if exc is not None and not COMM_ERROR.search(exc) and not (COMM_ERROR.search(root.log) and
+                                                                 "RuntimeError" in exc.split(":")[0]):
+        return Verdict(False, "script error", f"{root.name}: {exc}")
+    if COMM_ERROR.search(root.log):
+        return Verdict(True, "peer failure", f"{root.name}: a collective failed after a peer went away")
+    return Verdict(False, "script error", f"{root.name}: exit code {root.exit_code}")
+
+
+def next_nodes(current: list[str], spares: list[str], bad: tuple[str, ...], min_nodes: int
+               ) -> tuple[list[str], list[str]] | None:
+    """The next attempt's nodes in rank order: each bad node's place taken by the next spare;
+    with no spare left it is dropped if at least `min_nodes` remain. None: not enough nodes.
+    Returns (nodes, spares left)."""
+    spares = [s for s in spares if s not in bad]
+    out = []
+    for name in current:
+        if name not in bad:
+            out.append(name)
+        elif spares:
+            out.append(spares.pop(0))
+    if len(out) < len(current) and len(out) < min_nodes:
+        return None
+    return out, spares
+
+
+def ordered(inv: Inventory, names: list[str]) -> Inventory:
+    """The inventory with exactly `names`, in that order, node ranks renumbered from 0."""
+    keep = tuple(dataclasses.replace(inv.node(n), rank=i) for i, n in enumerate(names))
+    return dataclasses.replace(inv, nodes=keep, _by_name={})
+
+
+class Attempts:
+    """Drives the supervisor's attempts (launch, watch, classify, restore, relaunch)."""
+
+    def __init__(self, sup: "Supervisor", cluster: "Cluster"):
+        self.sup, self.cluster = sup, cluster
+        self.full = sup.full_inv
+        spec, train = sup.spec, self.full.train
+        self.max_restarts = spec.max_restarts if spec.max_restarts is not None else train.max_restarts
+        active = [n.name for n in sup.inv.nodes]
+        self.min_nodes = spec.min_nodes or len(active)
+        self.nodes = active
+        self.spares = [n.name for n in self.full.nodes if n.spare and n.name in cluster.connections
+                       and n.name not in active]
+        self.history: list[dict] = []
+
+    def prepare(self, names: list[str]) -> dict[str, dict]:
+        res = self.cluster.run(lambda n: artifacts_cmd(n, "prepare", self.sup.run.id), stdin=ARTIFACTS,
+                               nodes=names, timeout=60)
+        dirs = {}
+        for name, r in res.items():
+            if not r.ok:
+                raise LaunchError(f"{name}: cannot create the run's checkpoint directory: {r.describe()} "
+                                  f"{r.stderr.strip()[-300:]}")
+            dirs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+        return dirs
+
+    def run(self) -> int:
+        sup, k = self.sup, 1
+        copier = ArtifactCopier(self.cluster, sup.run.dir, {}, say=sup.say)
+        while True:
+            sup.begin_attempt(k, ordered(self.full, self.nodes))
+            dirs = self.prepare(self.nodes)
+            copier.dirs.update(dirs)
+            entry = {"attempt": k, "key": sup.key, "nodes": list(self.nodes), "started": time.time()}
+            if k > 1:
+                t0 = time.monotonic()
+                try:
+                    entry["restored"] = restore(self.cluster, copier.store, dirs,
+                                                [self.full.node(n) for n in self.nodes])
+                except RestoreError as e:
+                    raise LaunchError(str(e)) from e
+                entry["checkpoint"] = copier.store.newest()
+                entry["restore_s"] = round(time.monotonic() - t0, 3)
+            self.history.append(entry)
+            sup.save(attempts=self.history, attempt=k)
+            sup.say(f"attempt {k} on {', '.join(self.nodes)}" +
+                    (f", from checkpoint {entry.get('checkpoint')}" if k > 1 else ""))
+            env = {"CLUSTERCTL_ATTEMPT": str(k)}
+            per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}
+                        for n, d in dirs.items()}
+            copier.start(lambda: [n for n in self.nodes])
+            try:
+                result = sup.attempt(self.cluster, env, per_node)
+            finally:
+                copier.stop()
+            copier.sweep([n for n in self.nodes])  # a checkpoint written just before the end
+            verdict = classify(self.outcomes(), result.first_failure.node if result.first_failure else None,
+                               stopped=result.state is RunState.STOPPED)
+            entry.update(ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
+                         detail=verdict.detail, copy_s=round(copier.copy_s, 3))
+            nxt = next_nodes(self.nodes, self.spares, verdict.bad_nodes, self.min_nodes) if verdict.retry else None
+            if not verdict.retry or k > self.max_restarts or nxt is None:
+                if verdict.retry and k <= self.max_restarts and nxt is None:
+                    sup.say(f"not enough nodes for another attempt (--min-nodes {self.min_nodes})")
+                sup.save(attempts=self.history)
+                return sup.close_and_finish(self.summary(result, k, verdict))
+            sup.say(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting "
+                    f"({k} of {self.max_restarts} restarts)")
+            self.nodes, self.spares = nxt
+            k += 1
+
+    def outcomes(self) -> list[Outcome]:
+        return [Outcome(st.name, st.state.value, st.exit_code, self._attempt_log(st))
+                for st in self.sup.statuses.values()]
+
+    def _attempt_log(self, st: NodeStatus) -> str:
+        """The node's log from where this attempt began (the copy appends across attempts)."""
+        path = self.sup.run.node_log(st.name)
+        start = self.sup.log_start.get(st.name, 0)
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(start, size - (1 << 18)))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def summary(self, result: RunResult, k: int, verdict: Verdict) -> RunResult:
+        if k == 1 and verdict.cause in ("finished", "stopped"):
+            return result
+        tried = "; ".join(f"attempt {h['attempt']}: {h.get('verdict', '?')}" +
+                          (f" ({h['detail']})" if h.get("detail") and h.get("verdict") != "finished" else "")
+                          for h in self.history)
+        note = ""
+        if verdict.retry and k > self.max_restarts:
+            note = f" (no restart left: --max-restarts {self.max_restarts})"
+        elif verdict.cause == "script error" and self.max_restarts:
+            note = " (the script's own error: not retried)"
+        text = f"{result.summary}\n{k} attempt{'s' if k > 1 else ''}: {tried}{note}"
+        return dataclasses.replace(result, summary=text)

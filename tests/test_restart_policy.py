@@ -1,0 +1,130 @@
+"""Whose failure was it (classify), who runs the next attempt (next_nodes), and the control
+machine's checkpoint store: pure functions and real files, no cluster."""
+
+import hashlib
+import io
+import json
+import tarfile
+
+from orchestrator.runs.checkpoints import CheckpointStore, is_complete, write_frames
+from orchestrator.runs.restart import Outcome, classify, next_nodes
+
+TORCHRUN_KILLED = """[default0]:step 12 | loss 4.1
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_19:23:57
+  host      : node3
+  rank      : 2 (local_rank: 0)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+====================================================
+"""
+
+SCRIPT_ERROR = """[default0]:Traceback (most recent call last):
+[default0]:  File "train.py", line 3, in <module>
+[default0]:ValueError: rank 5 failing on purpose
+Root Cause (first observed failure):
+[0]:
+  rank      : 5 (local_rank: 1)
+  exitcode  : 1 (pid: 77)
+====================================================
+"""
+
+PEER_DIED = """[default0]:Traceback (most recent call last):
+[default0]:  File "trainer/train.py", line 240, in _loop
+[default0]:RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:4455
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 90)
+====================================================
+"""
+
+
+def test_a_lost_node_is_retried_and_not_used_again():
+    v = classify([Outcome("n1", "failed", 1, PEER_DIED), Outcome("n2", "lost", None)], "n2")
+    assert v.retry and v.cause == "node lost" and v.bad_nodes == ("n2",)
+
+
+def test_a_worker_killed_by_a_signal_is_retried_on_the_same_nodes():
+    v = classify([Outcome("n3", "failed", 1, TORCHRUN_KILLED), Outcome("n1", "failed", 1, PEER_DIED)], "n3")
+    assert v.retry and v.cause == "killed by signal" and "SIGKILL" in v.detail and v.bad_nodes == ()
+
+
+def test_the_scripts_own_exception_is_not_retried():
+    v = classify([Outcome("n3", "failed", 1, SCRIPT_ERROR), Outcome("n1", "failed", 1, PEER_DIED)], "n3")
+    assert not v.retry and v.cause == "script error" and "ValueError: rank 5 failing on purpose" in v.detail
+
+
+def test_the_same_exception_everywhere_is_the_scripts():
+    outs = [Outcome(f"n{i}", "failed", 1, SCRIPT_ERROR) for i in range(1, 4)]
+    assert classify(outs, "n1").cause == "script error"
+
+
+def test_a_collective_error_after_a_peer_died_is_retried():
+    v = classify([Outcome("n1", "failed", 1, PEER_DIED), Outcome("n2", "finished", 0)], "n1")
+    assert v.retry and v.cause == "peer failure"
+
+
+def test_finished_and_stopped_are_not_retried():
+    assert classify([Outcome("n1", "finished", 0)], None) .cause == "finished"
+    v = classify([Outcome("n1", "lost", None)], "n1", stopped=True)
+    assert not v.retry and v.cause == "stopped"
+
+
+def test_a_spare_takes_the_lost_nodes_place_in_rank_order():
+    assert next_nodes(["n1", "n2", "n3", "n4"], ["n5"], ("n2",), 4) == (["n1", "n5", "n3", "n4"], [])
+    assert next_nodes(["n1", "n2", "n3", "n4"], ["n5", "n6"], ("n1",), 4) == (["n5", "n2", "n3", "n4"], ["n6"])
+
+
+def test_without_a_spare_the_run_shrinks_only_down_to_min_nodes():
+    assert next_nodes(["n1", "n2", "n3"], [], ("n2",), 2) == (["n1", "n3"], [])
+    assert next_nodes(["n1", "n2", "n3"], [], ("n2",), 3) is None
+    assert next_nodes(["n1", "n2"], [], (), 2) == (["n1", "n2"], [])  # killed, not lost: same nodes
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_fsdp_pieces_from_two_nodes_make_one_complete_checkpoint(tmp_path):
+    shards = {".metadata": b"meta", "__0_0.distcp": b"zero" * 100, "__1_0.distcp": b"one" * 100, "extra.pt": b"x"}
+    manifest = "".join(f"{hashlib.sha256(v).hexdigest()}  {k}\n" for k, v in sorted(shards.items())).encode()
+    name = "ckpt_00000010"
+    node0 = {f"{name}/{k}": v for k, v in shards.items() if k != "__1_0.distcp"} | {f"{name}/MANIFEST.sha256": manifest}
+    node1 = {f"{name}/__1_0.distcp": shards["__1_0.distcp"], f"{name}/MANIFEST.sha256": manifest}
+    store = CheckpointStore(tmp_path)
+    (tmp_path / "a.tar").write_bytes(_tar(node0))
+    (tmp_path / "b.tar").write_bytes(_tar(node1))
+    assert not store.take(tmp_path / "a.tar", name, "dir") and store.newest() is None  # a shard is missing
+    assert store.take(tmp_path / "b.tar", name, "dir")
+    assert store.newest() == name and is_complete(store.dir / name)
+
+
+def test_a_torn_file_checkpoint_is_never_taken(tmp_path):
+    good = b"weights" * 1000
+    name = "ckpt_00000020.pt"
+    store = CheckpointStore(tmp_path)
+    side = (hashlib.sha256(good).hexdigest() + "\n").encode()
+    (tmp_path / "t.tar").write_bytes(_tar({name: good[:-10], name + ".sha256": side}))
+    assert not store.take(tmp_path / "t.tar", name, "file") and store.newest() is None
+    (tmp_path / "t.tar").write_bytes(_tar({name: good, name + ".sha256": side}))
+    assert store.take(tmp_path / "t.tar", name, "file") and store.newest() == name
+
+
+def test_tensorboard_frames_append_and_skip_what_is_out_of_step(tmp_path):
+    def frame(rel, offset, data):
+        return json.dumps({"rel": rel, "offset": offset, "size": len(data)}).encode() + b"\n" + data
+
+    write_frames(frame("events.1", 0, b"abc") + frame("sub/events.2", 0, b"\n\nxy"), tmp_path)
+    write_frames(frame("events.1", 3, b"def") + frame("events.1", 99, b"zzz") + frame("../evil", 0, b"!"), tmp_path)
+    assert (tmp_path / "events.1").read_bytes() == b"abcdef"
+    assert (tmp_path / "sub" / "events.2").read_bytes() == b"\n\nxy"
+    assert not (tmp_path.parent / "evil").exists()

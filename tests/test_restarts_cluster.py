@@ -1,0 +1,120 @@
+"""Restarts on the real test cluster (gloo on CPU): a node cut off for good mid-run, the run goes
+on from the last checkpoint copied to the control machine, with the spare node in its place."""
+
+import json
+import os
+import re
+import subprocess
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "cchome"
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
+    return h
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def inventory(cluster, tmp_path, steps, *extra):
+    for n in cluster.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    nodes = cluster.inventory()["nodes"]
+    nodes[-1]["spare"] = True
+    return str(cluster.write_inventory(
+        tmp_path / "nodes.yaml", nodes=nodes, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+        train={"module": "trainer", "max_restarts": 2,
+               "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
+                        "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
+                        "--output-dir", "out", *extra]}))
+
+
+def start(inv):
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--lost-timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ.copy())
+
+
+def run_dir_of(home):
+    return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
+                    if (home / "runs").exists() else None, 60, "the run directory")
+
+
+def copied(run_dir, name):
+    return (run_dir / "checkpoints" / name).exists()
+
+
+def start_steps(text):
+    return [int(s) for s in re.findall(r"start step (\d+)", text)]
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-n2", "master-n1"])
+def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_cluster, tmp_path, home, victim):
+    cluster = make_cluster(5, gpus=0)
+    inv = inventory(cluster, tmp_path, 200)
+    proc = start(inv)
+    try:
+        run_dir = run_dir_of(home)
+        wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 240, "a checkpoint on the control machine")
+        cluster.nodes[victim].link_down()  # for good: never brought back during the run
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert proc.returncode == 0, err[-3000:]
+    assert rec["state"] == "finished" and rec["exit_code"] == 0
+    names = [n.name for n in cluster.nodes]
+    want = names[:4]
+    want[victim] = names[4]
+    attempts = rec["attempts"]
+    assert [a["attempt"] for a in attempts] == [1, 2]
+    assert attempts[0]["nodes"] == names[:4] and attempts[0]["verdict"] == "node lost"
+    assert attempts[1]["nodes"] == want and attempts[1]["verdict"] == "finished"
+    assert "2 attempts" in rec["summary"]
+    master_log = (run_dir / "nodes" / f"{want[0]}.log").read_text()
+    resumed = [s for s in start_steps(master_log) if s]
+    assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
+    assert "step 200 | loss" in master_log
+    assert copied(run_dir, "ckpt_00000200.pt")
+    # TensorBoard events from both attempts' masters came home
+    assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))
+
+
+def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp_path):
+    cluster = make_cluster(3, gpus=0)
+    # the host's /tmp: every node's namespace sees it (pytest's tmp_path is root's alone)
+    shared_dir = Path(tempfile.mkdtemp(prefix="cc-shared-", dir="/tmp"))
+    shared_dir.chmod(0o777)
+    verdicts = {}
+    for label, out in (("home", "~/own-out"), ("tmp", str(shared_dir))):
+        inv = str(cluster.write_inventory(tmp_path / f"{label}.yaml", output_dir=out))
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "preflight", "-i", inv, "--only",
+                            "output_shared", "--json"], capture_output=True, text=True, timeout=120)
+        doc = json.loads(r.stdout)
+        verdicts[label] = {n["name"]: next(c for c in n["checks"] if c["check"] == "output_shared")
+                           for n in doc["nodes"]}
+    assert "not shared" in verdicts["home"]["node1"]["detail"]
+    assert all(v["status"] == "ok" for v in verdicts["home"].values())
+    assert verdicts["tmp"]["node1"]["detail"] == "shared with every node"
+    assert "(shared)" in verdicts["tmp"]["node2"]["detail"]
+    shutil.rmtree(shared_dir, ignore_errors=True)
