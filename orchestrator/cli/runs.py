@@ -26,8 +26,9 @@ from orchestrator.runs.launch import agent_status
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.runs.policy import MAX_GRACE
 from orchestrator.runs.spec import NodeState, NodeStatus
+from orchestrator.runs.stopping import LOG_DRAIN_S
 from orchestrator.runs.store import Run
-from orchestrator.runs.supervisor import LOG_DRAIN_S, spawn
+from orchestrator.runs.supervisor import spawn
 from orchestrator.transport import Cluster
 
 SUPERVISOR_GRACE_S = 10  # a run this young may not have recorded its supervisor yet

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
-from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier, RestoreError, artifacts_cmd, restore
+from orchestrator.runs.checkpoints import AGENT as ARTIFACTS
+from orchestrator.runs.checkpoints import (
+    ArtifactCopier,
+    RestoreError,
+    artifacts_cmd,
+    restore,
+)
 from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
 
