@@ -239,7 +239,11 @@ def test_the_trainer_with_preflight_from_the_inventory_train_section(make_cluste
     assert r.stderr.count("rank 0 → node1") == 1  # the rank map once, before the first log line
     steps = [ln for ln in r.stdout.splitlines() if ln.startswith("node1/r0 | step ") and "| loss " in ln]
     assert len(steps) == 4
-    assert "ckpt_00000020.pt" in cluster.nodes[0].run("ls ~/gpt_train/out").stdout
+    # the trainer writes checkpoints to $CLUSTERCTL_CHECKPOINT_DIR, and the supervisor copies each
+    # finished one off the node into the run's directory on this machine
+    run_dir, _ = record(home)
+    wait_for(lambda: (run_dir / "checkpoints" / "ckpt_00000020.pt").exists(), 10,
+             "the final checkpoint copied to the control machine")
     # the supervisor closed its connections before recording the end; sshd's session
     # processes for them exit a moment later, asynchronously
     wait_for(lambda: all_clean(cluster), 5, "the nodes clean after a finished run")
