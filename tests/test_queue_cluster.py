@@ -84,5 +84,8 @@ def test_stop_of_a_queued_run_removes_it_from_the_queue(make_cluster, tmp_path, 
     q = cli("queue", "--json", home=home)
     assert [d["id"] for d in json.loads(q.stdout)] == [holder]
     assert state(home, holder) == "running"  # the run it waited for is untouched
+    gives_up = queued_train(inv, home, "--steps", "1", extra=("--queue", "--queue-timeout", "2"))
+    wait_for(lambda: state(home, gives_up) == "failed", 30, "the queue timeout")
+    assert "--queue-timeout 2s" in rec_of(home / "runs" / gives_up)["error"]
     assert cli("stop", holder, home=home).returncode == 0
     wait_for(lambda: all_clean(cluster), 15, "clean")
