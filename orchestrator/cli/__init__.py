@@ -32,6 +32,7 @@ LAZY_COMMANDS = {
     "tail": "orchestrator.cli.runs:tail_command",
     "status": "orchestrator.cli.runs:status_command",
     "runs": "orchestrator.cli.runs:runs_command",
+    "queue": "orchestrator.cli.queue:queue_command",
     "stop": "orchestrator.cli.runs:stop_command",
     "plan": "orchestrator.cli.plan:plan_command",
     "netbench": "orchestrator.cli.netbench:netbench_command",

@@ -20,6 +20,7 @@ import time
 import click
 
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
+from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
 from orchestrator.runs.launch import agent_status
@@ -256,12 +257,18 @@ def status_command(run_id, as_json):
 
 
 @click.command("runs")
+@cluster_options
+@click.option("--cluster", "on_cluster", is_flag=True,
+              help="Ask the inventory's nodes (-i) which runs hold them, from whichever control machine.")
 @click.option("--json", "as_json", is_flag=True)
-def runs_command(as_json):
-    """The runs recorded on this control machine, oldest first."""
+def runs_command(opts: ClusterOptions, on_cluster, as_json):
+    """The runs recorded on this control machine, oldest first; with --cluster, every run holding
+    a node of the inventory: run id, who started it (user@control-host), since when, its nodes."""
     from rich.console import Console
     from rich.table import Table
 
+    if on_cluster:
+        return _cluster_runs(opts, as_json)
     rows = [r.record for r in Run.all()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -276,6 +283,31 @@ def runs_command(as_json):
                   str(rec.get("world_size", "-")), time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("created", 0))),
                   "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
     Console().print(t)
+
+
+def _cluster_runs(opts: ClusterOptions, as_json: bool) -> None:
+    """`runs --cluster`: the nodes' claims, grouped by run; exit 3 naming nodes not asked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from orchestrator.runs.queue import cluster_runs
+
+    inv = opts.load()
+    with opts.cluster(inv) as cluster:
+        held, failed = cluster_runs(cluster, [n.name for n in inv.nodes])
+    if as_json:
+        click.echo(json.dumps(held, indent=2))
+    else:
+        t = Table(title="runs on the cluster")
+        t.add_column("run", no_wrap=True, min_width=max((len(d["run"]) for d in held), default=3))
+        for c in ("who", "since", "nodes"):
+            t.add_column(c, no_wrap=c == "since")
+        for d in held:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"])) if d.get("since") else "-"
+            t.add_row(d["run"], d.get("who") or "?", since, ",".join(d["nodes"]))
+        Console().print(t)
+    if failed:
+        raise UnreachableError(failed, "so runs holding them may be missing above")
 
 
 def _wait_ended(run: Run, timeout: float) -> dict:

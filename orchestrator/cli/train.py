@@ -59,6 +59,9 @@ def wait_launching(run: Run, sup: subprocess.Popen) -> int:
         state = run.state(rec)
         if state in (RunState.LAUNCHING, RunState.RUNNING):
             return 0
+        if state is RunState.QUEUED:
+            _err(f"clusterctl: run {run.id} is queued; `clusterctl queue` shows what it waits for")
+            return 0
         if state.terminal or sup.poll() is not None:
             rec = run.record
             _err(f"clusterctl: run {run.id} {rec.get('state')}: {rec.get('error') or rec.get('summary') or ''}")
@@ -104,9 +107,16 @@ def _check_script(script: tuple[str, ...]) -> None:
 @click.option("--min-nodes", type=click.IntRange(1), default=None,
               help="A restart may go on with fewer nodes, down to this many, when no spare is left "
                    "(the script must take a different world size).")
+@click.option("--queue", is_flag=True,
+              help="When another run holds a node, wait for it instead of refusing: the run is recorded "
+                   "`queued` and starts when its nodes are free, queued runs of this machine first come, "
+                   "first served (`clusterctl queue` lists them) [default: the inventory's train.queue].")
+@click.option("--queue-timeout", type=click.FloatRange(1), default=None, metavar="SECONDS",
+              help="Give up (exit 1, nothing started) after waiting queued this long [default: wait until "
+                   "stopped].")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, max_restarts, min_nodes, script):
+                  lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -114,12 +124,15 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     node fails, every node is stopped and the first failure is explained."""
     _check_script(script)
     inv = opts.load()  # a bad inventory ends here, with exit code 2
+    if queue and force:
+        raise click.UsageError("--queue waits for busy nodes and --force shares them: use one of the two")
+    queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
     run = Run.create(new_run_id(name), RunSpec(
         inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
-        max_restarts=max_restarts, min_nodes=min_nodes))
+        max_restarts=max_restarts, min_nodes=min_nodes, queue=queue, queue_timeout=queue_timeout))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

@@ -166,6 +166,7 @@ class TrainSection(_Model):
     output_dir: str | None = None
     notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
     max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
+    queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
 
     @field_validator("env", mode="before")
     @classmethod

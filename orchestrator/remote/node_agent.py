@@ -31,6 +31,7 @@ processes), never by name pattern.
   claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
                                the holder's record}; a claim whose run has ended is replaced
   release NODE KEY             drop the node's claim if run KEY holds it
+  claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
                                ("exited") or S seconds pass ("timeout")
 """
@@ -449,6 +450,20 @@ def release(node, key):
     print(json.dumps({"released": held.get("key") == key}))
 
 
+def claims():
+    out = {}
+    for name in sorted(os.listdir(CLAIMS)) if os.path.isdir(CLAIMS) else []:
+        if name.endswith(".lock") or name.startswith(".") or ".tmp" in name:
+            continue
+        try:
+            doc = json.loads(read(os.path.join(CLAIMS, name), "") or "{}")
+        except ValueError:
+            continue
+        if doc:
+            out[name] = dict(doc, stale=claim_stale(doc))
+    print(json.dumps(out))
+
+
 def is_listening(port):
     want = "%04X" % int(port)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -476,4 +491,5 @@ def wait_listening(run_id, port, seconds):
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
-     "wait-listening": wait_listening, "claim": claim, "release": release}[cmd](*args)
+     "wait-listening": wait_listening, "claim": claim, "release": release,
+     "claims": claims}[cmd](*args)

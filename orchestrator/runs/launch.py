@@ -61,10 +61,26 @@ def _agent_json(name: str, inv: Inventory, r):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+class NodeBusy(LaunchError):
+    """A node is claimed by another run: its claim record {"run", "who", "since"} rides along."""
+
+    def __init__(self, node: str, holder: dict):
+        self.node, self.holder = node, holder
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since") or 0))
+        super().__init__(f"{node} is running {holder.get('run', '?')} (claimed by {holder.get('who', '?')} "
+                         f"since {since}). Stop it with `clusterctl stop {holder.get('run', 'RUN')}`, pass "
+                         "--queue to wait for it, or --force to share the node")
+
+
+def node_claims(cluster: Cluster, nodes: list[str] | None = None, timeout: float = AGENT_TIMEOUT) -> ClusterResult:
+    """Every claim on each node's machine (agent `claims`): the raw results, JSON on stdout."""
+    return cluster.run(lambda n: agent_cmd(n, "claims"), stdin=AGENT, nodes=nodes, timeout=timeout)
+
+
 def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str) -> None:
     """Take every node for this run, one at a time in rank order (the node agent's `claim`,
     atomic on the node): of two launches at once on the same nodes exactly one gets them all.
-    Refused: the claims taken are released and LaunchError names the run holding the node."""
+    Refused: the claims taken are released and NodeBusy names the run holding the node."""
     taken: list[str] = []
     for node in inv.nodes:
         r = cluster.run(agent_cmd(node, "claim", node.name, node_key(run_id, node), who), stdin=AGENT,
@@ -72,10 +88,7 @@ def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str) -> None
         doc = _agent_json(node.name, inv, r)
         if not doc.get("ok"):
             release_nodes(cluster, inv, run_id, taken)
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc.get("since") or 0))
-            raise LaunchError(f"{node.name} is running {doc.get('run', '?')} (claimed by {doc.get('who', '?')} "
-                              f"since {since}). Stop it with `clusterctl stop {doc.get('run', 'RUN')}`, or pass "
-                              "--force to share the node")
+            raise NodeBusy(node.name, doc)
         taken.append(node.name)
 
 

@@ -20,6 +20,7 @@ class RunState(str, enum.Enum):
     """A run as a whole (run.json "state"); str-valued so the JSON stays readable."""
 
     STARTING = "starting"  # the record exists, the supervisor is starting
+    QUEUED = "queued"  # train --queue: waiting for its nodes' claims to clear (runs/queue.py)
     CONNECTING = "connecting"
     PREFLIGHT = "preflight"
     LAUNCHING = "launching"
@@ -76,6 +77,8 @@ class RunSpec:
     cwd: str | None = None
     max_restarts: int | None = None  # --max-restarts; None: the inventory's train.max_restarts
     min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
+    queue: bool = False  # --queue / train.queue: wait for busy nodes instead of refusing
+    queue_timeout: float | None = None  # --queue-timeout: how long to wait queued; None: until stopped
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":

@@ -158,7 +158,13 @@ class Supervisor(Stopping):
     def _main(self) -> int:
         cluster = self.connect()
         if not self.spec.force:
-            claim_nodes(cluster, self.inv, self.run.id, f"{getpass.getuser()}@{socket.gethostname()}")
+            who = f"{getpass.getuser()}@{socket.gethostname()}"
+            if self.spec.queue:  # waits (recorded `queued`) until the nodes are free, then claims them
+                from orchestrator.runs.queue import claim_when_free
+
+                claim_when_free(self, cluster, who)
+            else:
+                claim_nodes(cluster, self.inv, self.run.id, who)
             self.claimed = True
         from orchestrator.runs.restart import Attempts
 
