@@ -6,12 +6,22 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import jsonschema
 import pytest
 
-from tests.test_train_cluster import DDP, all_clean, prepare, rec_of, wait_for
+from tests.conftest import wait_for
+from tests.test_train_cluster import DDP, all_clean, prepare, rec_of
 
 pytestmark = pytest.mark.cluster
+
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
+
+
+def schema(name):
+    return json.loads((SCHEMAS / f"{name}.json").read_text())
 
 
 def cli(*args, home, timeout=180):
@@ -57,6 +67,7 @@ def test_a_run_from_another_control_machine_shows_in_runs_cluster(make_cluster, 
     r = cli("runs", "-i", inv, "--cluster", "--json", home=home)
     assert r.returncode == 0, r.stderr
     held = json.loads(r.stdout)
+    jsonschema.validate(held, schema("runs"))
     assert [d["run"] for d in held] == [theirs], held
     assert sorted(held[0]["nodes"]) == sorted(n.name for n in cluster.nodes)
     assert "@" in held[0]["who"] and held[0]["since"] > 0
@@ -75,6 +86,7 @@ def test_stop_of_a_queued_run_removes_it_from_the_queue(make_cluster, tmp_path, 
     wait_for(lambda: state(home, waiting) == "queued", 30, "the second run queued")
     q = cli("queue", "--json", home=home)
     assert q.returncode == 0, q.stderr
+    jsonschema.validate(json.loads(q.stdout), schema("queue"))
     rows = {d["id"]: d for d in json.loads(q.stdout)}
     assert rows[waiting]["state"] == "queued" and holder in rows[waiting]["waiting_for"], rows
     s = cli("stop", waiting, home=home, timeout=60)
