@@ -305,3 +305,76 @@ def test_sbatch_under_fake_srun_on_the_test_cluster(cluster4, tmp_path):
     assert all(g["world"] == 4 and g["sum"] == 4 and g["grad"] == got[0]["grad"] for g in got)
     assert all(g["run_id"] == "4242" and g["gloo_iface"] == "eth0" and g["dist_timeout"] == "7200" for g in got)
     assert "nvidia-smi sees 2" in logs
+
+
+# ------------------------------------------------------------------ Kubernetes, --checkpoint-pvc
+
+PVC_ARGS = [*K8S_ARGS, "--checkpoint-pvc", "gpt2-checkpoints", "--max-restarts", "2"]
+
+
+def test_k8s_checkpoint_pvc_golden(capsys):
+    golden("k8s_checkpoint_pvc.yaml", rendered(["render", "k8s", "-i", str(INV), *PVC_ARGS], capsys))
+
+
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_k8s_checkpoint_pvc_validates_against_the_schema(version):
+    docs = k8s_docs((FIX / "k8s_checkpoint_pvc.yaml").read_text())
+    assert "podFailurePolicy" in docs[1]["spec"]  # the new fields are the ones checked
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_k8s_checkpoint_pvc_semantics():
+    """The claim is mounted where CLUSTERCTL_CHECKPOINT_DIR points, the bundled trainer's rendered
+    args parse to `resume == auto`, and every failure but a usage error or a disruption retries
+    the whole Job within 2 x nodes x restarts pod failures."""
+    from trainer.config import parse_args
+    inv = load_inventory(str(INV))
+    _, job = render_k8s_objects(inv, ["-m", "trainer", "--preset", "small"], image="img", name="gpt2",
+                                checkpoint_pvc="ckpt", max_restarts=2)
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == env["CLUSTERCTL_CHECKPOINT_DIR"]]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert mount["subPath"] == "gpt2"  # one directory per Job name on the claim
+    assert c["args"][-2:] == ["--resume", "auto"] and parse_args(c["args"][2:]).resume == "auto"
+    spec = job["spec"]
+    assert spec["backoffLimit"] == 2 * 2 * 2 and pod["restartPolicy"] == "Never"
+    rules = spec["podFailurePolicy"]["rules"]
+    failjob_codes = [v for r in rules if r["action"] == "FailJob" and "onExitCodes" in r
+                     for v in r["onExitCodes"]["values"]]
+    assert failjob_codes == [2]  # 1 is what torchrun returns on the peers of a lost pod: retried
+    assert {"type": "DisruptionTarget", "status": "True"} in rules[1]["onPodConditions"]
+    assert all(r.get("onExitCodes", {}).get("containerName", "trainer") == c["name"] for r in rules)
+
+
+def test_k8s_without_a_claim_does_not_retry():
+    _, job = render_k8s_objects(load_inventory(str(INV)), image="img")
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert job["spec"]["backoffLimit"] == 0 and "podFailurePolicy" not in job["spec"]
+    assert "--resume" not in c["args"] and "CLUSTERCTL_CHECKPOINT_DIR" not in {e["name"] for e in c["env"]}
+
+
+@pytest.mark.parametrize("script_args,want", [
+    (["-m", "trainer", "--resume", "auto"], ["-m", "trainer", "--resume", "auto"]),
+    (["-m", "trainer", "--resume=auto", "--lr", "1"], ["-m", "trainer", "--resume=auto", "--lr", "1"]),
+    (["train.py", "--lr", "1"], ["train.py", "--lr", "1"]),  # another script reads CLUSTERCTL_CHECKPOINT_DIR itself
+])
+def test_k8s_checkpoint_pvc_resume_args(script_args, want, capsys):
+    text = rendered(["render", "k8s", "-i", str(INV), "--image", "img", "--checkpoint-pvc", "c", "--",
+                     *script_args], capsys)
+    assert trainer_args(text) == want
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--checkpoint-pvc", "c", "--", "-m", "trainer", "--resume", "none"], "--resume 'none'"),
+    (["--checkpoint-pvc", "c", "--", "-m", "trainer", "--resume=/x/step_10.pt"], "--resume '/x/step_10.pt'"),
+    (["--checkpoint-pvc", "Bad_Claim"], "PersistentVolumeClaim"),
+    (["--max-restarts", "2"], "needs --checkpoint-pvc"),
+])
+def test_k8s_checkpoint_pvc_refusals(args, says, capsys):
+    assert main(["render", "k8s", "-i", str(INV), "--image", "img", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -65,12 +65,19 @@ def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, part
 @click.option("--namespace", default=None, help="metadata.namespace (default: kubectl's).")
 @click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
               help="Extended resource to request (amd.com/gpu on ROCm clusters).")
+@click.option("--checkpoint-pvc", default=None, metavar="CLAIM",
+              help="Mount this ReadWriteMany PersistentVolumeClaim at /checkpoints (a directory per "
+                   "--name) as CLUSTERCTL_CHECKPOINT_DIR and let a failed Job restart every pod from "
+                   "the newest checkpoint there (default: no retries).")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=None,
+              help="With --checkpoint-pvc: how many times the whole Job may restart  [default: 3]")
 @_json_opt
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def render_k8s_command(opts: ClusterOptions, gpus, output, image, name, namespace, gpu_resource,
-                       as_json, script_args):
+                       checkpoint_pvc, max_restarts, as_json, script_args):
     """An Indexed Job + headless Service: one pod per node, each running `clusterctl launch
     --from-env` with node rank JOB_COMPLETION_INDEX and node 0 as `<name>-0.<name>`."""
     inv = opts.load()
     _done(render_k8s(inv, script_args, image=image, name=name, namespace=namespace, gpus=gpus,
-                     gpu_resource=gpu_resource), output, as_json, "k8s", inv, job_name=name)
+                     gpu_resource=gpu_resource, checkpoint_pvc=checkpoint_pvc, max_restarts=max_restarts),
+          output, as_json, "k8s", inv, job_name=name)

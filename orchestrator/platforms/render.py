@@ -25,6 +25,8 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.%/:,=+@-]+$")  # sbatch reads #SBATCH lines itself: no quoting
 IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+CHECKPOINT_MOUNT = "/checkpoints"  # where --checkpoint-pvc is mounted: CLUSTERCTL_CHECKPOINT_DIR
 
 
 # ------------------------------------------------------------------ what every node gets
@@ -169,8 +171,27 @@ def _k8s_service(name: str, namespace: str | None, port: int) -> dict:
     }
 
 
+def _resume_args(target: list[str], checkpoint_pvc: str | None) -> list[str]:
+    """The bundled trainer resumes from CLUSTERCTL_CHECKPOINT_DIR with `--resume auto`; say so in
+    the args, so that a retried pod picks up the newest checkpoint on the claim. Another
+    script gets its args unchanged: it must read CLUSTERCTL_CHECKPOINT_DIR itself."""
+    if checkpoint_pvc is None or target[:2] != ["-m", "trainer"]:
+        return target
+    given = []
+    for i, a in enumerate(target):
+        if a == "--resume":
+            given.append(target[i + 1] if i + 1 < len(target) else "")
+        elif a.startswith("--resume="):
+            given.append(a.split("=", 1)[1])
+    if any(v != "auto" for v in given):
+        raise UsageError(f"--resume {given[-1]!r} with --checkpoint-pvc: a retried pod would start "
+                         "from it again instead of from the newest checkpoint on the claim; drop "
+                         "--resume (the claim's checkpoints are resumed with --resume auto)")
+    return target if given else [*target, "--resume", "auto"]
+
+
 def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: int, want_gpus: bool,
-                   gpu_resource: str) -> dict:
+                   gpu_resource: str, checkpoint_pvc: str | None = None) -> dict:
     env, dropped = common_env(inv)
     _warn_dropped(dropped)
     port = inv.master_port
@@ -186,11 +207,15 @@ def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: i
         "image": image,
         # node rank: JOB_COMPLETION_INDEX, which the Job controller sets in every Indexed pod
         "command": ["clusterctl", *launch_argv(nproc)],
-        "args": target_argv(inv, user_args),
+        "args": _resume_args(target_argv(inv, user_args), checkpoint_pvc),
         "env": pod_env,
         "ports": [{"name": "rendezvous", "containerPort": port}],
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    if checkpoint_pvc:
+        pod_env.append({"name": "CLUSTERCTL_CHECKPOINT_DIR", "value": CHECKPOINT_MOUNT})
+        # one directory per Job name on the claim: another run's checkpoints are never resumed
+        container["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, "subPath": name})
     if inv.workdir.startswith("/"):
         container["workingDir"] = inv.workdir
     if want_gpus:
@@ -198,7 +223,51 @@ def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: i
     return container
 
 
-def _k8s_job(name: str, namespace: str | None, nnodes: int, container: dict) -> dict:
+def _k8s_restarts(nnodes: int, checkpoint_pvc: str | None, max_restarts: int) -> dict:
+    """The Job's failure policy.
+
+    Without a checkpoint claim, `backoffLimit: 0`: one failed pod fails the Job, as one failed
+    node fails `train`. The checkpoints would be in the pod's own filesystem, so a retried Job
+    would start again from step 0, redoing the work and reporting the result as one run.
+
+    With a claim, the whole gang restarts from the newest checkpoint on it. A Job has no "restart
+    every pod" action, and one pod restarting alone cannot rejoin: torchrun's static rendezvous
+    happens once, at start, in a store that pod 0's torchrun serves. What does work:
+    `restartPolicy: Never` (an in-place container restart would be that lone pod), so a lost pod
+    makes its peers' collectives fail and every pod exits non-zero; the Job replaces each failed
+    index, the replacements meet in a fresh rendezvous on the new pod 0 (same DNS name) and
+    resume with `--resume auto`. `backoffLimitPerIndex` would retry indexes separately, which is
+    the lone-pod case again, so the one Job-wide `backoffLimit` counts the failures: each gang
+    restart costs every pod once, and up to once more for a replacement that started while the
+    old pod 0 still served the old rendezvous (it fails when that pod goes), hence
+    2 x nodes x restarts. A podFailurePolicy makes the Job wait for a failed pod to be gone
+    before replacing it (podReplacementPolicy Failed), so one index never has two pods, and:
+      - exit code 2 fails the Job: `clusterctl launch --from-env` refused its arguments or the
+        platform's variables, and a retry would be the same mistake. Exit code 1 must stay
+        retryable: it is what torchrun returns on every pod whose peer was lost, the very
+        failure to resume from (a trainer's own usage error also arrives as torchrun's 1).
+      - DisruptionTarget (drain, preemption, eviction) fails the Job: the trainer takes SIGTERM
+        as a stop, all ranks agree, save a checkpoint and exit 0, so the other indexes succeed
+        and a replacement would wait alone for peers that are done. Failing at once leaves
+        that fresh checkpoint on the claim; `kubectl apply` the manifest again to resume it.
+    """
+    if not checkpoint_pvc:
+        return {"backoffLimit": 0}
+    return {
+        "backoffLimit": 2 * nnodes * max_restarts,
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}},
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+    }
+
+
+def _k8s_job(name: str, namespace: str | None, nnodes: int, container: dict, *,
+             checkpoint_pvc: str | None = None, max_restarts: int = 3) -> dict:
+    # the 64 MiB default /dev/shm is too small for DataLoader workers and NCCL
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if checkpoint_pvc:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_pvc}})
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -207,17 +276,14 @@ def _k8s_job(name: str, namespace: str | None, nnodes: int, container: dict) -> 
             "completionMode": "Indexed",
             "completions": nnodes,
             "parallelism": nnodes,
-            # one failed node fails the run, as in `train`; a restarted pod cannot rejoin torchrun's
-            # static rendezvous anyway
-            "backoffLimit": 0,
+            **_k8s_restarts(nnodes, checkpoint_pvc, max_restarts),
             "template": {
                 "metadata": {"labels": {"app.kubernetes.io/name": name}},
                 "spec": {
                     "subdomain": name,
                     "restartPolicy": "Never",
                     "containers": [container],
-                    # the 64 MiB default /dev/shm is too small for DataLoader workers and NCCL
-                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                    "volumes": volumes,
                 },
             },
         },
@@ -226,16 +292,25 @@ def _k8s_job(name: str, namespace: str | None, nnodes: int, container: dict) -> 
 
 def render_k8s_objects(inv: Inventory, user_args=(), *, image: str, name: str = "clusterctl",
                        namespace: str | None = None, gpus: int | None = None,
-                       gpu_resource: str = "nvidia.com/gpu") -> list[dict]:
+                       gpu_resource: str = "nvidia.com/gpu", checkpoint_pvc: str | None = None,
+                       max_restarts: int | None = None) -> list[dict]:
     """The headless Service that names node 0 and the Indexed Job with one pod per node."""
     if not IMAGE_RE.match(image):
         raise UsageError(f"--image {image!r} is not an image reference")
+    if checkpoint_pvc is not None and (not DNS1123_SUBDOMAIN.match(checkpoint_pvc) or len(checkpoint_pvc) > 253):
+        raise UsageError(f"--checkpoint-pvc {checkpoint_pvc!r} is not a PersistentVolumeClaim name "
+                         "(lowercase letters, digits, '-' and '.')")
+    if max_restarts is not None and checkpoint_pvc is None:
+        raise UsageError("--max-restarts needs --checkpoint-pvc: without a claim the checkpoints die "
+                         "with the pod, so a restarted Job would start again from step 0")
     nnodes = len(inv.nodes)
     _check_k8s_names(name, namespace, nnodes)
     nproc, want_gpus = gpus_per_node(inv, gpus)
     container = _k8s_container(inv, user_args, image=image, name=name, nproc=nproc, want_gpus=want_gpus,
-                               gpu_resource=gpu_resource)
-    return [_k8s_service(name, namespace, inv.master_port), _k8s_job(name, namespace, nnodes, container)]
+                               gpu_resource=gpu_resource, checkpoint_pvc=checkpoint_pvc)
+    job = _k8s_job(name, namespace, nnodes, container, checkpoint_pvc=checkpoint_pvc,
+                   max_restarts=3 if max_restarts is None else max_restarts)
+    return [_k8s_service(name, namespace, inv.master_port), job]
 
 
 def render_k8s(inv: Inventory, user_args=(), **kw) -> str:
