@@ -24,5 +24,6 @@ def test_embedded_default_runs_the_whole_pipeline(tmp_path):
     run = next((tmp_path / "home" / "runs").iterdir())
     rec = json.loads((run / "run.json").read_text())
     assert rec["state"] == "finished" and rec["world_size"] == 2
-    # the trainer wrote its checkpoint under the workdir (the current directory for local nodes)
-    assert list((tmp_path / "runs" / "demo").glob("ckpt_*"))
+    # the trainer wrote its checkpoint to $CLUSTERCTL_CHECKPOINT_DIR, and the supervisor copied it
+    # off the node into the run's directory on this machine
+    assert list((run / "checkpoints").glob("ckpt_*")), sorted(p.name for p in run.iterdir())

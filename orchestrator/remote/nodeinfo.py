@@ -50,6 +50,7 @@ def dumps(value):
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 MANIFEST = ".clusterctl-manifest"
+OWN_PREFIX = ".clusterctl-"  # the manifest, the output dir id, relay staging: never part of the code
 
 
 # ------------------------------------------------------------------ .gitignore subset
@@ -153,7 +154,7 @@ def walk_files(root):
         except OSError:
             return
         for e in entries:
-            if e.name == ".git" or e.name == MANIFEST and not rel:
+            if e.name == ".git" or e.name.startswith(OWN_PREFIX):  # clusterctl's own markers are not code
                 continue
             r = e.name if not rel else rel + "/" + e.name
             is_dir = e.is_dir(follow_symlinks=False)
@@ -185,7 +186,8 @@ def git_files(root):
         return None
     if ls.returncode != 0:
         return None
-    files = sorted({f for f in ls.stdout.decode("utf-8", "surrogateescape").split("\0") if f})
+    files = sorted({f for f in ls.stdout.decode("utf-8", "surrogateescape").split("\0")
+                    if f and not any(part.startswith(OWN_PREFIX) for part in f.split("/"))})
     return files, head.stdout.decode().strip() or None, bool(st.stdout.strip())
 
 
