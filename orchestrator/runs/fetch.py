@@ -27,13 +27,13 @@ JOIN_S = 60.0  # how long the extraction may take past the node's last byte
 
 def check_path(path: str | None) -> str | None:
     """A relative path inside the run's artifacts, normalised; None for everything."""
-    if path is None or path.strip("/") == "":
+    if path is None:
         return None
     p = PurePosixPath(path)
     if p.is_absolute() or ".." in p.parts:
         raise UsageError(f"PATH must be relative to the run's artifacts and stay inside them "
                          f"(e.g. checkpoints or tensorboard): got {path!r}")
-    return str(p)
+    return None if str(p) == "." else str(p)
 
 
 def run_keys(rec: dict) -> dict[str, list[str]]:
