@@ -39,6 +39,7 @@ LAZY_COMMANDS = {
     "render": "orchestrator.cli.render:render_command",
     "launch": "orchestrator.cli.launch:launch_command",
     "top": "orchestrator.cli.top:top_command",
+    "fetch": "orchestrator.cli.fetch:fetch_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.

@@ -14,6 +14,10 @@ checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOAR
   since DIR OFFSETS_HEX     every file under DIR past the offset the control machine already has
                             ({rel: offset} as hex JSON), as frames: a JSON header line
                             {"rel", "offset", "size"} then `size` bytes; paths may be named explicitly
+  pack RUN_ID REL KEY...    an uncompressed tar on stdout of the run's artifacts (REL: one relative
+                            path inside them, - for all) as artifacts/..., and of each node-runs
+                            directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;
+                            regular files only, what is missing is left out
 """
 import json
 import os
@@ -23,6 +27,7 @@ import sys
 import tarfile
 
 BASE = os.path.expanduser("~/.clusterctl/artifacts")
+NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 CHUNK = 1 << 20
 
@@ -105,6 +110,33 @@ def receive(d):
     print("ok")
 
 
+def _safe_name(name):
+    return bool(name) and "/" not in name and not name.startswith(".")
+
+
+def pack(run_id, rel, *keys):
+    if not _safe_name(run_id) or not all(_safe_name(k) for k in keys):
+        sys.exit("bad run id or key")
+    parts = [] if rel == "-" else rel.split("/")
+    if rel != "-" and (rel.startswith("/") or ".." in parts or not rel.strip("/")):
+        sys.exit("bad path: " + rel)
+    root = os.path.join(BASE, run_id)
+    todo = []
+    if os.path.exists(os.path.join(root, *parts)):
+        todo += [(os.path.join(root, r), "artifacts/" + r) for r, _ in _files(root, "/".join(parts))]
+    if rel == "-":
+        for key in keys:
+            d = os.path.join(NODE_RUNS, key)
+            if os.path.isdir(d):
+                todo += [(os.path.join(d, r), "node-runs/%s/%s" % (key, r)) for r, _ in _files(d)]
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+        for path, arcname in todo:
+            try:
+                tar.add(path, arcname=arcname, recursive=False)
+            except OSError:
+                continue  # gone since it was listed (a pruned checkpoint)
+
+
 def since(d, offsets_hex):
     have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
     out = sys.stdout.buffer
@@ -122,4 +154,5 @@ def since(d, offsets_hex):
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"prepare": prepare, "list": list_ckpts, "send": send, "receive": receive, "since": since}[cmd](*args)
+    {"prepare": prepare, "list": list_ckpts, "send": send, "receive": receive, "since": since,
+     "pack": pack}[cmd](*args)

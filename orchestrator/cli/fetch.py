@@ -1,0 +1,58 @@
+"""`clusterctl fetch RUN [PATH]`: copy a run's files from its nodes to the control machine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from orchestrator.cli.jsonout import emit
+from orchestrator.cli.runs import complete_run_ids
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, with_unreachable
+from orchestrator.runs.fetch import TIMEOUT, check_path, fetch
+from orchestrator.runs.store import Run
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.command("fetch")
+@click.argument("run_id", shell_complete=complete_run_ids)
+@click.argument("path", required=False)
+@click.option("--node", "nodes", multiple=True, help="Only this node of the run (repeatable).")
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              help="Write into DIR/NODE/ instead of ~/.clusterctl/runs/RUN/fetched/NODE/.")
+@click.option("--timeout", type=click.FloatRange(1), default=TIMEOUT, show_default=True,
+              help="Seconds one node's copy may take.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (orchestrator/schemas/fetch.json).")
+def fetch_command(run_id, path, nodes, output, timeout, as_json):
+    """Copy a run's files from every node it used: its artifacts (checkpoints/, tensorboard/) into
+    NODE/artifacts/ and each attempt's node-side log, spec and exit code into NODE/node-runs/.
+
+    PATH (relative to the run's artifacts, e.g. `checkpoints`) copies only that. Exits 3 naming
+    every node that could not be reached; the others are still copied."""
+    rel = check_path(path)
+    run = Run.find(run_id)
+    results = fetch(run, rel, nodes, Path(output) if output else None, timeout)
+    for f in results:
+        if f.ok:
+            click.echo(f"{f.name}: {f.files} files, {_size(f.bytes)} → {f.dest}", err=True)
+        else:
+            click.echo(f"{f.name}: not fetched: {f.error}", err=True)
+    unreachable = [f.name for f in results if f.unreachable]
+    failed = [f.name for f in results if not f.ok and not f.unreachable]
+    code = with_unreachable(unreachable, EXIT_FAILED if failed else EXIT_OK)
+    if unreachable:
+        click.echo(f"clusterctl: error: could not reach {', '.join(unreachable)}, so "
+                   f"{'its' if len(unreachable) == 1 else 'their'} files of run {run.id} were not "
+                   f"fetched; the other nodes' were", err=True)
+    if as_json:
+        emit({"ok": code == EXIT_OK, "run_id": run.id, "path": rel,
+              "nodes": [f.doc() for f in results]})
+    sys.exit(code)

@@ -1,0 +1,29 @@
+"""The pure parts of `clusterctl fetch`: which node-side directories a run has, and PATH checks."""
+
+import pytest
+
+from orchestrator.errors import UsageError
+from orchestrator.runs.fetch import check_path, run_keys
+
+
+def test_a_restarted_run_fetches_every_attempts_directory_of_every_node_it_used():
+    rec = {"id": "r1", "nodes": [{"name": "n1"}, {"name": "n3"}],
+           "attempts": [{"attempt": 1, "key": "r1", "nodes": ["n1", "n2"]},
+                        {"attempt": 2, "key": "r1.a2", "nodes": ["n1", "n3"]}]}
+    assert run_keys(rec) == {"n1": ["r1@n1", "r1.a2@n1"], "n2": ["r1@n2"], "n3": ["r1.a2@n3"]}
+
+
+def test_a_run_without_attempts_has_one_directory_per_node():
+    assert run_keys({"id": "r1", "nodes": [{"name": "a"}, {"name": "b"}]}) == {"a": ["r1@a"], "b": ["r1@b"]}
+
+
+@pytest.mark.parametrize("path,want", [(None, None), ("", None), (".", None), ("checkpoints", "checkpoints"),
+                                       ("tensorboard/sub/", "tensorboard/sub"), ("./checkpoints", "checkpoints")])
+def test_paths_inside_the_artifacts(path, want):
+    assert check_path(path) == want
+
+
+@pytest.mark.parametrize("path", ["/", "/etc", "..", "checkpoints/../../x", "/checkpoints"])
+def test_paths_outside_are_refused(path):
+    with pytest.raises(UsageError, match="PATH must be relative"):
+        check_path(path)
