@@ -23,6 +23,7 @@ from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
@@ -77,6 +78,16 @@ def _check_script(script: tuple[str, ...]) -> None:
         raise click.UsageError("-m needs a module: clusterctl train -- -m package.module ARGS")
 
 
+def _checkpointed_run(run_id: str) -> str:
+    """--resume-from: the full id of a run with a complete checkpoint on this machine (else exit 2)."""
+    run = Run.find(run_id)  # no such run: UsageError
+    store = run.dir / "checkpoints"
+    if not store.is_dir() or CheckpointStore(run.dir).newest() is None:
+        raise click.UsageError(f"run {run.id} has no complete checkpoint in {store} to resume from (a run's "
+                               "checkpoints are copied there while it trains, from CLUSTERCTL_CHECKPOINT_DIR)")
+    return run.id
+
+
 @click.command("train", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @cluster_options
 @click.option("--name", help="A name for the run (its id is NAME-DATE-TIME-XXXX).")
@@ -104,9 +115,12 @@ def _check_script(script: tuple[str, ...]) -> None:
 @click.option("--min-nodes", type=click.IntRange(1), default=None,
               help="A restart may go on with fewer nodes, down to this many, when no spare is left "
                    "(the script must take a different world size).")
+@click.option("--resume-from", metavar="RUN", default=None,
+              help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
+                   "put on the nodes before launch, where the script's `--resume auto` finds it.")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, max_restarts, min_nodes, script):
+                  lost_timeout, notify, as_json, max_restarts, min_nodes, resume_from, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -114,12 +128,14 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     node fails, every node is stopped and the first failure is explained."""
     _check_script(script)
     inv = opts.load()  # a bad inventory ends here, with exit code 2
+    if resume_from is not None:
+        resume_from = _checkpointed_run(resume_from)
     run = Run.create(new_run_id(name), RunSpec(
         inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
-        max_restarts=max_restarts, min_nodes=min_nodes))
+        max_restarts=max_restarts, min_nodes=min_nodes, resume_from=resume_from))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

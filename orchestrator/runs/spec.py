@@ -76,6 +76,7 @@ class RunSpec:
     cwd: str | None = None
     max_restarts: int | None = None  # --max-restarts; None: the inventory's train.max_restarts
     min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
+    resume_from: str | None = None  # --resume-from: the run whose newest copied checkpoint starts this one
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
