@@ -23,6 +23,7 @@ from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
@@ -80,6 +81,16 @@ def _check_script(script: tuple[str, ...]) -> None:
         raise click.UsageError("-m needs a module: clusterctl train -- -m package.module ARGS")
 
 
+def _checkpointed_run(run_id: str) -> str:
+    """--resume-from: the full id of a run with a complete checkpoint on this machine (else exit 2)."""
+    run = Run.find(run_id)  # no such run: UsageError
+    store = run.dir / "checkpoints"
+    if not store.is_dir() or CheckpointStore(run.dir).newest() is None:
+        raise click.UsageError(f"run {run.id} has no complete checkpoint in {store} to resume from (a run's "
+                               "checkpoints are copied there while it trains, from CLUSTERCTL_CHECKPOINT_DIR)")
+    return run.id
+
+
 @click.command("train", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @cluster_options
 @click.option("--name", help="A name for the run (its id is NAME-DATE-TIME-XXXX).")
@@ -114,9 +125,13 @@ def _check_script(script: tuple[str, ...]) -> None:
 @click.option("--queue-timeout", type=click.FloatRange(1), default=None, metavar="SECONDS",
               help="Give up (exit 1, nothing started) after waiting queued this long [default: wait until "
                    "stopped].")
+@click.option("--resume-from", metavar="RUN", default=None,
+              help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
+                   "put on the nodes before launch, where the script's `--resume auto` finds it.")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, script):
+                  lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, resume_from,
+                  script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -127,12 +142,15 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     if queue and force:
         raise click.UsageError("--queue waits for busy nodes and --force shares them: use one of the two")
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
+    if resume_from is not None:
+        resume_from = _checkpointed_run(resume_from)
     run = Run.create(new_run_id(name), RunSpec(
         inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
-        max_restarts=max_restarts, min_nodes=min_nodes, queue=queue, queue_timeout=queue_timeout))
+        max_restarts=max_restarts, min_nodes=min_nodes, queue=queue, queue_timeout=queue_timeout,
+        resume_from=resume_from))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

@@ -26,12 +26,14 @@ from orchestrator.inventory import Inventory
 from orchestrator.runs.checkpoints import AGENT as ARTIFACTS
 from orchestrator.runs.checkpoints import (
     ArtifactCopier,
+    CheckpointStore,
     RestoreError,
     artifacts_cmd,
     restore,
 )
 from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
+from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
     from orchestrator.runs.supervisor import Supervisor
@@ -135,6 +137,8 @@ class Attempts:
         self.spares = [n.name for n in self.full.nodes if n.spare and n.name in cluster.connections
                        and n.name not in active]
         self.history: list[dict] = []
+        # `train --resume-from RUN`: RUN's checkpoints on this machine (checked by `train`)
+        self.origin = CheckpointStore(Run(spec.resume_from).dir) if spec.resume_from else None
 
     def prepare(self, names: list[str]) -> dict[str, dict]:
         res = self.cluster.run(lambda n: artifacts_cmd(n, "prepare", self.sup.run.id), stdin=ARTIFACTS,
@@ -155,19 +159,22 @@ class Attempts:
             dirs = self.prepare(self.nodes)
             copier.dirs.update(dirs)
             entry = {"attempt": k, "key": sup.key, "nodes": list(self.nodes), "started": time.time()}
-            if k > 1:
+            # this run's own newest checkpoint, else (attempt 1, or none copied yet) --resume-from's
+            store = copier.store if copier.store.newest() or self.origin is None else self.origin
+            if k > 1 or self.origin is not None:
                 t0 = time.monotonic()
                 try:
-                    entry["restored"] = restore(self.cluster, copier.store, dirs,
-                                                [self.full.node(n) for n in self.nodes])
+                    entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
                 except RestoreError as e:
                     raise LaunchError(str(e)) from e
-                entry["checkpoint"] = copier.store.newest()
+                entry["checkpoint"] = store.newest()
+                if store is self.origin:
+                    entry["resumed_from"] = self.sup.spec.resume_from
                 entry["restore_s"] = round(time.monotonic() - t0, 3)
             self.history.append(entry)
             sup.save(attempts=self.history, attempt=k)
             sup.say(f"attempt {k} on {', '.join(self.nodes)}" +
-                    (f", from checkpoint {entry.get('checkpoint')}" if k > 1 else ""))
+                    (f", from checkpoint {entry['checkpoint']}" if entry.get("checkpoint") else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}
                         for n, d in dirs.items()}

@@ -79,6 +79,7 @@ class RunSpec:
     min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
     queue: bool = False  # --queue / train.queue: wait for busy nodes instead of refusing
     queue_timeout: float | None = None  # --queue-timeout: how long to wait queued; None: until stopped
+    resume_from: str | None = None  # --resume-from: the run whose newest copied checkpoint starts this one
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
