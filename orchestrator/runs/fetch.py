@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tarfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
