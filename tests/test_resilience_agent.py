@@ -73,6 +73,20 @@ def test_a_claim_of_a_run_that_ended_on_the_node_is_stale(agent):
     assert not json.loads(agent("claim", "n1", "third@n1", "u@ctl").stdout)["ok"]
 
 
+def test_a_restarted_attempt_keeps_its_runs_claim(agent):
+    """Attempt 2 of run r runs under r.a2@n1; the claim r@n1 is its run's and must not look stale."""
+    start(agent, "r@n1", "print('attempt 1 ended')")
+    assert wait_for(lambda: (rundir(agent, "r@n1") / "exit_code").exists())
+    assert json.loads(agent("claim", "n1", "r@n1", "u@ctl").stdout)["ok"]
+    start(agent, "r.a2@n1", "import time; print('up', flush=True); time.sleep(60)")
+    assert wait_for(lambda: len(pids_with("r.a2@n1")) >= 1)
+    try:
+        refused = json.loads(agent("claim", "n1", "other@n1", "u@ctl").stdout)
+        assert not refused["ok"] and refused["run"] == "r", refused
+    finally:
+        agent("stop", "r.a2@n1", "0")
+
+
 def test_the_stop_grace_covers_twice_the_last_checkpoint_save(agent):
     assert stop_grace(5, 0) == 5 and stop_grace(5, 7) == 14 and stop_grace(5, 1000) == MAX_GRACE
     assert stop_grace(600, 1000) == 600  # a longer grace asked for is kept

@@ -71,8 +71,9 @@ def read(path, default=None):
         return default
 
 
-def run_pids(run_id):
-    """This user's processes whose environment carries CLUSTERCTL_RUN_KEY=key."""
+def run_pids(run_id, match=None):
+    """This user's processes whose environment carries CLUSTERCTL_RUN_KEY=key (or, with
+    `match`, a run key for which match(key) is true)."""
     marker = ("CLUSTERCTL_RUN_KEY=" + run_id).encode() + b"\0"
     me, out = os.getpid(), []
     for name in os.listdir("/proc"):
@@ -85,7 +86,15 @@ def run_pids(run_id):
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (b"\0" + marker) in env:
+        if state == "Z":
+            continue
+        if match is None:
+            found = (b"\0" + marker) in env
+        else:
+            keys = [v[len(b"CLUSTERCTL_RUN_KEY="):].decode(errors="replace") for v in env.split(b"\0")
+                    if v.startswith(b"CLUSTERCTL_RUN_KEY=")]
+            found = any(match(k) for k in keys)
+        if found:
             out.append(int(name))
     return out
 
@@ -404,25 +413,40 @@ def claim_stale(doc):
     """A claim is stale once its run has no process left on this node, and it either started
     here (its run directory exists) or never did within CLAIM_START_S."""
     key = doc.get("key", "")
-    if not key or run_pids(key):
+    if not key:
+        return False
+    run, _, node = key.rpartition("@")
+    # a restarted run's attempt k runs under RUN.aK@NODE: the claim (RUN@NODE) is held by it too
+    if run_pids(key, lambda k: k == key or (k.startswith(run + ".a") and k.endswith("@" + node))):
         return False
     started = os.path.isdir(os.path.join(BASE, key)) if "/" not in key else False
     return started or time.time() - float(doc.get("since", 0)) > CLAIM_START_S
 
 
+def _locked_claim(path):
+    """Hold the node's claim lock; yields the claim held now ({} when none or unreadable)."""
+    import contextlib
+    import fcntl
+
+    @contextlib.contextmanager
+    def held():
+        with open(path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                doc = json.loads(read(path, "") or "{}")
+            except ValueError:
+                doc = {}
+            yield doc
+
+    return held()
+
+
 def claim(node, key, who):
     """Take the node for run KEY. Check and write happen under an exclusive lock on the node, so
     of two claims at once exactly one wins; a stale claim is replaced."""
-    import fcntl
-
     path = node_name_ok(node)
     os.makedirs(CLAIMS, mode=0o700, exist_ok=True)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            held = json.loads(read(path, "") or "{}")
-        except ValueError:
-            held = {}
+    with _locked_claim(path) as held:
         if held and held.get("key") != key and not claim_stale(held):
             print(json.dumps({"ok": False, **held}))
             return
@@ -433,18 +457,11 @@ def claim(node, key, who):
 
 
 def release(node, key):
-    import fcntl
-
     path = node_name_ok(node)
     if not os.path.isdir(CLAIMS):
         print(json.dumps({"released": False}))
         return
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            held = json.loads(read(path, "") or "{}")
-        except ValueError:
-            held = {}
+    with _locked_claim(path) as held:
         if held.get("key") == key:
             os.unlink(path)
     print(json.dumps({"released": held.get("key") == key}))
