@@ -63,7 +63,7 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, echo: Callable[[st
     echo(f"supervisor: {node.name}: {lost.error or 'connection lost'}; reconnecting")
     for attempt in range(10_000):
         try:
-            conn.reopen()
+            conn.reopen(timeout=deadline - time.monotonic())
             echo(f"supervisor: {node.name}: reconnected")
             return True
         except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)

@@ -169,8 +169,9 @@ class Connection(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def reopen(self) -> None:
-        """Replace a lost connection with a fresh one to the same node; raises like `open`."""
+    def reopen(self, timeout: float | None = None) -> None:
+        """Replace a lost connection with a fresh one to the same node; raises like `open`.
+        `timeout` caps this attempt's connect timeout (what is left of a deadline)."""
         self.close()
         self.open()
 

@@ -131,21 +131,30 @@ class SSHConnection(Connection):
         threading.Thread(target=self._watch, args=(self._closing,), name=f"liveness-{n.name}",
                          daemon=True).start()
 
-    def reopen(self) -> None:
+    def reopen(self, timeout: float | None = None) -> None:
         """Replace a lost connection with a new one to the same node, same settings and host-key
-        checks; raises ConnectError like `open`. Procs of the old connection stay lost."""
+        checks; raises ConnectError like `open`. Procs of the old connection stay lost. `timeout`
+        caps this attempt's connect timeout (at least 1 s)."""
         self.close()
         self._closing = threading.Event()
         self._lost, self._conn = None, None
-        self.open()
+        configured = self.connect_timeout
+        if timeout is not None:
+            self.connect_timeout = max(1.0, min(configured, timeout))
+        try:
+            self.open()
+        finally:
+            self.connect_timeout = configured
 
     def _watch(self, closing: threading.Event) -> None:
         """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
-        Every KEEPALIVE_S a global request that OpenSSH must answer (it replies 'failure' to
-        unknown requests); a reply missing for `lost_timeout` closes the transport, which ends
-        every channel on it."""
+        Every KEEPALIVE_S (or a quarter of `lost_timeout`) a global request that OpenSSH must answer (it replies 'failure' to
+        unknown requests); a reply missing for half of `lost_timeout` closes the transport, which
+        ends every channel on it. The other half is for reconnecting (runs/watch.py): the node is
+        lost once it has been silent for `lost_timeout` in all."""
         t = self._conn.transport
-        while not closing.wait(KEEPALIVE_S) and t.is_active():
+        every = min(KEEPALIVE_S, self.lost_timeout / 4)  # a short lost_timeout is not outwaited by the pings
+        while not closing.wait(every) and t.is_active():
             done = threading.Event()
 
             def ping():
@@ -157,8 +166,9 @@ class SSHConnection(Connection):
                     done.set()
 
             threading.Thread(target=ping, daemon=True).start()
-            if not done.wait(self.lost_timeout) and t.is_active() and not closing.is_set():
-                self._lost = f"no answer from the node for {self.lost_timeout:g}s (connection lost)"
+            silent = self.lost_timeout / 2
+            if not done.wait(silent) and t.is_active() and not closing.is_set():
+                self._lost = f"no answer from the node for {silent:g}s (connection lost)"
                 t.close()
                 return
 
