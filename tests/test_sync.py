@@ -65,6 +65,24 @@ def test_git_tree_and_plain_copy_hash_the_same(tmp_path):
     assert ni.digest(str(b))["digest"] != da["digest"]
 
 
+@pytest.mark.parametrize("git", [False, True], ids=["tree", "git"])
+def test_a_marked_output_directory_is_neither_code_nor_pruned(tmp_path, git):
+    """A run's output dir inside the workdir (preflight marks it) differs per node: not code."""
+    root = tmp_path / "wd"
+    make_tree(root, git=git)
+    ni = load_nodeinfo()
+    before = ni.digest(str(root))
+    (root / "pkg" / "ckpts").mkdir()
+    (root / "pkg" / "ckpts" / "state.json").write_text("weights")
+    assert ni.digest(str(root))["digest"] != before["digest"]  # unmarked: it counts as code
+    (root / "pkg" / "ckpts" / ".clusterctl-dir-id").write_text("id")
+    (root / "pkg" / "ckpts" / "sub").mkdir()
+    (root / "pkg" / "ckpts" / "sub" / "events").write_text("tb")
+    assert ni.digest(str(root)) == before
+    ni.prune(str(root), "\0".join(EXPECTED).encode())
+    assert (root / "pkg" / "ckpts" / "state.json").exists() and (root / "pkg" / "ckpts" / "sub" / "events").exists()
+
+
 def test_rsync_command_line_carries_the_inventory_ssh_settings():
     inv = parse_inventory(yaml.safe_dump({
         "ssh": {"user": "u", "port": 2222, "identity_file": "/k/id", "known_hosts": "/k/kh",

@@ -11,8 +11,10 @@ and on the control machine (imported), so both sides hash a workdir the same way
 
 The digest is content-based: for every file a git tree would ship (git ls-files -co
 --exclude-standard in a git checkout, else a walk honouring .gitignore files) its path,
-executable bit and sha256. A git checkout and a plain copy of it hash the same, so a
-workdir pushed by `clusterctl sync` compares equal to the control machine's checkout.
+executable bit and sha256; a directory preflight marked as a run's output directory
+(.clusterctl-dir-id) is output, not code, and is neither hashed nor pruned. A git checkout and a
+plain copy of it hash the same, so a workdir pushed by `clusterctl sync` compares equal to the
+control machine's checkout.
 """
 import os
 import sys
@@ -51,6 +53,7 @@ def dumps(value):
 
 MANIFEST = ".clusterctl-manifest"
 OWN_PREFIX = ".clusterctl-"  # the manifest, the output dir id, relay staging: never part of the code
+OUTPUT_MARK = ".clusterctl-dir-id"  # preflight marks a run's output directory with it: outputs are not code
 
 
 # ------------------------------------------------------------------ .gitignore subset
@@ -161,7 +164,8 @@ def walk_files(root):
             if ignored(rules, r, is_dir):
                 continue
             if is_dir:
-                visit(e.path, r, rules)
+                if not os.path.exists(os.path.join(e.path, OUTPUT_MARK)):
+                    visit(e.path, r, rules)
             else:
                 out.append(r)
 
@@ -188,6 +192,16 @@ def git_files(root):
         return None
     files = sorted({f for f in ls.stdout.decode("utf-8", "surrogateescape").split("\0")
                     if f and not any(part.startswith(OWN_PREFIX) for part in f.split("/"))})
+    marked = {}  # directory -> holds the output marker (itself or a parent)
+
+    def output(d):
+        if not d:
+            return False
+        if d not in marked:
+            marked[d] = os.path.exists(os.path.join(root, d, OUTPUT_MARK)) or output(os.path.dirname(d))
+        return marked[d]
+
+    files = [f for f in files if not output(os.path.dirname(f))]
     return files, head.stdout.decode().strip() or None, bool(st.stdout.strip())
 
 
