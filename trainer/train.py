@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint
+from . import STARTED, checkpoint
 from .config import TrainConfig, UsageError, check_precision
 from .data import TokenData
 from .model import build_model, count_params, flops_per_token
@@ -150,7 +150,10 @@ class Run:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.phases = {"imports": time.monotonic() - STARTED}  # startup, in seconds (rank 0 prints it)
+        t = time.monotonic()
         self.rank, self.local_rank, self.world, self.device, self.control = setup_distributed()
+        self.phases["process group"], t = time.monotonic() - t, time.monotonic()
         self.master = self.rank == 0
         self.fsdp = self.world > 1 and cfg.strategy == "fsdp"
         torch.manual_seed(cfg.seed)
@@ -171,8 +174,10 @@ class Run:
         self.ckpt_dir = os.environ.get("CLUSTERCTL_CHECKPOINT_DIR") or cfg.output_dir
         self.tb_dir = os.environ.get("CLUSTERCTL_TENSORBOARD_DIR") or os.path.join(cfg.output_dir, "logs")
         os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.phases["data and model"], t = time.monotonic() - t, time.monotonic()
         self.start = checkpoint.load(cfg.resume, self.ckpt_dir, self.raw, self.trainer.opt, self.trainer.scaler,
                                      rank=self.rank, fsdp=self.fsdp, distributed=self.world > 1) or 0
+        self.phases["checkpoint"] = time.monotonic() - t
         self.lr_scale = self.world * cfg.grad_accum if cfg.scale_lr else 1
         self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * self.world
         self.fpt, self.peak = flops_per_token(cfg, self.n_params), peak_flops(self.device, cfg.precision)
@@ -212,6 +217,8 @@ class Run:
               f"{cfg.grad_accum} = {seqs} seqs ({self.tokens_per_step:,} tokens) | "
               f"lr {cfg.lr * self.lr_scale:.3e}{' (scaled)' if cfg.scale_lr else ''} | "
               f"data {self.data.n_tokens:,} tokens ({self.tok.name}) | start step {self.start}", flush=True)
+        print(f"startup {time.monotonic() - STARTED:.2f} s: " +
+              ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()), flush=True)
 
     def save(self, step: int) -> str:
         t = self.trainer

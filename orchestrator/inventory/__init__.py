@@ -167,6 +167,9 @@ class TrainSection(_Model):
     notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
     max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
     queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
+    # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
+    # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
+    copy_checkpoints: bool = True
 
     @field_validator("env", mode="before")
     @classmethod

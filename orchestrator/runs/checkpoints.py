@@ -126,8 +126,10 @@ class ArtifactCopier:
     """Copies finished checkpoints and new TensorBoard bytes from the nodes to the run directory,
     every POLL_S seconds while the run trains (`start`/`stop`), and once more with `sweep`."""
 
-    def __init__(self, cluster: Cluster, run_dir: Path, dirs: dict[str, dict], say: Callable[[str], None] = print):
+    def __init__(self, cluster: Cluster, run_dir: Path, dirs: dict[str, dict], say: Callable[[str], None] = print,
+                 checkpoints: bool = True):
         self.cluster, self.dirs, self.say = cluster, dirs, say
+        self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
         self.store = CheckpointStore(run_dir)
         self.tb_dir = run_dir / "tensorboard"
         self.tb_dir.mkdir(exist_ok=True)
@@ -200,7 +202,8 @@ class ArtifactCopier:
     # ------------------------------------------------------------ the loop
     def sweep(self, nodes: list[str]) -> None:
         with self._lock:
-            self.poll_checkpoints(nodes)
+            if self.checkpoints:
+                self.poll_checkpoints(nodes)
             self.poll_tensorboard(nodes)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:

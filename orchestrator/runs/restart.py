@@ -153,7 +153,8 @@ class Attempts:
 
     def run(self) -> int:
         sup, k = self.sup, 1
-        copier = ArtifactCopier(self.cluster, sup.run.dir, {}, say=sup.say)
+        copier = ArtifactCopier(self.cluster, sup.run.dir, {}, say=sup.say,
+                                checkpoints=self.full.train.copy_checkpoints)
         while True:
             sup.begin_attempt(k, ordered(self.full, self.nodes))
             dirs = self.prepare(self.nodes)
@@ -186,8 +187,10 @@ class Attempts:
             copier.sweep([n for n in self.nodes])  # a checkpoint written just before the end
             verdict = classify(self.outcomes(), result.first_failure.node if result.first_failure else None,
                                stopped=result.state is RunState.STOPPED)
-            entry.update(ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
+            entry.update(sup.timing, ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
                          detail=verdict.detail, copy_s=round(copier.copy_s, 3))
+            if result.first_failure is not None:  # when the supervisor saw the failure (bench/bench_recovery.py)
+                entry["failed_at"] = result.first_failure.at
             nxt = next_nodes(self.nodes, self.spares, verdict.bad_nodes, self.min_nodes) if verdict.retry else None
             if not verdict.retry or k > self.max_restarts or nxt is None:
                 if verdict.retry and k <= self.max_restarts and nxt is None:

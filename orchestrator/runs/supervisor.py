@@ -105,6 +105,7 @@ class Supervisor(Stopping):
         self.claimed = False
         self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
         self.drain_timer: threading.Timer | None = None
+        self.timing: dict[str, float] = {}
 
     def save(self, **changes) -> None:
         with self.lock:
@@ -181,26 +182,31 @@ class Supervisor(Stopping):
         if self.drain_timer is not None:  # the last attempt's teardown: its drain is over
             self.drain_timer.cancel()
         self.drained, self.drain_timer = threading.Event(), None
+        self.timing: dict[str, float] = {}  # this attempt's preflight_s, launch_s, launched (restart.py records them)
         self.log_start = {n.name: (p.stat().st_size if (p := self.run.node_log(n.name)).exists() else 0)
                           for n in inv.nodes}
 
     def attempt(self, cluster: Cluster, env: dict[str, str], node_env: dict[str, dict[str, str]]) -> RunResult:
         """Preflight, launch and watch this attempt's nodes; how it ended (nothing saved as final)."""
         gpus_found: dict[str, int | None] = {}
+        t0 = time.monotonic()
         if not self.spec.skip_preflight:
             self.save(state=RunState.PREFLIGHT)
             gpus_found = self.preflight(cluster)
+        self.timing["preflight_s"] = round(time.monotonic() - t0, 3)
         check_free(cluster, self.inv, self.spec.force)
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
         launcher = Launcher(cluster, self.inv, self.key, self.spec, self.statuses)
         launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
+        t0 = time.monotonic()
         try:
             launcher.launch()
         except LaunchError:
             self.teardown("launch failed")
             raise
+        self.timing.update(launch_s=round(time.monotonic() - t0, 3), launched=time.time())
         self.save(state=RunState.RUNNING, started=time.time())
         if self.policy.stop_requests:  # asked while launching
             self.teardown("stop")
