@@ -1,0 +1,268 @@
+"""Recovery time after a lost node, and what copying checkpoints off the nodes costs a step.
+
+    sudo .venv/bin/python bench/bench_recovery.py [--victim 2] [--overhead-steps 60] [--repeat 2]
+
+Recovery (5 test nodes, node5 `spare: true`, preset nano, a checkpoint every 10 steps,
+`--max-restarts 1 --lost-timeout 5`, with the fast preflight): once a checkpoint has reached the
+control machine, one node's link is cut for good. The run must finish (exit 0) on the spare.
+Every line of every node's log is timestamped as it arrives in the run directory, and
+run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
+
+  detection   link cut → the supervisor records the node lost (bounded by --lost-timeout)
+  teardown    → attempt 1 ended (the other nodes stopped, their logs drained)
+  relaunch    → attempt 2 began (checkpoint directories prepared on the new node set)
+  restore     checkpoint streamed from the control machine to the new master
+  preflight   the fast preflight on the new node set
+  launch      torchrun started on every node over SSH
+  rendezvous  torchrun's rendezvous and the workers' process group, up to the new master's
+              `process group` phase end (the trainer's startup line gives its phases)
+  startup     the master's imports, data and model, and checkpoint load
+  first step  the trainer's startup line → its first step line
+Target: everything after detection <= 20 s.
+
+Copy overhead (2 test nodes, preset tiny, a checkpoint every 20 steps): the same run with
+`train.copy_checkpoints` true and false, alternating, --repeat times each. Printed: the mean
+step time the trainer reports (its own `step N ms`, steps after the first) and the wall time per
+step from the master's step lines as they arrived, both ways, and the overhead in percent.
+Target: copying costs <= 5 % of step time. Every node here shares this machine's cores, so the
+copy's CPU (tar, ssh, sha256) competes with the training processes; on real nodes it runs on
+cores the trainer does not use. No assertions: this prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.cluster import TestCluster  # noqa: E402
+
+STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")
+STARTUP = re.compile(r"^startup ([\d.]+) s: (.*)$")
+
+
+class LogClock:
+    """Timestamps each line of runs/RUN/nodes/*.log as it arrives (polled every 20 ms)."""
+
+    def __init__(self, nodes_dir: Path):
+        self.dir, self.lines = nodes_dir, {}  # node -> [(arrival, text)]
+        self._pos, self._buf = {}, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(0.02):
+            self.poll()
+
+    def poll(self):
+        now = time.time()
+        for path in self.dir.glob("*.log") if self.dir.is_dir() else ():
+            node = path.stem
+            with open(path, "rb") as f:
+                f.seek(self._pos.get(node, 0))
+                data = f.read()
+            self._pos[node] = self._pos.get(node, 0) + len(data)
+            buf = self._buf.get(node, b"") + data
+            *done, self._buf[node] = buf.split(b"\n")
+            self.lines.setdefault(node, []).extend((now, ln.decode(errors="replace")) for ln in done)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.poll()
+
+
+def _text(line: str) -> str:
+    """A log line without its rank prefix (`[0]:` or `r0 | `)."""
+    return re.sub(r"^(?:\[[A-Za-z_]*\d+\]:|\S+/r\d+ +\| )", "", line).strip()
+
+
+def cli(home: Path, *args, timeout=600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def start(home: Path, *args) -> subprocess.Popen:
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if v := pred():
+            return v
+        time.sleep(0.05)
+    raise SystemExit(f"bench: timed out after {timeout}s waiting for {what}")
+
+
+def run_dir_of(home: Path) -> Path:
+    return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
+                    if (home / "runs").exists() else None, 120, "the run directory")
+
+
+def write_inventory(cluster, path: Path, train: dict, spare: bool) -> str:
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/gpt_train")
+    nodes = cluster.inventory()["nodes"]
+    if spare:
+        nodes[-1]["spare"] = True
+    return str(cluster.write_inventory(path, nodes=nodes, checks={"disk_min_gb": 0.1}, output_dir="out",
+                                       env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
+
+
+# ---------------------------------------------------------------- recovery
+def recovery(victim: int, steps: int) -> dict:
+    with TestCluster(n=5, gpus=0, name_prefix="ccbr") as cluster, tempfile.TemporaryDirectory() as td:
+        home = Path(td) / "home"
+        inv = write_inventory(cluster, Path(td) / "nodes.yaml", spare=True, train={
+            "module": "trainer", "max_restarts": 1,
+            "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
+                     "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
+                     "--output-dir", "out"]})
+        proc = start(home, "train", "-i", inv, "--lost-timeout", "5")
+        try:
+            run_dir = run_dir_of(home)
+            clock = LogClock(run_dir / "nodes")
+            wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
+                     "a checkpoint on the control machine")
+            t_fail = time.time()
+            cluster.nodes[victim - 1].link_down()
+            out, err = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        clock.stop()
+        rec = json.loads((run_dir / "run.json").read_text())
+        if proc.returncode != 0 or len(rec.get("attempts", [])) != 2:
+            pre = (run_dir / "preflight.txt").read_text() if (run_dir / "preflight.txt").exists() else ""
+            sup = (run_dir / "supervisor.log").read_text()[-3000:]
+            raise SystemExit(f"bench: the run did not recover (exit {proc.returncode}):\n{err[-3000:]}\n"
+                             f"last preflight:\n{pre}\nsupervisor.log:\n{sup}")
+        return phases(t_fail, rec["attempts"], clock.lines)
+
+
+def phases(t_fail: float, attempts: list[dict], lines: dict[str, list]) -> dict:
+    a1, a2 = attempts
+    master = a2["nodes"][0]
+    after = [(t, _text(s)) for t, s in lines[master] if t >= a2["started"]]
+    t_up, up = next((t, m) for t, s in after if (m := STARTUP.match(s)))
+    t_step = next(t for t, s in after if t > t_up and STEP.match(s))
+    parts = dict(re.findall(r"([a-z ]+?) ([\d.]+) s(?:,|$)", up.group(2).strip()))
+    parts = {k.strip(): float(v) for k, v in parts.items()}
+    worker_start = t_up - float(up.group(1))
+    out = {
+        "detection": a1["failed_at"] - t_fail,
+        "teardown": a1["ended"] - a1["failed_at"],
+        "relaunch": a2["started"] - a1["ended"],
+        "restore": a2.get("restore_s", 0.0),
+        "preflight": a2["preflight_s"],
+        "launch": a2["launch_s"],
+        "rendezvous": worker_start - a2["launched"] + parts["process group"],
+        "startup": parts["imports"] + parts["data and model"] + parts["checkpoint"],
+        "first step": t_step - t_up,
+    }
+    out["after detection"] = t_step - a1["failed_at"]
+    out["unaccounted"] = out["after detection"] - sum(v for k, v in out.items()
+                                                      if k not in ("detection", "after detection"))
+    out["startup parts"] = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items() if k != "process group")
+    out["checkpoint"] = a2.get("checkpoint")
+    out["nodes"] = a2["nodes"]
+    return out
+
+
+# ---------------------------------------------------------------- copy overhead
+def one_run(cluster, td: Path, label: str, copy: bool, steps: int) -> dict:
+    home = td / f"home-{label}"
+    inv = write_inventory(cluster, td / f"{label}.yaml", spare=False, train={
+        "module": "trainer", "copy_checkpoints": copy,
+        "args": ["--preset", "tiny", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "128",
+                 "--log-every", "1", "--ckpt-every", "20", "--eval-steps", "1",
+                 "--sample-tokens", "0", "--output-dir", "out"]})
+    proc = start(home, "train", "-i", inv, "--skip-preflight")
+    run_dir = run_dir_of(home)
+    clock = LogClock(run_dir / "nodes")
+    try:
+        _, err = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    clock.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: the {label} run failed (exit {proc.returncode}):\n{err[-3000:]}")
+    master = cluster.nodes[0].name
+    got = [(t, STEP.match(_text(s))) for t, s in clock.lines[master]]
+    got = [(t, int(m.group(1)), int(m.group(2))) for t, m in got if m]
+    later = [g for g in got if g[1] >= 2]
+    copied = sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt_*.pt"))
+    return {"step_ms": statistics.mean(ms for _, _, ms in later),
+            "wall_ms": (later[-1][0] - later[0][0]) / (later[-1][1] - later[0][1]) * 1e3,
+            "copied": copied}
+
+
+def overhead(steps: int, repeat: int) -> dict:
+    res = {True: [], False: []}
+    with TestCluster(n=2, gpus=0, name_prefix="ccbo") as cluster, tempfile.TemporaryDirectory() as td:
+        for i in range(repeat):
+            for copy in (False, True) if i % 2 == 0 else (True, False):
+                r = one_run(cluster, Path(td), f"{'on' if copy else 'off'}{i}", copy, steps)
+                if copy and not r["copied"]:
+                    raise SystemExit("bench: copy on, but no checkpoint reached the control machine")
+                if not copy and r["copied"]:
+                    raise SystemExit("bench: copy off, but checkpoints reached the control machine")
+                res[copy].append(r)
+                print(f"  run {i + 1} copy {'on ' if copy else 'off'}: step {r['step_ms']:.0f} ms (trainer), "
+                      f"{r['wall_ms']:.0f} ms (wall){', copied ' + ', '.join(r['copied']) if copy else ''}",
+                      flush=True)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("step_ms", "wall_ms")} for k, v in res.items()}
+    return {"on": med[True], "off": med[False],
+            "overhead_step_pct": (med[True]["step_ms"] / med[False]["step_ms"] - 1) * 100,
+            "overhead_wall_pct": (med[True]["wall_ms"] / med[False]["wall_ms"] - 1) * 100}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--victim", type=int, default=2, help="the node whose link is cut (1 = the master)")
+    ap.add_argument("--steps", type=int, default=120, help="steps of the recovery run")
+    ap.add_argument("--overhead-steps", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=2, help="runs each way for the copy overhead")
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-recovery", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.skip_recovery:
+        r = recovery(args.victim, args.steps)
+        print(f"recovery: node{args.victim} cut for good; attempt 2 on {', '.join(r['nodes'])} "
+              f"from {r['checkpoint']}")
+        for k in ("detection", "teardown", "relaunch", "restore", "preflight", "launch", "rendezvous", "startup",
+                  "first step", "unaccounted"):
+            print(f"  {k:<12} {r[k]:6.2f} s" + (f"  ({r['startup parts']})" if k == "startup" else ""))
+        print(f"  after detection: {r['after detection']:.2f} s (target <= 20 s: "
+              f"{'met' if r['after detection'] <= 20 else 'MISSED'}); "
+              f"failure to first step: {r['after detection'] + r['detection']:.2f} s", flush=True)
+    if not args.skip_overhead:
+        print(f"checkpoint copy overhead: preset tiny, 2 nodes, {args.overhead_steps} steps, a checkpoint every "
+              f"20 steps, {args.repeat} runs each way", flush=True)
+        o = overhead(args.overhead_steps, args.repeat)
+        print(f"  copy off: step {o['off']['step_ms']:.0f} ms (trainer), {o['off']['wall_ms']:.0f} ms (wall)")
+        print(f"  copy on:  step {o['on']['step_ms']:.0f} ms (trainer), {o['on']['wall_ms']:.0f} ms (wall)")
+        worst = max(o["overhead_step_pct"], o["overhead_wall_pct"])
+        print(f"  overhead: {o['overhead_step_pct']:+.1f} % (trainer step), {o['overhead_wall_pct']:+.1f} % (wall "
+              f"per step) (target <= 5 %: {'met' if worst <= 5 else 'MISSED'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
