@@ -148,9 +148,9 @@ class SSHConnection(Connection):
 
     def _watch(self, closing: threading.Event) -> None:
         """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
-        Every KEEPALIVE_S (or a quarter of `lost_timeout`) a global request that OpenSSH must answer (it replies 'failure' to
-        unknown requests); a reply missing for half of `lost_timeout` closes the transport, which
-        ends every channel on it. The other half is for reconnecting (runs/watch.py): the node is
+        Every KEEPALIVE_S (or a quarter of `lost_timeout`) a global request that OpenSSH must
+        answer (it replies 'failure' to unknown requests); a reply missing for half of
+        `lost_timeout` closes the transport, which ends every channel on it. The other half is for reconnecting (runs/watch.py): the node is
         lost once it has been silent for `lost_timeout` in all."""
         t = self._conn.transport
         every = min(KEEPALIVE_S, self.lost_timeout / 4)  # a short lost_timeout is not outwaited by the pings
