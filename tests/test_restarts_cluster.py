@@ -95,6 +95,8 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     resumed = [s for s in start_steps(master_log) if s]
     assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
     assert "step 200 | loss" in master_log
+    # the foreground follows the new attempt's nodes, with their new ranks
+    assert re.search(rf"^{want[0]}/r0 +\| step 200 \| loss", out, re.M), out[-2000:]
     assert copied(run_dir, "ckpt_00000200.pt")
     # TensorBoard events from both attempts' masters came home
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))

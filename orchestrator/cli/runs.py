@@ -58,6 +58,10 @@ def _logs_for(run: Run, rec: dict, n: int | None) -> list[NodeLog]:
             for nd in run.nodes(rec) for path in [run.node_log(nd.name)]]
 
 
+def _ranks(rec: dict) -> tuple:
+    return tuple((nd["name"], nd.get("first_rank")) for nd in rec.get("nodes", []))
+
+
 def _printer(rec: dict) -> Prefixer:
     return Prefixer([f"{nd['name']}/r{nd.get('last_rank', 0)}" for nd in rec.get("nodes", [])])
 
@@ -81,6 +85,7 @@ class _Show:
         self.shown_pf = not show_preflight
         self.pf_text = ""
         self.follower: Follower | None = None
+        self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
     def header(self, rec: dict) -> None:
         pf = self.run.dir / "preflight.txt"
@@ -93,9 +98,13 @@ class _Show:
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
                 click.echo(rec["rank_map"], err=True)
             self.start(rec)
+        elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
+            self.ranks = ranks  # a restart: the next attempt's nodes and ranks
+            self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
 
     def start(self, rec: dict) -> Follower:
         if self.follower is None:
+            self.ranks = _ranks(rec)
             self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), node=self.node, rank=self.rank,
                                      sink=self.sink)
         return self.follower

@@ -77,6 +77,19 @@ class Follower:
         self.logs, self.printer, self.node, self.rank = logs, printer, node, rank
         self.sink = sink
 
+    def retarget(self, nodes: list[tuple[str, Path, int | None]]) -> None:
+        """A restarted run's next attempt: follow its nodes too (a spare's log is new) and label
+        each node's lines with its new first rank. Logs already followed keep their offsets."""
+        by_name = {lg.node: lg for lg in self.logs}
+        for name, path, first_rank in nodes:
+            lg = by_name.get(name)
+            if lg is None:
+                self.logs.append(NodeLog(name, path, first_rank))
+            elif first_rank is not None:
+                lg.first_rank = first_rank
+            if first_rank is not None:
+                self.printer.widen(f"{name}/r{first_rank}")
+
     def poll(self, final: bool = False) -> int:
         """Print what is new; returns the number of lines printed."""
         count = 0
