@@ -101,3 +101,28 @@ def test_stop_of_a_queued_run_removes_it_from_the_queue(make_cluster, tmp_path, 
     assert "--queue-timeout 2s" in rec_of(home / "runs" / gives_up)["error"]
     assert cli("stop", holder, home=home).returncode == 0
     wait_for(lambda: all_clean(cluster), 15, "clean")
+
+
+def test_a_queued_run_whose_supervisor_died_is_adopted_and_still_runs(make_cluster, tmp_path, home):
+    cluster = make_cluster(2, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    holder = queued_train(inv, home, "--steps", "200", "--sleep", "0.5", extra=())
+    waiting = queued_train(inv, home, "--steps", "2")
+    wait_for(lambda: state(home, waiting) == "queued" and state(home, holder) == "running", 60, "queued behind")
+    pid = rec_of(home / "runs" / waiting)["supervisor_pid"]
+    os.kill(pid, 9)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
+             10, "the queued run's supervisor dead")
+
+    def adopted():  # status notices the dead supervisor (once the run is 10 s old) and starts one that adopts
+        r = cli("status", waiting, "--json", home=home)
+        assert r.returncode == 0, r.stderr
+        return rec_of(home / "runs" / waiting).get("supervisor_pid") not in (None, pid)
+
+    wait_for(adopted, 40, "a new supervisor", interval=1.0)
+    assert state(home, waiting) == "queued"  # still waiting: it was not failed for dying while queued
+    assert cli("stop", holder, home=home, timeout=60).returncode == 0
+    wait_for(lambda: state(home, waiting) in ("finished", "failed", "stopped"), 120, "the adopted run to end")
+    rec = rec_of(home / "runs" / waiting)
+    assert rec["state"] == "finished" and rec.get("adopted_at"), rec
+    wait_for(lambda: all_clean(cluster), 15, "clean")

@@ -6,7 +6,9 @@ its nodes (node agent `claims`, ~/.clusterctl/claims/NODE on each node). It take
 run of this control machine wants any of them: first come, first served per node set. A claim
 taken by someone else between the look and the take just sends the run back to waiting.
 While it waits the record says `queued` and `waiting_for` says on what; a stop request ends
-the wait (recorded `stopped`), and so does --queue-timeout (recorded `failed`).
+the wait (recorded `stopped`), and so does --queue-timeout (recorded `failed`). A queued run
+whose supervisor died is adopted like any run (`tail`, `status`, `stop`): it waits again, in
+its original place.
 """
 
 from __future__ import annotations
@@ -69,10 +71,11 @@ def claim_when_free(sup: "Supervisor", cluster: "Cluster", who: str) -> None:
     run, names = sup.run, [n.name for n in sup.inv.nodes]
     timeout = sup.spec.queue_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
-    sup.save(state=RunState.QUEUED, queue_nodes=names, queued_at=time.time())
+    sup.save(state=RunState.QUEUED, queue_nodes=names, queued_at=run.record.get("queued_at") or time.time())
     while True:
         ahead = ahead_of(run, names)
-        busy = {} if ahead else holders(cluster, names)
+        # its own claims do not hold it back (a supervisor that died just after claiming, adopted)
+        busy = {} if ahead else {k: v for k, v in holders(cluster, names).items() if v.get("run") != run.id}
         if not ahead and not busy:
             try:
                 claim_nodes(cluster, sup.inv, run.id, who)

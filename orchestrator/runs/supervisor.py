@@ -232,6 +232,8 @@ class Supervisor(Stopping):
         """Take over a run whose supervisor is gone, from the records."""
         state = self.run.state()
         say(f"adopting run {self.run.id} ({state})")
+        if state is RunState.QUEUED:  # nothing started yet: wait in the queue again, then run it
+            return self._main()
         started = [n for n in self.inv.nodes if self.statuses[n.name].pid]
         cluster = self.connect(patient=True)
         self.claimed = not self.spec.force
