@@ -130,6 +130,7 @@ class ArtifactCopier:
                  checkpoints: bool = True):
         self.cluster, self.dirs, self.say = cluster, dirs, say
         self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
+        self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
         self.store = CheckpointStore(run_dir)
         self.tb_dir = run_dir / "tensorboard"
         self.tb_dir.mkdir(exist_ok=True)
@@ -204,6 +205,8 @@ class ArtifactCopier:
         with self._lock:
             if self.checkpoints:
                 self.poll_checkpoints(nodes)
+            if self.replicator is not None:
+                self.replicator.poll(nodes)
             self.poll_tensorboard(nodes)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
