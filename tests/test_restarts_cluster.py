@@ -107,7 +107,7 @@ def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_con
     """copy_checkpoints: false, checkpoint_replica: true: node1 (the master, which writes every
     checkpoint) replicates to node2; node1 cut for good, the spare resumes from node2's replica."""
     cluster = make_cluster(5, gpus=0)
-    inv = inventory(cluster, tmp_path, 120, train={"copy_checkpoints": False, "checkpoint_replica": True})
+    inv = inventory(cluster, tmp_path, 100, train={"copy_checkpoints": False, "checkpoint_replica": True})
     proc = start(inv)
     try:
         run_dir = run_dir_of(home)
@@ -135,7 +135,7 @@ def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_con
     master_log = (run_dir / "nodes" / f"{names[4]}.log").read_text()
     resumed = [s for s in start_steps(master_log) if s]
     assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
-    assert "step 120 | loss" in master_log
+    assert "step 100 | loss" in master_log
     # no checkpoint byte crossed the control machine
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(("ckpt_", ".ckpt_"))]
 
