@@ -158,3 +158,42 @@ def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp
     assert verdicts["tmp"]["node1"]["detail"] == "shared with every node"
     assert "(shared)" in verdicts["tmp"]["node2"]["detail"]
     shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_the_writer(make_cluster):
+    """Each node's FSDP shards go to the next node; with node1 gone, node2 and node3 each end up
+    with every file the manifest lists, copied node to node (or from their own replicas)."""
+    import hashlib
+    import secrets
+
+    import yaml
+
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.runs.checkpoints import artifacts_cmd
+    from orchestrator.runs.replicas import AGENT, Replicator, restore_from_nodes
+    from orchestrator.transport import Cluster
+
+    cluster = make_cluster(3, gpus=0)
+    inv = parse_inventory(yaml.safe_dump(cluster.inventory()), "<t>")
+    content = {f"__{i}_0.distcp": secrets.token_hex(50_000) for i in range(3)} | {".metadata": "m", "extra.pt": "e"}
+    manifest = "".join(f"{hashlib.sha256(v.encode()).hexdigest()}  {k}\n" for k, v in sorted(content.items()))
+    own = [["__0_0.distcp", ".metadata", "extra.pt"], ["__1_0.distcp"], ["__2_0.distcp"]]
+    with Cluster(inv) as c:
+        res = c.run(lambda n: artifacts_cmd(n, "prepare", "run-x"), stdin=AGENT)
+        dirs = {k: json.loads(r.stdout) for k, r in res.items()}
+        for i, node in enumerate(cluster.nodes):
+            d = dirs[node.name]["checkpoints"] + "/ckpt_00000020"
+            node.run(f"mkdir -p {d}")
+            for f in own[i] + ["MANIFEST.sha256"]:
+                node.run(f"cat > {d}/{f}", input=content.get(f, manifest))
+        rep = Replicator(c, dirs, say=print)
+        rep.poll(["node1", "node2", "node3"])
+        assert sorted((s, h) for _, s, h, _ in rep.events) == [("node1", "node2"), ("node2", "node3"),
+                                                               ("node3", "node1")]
+        assert rep.bytes > 100_000
+        found = restore_from_nodes(c, dirs, ["node3", "node2"], -1, say=print)  # node1 lost
+    assert found == ("ckpt_00000020", ["node2", "node3"])
+    for node in cluster.nodes[1:]:
+        d = dirs[node.name]["checkpoints"] + "/ckpt_00000020"
+        r = node.run(f"cd {d} && sha256sum -c MANIFEST.sha256", check=False)
+        assert r.returncode == 0 and r.stdout.count(": OK") == 5, (node.name, r.stdout, r.stderr)

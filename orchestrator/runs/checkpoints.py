@@ -9,6 +9,8 @@ sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written
 shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
 them all): the pieces are merged into one directory here, complete once the manifest checks.
 Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
+With train.checkpoint_replica the same poll loop also runs runs/replicas.py's `Replicator`
+(node-to-node copies that never pass through this machine).
 """
 
 from __future__ import annotations

@@ -154,9 +154,10 @@ class NodeRestoreError(Exception):
 
 
 def restore_from_nodes(cluster: Cluster, dirs: dict[str, dict], nodes: list[str], newer_than: int,
-                       say: Callable[[str], None] = print) -> str | None:
+                       say: Callable[[str], None] = print) -> tuple[str, list[str]] | None:
     """Put the newest checkpoint the attempt's `nodes` hold (own or replica), if newer than step
-    `newer_than`, where the trainer looks. Returns its name; None: nothing newer on the nodes."""
+    `newer_than`, where the trainer looks. Returns its name and the nodes written to; None:
+    nothing newer on the nodes."""
     res = cluster.run(lambda n: artifacts_cmd(n, "held", dirs[n.name]["checkpoints"], dirs[n.name]["replicas"]),
                       stdin=AGENT, nodes=nodes, timeout=60)
     pieces = []
@@ -177,6 +178,6 @@ def restore_from_nodes(cluster: Cluster, dirs: dict[str, dict], nodes: list[str]
                       cluster.inventory.node(m.target), dirs[m.target]["checkpoints"])
         if not r.ok:
             raise NodeRestoreError(f"could not restore {name} from {p.holder} to {m.target}: {r.detail}")
-        say(f"checkpoint {name} " + (f"({p.origin}'s, replica on {p.holder})" if p.holder != p.origin else "") +
-            f" copied from {p.holder} to {m.target}, node to node")
-    return name
+        whose = f" ({p.origin}'s, replica on {p.holder})" if p.holder != p.origin else ""
+        say(f"checkpoint {name}{whose} copied from {p.holder} to {m.target}, node to node")
+    return name, sorted({m.target for m in moves})

@@ -3,7 +3,8 @@
   After an attempt fails, `classify` decides whose failure it was. A lost node, a worker killed
   by a signal (the OOM killer's SIGKILL included) or a collective error after a peer died is the
   infrastructure's: the run is launched again as attempt k+1 (at most --max-restarts times), with
-  the newest complete checkpoint restored onto the nodes, on the healthy nodes plus spares
+  the newest complete checkpoint restored onto the nodes (the control machine's copy, or what the
+  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/replicas.py), on the healthy nodes plus spares
   (`spare: true` nodes take a lost node's place in rank order); with no spare left, --min-nodes
   lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
   communication error) is not retried: it would fail the same way again.
@@ -205,10 +206,11 @@ class Attempts:
         here = store.newest()
         try:
             if entry["attempt"] > 1:  # a relaunch: what the surviving nodes hold may be newer
-                name = restore_from_nodes(self.cluster, dirs, self.nodes, step_of(here) if here else -1,
-                                          say=self.sup.say)
-                if name is not None:
-                    entry.update(checkpoint=name, restored_from="nodes", restore_s=round(time.monotonic() - t0, 3))
+                found = restore_from_nodes(self.cluster, dirs, self.nodes, step_of(here) if here else -1,
+                                           say=self.sup.say)
+                if found is not None:
+                    entry.update(checkpoint=found[0], restored=found[1], restored_from="nodes",
+                                 restore_s=round(time.monotonic() - t0, 3))
                     return
             entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
         except (RestoreError, NodeRestoreError) as e:
