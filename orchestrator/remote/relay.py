@@ -201,7 +201,9 @@ def install(staging, workdir):
         rel = os.path.relpath(d, staging)
         dest_dir = workdir if rel == "." else os.path.join(workdir, rel)
         os.makedirs(dest_dir, exist_ok=True)
-        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+        # checksum files last: a checkpoint's .sha256 or MANIFEST.sha256 marks it complete
+        for name in sorted(files, key=lambda n: n.endswith(".sha256")) + \
+                [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             dest = os.path.join(dest_dir, name)
             if os.path.isdir(dest) and not os.path.islink(dest):
                 raise Failed(f"cannot replace the directory {dest} with a file")
