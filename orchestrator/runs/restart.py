@@ -204,16 +204,20 @@ class Attempts:
         t0 = time.monotonic()
         store = copier.store if copier.store.newest() or self.origin is None else self.origin
         here = store.newest()
-        try:
-            if entry["attempt"] > 1:  # a relaunch: what the surviving nodes hold may be newer
+        if entry["attempt"] > 1:  # a relaunch: what the surviving nodes hold may be newer
+            try:
                 found = restore_from_nodes(self.cluster, dirs, self.nodes, step_of(here) if here else -1,
                                            say=self.sup.say)
-                if found is not None:
-                    entry.update(checkpoint=found[0], restored=found[1], restored_from="nodes",
-                                 restore_s=round(time.monotonic() - t0, 3))
-                    return
+            except NodeRestoreError as e:  # the older copy on this machine (if any) still serves
+                self.sup.say(f"{e}; restoring from this machine's copy instead")
+                found = None
+            if found is not None:
+                entry.update(checkpoint=found[0], restored=found[1], restored_from="nodes",
+                             restore_s=round(time.monotonic() - t0, 3))
+                return
+        try:
             entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
-        except (RestoreError, NodeRestoreError) as e:
+        except RestoreError as e:
             raise LaunchError(str(e)) from e
         entry["checkpoint"] = here
         if store is self.origin:
