@@ -141,6 +141,66 @@ def test_relay_refuses_a_stream_whose_digest_differs(tmp_path):
     assert os.listdir(tmp_path / "wd") == []
 
 
+def _send(src, *names, idle="20"):
+    return subprocess.Popen([sys.executable, str(RELAY), "send", "abc124", str(src), *names, "--idle", idle],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_send_streams_a_checkpoint_node_to_node_and_reports_the_digest(tmp_path, kind):
+    """`send` (the replica's source side) feeds `recv` over TCP with the receiver's token; the
+    digest it prints is what the control machine announces to the receiver."""
+    src = tmp_path / "src"
+    src.mkdir()
+    if kind == "file":
+        (src / "ckpt_00000010.pt").write_bytes(os.urandom(300_000))
+        (src / "ckpt_00000010.pt.sha256").write_text("x  ckpt_00000010.pt\n")
+        want = ["ckpt_00000010.pt", "ckpt_00000010.pt.sha256"]
+        name = "ckpt_00000010.pt"
+    else:
+        (src / "ckpt_00000010").mkdir()
+        (src / "ckpt_00000010" / "__0_0.distcp").write_bytes(os.urandom(200_000))
+        (src / "ckpt_00000010" / "MANIFEST.sha256").write_text("x  __0_0.distcp\n")
+        want = ["ckpt_00000010"]
+        name = "ckpt_00000010"
+    (src / "ckpt_00000000.pt").write_bytes(b"older")  # not named: not sent
+    r = _relay(tmp_path, "--idle", "20")
+    port = int(r.stdout.readline().split()[1])
+    r.stdin.write(b"token tok\nlast\nsource tcp\n")
+    r.stdin.flush()
+    s = _send(src, name)
+    s.stdin.write(f"to 127.0.0.1 {port} tok\n".encode())
+    out, err = _finish(s)
+    assert s.returncode == 0, err
+    word, nbytes, digest = out.decode().split()
+    assert word == "sent" and int(nbytes) > 300_000 * (kind == "file")
+    r.stdin.write(f"sha256 {digest}\n".encode())
+    out, err = _finish(r)
+    assert r.returncode == 0, err
+    wd = tmp_path / "wd"
+    assert sorted(os.listdir(wd)) == want
+    for rel in ("ckpt_00000010.pt", "ckpt_00000010/__0_0.distcp"):
+        if (src / rel).exists():
+            assert (wd / rel).read_bytes() == (src / rel).read_bytes()
+
+
+def test_send_refuses_what_is_not_a_checkpoint_and_a_wrong_token_gets_nothing(tmp_path):
+    s = _send(tmp_path, "../etc")
+    _, err = _finish(s)
+    assert s.returncode == 1 and b"no checkpoint ../etc" in err
+    (tmp_path / "ckpt_00000010.pt").write_bytes(b"x")
+    r = _relay(tmp_path, "--idle", "3")
+    port = int(r.stdout.readline().split()[1])
+    r.stdin.write(b"token right\nlast\nsource tcp\n")
+    r.stdin.flush()
+    s = _send(tmp_path, "ckpt_00000010.pt", idle="3")
+    s.stdin.write(f"to 127.0.0.1 {port} wrong\n".encode())
+    _finish(s)
+    _, err = _finish(r)
+    assert r.returncode == 1 and b"no upstream node connected" in err
+    assert os.listdir(tmp_path / "wd") == []
+
+
 # ------------------------------------------------------------------ on the test cluster
 
 

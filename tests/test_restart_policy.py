@@ -128,3 +128,72 @@ def test_tensorboard_frames_append_and_skip_what_is_out_of_step(tmp_path):
     assert (tmp_path / "events.1").read_bytes() == b"abcdef"
     assert (tmp_path / "sub" / "events.2").read_bytes() == b"\n\nxy"
     assert not (tmp_path.parent / "evil").exists()
+
+
+# ------------------------------------------------------------------ replicas (runs/replicas.py)
+
+from orchestrator.inventory import parse_inventory  # noqa: E402
+from orchestrator.runs.replicas import Move, Piece, pieces_of, plan_restore, ring  # noqa: E402
+
+
+def test_each_node_replicates_to_the_next_in_rank_order_wrapping_around():
+    assert ring(["n1", "n2", "n3", "n4"]) == {"n1": "n2", "n2": "n3", "n3": "n4", "n4": "n1"}
+    assert ring(["n5", "n2"]) == {"n5": "n2", "n2": "n5"}
+    assert ring(["n1"]) == {}  # no other node to hold a replica
+
+
+def test_inventory_checkpoint_replica_defaults_off():
+    base = "nodes: [{name: a, host: h}]\n"
+    assert parse_inventory(base, "<t>").train.checkpoint_replica is False
+    inv = parse_inventory(base + "train: {copy_checkpoints: false, checkpoint_replica: true}\n", "<t>")
+    assert inv.train.checkpoint_replica is True and inv.train.copy_checkpoints is False
+
+
+def _file(holder, origin, step):
+    name = f"ckpt_{step:08d}.pt"
+    return Piece(holder, origin, name, step, "file", frozenset({name, name + ".sha256"}))
+
+
+def test_restore_picks_the_newest_file_checkpoint_on_any_surviving_node_for_the_new_master():
+    # node1 (the old master) is gone; node2 holds its replicas of steps 10 and 20; node5 is the new master
+    pieces = [_file("node2", "node1", 10), _file("node2", "node1", 20), _file("node3", "node3", 0)]
+    name, moves = plan_restore(pieces, ["node5", "node2", "node3", "node4"])
+    assert name == "ckpt_00000020.pt" and moves == [Move(pieces[1], "node5")]
+    # the control machine already has step 20 (or newer): nothing from the nodes
+    assert plan_restore(pieces, ["node5", "node2"], newer_than=20) is None
+    assert plan_restore(pieces, ["node5", "node2"], newer_than=10)[0] == "ckpt_00000020.pt"
+    # the master survived with its own newest: already in place
+    own = _file("node1", "node1", 20)
+    assert plan_restore(pieces + [own], ["node1", "node5"]) == ("ckpt_00000020.pt", [])
+    # the new master holds a replica itself: copied from itself (a local copy), not across the network
+    assert plan_restore(pieces, ["node2", "node5"]) == ("ckpt_00000020.pt", [Move(pieces[1], "node2")])
+    assert plan_restore([], ["node5"]) is None
+
+
+def _shards(holder, origin, step, rank, world=3):
+    names = {f"__{rank}_0.distcp"} | ({".metadata", "extra.pt"} if rank == 0 else set())
+    manifest = frozenset({f"__{r}_0.distcp" for r in range(world)} | {".metadata", "extra.pt"})
+    return Piece(holder, origin, f"ckpt_{step:08d}", step, "dir", frozenset(names | {"MANIFEST.sha256"}), manifest)
+
+
+def test_restore_merges_fsdp_pieces_on_every_node_only_when_they_cover_the_manifest():
+    # step 20: node1 (rank 0) lost, its replica on node2; node3's own pieces of step 20 are missing
+    p20 = [_shards("node2", "node1", 20, 0), _shards("node2", "node2", 20, 1), _shards("node1", "node3", 20, 2)]
+    p10 = [_shards("node2", "node1", 10, 0), _shards("node2", "node2", 10, 1), _shards("node3", "node3", 10, 2)]
+    name, moves = plan_restore(p20[:2] + p10, ["node4", "node2", "node3"])
+    assert name == "ckpt_00000010"  # step 20 lacks rank 2's shards
+    got = {(m.piece.holder, m.piece.origin, m.target) for m in moves}
+    assert got == {("node2", "node1", "node4"), ("node2", "node2", "node4"), ("node3", "node3", "node4"),
+                   ("node2", "node1", "node2"), ("node3", "node3", "node2"),
+                   ("node2", "node1", "node3"), ("node2", "node2", "node3")}
+
+
+def test_the_node_agents_held_answer_is_parsed_into_pieces():
+    held = {"own": [{"name": "ckpt_00000010", "step": 10, "kind": "dir", "manifest": ["__1_0.distcp"],
+                     "files": [["ckpt_00000010/__1_0.distcp", 5], ["ckpt_00000010/MANIFEST.sha256", 9]]}],
+            "replicas": {"node1": [{"name": "ckpt_00000010.pt", "step": 10, "kind": "file",
+                                    "files": [["ckpt_00000010.pt", 5], ["ckpt_00000010.pt.sha256", 9]]}]}}
+    own, rep = pieces_of("node2", held)
+    assert (own.holder, own.origin, own.files) == ("node2", "node2", {"__1_0.distcp", "MANIFEST.sha256"})
+    assert own.manifest == {"__1_0.distcp"}
+    assert (rep.holder, rep.origin, rep.kind, rep.step) == ("node2", "node1", "file", 10)

@@ -35,14 +35,14 @@ def wait_for(pred, timeout, what):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def inventory(cluster, tmp_path, steps, *extra):
+def inventory(cluster, tmp_path, steps, *extra, train=None):
     for n in cluster.nodes:
         n.run("mkdir -p ~/gpt_train")
     nodes = cluster.inventory()["nodes"]
     nodes[-1]["spare"] = True
     return str(cluster.write_inventory(
         tmp_path / "nodes.yaml", nodes=nodes, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
-        train={"module": "trainer", "max_restarts": 2,
+        train={"module": "trainer", "max_restarts": 2, **(train or {}),
                "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
                         "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
                         "--output-dir", "out", *extra]}))
@@ -102,6 +102,44 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))
 
 
+def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_control_machine(
+        make_cluster, tmp_path, home):
+    """copy_checkpoints: false, checkpoint_replica: true: node1 (the master, which writes every
+    checkpoint) replicates to node2; node1 cut for good, the spare resumes from node2's replica."""
+    cluster = make_cluster(5, gpus=0)
+    inv = inventory(cluster, tmp_path, 100, train={"copy_checkpoints": False, "checkpoint_replica": True})
+    proc = start(inv)
+    try:
+        run_dir = run_dir_of(home)
+        replicas = f"~/.clusterctl/artifacts/{run_dir.name}/replicas/node1"
+
+        def replica_on_node2():
+            r = cluster.nodes[1].run(f"cd {replicas} 2>/dev/null && for f in ckpt_*.pt; do "
+                                     '[ "$(sha256sum "$f" | cut -c1-64)" = "$(cut -c1-64 "$f.sha256")" ] && echo "$f"; '
+                                     "done", check=False)
+            return r.stdout.strip()
+
+        held = wait_for(replica_on_node2, 240, "a verified replica of node1's checkpoint on node2")
+        cluster.nodes[0].link_down()  # the only node that wrote checkpoints, for good
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert proc.returncode == 0, err[-3000:]
+    assert "ckpt_" in held
+    names = [n.name for n in cluster.nodes]
+    attempts = rec["attempts"]
+    assert attempts[1]["nodes"] == [names[4], *names[1:4]] and attempts[1]["verdict"] == "finished"
+    assert attempts[1]["restored_from"] == "nodes", attempts[1]
+    master_log = (run_dir / "nodes" / f"{names[4]}.log").read_text()
+    resumed = [s for s in start_steps(master_log) if s]
+    assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
+    assert "step 100 | loss" in master_log
+    # no checkpoint byte crossed the control machine
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(("ckpt_", ".ckpt_"))]
+
+
 def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp_path):
     cluster = make_cluster(3, gpus=0)
     # the host's /tmp: every node's namespace sees it (pytest's tmp_path is root's alone)
@@ -120,3 +158,42 @@ def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp
     assert verdicts["tmp"]["node1"]["detail"] == "shared with every node"
     assert "(shared)" in verdicts["tmp"]["node2"]["detail"]
     shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_the_writer(make_cluster):
+    """Each node's FSDP shards go to the next node; with node1 gone, node2 and node3 each end up
+    with every file the manifest lists, copied node to node (or from their own replicas)."""
+    import hashlib
+    import secrets
+
+    import yaml
+
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.runs.checkpoints import artifacts_cmd
+    from orchestrator.runs.replicas import AGENT, Replicator, restore_from_nodes
+    from orchestrator.transport import Cluster
+
+    cluster = make_cluster(3, gpus=0)
+    inv = parse_inventory(yaml.safe_dump(cluster.inventory()), "<t>")
+    content = {f"__{i}_0.distcp": secrets.token_hex(50_000) for i in range(3)} | {".metadata": "m", "extra.pt": "e"}
+    manifest = "".join(f"{hashlib.sha256(v.encode()).hexdigest()}  {k}\n" for k, v in sorted(content.items()))
+    own = [["__0_0.distcp", ".metadata", "extra.pt"], ["__1_0.distcp"], ["__2_0.distcp"]]
+    with Cluster(inv) as c:
+        res = c.run(lambda n: artifacts_cmd(n, "prepare", "run-x"), stdin=AGENT)
+        dirs = {k: json.loads(r.stdout) for k, r in res.items()}
+        for i, node in enumerate(cluster.nodes):
+            d = dirs[node.name]["checkpoints"] + "/ckpt_00000020"
+            node.run(f"mkdir -p {d}")
+            for f in own[i] + ["MANIFEST.sha256"]:
+                node.run(f"cat > {d}/{f}", input=content.get(f, manifest))
+        rep = Replicator(c, dirs, say=print)
+        rep.poll(["node1", "node2", "node3"])
+        assert sorted((s, h) for _, s, h, _ in rep.events) == [("node1", "node2"), ("node2", "node3"),
+                                                               ("node3", "node1")]
+        assert rep.bytes > 100_000
+        found = restore_from_nodes(c, dirs, ["node3", "node2"], -1, say=print)  # node1 lost
+    assert found == ("ckpt_00000020", ["node2", "node3"])
+    for node in cluster.nodes[1:]:
+        d = dirs[node.name]["checkpoints"] + "/ckpt_00000020"
+        r = node.run(f"cd {d} && sha256sum -c MANIFEST.sha256", check=False)
+        assert r.returncode == 0 and r.stdout.count(": OK") == 5, (node.name, r.stdout, r.stderr)

@@ -170,6 +170,9 @@ class TrainSection(_Model):
     # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
     # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
     copy_checkpoints: bool = True
+    # each node's complete checkpoints are also copied node to node to the next node in rank order
+    # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
+    checkpoint_replica: bool = False
 
     @field_validator("env", mode="before")
     @classmethod

@@ -3,11 +3,16 @@
 A run keeps what must outlive a node under ~/.clusterctl/artifacts/RUN_ID/ on every node:
 checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOARD_DIR).
 
-  prepare RUN_ID            create both directories; print {"checkpoints": ABS, "tensorboard": ABS}
+  prepare RUN_ID            create both directories; print {"checkpoints": ABS, "tensorboard": ABS,
+                            "replicas": ABS} (replicas/SOURCE/: other nodes' checkpoints kept here)
   list DIR                  print the completed checkpoints in DIR as JSON, newest first:
                             [{"name", "step", "kind": "file"|"dir", "files": [[rel, size], ...]}]
                             a file counts once its .sha256 sits next to it (written before the
-                            file is renamed into place), a directory once it has its final name
+                            file is renamed into place), a directory once it has its final name;
+                            a directory's entry adds "manifest": the names its MANIFEST.sha256 lists
+  held DIR REPLICAS         what `list` prints for DIR and for each REPLICAS/SOURCE, as
+                            {"own": [...], "replicas": {SOURCE: [...]}}
+  prune DIR KEEP            remove all but the newest KEEP checkpoints in DIR
   send DIR NAME...          write an uncompressed tar of those checkpoints (and .sha256 files) to stdout
   receive DIR               read a tar from stdin; each top-level entry lands under its name
                             atomically (extracted beside it, then renamed over what was there)
@@ -36,7 +41,7 @@ def prepare(run_id):
     if not run_id or "/" in run_id or run_id.startswith("."):
         sys.exit("bad run id")
     out = {}
-    for sub in ("checkpoints", "tensorboard"):
+    for sub in ("checkpoints", "tensorboard", "replicas"):
         d = os.path.join(BASE, run_id, sub)
         os.makedirs(d, exist_ok=True)
         out[sub] = d
@@ -58,7 +63,7 @@ def _files(root, rel=""):
     return out
 
 
-def list_ckpts(d):
+def _ckpts(d):
     found = []
     for name in os.listdir(d) if os.path.isdir(d) else []:
         m = NAME.match(name)
@@ -75,8 +80,42 @@ def list_ckpts(d):
         else:
             continue
         found.append({"name": name, "step": int(m.group(1)), "kind": kind, "files": files})
+        if kind == "dir":
+            found[-1]["manifest"] = _manifest(path)
     found.sort(key=lambda c: c["step"], reverse=True)
-    print(json.dumps(found))
+    return found
+
+
+def list_ckpts(d):
+    print(json.dumps(_ckpts(d)))
+
+
+def _manifest(path):
+    try:
+        with open(os.path.join(path, "MANIFEST.sha256")) as f:
+            return [line.rstrip("\n").split("  ", 1)[1] for line in f if "  " in line]
+    except OSError:
+        return []
+
+
+def held(d, replicas):
+    out = {"own": _ckpts(d), "replicas": {}}
+    for src in sorted(os.listdir(replicas)) if os.path.isdir(replicas) else []:
+        if _safe_name(src) and os.path.isdir(os.path.join(replicas, src)):
+            out["replicas"][src] = _ckpts(os.path.join(replicas, src))
+    print(json.dumps(out))
+
+
+def prune(d, keep):
+    for c in _ckpts(d)[int(keep):]:
+        path = os.path.join(d, c["name"])
+        if c["kind"] == "dir":
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            for p in (path + ".sha256", path):
+                if os.path.exists(p):
+                    os.remove(p)
+    print("ok")
 
 
 def send(d, *names):
@@ -154,5 +193,5 @@ def since(d, offsets_hex):
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"prepare": prepare, "list": list_ckpts, "send": send, "receive": receive, "since": since,
+    {"prepare": prepare, "list": list_ckpts, "held": held, "prune": prune, "send": send, "receive": receive, "since": since,
      "pack": pack}[cmd](*args)

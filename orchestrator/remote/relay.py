@@ -5,6 +5,9 @@ workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed.
     changed WORKDIR         stdin: NUL-terminated "SIZE MTIME PATH" records of the files a sync
                             would ship; prints "changed BYTES FILES" (files whose size or mtime
                             differ here) and "rsync yes|no"; creates WORKDIR
+    send XFER DIR NAME...   stream checkpoints NAME (a file with its .sha256, or a directory) from
+                            DIR on this node to another node's `recv`; stdin: "to HOST PORT TOKEN";
+                            stdout: "sent BYTES SHA256" for the control machine to announce
     stop XFER WORKDIR       end this user's processes of transfer XFER (found by the environment
                             marker CLUSTERCTL_XFER=XFER, never by name) and remove its staging dir
 
@@ -24,6 +27,7 @@ Every wait has a timeout (--idle seconds without progress, --connect-timeout for
 import hashlib
 import hmac
 import os
+import re
 import select
 import shutil
 import socket
@@ -197,7 +201,9 @@ def install(staging, workdir):
         rel = os.path.relpath(d, staging)
         dest_dir = workdir if rel == "." else os.path.join(workdir, rel)
         os.makedirs(dest_dir, exist_ok=True)
-        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+        # checksum files last: a checkpoint's .sha256 or MANIFEST.sha256 marks it complete
+        for name in sorted(files, key=lambda n: n.endswith(".sha256")) + \
+                [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             dest = os.path.join(dest_dir, name)
             if os.path.isdir(dest) and not os.path.islink(dest):
                 raise Failed(f"cannot replace the directory {dest} with a file")
@@ -261,6 +267,47 @@ def recv(xfer, workdir, idle, connect_timeout):
     emit(f"done {stream.total} {files}")
 
 
+CKPT_NAME = re.compile(r"^ckpt_\d{8}(\.pt)?$")
+
+
+class Sink:
+    """The socket as a write-only file for tarfile: each chunk is hashed and counted as it goes."""
+
+    def __init__(self, sock):
+        self.sock, self.sha, self.total = sock, hashlib.sha256(), 0
+
+    def write(self, data):
+        self.sock.sendall(data)
+        self.sha.update(data)
+        self.total += len(data)
+        return len(data)
+
+
+def send(xfer, src, names, idle, connect_timeout):
+    """Connect to the receiving relay named on stdin, present its token, stream a tar of `names`."""
+    import tarfile
+
+    for name in names:
+        if not CKPT_NAME.match(name) or not os.path.exists(os.path.join(src, name)):
+            raise Failed(f"no checkpoint {name} in {src}")
+    host, port, token = expect(Stdin(idle).line(), "to", 4)
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=connect_timeout)
+    except OSError as e:
+        raise Failed(f"cannot reach {host}:{port}: {e.strerror or e}")
+    sock.settimeout(idle)
+    sock.sendall(token.encode() + b"\n")
+    sink = Sink(sock)
+    with tarfile.open(fileobj=sink, mode="w|", bufsize=CHUNK) as tar:
+        for name in names:
+            for rel in (name, name + ".sha256") if name.endswith(".pt") else (name,):
+                if os.path.exists(os.path.join(src, rel)):
+                    tar.add(os.path.join(src, rel), arcname=rel, filter=lambda m: m if m.isfile() or m.isdir() else None)
+    sock.shutdown(socket.SHUT_WR)
+    sock.close()
+    emit(f"sent {sink.total} {sink.sha.hexdigest()}")
+
+
 def changed(workdir):
     os.makedirs(workdir, exist_ok=True)
     data = sys.stdin.buffer.read()
@@ -314,12 +361,14 @@ def main(argv):
     if len(argv) == 3 and argv[0] == "recv" and argv[1].replace("-", "").isalnum():
         os.makedirs(argv[2], exist_ok=True)
         recv(argv[1], os.path.realpath(argv[2]), opts["--idle"], opts["--connect-timeout"])
+    elif len(argv) >= 4 and argv[0] == "send" and argv[1].replace("-", "").isalnum():
+        send(argv[1], os.path.realpath(os.path.expanduser(argv[2])), argv[3:], opts["--idle"], opts["--connect-timeout"])
     elif len(argv) == 2 and argv[0] == "changed":
         changed(argv[1])
     elif len(argv) == 3 and argv[0] == "stop" and argv[1].replace("-", "").isalnum():
         stop(argv[1], argv[2])
     else:
-        sys.stderr.write("usage: relay.py recv XFER WORKDIR | changed WORKDIR | stop XFER WORKDIR\n")
+        sys.stderr.write("usage: relay.py recv XFER WORKDIR | send XFER DIR NAME... | changed WORKDIR | stop XFER WORKDIR\n")
         return 2
     return 0
 

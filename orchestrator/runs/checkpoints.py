@@ -9,6 +9,8 @@ sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written
 shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
 them all): the pieces are merged into one directory here, complete once the manifest checks.
 Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
+With train.checkpoint_replica the same poll loop also runs runs/replicas.py's `Replicator`
+(node-to-node copies that never pass through this machine).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class ArtifactCopier:
                  checkpoints: bool = True):
         self.cluster, self.dirs, self.say = cluster, dirs, say
         self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
+        self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
         self.store = CheckpointStore(run_dir)
         self.tb_dir = run_dir / "tensorboard"
         self.tb_dir.mkdir(exist_ok=True)
@@ -204,6 +207,8 @@ class ArtifactCopier:
         with self._lock:
             if self.checkpoints:
                 self.poll_checkpoints(nodes)
+            if self.replicator is not None:
+                self.replicator.poll(nodes)
             self.poll_tensorboard(nodes)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:

@@ -3,7 +3,8 @@
   After an attempt fails, `classify` decides whose failure it was. A lost node, a worker killed
   by a signal (the OOM killer's SIGKILL included) or a collective error after a peer died is the
   infrastructure's: the run is launched again as attempt k+1 (at most --max-restarts times), with
-  the newest complete checkpoint restored onto the nodes, on the healthy nodes plus spares
+  the newest complete checkpoint restored onto the nodes (the control machine's copy, or what the
+  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/replicas.py), on the healthy nodes plus spares
   (`spare: true` nodes take a lost node's place in rank order); with no spare left, --min-nodes
   lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
   communication error) is not retried: it would fail the same way again.
@@ -30,8 +31,10 @@ from orchestrator.runs.checkpoints import (
     RestoreError,
     artifacts_cmd,
     restore,
+    step_of,
 )
 from orchestrator.runs.logs import worker_failure
+from orchestrator.runs.replicas import NodeRestoreError, Replicator, restore_from_nodes
 from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import Run
 
@@ -155,23 +158,15 @@ class Attempts:
         sup, k = self.sup, 1
         copier = ArtifactCopier(self.cluster, sup.run.dir, {}, say=sup.say,
                                 checkpoints=self.full.train.copy_checkpoints)
+        if self.full.train.checkpoint_replica:
+            copier.replicator = Replicator(self.cluster, copier.dirs, say=sup.say)
         while True:
             sup.begin_attempt(k, ordered(self.full, self.nodes))
             dirs = self.prepare(self.nodes)
             copier.dirs.update(dirs)
             entry = {"attempt": k, "key": sup.key, "nodes": list(self.nodes), "started": time.time()}
-            # this run's own newest checkpoint, else (attempt 1, or none copied yet) --resume-from's
-            store = copier.store if copier.store.newest() or self.origin is None else self.origin
             if k > 1 or self.origin is not None:
-                t0 = time.monotonic()
-                try:
-                    entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
-                except RestoreError as e:
-                    raise LaunchError(str(e)) from e
-                entry["checkpoint"] = store.newest()
-                if store is self.origin:
-                    entry["resumed_from"] = self.sup.spec.resume_from
-                entry["restore_s"] = round(time.monotonic() - t0, 3)
+                self.restore(dirs, copier, entry)
             self.history.append(entry)
             sup.save(attempts=self.history, attempt=k)
             sup.say(f"attempt {k} on {', '.join(self.nodes)}" +
@@ -201,6 +196,33 @@ class Attempts:
                     f"({k} of {self.max_restarts} restarts)")
             self.nodes, self.spares = nxt
             k += 1
+
+    def restore(self, dirs: dict[str, dict], copier: ArtifactCopier, entry: dict) -> None:
+        """Put the newest complete checkpoint on the nodes that need it: from the nodes themselves
+        (an own checkpoint or a replica, node to node) when one of them holds a newer one than
+        this machine, else this run's newest here, else (attempt 1, or none copied yet) --resume-from's."""
+        t0 = time.monotonic()
+        store = copier.store if copier.store.newest() or self.origin is None else self.origin
+        here = store.newest()
+        if entry["attempt"] > 1:  # a relaunch: what the surviving nodes hold may be newer
+            try:
+                found = restore_from_nodes(self.cluster, dirs, self.nodes, step_of(here) if here else -1,
+                                           say=self.sup.say)
+            except NodeRestoreError as e:  # the older copy on this machine (if any) still serves
+                self.sup.say(f"{e}; restoring from this machine's copy instead")
+                found = None
+            if found is not None:
+                entry.update(checkpoint=found[0], restored=found[1], restored_from="nodes",
+                             restore_s=round(time.monotonic() - t0, 3))
+                return
+        try:
+            entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
+        except RestoreError as e:
+            raise LaunchError(str(e)) from e
+        entry["checkpoint"] = here
+        if store is self.origin:
+            entry["resumed_from"] = self.sup.spec.resume_from
+        entry["restore_s"] = round(time.monotonic() - t0, 3)
 
     def outcomes(self) -> list[Outcome]:
         return [Outcome(st.name, st.state.value, st.exit_code, self._attempt_log(st))

@@ -1,0 +1,127 @@
+"""Copy checkpoints from one node's disk to another node's, node to node: no byte crosses this machine.
+
+Both ends run orchestrator/remote/relay.py over their own SSH channels. The receiving node's
+`recv` binds an ephemeral port and reports it; the control machine hands the sending node's
+`send` the receiver's address, port and a one-time token on its stdin; the sender streams a tar
+of the checkpoints over TCP and prints the stream's sha256, which the control machine announces
+to the receiver, which installs the files only when its own digest matches. No key is placed on a
+node; every wait has a timeout; a failed copy leaves no process or staging directory behind.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+
+from orchestrator import shell
+from orchestrator.inventory import Node
+from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT, relay_source
+from orchestrator.transport import Cluster, NodeResult
+
+IDLE_TIMEOUT = 60.0  # either end gives up after this long without data or a protocol line
+
+
+@dataclass(frozen=True)
+class PairResult:
+    ok: bool
+    bytes: int
+    detail: str  # what failed, in words ("" when ok)
+
+
+def _why(r: NodeResult | None, what: str) -> str:
+    if r is None:
+        return f"{what}: did not finish"
+    err = [ln.removeprefix("relay: ") for ln in r.stderr.splitlines() if ln.strip()]
+    return f"{what}: " + (err[-1] if err else r.describe())
+
+
+class Pair:
+    """One copy of checkpoints `names` from src:src_dir to dst:dst_dir (src may be dst)."""
+
+    def __init__(self, cluster: Cluster, src: Node, src_dir: str, names: list[str], dst: Node, dst_dir: str,
+                 timeout: float = 600.0):
+        self.cluster, self.src, self.src_dir, self.names = cluster, src, src_dir, names
+        self.dst, self.dst_dir, self.timeout = dst, dst_dir, timeout
+        self.xfer, self.token = secrets.token_hex(8), secrets.token_hex(16)
+        self.cond = threading.Condition()
+        self.port: int | None = None
+        self.sent: tuple[int, str] | None = None  # (bytes, sha256) the sender reported
+        self.recv_exited = self.send_exited = False
+        self.recv_result: NodeResult | None = None
+
+    def _set(self, **kw) -> None:
+        with self.cond:
+            for k, v in kw.items():
+                setattr(self, k, v)
+            self.cond.notify_all()
+
+    def _wait(self, pred, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(pred, timeout)
+
+    # ------------------------------------------------------------ the two ends' stdin
+    def recv_feed(self, _node: Node):
+        yield f"token {self.token}\nlast\nsource tcp\n".encode()
+        if self._wait(lambda: self.sent is not None or self.send_exited, self.timeout) and self.sent:
+            yield f"sha256 {self.sent[1]}\n".encode()
+
+    def send_feed(self, _node: Node):
+        if self._wait(lambda: self.port is not None or self.recv_exited, START_TIMEOUT) and self.port:
+            yield f"to {self.dst.address} {self.port} {self.token}\n".encode()
+
+    def on_recv_line(self, _name: str, stream: str, line: str) -> None:
+        word, _, rest = line.partition(" ")
+        if stream == "stdout" and word == "port" and rest.isdigit():
+            self._set(port=int(rest))
+
+    def on_send_line(self, _name: str, stream: str, line: str) -> None:
+        word, *rest = line.split()
+        if stream == "stdout" and word == "sent" and len(rest) == 2 and rest[0].isdigit():
+            self._set(sent=(int(rest[0]), rest[1]))
+
+    # ------------------------------------------------------------ running it
+    def command(self, node: Node, mode: str, where: str, *names: str) -> str:
+        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(node.python)} -c {shell.quote(relay_source())} "
+                f"{mode} {self.xfer} {shell.path(where)} {shell.join(names)} "
+                f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
+
+    def _receive(self) -> None:
+        try:
+            res = self.cluster.run(lambda n: self.command(n, "recv", self.dst_dir), stdin=self.recv_feed,
+                                   nodes=[self.dst.name], timeout=self.timeout, on_line=self.on_recv_line)
+            self.recv_result = res[self.dst.name]
+        finally:
+            self._set(recv_exited=True)
+
+    def run(self) -> PairResult:
+        receiver = threading.Thread(target=self._receive, daemon=True, name=f"replica-recv-{self.dst.name}")
+        receiver.start()
+        try:
+            sent = self.cluster.run(lambda n: self.command(n, "send", self.src_dir, *self.names),
+                                    stdin=self.send_feed, nodes=[self.src.name], timeout=self.timeout,
+                                    on_line=self.on_send_line)[self.src.name]
+        finally:
+            self._set(send_exited=True)
+        if not sent.ok:  # the receiver would wait out its idle timeout for a sender that is gone
+            self.stop()
+        receiver.join(self.timeout + 30)
+        r = self.recv_result
+        if sent.ok and r is not None and r.ok and self.sent:
+            return PairResult(True, self.sent[0], "")
+        if r is None or not r.ok:
+            self.stop()
+        detail = _why(sent, f"sending from {self.src.name}") if not sent.ok else \
+            _why(r, f"receiving on {self.dst.name}")
+        return PairResult(False, self.sent[0] if self.sent else 0, detail)
+
+    def stop(self) -> None:
+        """End this copy's relay processes (found by its id) and remove its staging directory."""
+        names = list(dict.fromkeys([self.src.name, self.dst.name]))
+        self.cluster.run(lambda n: f"{shell.path(n.python)} -c {shell.quote(relay_source())} stop {self.xfer} "
+                                   f"{shell.path(self.dst_dir)}", nodes=names, timeout=30)
+
+
+def copy(cluster: Cluster, src: Node, src_dir: str, names: list[str], dst: Node, dst_dir: str,
+         timeout: float = 600.0) -> PairResult:
+    return Pair(cluster, src, src_dir, names, dst, dst_dir, timeout).run()
