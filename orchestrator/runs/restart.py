@@ -4,9 +4,9 @@
   by a signal (the OOM killer's SIGKILL included) or a collective error after a peer died is the
   infrastructure's: the run is launched again as attempt k+1 (at most --max-restarts times), with
   the newest complete checkpoint restored onto the nodes (the control machine's copy, or what the
-  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/replicas.py), on the healthy nodes plus spares
-  (`spare: true` nodes take a lost node's place in rank order); with no spare left, --min-nodes
-  lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
+  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/replicas.py), on
+  the healthy nodes plus spares (`spare: true` nodes take a lost node's place in rank order); with
+  no spare left, --min-nodes lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
   communication error) is not retried: it would fail the same way again.
 
 Each attempt is started under its own key RUN_ID.aK on the nodes (attempt 1 keeps RUN_ID), so
