@@ -284,8 +284,11 @@ class Sink:
 
 
 def send(xfer, src, names, idle, connect_timeout):
-    """Connect to the receiving relay named on stdin, present its token, stream a tar of `names`."""
+    """Connect to the receiving relay named on stdin, present its token, stream a tar of `names`
+    (at the lowest CPU priority: it runs beside the training)."""
     import tarfile
+
+    os.nice(19)
 
     for name in names:
         if not CKPT_NAME.match(name) or not os.path.exists(os.path.join(src, name)):

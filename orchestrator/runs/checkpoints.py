@@ -15,6 +15,7 @@ With train.checkpoint_replica the same poll loop also runs runs/replicas.py's `R
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -213,6 +214,8 @@ class ArtifactCopier:
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
         def loop():
+            with contextlib.suppress(OSError):  # behind the job's processes when they share this machine
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             while not self._stop.wait(POLL_S):
                 try:
                     self.sweep(nodes())
