@@ -35,7 +35,8 @@ class SetupResult:
 
     def to_json(self) -> dict:
         return {"name": self.node, "ok": self.ok, "action": self.action, "hash": self.hash,
-                "seconds": round(self.seconds, 3), "bytes": self.bytes, "error": self.error}
+                "seconds": round(self.seconds, 3), "bytes": self.bytes, "detail": self.detail,
+                "error": self.error}
 
 
 @dataclass(frozen=True)

@@ -91,8 +91,9 @@ def _installed(name: str, r: NodeResult, probes: dict, lock: Lock, nbytes: int) 
         return SetupResult(name, "failed", False, _why(r, "installing failed"), probes[name].get("hash"),
                            r.duration, nbytes)
     action = "created" if probes[name].get("venv") == "absent" else "updated"
+    steps = ", ".join(f"{k} {v:.1f}s" for k, v in doc.get("steps", {}).items())
     return SetupResult(name, action, True, f"{len(lock.pins)} packages with {doc['installer']} in "
-                       f"{doc['seconds']:.1f}s", lock.hash, r.duration, nbytes)
+                       f"{doc['seconds']:.1f}s ({steps})", lock.hash, r.duration, nbytes)
 
 
 def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: bool = False,
@@ -136,8 +137,8 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
             fail(name, why)
     todo = [name for name in steps if name not in results]
     if todo:
-        res = cluster.run(lambda n: _script(s, "install", s.venv, f"{WHEELHOUSES}/{lock.short}"), nodes=todo,
-                          timeout=INSTALL_TIMEOUT)
+        res = cluster.run(lambda n: _script(s, "install", s.venv, f"{WHEELHOUSES}/{lock.short}")
+                          + (" --shipped" if n.name in got else ""), nodes=todo, timeout=INSTALL_TIMEOUT)
         for name, r in res.items():
             results[name] = _installed(name, r, probes, lock, got.get(name, 0))
     for name in local[1:]:  # local nodes share this machine, so the first one's venv

@@ -6,8 +6,10 @@ wheelhouse. Stdlib only; run by the interpreter that creates the venv as
                                state of VENV (absent | managed | foreign | broken), the hash
                                recorded in the venv it points at, the wheelhouses under ROOT that
                                hold every wheel their lock.json lists, and where uv is
-    install VENV WHEELHOUSE    build a new venv from the wheelhouse ROOT/<hash16> and switch
-                               VENV to it
+    install VENV WHEELHOUSE [--shipped]
+                               build a new venv from the wheelhouse ROOT/<hash16> and switch VENV
+                               to it (--shipped: it came through the relay in this run, whose
+                               sha256 check stands for the per-wheel one)
 
 A managed VENV is a symlink to VENV.d/<hash12>-<tag>, a directory that holds a complete venv
 and its record (.clusterctl-setup.json: hash, pinned requirements, python, time). `install`
@@ -114,7 +116,8 @@ def tail(text, lines=3):
     return " ".join(keep[-lines:])
 
 
-def step(what, argv, env=None):
+def step(what, argv, env=None, timings=None):
+    t0 = time.monotonic()
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=STEP_TIMEOUT,
                            env=dict(os.environ, **(env or {})), stdin=subprocess.DEVNULL)
@@ -124,26 +127,29 @@ def step(what, argv, env=None):
         raise Failed(f"{what}: {e}") from None
     if p.returncode != 0:
         raise Failed(f"{what} failed (exit {p.returncode}): {tail(p.stderr + p.stdout)}")
+    if timings is not None:
+        timings[what.split()[0]] = round(time.monotonic() - t0, 2)
     return p
 
 
-def build(new, wheelhouse, lock):
+def build(new, wheelhouse, lock, timings):
     """Create the venv at `new` and install the locked set into it with no index."""
     pins = os.path.join(wheelhouse, "pins.txt")
     py = os.path.join(new, "bin", "python")
     uv = find_uv(wheelhouse)
     if uv:
         env = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1", "NO_COLOR": "1"}
-        step("creating the venv", [uv, "venv", "--offline", "--python", sys.executable, new], env)
+        step("creating the venv", [uv, "venv", "--offline", "--python", sys.executable, new], env, timings)
         step("installing the wheels", [uv, "pip", "install", "--offline", "--no-index", "--find-links",
-                                       wheelhouse, "--python", py, "-r", pins], env)
+                                       wheelhouse, "--python", py, "-r", pins], env, timings)
     else:
-        step("creating the venv", [sys.executable, "-m", "venv", new])
+        step("creating the venv", [sys.executable, "-m", "venv", new], None, timings)
         step("installing the wheels", [py, "-m", "pip", "install", "--isolated", "--no-index",
                                        "--disable-pip-version-check", "--no-input", "--find-links",
-                                       wheelhouse, "-r", pins])
+                                       wheelhouse, "-r", pins], None, timings)
     if lock.get("imports"):
-        step("importing " + ", ".join(lock["imports"]), [py, "-c", "import " + ", ".join(lock["imports"])])
+        step("importing " + ", ".join(lock["imports"]), [py, "-c", "import " + ", ".join(lock["imports"])],
+             None, timings)
     return "uv" if uv else "pip"
 
 
@@ -177,20 +183,25 @@ def prune(parent, keep, wheelhouse):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def install(venv, wheelhouse):
+def install(venv, wheelhouse, shipped=False):
+    """shipped: the wheelhouse arrived in this run through the relay, which checked the stream's
+    sha256, so the wheels are not hashed again."""
     t0 = time.monotonic()
+    timings = {}
     state, _ = current(venv)
     if state == "foreign":
         raise Failed(f"{venv} is a directory that clusterctl setup did not build; move it away "
                      "(or name another setup.venv): it is never replaced")
     lock = read_lock(wheelhouse)
-    verify(wheelhouse, lock)
+    if not shipped:
+        verify(wheelhouse, lock)
+        timings["verifying"] = round(time.monotonic() - t0, 2)
     parent = venv + ".d"
     os.makedirs(parent, exist_ok=True)
     old = os.path.realpath(venv) if state != "absent" else None
     new = os.path.join(parent, lock["hash"][:12] + "-" + secrets.token_hex(3))
     try:
-        installer = build(new, wheelhouse, lock)
+        installer = build(new, wheelhouse, lock, timings)
         write_record(new, lock, installer)
         switch(venv, new)
     except BaseException:
@@ -198,14 +209,17 @@ def install(venv, wheelhouse):
         raise
     prune(parent, {new, old}, wheelhouse)
     print(json.dumps({"installed": lock["hash"], "dir": new, "installer": installer,
-                      "previous": old, "seconds": round(time.monotonic() - t0, 2)}))
+                      "previous": old, "seconds": round(time.monotonic() - t0, 2), "steps": timings}))
 
 
 def main(argv):
-    if len(argv) == 3 and argv[0] in ("probe", "install"):
-        (probe if argv[0] == "probe" else install)(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
+    if len(argv) == 3 and argv[0] == "probe":
+        probe(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
         return 0
-    sys.stderr.write("usage: pyenv.py probe VENV ROOT | install VENV ROOT/HASH16\n")
+    if len(argv) in (3, 4) and argv[0] == "install" and argv[3:] in ([], ["--shipped"]):
+        install(os.path.abspath(argv[1]), os.path.abspath(argv[2]), shipped=len(argv) == 4)
+        return 0
+    sys.stderr.write("usage: pyenv.py probe VENV ROOT | install VENV ROOT/HASH16 [--shipped]\n")
     return 2
 
 
