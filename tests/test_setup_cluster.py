@@ -15,12 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.cluster import TestCluster, require_root
 
 REPO = Path(__file__).resolve().parent.parent
 REQS = REPO / "trainer" / "requirements.txt"
+SCHEMA = json.loads((REPO / "orchestrator" / "schemas" / "setup.json").read_text())
 VENV = "~/venvs/train"
 PYPI = ("151.101.0.223", 443)
 BUILT: dict[str, list] = {}  # what the first case built, for the later ones to compare with  # one of pypi.org's addresses: no DNS needed to prove there is no route
@@ -87,6 +89,7 @@ def test_setup_from_nothing_builds_the_same_venv_everywhere(cl, work):
           + json.dumps({k: v for k, v in json.loads(p.stdout or "{}").items() if k != "notes"}))
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads(p.stdout)
+    jsonschema.validate(doc, SCHEMA)
     assert [(n["name"], n["action"], n["ok"]) for n in doc["nodes"]] == \
         [(nd.name, "created", True) for nd in cl.nodes], doc
     assert doc["python_env"] == "ok" and doc["packages"] >= 6
@@ -107,6 +110,7 @@ def test_a_second_run_skips_every_node(cl, work):
     print(f"second setup (every node unchanged): {took:.2f}s")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
+    jsonschema.validate(doc, SCHEMA)
     assert [n["action"] for n in doc["nodes"]] == ["unchanged"] * 4
     assert doc["bytes_sent"] == 0 and doc["resolved"] == "cached"
 
