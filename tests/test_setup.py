@@ -205,3 +205,16 @@ def test_node_script_never_replaces_a_venv_it_did_not_build(tmp_path):
     assert json.loads(node("probe", str(venv), str(tmp_path / "wh")).stdout)["venv"] == "foreign"
     r = node("install", str(venv), str(d))
     assert r.returncode == 1 and "did not build" in r.stderr and venv.is_dir() and not venv.is_symlink()
+
+
+def test_the_example_inventorys_setup_block_parses_when_uncommented():
+    example = (Path(__file__).resolve().parent.parent / "inventory.example.yaml").read_text()
+    lines = []
+    for line in example.splitlines():
+        if line.startswith("python:"):
+            continue  # the comment says to remove it
+        lines.append("setup:" if line.startswith("# setup:") else
+                     "  " + line[4:] if line.startswith("#   ") else line)
+    inv = parse_inventory("\n".join(lines), "example")
+    assert inv.setup.requirements == "trainer/requirements.txt" and inv.setup.base == "python3.11"
+    assert {n.python for n in inv.nodes} == {"~/venvs/train/bin/python"}
