@@ -144,7 +144,7 @@ def make_wheel(d: Path, name: str, version: str, body: str = "") -> dict:
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
-def wheelhouse(root: Path, pins: dict[str, str], body: str = "") -> tuple[Path, str]:
+def wheelhouse(root: Path, pins: dict[str, str], body: str = "", with_uv: bool = True) -> tuple[Path, str]:
     tmp = root / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     wheels = [make_wheel(tmp, n, v, body) for n, v in pins.items()]
@@ -155,14 +155,15 @@ def wheelhouse(root: Path, pins: dict[str, str], body: str = "") -> tuple[Path, 
     (d / "lock.json").write_text(json.dumps({"hash": h, "python": "3.11", "pins": [f"{n}=={v}" for n, v in pins.items()],
                                              "imports": list(pins), "wheels": wheels}))
     uv = uv_binary()
-    if uv:
+    if uv and with_uv:
         (d / "tools").mkdir()
         os.symlink(uv, d / "tools" / "uv")
     return d, h
 
 
-def node(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PYENV), *args], capture_output=True, text=True, timeout=300)
+def node(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PYENV), *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp_path):
@@ -196,6 +197,16 @@ def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp
     kept = os.listdir(venv.parent / "t.d")
     assert len(kept) == 2 and os.path.basename(os.readlink(venv)) in kept and os.path.basename(old) not in kept
     assert json.loads(node("probe", str(venv), str(root / "4.0")).stdout)["hash"] == h
+
+
+def test_node_script_falls_back_to_venv_and_pip_without_uv(tmp_path):
+    venv = tmp_path / "v"
+    d, h = wheelhouse(tmp_path / "wh", {"alpha": "1.0"}, with_uv=False)
+    r = node("install", str(venv), str(d), env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["installer"] == "pip"
+    assert json.loads((venv / ".clusterctl-setup.json").read_text())["hash"] == h
+    assert (venv / "bin" / "pip").exists()
 
 
 def test_node_script_never_replaces_a_venv_it_did_not_build(tmp_path):
