@@ -166,6 +166,11 @@ def node(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env=env)
 
 
+def built(venv: Path) -> list[str]:
+    """The venv directories beside `venv` (not the lock file)."""
+    return sorted(x for x in os.listdir(venv.parent / (venv.name + ".d")) if not x.startswith("."))
+
+
 def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp_path):
     venv, root = tmp_path / "venvs" / "t", tmp_path / "wh"
     first, h1 = wheelhouse(root, {"alpha": "1.0"})
@@ -182,7 +187,7 @@ def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp
     r = node("install", str(venv), str(bad))
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("error: importing alpha failed")
     assert "broken alpha" in r.stderr and os.readlink(venv) == old
-    assert os.listdir(venv.parent / "t.d") == [os.path.basename(old)]
+    assert built(venv) == [os.path.basename(old)]
 
     # a damaged wheelhouse is refused before anything is built
     damaged, _ = wheelhouse(tmp_path / "wh3", {"beta": "1.0"})
@@ -194,7 +199,7 @@ def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp
     for version in ("3.0", "4.0"):
         d, h = wheelhouse(root / version, {"alpha": version})
         assert node("install", str(venv), str(d)).returncode == 0
-    kept = os.listdir(venv.parent / "t.d")
+    kept = built(venv)
     assert len(kept) == 2 and os.path.basename(os.readlink(venv)) in kept and os.path.basename(old) not in kept
     assert json.loads(node("probe", str(venv), str(root / "4.0")).stdout)["hash"] == h
 
@@ -229,3 +234,16 @@ def test_the_example_inventorys_setup_block_parses_when_uncommented():
     inv = parse_inventory("\n".join(lines), "example")
     assert inv.setup.requirements == "trainer/requirements.txt" and inv.setup.base == "python3.11"
     assert {n.python for n in inv.nodes} == {"~/venvs/train/bin/python"}
+
+
+def test_node_script_refuses_while_another_setup_builds_the_same_venv(tmp_path):
+    import fcntl
+
+    venv = tmp_path / "v"
+    d, _ = wheelhouse(tmp_path / "wh", {"alpha": "1.0"})
+    (tmp_path / "v.d").mkdir()
+    with open(tmp_path / "v.d" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = node("install", str(venv), str(d))
+    assert r.returncode == 1 and "another clusterctl setup is building" in r.stderr
+    assert not venv.exists() and built(venv) == []

@@ -20,6 +20,7 @@ directory and leaves VENV as it was; the last stderr line is "error: ...", namin
 where the installer did. The previous directory is kept, older ones are removed, and so are
 wheelhouses other than this one.
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -198,6 +199,13 @@ def install(venv, wheelhouse, shipped=False):
         timings["verifying"] = round(time.monotonic() - t0, 2)
     parent = venv + ".d"
     os.makedirs(parent, exist_ok=True)
+    lock_fd = os.open(os.path.join(parent, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise Failed(f"another clusterctl setup is building {venv} right now; run it again when that one "
+                     "is done") from None
+    state, _ = current(venv)  # again, under the lock
     old = os.path.realpath(venv) if state != "absent" else None
     new = os.path.join(parent, lock["hash"][:12] + "-" + secrets.token_hex(3))
     try:
