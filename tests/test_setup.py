@@ -247,3 +247,17 @@ def test_node_script_refuses_while_another_setup_builds_the_same_venv(tmp_path):
         r = node("install", str(venv), str(d))
     assert r.returncode == 1 and "another clusterctl setup is building" in r.stderr
     assert not venv.exists() and built(venv) == []
+
+
+def test_the_cache_key_follows_included_files(tmp_path):
+    from orchestrator.pyenv.resolve import inputs
+
+    (tmp_path / "base.txt").write_text("numpy==2.4.6\n")
+    (tmp_path / "c.txt").write_text("torch<=2.14\n")
+    req = tmp_path / "req.txt"
+    req.write_text("-r base.txt\n--constraint=c.txt\ntorch==2.13.0\n")
+    before = inputs(req)
+    (tmp_path / "c.txt").write_text("torch<=2.13\n")
+    assert inputs(req) != before and b"numpy==2.4.6" in before
+    with pytest.raises(UsageError, match="cannot read"):
+        inputs(tmp_path / "missing.txt")

@@ -237,14 +237,30 @@ def _build_lock(tmp: Path, req_text: str, target: Target) -> dict:
             "pins": pins, "imports": sorted(set(imports)), "wheels": wheels}
 
 
-def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | None = None) -> Lock:
-    """The wheelhouse for `req` on `target`, resolved now or found in the cache."""
+def inputs(req: Path, seen: set | None = None) -> bytes:
+    """The bytes that decide a resolution: the file and, recursively, the files it includes
+    with -r/-c (so editing an included constraints file resolves again)."""
+    seen = seen if seen is not None else set()
+    if req.resolve() in seen:
+        return b""
+    seen.add(req.resolve())
     try:
-        req_bytes = req.read_bytes()
+        data = req.read_bytes()
     except OSError as e:
         raise UsageError(f"setup.requirements: cannot read {req}: {e.strerror or e}") from None
+    out = data
+    for line in data.decode(errors="replace").splitlines():
+        m = re.match(r"^\s*(?:-r|-c|--requirement|--constraint)[\s=]+(\S+)", line)
+        if m and "://" not in m.group(1):
+            out += b"\0" + inputs(req.parent / os.path.expanduser(m.group(1)), seen)
+    return out
+
+
+def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | None = None) -> Lock:
+    """The wheelhouse for `req` on `target`, resolved now or found in the cache."""
+    key = hashlib.sha256(inputs(req) + f"\0{target.key}\0{LOCK_FORMAT}".encode()).hexdigest()[:16]
+    req_bytes = req.read_bytes()
     root = root or cache_root()
-    key = hashlib.sha256(req_bytes + f"\0{target.key}\0{LOCK_FORMAT}".encode()).hexdigest()[:16]
     final = root / key
     if not refresh and (final / "lock.json").exists():
         return Lock.load(final)
