@@ -261,3 +261,29 @@ def test_the_cache_key_follows_included_files(tmp_path):
     assert inputs(req) != before and b"numpy==2.4.6" in before
     with pytest.raises(UsageError, match="cannot read"):
         inputs(tmp_path / "missing.txt")
+
+
+def test_setup_command_on_local_nodes_from_a_local_wheel(tmp_path, monkeypatch, capsys):
+    """The whole command without a cluster or an index: two local nodes (one machine, so one
+    venv), a requirements file that names its own wheel directory."""
+    from orchestrator.cli import main
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "alpha", "1.0")
+    (tmp_path / "req.txt").write_text("--no-index\n--find-links wheels\nalpha==1.0\n")
+    inv = tmp_path / "nodes.yaml"
+    inv.write_text("nodes: [{name: a, connection: local, gpus: 0}, {name: b, connection: local, gpus: 0}]\n"
+                   f"setup: {{requirements: req.txt, venv: {tmp_path}/venv}}\n")
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    runs = []
+    for _ in range(2):
+        code = main(["setup", "-i", str(inv), "--json"])
+        runs.append((code, json.loads(capsys.readouterr().out)))
+    (code1, doc1), (code2, doc2) = runs
+    assert [n["action"] for n in doc1["nodes"]] == ["created", "created"], doc1
+    assert [n["action"] for n in doc2["nodes"]] == ["unchanged", "unchanged"] and doc2["resolved"] == "cached"
+    # the venv is right; python_env fails only because it has no torch
+    assert code1 == code2 == 1 and "torch is not installed" in doc1["python_env"]["a"]
+    assert subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", "import alpha"]).returncode == 0

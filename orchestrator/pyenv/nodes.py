@@ -96,6 +96,14 @@ def _installed(name: str, r: NodeResult, probes: dict, lock: Lock, nbytes: int) 
                        f"{doc['seconds']:.1f}s ({steps})", lock.hash, r.duration, nbytes)
 
 
+def _same_machine(results: dict[str, SetupResult], local: list[str]) -> None:
+    """Local nodes share this machine, so the first one's venv is theirs: its result too."""
+    for name in local[1:]:
+        first = results[local[0]]
+        results[name] = SetupResult(name, first.action, first.ok, first.detail if not first.ok else
+                                    f"the venv of {local[0]} (the same machine)", first.hash)
+
+
 def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: bool = False,
                 refresh: bool = False, events: SyncEvents | None = None) -> SetupReport:
     """Build inv.setup's venv on every connected node; one result per inventory node."""
@@ -121,6 +129,7 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
                        "move it away or name another setup.venv")
     good = {k: v for k, v in probes.items() if k not in results}
     if not good:
+        _same_machine(results, local)
         return SetupReport([results[n.name] for n in inv.nodes], time.monotonic() - t0, None)
     target = target_of(good, s.python_version)
     t1 = time.monotonic()
@@ -141,9 +150,6 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
                           + (" --shipped" if n.name in got else ""), nodes=todo, timeout=INSTALL_TIMEOUT)
         for name, r in res.items():
             results[name] = _installed(name, r, probes, lock, got.get(name, 0))
-    for name in local[1:]:  # local nodes share this machine, so the first one's venv
-        first = results[local[0]]
-        results[name] = SetupResult(name, first.action, first.ok, f"the venv of {local[0]} (the same machine)",
-                                    first.hash)
+    _same_machine(results, local)
     return SetupReport([results[n.name] for n in inv.nodes], time.monotonic() - t0, lock.hash,
                        len(lock.pins), lock.bytes, sent, resolved, notes)
