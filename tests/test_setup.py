@@ -287,3 +287,17 @@ def test_setup_command_on_local_nodes_from_a_local_wheel(tmp_path, monkeypatch, 
     # the venv is right; python_env fails only because it has no torch
     assert code1 == code2 == 1 and "torch is not installed" in doc1["python_env"]["a"]
     assert subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", "import alpha"]).returncode == 0
+
+
+def test_pip_wheel_only_where_this_machine_could_pick_for_the_nodes():
+    import platform
+
+    from orchestrator.pyenv.resolve import _glibc_here, pip_argv
+
+    xy, arch, here = "%d.%d" % sys.version_info[:2], platform.machine(), _glibc_here() or "2.17"
+    assert "wheel" in pip_argv(Path("r"), Path("d"), Target(xy, arch, here))
+    older = pip_argv(Path("r"), Path("d"), Target(xy, arch, "2.5"))  # nodes older than this machine
+    assert "download" in older and "--only-binary=:all:" in older
+    other = pip_argv(Path("r"), Path("d"), Target("3.9", arch, here))
+    assert other[other.index("--python-version") + 1] == "3.9" and "cp39" in other
+    assert f"manylinux_2_17_{arch}" in other

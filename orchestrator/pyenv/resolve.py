@@ -52,7 +52,20 @@ class Target:
         return f"cp{self.xy.replace('.', '')}-{self.arch}-glibc{self.glibc or 'none'}"
 
     def is_here(self) -> bool:
-        return self.xy == "%d.%d" % sys.version_info[:2] and self.arch == platform.machine()
+        """Could pip here pick for the nodes: the same Python X.Y and architecture, and a glibc
+        here no newer than theirs (else it may pick wheels that need this machine's)."""
+        here = _glibc_here()
+        return self.xy == "%d.%d" % sys.version_info[:2] and self.arch == platform.machine() and \
+            (not here or not self.glibc or _version(here) <= _version(self.glibc))
+
+
+def _glibc_here() -> str | None:
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
+    return libc.split()[-1] if libc and libc.startswith("glibc") else None
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
 
 
 @dataclass(frozen=True)
