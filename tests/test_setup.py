@@ -5,6 +5,7 @@ refusing venvs in a temporary directory from a hand-made wheelhouse."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -301,3 +302,37 @@ def test_pip_wheel_only_where_this_machine_could_pick_for_the_nodes():
     other = pip_argv(Path("r"), Path("d"), Target("3.9", arch, here))
     assert other[other.index("--python-version") + 1] == "3.9" and "cp39" in other
     assert f"manylinux_2_17_{arch}" in other
+
+
+def test_online_nodes_download_exactly_the_locked_files_from_their_index(tmp_path, monkeypatch, capsys):
+    """--online ships only the lock; the node's index (UV_DEFAULT_INDEX from the inventory's env,
+    a file:// simple index here) serves the wheel, and a file that is not the locked one is refused."""
+    from orchestrator.cli import main
+
+    wheels, index = tmp_path / "wheels", tmp_path / "index" / "simple" / "ccalpha"
+    wheels.mkdir()
+    index.mkdir(parents=True)
+    locked = make_wheel(wheels, "ccalpha", "1.0")
+    served = tmp_path / "index" / locked["file"]
+    served.write_bytes((wheels / locked["file"]).read_bytes())
+    (index / "index.html").write_text(f'<a href="../../{locked["file"]}">{locked["file"]}</a>\n')
+    (tmp_path / "req.txt").write_text("--no-index\n--find-links wheels\nccalpha==1.0\n")
+    inv = tmp_path / "nodes.yaml"
+    inv.write_text(f"env: {{UV_DEFAULT_INDEX: 'file://{tmp_path}/index/simple'}}\n"
+                   "nodes: [{name: a, connection: local, gpus: 0}]\n"
+                   f"setup: {{requirements: req.txt, venv: {tmp_path}/venv}}\n")
+    monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    main(["setup", "-i", str(inv), "--json", "--online"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["nodes"][0]["action"] == "created", doc
+    assert doc["bytes_sent"] < 1e6 + (40e6 if uv_binary() else 0)  # the lock (and uv), no wheels
+    assert not list((tmp_path / ".cache" / "clusterctl" / "wheelhouse").glob("*/*.whl"))
+
+    make_wheel(tmp_path / "index", "ccalpha", "1.0", body="x = 1")  # the index now serves other bytes
+    shutil.rmtree(tmp_path / ".cache" / "uv", ignore_errors=True)  # (uv's cache holds the checked file)
+    main(["setup", "-i", str(inv), "--json", "--online", "--force"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["nodes"][0]["action"] == "failed" and "ccalpha" in doc["nodes"][0]["error"], doc
+    assert "hash" in doc["nodes"][0]["error"].lower()
+    assert subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", "import ccalpha"]).returncode == 0

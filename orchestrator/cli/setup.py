@@ -37,9 +37,13 @@ def _summary(report) -> str:
 @click.option("--refresh", is_flag=True,
               help="Resolve the requirements again, even though this file was resolved before (unpinned "
                    "requirements then move to their newest versions).")
+@click.option("--online", is_flag=True,
+              help="The nodes can reach an index: ship only the lock (and uv), and let each node download "
+                   "exactly the locked files (sha256-checked) from its index; the inventory's env: may set "
+                   "PIP_INDEX_URL or UV_DEFAULT_INDEX.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document (per node: name, ok, action, hash, seconds, bytes, error).")
-def setup_command(opts: ClusterOptions, force: bool, refresh: bool, as_json: bool):
+def setup_command(opts: ClusterOptions, force: bool, refresh: bool, online: bool, as_json: bool):
     """Build the inventory's `setup:` venv, identical on every node, with no index on the nodes.
 
     The requirements are resolved once here (pip, with this machine's pip configuration) into a
@@ -60,10 +64,12 @@ def setup_command(opts: ClusterOptions, force: bool, refresh: bool, as_json: boo
     console = Console(stderr=True)
     with opts.cluster(inv) as cluster:
         if as_json:
-            report = setup_nodes(cluster, inv, req, force=force, refresh=refresh, events=SyncEvents())
+            report = setup_nodes(cluster, inv, req, force=force, refresh=refresh, online=online,
+                                 events=SyncEvents())
         else:
             with RichEvents(console) as events:
-                report = setup_nodes(cluster, inv, req, force=force, refresh=refresh, events=events)
+                report = setup_nodes(cluster, inv, req, force=force, refresh=refresh, online=online,
+                                     events=events)
         check = run_preflight(cluster, inv, ["python_env"])
         unreachable = list(cluster.unreachable)
     bad_env = {n.node.name: r.detail for n in check.nodes

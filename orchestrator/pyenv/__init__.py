@@ -83,14 +83,16 @@ def target_of(probes: dict[str, dict], python_version: str | None) -> Target:
     return Target(first["xy"], first["arch"], oldest)
 
 
-def plan(probes: dict[str, dict], lock_hash: str, *, force: bool = False) -> dict[str, str]:
+def plan(probes: dict[str, dict], lock_hash: str, *, force: bool = False, online: bool = False
+         ) -> dict[str, str]:
     """node -> UNCHANGED | INSTALL | SHIP from each node's probe (its venv's recorded hash and
-    the wheelhouses it already holds). `force` rebuilds venvs that are already current."""
+    the wheelhouses it already holds). `force` rebuilds venvs that are already current; `online`
+    always ships (only the lock: the node's index serves the wheels)."""
     out = {}
     for name, p in probes.items():
         if p.get("venv") == "managed" and p.get("hash") == lock_hash and not force:
             out[name] = UNCHANGED
-        elif lock_hash[:16] in p.get("wheelhouses", ()):
+        elif lock_hash[:16] in p.get("wheelhouses", ()) and not online:
             out[name] = INSTALL
         else:
             out[name] = SHIP

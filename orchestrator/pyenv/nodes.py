@@ -67,13 +67,14 @@ def probe(cluster: Cluster, nodes: list[str], setup: SetupSection) -> dict[str, 
     return out
 
 
-def _ship(cluster: Cluster, nodes: list[Node], setup: SetupSection, lock: Lock, events: SyncEvents
-          ) -> tuple[dict[str, str], dict[str, int], int, list[str]]:
+def _ship(cluster: Cluster, nodes: list[Node], setup: SetupSection, lock: Lock, events: SyncEvents,
+          online: bool) -> tuple[dict[str, str], dict[str, int], int, list[str]]:
     """Relay the wheelhouse to `nodes`; returns (failures, bytes per node, bytes sent, notes)."""
-    _, stream_bytes = estimate(str(lock.dir), lock.files())
+    files = lock.files(online)
+    _, stream_bytes = estimate(str(lock.dir), files)
     for n in nodes:
         events.planned(n.name, "relay", stream_bytes)
-    res, sent, notes = relay.push(cluster, nodes, str(lock.dir), lock.files(), chain=True,
+    res, sent, notes = relay.push(cluster, nodes, str(lock.dir), files, chain=True,
                                   on_bytes=events.advanced, dest=lambda n: f"{WHEELHOUSES}/{lock.short}",
                                   python=lambda n: setup.base)
     failed, got = {}, {}
@@ -104,9 +105,18 @@ def _same_machine(results: dict[str, SetupResult], local: list[str]) -> None:
                                     f"the venv of {local[0]} (the same machine)", first.hash)
 
 
+def _install_command(s: SetupSection, lock: Lock, shipped: bool, online: bool):
+    """The node's install, with the node's env exported (an online install's index settings:
+    PIP_INDEX_URL, UV_DEFAULT_INDEX, ...)."""
+    mode = " --online" if online else " --shipped" if shipped else ""
+    return lambda n: (shell.exports(n.env) + " " + _script(s, "install", s.venv, f"{WHEELHOUSES}/{lock.short}")
+                      + mode).strip()
+
+
 def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: bool = False,
-                refresh: bool = False, events: SyncEvents | None = None) -> SetupReport:
-    """Build inv.setup's venv on every connected node; one result per inventory node."""
+                refresh: bool = False, online: bool = False, events: SyncEvents | None = None) -> SetupReport:
+    """Build inv.setup's venv on every connected node; one result per inventory node. online:
+    the nodes download the lock's exact files from their index instead of a shipped wheelhouse."""
     events = events or SyncEvents()
     t0 = time.monotonic()
     s = inv.setup
@@ -135,19 +145,19 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
     t1 = time.monotonic()
     lock = resolve(requirements, target, refresh=refresh)
     resolved = "cached" if lock.cached else f"resolved in {time.monotonic() - t1:.1f}s"
-    steps = plan(good, lock.hash, force=force)
+    steps = plan(good, lock.hash, force=force, online=online)
     for name in (k for k, v in steps.items() if v == UNCHANGED):
         results[name] = SetupResult(name, UNCHANGED, True, f"{s.venv} is current", lock.hash)
     sent, notes, got = 0, [], {}
     ship = [n for n in inv.nodes if steps.get(n.name) == SHIP]
     if ship:
-        failed, got, sent, notes = _ship(cluster, ship, s, lock, events)
+        failed, got, sent, notes = _ship(cluster, ship, s, lock, events, online)
         for name, why in failed.items():
             fail(name, why)
     todo = [name for name in steps if name not in results]
     if todo:
-        res = cluster.run(lambda n: _script(s, "install", s.venv, f"{WHEELHOUSES}/{lock.short}")
-                          + (" --shipped" if n.name in got else ""), nodes=todo, timeout=INSTALL_TIMEOUT)
+        cmds = {shipped: _install_command(s, lock, shipped, online) for shipped in (True, False)}
+        res = cluster.run(lambda n: cmds[n.name in got](n), nodes=todo, timeout=INSTALL_TIMEOUT)
         for name, r in res.items():
             results[name] = _installed(name, r, probes, lock, got.get(name, 0))
     _same_machine(results, local)

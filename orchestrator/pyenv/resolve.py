@@ -88,10 +88,12 @@ class Lock:
     def bytes(self) -> int:
         return sum(w["size"] for w in self.wheels)
 
-    def files(self) -> list[str]:
-        """What is shipped to the nodes: the wheels, the lock, the pins, and uv where it is here."""
+    def files(self, online: bool = False) -> list[str]:
+        """What is shipped to the nodes: the wheels (not when they install from an index), the
+        lock, the pins, and uv where it is here."""
         extra = ["tools/uv"] if (self.dir / "tools" / "uv").exists() else []
-        return sorted(w["file"] for w in self.wheels) + ["lock.json", "pins.txt"] + extra
+        wheels = [] if online else sorted(w["file"] for w in self.wheels)
+        return wheels + ["lock.json", "pins.txt"] + extra
 
     @classmethod
     def load(cls, d: Path, cached: bool = True) -> "Lock":

@@ -6,10 +6,11 @@ wheelhouse. Stdlib only; run by the interpreter that creates the venv as
                                state of VENV (absent | managed | foreign | broken), the hash
                                recorded in the venv it points at, the wheelhouses under ROOT that
                                hold every wheel their lock.json lists, and where uv is
-    install VENV WHEELHOUSE [--shipped]
+    install VENV WHEELHOUSE [--shipped | --online]
                                build a new venv from the wheelhouse ROOT/<hash16> and switch VENV
                                to it (--shipped: it came through the relay in this run, whose
-                               sha256 check stands for the per-wheel one)
+                               sha256 check stands for the per-wheel one; --online: the directory
+                               holds only the lock, and the node's index serves exactly its files)
 
 A managed VENV is a symlink to VENV.d/<hash12>-<tag>, a directory that holds a complete venv
 and its record (.clusterctl-setup.json: hash, pinned requirements, python, time). `install`
@@ -111,10 +112,15 @@ def verify(wheelhouse, lock):
 
 
 def tail(text, lines=3):
-    """The installer's last meaningful lines, one line, without uv's box drawing."""
+    """The installer's message as one line, without uv's box drawing: its error and cause lines
+    (uv's "Failed to download `torch==2.13.0`", "Caused by: ...", pip's "ERROR: ..."), then its
+    last lines."""
     keep = [re.sub(r"^[\s│├╰─▶×|]+", "", ln).strip() for ln in text.splitlines()]
     keep = [ln for ln in keep if ln and not ln.startswith(("hint:", "[notice]", "WARNING:"))]
-    return " ".join(keep[-lines:])
+    heads = [ln for ln in keep if ln.startswith(("error:", "ERROR:", "Caused by:", "cause:", "Because"))
+             or ln.startswith(("Failed", "No solution"))][:3]
+    last = [ln for ln in keep[-lines:] if ln not in heads]
+    return " ".join(heads + last)
 
 
 def step(what, argv, env=None, timings=None):
@@ -133,21 +139,33 @@ def step(what, argv, env=None, timings=None):
     return p
 
 
-def build(new, wheelhouse, lock, timings):
-    """Create the venv at `new` and install the locked set into it with no index."""
-    pins = os.path.join(wheelhouse, "pins.txt")
+def hashed(wheelhouse, lock):
+    """The lock as a requirements file that accepts only the very files resolved on the control
+    machine (name==version --hash=sha256:...), for an install from an index."""
+    path = os.path.join(wheelhouse, "hashed.txt")
+    with open(path, "w") as f:
+        f.writelines(f"{w['name']}=={w['version']} --hash=sha256:{w['sha256']}\n" for w in lock["wheels"])
+    return path
+
+
+def build(new, wheelhouse, lock, timings, online=False):
+    """Create the venv at `new` and install the locked set into it: from the wheelhouse with no
+    index, or (online) from the node's index, each file checked against the lock's sha256."""
     py = os.path.join(new, "bin", "python")
     uv = find_uv(wheelhouse)
+    if online:
+        source = ["--require-hashes", "-r", hashed(wheelhouse, lock)]
+    else:
+        source = ["--no-index", "--find-links", wheelhouse, "-r", os.path.join(wheelhouse, "pins.txt")]
     if uv:
         env = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1", "NO_COLOR": "1"}
         step("creating the venv", [uv, "venv", "--offline", "--python", sys.executable, new], env, timings)
-        step("installing the wheels", [uv, "pip", "install", "--offline", "--no-index", "--find-links",
-                                       wheelhouse, "--python", py, "-r", pins], env, timings)
+        step("installing the wheels", [uv, "pip", "install", "--python", py, *([] if online else ["--offline"]),
+                                       *source], env, timings)
     else:
         step("creating the venv", [sys.executable, "-m", "venv", new], None, timings)
-        step("installing the wheels", [py, "-m", "pip", "install", "--isolated", "--no-index",
-                                       "--disable-pip-version-check", "--no-input", "--find-links",
-                                       wheelhouse, "-r", pins], None, timings)
+        step("installing the wheels", [py, "-m", "pip", "install", *([] if online else ["--isolated"]),
+                                       "--disable-pip-version-check", "--no-input", *source], None, timings)
     if lock.get("imports"):
         step("importing " + ", ".join(lock["imports"]), [py, "-c", "import " + ", ".join(lock["imports"])],
              None, timings)
@@ -184,9 +202,10 @@ def prune(parent, keep, wheelhouse):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def install(venv, wheelhouse, shipped=False):
-    """shipped: the wheelhouse arrived in this run through the relay, which checked the stream's
-    sha256, so the wheels are not hashed again."""
+def install(venv, wheelhouse, mode=None):
+    """mode --shipped: the wheelhouse arrived in this run through the relay, which checked the
+    stream's sha256, so the wheels are not hashed again; --online: there are no wheels here, the
+    node's index serves them (checked against the lock's sha256 as they come)."""
     t0 = time.monotonic()
     timings = {}
     state, _ = current(venv)
@@ -194,7 +213,7 @@ def install(venv, wheelhouse, shipped=False):
         raise Failed(f"{venv} is a directory that clusterctl setup did not build; move it away "
                      "(or name another setup.venv): it is never replaced")
     lock = read_lock(wheelhouse)
-    if not shipped:
+    if mode is None:
         verify(wheelhouse, lock)
         timings["verifying"] = round(time.monotonic() - t0, 2)
     parent = venv + ".d"
@@ -209,7 +228,7 @@ def install(venv, wheelhouse, shipped=False):
     old = os.path.realpath(venv) if state != "absent" else None
     new = os.path.join(parent, lock["hash"][:12] + "-" + secrets.token_hex(3))
     try:
-        installer = build(new, wheelhouse, lock, timings)
+        installer = build(new, wheelhouse, lock, timings, online=mode == "--online")
         write_record(new, lock, installer)
         switch(venv, new)
     except BaseException:
@@ -224,10 +243,10 @@ def main(argv):
     if len(argv) == 3 and argv[0] == "probe":
         probe(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
         return 0
-    if len(argv) in (3, 4) and argv[0] == "install" and argv[3:] in ([], ["--shipped"]):
-        install(os.path.abspath(argv[1]), os.path.abspath(argv[2]), shipped=len(argv) == 4)
+    if len(argv) in (3, 4) and argv[0] == "install" and argv[3:] in ([], ["--shipped"], ["--online"]):
+        install(os.path.abspath(argv[1]), os.path.abspath(argv[2]), argv[3] if len(argv) == 4 else None)
         return 0
-    sys.stderr.write("usage: pyenv.py probe VENV ROOT | install VENV ROOT/HASH16 [--shipped]\n")
+    sys.stderr.write("usage: pyenv.py probe VENV ROOT | install VENV ROOT/HASH16 [--shipped | --online]\n")
     return 2
 
 
