@@ -23,7 +23,8 @@ EXIT_CODES = (
     (EXIT_OK, "ok"),
     (EXIT_FAILED, "a check, command or job failed; train returns the first failed node's exit code, "
                   "exec the worst node's (124 for a command past --timeout)"),
-    (EXIT_USAGE, "bad flag or inventory, or more processes per node than it has GPUs (without --force)"),
+    (EXIT_USAGE, "bad flag or inventory, a setup requirement that nothing satisfies, or more processes "
+                 "per node than it has GPUs (without --force)"),
     (EXIT_UNREACHABLE, "a node could not be reached or authenticated (whatever the other nodes did)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
 )

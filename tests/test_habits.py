@@ -202,6 +202,7 @@ def test_ansible_unknown_group_and_bad_line_are_user_errors(tmp_path):
     (["fetch", "--json", "no-such-run"], 2),
     (["fetch", "--json", "no-such-run", "../x"], 2),
     (["render", "slurm", "--json", "-i", "/nonexistent.yaml"], 2),
+    (["setup", "--json"], 2),  # the embedded inventory has no setup: section
 ])
 def test_a_user_error_under_json_is_an_error_object(tmp_path, args, code):
     r = cli(*args, env={"CLUSTERCTL_HOME": str(tmp_path / "home")})
@@ -229,7 +230,7 @@ def test_plan_json():
 def test_every_schema_is_a_valid_schema():
     names = sorted(p.stem for p in SCHEMAS.glob("*.json"))
     assert {"exec", "preflight", "train", "tail", "stop", "status", "runs", "top", "sync", "render",
-            "inventory-check", "plan", "netbench", "fetch", "error"} <= set(names)
+            "inventory-check", "plan", "netbench", "fetch", "error", "setup"} <= set(names)
     for name in names:
         jsonschema.Draft202012Validator.check_schema(schema(name))
 

@@ -28,6 +28,7 @@ from orchestrator.errors import (
 LAZY_COMMANDS = {
     "preflight": "orchestrator.cli.preflight:preflight_command",
     "sync": "orchestrator.cli.sync:sync_command",
+    "setup": "orchestrator.cli.setup:setup_command",
     "train": "orchestrator.cli.train:train_command",
     "tail": "orchestrator.cli.runs:tail_command",
     "status": "orchestrator.cli.runs:status_command",

@@ -11,59 +11,26 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.errors import InventoryError
+from orchestrator.inventory.fields import ENV_KEY_RE, _check_env, _check_path, _Model, excerpt  # noqa: F401 - public
+from orchestrator.inventory.sections import (  # noqa: F401 - public
+    ChecksSection, SetupSection, SyncSection, TrainSection)
 from orchestrator.inventory.sshconfig import config_hostname
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
 USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
 IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 DEFAULT_INVENTORY = "default_inventory.yaml"
 MAX_NODES = 4096  # the most nodes an inventory lists (the --fanout ceiling too)
 
 
-def excerpt(value: Any, limit: int = 60) -> str:
-    """A value as an error message may quote it: repr (control characters escaped), cut short."""
-    if isinstance(value, str):
-        return repr(value if len(value) <= limit else value[:limit - 3] + "...")
-    text = repr(value) if isinstance(value, (int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
-
-class _Model(BaseModel):
-    """Strict: a YAML boolean is never a number or a string, a number never a string."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-def _check_path(v: str | None) -> str | None:
-    if v is None:
-        return v
-    if not v or "\x00" in v or "\n" in v:
-        raise ValueError("must be a non-empty path on one line")
-    if v.startswith("~") and not (v == "~" or v.startswith("~/")):
-        raise ValueError("'~user' paths are not supported; use an absolute path or ~/...")
-    return v
-
-
-def _check_env(v: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for k, val in v.items():
-        if not ENV_KEY_RE.match(str(k)):
-            raise ValueError(f"environment variable name {excerpt(k)} is not a valid identifier")
-        if isinstance(val, bool):
-            raise ValueError(f"environment variable {k} is a YAML boolean; quote the text you mean "
-                             f"(\"1\", \"true\")")
-        if not isinstance(val, (str, int, float)):
-            raise ValueError(f"environment variable {k} must be a string or number")
-        out[str(k)] = str(val)
-    return out
 
 
 class SSHSettings(_Model):
@@ -155,77 +122,6 @@ class NodeModel(_Model):
         return self
 
 
-class TrainSection(_Model):
-    """What `clusterctl train` runs when no script is given on the command line."""
-
-    module: str | None = "trainer"
-    script: str | None = None
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
-    output_dir: str | None = None
-    notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
-    max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
-    queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
-    # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
-    # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
-    copy_checkpoints: bool = True
-    # each node's complete checkpoints are also copied node to node to the next node in rank order
-    # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
-    checkpoint_replica: bool = False
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, v):
-        return _check_env(v) if isinstance(v, dict) else v
-
-    @field_validator("args", mode="before")
-    @classmethod
-    def _args(cls, v):
-        if isinstance(v, str):
-            raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny']")
-        if isinstance(v, list):
-            for a in v:
-                if isinstance(a, bool) or not isinstance(a, (str, int, float)):
-                    raise ValueError("each argument must be text or a number; quote booleans and nulls")
-            return [str(a) for a in v]
-        return v
-
-    @field_validator("module")
-    @classmethod
-    def _module(cls, v):
-        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", v):
-            raise ValueError(f"{excerpt(v)} is not a Python module name")
-        return v
-
-
-class ChecksSection(_Model):
-    """Preflight thresholds."""
-
-    clock_skew_warn: float = Field(default=1.0, ge=0)
-    clock_skew_fail: float = Field(default=5.0, ge=0)
-    disk_min_gb: float = Field(default=10.0, ge=0)
-    require_gpu_idle: bool = True
-
-
-class SyncSection(_Model):
-    """What `clusterctl sync` ships besides what git would: paths relative to the pushed directory.
-    include: directories or globs shipped even when .gitignore excludes them (a data directory);
-    exclude: globs never shipped (matched against the path, each parent directory and, without a
-    '/', the base name)."""
-
-    include: list[str] = Field(default_factory=list)
-    exclude: list[str] = Field(default_factory=list)
-
-    @field_validator("include", "exclude")
-    @classmethod
-    def _relative(cls, v):
-        for p in v:
-            if not p or "\x00" in p or p.startswith(("/", "~")) or ".." in p.split("/"):
-                raise ValueError(f"{p!r} must be a non-empty path or glob inside the pushed directory")
-        return v
-
-
 class InventoryModel(_Model):
     ssh: SSHSettings = Field(default_factory=SSHSettings)
     master_port: int = Field(default=29500, ge=1, le=65535)
@@ -237,6 +133,7 @@ class InventoryModel(_Model):
     train: TrainSection = Field(default_factory=TrainSection)
     checks: ChecksSection = Field(default_factory=ChecksSection)
     sync: SyncSection = Field(default_factory=SyncSection)
+    setup: SetupSection | None = None
 
     @field_validator("env", mode="before")
     @classmethod
@@ -297,6 +194,7 @@ class Inventory:
     checks: ChecksSection
     source: str = "<memory>"
     sync: SyncSection = field(default_factory=SyncSection)
+    setup: SetupSection | None = None
     _by_name: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -320,7 +218,23 @@ class Inventory:
             raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
         keep = tuple(replace(n, rank=i) for i, n in enumerate(n for n in self.nodes if n.name in names))
         return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
-                         self.env, self.train, self.checks, self.source, self.sync)
+                         self.env, self.train, self.checks, self.source, self.sync, self.setup)
+
+
+def _python_of(model: InventoryModel, nm: NodeModel, source: str, line: int | None, i: int) -> str:
+    """The node's interpreter. With a `setup:` section it is the venv's, and a `python:` anywhere
+    is refused: two sources for one interpreter would let nodes run something setup did not build."""
+    if model.setup is not None:
+        if nm.python is not None or "python" in model.model_fields_set:
+            key = f"nodes[{i}].python" if nm.python is not None else "python"
+            raise InventoryError(
+                f"{key} and setup.venv both name the nodes' interpreter: with a setup section every node "
+                f"runs {model.setup.python}. Remove {key}; name the interpreter that creates the venv as "
+                "setup.interpreter", path=source, line=line if nm.python is not None else None, key=key)
+        return model.setup.python
+    if nm.connection == "local" and nm.python is None and "python" not in model.model_fields_set:
+        return sys.executable  # a local node runs where clusterctl runs: same interpreter
+    return nm.python or model.python
 
 
 def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
@@ -344,9 +258,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
                     key=f"nodes[{i}].host")
             seen_hosts[hk] = i
         env = {**model.env, **nm.env}
-        python = nm.python or model.python
-        if nm.connection == "local" and nm.python is None and "python" not in model.model_fields_set:
-            python = sys.executable  # a local node runs where clusterctl runs: same interpreter
+        python = _python_of(model, nm, source, line, i)
         address = nm.address or (config_hostname(host, ssh.config_file) if nm.connection == "ssh" else host)
         nodes.append(Node(
             name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
@@ -354,7 +266,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
             workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
-                     dict(model.env), model.train, model.checks, source, model.sync)
+                     dict(model.env), model.train, model.checks, source, model.sync, model.setup)
 
 
 # ---------------------------------------------------------------- YAML files

@@ -58,8 +58,13 @@ class Chain:
 
     def __init__(self, cluster: Cluster, nodes: list[Node], src: str, files: list[str], *,
                  chain: bool = True, on_bytes: Callable[[str, int], None] | None = None,
-                 timeout: float = 3600.0):
+                 timeout: float = 3600.0, dest: Callable[[Node], str] | None = None,
+                 python: Callable[[Node], str] | None = None):
         self.cluster, self.src, self.files, self.chain = cluster, src, files, chain
+        # where the tree lands and which interpreter runs the relay: the workdir and the node's
+        # python unless a caller ships elsewhere (setup: a wheelhouse, before the venv exists)
+        self.dest = dest or (lambda n: n.workdir)
+        self.python = python or (lambda n: n.python)
         self.on_bytes, self.timeout = on_bytes, timeout
         self.xfer = secrets.token_hex(8)
         self.hops = [_Hop(n, secrets.token_hex(16)) for n in nodes]
@@ -169,8 +174,8 @@ class Chain:
     # ------------------------------------------------------------------ running it
 
     def command(self, node: Node) -> str:
-        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(node.python)} -c {shell.quote(relay_source())} "
-                f"recv {self.xfer} {shell.path(node.workdir)} --idle {IDLE_TIMEOUT:g} "
+        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(self.python(node))} -c {shell.quote(relay_source())} "
+                f"recv {self.xfer} {shell.path(self.dest(node))} --idle {IDLE_TIMEOUT:g} "
                 f"--connect-timeout {CONNECT_TIMEOUT:g}")
 
     def run(self) -> list[SyncResult]:
@@ -178,8 +183,8 @@ class Chain:
                                timeout=self.timeout, on_line=self.on_line, on_done=self.on_done)
         failed = [name for name, r in res.items() if not (r.ok and self.by_name[name].done)]
         if failed:  # stragglers of this transfer, found by its id, and their staging dirs
-            self.cluster.run(lambda n: f"{shell.path(n.python)} -c {shell.quote(relay_source())} stop "
-                             f"{self.xfer} {shell.path(n.workdir)}", nodes=failed, timeout=30)
+            self.cluster.run(lambda n: f"{shell.path(self.python(n))} -c {shell.quote(relay_source())} stop "
+                             f"{self.xfer} {shell.path(self.dest(n))}", nodes=failed, timeout=30)
         return [self._result(h, res[h.node.name]) for h in self.hops]
 
     def _result(self, hop: _Hop, r: NodeResult) -> SyncResult:
@@ -197,14 +202,15 @@ class Chain:
 
 
 def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, chain: bool,
-         on_bytes=None, timeout: float = 3600.0) -> tuple[list[SyncResult], int, list[str]]:
+         on_bytes=None, timeout: float = 3600.0, dest=None, python=None
+         ) -> tuple[list[SyncResult], int, list[str]]:
     """Relay (chain=True) or direct tar pushes to `nodes`, in groups of at most the fan-out (a
     relay needs all its nodes running at once). Returns (results, bytes sent from here, notes)."""
     results, sent, notes = [], 0, []
     t0 = time.monotonic()
     for i in range(0, len(nodes), cluster.fanout):
         c = Chain(cluster, nodes[i:i + cluster.fanout], src, files, chain=chain, on_bytes=on_bytes,
-                  timeout=max(1.0, timeout - (time.monotonic() - t0)))
+                  timeout=max(1.0, timeout - (time.monotonic() - t0)), dest=dest, python=python)
         results += c.run()
         sent += c.bytes_sent
         notes += c.notes

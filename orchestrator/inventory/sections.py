@@ -1,0 +1,125 @@
+"""The inventory's sections besides the nodes: train, checks, sync and setup."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from orchestrator.inventory.fields import _check_env, _check_path, _Model, excerpt
+
+
+class TrainSection(_Model):
+    """What `clusterctl train` runs when no script is given on the command line."""
+
+    module: str | None = "trainer"
+    script: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
+    output_dir: str | None = None
+    notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
+    max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
+    queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
+    # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
+    # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
+    copy_checkpoints: bool = True
+    # each node's complete checkpoints are also copied node to node to the next node in rank order
+    # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
+    checkpoint_replica: bool = False
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, v):
+        if isinstance(v, str):
+            raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny']")
+        if isinstance(v, list):
+            for a in v:
+                if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+                    raise ValueError("each argument must be text or a number; quote booleans and nulls")
+            return [str(a) for a in v]
+        return v
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, v):
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", v):
+            raise ValueError(f"{excerpt(v)} is not a Python module name")
+        return v
+
+
+class ChecksSection(_Model):
+    """Preflight thresholds."""
+
+    clock_skew_warn: float = Field(default=1.0, ge=0)
+    clock_skew_fail: float = Field(default=5.0, ge=0)
+    disk_min_gb: float = Field(default=10.0, ge=0)
+    require_gpu_idle: bool = True
+
+
+class SyncSection(_Model):
+    """What `clusterctl sync` ships besides what git would: paths relative to the pushed directory.
+    include: directories or globs shipped even when .gitignore excludes them (a data directory);
+    exclude: globs never shipped (matched against the path, each parent directory and, without a
+    '/', the base name)."""
+
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _relative(cls, v):
+        for p in v:
+            if not p or "\x00" in p or p.startswith(("/", "~")) or ".." in p.split("/"):
+                raise ValueError(f"{p!r} must be a non-empty path or glob inside the pushed directory")
+        return v
+
+
+class SetupSection(_Model):
+    """What `clusterctl setup` builds on every node: the venv at `venv` from `requirements` (a
+    requirements or lock file on this machine, relative to the inventory's directory), created by
+    `interpreter` (default `python<python_version>`, else `python3`). With this section every
+    node's `python:` is `<venv>/bin/python`."""
+
+    requirements: str
+    venv: str
+    python_version: str | None = None  # "3.11": the nodes must run it (and it names the interpreter)
+    interpreter: str | None = None  # the node's interpreter that creates the venv
+
+    @field_validator("python_version", mode="before")
+    @classmethod
+    def _version(cls, v):
+        if isinstance(v, float):
+            raise ValueError("write the version quoted, e.g. python_version: \"3.11\" (YAML reads an "
+                             f"unquoted 3.10 as the number 3.1; this one was {v})")
+        if isinstance(v, str) and not re.match(r"^3\.[0-9]{1,2}$", v):
+            raise ValueError(f"{excerpt(v)} is not a Python version like \"3.11\"")
+        return v
+
+    @field_validator("requirements", "venv", "interpreter")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @field_validator("venv")
+    @classmethod
+    def _venv(cls, v):
+        if v.rstrip("/") in ("", "~") or v.endswith("/"):
+            raise ValueError(f"{excerpt(v)}: name the venv directory itself, e.g. ~/venvs/train")
+        return v
+
+    @property
+    def python(self) -> str:
+        """The interpreter the nodes run once the venv exists."""
+        return self.venv + "/bin/python"
+
+    @property
+    def base(self) -> str:
+        """The interpreter that creates the venv (and runs clusterctl's node-side scripts)."""
+        return self.interpreter or (f"python{self.python_version}" if self.python_version else "python3")

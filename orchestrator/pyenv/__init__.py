@@ -1,0 +1,99 @@
+"""`clusterctl setup`: the same Python environment on every node, without an index on the nodes.
+
+resolve.py turns the inventory's requirements into a wheelhouse and a lock on this machine,
+once; nodes.py probes the nodes, ships the wheelhouse with sync's relay and has
+orchestrator/remote/pyenv.py build and switch the venv on each. This module holds the pure
+parts they share: the nodes' common target, the per-node plan, and the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.errors import UsageError
+from orchestrator.pyenv.resolve import Target
+
+# What setup does on a node, decided from its probe and the lock before anything changes.
+UNCHANGED = "unchanged"  # its venv records the lock's hash: nothing is shipped or run
+INSTALL = "install"  # the wheelhouse is already there (an earlier run shipped it)
+SHIP = "ship"  # ship the wheelhouse, then install
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    node: str
+    action: str  # created | updated | unchanged | failed
+    ok: bool
+    detail: str  # what was done, or why it failed
+    hash: str | None = None  # the hash the node's venv records afterwards
+    seconds: float = 0.0
+    bytes: int = 0  # wheelhouse bytes that reached this node
+
+    @property
+    def error(self) -> str | None:
+        return None if self.ok else self.detail
+
+    def to_json(self) -> dict:
+        return {"name": self.node, "ok": self.ok, "action": self.action, "hash": self.hash,
+                "seconds": round(self.seconds, 3), "bytes": self.bytes, "detail": self.detail,
+                "error": self.error}
+
+
+@dataclass(frozen=True)
+class SetupReport:
+    results: list[SetupResult]  # one per inventory node, rank order
+    seconds: float
+    hash: str | None  # the lock's hash (None when the nodes could not even be probed)
+    packages: int = 0
+    wheel_bytes: int = 0
+    bytes_sent: int = 0  # wheelhouse bytes that left this machine
+    resolved: str = ""  # "cached" or "resolved in 7.9s"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "seconds": round(self.seconds, 3), "hash": self.hash,
+                "packages": self.packages, "wheel_bytes": self.wheel_bytes, "bytes_sent": self.bytes_sent,
+                "resolved": self.resolved, "notes": self.notes, "nodes": [r.to_json() for r in self.results]}
+
+
+def target_of(probes: dict[str, dict], python_version: str | None) -> Target:
+    """The one Python X.Y and architecture every probed node runs (and their oldest glibc);
+    a UsageError naming the nodes when they differ, or differ from setup.python_version."""
+    if not probes:
+        raise UsageError("no node could be probed")
+    for key, what in (("xy", "Python"), ("arch", "architecture")):
+        seen: dict[str, list[str]] = {}
+        for name, p in probes.items():
+            seen.setdefault(p[key], []).append(name)
+        if len(seen) > 1:
+            groups = "; ".join(f"{v}: {', '.join(n)}" for v, n in seen.items())
+            raise UsageError(f"the nodes run different {what}s ({groups}); "
+                             "one venv cannot serve them all: set setup.python_version (or setup.interpreter) "
+                             "to one that every node has")
+    first = next(iter(probes.values()))
+    if python_version and first["xy"] != python_version:
+        raise UsageError(f"setup.python_version is {python_version} but the nodes' interpreter "
+                         f"{first.get('executable', '')} is Python {first['python']}")
+    libcs = [p["glibc"] for p in probes.values() if p.get("glibc")]
+    oldest = min(libcs, key=lambda v: tuple(int(x) for x in v.split(".")[:2])) if libcs else None
+    return Target(first["xy"], first["arch"], oldest)
+
+
+def plan(probes: dict[str, dict], lock_hash: str, *, force: bool = False, online: bool = False
+         ) -> dict[str, str]:
+    """node -> UNCHANGED | INSTALL | SHIP from each node's probe (its venv's recorded hash and
+    the wheelhouses it already holds). `force` rebuilds venvs that are already current; `online`
+    always ships (only the lock: the node's index serves the wheels)."""
+    out = {}
+    for name, p in probes.items():
+        if p.get("venv") == "managed" and p.get("hash") == lock_hash and not force:
+            out[name] = UNCHANGED
+        elif lock_hash[:16] in p.get("wheelhouses", ()) and not online:
+            out[name] = INSTALL
+        else:
+            out[name] = SHIP
+    return out
