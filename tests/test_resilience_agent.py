@@ -5,8 +5,6 @@ a checkpoint."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -2,14 +2,11 @@
 a dropped SSH connection, a killed supervisor and torchrun, a stop with a node cut off, and
 simultaneous launches on the same nodes."""
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import psutil
 import pytest

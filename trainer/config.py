@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 
 @dataclass(frozen=True)

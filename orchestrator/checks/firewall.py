@@ -51,7 +51,7 @@ def parse_ufw(text: str, port: int) -> Facts:
         m = re.match(r"^(\S+(?: \(v6\))?)\s+(ALLOW|DENY|REJECT|LIMIT)(?: IN)?\s+(.+)$", line.strip())
         if not m:
             continue
-        to, action, frm = m.group(1), m.group(2), m.group(3)
+        to, action = m.group(1), m.group(2)
         to_port = to.split("/")[0].replace(" (v6)", "")
         covers = to_port == "Anywhere" or _ports_cover(to_port, port)
         if action in ("ALLOW", "LIMIT") and to_port == "Anywhere":

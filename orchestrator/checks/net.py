@@ -102,7 +102,7 @@ def parse_port_free(text: str, ctx: Ctx) -> CheckResult:
     remedy = (f"stop it on {ctx.node.name} (`kill {kill}`)" if kill
               else f"find it with `sudo ss -ltnp 'sport = :{port}'` on {ctx.node.name}")
     return fail("port_free", f"{port} already in use by {who}",
-                remedy + f", or pick another master_port in the inventory")
+                remedy + ", or pick another master_port in the inventory")
 
 
 # ------------------------------------------------------------------ port_reachable
