@@ -67,21 +67,29 @@ def start_steps(text):
     return [int(s) for s in re.findall(r"start step (\d+)", text)]
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker-n2", "master-n1"])
-def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_cluster, tmp_path, home, victim):
-    cluster = make_cluster(5, gpus=0)
-    inv = inventory(cluster, tmp_path, 200)
+def cut_mid_run(inv, home, node, ready, what):
+    """Start the run, wait until `ready(run_dir)` holds, cut `node`'s link for good (never brought
+    back during the run), wait for the end. -> (run_dir, ready's value, stdout, stderr, exit code, run.json)."""
     proc = start(inv)
     try:
         run_dir = run_dir_of(home)
-        wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 240, "a checkpoint on the control machine")
-        cluster.nodes[victim].link_down()  # for good: never brought back during the run
+        got = wait_for(lambda: ready(run_dir), 240, what)
+        node.link_down()
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert proc.returncode == 0, err[-3000:]
+    return run_dir, got, out, err, proc.returncode, json.loads((run_dir / "run.json").read_text())
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-n2", "master-n1"])
+def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_cluster, tmp_path, home, victim):
+    cluster = make_cluster(5, gpus=0)
+    inv = inventory(cluster, tmp_path, 200)
+    run_dir, _, out, err, code, rec = cut_mid_run(
+        inv, home, cluster.nodes[victim], lambda d: list((d / "checkpoints").glob("ckpt_*.pt")),
+        "a checkpoint on the control machine")
+    assert code == 0, err[-3000:]
     assert rec["state"] == "finished" and rec["exit_code"] == 0
     names = [n.name for n in cluster.nodes]
     want = names[:4]
@@ -108,25 +116,18 @@ def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_con
     checkpoint) replicates to node2; node1 cut for good, the spare resumes from node2's replica."""
     cluster = make_cluster(5, gpus=0)
     inv = inventory(cluster, tmp_path, 100, train={"copy_checkpoints": False, "checkpoint_replica": True})
-    proc = start(inv)
-    try:
-        run_dir = run_dir_of(home)
+
+    def replica_on_node2(run_dir):
         replicas = f"~/.clusterctl/artifacts/{run_dir.name}/replicas/node1"
+        r = cluster.nodes[1].run(f"cd {replicas} 2>/dev/null && for f in ckpt_*.pt; do "
+                                 '[ "$(sha256sum "$f" | cut -c1-64)" = "$(cut -c1-64 "$f.sha256")" ] && echo "$f"; '
+                                 "done", check=False)
+        return r.stdout.strip()
 
-        def replica_on_node2():
-            r = cluster.nodes[1].run(f"cd {replicas} 2>/dev/null && for f in ckpt_*.pt; do "
-                                     '[ "$(sha256sum "$f" | cut -c1-64)" = "$(cut -c1-64 "$f.sha256")" ] && echo "$f"; '
-                                     "done", check=False)
-            return r.stdout.strip()
-
-        held = wait_for(replica_on_node2, 240, "a verified replica of node1's checkpoint on node2")
-        cluster.nodes[0].link_down()  # the only node that wrote checkpoints, for good
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert proc.returncode == 0, err[-3000:]
+    # node1 is the only node that wrote checkpoints
+    run_dir, held, out, err, code, rec = cut_mid_run(inv, home, cluster.nodes[0], replica_on_node2,
+                                                     "a verified replica of node1's checkpoint on node2")
+    assert code == 0, err[-3000:]
     assert "ckpt_" in held
     names = [n.name for n in cluster.nodes]
     attempts = rec["attempts"]

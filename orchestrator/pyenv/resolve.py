@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import ClusterctlError, UsageError
+from orchestrator.transfer.files import sha256_file
 
 LOCK_FORMAT = 1
 PIP_TIMEOUT = 3600.0
@@ -229,20 +230,12 @@ def cache_root() -> Path:
     return home() / "wheelhouse"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _build_lock(tmp: Path, req_text: str, target: Target) -> dict:
     wheels = []
     for f in sorted(tmp.glob("*.whl")):
         name, version, _ = wheel_name(f.name)
         wheels.append({"file": f.name, "name": name, "version": version, "size": f.stat().st_size,
-                       "sha256": _sha256(f)})
+                       "sha256": sha256_file(f)})
     by_name = {canonical(w["name"]): w for w in wheels}
     imports = [m for n in requirement_names(req_text) if n in by_name
                for m in [import_name(tmp / by_name[n]["file"], n)] if m]

@@ -16,7 +16,6 @@ With train.checkpoint_replica the same poll loop also runs runs/replicas.py's `R
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.transfer.archive import TarStream
+from orchestrator.transfer.files import sha256_file
 from orchestrator.transport import Cluster
 
 AGENT = resources.files("orchestrator").joinpath("remote/artifacts.py").read_bytes()
@@ -43,14 +43,6 @@ def artifacts_cmd(node: Node, *args: object) -> str:
     return f"{shell.path(node.python)} - {shell.join(args)}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def is_complete(path: Path) -> bool:
     """The trainer's completion marks hold: the file matches its .sha256, or every file the
     directory's MANIFEST names is there and matches."""
@@ -59,11 +51,11 @@ def is_complete(path: Path) -> bool:
             lines = (path / MANIFEST).read_text().splitlines()
             for line in lines:
                 digest, name = line.split("  ", 1)
-                if _sha256(path / name) != digest:
+                if sha256_file(path / name) != digest:
                     return False
             return bool(lines)
         want = (Path(str(path) + ".sha256").read_text().split() or [""])[0]
-        return _sha256(path) == want
+        return sha256_file(path) == want
     except (OSError, ValueError):
         return False
 

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import os
 
 from orchestrator.checks import load_nodeinfo
+
+
+def sha256_file(path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def git_list(src: str) -> list[str]:
