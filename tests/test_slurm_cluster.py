@@ -14,6 +14,7 @@ from orchestrator.cli import main
 from tests.cluster import TestCluster, require_root
 from tests.conftest import wait_for
 from tests.cluster.slurm import Slurm
+from tests.test_train_cluster import assert_job_gone
 
 pytestmark = pytest.mark.cluster
 
@@ -83,7 +84,7 @@ def test_rendered_sbatch_runs_the_trainer_on_two_nodes(slurm, tmp_path):
     assert f"run id {job}\nworld size 2 |" in out
     assert "step 10 | loss" in out and "step 10 | val loss" in out
     assert "ckpt_00000010.pt" in cluster.nodes[0].run("ls ~/gpt_train/out").stdout
-    assert all(not cluster.processes(nd) for nd in cluster.nodes)
+    assert_job_gone(cluster)
 
 
 def trainer_ranks(cluster, node, job):
