@@ -4,7 +4,10 @@ machine's checkpoint store: pure functions and real files, no cluster."""
 import hashlib
 import io
 import json
+import os
 import tarfile
+
+import pytest
 
 from orchestrator.runs.checkpoints import CheckpointStore, is_complete, write_frames
 from orchestrator.runs.restart import Outcome, classify, next_nodes
@@ -94,6 +97,12 @@ def _tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def take(store, data, name, kind):
+    into = store.receiving(name)
+    into.feed(data)
+    return store.finish(into, name, kind)
+
+
 def test_fsdp_pieces_from_two_nodes_make_one_complete_checkpoint(tmp_path):
     shards = {".metadata": b"meta", "__0_0.distcp": b"zero" * 100, "__1_0.distcp": b"one" * 100, "extra.pt": b"x"}
     manifest = "".join(f"{hashlib.sha256(v).hexdigest()}  {k}\n" for k, v in sorted(shards.items())).encode()
@@ -101,10 +110,8 @@ def test_fsdp_pieces_from_two_nodes_make_one_complete_checkpoint(tmp_path):
     node0 = {f"{name}/{k}": v for k, v in shards.items() if k != "__1_0.distcp"} | {f"{name}/MANIFEST.sha256": manifest}
     node1 = {f"{name}/__1_0.distcp": shards["__1_0.distcp"], f"{name}/MANIFEST.sha256": manifest}
     store = CheckpointStore(tmp_path)
-    (tmp_path / "a.tar").write_bytes(_tar(node0))
-    (tmp_path / "b.tar").write_bytes(_tar(node1))
-    assert not store.take(tmp_path / "a.tar", name, "dir") and store.newest() is None  # a shard is missing
-    assert store.take(tmp_path / "b.tar", name, "dir")
+    assert not take(store, _tar(node0), name, "dir") and store.newest() is None  # a shard is missing
+    assert take(store, _tar(node1), name, "dir")
     assert store.newest() == name and is_complete(store.dir / name)
 
 
@@ -113,10 +120,42 @@ def test_a_torn_file_checkpoint_is_never_taken(tmp_path):
     name = "ckpt_00000020.pt"
     store = CheckpointStore(tmp_path)
     side = (hashlib.sha256(good).hexdigest() + "\n").encode()
-    (tmp_path / "t.tar").write_bytes(_tar({name: good[:-10], name + ".sha256": side}))
-    assert not store.take(tmp_path / "t.tar", name, "file") and store.newest() is None
-    (tmp_path / "t.tar").write_bytes(_tar({name: good, name + ".sha256": side}))
-    assert store.take(tmp_path / "t.tar", name, "file") and store.newest() == name
+    assert not take(store, _tar({name: good[:-10], name + ".sha256": side}), name, "file") and store.newest() is None
+    assert take(store, _tar({name: good, name + ".sha256": side}), name, "file") and store.newest() == name
+
+
+def test_a_stream_is_unpacked_as_it_arrives_and_hostile_or_torn_streams_are_refused(tmp_path):
+    store = CheckpointStore(tmp_path)
+    name = "ckpt_00000030.pt"
+    big = os.urandom(3 << 20)  # more than the pipe and the unpacker's chunk hold
+    side = (hashlib.sha256(big).hexdigest() + "\n").encode()
+    into = store.receiving(name)
+    data = _tar({name: big, name + ".sha256": side})
+    for i in range(0, len(data), 7919):  # arbitrary pieces, as SSH delivers them
+        into.feed(data[i:i + 7919])
+    assert store.finish(into, name, "file") and (store.dir / name).read_bytes() == big
+    staged = store.dir / f".{name}.partial" / name
+    assert into.digests[staged] == hashlib.sha256(big).hexdigest()  # hashed on the way in
+
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w") as tar:
+        link = tarfile.TarInfo("ckpt_00000040.pt")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+        dots = tarfile.TarInfo("../outside")
+        dots.size = len(big)
+        tar.addfile(dots, io.BytesIO(big))
+    into = store.receiving("ckpt_00000040.pt")
+    into.feed(evil.getvalue())  # the reader stops at the first member; the writer is not blocked
+    with pytest.raises(tarfile.TarError, match="refusing tar member"):
+        store.finish(into, "ckpt_00000040.pt", "file")
+    assert not (tmp_path / "outside").exists() and not (store.dir / ".ckpt_00000040.pt.partial" / "ckpt_00000040.pt").exists()
+
+    into = store.receiving("ckpt_00000050.pt")
+    into.feed(_tar({"ckpt_00000050.pt": big})[: 1 << 20])  # the node died mid-stream
+    with pytest.raises(tarfile.TarError):
+        store.finish(into, "ckpt_00000050.pt", "file")
+    assert store.newest() == name
 
 
 def test_tensorboard_frames_append_and_skip_what_is_out_of_step(tmp_path):

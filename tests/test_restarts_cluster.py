@@ -161,7 +161,7 @@ def test_preflight_says_whether_the_output_directory_is_shared(make_cluster, tmp
     shutil.rmtree(shared_dir, ignore_errors=True)
 
 
-def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_the_writer(make_cluster):
+def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_the_writer(make_cluster, tmp_path):
     """Each node's FSDP shards go to the next node; with node1 gone, node2 and node3 each end up
     with every file the manifest lists, copied node to node (or from their own replicas)."""
     import hashlib
@@ -170,7 +170,7 @@ def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_th
     import yaml
 
     from orchestrator.inventory import parse_inventory
-    from orchestrator.runs.checkpoints import artifacts_cmd
+    from orchestrator.runs.checkpoints import ArtifactCopier, artifacts_cmd
     from orchestrator.runs.replicas import AGENT, Replicator, restore_from_nodes
     from orchestrator.transport import Cluster
 
@@ -188,7 +188,10 @@ def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_th
             for f in own[i] + ["MANIFEST.sha256"]:
                 node.run(f"cat > {d}/{f}", input=content.get(f, manifest))
         rep = Replicator(c, dirs, say=print)
-        rep.poll(["node1", "node2", "node3"])
+        copier = ArtifactCopier(c, tmp_path, dirs, say=print, checkpoints=False)  # the run's poll loop, once
+        copier.replicator = rep
+        copier.sweep(["node1", "node2", "node3"])
+        assert not (tmp_path / "checkpoints" / "ckpt_00000020").exists()  # nothing crossed to this machine
         assert sorted((s, h) for _, s, h, _ in rep.events) == [("node1", "node2"), ("node2", "node3"),
                                                                ("node3", "node1")]
         assert rep.bytes > 100_000

@@ -5,20 +5,21 @@ checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOAR
 
   prepare RUN_ID            create both directories; print {"checkpoints": ABS, "tensorboard": ABS,
                             "replicas": ABS} (replicas/SOURCE/: other nodes' checkpoints kept here)
-  list DIR                  print the completed checkpoints in DIR as JSON, newest first:
-                            [{"name", "step", "kind": "file"|"dir", "files": [[rel, size], ...]}]
-                            a file counts once its .sha256 sits next to it (written before the
-                            file is renamed into place), a directory once it has its final name;
-                            a directory's entry adds "manifest": the names its MANIFEST.sha256 lists
-  held DIR REPLICAS         what `list` prints for DIR and for each REPLICAS/SOURCE, as
+  held DIR REPLICAS         the checkpoint list (see poll) of DIR and of each REPLICAS/SOURCE, as
                             {"own": [...], "replicas": {SOURCE: [...]}}
   prune DIR KEEP            remove all but the newest KEEP checkpoints in DIR
   send DIR NAME...          write an uncompressed tar of those checkpoints (and .sha256 files) to stdout
   receive DIR               read a tar from stdin; each top-level entry lands under its name
                             atomically (extracted beside it, then renamed over what was there)
-  since DIR OFFSETS_HEX     every file under DIR past the offset the control machine already has
-                            ({rel: offset} as hex JSON), as frames: a JSON header line
-                            {"rel", "offset", "size"} then `size` bytes; paths may be named explicitly
+  poll DIR TBDIR OFFSETS_HEX one process per node and poll; first one line, the completed
+                            checkpoints in DIR as JSON, newest first ([] for DIR "-"):
+                            [{"name", "step", "kind": "file"|"dir", "files": [[rel, size], ...]}]
+                            a file counts once its .sha256 sits next to it (written before the
+                            file is renamed into place), a directory once it has its final name;
+                            a directory's entry adds "manifest": the names its MANIFEST.sha256 lists.
+                            Then every file under TBDIR past the offset the control machine already
+                            has ({rel: offset} as hex JSON), as frames: a JSON header line
+                            {"rel", "offset", "size"} then `size` bytes
   pack RUN_ID REL KEY...    an uncompressed tar on stdout of the run's artifacts (REL: one relative
                             path inside them, - for all) as artifacts/..., and of each node-runs
                             directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;
@@ -86,10 +87,6 @@ def _ckpts(d):
     return found
 
 
-def list_ckpts(d):
-    print(json.dumps(_ckpts(d)))
-
-
 def _manifest(path):
     try:
         with open(os.path.join(path, "MANIFEST.sha256")) as f:
@@ -120,7 +117,7 @@ def prune(d, keep):
 
 def send(d, *names):
     background()
-    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|", bufsize=CHUNK) as tar:  # 1 MiB writes, not 10 KiB
         for name in names:
             if not NAME.match(name):
                 sys.exit("not a checkpoint name: " + name)
@@ -206,7 +203,12 @@ def since(d, offsets_hex):
     out.flush()
 
 
+def poll(d, tb, offsets_hex):
+    sys.stdout.buffer.write(json.dumps(_ckpts(d) if d != "-" else []).encode() + b"\n")
+    since(tb, offsets_hex)
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"prepare": prepare, "list": list_ckpts, "held": held, "prune": prune, "send": send, "receive": receive, "since": since,
+    {"prepare": prepare, "held": held, "prune": prune, "send": send, "receive": receive, "poll": poll,
      "pack": pack}[cmd](*args)

@@ -3,8 +3,8 @@
 The job writes checkpoints to CLUSTERCTL_CHECKPOINT_DIR and TensorBoard events to
 CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
 orchestrator/remote/artifacts.py). While it trains, `ArtifactCopier` asks every node what
-finished and copies it here over the run's SSH connections, as a tar stream written to disk
-chunk by chunk. A checkpoint counts as complete by the trainer's own marks: a file's sha256
+finished and copies it here over the run's SSH connections, as a tar stream unpacked as it
+arrives (each file written once and hashed on the way in, no temporary tar). A checkpoint counts as complete by the trainer's own marks: a file's sha256
 sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without a
 shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
 them all): the pieces are merged into one directory here, complete once the manifest checks.
@@ -30,6 +30,7 @@ from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
+from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
 AGENT = resources.files("orchestrator").joinpath("remote/artifacts.py").read_bytes()
@@ -43,19 +44,25 @@ def artifacts_cmd(node: Node, *args: object) -> str:
     return f"{shell.path(node.python)} - {shell.join(args)}"
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Path, known: dict[Path, str] | None = None) -> bool:
     """The trainer's completion marks hold: the file matches its .sha256, or every file the
-    directory's MANIFEST names is there and matches."""
+    directory's MANIFEST names is there and matches. `known`: digests already taken of files
+    as they were written (not read again)."""
+    known = known or {}
+
+    def digest(p: Path) -> str:
+        return known[p] if p in known else sha256_file(p)
+
     try:
         if path.is_dir():
             lines = (path / MANIFEST).read_text().splitlines()
             for line in lines:
-                digest, name = line.split("  ", 1)
-                if sha256_file(path / name) != digest:
+                want, name = line.split("  ", 1)
+                if digest(path / name) != want:
                     return False
             return bool(lines)
         want = (Path(str(path) + ".sha256").read_text().split() or [""])[0]
-        return sha256_file(path) == want
+        return digest(path) == want
     except (OSError, ValueError):
         return False
 
@@ -85,19 +92,22 @@ class CheckpointStore:
     def has(self, name: str) -> bool:
         return (self.dir / name).exists()
 
-    def take(self, tar_path: Path, name: str, kind: str) -> bool:
-        """Add a node's tar of checkpoint `name`; True once the checkpoint is complete here."""
+    def receiving(self, name: str) -> Unpacker:
+        """Where a node's tar stream of checkpoint `name` goes (`feed`): unpacked into
+        .NAME.partial/ as it arrives, each file hashed on the way in."""
         stage = self.dir / f".{name}.partial"
         stage.mkdir(exist_ok=True)
-        with tarfile.open(tar_path, "r") as tar:
-            members = tar.getmembers()
-            for m in members:  # only plain files and directories, only below the stage
-                if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts:
-                    raise tarfile.TarError(f"refusing tar member {m.name!r}")
-            tar.extractall(stage, members=members)
-        src = stage / name
-        if not is_complete(src):
+        return Unpacker(stage, checksums=True, name=f"unpack-{name}")
+
+    def finish(self, unpacker: Unpacker, name: str, kind: str) -> bool:
+        """The stream has ended: True once checkpoint `name` is complete here (moved into place).
+        Raises tarfile.TarError for a stream that was refused or broke off."""
+        if (error := unpacker.close(TIMEOUT)) is not None:
+            raise tarfile.TarError(error)
+        src = unpacker.dest / name
+        if not is_complete(src, unpacker.digests):
             return False
+        stage = unpacker.dest
         if kind == "file":
             os.replace(Path(str(src) + ".sha256"), self.dir / (name + ".sha256"))
         os.replace(src, self.dir / name)
@@ -136,73 +146,74 @@ class ArtifactCopier:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------ checkpoints
-    def poll_checkpoints(self, nodes: list[str]) -> None:
-        names = [n for n in nodes if n in self.cluster.connections and self.cluster.connections[n].alive]
-        if not names:
-            return
-        res = self.cluster.run(lambda n: artifacts_cmd(n, "list", self.dirs[n.name]["checkpoints"]),
-                               stdin=AGENT, nodes=names, timeout=60)
-        for name, r in res.items():
-            if not r.ok:
-                continue
-            try:
-                found = json.loads(r.stdout)
-            except ValueError:
-                continue
-            for c in found[: self.store.keep]:
-                if self.store.has(c["name"]) or (name, c["name"]) in self.fetched:
-                    continue
-                self.fetch(name, c["name"], c["kind"])
-
-    def fetch(self, node: str, name: str, kind: str) -> None:
-        t0 = time.monotonic()
-        tmp = self.store.dir / f".incoming.{node}.tar"
-        with open(tmp, "wb") as f:
-            r = self.cluster.run(lambda n: artifacts_cmd(n, "send", self.dirs[node]["checkpoints"], name),
-                                 stdin=AGENT, nodes=[node], timeout=TIMEOUT, capture=False,
-                                 on_bytes=lambda _n, stream, data: f.write(data) if stream == "stdout" else None)[node]
-        try:
-            if not r.ok:
-                self.say(f"could not copy {name} from {node}: {r.describe()}")
-                return
-            self.fetched.add((node, name))
-            if self.store.take(tmp, name, kind):
-                self.events.append((time.time(), name))
-                self.say(f"checkpoint {name} copied to the control machine")
-        except (OSError, tarfile.TarError) as e:
-            self.say(f"could not unpack {name} from {node}: {e}")
-        finally:
-            tmp.unlink(missing_ok=True)
-            self.copy_s += time.monotonic() - t0
-
-    # ------------------------------------------------------------ tensorboard
-    def poll_tensorboard(self, nodes: list[str]) -> None:
-        """Every node at once: the bytes its event files gained since the last poll."""
+    # ------------------------------------------------------------ one poll
+    def poll(self, nodes: list[str]) -> dict[str, list[dict]]:
+        """Every node at once, one process each: its complete checkpoints (when they are copied or
+        replicated; newest first, as remote/artifacts.py `list` prints them) and the bytes its
+        TensorBoard event files gained since the last poll, which are appended here."""
         names = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        want = self.checkpoints or self.replicator is not None
         have, bufs = {}, {n: bytearray() for n in names}
         for node in names:
             local = self.tb_dir / node  # one subdirectory per node: event file names may repeat
             have[node] = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
                 if local.is_dir() else {}
         if not names:
-            return
-        res = self.cluster.run(lambda n: artifacts_cmd(n, "since", self.dirs[n.name]["tensorboard"],
+            return {}
+        res = self.cluster.run(lambda n: artifacts_cmd(n, "poll", self.dirs[n.name]["checkpoints"] if want else "-",
+                                                       self.dirs[n.name]["tensorboard"],
                                                        json.dumps(have[n.name]).encode().hex()),
                                stdin=AGENT, nodes=names, timeout=60, capture=False,
                                on_bytes=lambda n, stream, data: bufs[n].extend(data) if stream == "stdout" else None)
+        found = {}
         for node, r in res.items():
-            if r.ok:
-                write_frames(bytes(bufs[node]), self.tb_dir / node)
+            data = bytes(bufs[node])
+            if not r.ok or b"\n" not in data:
+                continue
+            head, frames = data.split(b"\n", 1)
+            try:
+                found[node] = json.loads(head)
+            except ValueError:
+                continue
+            write_frames(frames, self.tb_dir / node)
+        return found
+
+    def fetch_new(self, found: dict[str, list[dict]]) -> None:
+        """Copy each node's newest checkpoints (up to what the store keeps) not yet here."""
+        for node, ckpts in found.items():
+            for c in ckpts[: self.store.keep]:
+                if self.store.has(c["name"]) or (node, c["name"]) in self.fetched:
+                    continue
+                self.fetch(node, c["name"], c["kind"])
+
+    def fetch(self, node: str, name: str, kind: str) -> None:
+        t0 = time.monotonic()
+        into = self.store.receiving(name)
+        try:
+            r = self.cluster.run(lambda n: artifacts_cmd(n, "send", self.dirs[node]["checkpoints"], name),
+                                 stdin=AGENT, nodes=[node], timeout=TIMEOUT, capture=False,
+                                 on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
+            if not r.ok:  # what did arrive stays staged, and is overwritten by the next try
+                self.say(f"could not copy {name} from {node}: {r.describe()}")
+                return
+            self.fetched.add((node, name))
+            if self.store.finish(into, name, kind):
+                self.events.append((time.time(), name))
+                self.say(f"checkpoint {name} copied to the control machine")
+        except (OSError, tarfile.TarError) as e:
+            self.say(f"could not unpack {name} from {node}: {e}")
+        finally:
+            into.close()  # the unpacking thread ends with the stream, whatever happened
+            self.copy_s += time.monotonic() - t0
 
     # ------------------------------------------------------------ the loop
     def sweep(self, nodes: list[str]) -> None:
         with self._lock:
+            found = self.poll(nodes)
             if self.checkpoints:
-                self.poll_checkpoints(nodes)
+                self.fetch_new(found)
             if self.replicator is not None:
-                self.replicator.poll(nodes)
-            self.poll_tensorboard(nodes)
+                self.replicator.poll(nodes, found)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
         def loop():

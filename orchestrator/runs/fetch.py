@@ -10,15 +10,13 @@ archive nor a file is ever held whole in memory or on disk twice. Every node at 
 
 from __future__ import annotations
 
-import os
-import tarfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
 from orchestrator.runs.checkpoints import AGENT, artifacts_cmd
 from orchestrator.runs.store import Run
+from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
 TIMEOUT = 3600.0  # the default limit on one node's whole fetch
@@ -67,55 +65,6 @@ class NodeFetch:
                 "stream_bytes": self.stream_bytes, "dest": str(self.dest)}
 
 
-class _Unpacker:
-    """Bytes in (`feed`, from the transport's reader thread), files out (its own thread): a pipe
-    between them bounds what is in flight to the pipe's buffer. A member that is not a plain
-    file or directory, or that would land outside `dest`, ends the extraction with an error; the
-    rest of the stream is still read so the sender never blocks."""
-
-    def __init__(self, res: NodeFetch):
-        self.res, self.error = res, None
-        r, w = os.pipe()
-        self.rfile, self.wfile = os.fdopen(r, "rb"), os.fdopen(w, "wb")
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"fetch-{res.name}")
-        self.thread.start()
-
-    def feed(self, data: bytes) -> None:
-        self.res.stream_bytes += len(data)
-        try:
-            self.wfile.write(data)
-        except (BrokenPipeError, ValueError):
-            pass  # the reader stopped (an error it already recorded)
-
-    def close(self) -> None:
-        try:
-            self.wfile.close()
-        except BrokenPipeError:
-            pass
-        self.thread.join(JOIN_S)
-        if self.thread.is_alive():
-            self.error = self.error or f"extracting did not finish within {JOIN_S:g}s of the last byte"
-
-    def _run(self) -> None:
-        dest = self.res.dest
-        try:
-            with tarfile.open(fileobj=self.rfile, mode="r|") as tar:
-                for m in tar:
-                    parts = PurePosixPath(m.name).parts
-                    if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in parts:
-                        raise tarfile.TarError(f"refusing tar member {m.name!r}")
-                    tar.extract(m, dest, set_attrs=False)
-                    if m.isfile():
-                        self.res.files += 1
-                        self.res.bytes += m.size
-        except (OSError, tarfile.TarError) as e:
-            self.error = self.error or f"could not unpack: {e}"
-        finally:
-            while self.rfile.read(1 << 16):  # drain: the transport thread must never block on us
-                pass
-            self.rfile.close()
-
-
 def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list[str]]:
     keys = run_keys(run.record)
     unknown = [n for n in only if n not in keys]
@@ -140,7 +89,7 @@ def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] =
         for name in keys:
             if name in cluster.connections:
                 results[name].dest.mkdir(parents=True, exist_ok=True)
-                unpackers[name] = _Unpacker(results[name])
+                unpackers[name] = Unpacker(results[name].dest, name=f"fetch-{name}")
 
         errs = {n: bytearray() for n in keys}
 
@@ -156,18 +105,19 @@ def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] =
                               stdin=AGENT, nodes=list(keys), timeout=timeout, capture=False, on_bytes=on_bytes)
         finally:
             for u in unpackers.values():
-                u.close()
+                u.close(JOIN_S)
     for name, r in res.items():
         f = results[name]
+        if (u := unpackers.get(name)) is not None:
+            f.files, f.bytes, f.stream_bytes = u.files, u.bytes, u.stream_bytes
         kind = getattr(r.kind, "value", r.kind)
         f.exit_code, f.error_kind = r.exit_code, None if kind is None else str(kind)
         f.unreachable = name in cluster.unreachable
-        u = unpackers.get(name)
         if not r.ok:
             tail = errs[name].decode(errors="replace").strip()[-300:]
             f.error = r.describe() + (f": {tail}" if tail else "")
         elif u is not None and u.error:
-            f.error, f.error_kind = u.error, "unpack"
+            f.error, f.error_kind = f"could not unpack: {u.error}", "unpack"
         else:
             f.ok = True
     return [results[n] for n in keys]

@@ -116,20 +116,14 @@ class Replicator:
         self.bytes = 0
         self.events: list[tuple[float, str, str, str]] = []  # (time, source, holder, checkpoint)
 
-    def poll(self, nodes: list[str]) -> None:
+    def poll(self, nodes: list[str], found: dict[str, list[dict]]) -> None:
+        """`found`: each node's complete checkpoints, newest first (the copier's poll)."""
         alive = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
         holders = {s: h for s, h in ring(nodes).items() if s in alive and h in alive}
-        if not holders:
-            return
-        res = self.cluster.run(lambda n: artifacts_cmd(n, "list", self.dirs[n.name]["checkpoints"]),
-                               stdin=AGENT, nodes=list(holders), timeout=60)
-        for src, r in res.items():
-            try:
-                found = json.loads(r.stdout) if r.ok else []
-            except ValueError:
-                continue
-            if found and (src, holders[src], found[0]["name"]) not in self.done:
-                self.replicate(src, holders[src], found[0]["name"])
+        for src, holder in holders.items():
+            ckpts = found.get(src) or []
+            if ckpts and (src, holder, ckpts[0]["name"]) not in self.done:
+                self.replicate(src, holder, ckpts[0]["name"])
 
     def replicate(self, src: str, holder: str, name: str) -> bool:
         t0 = time.monotonic()
@@ -162,8 +156,11 @@ def restore_from_nodes(cluster: Cluster, dirs: dict[str, dict], nodes: list[str]
                       stdin=AGENT, nodes=nodes, timeout=60)
     pieces = []
     for name, r in res.items():
+        if not r.ok:
+            say(f"{name}: could not list the checkpoints it holds: {r.describe()}")
+            continue
         try:
-            pieces += pieces_of(name, json.loads(r.stdout)) if r.ok else []
+            pieces += pieces_of(name, json.loads(r.stdout))
         except (ValueError, KeyError, TypeError):
             say(f"{name}: could not read the checkpoints it holds")
     plan = plan_restore(pieces, nodes, newer_than)

@@ -1,0 +1,86 @@
+"""A tar stream unpacked below a directory as its bytes arrive: no temporary archive, each file
+written once.
+
+Bytes go in with `feed` (from the transport's reader thread) and come out as files on the
+unpacker's own thread; a pipe between them bounds what is in flight to the pipe's buffer. Only
+plain files and directories are taken, none outside the directory: any other member ends the
+extraction with an error, and the rest of the stream is still read so the sender never blocks.
+With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
+checksums need not read the file back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import threading
+from pathlib import Path, PurePosixPath
+
+CHUNK = 1 << 20
+JOIN_S = 120.0  # after the last byte: how long the files may take to land
+
+
+class Unpacker:
+    def __init__(self, dest: Path, *, checksums: bool = False, name: str = "unpack"):
+        self.dest, self.checksums = dest, checksums
+        self.files = 0  # files written
+        self.bytes = 0  # bytes of those files
+        self.stream_bytes = 0  # bytes of the tar stream fed in
+        self.digests: dict[Path, str] = {}  # with checksums=True: file written → its sha256
+        self.error: str | None = None
+        r, w = os.pipe()
+        self._r, self._w = os.fdopen(r, "rb", buffering=CHUNK), os.fdopen(w, "wb", buffering=CHUNK)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def feed(self, data: bytes) -> None:
+        self.stream_bytes += len(data)
+        try:
+            self._w.write(data)
+        except (BrokenPipeError, ValueError):
+            pass  # the reader stopped, on an error it recorded
+
+    def close(self, timeout: float = JOIN_S) -> str | None:
+        """End of the stream: wait for the files to land. Returns what went wrong, or None.
+        Closing again returns the same."""
+        try:
+            self._w.close()
+        except BrokenPipeError:
+            pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.error = self.error or f"unpacking did not finish within {timeout:g}s of the last byte"
+        return self.error
+
+    def _run(self) -> None:
+        try:
+            with tarfile.open(fileobj=self._r, mode="r|", bufsize=CHUNK) as tar:
+                for m in tar:
+                    parts = PurePosixPath(m.name).parts
+                    if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in parts:
+                        raise tarfile.TarError(f"refusing tar member {m.name!r}")
+                    dst = self.dest.joinpath(*parts)
+                    if m.isdir():
+                        dst.mkdir(parents=True, exist_ok=True)
+                        continue
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    self._write(tar.extractfile(m), dst)
+                    self.files += 1
+                    self.bytes += m.size
+        except (OSError, tarfile.TarError) as e:
+            self.error = self.error or str(e)
+        finally:
+            while self._r.read(CHUNK):  # drain: the transport thread must never block on us
+                pass
+            self._r.close()
+
+    def _write(self, src, dst: Path) -> None:
+        h = hashlib.sha256() if self.checksums else None
+        with open(dst, "wb") as out:
+            while chunk := src.read(CHUNK):
+                if h is not None:
+                    h.update(chunk)
+                out.write(chunk)
+        if h is not None:
+            self.digests[dst] = h.hexdigest()
