@@ -19,7 +19,8 @@ import tarfile
 import threading
 from pathlib import Path, PurePosixPath
 
-CHUNK = 1 << 20
+PIPE = 1 << 20  # bytes in flight between the transport thread and the unpacker
+READ = 1 << 16  # tarfile's stream buffer and each file copy step: small enough to stay in cache
 JOIN_S = 120.0  # after the last byte: how long the files may take to land
 
 
@@ -33,8 +34,8 @@ class Unpacker:
         self.error: str | None = None
         r, w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux: a 1 MiB pipe, fewer thread switches
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, CHUNK)
-        self._r, self._w = os.fdopen(r, "rb", buffering=CHUNK), os.fdopen(w, "wb", buffering=CHUNK)
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE)
+        self._r, self._w = os.fdopen(r, "rb", buffering=PIPE), os.fdopen(w, "wb", buffering=PIPE)
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
@@ -59,7 +60,7 @@ class Unpacker:
 
     def _run(self) -> None:
         try:
-            with tarfile.open(fileobj=self._r, mode="r|", bufsize=CHUNK) as tar:
+            with tarfile.open(fileobj=self._r, mode="r|", bufsize=READ) as tar:
                 for m in tar:
                     parts = PurePosixPath(m.name).parts
                     if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in parts:
@@ -75,14 +76,14 @@ class Unpacker:
         except (OSError, tarfile.TarError) as e:
             self.error = self.error or str(e)
         finally:
-            while self._r.read(CHUNK):  # drain: the transport thread must never block on us
+            while self._r.read(PIPE):  # drain: the transport thread must never block on us
                 pass
             self._r.close()
 
     def _write(self, src, dst: Path) -> None:
         h = hashlib.sha256() if self.checksums else None
         with open(dst, "wb") as out:
-            while chunk := src.read(CHUNK):
+            while chunk := src.read(READ):
                 if h is not None:
                     h.update(chunk)
                 out.write(chunk)
