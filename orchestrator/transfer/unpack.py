@@ -2,7 +2,10 @@
 written once.
 
 Bytes go in with `feed` (from the transport's reader thread) and come out as files on the
-unpacker's own thread; a pipe between them bounds what is in flight to the pipe's buffer. Only
+unpacker's own thread; a pipe between them bounds what is in flight to the pipe's buffer.
+tarfile reads the pipe as a forward-only file (`_Forward`), not in its stream mode, whose
+buffer is re-joined and re-sliced on every read: that cost more CPU than writing a temporary
+tar and reading it back. Only
 plain files and directories are taken, none outside the directory: any other member ends the
 extraction with an error, and the rest of the stream is still read so the sender never blocks.
 With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
@@ -20,8 +23,36 @@ import threading
 from pathlib import Path, PurePosixPath
 
 PIPE = 1 << 20  # bytes in flight between the transport thread and the unpacker
-READ = 1 << 16  # tarfile's stream buffer and each file copy step: small enough to stay in cache
+READ = 1 << 16  # each file copy step: small enough to stay in cache between hashing and writing
 JOIN_S = 120.0  # after the last byte: how long the files may take to land
+
+
+class _Forward:
+    """A pipe read as a file that only moves forward: tell(), and seek() to a later offset by
+    reading past the bytes in between. Enough for tarfile's non-stream reader, which then reads
+    each member's data straight from the pipe."""
+
+    def __init__(self, f):
+        self.f, self.pos = f, 0
+
+    def read(self, n=-1):
+        b = self.f.read(n)
+        self.pos += len(b)
+        return b
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=0):
+        if whence == 1:
+            offset += self.pos
+        elif whence != 0:
+            raise OSError("a stream cannot seek from its end")
+        if offset < self.pos:
+            raise OSError(f"a stream cannot seek back (to {offset} from {self.pos})")
+        while self.pos < offset and self.read(min(offset - self.pos, PIPE)):
+            pass
+        return self.pos
 
 
 class Unpacker:
@@ -60,7 +91,7 @@ class Unpacker:
 
     def _run(self) -> None:
         try:
-            with tarfile.open(fileobj=self._r, mode="r|", bufsize=READ) as tar:
+            with tarfile.open(fileobj=_Forward(self._r), mode="r:") as tar:
                 for m in tar:
                     parts = PurePosixPath(m.name).parts
                     if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in parts:
