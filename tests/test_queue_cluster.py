@@ -45,9 +45,10 @@ def test_two_queued_runs_on_the_same_nodes_run_one_after_the_other(make_cluster,
     inv = prepare(cluster, tmp_path)
     first = queued_train(inv, home, "--steps", "4", "--sleep", "0.5")
     second = queued_train(inv, home, "--steps", "2")
-    wait_for(lambda: state(home, second) == "queued" and state(home, first) in ("launching", "running"), 30,
-             "the second run queued while the first holds the nodes")
-    assert first in rec_of(home / "runs" / second)["waiting_for"]
+    # queued is recorded before the supervisor has asked the nodes; waiting_for follows
+    wait_for(lambda: state(home, second) == "queued" and state(home, first) in ("launching", "running")
+             and first in (rec_of(home / "runs" / second).get("waiting_for") or ""), 30,
+             "the second run queued behind the first while the first holds the nodes")
     wait_for(lambda: state(home, second) in ("finished", "failed", "stopped"), 240, "the second run to end")
     a, b = rec_of(home / "runs" / first), rec_of(home / "runs" / second)
     assert (a["state"], b["state"]) == ("finished", "finished"), (a, b)
