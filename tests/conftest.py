@@ -54,10 +54,30 @@ def make_cluster():
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    """A private CLUSTERCTL_HOME (run records, claims) for the test."""
+    """A private CLUSTERCTL_HOME (run records, claims) for the test. Afterwards, supervisors the
+    test left running (a failed test's detached runs) are killed, so none outlives its test and
+    reaches the next test's nodes, which reuse the same names and addresses."""
     h = tmp_path / "cchome"
     monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
+    yield h
+    kill_supervisors(h)
+
+
+def kill_supervisors(h: Path) -> None:
+    """SIGKILL each live supervisor named by a run record under `h` (its pid, checked by its
+    command line so a reused pid is left alone)."""
+    import json
+
+    import psutil
+
+    for rec_path in (h / "runs").glob("*/run.json") if (h / "runs").is_dir() else ():
+        try:
+            pid = json.loads(rec_path.read_text()).get("supervisor_pid")
+            proc = psutil.Process(pid) if pid else None
+            if proc is not None and "orchestrator" in " ".join(proc.cmdline()):
+                proc.kill()
+        except (OSError, ValueError, psutil.Error):
+            continue
 
 
 def wait_for(pred, timeout=10.0, what="the condition", interval=0.1):

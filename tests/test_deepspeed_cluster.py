@@ -51,13 +51,6 @@ def wait_for(pred, timeout, what):
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "cchome"
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
-
-
-@pytest.fixture
 def two_nodes(make_cluster):
     assert importlib.util.find_spec("deepspeed"), \
         "deepspeed is missing from the venv: it is in the `test` extra (bash scripts/test installs it)"

@@ -16,13 +16,6 @@ from tests.test_train_cluster import DDP, all_clean, cli, log_has, prepare, rec_
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "cchome"
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
-
-
 def running(run_dir):
     d = rec_of(run_dir)
     return d if d.get("state") == "running" and all(n.get("pid") for n in d.get("nodes", [])) else None

@@ -18,13 +18,6 @@ pytestmark = pytest.mark.cluster
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "cchome"
-    monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
-    return h
-
-
 def wait_for(pred, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:
