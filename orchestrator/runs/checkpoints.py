@@ -4,13 +4,14 @@ The job writes checkpoints to CLUSTERCTL_CHECKPOINT_DIR and TensorBoard events t
 CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
 orchestrator/remote/artifacts.py). While it trains, `ArtifactCopier` asks every node what
 finished and copies it here over the run's SSH connections, as a tar stream unpacked as it
-arrives (each file written once and hashed on the way in, no temporary tar). A checkpoint counts as complete by the trainer's own marks: a file's sha256
-sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without a
-shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
-them all): the pieces are merged into one directory here, complete once the manifest checks.
-Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
-With train.checkpoint_replica the same poll loop also runs runs/replicas.py's `Replicator`
-(node-to-node copies that never pass through this machine).
+arrives (transfer/unpack.py: each file written once and hashed on the way in). A checkpoint
+counts as complete by the trainer's own marks: a file's sha256 sidecar, a directory's
+MANIFEST.sha256 of every file. An FSDP checkpoint written without a shared filesystem is spread
+over the nodes (each holds its ranks' shards, the manifest lists them all): the pieces are
+merged into one directory here, complete once the manifest checks. Before a relaunch, `restore`
+streams the newest complete checkpoint to the nodes that need it. With train.checkpoint_replica
+the same poll loop also runs runs/replicas.py's `Replicator` (node-to-node copies that never
+pass through this machine).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class ArtifactCopier:
     # ------------------------------------------------------------ one poll
     def poll(self, nodes: list[str]) -> dict[str, list[dict]]:
         """Every node at once, one process each: its complete checkpoints (when they are copied or
-        replicated; newest first, as remote/artifacts.py `list` prints them) and the bytes its
+        replicated; newest first, as remote/artifacts.py `poll` prints them) and the bytes its
         TensorBoard event files gained since the last poll, which are appended here."""
         names = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
         want = self.checkpoints or self.replicator is not None
