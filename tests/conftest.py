@@ -6,10 +6,12 @@ break nodes take `make_cluster` and build their own, always torn down after the 
 """
 
 import importlib
+import json
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,10 +68,6 @@ def home(tmp_path, monkeypatch):
 def kill_supervisors(h: Path) -> None:
     """SIGKILL each live supervisor named by a run record under `h` (its pid, checked by its
     command line so a reused pid is left alone)."""
-    import json
-
-    import psutil
-
     for rec_path in (h / "runs").glob("*/run.json") if (h / "runs").is_dir() else ():
         try:
             pid = json.loads(rec_path.read_text()).get("supervisor_pid")

@@ -19,10 +19,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -39,15 +40,6 @@ BUILD_SHM_OP = ("from deepspeed.accelerator import get_accelerator; "
 def cli(*args, timeout):
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=os.environ.copy())
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -4,28 +4,19 @@ on from the last checkpoint copied to the control machine, with the spare node i
 import json
 import os
 import re
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_for
+
 pytestmark = pytest.mark.cluster
 
 REPO = str(Path(__file__).resolve().parent.parent)
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def inventory(cluster, tmp_path, steps, *extra, train=None):

@@ -73,7 +73,8 @@ def job_processes(cluster):
 
 def assert_job_gone(cluster, timeout=15):
     """Nothing the run launched is left the moment it returned; its SSH sessions close soon after."""
-    assert not job_processes(cluster), job_processes(cluster)
+    left = job_processes(cluster)
+    assert not left, left
     wait_for(lambda: all_clean(cluster), timeout, "the nodes' SSH sessions to close")
 
 

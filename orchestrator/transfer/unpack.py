@@ -3,9 +3,9 @@ written once.
 
 Bytes go in with `feed` (from the transport's reader thread) and come out as files on the
 unpacker's own thread; a pipe between them bounds what is in flight to the pipe's buffer.
-tarfile reads the pipe as a forward-only file (`_Forward`), not in its stream mode, whose
-buffer is re-joined and re-sliced on every read: that cost more CPU than writing a temporary
-tar and reading it back. Only
+tarfile reads the pipe as a forward-only file (`_Forward`) in its normal mode, which reads each
+member's data straight from the pipe; its stream mode re-joins and re-slices a buffer on every
+read. Only
 plain files and directories are taken, none outside the directory: any other member ends the
 extraction with an error, and the rest of the stream is still read so the sender never blocks.
 With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
