@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator import shell
-from orchestrator.checks import load_nodeinfo
+from orchestrator.probe import load_nodeinfo
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.transfer import SyncReport, SyncResult

@@ -14,11 +14,11 @@ Nothing here runs a command, so every parser is unit-tested from recorded tool o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator.inventory import Inventory, Node
+from orchestrator.probe import Section, load_nodeinfo, section, sections  # noqa: F401 - the parsers' kit
 
 STATUSES = ("ok", "warn", "fail", "skip")
 NODES = ("all", "master", "workers")
@@ -27,10 +27,16 @@ _NAMES: set[str] = set()  # every Check's name, filled as the check modules load
 
 @dataclass(frozen=True)
 class CheckResult:
+    """One check's verdict on one node. `unanswered`: the node could not answer this time (the
+    probe timed out or broke off, a tool could not read what it reads, a connect that found no
+    listener), so the verdict says nothing yet about the node: preflight asks it again
+    (checks/retry.py). A finding that holds (a DROP rule, a wrong GPU count) is never unanswered."""
+
     check: str
     status: str  # ok | warn | fail | skip
     detail: str
     remedy: str | None = None
+    unanswered: bool = False
 
     def __post_init__(self):
         if self.check not in _NAMES or self.status not in STATUSES:
@@ -47,16 +53,16 @@ def ok(check, detail, remedy=None):
     return CheckResult(check, "ok", detail, remedy)
 
 
-def warn(check, detail, remedy=None):
-    return CheckResult(check, "warn", detail, remedy)
+def warn(check, detail, remedy=None, *, unanswered=False):
+    return CheckResult(check, "warn", detail, remedy, unanswered)
 
 
-def fail(check, detail, remedy=None):
-    return CheckResult(check, "fail", detail, remedy)
+def fail(check, detail, remedy=None, *, unanswered=False):
+    return CheckResult(check, "fail", detail, remedy, unanswered)
 
 
-def skip(check, detail):
-    return CheckResult(check, "skip", detail)
+def skip(check, detail, *, unanswered=False):
+    return CheckResult(check, "skip", detail, None, unanswered)
 
 
 @dataclass(frozen=True)
@@ -108,66 +114,6 @@ class Check:
         return self.nodes == "all" or (self.nodes == "master") == is_master
 
 
-# ------------------------------------------------------------------ the probe's output
-
-_SECTION = re.compile(r"^@@([A-Za-z0-9_-]+)(?: (.*))?$")
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str
-    arg: str  # text after the name on the @@ line
-    body: str  # the tool's output (without trailing "@@rc N")
-    rc: int | None  # the tool's exit code, when the probe recorded one
-
-
-def sections(text: str) -> list[Section]:
-    """Split probe output into sections. `@@rc N` closes the section before it."""
-    out: list[Section] = []
-    cur: list | None = None
-
-    def close():
-        if cur is not None:
-            out.append(Section(cur[0], cur[1], "\n".join(cur[2]), cur[3]))
-
-    for line in text.splitlines():
-        m = _SECTION.match(line)
-        if m and m.group(1) == "rc" and cur is not None:
-            try:
-                cur[3] = int((m.group(2) or "").strip())
-            except ValueError:
-                pass
-            continue
-        if m and m.group(1) != "rc":
-            close()
-            cur = [m.group(1), m.group(2) or "", [], None]
-            continue
-        if cur is not None:
-            cur[2].append(line)
-    close()
-    return out
-
-
-def section(text: str, name: str) -> Section | None:
-    return next((s for s in sections(text) if s.name == name), None)
-
-
 def first_line(text: str, limit: int = 160) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def load_nodeinfo():
-    """orchestrator/remote/nodeinfo.py as a module (the same code the nodes run)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "orchestrator.probes.nodeinfo"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "remote" / "nodeinfo.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]

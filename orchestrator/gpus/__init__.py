@@ -32,6 +32,7 @@ from orchestrator.gpus.nvidia import (  # noqa: F401
     parse_nvidia_smi_list,
 )
 from orchestrator.gpus.records import MIB, Gpu, GpuProcess, number  # noqa: F401
+from orchestrator.probe import sections
 
 # The GPU probe: sections @@nvidia-gpus / @@rocm-gpus (+ @@rc), @@nvidia-apps / @@rocm-pids,
 # then @@proc PID per process on a GPU (its command line, and CLUSTERCTL_RUN_ID where /proc lets
@@ -124,8 +125,6 @@ def _first_line(text: str) -> str:
 def gpu_facts(text: str, env: Mapping[str, str] | None = None) -> GpuFacts:
     """GPU_PROBE's output (alone, or inside the preflight probe's) -> GpuFacts. env: limit the
     GPUs to what *_VISIBLE_DEVICES in it leave (a launcher's view of its own node)."""
-    from orchestrator.checks import sections
-
     secs = sections(text)
     procs: dict[int, tuple[str | None, str | None]] = {}
     for s in secs:

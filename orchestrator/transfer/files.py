@@ -7,7 +7,7 @@ import glob
 import hashlib
 import os
 
-from orchestrator.checks import load_nodeinfo
+from orchestrator.probe import load_nodeinfo
 
 
 def sha256_file(path) -> str:
