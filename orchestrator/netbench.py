@@ -18,7 +18,7 @@ import click
 from orchestrator import shell
 from orchestrator.errors import EXIT_FAILED, ClusterctlError, CommandFailed, CommandTimeout
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.torchrun import iface_env
+from orchestrator.torchrun import iface_env
 from orchestrator.transport import Cluster, Proc, first_line
 
 PROBE = resources.files("orchestrator").joinpath("remote/netprobe.py").read_bytes()

@@ -30,9 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator import shell
-from orchestrator.probe import load_nodeinfo
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
+from orchestrator.probe import load_nodeinfo
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate

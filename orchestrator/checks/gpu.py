@@ -1,6 +1,6 @@
 """gpu_count and gpu_idle: GPU_PROBE's nvidia-smi / rocm-smi sections (parsers in ..gpus).
 
-Processes per node follow one rule (runs/torchrun.py nproc_for): `gpus: N` in the inventory
+Processes per node follow one rule (orchestrator/torchrun.py nproc_for): `gpus: N` in the inventory
 -> N processes; `gpus: 0` -> a CPU node, one process; `gpus` unset -> the GPUs found."""
 
 from __future__ import annotations

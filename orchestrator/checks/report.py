@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from orchestrator.checks import CheckResult
 from orchestrator.checks.registry import BY_NAME
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.torchrun import nprocs_for, rank_map, rank_map_text
+from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")

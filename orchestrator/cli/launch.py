@@ -17,7 +17,7 @@ from orchestrator.platforms.fromenv import (
     local_checks,
     visible,
 )
-from orchestrator.runs.torchrun import nproc_for, target_argv, torchrun_argv
+from orchestrator.torchrun import nproc_for, target_argv, torchrun_argv
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})

@@ -35,7 +35,7 @@ from orchestrator.checks import CheckResult, Ctx
 from orchestrator.errors import UsageError
 from orchestrator.gpus import GPU_PROBE, Gpu, gpu_facts
 from orchestrator.gpus import visible  # noqa: F401 - part of this module's interface (CUDA_VISIBLE_DEVICES)
-from orchestrator.runs.torchrun import dist_timeout_s, iface_env, node_env, scaled_env
+from orchestrator.torchrun import dist_timeout_s, iface_env, node_env, scaled_env
 
 DEFAULT_PORT = 29500
 TOOL_TIMEOUT_S = 15

@@ -2,7 +2,7 @@
 Kubernetes Indexed Job + headless Service.
 
 Both call exactly `clusterctl launch --from-env` on every node, which reads the scheduler's
-variables and execs torchrun through orchestrator.runs.torchrun, so the flags, the environment
+variables and execs torchrun through orchestrator.torchrun, so the flags, the environment
 (scaled timeouts, inventory env, interface pins, train.env) and the trainer arguments are the
 ones `train` uses. Nothing is left for the user to keep in step by hand.
 """
@@ -19,7 +19,7 @@ import yaml
 from orchestrator import shell
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory
-from orchestrator.runs.torchrun import node_env, nproc_for, target_argv
+from orchestrator.torchrun import node_env, nproc_for, target_argv
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
