@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import ClusterctlError, UsageError
+from orchestrator.home import home
 from orchestrator.transfer.files import sha256_file
 
 LOCK_FORMAT = 1
@@ -225,8 +226,6 @@ def uv_binary() -> str | None:
 
 
 def cache_root() -> Path:
-    from orchestrator.runs.store import home
-
     return home() / "wheelhouse"
 
 
