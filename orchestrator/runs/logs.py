@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
-
-from orchestrator.cli.output import Prefixer
+from typing import Callable, Protocol
 
 _RANK_RE = re.compile(rb"^\[[A-Za-z_]*?(\d+)\]:")
 
@@ -69,10 +67,19 @@ def last_lines_offset(path: Path, n: int) -> int:
     return pos + idx + 1
 
 
+class LinePrinter(Protocol):
+    """Where a Follower's lines go: `(label, stream, text, key)` per line, and `widen(label)` when
+    a label longer than those it was made with appears (cli/output.py's Prefixer is one)."""
+
+    def __call__(self, label: str, stream: str, text: str, key: str | None = None) -> None: ...
+
+    def widen(self, label: str) -> None: ...
+
+
 class Follower:
     """Prints every node's new lines with `node/rN | ` prefixes, filtered by node or rank."""
 
-    def __init__(self, logs: list[NodeLog], printer: Prefixer, *, node: str | None = None,
+    def __init__(self, logs: list[NodeLog], printer: LinePrinter, *, node: str | None = None,
                  rank: int | None = None, sink: Callable[[str, str, str], None] | None = None):
         self.logs, self.printer, self.node, self.rank = logs, printer, node, rank
         self.sink = sink
