@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import NAME_RE, excerpt, parse_inventory
+from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.load import parse_inventory
+from orchestrator.inventory.models import NAME_RE
 from orchestrator.inventory.ranges import expand
 
 # Ansible variable -> where it goes in a clusterctl node entry.

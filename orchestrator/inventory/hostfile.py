@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import HOST_RE
+from orchestrator.inventory.models import HOST_RE
 from orchestrator.inventory.load import parse_inventory
 
 

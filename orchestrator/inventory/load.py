@@ -31,13 +31,8 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import (
-    DEFAULT_INVENTORY,
-    Inventory,
-    InventoryModel,
-    _resolve,
-    excerpt,
-)
+from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.models import DEFAULT_INVENTORY, Inventory, InventoryModel, _resolve
 from orchestrator.inventory.ranges import expand_ranges
 from orchestrator.inventory.read import (
     MAX_ERRORS_SHOWN,

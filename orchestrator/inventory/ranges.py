@@ -25,7 +25,8 @@ import yaml
 from ClusterShell.NodeSet import NodeSet, NodeSetException
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import MAX_NODES, excerpt
+from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.models import MAX_NODES
 
 _BRACKET = re.compile(r"\[([^\]]*)\]")
 _RANGE_PIECE = re.compile(r"^\s*(\d+)(?:\s*-\s*(\d+)(?:\s*/\s*(\d+))?)?\s*$")

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import MAX_NODES, excerpt
+from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.models import MAX_NODES
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 32

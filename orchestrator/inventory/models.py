@@ -1,0 +1,269 @@
+"""The inventory's models: the YAML as pydantic models, validated once, and the frozen `Node` and
+`Inventory` that the rest of clusterctl is handed.
+
+Everything downstream trusts these values: names, hosts, users, interfaces and
+env keys are checked against strict patterns here, and every value that goes
+into a remote command is still quoted (see `orchestrator.shell`).  Errors name
+file:line and the key, and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from orchestrator.errors import InventoryError
+from orchestrator.inventory.fields import _check_env, _check_path, _Model, excerpt
+from orchestrator.inventory.sections import ChecksSection, SetupSection, SyncSection, TrainSection
+from orchestrator.inventory.sshconfig import config_hostname
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
+USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
+IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}$")
+
+DEFAULT_INVENTORY = "default_inventory.yaml"
+MAX_NODES = 4096  # the most nodes an inventory lists (the --fanout ceiling too)
+
+
+
+
+
+class SSHSettings(_Model):
+    """Per-inventory SSH defaults; each node may override any key."""
+
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    connect_timeout: float | None = Field(default=None, gt=0, le=600)
+    proxy_jump: str | None = None
+    config_file: str | None = None  # default ~/.ssh/config
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v):
+        if v is not None and not USER_RE.match(v):
+            raise ValueError(f"{excerpt(v)} is not a valid user name")
+        return v
+
+    @field_validator("identity_file", "known_hosts", "config_file")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, v):
+        if v is not None and not re.match(r"^[A-Za-z0-9_.@:,\[\]-]+$", v):
+            raise ValueError(f"{excerpt(v)} is not a valid ProxyJump ([user@]host[:port][,...])")
+        return v
+
+    def merged(self, override: "SSHSettings | None") -> "SSHSettings":
+        if override is None:
+            return self
+        data = self.model_dump()
+        data.update(override.model_dump(exclude_none=True))
+        return SSHSettings(**data)
+
+
+class NodeModel(_Model):
+    name: str
+    host: str | None = None
+    gpus: int | None = Field(default=None, ge=0, le=1024)
+    iface: str | None = None
+    connection: Literal["ssh", "local"] = "ssh"
+    env: dict[str, str] = Field(default_factory=dict)
+    ssh: SSHSettings | None = None
+    python: str | None = None
+    workdir: str | None = None
+    address: str | None = None  # address other nodes use to reach this one (default: host)
+    spare: bool = False  # not used at first: takes a lost node's place when a run restarts
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not NAME_RE.match(v):
+            raise ValueError(f"{excerpt(v)} is not a valid node name (letters, digits, '.', '_', '-')")
+        return v
+
+    @field_validator("host", "address")
+    @classmethod
+    def _host(cls, v):
+        if v is not None and not HOST_RE.match(v):
+            raise ValueError(f"{excerpt(v)} is not a valid host name or address")
+        return v
+
+    @field_validator("iface")
+    @classmethod
+    def _iface(cls, v):
+        if v is not None and not IFACE_RE.match(v):
+            raise ValueError(f"{excerpt(v)} is not a valid interface name")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("python", "workdir")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @model_validator(mode="after")
+    def _need_host(self):
+        if self.connection == "ssh" and not self.host:
+            raise ValueError("'host' is required for ssh nodes")
+        return self
+
+
+class InventoryModel(_Model):
+    ssh: SSHSettings = Field(default_factory=SSHSettings)
+    master_port: int = Field(default=29500, ge=1, le=65535)
+    workdir: str = "~/gpt_train"
+    output_dir: str | None = None
+    python: str = "python3"
+    env: dict[str, str] = Field(default_factory=dict)
+    nodes: list[NodeModel] = Field(max_length=MAX_NODES)
+    train: TrainSection = Field(default_factory=TrainSection)
+    checks: ChecksSection = Field(default_factory=ChecksSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
+    setup: SetupSection | None = None
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("workdir", "python", "output_dir")
+    @classmethod
+    def _paths(cls, v):
+        return _check_path(v)
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v):
+        if not v:
+            raise ValueError("the node list is empty: list at least one node (nodes[0] is the master)")
+        return v
+
+
+# ---------------------------------------------------------------- resolved view
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node with every inventory default merged in. `rank` is the node rank of the run:
+    its position among the nodes selected (`Inventory.select`), so rank 0 is the master."""
+
+    name: str
+    rank: int
+    host: str
+    # what other nodes use to reach it (MASTER_ADDR for rank 0): `address:`, else the ssh_config
+    # HostName of `host`, else `host`
+    address: str
+    gpus: int | None
+    iface: str | None
+    connection: str
+    ssh: SSHSettings
+    env: dict[str, str]
+    python: str
+    workdir: str
+    line: int | None = None
+    spare: bool = False  # held back for restarts (runs/restart.py)
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: tuple[Node, ...]
+    master_port: int
+    workdir: str
+    output_dir: str | None
+    python: str
+    env: dict[str, str]
+    train: TrainSection
+    checks: ChecksSection
+    source: str = "<memory>"
+    sync: SyncSection = field(default_factory=SyncSection)
+    setup: SetupSection | None = None
+    _by_name: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def master(self) -> Node:
+        """Rank 0: the first node of this (possibly selected) inventory."""
+        return self.nodes[0]
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def select(self, names: list[str] | None) -> "Inventory":
+        """A copy with only the named nodes, in inventory order and renumbered from 0: the
+        first one selected is the master of whatever runs on the subset."""
+        if not names:
+            return self
+        unknown = [n for n in names if n not in {x.name for x in self.nodes}]
+        if unknown:
+            raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
+        keep = tuple(replace(n, rank=i) for i, n in enumerate(n for n in self.nodes if n.name in names))
+        return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
+                         self.env, self.train, self.checks, self.source, self.sync, self.setup)
+
+
+def _python_of(model: InventoryModel, nm: NodeModel, source: str, line: int | None, i: int) -> str:
+    """The node's interpreter. With a `setup:` section it is the venv's, and a `python:` anywhere
+    is refused: two sources for one interpreter would let nodes run something setup did not build."""
+    if model.setup is not None:
+        if nm.python is not None or "python" in model.model_fields_set:
+            key = f"nodes[{i}].python" if nm.python is not None else "python"
+            raise InventoryError(
+                f"{key} and setup.venv both name the nodes' interpreter: with a setup section every node "
+                f"runs {model.setup.python}. Remove {key}; name the interpreter that creates the venv as "
+                "setup.interpreter", path=source, line=line if nm.python is not None else None, key=key)
+        return model.setup.python
+    if nm.connection == "local" and nm.python is None and "python" not in model.model_fields_set:
+        return sys.executable  # a local node runs where clusterctl runs: same interpreter
+    return nm.python or model.python
+
+
+def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
+    nodes = []
+    seen_names: dict[str, int] = {}
+    seen_hosts: dict[tuple, int] = {}
+    for i, nm in enumerate(model.nodes):
+        ssh = model.ssh.merged(nm.ssh)
+        host = nm.host or "127.0.0.1"
+        line = lines.get(i)
+        if nm.name in seen_names:
+            raise InventoryError(f"duplicate node name {nm.name!r} (first at node {seen_names[nm.name]})",
+                                 path=source, line=line, key=f"nodes[{i}].name")
+        seen_names[nm.name] = i
+        if nm.connection == "ssh":
+            hk = (host.lower(), ssh.port or 22)
+            if hk in seen_hosts:
+                raise InventoryError(
+                    f"duplicate host {host!r} (port {hk[1]}) for node {nm.name!r}: already used by node "
+                    f"{model.nodes[seen_hosts[hk]].name!r}; one node per host", path=source, line=line,
+                    key=f"nodes[{i}].host")
+            seen_hosts[hk] = i
+        env = {**model.env, **nm.env}
+        python = _python_of(model, nm, source, line, i)
+        address = nm.address or (config_hostname(host, ssh.config_file) if nm.connection == "ssh" else host)
+        nodes.append(Node(
+            name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
+            connection=nm.connection, ssh=ssh, env=env, python=python,
+            workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
+        ))
+    return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
+                     dict(model.env), model.train, model.checks, source, model.sync, model.setup)
