@@ -23,6 +23,7 @@ from orchestrator.errors import (
     ClusterctlError,
     exit_codes_text,
 )
+from orchestrator.transport import quiet_paramiko
 
 # name -> "module:attribute" of a click command, imported only when used.
 LAZY_COMMANDS = {
@@ -192,21 +193,6 @@ def from_slurm(output, template, user, iface, master_port):
         click.echo(f"wrote {output}", err=True)
     else:
         click.echo(text, nl=False)
-
-
-def quiet_paramiko(debug: bool = False) -> None:
-    """paramiko's transport thread logs a traceback for every failed handshake (a port that
-    answers but is not sshd, a node that drops the connection); with no handler configured,
-    Python's last-resort handler prints it. The failure already reaches the user as one line
-    naming the node, so the traceback is shown with --debug only."""
-    import logging
-
-    log = logging.getLogger("paramiko")
-    if debug:
-        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    elif not log.handlers:
-        log.addHandler(logging.NullHandler())
-        log.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:

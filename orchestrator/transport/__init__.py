@@ -31,9 +31,9 @@ from orchestrator.transport.engine import (
 )
 from orchestrator.transport.known_hosts import known_host_keys
 from orchestrator.transport.local import LocalConnection
-from orchestrator.transport.ssh import SSHConnection
+from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "KEEPALIVE_S", "BytesCallback",
            "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "LineCallback", "LocalConnection",
-           "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "stream",
-           "wait"]
+           "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "quiet_paramiko",
+           "stream", "wait"]
