@@ -225,9 +225,46 @@ def test_iptables_drop_on_master_port(cl):
     m = result(report, "node1", "port_reachable")
     assert "timed out" in m.detail and "29500" in m.remedy
     assert {result(report, w, "port_reachable").status for w in ("node2", "node3", "node4")} == {"warn"}
+    # a timeout may be a listener that was late, so the workers were asked again: the DROP
+    # answers the same every time and still fails
+    assert report.asked_again == [["node2", "node3", "node4"]] * 2
+    assert "(the same on 3 tries)" in result(report, "node2", "port_reachable").detail
     inv = inventory(cl)
     fw = parse_firewall(out, Ctx(node=inv.nodes[0], inventory=inv, is_master=True))
     assert fw.status == "warn" and "29500" in fw.detail, (fw, out)
+
+
+def test_a_relaunch_on_a_subset_probes_its_own_master_as_the_master(cl):
+    """A relaunch runs preflight on a subset of the run's Cluster (a spare in the lost master's
+    place): the subset's first node is the master there, whatever its rank in the Cluster."""
+    full = inventory(cl)
+    sub = full.select(["node2", "node3", "node4"])
+    assert sub.master.name == "node2" and full.node("node2").rank == 1
+    with Cluster(full) as c:
+        report = run_preflight(c, sub, ["port_free", "port_reachable"])
+    assert bad(report, ("fail", "warn")) == set(), report.to_json()
+    assert result(report, "node2", "port_free").status == "ok"
+    assert result(report, "node2", "port_reachable").detail == "2/2 workers connected to 29500"
+    assert report.asked_again == []
+
+
+def test_a_probe_that_could_not_answer_is_asked_again_and_passes(cl):
+    """ss fails on the master's first probe only (as when it cannot open its netlink socket):
+    the master is probed once more and its answer stands."""
+    master = cl.nodes[0]
+    fake = master.bin_dir / "ss"
+    fake.write_text('#!/bin/sh\nonce="$HOME/.ss-failed-once"\n'
+                    'if [ ! -e "$once" ]; then : > "$once"; echo "Cannot open netlink socket" >&2; exit 1; fi\n'
+                    'exec /usr/bin/ss "$@"\n')
+    fake.chmod(0o755)
+    try:
+        report = preflight(cl, checks=["ssh", "gpu_count", "port_free", "port_reachable"])
+    finally:
+        fake.unlink()
+        master.run("rm -f ~/.ss-failed-once")
+    assert report.asked_again == [["node1"]]
+    assert bad(report, ("fail", "warn")) == set(), report.to_json()
+    assert result(report, "node1", "port_free").detail == "nothing else listens on 29500"
 
 
 def test_process_already_listening_on_master_port(cl):

@@ -143,6 +143,45 @@ def test_port_reachable_verdicts_and_attribution():
     assert m.status == "skip" and ws["w1"].status == "skip"
 
 
+def test_what_a_probe_could_not_answer_is_marked_and_a_finding_that_holds_is_not():
+    c = Ctx(node=M, inventory=INV, is_master=True)
+    failed_ss = parse_port_free(sec("ss", "Cannot open netlink socket: Too many open files", rc=1), c)
+    no_listing = parse_port_free("@@python\n{}\n@@end\n", c)
+    assert failed_ss.status == no_listing.status == "warn" and failed_ss.unanswered and no_listing.unanswered
+    assert "ss exited 1: Cannot open netlink socket" in failed_ss.detail
+    busy = parse_port_free(sec("ss", 'LISTEN 0 128 0.0.0.0:29500 0.0.0.0:* users:(("python",pid=7,fd=3))'), c)
+    assert busy.status == "fail" and not busy.unanswered
+    at = "10.0.0.1 29500"
+    drop = parse_port_reachable(sec("connect", "", rc=124, arg=at), ctx(W1))
+    refused = parse_port_reachable(sec("connect", "bash: connect: Connection refused", rc=1, arg=at), ctx(W1))
+    no_route = parse_port_reachable(sec("connect", "bash: connect: No route to host", rc=1, arg=at), ctx(W1))
+    assert drop.unanswered and refused.unanswered and not no_route.unanswered
+    # the workers' warnings when the master is to blame keep the mark; the master's verdict,
+    # drawn from theirs, has none (asking the master's probe again would not change it)
+    m, ws = attribute_port_reachable({"w1": drop, "w2": refused}, "m", 29500)
+    assert m.status == "fail" and not m.unanswered and all(w.status == "warn" and w.unanswered for w in ws.values())
+    wrong = parse_gpu_count("@@no-gpu-tool\n", ctx(W1))  # 8 GPUs in the inventory, no GPU tool
+    assert wrong.status == "fail" and not wrong.unanswered
+
+
+def test_retry_asks_again_only_nodes_with_unanswered_results_within_its_budget():
+    from orchestrator.checks import fail, ok, warn
+    from orchestrator.checks import retry
+
+    results = {"m": {"port_free": warn("port_free", "could not list", unanswered=True)},
+               "w1": {"gpu_count": fail("gpu_count", "2 GPUs, inventory says 8")},
+               "w2": {"port_reachable": fail("port_reachable", "refused", unanswered=True),
+                      "shm": ok("shm", "fine")}}
+    assert retry.ask_again(results) == ["m", "w2"]
+    assert retry.ask_again({"w1": results["w1"]}) == []
+    assert retry.round_timeout(0, 60) == retry.BUDGET_S - retry.PAUSE_S
+    assert retry.round_timeout(0, 3) == 3
+    assert retry.round_timeout(retry.BUDGET_S - retry.MIN_ROUND_S, 60) is None
+    r = results["m"]["port_free"]
+    assert retry.still_unanswered(r, 1) == r and "(the same on 3 tries)" in retry.still_unanswered(r, 3).detail
+    assert retry.still_unanswered(results["w1"]["gpu_count"], 3) == results["w1"]["gpu_count"]
+
+
 # ------------------------------------------------------------------ firewall
 
 def test_iptables_drop_rule_warns_with_fix():

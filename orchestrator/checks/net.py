@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, sections, skip, warn
 
@@ -88,7 +88,10 @@ def parse_port_free(text: str, ctx: Ctx) -> CheckResult:
         return skip("port_free", "only the master listens on master_port")
     found = listeners_from_probe(text)
     if found is None:
-        return warn("port_free", "could not list listening sockets (no ss, no /proc/net/tcp)")
+        ss = section(text, "ss")
+        why = (f"ss exited {ss.rc}: {first_line(ss.body) or 'no output'}" if ss is not None
+               else "the probe did not run ss or read /proc/net/tcp")
+        return warn("port_free", f"could not list listening sockets ({why})", unanswered=True)
     port = ctx.port
     busy = [x for x in found if x.port == port and (x.pid is None or x.pid not in ctx.own_pids)]
     ours = [x for x in found if x.port == port and x.pid in ctx.own_pids]
@@ -119,6 +122,9 @@ def parse_port_reachable(text: str, ctx: Ctx) -> CheckResult:
     if s.rc == 0:
         return ok("port_reachable", f"connected to {target}")
     body = first_line(s.body)
+    # a timeout or a refusal is asked again (the listener may have been late or gone early): a
+    # firewall's DROP or REJECT answers the same every time and still fails
+    unanswered = s.rc == 124 or "refused" in body.lower()
     if s.rc == 124:
         why = "timed out: a firewall drops it"
     elif "refused" in body.lower():
@@ -131,7 +137,7 @@ def parse_port_reachable(text: str, ctx: Ctx) -> CheckResult:
         why = body or f"exit code {s.rc}"
     return fail("port_reachable", f"cannot connect to {target}: {why}",
                 f"allow TCP {ctx.port} (and NCCL's ephemeral ports) from {ctx.node.name} on the master: "
-                f"`sudo ufw allow from {ctx.node.address} to any port {ctx.port} proto tcp`")
+                f"`sudo ufw allow from {ctx.node.address} to any port {ctx.port} proto tcp`", unanswered=unanswered)
 
 
 def attribute_port_reachable(worker: dict[str, CheckResult], master_name: str, port: int,
@@ -152,7 +158,7 @@ def attribute_port_reachable(worker: dict[str, CheckResult], master_name: str, p
         master = fail("port_reachable", f"no worker can connect to {port} ({why})",
                       f"open TCP {port} and NCCL's ephemeral ports on {master_name}: "
                       f"`sudo ufw allow {port}/tcp` (or remove the DROP rule: `sudo iptables -S INPUT`)")
-        return master, {k: warn("port_reachable", v.detail + f" (the master's side: see {master_name})")
+        return master, {k: replace(v, status="warn", detail=v.detail + f" (the master's side: see {master_name})")
                         if k in tried else v for k, v in worker.items()}
     master = ok("port_reachable", f"{len(tried) - len(failed)}/{len(tried)} workers connected; "
                                   f"failing: {', '.join(failed)}")

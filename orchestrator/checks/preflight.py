@@ -3,6 +3,7 @@
     run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None,
                   *, connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport
     report.ok -> bool            no check failed (warnings allowed)
+    report.asked_again           per extra round, the nodes probed again (their probe could not answer)
     report.gpus_found            {node name: GPUs found, or None when not probed/unknown}
     report.render(console)       node x check table that fits the console, grouped findings, rank map
     report.to_json()             {"ok", "nodes": [{"name", "host", "rank", "checks": [...]}]}
@@ -13,7 +14,8 @@ invocation: the probe script the registry assembles for the chosen checks
 (orchestrator/checks/registry.py) over stdin (`sh -s`), its output read by the checks' pure
 parsers. port_reachable adds a temporary listener on the master
 (orchestrator/remote/portlisten.py, started first, gone after a timeout) and a connect from
-each worker inside that worker's probe. ping runs from the control machine meanwhile.
+each worker inside that worker's probe. ping runs from the control machine meanwhile. A node
+whose probe could not answer (a result marked `unanswered`) is probed again: checks/retry.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from importlib import resources
 from typing import Mapping
 
 from orchestrator import shell
-from orchestrator.checks import Ctx, CheckResult, fail, load_nodeinfo, ok, skip
+from orchestrator.checks import Ctx, CheckResult, fail, load_nodeinfo, ok, retry, skip
 from orchestrator.checks.gpu import gpus_from_probe
 from orchestrator.checks.net import attribute_port_reachable
 from orchestrator.checks.ping import ping_all, ping_result
@@ -146,11 +148,16 @@ def _ssh_results(cluster: Cluster, nodes: list[Node], reports: dict[str, NodeRep
 
 
 class _Probes:
-    """One run of the probe script on every connected node, with the control clock read around
-    each node's @@time line (for clock_skew)."""
+    """Rounds of the probe script on connected nodes, with the control clock read around each
+    node's @@time line (for clock_skew). A later round (nodes asked again, checks/retry.py)
+    replaces those nodes' texts; port_reachable gets a fresh listener on the master each round
+    that has workers in it."""
 
-    def __init__(self, inv: Inventory, checks: list[str], connect_timeout: float, listener):
-        self.inv, self.checks, self.connect_timeout, self.listener = inv, checks, connect_timeout, listener
+    def __init__(self, inv: Inventory, checks: list[str], connect_timeout: float):
+        self.inv, self.checks, self.connect_timeout = inv, checks, connect_timeout
+        self.listener: _Listener | None = None  # the latest round's (its error is port_reachable's)
+        self.own_pids: set[int] = set()  # every round's listener: not a conflict on the port
+        self.rounds: list[list[str]] = []  # the nodes each round asked
         self.t_send: dict[str, float] = {}
         self.t_recv: dict[str, float] = {}
         self._at_time: set[str] = set()  # nodes whose @@time line arrived: the next line is their clock
@@ -158,6 +165,9 @@ class _Probes:
         self.errors: dict[str, str] = {}
 
     def command(self, node: Node) -> str:
+        # the Cluster's Node may come from a larger inventory (a relaunch's spare): its rank there
+        # is not this preflight's, and the role (master or worker) follows this inventory
+        node = self.inv.node(node.name)
         self.t_send[node.name] = time.time()
         listening = self.listener is not None and self.listener.error is None
         return _probe_command(self.inv, node, self.checks, self.connect_timeout if listening else 0)
@@ -170,18 +180,31 @@ class _Probes:
         elif line == "@@time":
             self._at_time.add(name)
 
-    def run(self, cluster: Cluster, connected: list[Node]) -> None:
+    def run(self, cluster: Cluster, nodes: list[Node], timeout: float = PROBE_TIMEOUT) -> None:
+        names = [n.name for n in nodes]
+        self.rounds.append(names)
+        for name in names:
+            self.t_recv.pop(name, None)
+            self._at_time.discard(name)
+        workers = [n for n in nodes if n.rank != 0]
+        if "port_reachable" in self.checks and workers and self.inv.master.name in cluster.connections:
+            # it outlives the round's probes (close() ends it): a late worker finds it listening
+            self.listener = _Listener(cluster, self.inv.master, self.inv.master_port, len(workers), timeout + 5)
+            self.own_pids.update([self.listener.pid] if self.listener.pid else [])
         try:
-            res = cluster.run(self.command, stdin=probe_script(self.checks), timeout=PROBE_TIMEOUT,
-                              nodes=[n.name for n in connected],
+            res = cluster.run(self.command, stdin=probe_script(self.checks), timeout=timeout, nodes=names,
                               on_line=self.on_line if "clock_skew" in self.checks else None)
         finally:
             if self.listener is not None:
                 self.listener.close()
         for name, r in res.items():
+            self.errors.pop(name, None)
             if r.exit_code is None or "@@end" not in r.stdout:
                 self.errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
             self.texts[name] = r.stdout
+
+    def tries(self, name: str) -> int:
+        return sum(name in r for r in self.rounds)
 
     @property
     def done(self) -> dict[str, str]:
@@ -200,8 +223,8 @@ def _probe_verdicts(cluster: Cluster, nodes: list[Node], reports: dict[str, Node
                 rep.results[c] = skip(c, "node unreachable over SSH")
         elif n.name in probes.errors:
             for c in checks:
-                rep.results[c] = fail(c, f"the probe did not finish: {probes.errors[n.name]}") \
-                    if c == checks[0] else skip(c, "probe did not finish")
+                rep.results[c] = fail(c, f"the probe did not finish: {probes.errors[n.name]}", unanswered=True) \
+                    if c == checks[0] else skip(c, "probe did not finish", unanswered=True)
         else:
             rep.results.update(node_results(checks, probes.texts[n.name], ctx_of[n.name]))
     for c in checks:
@@ -223,7 +246,8 @@ def _gpus_found(nodes: list[Node], done: dict[str, str], probed_gpus: bool) -> d
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
                   connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport:
     """control_dir: the control machine's copy code_sync compares with (default: the inventory's
-    workdir here, when it exists)."""
+    workdir here, when it exists). Nodes whose probe could not answer are probed again (a few
+    rounds within a few seconds, checks/retry.py); report.asked_again lists them per round."""
     t_start = time.monotonic()
     checks = list(CHECKS) if checks is None else ordered(checks)
     inv = inventory
@@ -240,25 +264,16 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
         pinger.start()
 
     probe_checks = [c for c in checks if c not in CONTROL]
-    workers = [n for n in connected if n.rank != 0]
-    listener = None
-    if "port_reachable" in checks and workers and inv.master in connected:
-        listener = _Listener(cluster, inv.master, inv.master_port, len(workers), connect_timeout + 20)
-    probes = _Probes(inv, probe_checks, connect_timeout, listener)
-    if probe_checks and connected:
-        probes.run(cluster, connected)
-
+    probes = _Probes(inv, probe_checks, connect_timeout)
     extra = {}
     if "code_sync" in probe_checks:
         cw = control_dir or control_workdir(inv)
         extra["control_code"] = load_nodeinfo().digest(cw) if cw is not None else None
-    own = frozenset([listener.pid]) if listener and listener.pid else frozenset()
-    ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0, own_pids=own,
-                          t_send=probes.t_send.get(n.name), t_recv=probes.t_recv.get(n.name), extra=extra)
-              for n in nodes}
-    _probe_verdicts(cluster, nodes, reports, probes, ctx_of)
-    if "port_reachable" in probe_checks:
-        _port_reachable(reports, inv, listener, probes.done)
+    if probe_checks and connected:
+        probes.run(cluster, connected)
+    _verdicts(cluster, nodes, reports, probes, extra)
+    if probe_checks and connected:
+        _ask_again(cluster, connected, reports, probes, extra)
 
     if pinger is not None:
         pinger.join(5)
@@ -266,9 +281,38 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
             reports[n.name].results["ping"] = (ok("ping", "local node") if n.is_local else
                                                ping_result(n.host, ping_out.get(n.host), n.name in cluster.connections))
     for rep in reports.values():
-        rep.results = {c: rep.results[c] for c in checks if c in rep.results}
+        tries = probes.tries(rep.node.name)
+        rep.results = {c: retry.still_unanswered(rep.results[c], tries) for c in checks if c in rep.results}
     return PreflightReport(inv, checks, [reports[n.name] for n in nodes],
-                           _gpus_found(nodes, probes.done, "gpu_count" in probe_checks), time.monotonic() - t_start)
+                           _gpus_found(nodes, probes.done, "gpu_count" in probe_checks), time.monotonic() - t_start,
+                           asked_again=probes.rounds[1:])
+
+
+def _verdicts(cluster: Cluster, nodes: list[Node], reports: dict[str, NodeReport], probes: _Probes,
+              extra: dict) -> None:
+    """Every probe check's verdict from the latest texts (after each round)."""
+    inv, own = probes.inv, frozenset(probes.own_pids)
+    ctx_of = {n.name: Ctx(node=n, inventory=inv, is_master=n.rank == 0, own_pids=own,
+                          t_send=probes.t_send.get(n.name), t_recv=probes.t_recv.get(n.name), extra=extra)
+              for n in nodes}
+    _probe_verdicts(cluster, nodes, reports, probes, ctx_of)
+    if "port_reachable" in probes.checks:
+        _port_reachable(reports, inv, probes.listener, probes.done)
+
+
+def _ask_again(cluster: Cluster, connected: list[Node], reports: dict[str, NodeReport], probes: _Probes,
+               extra: dict) -> None:
+    """The extra rounds: nodes with an unanswered result probed again until they answer, the
+    rounds run out, or their time does."""
+    t0 = time.monotonic()
+    for _ in range(retry.ROUNDS):
+        again = retry.ask_again({n.name: reports[n.name].results for n in connected})
+        timeout = retry.round_timeout(time.monotonic() - t0, PROBE_TIMEOUT)
+        if not again or timeout is None:
+            return
+        time.sleep(retry.PAUSE_S)
+        probes.run(cluster, [n for n in connected if n.name in again], timeout)
+        _verdicts(cluster, list(probes.inv.nodes), reports, probes, extra)
 
 
 def node_results(checks: list[str], text: str, ctx: Ctx) -> dict[str, CheckResult]:

@@ -77,6 +77,7 @@ class PreflightReport:
     nodes: list[NodeReport]
     gpus_found: dict[str, int | None]
     seconds: float = 0.0
+    asked_again: list[list[str]] = field(default_factory=list)  # per extra round: the nodes probed again
 
     @property
     def ok(self) -> bool:
@@ -106,6 +107,9 @@ class PreflightReport:
         width = console.size.width
         console.print(f"preflight: {len(self.nodes)} nodes, master {self.inventory.master.address}:"
                       f"{self.inventory.master_port} ({self.seconds:.1f}s)", markup=False, highlight=False)
+        for i, names in enumerate(self.asked_again, 2):
+            console.print(f"probed {nodeset(names)} again (try {i}): its probe could not answer",
+                          markup=False, highlight=False)
         for table in self._tables(width):
             console.print(table)
         console.print(self._findings(details))
