@@ -1,7 +1,8 @@
 """The I/O half of `clusterctl plan`: read a model from a file, time a micro-step here.
 
-orchestrator/plan.py stays pure; this module opens files and runs torch.  torch and transformers
-are imported inside the functions, so `clusterctl plan` without --config/--measure-step stays fast.
+The rest of orchestrator/plan/ stays pure; this module opens files and runs torch.  torch and
+transformers are imported inside the functions, so `clusterctl plan` without
+--config/--measure-step stays fast.
 """
 
 from __future__ import annotations
