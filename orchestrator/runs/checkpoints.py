@@ -74,7 +74,9 @@ def step_of(name: str) -> int:
 
 class CheckpointStore:
     """runs/RUN/checkpoints/: complete checkpoints under their own names, pieces being gathered
-    under .NAME.partial/ (an FSDP directory whose shards come from several nodes)."""
+    under .NAME.partial/ (an FSDP directory whose shards come from several nodes). A stage lives
+    only while its checkpoint is being gathered: a copy that fails or breaks off takes its stage
+    with it (`discard`), and `clean_partials` removes whatever an ended attempt or run left."""
 
     def __init__(self, run_dir: Path, keep: int = KEEP):
         self.dir = run_dir / "checkpoints"
@@ -93,20 +95,28 @@ class CheckpointStore:
     def has(self, name: str) -> bool:
         return (self.dir / name).exists()
 
+    def stage(self, name: str) -> Path:
+        return self.dir / f".{name}.partial"
+
     def receiving(self, name: str) -> Unpacker:
         """Where a node's tar stream of checkpoint `name` goes (`feed`): unpacked into
         .NAME.partial/ as it arrives, each file hashed on the way in."""
-        stage = self.dir / f".{name}.partial"
+        stage = self.stage(name)
         stage.mkdir(exist_ok=True)
         return Unpacker(stage, checksums=True, name=f"unpack-{name}")
 
     def finish(self, unpacker: Unpacker, name: str, kind: str) -> bool:
         """The stream has ended: True once checkpoint `name` is complete here (moved into place).
-        Raises tarfile.TarError for a stream that was refused or broke off."""
+        A directory missing pieces stays staged for the other nodes' pieces; a file that does not
+        match its checksum is dropped. Raises tarfile.TarError for a stream that was refused or
+        broke off, its stage removed."""
         if (error := unpacker.close(TIMEOUT)) is not None:
+            self.discard(name)
             raise tarfile.TarError(error)
         src = unpacker.dest / name
         if not is_complete(src, unpacker.digests):
+            if kind == "file":
+                self.discard(name)
             return False
         stage = unpacker.dest
         if kind == "file":
@@ -115,6 +125,19 @@ class CheckpointStore:
         shutil.rmtree(stage, ignore_errors=True)
         self.prune()
         return True
+
+    def discard(self, name: str) -> None:
+        """Drop checkpoint `name`'s stage and every piece gathered in it."""
+        shutil.rmtree(self.stage(name), ignore_errors=True)
+
+    def clean_partials(self) -> list[str]:
+        """Remove every stage left here (a copy cut off with its process, an FSDP checkpoint whose
+        last piece never came): at the end of an attempt and of the run. -> the names dropped."""
+        dropped = []
+        for stage in sorted(self.dir.glob(".*.partial")):
+            shutil.rmtree(stage, ignore_errors=True)
+            dropped.append(stage.name[1:-len(".partial")])
+        return dropped
 
     def prune(self) -> None:
         for old in self.complete()[self.keep:]:
@@ -183,28 +206,40 @@ class ArtifactCopier:
         """Copy each node's newest checkpoints (up to what the store keeps) not yet here."""
         for node, ckpts in found.items():
             for c in ckpts[: self.store.keep]:
-                if self.store.has(c["name"]) or (node, c["name"]) in self.fetched:
+                if self.store.has(c["name"]) or self.taken(node, c["name"]):
                     continue
                 self.fetch(node, c["name"], c["kind"])
 
+    def taken(self, node: str, name: str) -> bool:
+        """This node's piece of checkpoint `name` is here, in its stage (a stage dropped after a
+        failed copy or by clean_partials takes the pieces with it: they are fetched again)."""
+        return (node, name) in self.fetched and self.store.stage(name).is_dir()
+
     def fetch(self, node: str, name: str, kind: str) -> None:
+        """One node's copy of checkpoint `name` (or its piece of it). A copy that fails or breaks
+        off drops the whole stage: the other nodes' pieces are fetched again with the next try."""
         t0 = time.monotonic()
         into = self.store.receiving(name)
+        failed = True
         try:
             r = self.cluster.run(lambda n: artifacts_cmd(n, "send", self.dirs[node]["checkpoints"], name),
                                  stdin=AGENT, nodes=[node], timeout=TIMEOUT, capture=False,
                                  on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
-            if not r.ok:  # what did arrive stays staged, and is overwritten by the next try
+            if not r.ok:
                 self.say(f"could not copy {name} from {node}: {r.describe()}")
                 return
             self.fetched.add((node, name))
+            failed = False
             if self.store.finish(into, name, kind):
                 self.events.append((time.time(), name))
                 self.say(f"checkpoint {name} copied to the control machine")
         except (OSError, tarfile.TarError) as e:
+            failed = True
             self.say(f"could not unpack {name} from {node}: {e}")
         finally:
             into.close()  # the unpacking thread ends with the stream, whatever happened
+            if failed:
+                self.store.discard(name)
             self.copy_s += time.monotonic() - t0
 
     # ------------------------------------------------------------ the loop
