@@ -3,9 +3,11 @@
 What is pushed is what a git tree would ship (`git ls-files -co --exclude-standard` in a git
 checkout, else every file not matched by a .gitignore: orchestrator/remote/nodeinfo.py, the
 walker preflight's code_sync hashes with), plus the inventory's `sync.include` and --include,
-minus `sync.exclude` and --exclude (orchestrator/transfer/files.py). Files the nodes have that
-are not pushed and not ignored are deleted afterwards, so `code_sync` passes; ignored files
-(data, checkpoints) are left alone.
+minus `sync.exclude` and --exclude (orchestrator/transfer/files.py). The run's output directories
+inside the workdir (`run_outputs`: the trainer's, the inventory's `output_dir`) are never pushed
+nor pruned; each node's are marked as outputs, so code_sync leaves them out too. Files the nodes
+have that are not pushed and not ignored are deleted afterwards, so `code_sync` passes; ignored
+files (data, checkpoints) are left alone.
 
 Methods (`auto` picks per push, after one probe round trip that also creates the workdir):
   relay  one tar stream from here to the first node, forwarded node to node (each byte leaves
@@ -36,7 +38,7 @@ from orchestrator.probe import load_nodeinfo
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
-from orchestrator.transfer.files import git_list, select_files
+from orchestrator.transfer.files import git_list, run_outputs, select_files
 from orchestrator.transfer.progress import SyncEvents
 from orchestrator.transport import Cluster
 
@@ -277,13 +279,19 @@ def _push(cluster: Cluster, src: str, files: list[str], methods: dict[str, str],
     return pushed, sent, notes
 
 
-def _prune(cluster: Cluster, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:
+def prune_command(inv: Inventory, node: Node) -> str:
+    """nodeinfo's prune of node's workdir (the manifest on stdin), the run's outputs named."""
+    ni = load_nodeinfo()
+    outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
+    return (f"{shell.path(node.python)} -c {shell.quote(ni.__loader__.get_source(ni.__name__))} prune "
+            f"{shell.path(node.workdir)} {shell.join(outputs)}").rstrip()
+
+
+def _prune(cluster: Cluster, inv: Inventory, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:
     """Delete what the file list does not name (and no .gitignore ignores) on the pushed nodes."""
     if not pushed:
         return
     manifest = "\0".join(files).encode("utf-8", "surrogateescape")
-    ni = load_nodeinfo()
-    receiver = shell.quote(ni.__loader__.get_source(ni.__name__))
     by = dict(pushed)
 
     def on_prune(r):
@@ -291,8 +299,7 @@ def _prune(cluster: Cluster, pushed: list[tuple[str, SyncResult]], files: list[s
         done(p if r.ok else SyncResult(p.node, p.method, False, "pushed, but removing stale files failed: "
                                        + (r.error or r.stderr.strip()[-300:]), p.bytes, p.seconds))
 
-    cluster.run(lambda n: f"{shell.path(n.python)} -c {receiver} prune {shell.path(n.workdir)}",
-                stdin=manifest, nodes=list(by), timeout=600, on_done=on_prune)
+    cluster.run(lambda n: prune_command(inv, n), stdin=manifest, nodes=list(by), timeout=600, on_done=on_prune)
 
 
 def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", include=(), exclude=(),
@@ -307,8 +314,8 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", in
         events.finished(r)
 
     todo = _targets(cluster, inv, src, done)
-    files = select_files(src, tuple(inv.sync.include) + tuple(include),
-                         tuple(inv.sync.exclude) + tuple(exclude))
+    files = select_files(src, tuple(inv.sync.include) + tuple(include), tuple(inv.sync.exclude) + tuple(exclude),
+                         {d for n in inv.nodes for d in run_outputs(inv, n)})
     tree_bytes, stream_bytes = estimate(src, files)
     sent, notes = 0, []
     if todo:
@@ -324,6 +331,6 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", in
             events.planned(name, m, probes[name][0] if m == "rsync" else stream_bytes)
         pushed, sent, more = _push(cluster, src, files, methods, {n.name: n for n in todo}, events, done)
         notes += more
-        _prune(cluster, pushed, files, done)
+        _prune(cluster, inv, pushed, files, done)
     return SyncReport([results[n.name] for n in inv.nodes], time.monotonic() - t0, tree_bytes,
                       len(files), sent, notes)

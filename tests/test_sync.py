@@ -16,6 +16,7 @@ from orchestrator.cli import main
 from orchestrator.inventory import parse_inventory
 from orchestrator.checks.preflight import run_preflight
 from orchestrator.sync import file_list, rsync_argv, ssh_argv, sync
+from orchestrator.transfer.files import run_outputs, select_files
 from orchestrator.transport import Cluster
 
 
@@ -81,6 +82,41 @@ def test_a_marked_output_directory_is_neither_code_nor_pruned(tmp_path, git):
     assert ni.digest(str(root)) == before
     ni.prune(str(root), "\0".join(EXPECTED).encode())
     assert (root / "pkg" / "ckpts" / "state.json").exists() and (root / "pkg" / "ckpts" / "sub" / "events").exists()
+
+
+@pytest.mark.parametrize("git", [False, True], ids=["tree", "git"])
+def test_the_trainers_output_dir_in_the_workdir_is_not_code(tmp_path, git):
+    """The bundled trainer writes out/ (checkpoints, logs) inside the workdir by default, and each
+    node's differs: code_sync's digest, sync's file list and its prune leave it out."""
+    root = tmp_path / "wd"
+    make_tree(root, git=git)
+    (root / ".gitignore").write_text("data/\n")  # nothing ignores out/ here
+    inv = parse_inventory(yaml.safe_dump({"workdir": str(root), "nodes": [{"name": "a", "host": "h"}]}), "<t>")
+    outs = run_outputs(inv, inv.nodes[0])
+    assert outs == ["out"]
+    ni = load_nodeinfo()
+    (root / "out" / "log").unlink()
+    before = ni.digest(str(root), set(outs))
+    (root / "out" / "ckpt_00000010.pt").write_text("weights")
+    (root / "out" / "logs").mkdir()
+    (root / "out" / "logs" / "events").write_text("tb")
+    assert ni.digest(str(root))["digest"] != before["digest"]  # named by nobody, it would count as code
+    assert ni.digest(str(root), set(outs)) == before
+    assert not any(f.startswith("out/") for f in select_files(str(root), outputs=outs))
+    ni.prune(str(root), "\0".join(select_files(str(root))).encode(), set(outs))
+    assert (root / "out" / "ckpt_00000010.pt").exists() and (root / "out" / ".clusterctl-dir-id").exists()
+    assert ni.digest(str(root)) == before  # marked by the prune: preflight's probe leaves it out too
+
+
+def test_run_outputs_follow_the_inventory(tmp_path):
+    def outs(**kw):
+        inv = parse_inventory(yaml.safe_dump({"workdir": "~/w", "nodes": [{"name": "a", "host": "h"}], **kw}), "<t>")
+        return run_outputs(inv, inv.nodes[0])
+
+    assert outs(train={"args": ["--output-dir", "ckpt/run1"]}) == ["ckpt/run1"]
+    assert outs(train={"args": ["--output-dir=o"], "output_dir": "/abs"}, output_dir="~/w/x") == ["o", "x"]
+    assert outs(train={"script": "train.py"}) == []  # not the trainer: nothing assumed
+    assert outs(output_dir="~/elsewhere", train={"module": "mypkg"}) == []
 
 
 def test_rsync_command_line_carries_the_inventory_ssh_settings():

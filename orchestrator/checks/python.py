@@ -181,11 +181,12 @@ NODEINFO = resources.files("orchestrator").joinpath("remote", "nodeinfo.py").rea
 assert "\nPYEOF\n" not in NODEINFO
 
 # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
-# The workdir digest only when code_sync is asked for ("-" skips it).
+# The workdir digest only when code_sync is asked for ("-" skips it); the run's output directory
+# is not code (nor is any directory marked as an output: see nodeinfo).
 PYTHON = Probe("python", """pwd_arg=-
 if want code_sync; then pwd_arg=$wd; fi
 echo "@@python"
-"$py" -S - info "$pwd_arg" 2>&1 <<'PYEOF'
+"$py" -S - info "$pwd_arg" --output "$out" 2>&1 <<'PYEOF'
 """ + NODEINFO + """PYEOF
 echo "@@rc $?"
 """)

@@ -8,13 +8,22 @@ and on the control machine (imported), so both sides hash a workdir the same way
                                  manifest (.clusterctl-manifest in the tar) does not list,
                                  leaving ignored files (data, checkpoints) alone.
     python -c <this> prune WD    the same deletion, the manifest on stdin (after an rsync).
+    python -c <this> select WD   what a sync of WD would ship, as seen on this node (a donor of a
+                                 spare's code): one JSON line {"files": [...], "code": digest}.
+    python -c <this> send WD     stream those files (NUL-separated after a "to HOST PORT TOKEN"
+                                 line on stdin) as a tar to a relay.py `recv` on another node;
+                                 prints "sent BYTES SHA256".
+Every mode takes `--output DIR` (repeated): a run's output directory, relative to WD or absolute;
+select also `--include GLOB` and `--exclude GLOB` (the inventory's sync section).
+
+Outputs are never code. A directory named by --output, or holding .clusterctl-dir-id (the mark
+preflight, sync and spare preparation leave in a run's output directory: `prune` and `select`
+create it in each --output directory), is neither hashed, pruned, listed nor sent.
 
 The digest is content-based: for every file a git tree would ship (git ls-files -co
 --exclude-standard in a git checkout, else a walk honouring .gitignore files) its path,
-executable bit and sha256; a directory preflight marked as a run's output directory
-(.clusterctl-dir-id) is output, not code, and is neither hashed nor pruned. A git checkout and a
-plain copy of it hash the same, so a workdir pushed by `clusterctl sync` compares equal to the
-control machine's checkout.
+executable bit and sha256. A git checkout and a plain copy of it hash the same, so a workdir
+pushed by `clusterctl sync` compares equal to the control machine's checkout.
 """
 import os
 import sys
@@ -140,8 +149,52 @@ def ignored(rules, rel, is_dir):
     return verdict
 
 
-def walk_files(root):
-    """Relative paths of the files a git tree would ship, honouring every .gitignore."""
+def output_dirs(root, paths):
+    """The workdir-relative paths of the output directories `paths` (relative to root, absolute
+    or ~) that lie inside root; root itself and paths outside it are not outputs of it."""
+    base = os.path.realpath(root)
+    out = set()
+    for p in paths:
+        full = os.path.realpath(os.path.join(base, os.path.expanduser(p)))
+        if full.startswith(base + os.sep):
+            out.add(os.path.relpath(full, base).replace(os.sep, "/"))
+    return out
+
+
+def is_output(root, rel, outputs):
+    """A directory named as an output, or marked as one on disk."""
+    return rel in outputs or os.path.exists(os.path.join(root, rel, OUTPUT_MARK))
+
+
+def mark_outputs(root, outputs):
+    """Create each output directory with its mark if missing, atomically (a temp file hard-linked
+    to the name, as preflight's output_shared does: on a shared filesystem the first node wins).
+    A workdir that does not exist is not created."""
+    import uuid
+
+    for rel in sorted(outputs) if os.path.isdir(root) else ():
+        d = os.path.join(root, rel)
+        mark = os.path.join(d, OUTPUT_MARK)
+        try:
+            os.makedirs(d, exist_ok=True)
+            if os.path.exists(mark) and os.path.getsize(mark):
+                continue
+            tmp = f"{mark}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(str(uuid.uuid4()) + "\n")
+            try:
+                os.link(tmp, mark)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        except OSError:
+            continue
+
+
+def walk_files(root, outputs=()):
+    """Relative paths of the files a git tree would ship, honouring every .gitignore; output
+    directories left out."""
     out = []
 
     def visit(d, rel, rules):
@@ -164,7 +217,7 @@ def walk_files(root):
             if ignored(rules, r, is_dir):
                 continue
             if is_dir:
-                if not os.path.exists(os.path.join(e.path, OUTPUT_MARK)):
+                if not is_output(root, r, outputs):
                     visit(e.path, r, rules)
             else:
                 out.append(r)
@@ -173,8 +226,9 @@ def walk_files(root):
     return out
 
 
-def git_files(root):
-    """(files, head, dirty) from git, or None when root is not a usable git checkout."""
+def git_files(root, outputs=()):
+    """(files, head, dirty) from git, or None when root is not a usable git checkout; output
+    directories left out."""
     if not os.path.exists(os.path.join(root, ".git")):
         return None
     import subprocess
@@ -198,21 +252,27 @@ def git_files(root):
         if not d:
             return False
         if d not in marked:
-            marked[d] = os.path.exists(os.path.join(root, d, OUTPUT_MARK)) or output(os.path.dirname(d))
+            marked[d] = is_output(root, d, outputs) or output(os.path.dirname(d))
         return marked[d]
 
     files = [f for f in files if not output(os.path.dirname(f))]
     return files, head.stdout.decode().strip() or None, bool(st.stdout.strip())
 
 
-def digest(root):
-    """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of a workdir."""
+def code_files(root, outputs=()):
+    """(files, head, dirty, kind) of the code in a workdir: git's list or the walk's."""
+    g = git_files(root, outputs)
+    return (g[0], g[1], g[2], "git") if g else (walk_files(root, outputs), None, None, "tree")
+
+
+def digest(root, outputs=()):
+    """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of a workdir's code
+    (`outputs`: workdir-relative output directories, left out)."""
     import hashlib
 
     if not os.path.isdir(root):
         return {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
-    g = git_files(root)
-    files, head, dirty, kind = (g[0], g[1], g[2], "git") if g else (walk_files(root), None, None, "tree")
+    files, head, dirty, kind = code_files(root, outputs)
     h = hashlib.sha256()
     n = 0
     for rel in files:
@@ -405,30 +465,163 @@ def receive(root):
         prune(root, data)
 
 
-def prune(root, manifest):
+def prune(root, manifest, outputs=()):
     """Delete the files under root that manifest (NUL-separated paths) does not list and no
-    .gitignore ignores: what a push left behind from an older tree."""
+    .gitignore ignores: what a push left behind from an older tree. Output directories are marked
+    (created if missing) and left alone."""
     keep = {p for p in manifest.decode("utf-8", "surrogateescape").split("\0") if p}
+    mark_outputs(root, outputs)
     removed = 0
-    for rel in walk_files(root):
+    for rel in walk_files(root, outputs):
         if rel not in keep:
             os.unlink(os.path.join(root, rel))
             removed += 1
     print(dumps({"kept": len(keep), "removed": removed}))
 
 
+# ------------------------------------------------------------------ a sync's selection, on a node
+
+
+def _walk_all(src, rel_dir):
+    """Every file and symlink under src/rel_dir, .gitignore or not (.git itself skipped; a link
+    to a directory ships as the link)."""
+    out = []
+    for d, dirs, files in os.walk(os.path.join(src, rel_dir)):
+        links = [x for x in dirs if os.path.islink(os.path.join(d, x))]
+        dirs[:] = [x for x in dirs if x != ".git" and x not in links]
+        rel = os.path.relpath(d, src).replace(os.sep, "/")
+        out += [name if rel == "." else f"{rel}/{name}" for name in files + links]
+    return out
+
+
+def included(src, patterns):
+    """Files named by `patterns`: a directory ships everything under it, a glob (** recursive)
+    ships the files it matches."""
+    import glob
+
+    out = []
+    for pat in patterns:
+        for rel in sorted(glob.glob(pat.rstrip("/"), root_dir=src, recursive=True, include_hidden=True)):
+            p = os.path.join(src, rel)
+            if os.path.isdir(p) and not os.path.islink(p):
+                out += _walk_all(src, rel)
+            elif os.path.lexists(p):
+                out.append(os.path.normpath(rel).replace(os.sep, "/"))
+    return out
+
+
+def excluded(rel, patterns):
+    """A pattern matches the path, any of its parent directories, or (without '/') a name in it."""
+    import fnmatch
+
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pat in patterns:
+        pat = pat.rstrip("/")
+        if any(fnmatch.fnmatchcase(p, pat) for p in prefixes):
+            return True
+        if "/" not in pat and any(fnmatch.fnmatchcase(name, pat) for name in parts):
+            return True
+    return False
+
+
+def under(rel, dirs):
+    """rel is one of dirs or inside one of them."""
+    return any(rel == d or rel.startswith(d + "/") for d in dirs)
+
+
+def select(src, include=(), exclude=(), outputs=()):
+    """Sorted relative paths a sync of src ships: the code, plus `include`, minus `exclude` and
+    the output directories."""
+    files = [f for f in code_files(src, outputs)[0] if os.path.lexists(os.path.join(src, f))]
+    files = set(files) | set(included(src, include))
+    return sorted(f for f in files if not excluded(f, exclude) and not under(f, outputs)
+                  and not any(p.startswith(OWN_PREFIX) for p in f.split("/")))
+
+
+def _stdin_all(idle):
+    """All of stdin, waiting at most `idle` seconds for each piece."""
+    import select as sel
+
+    data = b""
+    while True:
+        if not sel.select([0], [], [], idle)[0]:
+            raise SystemExit(f"nothing from the control machine for {idle:g}s")
+        part = os.read(0, 1 << 20)
+        if not part:
+            return data
+        data += part
+
+
+def send(root, idle, connect_timeout):
+    """Stdin: "to HOST PORT TOKEN" and the NUL-separated files; stream them as a tar to the relay
+    listening there (token first), then print "sent BYTES SHA256" for the control machine."""
+    import hashlib
+    import socket
+    import tarfile
+
+    head, _, names = _stdin_all(idle).partition(b"\n")
+    words = head.decode().split()
+    if len(words) != 4 or words[0] != "to":
+        raise SystemExit("protocol error: expected 'to HOST PORT TOKEN'")
+    sock = socket.create_connection((words[1], int(words[2])), timeout=connect_timeout)
+    sock.settimeout(idle)
+    sock.sendall(words[3].encode() + b"\n")
+    sha, total = hashlib.sha256(), 0
+
+    class Sink:
+        def write(self, data):
+            nonlocal total
+            sock.sendall(data)
+            sha.update(data)
+            total += len(data)
+            return len(data)
+
+    with tarfile.open(fileobj=Sink(), mode="w|", bufsize=1 << 20) as tar:
+        for rel in names.decode("utf-8", "surrogateescape").split("\0"):
+            p = os.path.join(root, rel)
+            if rel and (os.path.islink(p) or os.path.isfile(p)):
+                tar.add(p, arcname=rel, recursive=False)
+    sock.shutdown(socket.SHUT_WR)
+    sock.close()
+    print(f"sent {total} {sha.hexdigest()}")
+
+
+def _options(argv):
+    """WORKDIR and the --output/--include/--exclude/--idle/--connect-timeout values after it."""
+    opts = {"--output": [], "--include": [], "--exclude": [], "--idle": ["60"], "--connect-timeout": ["5"]}
+    rest = argv[1:]
+    while len(rest) >= 2 and rest[0] in opts:
+        opts[rest[0]] = ([] if rest[0] in ("--idle", "--connect-timeout") else opts[rest[0]]) + [rest[1]]
+        rest = rest[2:]
+    if rest:
+        raise SystemExit("unexpected arguments: " + " ".join(rest))
+    return argv[0], opts
+
+
 def main(argv):
-    if len(argv) >= 2 and argv[0] == "info":
-        doc = versions()
-        doc["code"] = digest(argv[1]) if argv[1:] and argv[1] != "-" else None
-        print(dumps(doc))
-    elif len(argv) >= 2 and argv[0] == "receive":
-        receive(argv[1])
-    elif len(argv) >= 2 and argv[0] == "prune":
-        prune(os.path.realpath(argv[1]), sys.stdin.buffer.read())
-    else:
-        sys.stderr.write("usage: nodeinfo.py info WORKDIR | receive WORKDIR\n")
+    mode = argv[0] if argv else ""
+    if mode not in ("info", "receive", "prune", "select", "send") or len(argv) < 2:
+        sys.stderr.write("usage: nodeinfo.py info|receive|prune|select|send WORKDIR [--output DIR]...\n")
         return 2
+    wd, opts = _options(argv[1:])
+    if mode == "info":
+        doc = versions()
+        doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]))
+        print(dumps(doc))
+    elif mode == "receive":
+        receive(wd)
+    elif mode == "send":
+        send(os.path.realpath(wd), float(opts["--idle"][0]), float(opts["--connect-timeout"][0]))
+    else:
+        root = os.path.realpath(wd)
+        outputs = output_dirs(root, opts["--output"])
+        if mode == "prune":
+            prune(root, sys.stdin.buffer.read(), outputs)
+        else:
+            mark_outputs(root, outputs)
+            print(dumps({"files": select(root, opts["--include"], opts["--exclude"], outputs),
+                         "code": digest(root, outputs)}))
     return 0
 
 

@@ -1,13 +1,17 @@
-"""What a sync ships: the files git would ship, plus `include`, minus `exclude`."""
+"""What a sync ships: the files git would ship, plus `include`, minus `exclude`, and never the
+run's outputs (`run_outputs`). The selection itself is orchestrator/remote/nodeinfo.py's, so a
+node that hands its code to a spare (runs/spares.py) picks the same files as this machine."""
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import hashlib
 import os
 
+from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import load_nodeinfo
+
+TRAINER_MODULE = "trainer"
+OUTPUT_FLAG = "--output-dir"
 
 
 def sha256_file(path) -> str:
@@ -27,46 +31,50 @@ def git_list(src: str) -> list[str]:
     return [f for f in files if os.path.lexists(os.path.join(src, f))]
 
 
-def _walk_all(src: str, rel_dir: str) -> list[str]:
-    """Every file and symlink under src/rel_dir, .gitignore or not (.git itself skipped; a link
-    to a directory ships as the link)."""
+def select_files(src: str, include=(), exclude=(), outputs=()) -> list[str]:
+    """Sorted relative paths to ship; `outputs` (relative directories) never are."""
+    return load_nodeinfo().select(src, tuple(include), tuple(exclude), set(outputs))
+
+
+def _trainer_output_dir() -> str:
+    from trainer.config import TrainConfig
+
+    return TrainConfig.__dataclass_fields__["output_dir"].default
+
+
+def _flag_values(args: list[str] | tuple[str, ...], flag: str) -> list[str]:
+    """The values given to `flag` in an argument list (`--flag V` and `--flag=V`)."""
     out = []
-    for d, dirs, files in os.walk(os.path.join(src, rel_dir)):
-        links = [x for x in dirs if os.path.islink(os.path.join(d, x))]
-        dirs[:] = [x for x in dirs if x != ".git" and x not in links]
-        rel = os.path.relpath(d, src).replace(os.sep, "/")
-        out += [name if rel == "." else f"{rel}/{name}" for name in files + links]
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith(flag + "="):
+            out.append(a[len(flag) + 1:])
     return out
 
 
-def included(src: str, patterns: tuple[str, ...] | list[str]) -> list[str]:
-    """Files named by `patterns`: a directory ships everything under it, a glob (** recursive)
-    ships the files it matches."""
-    out: list[str] = []
-    for pat in patterns:
-        for rel in sorted(glob.glob(pat.rstrip("/"), root_dir=src, recursive=True, include_hidden=True)):
-            p = os.path.join(src, rel)
-            if os.path.isdir(p) and not os.path.islink(p):
-                out += _walk_all(src, rel)
-            elif os.path.lexists(p):
-                out.append(os.path.normpath(rel).replace(os.sep, "/"))
-    return out
+def _inside(workdir: str, path: str) -> str | None:
+    """path as a directory relative to workdir, when it lies inside it (compared as written:
+    `~/` and absolute paths are the node's, not this machine's)."""
+    if not path.startswith(("/", "~")):
+        rel = os.path.normpath(path)
+    else:
+        base = os.path.normpath(workdir.rstrip("/") or "/")
+        p = os.path.normpath(path)
+        rel = p[len(base) + 1:] if p.startswith(base + "/") else ""
+    rel = rel.replace(os.sep, "/")
+    return rel if rel and rel != "." and not rel.startswith("../") and rel != ".." else None
 
 
-def excluded(rel: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """A pattern matches the path, any of its parent directories, or (without '/') a name in it."""
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    for pat in patterns:
-        pat = pat.rstrip("/")
-        if any(fnmatch.fnmatchcase(p, pat) for p in prefixes):
-            return True
-        if "/" not in pat and any(fnmatch.fnmatchcase(name, pat) for name in parts):
-            return True
-    return False
-
-
-def select_files(src: str, include=(), exclude=()) -> list[str]:
-    """Sorted relative paths to ship."""
-    files = set(git_list(src)) | set(included(src, include))
-    return sorted(f for f in files if not excluded(f, exclude))
+def run_outputs(inv: Inventory, node: Node) -> list[str]:
+    """The run's output directories inside `node`'s workdir, relative to it: the inventory's
+    `output_dir` and `train.output_dir`, every `--output-dir` in `train.args`, and the bundled
+    trainer's default output directory when the inventory runs it without one. They are never
+    code: not shipped, pruned, hashed by code_sync, nor copied to a spare."""
+    t = inv.train
+    named = _flag_values(t.args, OUTPUT_FLAG)
+    dirs = [inv.output_dir, t.output_dir, *named]
+    if t.script is None and (t.module or TRAINER_MODULE) == TRAINER_MODULE and not named:
+        dirs.append(_trainer_output_dir())
+    out = [_inside(node.workdir, d) for d in dirs if d]
+    return sorted({d for d in out if d})
