@@ -8,7 +8,9 @@ parts they share: the nodes' common target, the per-node plan, and the results.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from orchestrator.errors import UsageError
 from orchestrator.pyenv.resolve import Target
@@ -97,3 +99,12 @@ def plan(probes: dict[str, dict], lock_hash: str, *, force: bool = False, online
         else:
             out[name] = SHIP
     return out
+
+
+def requirements_path(inv) -> Path:
+    """setup.requirements on this machine: a relative path is relative to the inventory's
+    directory (the current one for the embedded inventory)."""
+    p = Path(os.path.expanduser(inv.setup.requirements))
+    if not p.is_absolute() and os.path.isfile(inv.source):
+        p = Path(inv.source).resolve().parent / p
+    return p

@@ -1,4 +1,6 @@
-"""Copy checkpoints from one node's disk to another node's, node to node: no byte crosses this machine.
+"""Copy files from one node's disk to another node's, node to node: no byte crosses this machine.
+`copy` moves checkpoints (relay.py `send`); `copy_code` a workdir's code to a spare (nodeinfo's
+`send` of the files a donor's `select` listed).
 
 Both ends run orchestrator/remote/relay.py over their own SSH channels. The receiving node's
 `recv` binds an ephemeral port and reports it; the control machine hands the sending node's
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from orchestrator import shell
 from orchestrator.inventory import Node
+from orchestrator.probe import load_nodeinfo
 from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT, relay_source
 from orchestrator.transport import Cluster, NodeResult
 
@@ -86,9 +89,12 @@ class Pair:
                 f"{mode} {self.xfer} {shell.path(where)} {shell.join(names)} "
                 f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
 
+    def send_command(self, _node: Node) -> str:
+        return self.command(self.src, "send", self.src_dir, *self.names)
+
     def _receive(self) -> None:
         try:
-            res = self.cluster.run(lambda n: self.command(n, "recv", self.dst_dir), stdin=self.recv_feed,
+            res = self.cluster.run(lambda _n: self.command(self.dst, "recv", self.dst_dir), stdin=self.recv_feed,
                                    nodes=[self.dst.name], timeout=self.timeout, on_line=self.on_recv_line)
             self.recv_result = res[self.dst.name]
         finally:
@@ -98,8 +104,7 @@ class Pair:
         receiver = threading.Thread(target=self._receive, daemon=True, name=f"replica-recv-{self.dst.name}")
         receiver.start()
         try:
-            sent = self.cluster.run(lambda n: self.command(n, "send", self.src_dir, *self.names),
-                                    stdin=self.send_feed, nodes=[self.src.name], timeout=self.timeout,
+            sent = self.cluster.run(self.send_command, stdin=self.send_feed, nodes=[self.src.name], timeout=self.timeout,
                                     on_line=self.on_send_line)[self.src.name]
         finally:
             self._set(send_exited=True)
@@ -117,11 +122,36 @@ class Pair:
 
     def stop(self) -> None:
         """End this copy's relay processes (found by its id) and remove its staging directory."""
-        names = list(dict.fromkeys([self.src.name, self.dst.name]))
-        self.cluster.run(lambda n: f"{shell.path(n.python)} -c {shell.quote(relay_source())} stop {self.xfer} "
-                                   f"{shell.path(self.dst_dir)}", nodes=names, timeout=30)
+        ends = {self.src.name: self.src, self.dst.name: self.dst}
+        self.cluster.run(lambda n: f"{shell.path(ends[n.name].python)} -c {shell.quote(relay_source())} stop {self.xfer} "
+                                   f"{shell.path(self.dst_dir)}", nodes=list(ends), timeout=30)
+
+
+class CodePair(Pair):
+    """The code files `files` of src's workdir into dst's workdir: the sender is nodeinfo's
+    `send`, which takes the file list on stdin after the receiver's address."""
+
+    def __init__(self, cluster: Cluster, src: Node, dst: Node, files: list[str], timeout: float = 600.0):
+        super().__init__(cluster, src, src.workdir, [], dst, dst.workdir, timeout)
+        self.manifest = "\0".join(files).encode("utf-8", "surrogateescape")
+
+    def send_feed(self, node: Node):
+        for line in super().send_feed(node):
+            yield line + self.manifest
+
+    def send_command(self, _node: Node) -> str:
+        ni = load_nodeinfo()
+        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(self.src.python)} -c "
+                f"{shell.quote(ni.__loader__.get_source(ni.__name__))} send {shell.path(self.src_dir)} "
+                f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
 
 
 def copy(cluster: Cluster, src: Node, src_dir: str, names: list[str], dst: Node, dst_dir: str,
          timeout: float = 600.0) -> PairResult:
     return Pair(cluster, src, src_dir, names, dst, dst_dir, timeout).run()
+
+
+def copy_code(cluster: Cluster, src: Node, dst: Node, files: list[str], timeout: float = 600.0) -> PairResult:
+    """src's workdir files `files` into dst's workdir (installed only when the stream's sha256
+    matches; nothing else in dst's workdir changes)."""
+    return CodePair(cluster, src, dst, files, timeout).run()
