@@ -89,3 +89,39 @@ def wait_for(pred, timeout=10.0, what="the condition", interval=0.1):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# A process listed a moment ago may be gone (or a zombie) when it is read: psutil raises these.
+VANISHED = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
+
+
+def cmdline(proc) -> str:
+    return " ".join(proc.cmdline())
+
+
+def scan(procs, read=cmdline) -> list:
+    """[(process, read(process))] for the processes that are still there when read (their command
+    line by default): one that ended between the listing and the read is left out, never raised."""
+    found = []
+    for p in procs:
+        try:
+            found.append((p, read(p)))
+        except VANISHED:
+            continue
+    return found
+
+
+def ended(proc) -> bool:
+    """The process is gone or a zombie (asking it may itself find it gone)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except VANISHED:
+        return True
+
+
+def pid_ended(pid: int) -> bool:
+    """ended() by pid: a pid that no longer names a process has ended too."""
+    try:
+        return ended(psutil.Process(pid))
+    except VANISHED:
+        return True

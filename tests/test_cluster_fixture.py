@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from tests.cluster import TestCluster, host
+from tests.conftest import scan
 
 pytestmark = pytest.mark.cluster
 
@@ -165,7 +166,7 @@ def test_processes_are_found_per_node_and_teardown_leaves_nothing(make_cluster):
     a, b = cluster.nodes
     ssh(cluster, a, "nohup sleep 300 >/dev/null 2>&1 &")
     def cmdlines():
-        return [p.cmdline() for p in cluster.processes(a)]
+        return [argv for _, argv in scan(cluster.processes(a), lambda p: p.cmdline())]
 
     # nohup is seen for a moment before it execs sleep; wait for the exec, not just a process
     deadline = time.monotonic() + 10

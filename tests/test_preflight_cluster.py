@@ -22,7 +22,7 @@ from orchestrator.checks.firewall import parse_firewall
 from orchestrator.checks import Ctx
 from orchestrator.transport import Cluster
 from tests.cluster import TestCluster, require_root
-from tests.conftest import wait_for
+from tests.conftest import cmdline, scan, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -90,9 +90,10 @@ def test_healthy_cluster_all_ok_one_handshake_per_node(cl, tmp_path, capsys):
     assert [c["check"] for c in doc["nodes"][0]["checks"]] == NOT_ENV
     # the listener is gone: nothing of ours left listening on the master (sshd may still be
     # reaping the session that ran it, so this waits for the condition rather than asserting at once)
-    wait_for(lambda: not [p for p in cl.processes(cl.nodes[0]) if "portlisten" in " ".join(p.cmdline())
-                          or (p.name().startswith("python") and any(x.laddr.port == 29500
-                                                                    for x in p.net_connections()))],
+    wait_for(lambda: not [p for p, (cmd, name, conns) in scan(cl.processes(cl.nodes[0]),
+                                                              lambda p: (cmdline(p), p.name(), p.net_connections()))
+                          if "portlisten" in cmd or (name.startswith("python") and any(x.laddr.port == 29500
+                                                                                    for x in conns))],
              5, "the port listener to be gone from the master")
 
 
@@ -275,7 +276,7 @@ def test_process_already_listening_on_master_port(cl):
     try:
         assert p.stdout.readline().strip() == b"up", p.stderr.read() if p.stderr else ""
         report = preflight(cl)
-        pids = {x.pid for x in cl.processes(master) if "time.sleep(60)" in " ".join(x.cmdline())}
+        pids = {x.pid for x, cmd in scan(cl.processes(master)) if "time.sleep(60)" in cmd}
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -423,7 +424,7 @@ def test_read_only_output_dir_fails_preflight_and_train_refuses(cl, tmp_path, mo
         report = preflight(cl, checks=["output_dir"])
         r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(path), "--",
                             "train.py"], capture_output=True, text=True, timeout=120, env=os.environ.copy())
-        left = [p.cmdline() for x in cl.nodes for p in cl.processes(x) if "train.py" in " ".join(p.cmdline())]
+        left = [cmd for x in cl.nodes for _, cmd in scan(cl.processes(x)) if "train.py" in cmd]
     finally:
         nd.run("chmod 755 ~/gpt_train/runs && rm -rf ~/gpt_train/runs")  # other checks may have left their marker
     assert bad(report) == {("node3", "output_dir")}

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import pid_ended, wait_for
 from tests.test_train_cluster import DDP, all_clean, prepare, rec_of
 
 pytestmark = pytest.mark.cluster
@@ -112,8 +112,7 @@ def test_a_queued_run_whose_supervisor_died_is_adopted_and_still_runs(make_clust
     wait_for(lambda: state(home, waiting) == "queued" and state(home, holder) == "running", 60, "queued behind")
     pid = rec_of(home / "runs" / waiting)["supervisor_pid"]
     os.kill(pid, 9)
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
-             10, "the queued run's supervisor dead")
+    wait_for(lambda: pid_ended(pid), 10, "the queued run's supervisor dead")
 
     def adopted():  # status notices the dead supervisor (once the run is 10 s old) and starts one that adopts
         r = cli("status", waiting, "--json", home=home)

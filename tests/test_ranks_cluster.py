@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import TestCluster, require_root
-from tests.conftest import wait_for
+from tests.conftest import scan, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -141,8 +141,8 @@ def test_gpus_0_is_one_process_per_node_and_too_many_processes_is_a_usage_error(
     assert "node1: 16 processes, 8 GPUs found" in err and "--nproc-per-node 8 or fewer" in err, err
     assert "Traceback" not in r.stderr
     assert last_run(home)["state"] == "failed"
-    started = [p.cmdline() for nd in cluster.nodes for p in cluster.processes(nd)
-               if any(w in " ".join(p.cmdline()) for w in ("torchrun", "node_agent", "ddp"))]
+    started = [cmd for nd in cluster.nodes for _, cmd in scan(cluster.processes(nd))
+               if any(w in cmd for w in ("torchrun", "node_agent", "ddp"))]
     assert not started, started  # nothing was launched
     # The refused run's SSH sessions (sshd children under the test user) close on their own.
     wait_for(lambda: not any(cluster.processes(nd) for nd in cluster.nodes), 15, "the nodes clean after a refused run")

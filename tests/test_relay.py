@@ -23,6 +23,7 @@ from orchestrator.sync import choose_methods, sync
 from orchestrator.transfer.archive import CHUNK, TarStream, framed
 from orchestrator.transfer.files import select_files
 from orchestrator.transport import Cluster
+from tests.conftest import scan
 
 RELAY = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "relay.py"
 
@@ -255,7 +256,7 @@ def test_a_corrupted_relay_stream_fails_the_nodes_behind_it(cl, clean, tmp_path)
     assert _digest(cl.nodes[0], "data/shakespeare/train0.bin")
     for nd in cl.nodes[1:]:  # nothing landed, no staging dir, no relay left running
         assert nd.run("ls -A ~/gpt_train").stdout == ""
-        assert not [p for p in nd.processes() if "CLUSTERCTL_XFER" in "".join(p.environ())]
+        assert not [p for p, env in scan(nd.processes(), lambda p: p.environ()) if "CLUSTERCTL_XFER" in env]
 
 
 @pytest.mark.cluster

@@ -11,6 +11,7 @@ import sys
 import psutil
 import pytest
 
+from tests.conftest import VANISHED, ended, scan
 from tests.test_train_cluster import DDP, all_clean, cli, log_has, prepare, rec_of, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -32,8 +33,12 @@ def steps_of(log: bytes, rank: int) -> list[int]:
 
 
 def supervisor_sockets(pid, host):
-    """The supervisor's TCP connections to `host`'s sshd."""
-    return [c for c in psutil.Process(pid).net_connections("tcp") if c.raddr and c.raddr.ip == host
+    """The supervisor's TCP connections to `host`'s sshd (none once it has ended)."""
+    try:
+        conns = psutil.Process(pid).net_connections("tcp")
+    except VANISHED:
+        return []
+    return [c for c in conns if c.raddr and c.raddr.ip == host
             and c.raddr.port == 22 and c.status == psutil.CONN_ESTABLISHED]
 
 
@@ -72,11 +77,11 @@ def test_killed_supervisor_and_torchrun_leave_no_orphans_and_blame_the_right_nod
     os.kill(rec["supervisor_pid"], signal.SIGKILL)
     n2 = cluster.nodes[1]
     torchrun = next(n for n in rec["nodes"] if n["name"] == "node2")["pid"]
-    workers = [p for p in cluster.processes(n2) if p.pid != torchrun and "ddp_tiny" in " ".join(p.cmdline())]
+    workers = [p for p, cmd in scan(cluster.processes(n2)) if p.pid != torchrun and "ddp_tiny" in cmd]
     assert workers
     os.kill(torchrun, signal.SIGKILL)
     # enforced on the node: no controller is running
-    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers), 5,
+    wait_for(lambda: all(ended(p) for p in workers), 5,
              "node2's workers gone")
     wait_for(lambda: all_clean(cluster), 60, "the whole job gone")
     r = cli("tail", run_id)  # starts a supervisor that adopts the run and records its end

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import cmdline, scan, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -60,15 +60,9 @@ def all_clean(cluster):
 def job_processes(cluster):
     """The test user's processes on the nodes other than sshd's session processes: what a run
     launched. A session whose command has ended can take a moment longer to exit under load."""
-    found = []
-    for n in cluster.nodes:
-        for p in cluster.processes(n):
-            try:
-                if not p.name().startswith("sshd"):
-                    found.append(" ".join(p.cmdline()))
-            except Exception:  # noqa: BLE001 - the process ended between listing and reading
-                continue
-    return found
+    return [cmd for n in cluster.nodes
+            for _, (name, cmd) in scan(cluster.processes(n), lambda p: (p.name(), cmdline(p)))
+            if not name.startswith("sshd")]
 
 
 def assert_job_gone(cluster, timeout=15):
@@ -209,7 +203,8 @@ def test_second_sigint_kills_a_run_that_ignores_the_graceful_stop(make_cluster, 
     proc.send_signal(signal.SIGINT)
     wait_for(lambda: rec_of(run_dir).get("teardown") == "stop", 30, "the graceful stop to begin")
     time.sleep(3)  # the workers ignore SIGTERM: within the 120 s grace they are still there
-    assert any(p.cmdline()[-1:] == ["--ignore-sigterm"] for p in cluster.processes(cluster.nodes[1]))
+    assert any(argv[-1:] == ["--ignore-sigterm"] for _, argv in scan(cluster.processes(cluster.nodes[1]),
+                                                                     lambda p: p.cmdline()))
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     wait_for(lambda: all_clean(cluster), 15, "zero processes after the second Ctrl-C")
