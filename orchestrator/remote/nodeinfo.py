@@ -4,10 +4,8 @@ and on the control machine (imported), so both sides hash a workdir the same way
     python - info WORKDIR        one JSON line: python/torch/CUDA/ROCm/NCCL versions (torch is
                                  *not* imported: its version.py and dist-info are read, which
                                  takes milliseconds instead of seconds) and the workdir digest.
-    python -c <this> receive WD  extract a tar stream from stdin into WD, then delete files the
-                                 manifest (.clusterctl-manifest in the tar) does not list,
-                                 leaving ignored files (data, checkpoints) alone.
-    python -c <this> prune WD    the same deletion, the manifest on stdin (after an rsync).
+    python -c <this> prune WD    after a push: delete the files the manifest (NUL-separated paths
+                                 on stdin) does not list, leaving ignored files (data) alone.
     python -c <this> select WD   what a sync of WD would ship, as seen on this node (a donor of a
                                  spare's code): one JSON line {"files": [...], "code": digest}.
     python -c <this> send WD     stream those files (NUL-separated after a "to HOST PORT TOKEN"
@@ -60,9 +58,8 @@ def dumps(value):
         return "[" + ", ".join(dumps(v) for v in value) + "]"
     raise TypeError(f"cannot encode {type(value).__name__}")
 
-MANIFEST = ".clusterctl-manifest"
-OWN_PREFIX = ".clusterctl-"  # the manifest, the output dir id, relay staging: never part of the code
-OUTPUT_MARK = ".clusterctl-dir-id"  # preflight marks a run's output directory with it: outputs are not code
+OWN_PREFIX = ".clusterctl-"  # the output dir id, relay staging: never part of the code
+OUTPUT_MARK = ".clusterctl-dir-id"  # marks a run's output directory (preflight, prune, select): not code
 
 
 # ------------------------------------------------------------------ .gitignore subset
@@ -434,35 +431,7 @@ def versions():
     return info
 
 
-# ------------------------------------------------------------------ receive (sync's tar path)
-
-
-def _within(root, rel):
-    p = os.path.realpath(os.path.join(root, rel))
-    return p == root or p.startswith(root + os.sep)
-
-
-def receive(root):
-    import tarfile
-
-    os.makedirs(root, exist_ok=True)
-    root = os.path.realpath(root)
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|*") as tar:
-        for m in tar:
-            if m.name.startswith("/") or ".." in m.name.split("/") or not _within(root, m.name):
-                raise SystemExit("refusing unsafe path in the stream: " + m.name)
-            if m.isfile() or m.issym() or m.isdir():
-                dest = os.path.join(root, m.name)
-                if os.path.lexists(dest) and not os.path.isdir(dest):
-                    os.unlink(dest)
-                tar.extract(m, root, set_attrs=m.isfile(), **({"filter": "tar"} if hasattr(
-                    tarfile, "tar_filter") else {}))
-    mpath = os.path.join(root, MANIFEST)
-    if os.path.exists(mpath):
-        with open(mpath, "rb") as f:
-            data = f.read()
-        os.unlink(mpath)
-        prune(root, data)
+# ------------------------------------------------------------------ prune (after a push)
 
 
 def prune(root, manifest, outputs=()):
@@ -564,7 +533,10 @@ def send(root, idle, connect_timeout):
     words = head.decode().split()
     if len(words) != 4 or words[0] != "to":
         raise SystemExit("protocol error: expected 'to HOST PORT TOKEN'")
-    sock = socket.create_connection((words[1], int(words[2])), timeout=connect_timeout)
+    try:
+        sock = socket.create_connection((words[1], int(words[2])), timeout=connect_timeout)
+    except OSError as e:
+        raise SystemExit(f"cannot reach {words[1]}:{words[2]}: {e.strerror or e}")
     sock.settimeout(idle)
     sock.sendall(words[3].encode() + b"\n")
     sha, total = hashlib.sha256(), 0
@@ -601,16 +573,14 @@ def _options(argv):
 
 def main(argv):
     mode = argv[0] if argv else ""
-    if mode not in ("info", "receive", "prune", "select", "send") or len(argv) < 2:
-        sys.stderr.write("usage: nodeinfo.py info|receive|prune|select|send WORKDIR [--output DIR]...\n")
+    if mode not in ("info", "prune", "select", "send") or len(argv) < 2:
+        sys.stderr.write("usage: nodeinfo.py info|prune|select|send WORKDIR [--output DIR]...\n")
         return 2
     wd, opts = _options(argv[1:])
     if mode == "info":
         doc = versions()
         doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]))
         print(dumps(doc))
-    elif mode == "receive":
-        receive(wd)
     elif mode == "send":
         send(os.path.realpath(wd), float(opts["--idle"][0]), float(opts["--connect-timeout"][0]))
     else:
