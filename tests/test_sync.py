@@ -252,3 +252,22 @@ def test_sync_refuses_to_mirror_into_the_directory_it_runs_in(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert rc == 2 and "holds the current directory" in err, err
     assert (here / "precious.txt").read_text() == "keep me\n" and not (here / "train.py").exists()
+
+
+def test_preflights_probe_leaves_its_output_directory_out_of_the_digest(tmp_path):
+    """code_sync's probe hands nodeinfo preflight's output directory (`output_dir:`): not code
+    even before anything marked it."""
+    from orchestrator.checks.preflight import probe_locally
+    from orchestrator.checks.python import node_info
+
+    root = tmp_path / "wd"
+    make_tree(root)
+    want = load_nodeinfo().digest(str(root))
+    (root / "ckpts").mkdir()
+    (root / "ckpts" / "state.pt.json").write_text("weights")
+    inv = parse_inventory(yaml.safe_dump({"workdir": str(root), "output_dir": "ckpts", "nodes": [
+        {"name": "a", "connection": "local"}]}), "<t>")
+    info, why = node_info(probe_locally(inv, inv.nodes[0], ["code_sync"]))
+    assert info is not None, why
+    assert info["code"] == want and load_nodeinfo().digest(str(root)) != want
+    assert not (root / "ckpts" / ".clusterctl-dir-id").exists()  # the probe only reads
