@@ -316,8 +316,10 @@ def test_a_peer_failed_stop_lets_a_checkpoint_being_written_finish(agent):
 
 LINGERER = """
 import subprocess, sys, time
-# a worker that stops on SIGTERM, and a "torchrun" that takes its time to exit once it is gone
-w = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"])
+# a worker that takes a second to stop on SIGTERM (a trainer tearing down), and a "torchrun" that
+# takes its time to exit once the worker is gone
+w = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
+                      "(time.sleep(1), sys.exit(1))); print('up', flush=True); time.sleep(600)"])
 w.wait()
 time.sleep(30)
 """
@@ -329,5 +331,5 @@ def test_a_stop_gives_torchrun_a_moment_not_seconds_once_its_workers_are_gone(ag
     assert wait_for(lambda: b"up" in (d / "log").read_bytes() and len(pids_with("l1@n1")) == 2)
     t0 = time.time()
     assert json.loads(agent("stop", "l1@n1", 20).stdout) == {"left": 0}
-    assert time.time() - t0 < 4  # before: until the grace's half + 2 s (12 s)
+    assert time.time() - t0 < 5  # before: until the grace's half + 2 s (12 s)
     assert (d / "exit_code").read_text() == "143"

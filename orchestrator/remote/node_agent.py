@@ -8,8 +8,8 @@ Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = R
   ended       when torchrun ended (node clock), written the moment the waiter reaped it
   exit_code   written atomically by the waiter once torchrun ended and nothing of the run is left
   error.json  torchrun's error file (TORCHELASTIC_ERROR_FILE), when it wrote one
-  stop        a stop request {"grace", "at"}: the waiter carries it out even when the `stop`
-              that wrote it lost its connection half way
+  stop        a stop request {"grace", "at", "peer_failed"}: the waiter carries it out even when
+              the `stop` that wrote it lost its connection half way
   save_seconds  how long the job's last checkpoint took (the trainer writes it; the stop grace
               covers it)
 and ~/.clusterctl/claims/NODE, the node's claim {"run", "key", "who", "since"}: one run at a time.
@@ -24,7 +24,11 @@ processes), never by name pattern.
 
   start KEY SPEC_JSON_HEX|-    detach torchrun (own session), print {"pid", "pgid"}; with -, the
                                spec is SPEC_HEX, prepended to this script (off the command line)
-  stop KEY GRACE               SIGTERM the run, SIGKILL after GRACE s; print {"left": n}
+  stop KEY GRACE [peer-failed] SIGTERM the run, SIGKILL after GRACE s; print {"left": n}. With
+                               peer-failed (the run goes down because another node's part
+                               died: no collective can complete, so nothing is left to save),
+                               SIGKILL at once unless a process of the run is writing a
+                               checkpoint (then as without it)
   status KEY                   print the run's state as JSON
   tail KEY OFFSET              stream the log from OFFSET until the run ended and all is sent
   live                         print the keys of runs still alive on this node
@@ -45,6 +49,8 @@ BASE = os.path.expanduser("~/.clusterctl/node-runs")
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run never started on the node is held this long (preflight, launch)
 MAX_GRACE = 300.0  # the stop grace is stretched to 2x the last checkpoint save, up to this
+TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
+# interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
@@ -186,6 +192,9 @@ def waiter(d, run_id, spec, notify_fd):
         write_atomic(os.path.join(d, "exit_code"), "127")
         os.write(notify_fd, json.dumps({"pid": None, "error": str(e)}).encode())
         os._exit(0)
+    # SIGCHLD stays pending (not discarded) until supervise() takes it: torchrun's end is seen at
+    # once instead of at the next poll; blocked only now, so torchrun does not inherit the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     info = {"pid": p.pid, "pgid": p.pid, "waiter": os.getpid(), "started": time.time()}
     write_atomic(os.path.join(d, "proc.json"), json.dumps(info))
     os.write(notify_fd, json.dumps(info).encode())
@@ -217,9 +226,10 @@ def supervise(d, run_id, info):
         if stopping is None:
             req = read(os.path.join(d, "stop"))
             if req is not None:
-                grace = float(json.loads(req).get("grace", 5))
-                stopping = threading_start(end_run, run_id, info, grace)
-        time.sleep(0.2)
+                req = json.loads(req)
+                stopping = threading_start(end_run, run_id, info, float(req.get("grace", 5)),
+                                           bool(req.get("peer_failed")))
+        signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a child ended, or time to look for a stop request
 
 
 def threading_start(fn, *args):
@@ -232,16 +242,15 @@ def threading_start(fn, *args):
 
 def reap_until_gone(run_id, seconds):
     """Reap our children until no process of the run is left (or `seconds` pass)."""
-    deadline = time.time() + seconds
-    while time.time() < deadline:
+    def gone():
         try:
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
         except ChildProcessError:
             pass
-        if not [p for p in run_pids(run_id) if p != os.getpid()]:
-            return
-        time.sleep(0.05)
+        return not [p for p in run_pids(run_id) if p != os.getpid()]
+
+    wait_until(gone, time.time() + seconds)
 
 
 def save_seconds(d):
@@ -257,13 +266,50 @@ def stop_grace(grace, save_s):
     return max(float(grace), min(2 * float(save_s), MAX_GRACE))
 
 
-def end_run(run_id, info, grace):
+def wait_until(done, until):
+    """Poll done() until it is true or the time `until` passes, every 10 ms at first, then
+    less often (each poll may scan /proc); done()'s last value."""
+    step = 0.01
+    while not (ok := done()) and time.time() < until:
+        time.sleep(min(step, max(0.0, until - time.time())))
+        step = min(step * 2, 0.1)
+    return ok
+
+
+def writing_checkpoint(pids):
+    """Whether one of `pids` has a file open for writing under a temporary name (a path part
+    ending in .tmp or holding .tmp.): a checkpoint being written, to be renamed into place whole
+    (trainer/checkpoint.py writes ckpt_N.pt.tmp.PID, and FSDP shards into ckpt_N.tmp/)."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                flags = int((read(f"/proc/{pid}/fdinfo/{fd}", "") or "").split("flags:")[1].split()[0], 8)
+            except (OSError, IndexError, ValueError):
+                continue  # closed meanwhile
+            if path.startswith("/") and flags & 3 and any(part.endswith(".tmp") or ".tmp." in part
+                                                           for part in path.split("/")):
+                return True
+    return False
+
+
+def end_run(run_id, info, grace, peer_failed=False):
     """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
-    after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared."""
-    waiter = info.get("waiter")
+    after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared.
+    peer_failed: another node's part of the run died, so no collective (and no collective
+    checkpoint) can complete: SIGKILL at once, unless a checkpoint is being written here (then
+    it gets the grace to finish it, as on any stop)."""
+    waiter, torchrun = info.get("waiter"), info.get("pid")
 
     def targets():
         return [p for p in run_pids(run_id) if p != waiter]
+
+    def workers():
+        return [p for p in targets() if p != torchrun]
 
     def signal_all(sig):
         pids = targets()
@@ -279,46 +325,43 @@ def end_run(run_id, info, grace):
             except OSError:
                 pass
 
+    deadline = time.time() + float(grace)
+    if peer_failed and not writing_checkpoint(targets()):
+        deadline = time.time()
     # the workers first: they stop (the trainer checkpoints) and torchrun, seeing them done, exits
     # on its own; torchrun too when it has no workers (yet) or once the grace is half over
-    workers = [p for p in targets() if p != info.get("pid")]
-    for pid in workers:
+    started = workers() if deadline > time.time() else []
+    for pid in started:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
-    deadline = time.time() + float(grace)
-    half = time.time() + float(grace) / 2
-    while workers and [p for p in targets() if p != info.get("pid")] and time.time() < half:
-        time.sleep(0.05)
-    while workers and targets() and not [p for p in targets() if p != info.get("pid")] \
-            and time.time() < min(deadline, half + 2):
-        time.sleep(0.05)  # workers done: torchrun notices within its monitor interval
-    signal_all(signal.SIGTERM)
-    while targets() and time.time() < deadline:
-        time.sleep(0.1)
-    if targets():
+    if started and wait_until(lambda: not workers(), time.time() + float(grace) / 2):
+        # workers done: torchrun sees it within its monitor interval and reports; it is not
+        # waited for while it spends its last second tearing its interpreter down
+        wait_until(lambda: not targets() or workers(), min(deadline, time.time() + TORCHRUN_REPORT_S))
+    signal_all(signal.SIGTERM if deadline > time.time() else signal.SIGKILL)
+    if not wait_until(lambda: not targets(), deadline):
         signal_all(signal.SIGKILL)
-        deadline = time.time() + 5
-        while targets() and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not targets(), time.time() + 5)
     return len(targets())
 
 
-def stop(run_id, grace):
+def stop(run_id, grace, mode=""):
+    if mode not in ("", "peer-failed"):
+        sys.exit(f"unknown stop mode {mode!r}: expected peer-failed")
     d = rundir(run_id)
     if not os.path.isdir(d):
         print(json.dumps({"left": len(run_pids(run_id))}))
         return
     grace = stop_grace(grace, save_seconds(d))
     if read(os.path.join(d, "stop")) is None:  # first: the waiter finishes the stop if we are cut off
-        write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time()}))
+        write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time(),
+                                                          "peer_failed": mode == "peer-failed"}))
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
-    left = end_run(run_id, info, grace)
+    left = end_run(run_id, info, grace, mode == "peer-failed")
     # the waiter records the exit code once torchrun is reaped and the run is cleaned up
-    deadline = time.time() + 8
-    while read(os.path.join(d, "exit_code")) is None and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: read(os.path.join(d, "exit_code")) is not None, time.time() + 8)
     if read(os.path.join(d, "exit_code")) is None and not run_pids(run_id):
         write_atomic(os.path.join(d, "exit_code"), "137")
     print(json.dumps({"left": left}))
