@@ -100,3 +100,22 @@ def test_with_setup_the_fresh_node_gets_the_runs_venv_too(make_cluster, tmp_path
     hashes = [json.loads(nd.run("cat ~/venvs/run/.clusterctl-setup.json").stdout)["hash"] for nd in cl.nodes]
     assert hashes[0] == hashes[1], hashes
     assert "print('train')" in cl.nodes[1].run("cat ~/gpt_train/train.py").stdout
+
+
+def test_when_no_donor_serves_this_machines_copy_is_pushed(make_cluster, tmp_path, monkeypatch):
+    """The donor never got the code: the fresh node gets the control machine's copy of the
+    workdir (~ here is a temporary home), outputs left behind."""
+    cl = make_cluster(2, gpus=0)
+    n1, n2 = (nd.name for nd in cl.nodes)
+    path = cl.write_inventory(tmp_path / "nodes.yaml")
+    inv = load_inventory(str(path))
+    monkeypatch.setenv("HOME", str(tmp_path / "control"))
+    make_source(tmp_path / "control" / "gpt_train")
+    (tmp_path / "control" / "gpt_train" / "out").mkdir()
+    (tmp_path / "control" / "gpt_train" / "out" / "ckpt_00000001.pt").write_text("local run")
+    said = []
+    with Cluster(inv) as c:
+        assert prepare_nodes(c, inv, [n2], [n1], said.append) == {}, said
+    assert any("pushing this machine's copy" in s for s in said), said
+    files = cl.nodes[1].run("cd ~/gpt_train && find . -type f | sort").stdout
+    assert "./train.py" in files and "./pkg/model.py" in files and "ckpt" not in files, files
