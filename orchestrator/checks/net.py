@@ -122,9 +122,10 @@ def parse_port_reachable(text: str, ctx: Ctx) -> CheckResult:
     if s.rc == 0:
         return ok("port_reachable", f"connected to {target}")
     body = first_line(s.body)
-    # a timeout or a refusal is asked again (the listener may have been late or gone early): a
-    # firewall's DROP or REJECT answers the same every time and still fails
-    unanswered = s.rc == 124 or "refused" in body.lower()
+    # a refusal is asked again: the listener may have been late or gone early (a REJECT rule is
+    # refused every time, and still fails). A timeout is not: no listener state makes a SYN go
+    # unanswered for connect_timeout, a DROP rule does, and asking again would only wait again.
+    unanswered = "refused" in body.lower()
     if s.rc == 124:
         why = "timed out: a firewall drops it"
     elif "refused" in body.lower():
