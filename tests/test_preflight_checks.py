@@ -216,3 +216,22 @@ def test_only_control_checks_run_without_a_probe(capsys):
     assert main(["preflight", "--only", "ssh", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [[c["check"] for c in n["checks"]] for n in doc["nodes"]] == [["ssh"], ["ssh"]]
+
+
+def test_a_probe_that_did_not_finish_is_unanswered_and_asked_again():
+    from types import SimpleNamespace
+
+    from orchestrator.checks import retry
+    from orchestrator.checks.preflight import _Probes, _verdicts
+
+    probes = _Probes(INV, ["gpu_count", "shm"], 3.0)
+    probes.texts = {"m": "@@no-gpu-tool\n@@end\n", "w1": "@@no-gpu-tool\n", "w2": "@@no-gpu-tool\n@@end\n"}
+    probes.errors = {"w1": "timed out after 60s"}
+    reports = {n.name: NodeReport(n) for n in INV.nodes}
+    _verdicts(SimpleNamespace(connections={n.name: None for n in INV.nodes}), list(INV.nodes), reports, probes, {})
+    w1 = reports["w1"].results
+    assert w1["gpu_count"].status == "fail" and "did not finish" in w1["gpu_count"].detail
+    assert w1["gpu_count"].unanswered and w1["shm"].unanswered
+    # m (8 GPUs in the inventory, no GPU tool) fails for good: only w1 is asked again
+    assert reports["m"].results["gpu_count"].status == "fail"
+    assert retry.ask_again({k: r.results for k, r in reports.items()}) == ["w1"]
