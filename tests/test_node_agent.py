@@ -333,3 +333,16 @@ def test_a_stop_gives_torchrun_a_moment_not_seconds_once_its_workers_are_gone(ag
     assert json.loads(agent("stop", "l1@n1", 20).stdout) == {"left": 0}
     assert time.time() - t0 < 5  # before: until the grace's half + 2 s (12 s)
     assert (d / "exit_code").read_text() == "143"
+
+
+def test_tail_can_end_with_the_runs_status_so_nobody_has_to_ask_again(agent):
+    start(agent, "t2@n1", "import sys; print('bye', flush=True); sys.exit(5)")
+    r = agent("tail", "t2@n1", 0, "status")
+    assert r.returncode == 0 and r.stdout == "bye\n"
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("clusterctl-status ")
+    doc = json.loads(last[len("clusterctl-status "):])
+    assert doc == json.loads(agent("status", "t2@n1").stdout)
+    assert doc["exit_code"] == 5 and doc["alive"] == 0 and doc["ended"] is not None
+    assert agent("tail", "t2@n1", 0).stderr == ""  # asked for only
+    assert agent("tail", "t2@n1", 0, "x").returncode != 0

@@ -30,7 +30,8 @@ processes), never by name pattern.
                                SIGKILL at once unless a process of the run is writing a
                                checkpoint (then as without it)
   status KEY                   print the run's state as JSON
-  tail KEY OFFSET              stream the log from OFFSET until the run ended and all is sent
+  tail KEY OFFSET [status]     stream the log from OFFSET until the run ended and all is sent;
+                               with status, then `status`'s JSON on stderr after STATUS_MARK
   live                         print the keys of runs still alive on this node
   claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
                                the holder's record}; a claim whose run has ended is replaced
@@ -52,6 +53,7 @@ MAX_GRACE = 300.0  # the stop grace is stretched to 2x the last checkpoint save,
 TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
 # interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
 
 
 def rundir(run_id):
@@ -368,6 +370,10 @@ def stop(run_id, grace, mode=""):
 
 
 def status(run_id):
+    print(json.dumps(status_doc(run_id)))
+
+
+def status_doc(run_id):
     d = rundir(run_id)
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     code = read(os.path.join(d, "exit_code"))
@@ -385,10 +391,10 @@ def status(run_id):
             last = lines[-1] if lines else ""
     except OSError:
         pass
-    print(json.dumps({"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
-                      "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
-                      "log_size": size, "last_line": last, "error_file": err, "ended": ended,
-                      "save_seconds": save_seconds(d), "stop_requested": read(os.path.join(d, "stop")) is not None}))
+    return {"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
+            "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
+            "log_size": size, "last_line": last, "error_file": err, "ended": ended,
+            "save_seconds": save_seconds(d), "stop_requested": read(os.path.join(d, "stop")) is not None}
 
 
 def vanished(d, run_id):
@@ -403,7 +409,11 @@ def vanished(d, run_id):
         return not run_pids(run_id)
 
 
-def tail(run_id, offset):
+def tail(run_id, offset, report=""):
+    """The log from `offset` until the run ended and every byte is out; with report=status,
+    then `status`'s JSON as the last stderr line, after STATUS_MARK (saves asking again)."""
+    if report not in ("", "status"):
+        sys.exit(f"unknown tail report {report!r}: expected status")
     d = rundir(run_id)
     path = os.path.join(d, "log")
     out = sys.stdout.buffer
@@ -430,6 +440,8 @@ def tail(run_id, offset):
             if ended:
                 chunk = f.read()  # whatever landed between the last read and the exit
                 if not chunk:
+                    if report:
+                        sys.stderr.write(STATUS_MARK + json.dumps(status_doc(run_id)) + "\n")
                     return
                 out.write(chunk)
                 out.flush()
