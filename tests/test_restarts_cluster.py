@@ -32,10 +32,21 @@ def inventory(cluster, tmp_path, steps, *extra, train=None):
                         "--output-dir", "out", *extra]}))
 
 
-def start(inv):
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
-                             "--lost-timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def start(inv, *flags):
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--lost-timeout", "5",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=os.environ.copy())
+
+
+def sync_code(inv, tmp_path, nodes):
+    """Push a small code tree into the workdir of `nodes` only (the spare never had it)."""
+    src = tmp_path / "code"
+    src.mkdir()
+    (src / "helpers.py").write_text("VALUE = 1\n")
+    (src / "README.md").write_text("the run's code\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sync", "-i", inv, "--src", str(src), "--nodes",
+                        ",".join(nodes)], capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert r.returncode == 0, r.stderr
 
 
 def run_dir_of(home):
@@ -69,8 +80,12 @@ def cut_mid_run(inv, home, node, ready, what):
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker-n2", "master-n1"])
 def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_cluster, tmp_path, home, victim):
+    """The trainer with its defaults (its out/ inside the workdir), preflight on, and a spare that never
+    trained nor had the code: the spare is brought to the run's code node to node before its preflight."""
     cluster = make_cluster(5, gpus=0)
     inv = inventory(cluster, tmp_path, 200)
+    names = [n.name for n in cluster.nodes]
+    sync_code(inv, tmp_path, names[:4])
     run_dir, _, out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[victim], lambda d: list((d / "checkpoints").glob("ckpt_*.pt")),
         "a checkpoint on the control machine")
@@ -83,6 +98,8 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     assert [a["attempt"] for a in attempts] == [1, 2]
     assert attempts[0]["nodes"] == names[:4] and attempts[0]["verdict"] == "node lost"
     assert attempts[1]["nodes"] == want and attempts[1]["verdict"] == "finished"
+    assert attempts[1]["prepared"] == [names[4]] and attempts[1]["preflight_ok"] is True, attempts[1]
+    assert cluster.nodes[4].run("cat ~/gpt_train/helpers.py").stdout == "VALUE = 1\n"
     assert "2 attempts" in rec["summary"]
     master_log = (run_dir / "nodes" / f"{want[0]}.log").read_text()
     resumed = [s for s in start_steps(master_log) if s]

@@ -11,7 +11,8 @@ from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.cli.output import Prefixer
 from orchestrator.runs.policy import root_cause
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
-from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, runs_dir, write_json
+from orchestrator.home import runs_dir
+from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, write_json
 
 
 pytestmark = pytest.mark.usefixtures("home")  # every test gets its own CLUSTERCTL_HOME

@@ -37,6 +37,7 @@ from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, 
 from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
+from orchestrator.transfer.files import run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
 LISTENER = resources.files("orchestrator").joinpath("remote", "portlisten.py").read_bytes()
@@ -268,7 +269,8 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
     extra = {}
     if "code_sync" in probe_checks:
         cw = control_dir or control_workdir(inv)
-        extra["control_code"] = load_nodeinfo().digest(cw) if cw is not None else None
+        # the run's outputs are not code here either (transfer/files.py run_outputs, the one rule)
+        extra["control_code"] = load_nodeinfo().digest(cw, run_outputs(inv, inv.master)) if cw is not None else None
     if probe_checks and connected:
         probes.run(cluster, connected)
     _verdicts(cluster, nodes, reports, probes, extra)

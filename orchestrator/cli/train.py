@@ -23,6 +23,7 @@ from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
@@ -144,13 +145,15 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
     if resume_from is not None:
         resume_from = _checkpointed_run(resume_from)
+    path = os.path.abspath(opts.inventory_path) if opts.inventory_path else None
     run = Run.create(new_run_id(name), RunSpec(
-        inventory=os.path.abspath(opts.inventory_path) if opts.inventory_path else None,
+        inventory=path, inventory_text=decode_inventory(read_inventory_bytes(path), path) if path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
-        max_restarts=max_restarts, min_nodes=min_nodes, queue=queue, queue_timeout=queue_timeout,
-        resume_from=resume_from))
+        max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
+        queue=queue, queue_timeout=queue_timeout, resume_from=resume_from,
+        copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, LaunchError
-from orchestrator.runs.launch import NodeBusy, claim_nodes, node_claims
+from orchestrator.runs.launch import NodeBusy, claim_nodes, live_keys, node_claims, parse_key
 from orchestrator.runs.spec import RunState
 from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
-    from orchestrator.runs.supervisor import Supervisor
+    from orchestrator.inventory import Inventory
+    from orchestrator.runs.record import Book
+    from orchestrator.runs.spec import RunSpec
     from orchestrator.transport import Cluster
 
 QUEUE_POLL_S = 1.0  # how often a queued run looks at its nodes' claims again
@@ -66,38 +68,38 @@ def describe(busy: dict[str, dict], ahead: list[str]) -> str:
                      f"{node} held by {d.get('run', '?')} ({d.get('who', '?')})" for node, d in busy.items())
 
 
-def claim_when_free(sup: "Supervisor", cluster: "Cluster", who: str) -> None:
-    """Wait until the run's nodes are free and its turn has come, then claim them."""
-    run, names = sup.run, [n.name for n in sup.inv.nodes]
-    timeout = sup.spec.queue_timeout
-    deadline = None if timeout is None else time.monotonic() + timeout
-    sup.save(state=RunState.QUEUED, queue_nodes=names, queued_at=run.record.get("queued_at") or time.time())
+def claim_when_free(run: Run, book: "Book", cluster: "Cluster", inv: "Inventory", spec: "RunSpec", who: str,
+                    stop_requests: Callable[[], int]) -> None:
+    """Wait until the run's nodes are free and its turn has come, then claim them (recorded
+    `queued` while it waits, `claimed` once they are its)."""
+    names = [n.name for n in inv.nodes]
+    deadline = None if spec.queue_timeout is None else time.monotonic() + spec.queue_timeout
+    book.queued(names)
     while True:
         ahead = ahead_of(run, names)
         # its own claims do not hold it back (a supervisor that died just after claiming, adopted)
         busy = {} if ahead else {k: v for k, v in holders(cluster, names).items() if v.get("run") != run.id}
         if not ahead and not busy:
             try:
-                claim_nodes(cluster, sup.inv, run.id, who)
-                sup.save(state=RunState.CONNECTING, waiting_for=None)
+                claim_nodes(cluster, inv, run.id, who)
+                book.claimed(names)
                 return
             except NodeBusy as e:  # taken between the look and the claim: wait on
                 busy = {e.node: e.holder}
         waiting = describe(busy, ahead)
-        if run.record.get("waiting_for") != waiting:
-            sup.save(waiting_for=waiting)
-        wait_a_poll(sup, deadline, waiting)
+        book.waiting(waiting)
+        wait_a_poll(run, spec, stop_requests, deadline, waiting)
 
 
-def wait_a_poll(sup: "Supervisor", deadline: float | None, waiting: str) -> None:
+def wait_a_poll(run: Run, spec: "RunSpec", stop_requests: Callable[[], int], deadline: float | None,
+                waiting: str) -> None:
     """Sleep one poll interval, ending the wait on a stop request or the queue timeout."""
     until = time.monotonic() + QUEUE_POLL_S
     while True:
-        if sup.policy.stop_requests or sup.run.stop_request:
-            sup.policy.stop_requests = max(1, sup.policy.stop_requests)
+        if stop_requests() or run.stop_request:
             raise LaunchError("stopped while queued; nothing was started", EXIT_INTERRUPTED)
         if deadline is not None and time.monotonic() >= deadline:
-            raise LaunchError(f"still queued after --queue-timeout {sup.spec.queue_timeout:g}s "
+            raise LaunchError(f"still queued after --queue-timeout {spec.queue_timeout:g}s "
                               f"({waiting}); nothing was started", EXIT_FAILED)
         if time.monotonic() >= until:
             return
@@ -105,10 +107,14 @@ def wait_a_poll(sup: "Supervisor", deadline: float | None, waiting: str) -> None
 
 
 def cluster_runs(cluster: "Cluster", names: list[str]) -> tuple[list[dict], dict[str, str]]:
-    """Every run holding a live claim on any of these nodes, from whichever control machine it
-    came: [{"run", "who", "since", "nodes"}] oldest first, and {node: why} for nodes not asked."""
+    """Every run holding a live claim on any of these nodes, or with a live process on one, from
+    whichever control machine it came: [{"run", "who", "since", "nodes", "live"}] oldest first
+    ("nodes": where it holds a claim; "live": {node: [attempt keys with live processes]}), and
+    {node: why} for nodes not asked."""
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
+    live, failed_live = live_keys(cluster, names)
+    failed.update(failed_live)
     for name, r in node_claims(cluster, names).items():
         try:
             doc, why = (json.loads(r.stdout).get(name), None) if r.ok else (None, r.describe())
@@ -120,4 +126,11 @@ def cluster_runs(cluster: "Cluster", names: list[str]) -> tuple[list[dict], dict
             held = runs.setdefault(doc.get("run", "?"), {"run": doc.get("run", "?"), "who": doc.get("who"),
                                                          "since": doc.get("since"), "nodes": []})
             held["nodes"].append(name)
+    for name, keys in live.items():
+        for key in keys:
+            run_id = (parse_key(key) or (key,))[0]
+            held = runs.setdefault(run_id, {"run": run_id, "who": None, "since": None, "nodes": []})
+            held.setdefault("live", {}).setdefault(name, []).append(key)
+    for held in runs.values():
+        held.setdefault("live", {})
     return sorted(runs.values(), key=lambda d: d.get("since") or 0), failed

@@ -26,7 +26,6 @@ from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
 from orchestrator.runs.checkpoints import AGENT as ARTIFACTS
 from orchestrator.runs.checkpoints import (
-    ArtifactCopier,
     CheckpointStore,
     RestoreError,
     artifacts_cmd,
@@ -34,12 +33,11 @@ from orchestrator.runs.checkpoints import (
     step_of,
 )
 from orchestrator.runs.logs import worker_failure
-from orchestrator.runs.replicas import NodeRestoreError, Replicator, restore_from_nodes
-from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
+from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
+from orchestrator.runs.spec import NodeState, RunResult
 from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
-    from orchestrator.runs.supervisor import Supervisor
     from orchestrator.transport import Cluster
 
 # a worker's error that says a peer or the network went away, not that the script is wrong
@@ -126,130 +124,86 @@ def ordered(inv: Inventory, names: list[str]) -> Inventory:
     return dataclasses.replace(inv, nodes=keep, _by_name={})
 
 
-class Attempts:
-    """Drives the supervisor's attempts (launch, watch, classify, restore, relaunch)."""
+def prepare_artifacts(cluster: "Cluster", run_id: str, names: list[str]) -> dict[str, dict]:
+    """Each node's artifact directories for the run (created when missing): {node: {"checkpoints",
+    "tensorboard", "replicas"}} as absolute paths on the node."""
+    res = cluster.run(lambda n: artifacts_cmd(n, "prepare", run_id), stdin=ARTIFACTS, nodes=names, timeout=60)
+    dirs = {}
+    for name, r in res.items():
+        if not r.ok:
+            raise LaunchError(f"{name}: cannot create the run's checkpoint directory: {r.describe()} "
+                              f"{r.stderr.strip()[-300:]}")
+        dirs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    return dirs
 
-    def __init__(self, sup: "Supervisor", cluster: "Cluster"):
-        self.sup, self.cluster = sup, cluster
-        self.full = sup.full_inv
-        spec, train = sup.spec, self.full.train
-        self.max_restarts = spec.max_restarts if spec.max_restarts is not None else train.max_restarts
-        active = [n.name for n in sup.inv.nodes]
-        self.min_nodes = spec.min_nodes or len(active)
-        self.nodes = active
-        self.spares = [n.name for n in self.full.nodes if n.spare and n.name in cluster.connections
-                       and n.name not in active]
-        self.history: list[dict] = []
-        # `train --resume-from RUN`: RUN's checkpoints on this machine (checked by `train`)
-        self.origin = CheckpointStore(Run(spec.resume_from).dir) if spec.resume_from else None
 
-    def prepare(self, names: list[str]) -> dict[str, dict]:
-        res = self.cluster.run(lambda n: artifacts_cmd(n, "prepare", self.sup.run.id), stdin=ARTIFACTS,
-                               nodes=names, timeout=60)
-        dirs = {}
-        for name, r in res.items():
-            if not r.ok:
-                raise LaunchError(f"{name}: cannot create the run's checkpoint directory: {r.describe()} "
-                                  f"{r.stderr.strip()[-300:]}")
-            dirs[name] = json.loads(r.stdout.strip().splitlines()[-1])
-        return dirs
+class Restorer:
+    """Puts the newest complete checkpoint on the nodes that need it before a launch: from the
+    nodes themselves (an own checkpoint or a replica, node to node) when one of them holds a newer
+    one than this machine, else this run's newest here, else (attempt 1, or none copied yet)
+    --resume-from's (`origin`)."""
 
-    def run(self) -> int:
-        sup, k = self.sup, 1
-        copier = ArtifactCopier(self.cluster, sup.run.dir, {}, say=sup.say,
-                                checkpoints=self.full.train.copy_checkpoints)
-        if self.full.train.checkpoint_replica:
-            copier.replicator = Replicator(self.cluster, copier.dirs, say=sup.say)
-        while True:
-            sup.begin_attempt(k, ordered(self.full, self.nodes))
-            dirs = self.prepare(self.nodes)
-            copier.dirs.update(dirs)
-            entry = {"attempt": k, "key": sup.key, "nodes": list(self.nodes), "started": time.time()}
-            if k > 1 or self.origin is not None:
-                self.restore(dirs, copier, entry)
-            self.history.append(entry)
-            sup.save(attempts=self.history, attempt=k)
-            sup.say(f"attempt {k} on {', '.join(self.nodes)}" +
-                    (f", from checkpoint {entry['checkpoint']}" if entry.get("checkpoint") else ""))
-            env = {"CLUSTERCTL_ATTEMPT": str(k)}
-            per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}
-                        for n, d in dirs.items()}
-            copier.start(lambda: [n for n in self.nodes])
-            try:
-                result = sup.attempt(self.cluster, env, per_node)
-            finally:
-                copier.stop()
-            copier.sweep([n for n in self.nodes])  # a checkpoint written just before the end
-            verdict = classify(self.outcomes(), result.first_failure.node if result.first_failure else None,
-                               stopped=result.state is RunState.STOPPED)
-            entry.update(sup.timing, ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
-                         detail=verdict.detail, copy_s=round(copier.copy_s, 3))
-            if result.first_failure is not None:  # when the supervisor saw the failure (bench/bench_recovery.py)
-                entry["failed_at"] = result.first_failure.at
-            nxt = next_nodes(self.nodes, self.spares, verdict.bad_nodes, self.min_nodes) if verdict.retry else None
-            if not verdict.retry or k > self.max_restarts or nxt is None:
-                if verdict.retry and k <= self.max_restarts and nxt is None:
-                    sup.say(f"not enough nodes for another attempt (--min-nodes {self.min_nodes})")
-                sup.save(attempts=self.history)
-                return sup.close_and_finish(self.summary(result, k, verdict))
-            sup.say(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting "
-                    f"({k} of {self.max_restarts} restarts)")
-            self.nodes, self.spares = nxt
-            k += 1
+    def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say):
+        self.cluster, self.inv, self.store, self.say = cluster, inv, store, say
+        self.origin_id = origin
+        self.origin = CheckpointStore(Run(origin).dir) if origin else None
 
-    def restore(self, dirs: dict[str, dict], copier: ArtifactCopier, entry: dict) -> None:
-        """Put the newest complete checkpoint on the nodes that need it: from the nodes themselves
-        (an own checkpoint or a replica, node to node) when one of them holds a newer one than
-        this machine, else this run's newest here, else (attempt 1, or none copied yet) --resume-from's."""
+    def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
+        """The attempt record's fields for what was restored (empty: nothing to restore)."""
         t0 = time.monotonic()
-        store = copier.store if copier.store.newest() or self.origin is None else self.origin
+        store = self.store if self.store.newest() or self.origin is None else self.origin
         here = store.newest()
-        if entry["attempt"] > 1:  # a relaunch: what the surviving nodes hold may be newer
+        if relaunch:  # what the surviving nodes hold may be newer
             try:
-                found = restore_from_nodes(self.cluster, dirs, self.nodes, step_of(here) if here else -1,
-                                           say=self.sup.say)
+                found = restore_from_nodes(self.cluster, dirs, nodes, step_of(here) if here else -1, say=self.say)
             except NodeRestoreError as e:  # the older copy on this machine (if any) still serves
-                self.sup.say(f"{e}; restoring from this machine's copy instead")
+                self.say(f"{e}; restoring from this machine's copy instead")
                 found = None
             if found is not None:
-                entry.update(checkpoint=found[0], restored=found[1], restored_from="nodes",
-                             restore_s=round(time.monotonic() - t0, 3))
-                return
+                return {"checkpoint": found[0], "restored": found[1], "restored_from": "nodes",
+                        "restore_s": round(time.monotonic() - t0, 3)}
+        if here is None:
+            self.say("restarting from scratch: no checkpoint was copied")
+            return {}
         try:
-            entry["restored"] = restore(self.cluster, store, dirs, [self.full.node(n) for n in self.nodes])
+            restored = restore(self.cluster, store, dirs, [self.inv.node(n) for n in nodes])
         except RestoreError as e:
             raise LaunchError(str(e)) from e
-        entry["checkpoint"] = here
+        out = {"checkpoint": here, "restored": restored, "restore_s": round(time.monotonic() - t0, 3)}
         if store is self.origin:
-            entry["resumed_from"] = self.sup.spec.resume_from
-        entry["restore_s"] = round(time.monotonic() - t0, 3)
+            out["resumed_from"] = self.origin_id
+        return out
 
-    def outcomes(self) -> list[Outcome]:
-        return [Outcome(st.name, st.state.value, st.exit_code, self._attempt_log(st))
-                for st in self.sup.statuses.values()]
 
-    def _attempt_log(self, st: NodeStatus) -> str:
-        """The node's log from where this attempt began (the copy appends across attempts)."""
-        path = self.sup.run.node_log(st.name)
-        start = self.sup.log_start.get(st.name, 0)
-        try:
-            with open(path, "rb") as f:
-                size = f.seek(0, 2)
-                f.seek(max(start, size - (1 << 18)))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+def outcomes(run: Run, runner) -> list[Outcome]:
+    """Each node of an attempt (runs/attempt.py AttemptRunner) as `classify` reads it."""
+    return [Outcome(st.name, st.state.value, st.exit_code, attempt_log(run, st.name, runner.record.log_start))
+            for st in runner.statuses.values()]
 
-    def summary(self, result: RunResult, k: int, verdict: Verdict) -> RunResult:
-        if k == 1 and verdict.cause in ("finished", "stopped"):
-            return result
-        tried = "; ".join(f"attempt {h['attempt']}: {h.get('verdict', '?')}" +
-                          (f" ({h['detail']})" if h.get("detail") and h.get("verdict") != "finished" else "")
-                          for h in self.history)
-        note = ""
-        if verdict.retry and k > self.max_restarts:
-            note = f" (no restart left: --max-restarts {self.max_restarts})"
-        elif verdict.cause == "script error" and self.max_restarts:
-            note = " (the script's own error: not retried)"
-        text = f"{result.summary}\n{k} attempt{'s' if k > 1 else ''}: {tried}{note}"
-        return dataclasses.replace(result, summary=text)
+
+def attempt_log(run: Run, node: str, log_start: dict[str, int]) -> str:
+    """The node's log from where this attempt began (the copy appends across attempts)."""
+    start = log_start.get(node, 0)
+    try:
+        with open(run.node_log(node), "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(start, size - (1 << 18)))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def summary(result: RunResult, attempts: list, verdict: Verdict, max_restarts: int) -> RunResult:
+    """The run's result with its attempts told, when there was more than one or it failed."""
+    if len(attempts) <= 1 and verdict.cause in ("finished", "stopped"):
+        return result
+    k = len(attempts)
+    tried = "; ".join(f"attempt {a.attempt}: {a.verdict or '?'}" +
+                      (f" ({a.detail})" if a.detail and a.verdict != "finished" else "") for a in attempts)
+    note = ""
+    if verdict.retry and sum(1 for a in attempts if a.launched) > max_restarts:
+        note = f" (no restart left: --max-restarts {max_restarts})"
+    elif verdict.cause == "script error" and max_restarts:
+        note = " (the script's own error: not retried)"
+    text = f"{result.summary}\n{k} attempt{'s' if k > 1 else ''}: {tried}{note}"
+    return dataclasses.replace(result, summary=text)

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.inventory import Inventory, load_inventory
+from orchestrator.inventory import Inventory, load_inventory, parse_inventory
+from orchestrator.inventory.sections import TrainSection
 from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
 
 
@@ -25,6 +26,7 @@ class RunState(str, enum.Enum):
     PREFLIGHT = "preflight"
     LAUNCHING = "launching"
     RUNNING = "running"
+    RECOVERING = "recovering"  # an attempt failed; the next one is being prepared (runs/controller.py)
     FINISHED = "finished"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -53,17 +55,23 @@ class NodeState(str, enum.Enum):
         return self.value
 
 
-def _fields(cls, doc: dict) -> dict:
+def fields_of(cls, doc: dict) -> dict:
     """The keys of `doc` that are fields of `cls` (an older or newer record may have others)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in doc.items() if k in names}
 
 
+_TRAIN = TrainSection.model_fields  # the inventory's train: defaults, stated once there
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """What `train` asked for, as recorded in spec.json."""
+    """What `train` asked for, every setting resolved (flags over the inventory's train: section),
+    as recorded in spec.json. The inventory itself is recorded too (`inventory_text`): the run
+    never reads the user's YAML again, so editing it mid-run changes nothing of the run."""
 
-    inventory: str | None = None  # absolute path, or None for the embedded demo
+    inventory: str | None = None  # absolute path (for messages), or None for the embedded demo
+    inventory_text: str | None = None  # the inventory as it was when the run started
     nodes: tuple[str, ...] = ()  # --nodes; empty: every node
     args: tuple[str, ...] = ()  # the user's SCRIPT ARGS; empty: the inventory's train section
     skip_preflight: bool = False
@@ -75,15 +83,17 @@ class RunSpec:
     accept_new_host_keys: bool = False
     connect_timeout: float | None = None
     cwd: str | None = None
-    max_restarts: int | None = None  # --max-restarts; None: the inventory's train.max_restarts
+    max_restarts: int = _TRAIN["max_restarts"].default  # --max-restarts, else train.max_restarts
     min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
-    queue: bool = False  # --queue / train.queue: wait for busy nodes instead of refusing
+    queue: bool = _TRAIN["queue"].default  # --queue, else train.queue: wait for busy nodes instead of refusing
     queue_timeout: float | None = None  # --queue-timeout: how long to wait queued; None: until stopped
     resume_from: str | None = None  # --resume-from: the run whose newest copied checkpoint starts this one
+    copy_checkpoints: bool = _TRAIN["copy_checkpoints"].default  # train.copy_checkpoints
+    checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
-        kw = _fields(cls, doc or {})
+        kw = fields_of(cls, doc or {})
         for k in ("nodes", "args"):
             if k in kw:
                 kw[k] = tuple(kw[k] or ())
@@ -93,8 +103,13 @@ class RunSpec:
         return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args)}
 
     def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
-        """The run's inventory, narrowed to its nodes (or to `nodes`)."""
-        return load_inventory(self.inventory).select(nodes or list(self.nodes) or None)
+        """The run's inventory as recorded when it started (an older record: the file), narrowed
+        to its nodes (or to `nodes`)."""
+        if self.inventory_text is not None:
+            inv = parse_inventory(self.inventory_text, source=self.inventory or "<recorded inventory>")
+        else:
+            inv = load_inventory(self.inventory)
+        return inv.select(nodes or list(self.nodes) or None)
 
 
 DEFAULTS = RunSpec()
@@ -121,7 +136,7 @@ class NodeStatus:
 
     @classmethod
     def from_json(cls, doc: dict) -> "NodeStatus":
-        kw = _fields(cls, doc)
+        kw = fields_of(cls, doc)
         kw.setdefault("rank", 0)
         kw.setdefault("host", "")
         st = kw.get("state")

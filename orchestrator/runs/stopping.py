@@ -1,95 +1,127 @@
-"""Stopping a run on every node: the grace (stretched to cover a checkpoint save), the nodes
-reached now, and a retry per node that cannot be reached until it answers again (its name stays
-in the record's stop_pending until then). Mixed into the Supervisor, whose state it uses."""
+"""Stopping a run's processes on its nodes: the grace (stretched to cover a checkpoint save), the
+nodes reached now, and a retry per node that cannot be reached until it answers again.
+
+Every stop names the attempt it is for: its key (RUN_ID, or RUN_ID.aK for attempt k) and its
+nodes. A node that cannot be reached is recorded as a PendingStop(node, key) in the run record and
+retried on a fresh connection, with backoff, until it answers; then that attempt's processes are
+stopped there, whatever attempt the run is on by then. So a node lost in attempt 1 that comes
+back while attempt 2 runs elsewhere keeps nothing of the run.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from orchestrator.errors import ClusterctlError
-from orchestrator.inventory import Node
+from orchestrator.inventory import Inventory
 from orchestrator.runs.launch import AGENT, agent_cmd, agent_status, node_key, stop_on
 from orchestrator.runs.policy import stop_grace
-from orchestrator.runs.spec import NodeState
-from orchestrator.transport import wait
+from orchestrator.runs.record import Book, PendingStop
+from orchestrator.transport import Cluster, wait
 
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers
 LOG_DRAIN_S = 60.0  # after a stop's grace, how long the nodes' logs may take to close
+RETRY_S = (1, 2, 4, 8)  # waits between tries to reach a node with a pending stop; the last repeats
 
 
 def say(text: str) -> None:
     print(f"supervisor: {text}", flush=True)  # stdout is runs/RUN/supervisor.log
 
 
-class Stopping:
-    def grace(self) -> float:
-        """A second stop request kills; else the grace asked for (stop --grace, else the run's),
-        stretched to cover the job's last checkpoint save on any node."""
-        if self.policy.stop_requests >= 2:
-            return 0.0
-        req = self.run.stop_request or {}
-        grace = req.get("grace") if req.get("grace") is not None else self.spec.grace
-        live = [n for n, c in self.cluster.connections.items() if c.alive] if self.cluster else []
-        saves = [d.get("save_seconds") or 0
-                 for d in agent_status(self.cluster, self.key, live, timeout=10).values()] if live else []
-        return stop_grace(grace, max(saves, default=0))
+def grace_for(cluster: Cluster | None, key: str, asked: float, kill: bool) -> float:
+    """A second stop request kills (0); else the grace asked for, stretched to cover the job's last
+    checkpoint save on any live node of the attempt `key`."""
+    if kill:
+        return 0.0
+    live = [n for n, c in cluster.connections.items() if c.alive] if cluster else []
+    saves = [d.get("save_seconds") or 0 for d in agent_status(cluster, key, live, timeout=10).values()] if live else []
+    return stop_grace(asked, max(saves, default=0))
 
-    def teardown(self, why: str) -> None:
-        """Stop the run on every node; a node that cannot be reached now is stopped once it answers
-        (its name stays in the record's stop_pending until then)."""
-        cluster = self.cluster
-        if cluster is None:
-            return
-        with self.tlock:
-            grace = self.grace()
-            self.save(teardown=why, teardown_at=time.time(), stop_grace=grace)
-            if self.drain_timer is None:  # the logs may take the grace, then LOG_DRAIN_S, to close
-                self.drain_timer = threading.Timer(grace + LOG_DRAIN_S, self.drained.set)
-                self.drain_timer.daemon = True
-                self.drain_timer.start()
-        # every reachable node, the failed one too: what is left of the run there is stopped
-        live = [n.name for n in self.inv.nodes if (c := cluster.connections.get(n.name)) is not None and c.alive]
-        res = stop_on(cluster, self.key, grace, live) if live else {}
-        with self.tlock:
-            for n in self.inv.nodes:  # nodes not reached: stop them as soon as they answer again
-                r = res.get(n.name)
-                if (r is None or not r.reachable) and self.statuses[n.name].state in (NodeState.RUNNING,
-                                                                                    NodeState.LOST):
-                    say(f"{n.name}: could not confirm the stop ({r.describe() if r else 'not connected'}); "
-                        "retrying until the node answers")
-                    self.start_stopper(n, grace)
-            self.save(stop_pending=sorted(self.stoppers))
 
-    def start_stopper(self, node: Node, grace: float) -> None:
-        if node.name not in self.stoppers:
-            t = threading.Thread(target=self.stop_lost, args=(node, grace), daemon=True)
-            self.stoppers[node.name] = t
-            t.start()
+class Stopper:
+    """Stops attempts on their nodes, and keeps the stops that could not be confirmed (one retry
+    thread per (node, key), recorded in the Book) until each node answers again."""
 
-    def stop_lost(self, node: Node, grace: float) -> None:
-        """Retry a node on a fresh connection until it answers, then stop the run there."""
-        deadline = time.time() + LOST_PATIENCE
-        while time.time() < deadline:
+    def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, book: Book,
+                 say: Callable[[str], None] = say):
+        self.cluster, self.inv, self.run_id, self.book, self.say = cluster, inv, run_id, book, say
+        self.lock = threading.Lock()
+        self.pending: dict[tuple[str, str], PendingStop] = {}
+        self.threads: dict[tuple[str, str], threading.Thread] = {}
+
+    def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset()) -> list[str]:
+        """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
+        in `unreached_ok`: never started). Returns the nodes left pending."""
+        live = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        res = stop_on(self.cluster, key, grace, live) if live else {}
+        left = []
+        for name in nodes:
+            r = res.get(name)
+            if (r is None or not r.reachable) and name not in unreached_ok:
+                self.say(f"{name}: could not confirm the stop of {key} "
+                         f"({r.describe() if r else 'not connected'}); retrying until the node answers")
+                self.pend(PendingStop(name, key, grace, time.time()))
+                left.append(name)
+        return left
+
+    def pend(self, p: PendingStop) -> None:
+        with self.lock:
+            k = (p.node, p.key)
+            if k in self.threads:
+                return
+            self.pending[k] = p
+            t = threading.Thread(target=self._retry, args=(p,), daemon=True, name=f"stop-{p.node}")
+            self.threads[k] = t
+            self.book.stops(list(self.pending.values()))
+        t.start()
+
+    def resume(self, pending: list[PendingStop]) -> None:
+        """A replacement supervisor takes over the stops its predecessor could not confirm."""
+        for p in pending:
+            self.pend(p)
+
+    def is_pending(self, node: str) -> bool:
+        with self.lock:
+            return any(n == node for n, _ in self.pending)
+
+    def _retry(self, p: PendingStop) -> None:
+        """On a fresh connection each try, with backoff, until the node answers; then stop attempt
+        `p.key` there and drop the run's claim on the node."""
+        node = self.inv.node(p.node)
+        deadline = time.monotonic() + LOST_PATIENCE
+        tries = 0
+        while time.monotonic() < deadline:
             c = self.cluster.connection_for(node, connect_timeout=3)
             try:
                 c.open()
-                res = wait(c.exec(agent_cmd(node, "stop", node_key(self.key, node), grace), stdin=AGENT),
-                           grace + 30)
+                res = wait(c.exec(agent_cmd(node, "stop", node_key(p.key, node), p.grace), stdin=AGENT),
+                           p.grace + 30)
                 if res.reachable:
-                    say(f"stopped the run on {node.name} after it answered again")
-                    wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run.id, node)),
-                                stdin=AGENT), 30)
-                    if node.name in self.statuses:
-                        self.statuses[node.name].stopped_after_loss = True
-                    with self.tlock:
-                        self.stoppers.pop(node.name, None)
-                        self.save(stop_pending=sorted(self.stoppers))
+                    self.say(f"stopped {p.key} on {p.node} after it answered again")
+                    wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run_id, node)), stdin=AGENT), 30)
+                    self._done(p)
                     return
-                say(f"{node.name}: the stop did not finish ({res.describe()}); retrying")
-            except ClusterctlError as e:  # ConnectError, ConnectionLost: not answering yet
-                say(f"{node.name} still unreachable ({e}); retrying")
+                why = res.describe()
+            except ClusterctlError as e:  # ConnectError, HostKeyError, ConnectionLost: not answering yet
+                why = str(e)
             finally:
-                c.close()
-            time.sleep(1)
+                c.close()  # no connection outlives its try
+            if tries % 10 == 0:
+                self.say(f"{p.node} still unreachable ({why}); retrying")
+            time.sleep(RETRY_S[min(tries, len(RETRY_S) - 1)])
+            tries += 1
+        self.say(f"gave up stopping {p.key} on {p.node} after {LOST_PATIENCE:g}s; it stays pending in the record")
 
+    def _done(self, p: PendingStop) -> None:
+        with self.lock:
+            self.pending.pop((p.node, p.key), None)
+            self.threads.pop((p.node, p.key), None)
+            self.book.stops(list(self.pending.values()))
+
+    def join(self, timeout: float) -> None:
+        """Wait (up to `timeout` in all) for the pending stops to be carried out."""
+        deadline = time.monotonic() + timeout
+        for t in list(self.threads.values()):
+            t.join(max(0.0, deadline - time.monotonic()))

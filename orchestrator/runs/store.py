@@ -25,17 +25,10 @@ from pathlib import Path
 import psutil
 
 from orchestrator.errors import UsageError
+from orchestrator.home import runs_dir
 from orchestrator.runs.spec import NodeStatus, RunSpec, RunState
 
 SUPERVISOR_MARK = "CLUSTERCTL_SUPERVISOR"  # in the supervisor's environment: its run id
-
-
-def home() -> Path:
-    return Path(os.environ.get("CLUSTERCTL_HOME") or os.path.expanduser("~/.clusterctl"))
-
-
-def runs_dir() -> Path:
-    return home() / "runs"
 
 
 def new_run_id(name: str | None) -> str:

@@ -1,0 +1,210 @@
+"""One attempt of a run: preflight, ranks, launch in rank order, watch, and how it ended.
+
+An attempt runs under its own key on the nodes (RUN_ID, then RUN_ID.aK) and returns its
+RunResult to the run loop (orchestrator/runs/controller.py) instead of deciding what follows;
+nothing final is recorded here. Its failure policy is its own (runs/policy.py): the first node
+to fail stops every other node of this attempt, and its teardown is bound to this attempt's key
+and nodes, so a node that cannot be reached keeps a pending stop for exactly what ran there.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from typing import Callable
+
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
+from orchestrator.inventory import Inventory, Node
+from orchestrator.runs.launch import Launcher, agent_status, check_free
+from orchestrator.runs.policy import FailurePolicy
+from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec
+from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, grace_for
+from orchestrator.runs.store import Run, exit_meaning
+from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
+from orchestrator.runs.watch import copy_logs
+from orchestrator.transport import Cluster, ErrorKind, NodeResult
+
+
+class PreflightFailed(LaunchError):
+    """The attempt's preflight failed on `nodes` (the table is in the run directory)."""
+
+    def __init__(self, message: str, nodes: list[str], table: str):
+        super().__init__(message)
+        self.nodes, self.table = nodes, table
+
+
+class AttemptRunner:
+    def __init__(self, *, run: Run, spec: RunSpec, book: Book, cluster: Cluster, inv: Inventory,
+                 record: AttemptRecord, stopper: Stopper, stop_requests: int, say: Callable[[str], None]):
+        self.run, self.spec, self.book, self.cluster, self.inv = run, spec, book, cluster, inv
+        self.record, self.key, self.stopper, self.say = record, record.key, stopper, say
+        self.statuses = {n.name: NodeStatus(n.name, i, n.host) for i, n in enumerate(inv.nodes)}
+        self.policy = FailurePolicy(self._first_failure)
+        self.policy.stop_requests = stop_requests
+        self.tlock = threading.Lock()  # teardowns: one at a time
+        self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
+        self.drain_timer: threading.Timer | None = None
+
+    def save(self) -> None:
+        self.book.nodes_changed(list(self.statuses.values()))
+
+    # ---------------------------------------------------------------- the attempt
+    def run_attempt(self, env: dict[str, str], node_env: dict[str, dict[str, str]]) -> RunResult:
+        """Preflight, launch and watch this attempt's nodes; how it ended (nothing saved as final)."""
+        gpus_found: dict[str, int | None] = {}
+        t0 = time.monotonic()
+        if not self.spec.skip_preflight:
+            gpus_found = self.preflight()
+        self.book.attempt_changed(preflight_s=round(time.monotonic() - t0, 3))
+        check_free(self.cluster, self.inv, self.spec.force)
+        if self.policy.stop_requests:
+            raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
+        self.assign_ranks(gpus_found)
+        launcher = Launcher(self.cluster, self.inv, self.key, self.spec, self.statuses)
+        launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
+        t0 = time.monotonic()
+        try:
+            launcher.launch()
+        except LaunchError:
+            self.teardown("launch failed")
+            raise
+        self.book.attempt_changed(launch_s=round(time.monotonic() - t0, 3), launched=time.time())
+        self.save()
+        self.book.running()
+        if self.policy.stop_requests:  # asked while launching
+            self.teardown("stop")
+        running = [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING]
+        return self.watch(running, self.record.log_start)
+
+    def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None) -> RunResult:
+        copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
+                  start_at=start_at)
+        return self.result()
+
+    def result(self) -> RunResult:
+        return self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
+
+    def adopt(self, recorded: list[NodeStatus]) -> RunResult:
+        """Take over this attempt from the record after the supervisor died: what ended while
+        nobody watched is recorded in the order it ended on the nodes, then the logs are copied on
+        from where they stopped."""
+        for st in recorded:
+            if st.name in self.statuses:
+                self.statuses[st.name] = st
+        started = [n for n in self.inv.nodes if self.statuses[n.name].pid]
+        now = agent_status(self.cluster, self.key, [n.name for n in started if n.name in self.cluster.connections])
+        ended = sorted((doc["ended"] or 0, name) for name, doc in now.items() if doc.get("exit_code") is not None)
+        for _, name in ended:
+            self.record_end(name, now[name])
+        if self.policy.stop_requests:
+            self.teardown("stop")
+        return self.watch(started, self.record.log_start)
+
+    # ---------------------------------------------------------------- preflight and ranks
+    def preflight(self) -> dict[str, int | None]:
+        from rich.console import Console
+
+        from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
+
+        report = run_preflight(self.cluster, self.inv, FAST_CHECKS)
+        console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
+        report.render(console)
+        name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
+        tmp = self.run.dir / (name + ".tmp")  # written whole, then renamed: `train` prints it once it exists
+        table = console.export_text()
+        tmp.write_text(table)
+        os.replace(tmp, self.run.dir / name)
+        self.book.attempt_changed(preflight_ok=report.ok, preflight_file=name)
+        if not report.ok and not self.spec.force:
+            failing = sorted({node for node, _ in report.failures})
+            what = "; ".join(f"{node} {r.check}: {r.detail}" for node, r in report.failures[:4])
+            raise PreflightFailed(f"preflight failed on {', '.join(failing)} ({what}); nothing was started. "
+                                  "--force launches anyway", failing, table)
+        return dict(report.gpus_found)
+
+    def assign_ranks(self, gpus_found: dict[str, int | None]) -> None:
+        inv = self.inv
+        nprocs = nprocs_for(inv, gpus_found, self.spec.nproc_per_node)
+        over = too_many_procs(inv, nprocs, gpus_found)
+        if over and not self.spec.force:
+            desc = "; ".join(f"{name}: {k} processes, {g} GPUs {where}" for name, (k, g, where) in over.items())
+            most = min(g for _, g, _ in over.values())
+            raise LaunchError(f"more processes than GPUs ({desc}): the extra ranks would fail with 'invalid device "
+                              f"ordinal'. Use --nproc-per-node {most} or fewer (or leave it out: one process per "
+                              f"GPU), or --force to launch anyway; nothing was started.", EXIT_USAGE)
+        for n, first, last in rank_map(inv, nprocs):
+            st = self.statuses[n.name]
+            st.nproc, st.first_rank, st.last_rank = nprocs[n.name], first, last
+        self.save()
+        self.book.launching(rank_map_text(inv, nprocs), sum(nprocs.values()))
+
+    # ---------------------------------------------------------------- stopping this attempt
+    def teardown(self, why: str) -> None:
+        """Stop this attempt on every one of its nodes; a node that cannot be reached now is
+        stopped once it answers (a pending stop under this attempt's key)."""
+        with self.tlock:
+            grace = grace_for(self.cluster, self.key, self._asked_grace(), self.policy.stop_requests >= 2)
+            self.book.tearing_down(why, grace)
+            if self.drain_timer is None:  # the logs may take the grace, then LOG_DRAIN_S, to close
+                self.drain_timer = threading.Timer(grace + LOG_DRAIN_S, self.drained.set)
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+            # what never started, or ended and was cleaned up by its node, needs no stop later
+            done = {n for n, st in self.statuses.items() if (st.state is NodeState.PENDING and not st.pid)
+                    or st.state in (NodeState.FINISHED, NodeState.FAILED, NodeState.GONE)}
+        # outside the lock: a second stop request (grace 0) must not wait for the first one's grace
+        self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done)
+
+    def _asked_grace(self) -> float:
+        req = self.run.stop_request or {}
+        return req.get("grace") if req.get("grace") is not None else self.spec.grace
+
+    def close(self) -> None:
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
+
+    # ---------------------------------------------------------------- nodes ending
+    def node_ended(self, res: NodeResult) -> None:
+        """A node's log copy ended: the node was lost, or its torchrun ended (ask the agent how)."""
+        name = res.node
+        conn = self.cluster.connections.get(name)
+        now = agent_status(self.cluster, self.key, [name])[name] if conn is not None and conn.alive else {}
+        if now.get("exit_code") is not None:
+            self.record_end(name, now)
+            return
+        st = self.statuses[name]
+        if res.kind is ErrorKind.STOPPED and now.get("alive"):
+            st.error = "still running when the log copy was given up"
+            self.save()
+            return
+        if now.get("exists") and not now.get("alive"):  # reachable, but no process and no exit code
+            st.state, st.error = NodeState.GONE, "the run vanished on the node without an exit code"
+            self.policy.failed(name, None, st.error)
+            self.save()
+            return
+        reason = (conn.lost_reason if conn else None) or res.error or "the SSH connection was lost"
+        st.state, st.exit_code, st.error = NodeState.LOST, None, reason
+        self.policy.failed(name, None, reason)
+        self.save()
+        if self.policy.first is not None or self.policy.stop_requests:  # its pending stop, too
+            threading.Thread(target=self.teardown, args=("lost after the failure or stop",), daemon=True).start()
+
+    def record_end(self, name: str, now: dict) -> None:
+        """A node's torchrun ended: its exit code and end time, by the node's own record."""
+        st = self.statuses[name]
+        if st.state in (NodeState.FINISHED, NodeState.FAILED) and st.node_ended == now.get("ended"):
+            return
+        code = now.get("exit_code")
+        st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
+        st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.get("ended"), now.get("error_file")
+        if code != 0:
+            self.policy.failed(name, code, exit_meaning(code), ended=now.get("ended"))
+        self.save()
+
+    def _first_failure(self, ff: FirstFailure) -> None:
+        self.say(f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
+        self.book.attempt_changed(failed_at=ff.at)
+        threading.Thread(target=self.teardown, args=(f"{ff.node} failed",), daemon=True).start()

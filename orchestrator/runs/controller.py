@@ -1,0 +1,302 @@
+"""The run loop: queued → claimed → attempt k → classify → restore → attempt k+1 → ended.
+
+One loop, whoever runs it. `train` starts a supervisor that enters it at the top; a replacement
+supervisor (`tail`, `status` and `stop` start one with --adopt when the recorded one is gone)
+loads the record (runs/record.py) and re-enters it at the recorded attempt, so restarts,
+checkpoint copies and replicas go on after any supervisor dies. An attempt
+(runs/attempt.py) returns its result; the loop classifies it (runs/restart.py `classify`), and
+for the infrastructure's failure prepares the next attempt's nodes (spares brought to the run's
+code, runs/spares.py), restores the newest checkpoint and launches again. A relaunch whose
+preflight fails on a node, or whose spare cannot be prepared, leaves that node out and tries the
+next spare (or --min-nodes); that costs no restart, as nothing was launched.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import resource
+import signal
+import socket
+import threading
+import time
+import traceback
+
+import psutil
+
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
+from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
+from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.launch import claim_nodes, release_nodes
+from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.replicas import Replicator
+from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
+from orchestrator.runs.spec import RunResult, RunState
+from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, say
+from orchestrator.runs.store import Run
+from orchestrator.transport import Cluster
+
+
+class NodesNotReady(LaunchError):
+    """Nodes entering a relaunch could not be claimed or brought to the run's code: {node: why}."""
+
+    def __init__(self, why: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in why.items()))
+        self.why = why
+
+
+class Controller:
+    def __init__(self, run: Run, adopt: bool = False):
+        self.run, self.adopt, self.spec = run, adopt, run.spec
+        self.book = Book(run)
+        self.full_inv = self.spec.load_inventory()  # spares included: restarts draw on them
+        self.cluster: Cluster | None = None
+        self.stopper: Stopper | None = None
+        self.copier: ArtifactCopier | None = None
+        self.current: AttemptRunner | None = None
+        self.stop_requests = 0
+
+    # ---------------------------------------------------------------- process
+    def main(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        req = self.run.stop_request
+        if req:  # a stop asked for before this supervisor ran (or while none did)
+            self.stop_requests = max(1, int(req.get("requests", 1)))
+        self.book.supervisor(os.getpid(), psutil.Process().create_time(), self.adopt)
+        try:
+            code = self.loop()
+        except LaunchError as e:
+            say(str(e))
+            code = self.end_with_error(str(e), e.exit_code)
+        except Exception as e:  # noqa: BLE001 - record, stop nodes, never leave them running
+            traceback.print_exc()
+            if self.current is not None:
+                self.current.teardown("internal error")
+            code = self.end_with_error(f"internal error: {type(e).__name__}: {e}", 1)
+        finally:
+            if self.copier is not None:
+                self.copier.stop()
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            self.book.cpu(ru.ru_utime + ru.ru_stime)
+        if self.stopper is not None and self.stopper.pending:
+            say(f"waiting up to {LOST_PATIENCE:g}s for {', '.join(self.book.rec.stop_pending)} to answer, "
+                "to stop the run there")
+            self.stopper.join(LOST_PATIENCE)
+        if self.cluster is not None:
+            self.cluster.close()
+        return code
+
+    def on_signal(self, signum, frame) -> None:
+        self.stop_requests += 1
+        say(f"stop request {self.stop_requests} (signal {signum})")
+        runner = self.current
+        if runner is not None:
+            runner.policy.stop_requests = self.stop_requests
+            threading.Thread(target=runner.teardown, args=("stop",), daemon=True).start()
+
+    def end_with_error(self, error: str, code: int) -> int:
+        self.release_claims()
+        stopped = self.stop_requests and code == EXIT_INTERRUPTED
+        if not self.book.rec.state.terminal:
+            self.book.ended(RunResult(RunState.STOPPED if stopped else RunState.FAILED, code, error), error=error)
+        return code
+
+    def connect(self, patient: bool) -> Cluster:
+        spec = self.spec
+        self.cluster = cluster = Cluster(self.full_inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
+                                         connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
+        cluster.connect()
+        deadline = time.monotonic() + spec.lost_timeout
+        while patient and cluster.unreachable and time.monotonic() < deadline:
+            time.sleep(1)
+            cluster.connect()  # an adopted run's node may be a moment from answering
+        for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
+            say(f"spare {name} is unreachable: {cluster.unreachable[name].error}")  # not needed to start
+        if not patient and any(not self.full_inv.node(k).spare for k in cluster.unreachable):
+            bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
+            raise LaunchError(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
+        return cluster
+
+    # ---------------------------------------------------------------- claims
+    def claim(self, names: list[str]) -> None:
+        if self.spec.force:
+            return
+        who = f"{getpass.getuser()}@{socket.gethostname()}"
+        claim_nodes(self.cluster, self.full_inv.select(names), self.run.id, who)
+        self.book.claimed(names)
+
+    def claim_start(self, names: list[str]) -> None:
+        """The first attempt's nodes: claimed at once, or (train --queue) once they are free."""
+        if self.spec.queue and not self.spec.force:
+            from orchestrator.runs.queue import claim_when_free
+
+            claim_when_free(self.run, self.book, self.cluster, self.full_inv.select(names), self.spec,
+                            f"{getpass.getuser()}@{socket.gethostname()}", lambda: self.stop_requests)
+            return
+        if self.book.rec.state is not RunState.CONNECTING:
+            self.book.connecting()
+        self.claim(names)
+
+    def release_claims(self) -> None:
+        """Drop this run's claims on the connected nodes (a node with a stop pending keeps it)."""
+        if self.cluster is None or self.spec.force:
+            return
+        names = [n for n in self.book.rec.claimed if n in self.cluster.connections
+                 and self.cluster.connections[n].alive and not (self.stopper and self.stopper.is_pending(n))]
+        if names:
+            release_nodes(self.cluster, self.full_inv, self.run.id, names)
+            self.book.released(names)
+
+    # ---------------------------------------------------------------- the loop
+    def first_nodes(self) -> list[str]:
+        return [n.name for n in self.full_inv.nodes if not n.spare]
+
+    def spares_left(self) -> list[str]:
+        used = {n for a in self.book.rec.attempts for n in a.nodes} | set(self.book.rec.left_out)
+        return [n.name for n in self.full_inv.nodes if n.spare and n.name not in used
+                and n.name in self.cluster.connections]
+
+    def loop(self) -> int:
+        rec = self.book.rec
+        cluster = self.connect(patient=self.adopt)
+        self.stopper = Stopper(cluster, self.full_inv, self.run.id, self.book, say)
+        self.stopper.resume(rec.pending_stops)
+        if rec.state.terminal:  # adopted only to carry out stops still pending
+            return int(rec.exit_code or 0)
+        self.copier = ArtifactCopier(cluster, self.run.dir, {}, say=say, checkpoints=self.spec.copy_checkpoints)
+        if self.spec.checkpoint_replica:
+            self.copier.replicator = Replicator(cluster, self.copier.dirs, say=say)
+        k, nodes, ended = self.entry()
+        while True:
+            result, verdict = ended if ended is not None else self.attempt(k, nodes)
+            ended = None
+            self.book.attempt_changed(ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
+                                      detail=verdict.detail, retry=verdict.retry, bad_nodes=list(verdict.bad_nodes))
+            launched = sum(1 for a in self.book.rec.attempts if a.launched)
+            if not verdict.retry or launched > self.spec.max_restarts:
+                return self.end(result, verdict)
+            if verdict.bad_nodes:
+                self.book.leave_out({n: f"attempt {k}: {verdict.cause}" for n in verdict.bad_nodes})
+            min_nodes = self.spec.min_nodes or len(nodes)
+            nxt = next_nodes(nodes, self.spares_left(), verdict.bad_nodes, min_nodes)
+            if nxt is None:
+                say(f"not enough nodes for another attempt (--min-nodes {min_nodes})")
+                return self.end(result, verdict)
+            say(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting "
+                f"({launched} of {self.spec.max_restarts} restarts used)")
+            self.book.recovering(f"attempt {k}: {verdict.cause}")
+            nodes, k = nxt[0], k + 1
+
+    def entry(self) -> tuple[int, list[str], tuple[RunResult, Verdict] | None]:
+        """Where this supervisor enters the loop: the top, or (adopted) the recorded attempt."""
+        rec = self.book.rec
+        a = rec.current
+        if a is None or rec.state in (RunState.STARTING, RunState.CONNECTING, RunState.QUEUED):
+            nodes = a.nodes if a is not None else self.first_nodes()
+            self.claim_start(nodes)
+            return 1, nodes, None
+        say(f"adopting run {self.run.id} at attempt {a.attempt} ({rec.state})")
+        if rec.state is RunState.RECOVERING:  # died between attempts: the recorded verdict stands
+            return a.attempt, a.nodes, (RunResult(RunState.FAILED, a.exit_code or 1, a.detail or ""),
+                                        Verdict(True, a.verdict or "?", a.detail or "", tuple(a.bad_nodes)))
+        runner = self.runner(a)
+        self.copier.dirs.update(self.prepare_dirs(a.nodes))
+        if rec.state is not RunState.RUNNING:  # died while launching: stop what started, relaunch
+            runner.teardown("the supervisor died while launching")
+            why = f"the supervisor died during attempt {a.attempt}'s {rec.state}"
+            return a.attempt, a.nodes, (RunResult(RunState.FAILED, 1, why), Verdict(True, "supervisor died", why))
+        self.copier.start(lambda: list(a.nodes))
+        try:
+            result = runner.adopt(rec.nodes)
+        finally:
+            self.copier.stop()
+            runner.close()
+            self.current = None
+        return a.attempt, a.nodes, (result, self.verdict(runner, result))
+
+    def runner(self, a: AttemptRecord) -> AttemptRunner:
+        self.current = AttemptRunner(run=self.run, spec=self.spec, book=self.book, cluster=self.cluster,
+                                     inv=ordered(self.full_inv, a.nodes), record=a, stopper=self.stopper,
+                                     stop_requests=self.stop_requests, say=say)
+        return self.current
+
+    def verdict(self, runner: AttemptRunner, result: RunResult) -> Verdict:
+        first = result.first_failure.node if result.first_failure else None
+        return classify(outcomes(self.run, runner), first, stopped=result.state is RunState.STOPPED)
+
+    # ---------------------------------------------------------------- one attempt, set up and classified
+    def attempt(self, k: int, nodes: list[str]) -> tuple[RunResult, Verdict]:
+        ran = {n for a in self.book.rec.attempts for n in a.nodes}
+        fresh = [n for n in nodes if n not in ran] if k > 1 else []
+        a = AttemptRecord(attempt=k, key=self.run.id if k == 1 else f"{self.run.id}.a{k}", nodes=list(nodes),
+                          started=time.time(), log_start={n: (p.stat().st_size if (p := self.run.node_log(n)).exists()
+                                                             else 0) for n in nodes}, prepared=fresh)
+        runner = self.runner(a)
+        self.book.attempt_started(a, list(runner.statuses.values()))
+        try:
+            if fresh:
+                self.prepare_fresh(fresh, [n for n in nodes if n not in fresh])
+            dirs = self.prepare_dirs(nodes)
+            self.copier.dirs.update(dirs)
+            if k > 1 or self.spec.resume_from:
+                self.book.attempt_changed(**Restorer(self.cluster, self.full_inv, self.copier.store,
+                                                     self.spec.resume_from, say).restore(dirs, nodes, relaunch=k > 1))
+            say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
+            env = {"CLUSTERCTL_ATTEMPT": str(k)}
+            per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}
+                        for n, d in dirs.items()}
+            self.copier.start(lambda: list(nodes))
+            try:
+                result = runner.run_attempt(env, per_node)
+            finally:
+                self.copier.stop()
+            self.copier.sweep(list(nodes))  # a checkpoint written just before the end
+            self.book.attempt_changed(copy_s=round(self.copier.copy_s, 3))
+            return result, self.verdict(runner, result)
+        except (PreflightFailed, NodesNotReady) as e:
+            if k == 1 or self.stop_requests:  # the first launch: the user's to fix
+                raise
+            bad = tuple(e.nodes) if isinstance(e, PreflightFailed) else tuple(e.why)
+            cause = "preflight failed" if isinstance(e, PreflightFailed) else "nodes not ready"
+            say(f"attempt {k}: {cause} on {', '.join(bad)}: {e}" +
+                (f"\n{e.table}" if isinstance(e, PreflightFailed) else ""))
+            return RunResult(RunState.FAILED, 1, str(e)), Verdict(True, cause, str(e), bad)
+        finally:
+            runner.close()
+            self.current = None
+
+    def prepare_dirs(self, names: list[str]) -> dict[str, dict]:
+        from orchestrator.runs.restart import prepare_artifacts
+
+        return prepare_artifacts(self.cluster, self.run.id, names)
+
+    def prepare_fresh(self, fresh: list[str], donors: list[str]) -> None:
+        """Spares entering the run: claimed, then brought to the run's code (and venv) from a node
+        that ran it. Raises NodesNotReady naming those that could not be."""
+        from orchestrator.runs.spares import prepare_nodes
+
+        why: dict[str, str] = {}
+        for name in fresh:
+            try:
+                self.claim([name])
+            except LaunchError as e:
+                why[name] = str(e)
+        ready = [n for n in fresh if n not in why]
+        if ready:
+            say(f"bringing {', '.join(ready)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
+            why.update(prepare_nodes(self.cluster, self.full_inv, ready, donors, say))
+        if why:
+            raise NodesNotReady(why)
+
+    def end(self, result: RunResult, verdict: Verdict) -> int:
+        attempts = self.book.rec.attempts
+        result = summary(result, attempts, verdict, self.spec.max_restarts)
+        self.copier.store.clean_partials()
+        self.release_claims()
+        # closed before the final record: the foreground returns when it sees it, and by then no SSH
+        # session of the run should still be winding down on a node (pending stops open their own)
+        self.cluster.close()
+        self.book.ended(result)
+        return result.exit_code

@@ -1,0 +1,268 @@
+"""The run record, runs/RUN/run.json: one typed document, written only through named transitions.
+
+A run's truth lives here and nowhere else. `Book` is its only writer: every change of state is one
+of the named transitions below, checked against TRANSITIONS and persisted at once (temp file and
+rename, so a crash of the controller leaves the last good record). A replacement supervisor loads
+the record and re-enters the run loop at the recorded attempt (orchestrator/runs/controller.py).
+
+    starting ─► connecting ─► queued ─► connecting ─► preflight ─► launching ─► running ─► finished
+                                                          ▲                        │        failed
+                                                          └──── recovering ◄───────┘        stopped
+
+Any live state may end (failed, stopped); preflight, launching and running may go to recovering
+(the attempt failed and another follows); recovering leads to the next attempt's preflight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.runs.spec import NodeStatus, RunResult, RunState, fields_of
+from orchestrator.runs.store import Run, read_json, write_json
+
+S = RunState
+LIVE_END = frozenset({S.FAILED, S.STOPPED})
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    S.STARTING: frozenset({S.CONNECTING, S.QUEUED}) | LIVE_END,
+    S.CONNECTING: frozenset({S.CONNECTING, S.QUEUED, S.PREFLIGHT}) | LIVE_END,
+    S.QUEUED: frozenset({S.QUEUED, S.CONNECTING}) | LIVE_END,
+    S.PREFLIGHT: frozenset({S.LAUNCHING, S.RECOVERING}) | LIVE_END,
+    S.LAUNCHING: frozenset({S.RUNNING, S.RECOVERING}) | LIVE_END,
+    S.RUNNING: frozenset({S.RECOVERING, S.FINISHED}) | LIVE_END,
+    S.RECOVERING: frozenset({S.PREFLIGHT}) | LIVE_END,
+    S.FINISHED: frozenset(), S.FAILED: frozenset(), S.STOPPED: frozenset(),
+    S.UNKNOWN: frozenset({S.CONNECTING}) | LIVE_END,
+}
+
+
+class TransitionError(RuntimeError):
+    """A transition the table does not allow: a bug in the controller, never a user error."""
+
+
+@dataclass
+class AttemptRecord:
+    """One launch of the run on a set of nodes, under its own key (RUN, then RUN.aK)."""
+
+    attempt: int
+    key: str
+    nodes: list[str]
+    started: float = 0.0
+    log_start: dict[str, int] = field(default_factory=dict)  # where this attempt's bytes begin in each log copy
+    prepared: list[str] = field(default_factory=list)  # fresh nodes brought to the run's code first
+    checkpoint: str | None = None  # what it started from
+    restored: list[str] = field(default_factory=list)  # the nodes the checkpoint was put on
+    restored_from: str | None = None  # "nodes" (node to node) or None (the control machine's copy)
+    resumed_from: str | None = None  # train --resume-from RUN
+    restore_s: float | None = None
+    preflight_s: float | None = None
+    preflight_ok: bool | None = None
+    preflight_file: str | None = None  # the table, under the run directory
+    launch_s: float | None = None
+    launched: float | None = None
+    failed_at: float | None = None  # when the supervisor saw the first failure
+    ended: float | None = None
+    exit_code: int | None = None
+    verdict: str | None = None  # restart.classify's cause: finished, node lost, script error, ...
+    detail: str | None = None
+    retry: bool | None = None  # the verdict: another attempt is worth it
+    bad_nodes: list[str] = field(default_factory=list)  # the verdict: not to be used again
+    copy_s: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "AttemptRecord":
+        kw = fields_of(cls, doc)
+        kw.setdefault("attempt", 1)
+        kw.setdefault("key", "")
+        kw.setdefault("nodes", [])
+        return cls(**kw)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PendingStop:
+    """A node that could not be reached to stop an attempt's processes there: stopped (under that
+    attempt's own key) as soon as it answers again."""
+
+    node: str
+    key: str
+    grace: float = 5.0
+    since: float = 0.0
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "PendingStop":
+        return cls(**fields_of(cls, doc))
+
+
+@dataclass
+class RunRecord:
+    id: str
+    state: RunState = RunState.STARTING
+    created: float = 0.0
+    supervisor_pid: int | None = None
+    supervisor_created: float | None = None
+    adopted_at: float | None = None
+    claimed: list[str] = field(default_factory=list)  # nodes this run holds a claim on
+    left_out: list[str] = field(default_factory=list)  # nodes not to be used again by this run, and why
+    left_out_why: dict[str, str] = field(default_factory=dict)
+    queue_nodes: list[str] = field(default_factory=list)
+    queued_at: float | None = None
+    waiting_for: str | None = None
+    attempt: int = 0
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    nodes: list[NodeStatus] = field(default_factory=list)  # the current attempt's nodes
+    rank_map: str | None = None
+    world_size: int | None = None
+    started: float | None = None
+    recovering: str | None = None  # why the run is between attempts
+    teardown: str | None = None
+    teardown_at: float | None = None
+    stop_grace: float | None = None
+    pending_stops: list[PendingStop] = field(default_factory=list)
+    ended: float | None = None
+    exit_code: int | None = None
+    summary: str | None = None
+    error: str | None = None
+    first_failure: dict | None = None
+    supervisor_cpu_s: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: dict | None, run_id: str = "") -> "RunRecord":
+        doc = dict(doc or {"id": run_id, "state": RunState.UNKNOWN.value})
+        kw = fields_of(cls, doc)
+        kw.setdefault("id", run_id)
+        st = kw.get("state")
+        kw["state"] = RunState(st) if st in RunState._value2member_map_ else RunState.UNKNOWN
+        kw["attempts"] = [AttemptRecord.from_json(a) for a in kw.get("attempts") or []]
+        kw["nodes"] = [NodeStatus.from_json(n) for n in kw.get("nodes") or []]
+        kw["pending_stops"] = [PendingStop.from_json(p) for p in kw.get("pending_stops") or []]
+        return cls(**{k: v for k, v in kw.items() if v is not None})
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc["state"] = self.state.value
+        doc["attempts"] = [a.to_json() for a in self.attempts]
+        doc["nodes"] = [n.to_json() for n in self.nodes]
+        doc["pending_stops"] = [dataclasses.asdict(p) for p in self.pending_stops]
+        doc["stop_pending"] = self.stop_pending  # the node names, for readers of the names alone
+        return {k: v for k, v in doc.items() if v is not None}
+
+    @property
+    def stop_pending(self) -> list[str]:
+        return sorted({p.node for p in self.pending_stops})
+
+    @property
+    def current(self) -> AttemptRecord | None:
+        return self.attempts[-1] if self.attempts else None
+
+    def node(self, name: str) -> NodeStatus | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+
+def load(run: Run) -> RunRecord:
+    return RunRecord.from_json(read_json(run.dir / "run.json"), run.id)
+
+
+class Book:
+    """The one writer of a run's record. Each method is a named transition or a named update; each
+    is persisted before it returns."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.rec = load(run)
+        self._lock = threading.RLock()
+
+    def _write(self) -> None:
+        write_json(self.run.dir / "run.json", self.rec.to_json())
+
+    def _to(self, state: RunState, **changes) -> None:
+        with self._lock:
+            if state not in TRANSITIONS[self.rec.state]:
+                raise TransitionError(f"run {self.rec.id}: {self.rec.state} -> {state} is not a transition")
+            self.rec.state = state
+            self._set(**changes)
+
+    def _set(self, **changes) -> None:
+        with self._lock:
+            for k, v in changes.items():
+                if not hasattr(self.rec, k):
+                    raise AttributeError(f"run record has no field {k!r}")
+                setattr(self.rec, k, v)
+            self._write()
+
+    # ---------------------------------------------------------------- transitions
+    def connecting(self) -> None:
+        self._to(RunState.CONNECTING)
+
+    def queued(self, nodes: list[str]) -> None:
+        self._to(RunState.QUEUED, queue_nodes=list(nodes), queued_at=self.rec.queued_at or time.time())
+
+    def claimed(self, nodes: list[str]) -> None:
+        """The nodes are this run's (a queued run leaves the queue)."""
+        claimed = sorted(set(self.rec.claimed) | set(nodes))
+        if self.rec.state is RunState.QUEUED:
+            self._to(RunState.CONNECTING, claimed=claimed, waiting_for=None)
+        else:
+            self._set(claimed=claimed)
+
+    def attempt_started(self, a: AttemptRecord, statuses: list[NodeStatus]) -> None:
+        """Attempt k begins with its preflight (recorded even when the preflight is skipped)."""
+        self._to(RunState.PREFLIGHT, attempt=a.attempt, attempts=[*self.rec.attempts, a], nodes=list(statuses),
+                 recovering=None, rank_map=None, world_size=None, teardown=None, teardown_at=None)
+
+    def launching(self, rank_map: str, world_size: int) -> None:
+        self._to(RunState.LAUNCHING, rank_map=rank_map, world_size=world_size)
+
+    def running(self) -> None:
+        self._to(RunState.RUNNING, started=self.rec.started or time.time())
+
+    def recovering(self, why: str) -> None:
+        self._to(RunState.RECOVERING, recovering=why)
+
+    def ended(self, result: RunResult, error: str | None = None) -> None:
+        """The run is over: finished, failed or stopped, with its exit code and summary."""
+        doc = result.to_json()
+        self._to(result.state, exit_code=result.exit_code, summary=doc["summary"],
+                 first_failure=doc.get("first_failure"), error=error, ended=time.time())
+
+    # ---------------------------------------------------------------- updates (no change of state)
+    def supervisor(self, pid: int, created: float, adopted: bool) -> None:
+        self._set(supervisor_pid=pid, supervisor_created=created, **({"adopted_at": time.time()} if adopted else {}))
+
+    def waiting(self, what: str) -> None:
+        if self.rec.waiting_for != what:
+            self._set(waiting_for=what)
+
+    def nodes_changed(self, statuses: list[NodeStatus] | None = None) -> None:
+        self._set(**({"nodes": list(statuses)} if statuses is not None else {}))
+
+    def attempt_changed(self, **changes) -> None:
+        """Fields of the current attempt (timings, restore, verdict)."""
+        with self._lock:
+            a = self.rec.current
+            for k, v in changes.items():
+                if not hasattr(a, k):
+                    raise AttributeError(f"attempt record has no field {k!r}")
+                setattr(a, k, v)
+            self._write()
+
+    def tearing_down(self, why: str, grace: float) -> None:
+        self._set(teardown=why, teardown_at=time.time(), stop_grace=grace)
+
+    def stops(self, pending: list[PendingStop]) -> None:
+        self._set(pending_stops=sorted(pending, key=lambda p: (p.node, p.key)))
+
+    def leave_out(self, why: dict[str, str]) -> None:
+        """Nodes no later attempt may use: lost, failed their preflight, or could not be prepared."""
+        self._set(left_out=sorted(set(self.rec.left_out) | set(why)), left_out_why={**self.rec.left_out_why, **why})
+
+    def released(self, nodes: list[str]) -> None:
+        self._set(claimed=sorted(set(self.rec.claimed) - set(nodes)))
+
+    def cpu(self, seconds: float) -> None:
+        self._set(supervisor_cpu_s=round(seconds, 3))
