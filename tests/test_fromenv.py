@@ -18,7 +18,7 @@ from orchestrator.platforms.fromenv import (LocalGpus, Platform, detect_gpus, de
                                             visible)
 from orchestrator.gpus import Gpu
 from orchestrator.inventory import load_inventory
-from orchestrator.runs.torchrun import node_env, torchrun_argv
+from orchestrator.torchrun import node_env, torchrun_argv
 
 FIX = Path(__file__).parent / "fixtures"
 PLATFORM_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "CLUSTERCTL_RUN_ID", "JOB_COMPLETION_INDEX")

@@ -8,7 +8,7 @@ from orchestrator.cli.exec import exit_code
 from orchestrator.errors import EXIT_CODES, EXIT_UNREACHABLE, UnreachableError, exit_codes_text, with_unreachable
 from orchestrator.inventory import parse_inventory
 from orchestrator.inventory.sshconfig import config_hostname
-from orchestrator.runs.torchrun import nproc_for, nprocs_for, rank_map_text, too_many_procs
+from orchestrator.torchrun import nproc_for, nprocs_for, rank_map_text, too_many_procs
 from orchestrator.transport import ClusterResult, NodeResult
 from orchestrator.transport.base import ErrorKind
 

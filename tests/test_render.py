@@ -17,7 +17,7 @@ import yaml
 from orchestrator.cli import main
 from orchestrator.inventory import load_inventory
 from orchestrator.platforms.render import common_env, render_k8s, render_k8s_objects, render_slurm
-from orchestrator.runs.torchrun import node_env
+from orchestrator.torchrun import node_env
 
 FIX = Path(__file__).parent / "fixtures" / "render"
 INV = FIX / "inventory.yaml"

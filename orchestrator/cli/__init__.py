@@ -35,7 +35,7 @@ LAZY_COMMANDS = {
     "status": "orchestrator.cli.runs:status_command",
     "runs": "orchestrator.cli.runs:runs_command",
     "queue": "orchestrator.cli.queue:queue_command",
-    "stop": "orchestrator.cli.runs:stop_command",
+    "stop": "orchestrator.cli.stop:stop_command",
     "plan": "orchestrator.cli.plan:plan_command",
     "netbench": "orchestrator.cli.netbench:netbench_command",
     "render": "orchestrator.cli.render:render_command",

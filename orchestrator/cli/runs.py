@@ -1,4 +1,4 @@
-"""`clusterctl tail`, `status`, `runs`, `stop`, and following a run's logs (shared with `train`).
+"""`clusterctl tail`, `status`, `runs`, and following a run's logs (shared with `train`).
 
 Everything here re-attaches by run id. When the run's supervisor is gone (a crashed or
 killed controller), `tail`, `status` and `stop` start one that adopts the run
@@ -8,11 +8,7 @@ so nothing is lost or printed twice, and applies the failure policy and pending 
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,10 +20,9 @@ from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
 from orchestrator.runs.launch import agent_status
+from orchestrator.runs.record import load as load_record
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
-from orchestrator.runs.policy import MAX_GRACE
 from orchestrator.runs.spec import NodeState, NodeStatus
-from orchestrator.runs.stopping import LOG_DRAIN_S
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn
 from orchestrator.transport import Cluster
@@ -84,6 +79,7 @@ class _Show:
         self.run, self.n, self.node, self.rank, self.sink = run, n, node, rank, sink
         self.shown_pf = not show_preflight
         self.pf_text = ""
+        self.shown_tables: set[str] = set()
         self.follower: Follower | None = None
         self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
@@ -93,6 +89,15 @@ class _Show:
             self.pf_text = pf.read_text()
             click.echo(self.pf_text.rstrip(), err=True)
             self.shown_pf = True
+        for a in rec.get("attempts") or []:  # a relaunch's failed preflight: the table says what was wrong
+            f = a.get("preflight_file")
+            if a.get("attempt", 1) > 1 and a.get("preflight_ok") is False and a.get("verdict") and f \
+                    and f not in self.shown_tables:
+                self.shown_tables.add(f)
+                if (self.run.dir / f).exists():
+                    click.echo(f"clusterctl: attempt {a['attempt']}'s preflight failed on "
+                               f"{', '.join(a.get('bad_nodes') or []) or 'a node'}:", err=True)
+                    click.echo((self.run.dir / f).read_text().rstrip(), err=True)
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
@@ -243,7 +248,11 @@ def status_command(run_id, as_json):
     if as_json:
         click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=from_nodes), indent=2))
         return
-    t = Table(title=f"{run.id}: {rec.get('state')}" + ("" if alive or terminal else
+    typed = load_record(run)
+    a = typed.current
+    attempt = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None and \
+        (a.attempt > 1 or run.spec.max_restarts) else ""
+    t = Table(title=f"{run.id}: {rec.get('state')}{attempt}" + ("" if alive or terminal else
                                                       " (supervisor gone: asked the nodes and started "
                                                       "one that takes the run over)"))
     t.add_column("node", no_wrap=True)
@@ -258,11 +267,16 @@ def status_command(run_id, as_json):
         t.add_row(nd.name, nd.ranks, str(state), str(nd.pid or "-"), "-" if code is None else str(code),
                   _runtime(nd, rec), last[:100])
     Console().print(t)
+    if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
+        _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
+    if typed.recovering:
+        _err(f"clusterctl: recovering after {typed.recovering}")
     if rec.get("summary") or rec.get("error"):
         _summary(rec)
-    if rec.get("stop_pending"):
-        _err(f"clusterctl: stop pending on {', '.join(rec['stop_pending'])}: not confirmed yet; it is carried "
-             "out as soon as the node answers again")
+    if typed.pending_stops:
+        what = ", ".join(f"{p.node} ({p.key})" for p in typed.pending_stops)
+        _err(f"clusterctl: stop pending on {what}: not confirmed yet; it is carried out as soon as the node "
+             "answers again")
 
 
 @click.command("runs")
@@ -309,69 +323,15 @@ def _cluster_runs(opts: ClusterOptions, as_json: bool) -> None:
     else:
         t = Table(title="runs on the cluster")
         t.add_column("run", no_wrap=True, min_width=max((len(d["run"]) for d in held), default=3))
-        for c in ("who", "since", "nodes"):
+        for c in ("who", "since", "claims", "live processes"):
             t.add_column(c, no_wrap=c == "since")
         for d in held:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"])) if d.get("since") else "-"
-            t.add_row(d["run"], d.get("who") or "?", since, ",".join(d["nodes"]))
+            live = ", ".join(f"{n} ({', '.join(k.split('@')[0] for k in ks)})" for n, ks in d["live"].items())
+            t.add_row(d["run"], d.get("who") or "?", since, ",".join(d["nodes"]) or "-", live or "-")
         Console().print(t)
     if failed:
         raise UnreachableError(failed, "so runs holding them may be missing above")
 
 
-def _wait_ended(run: Run, timeout: float) -> dict:
-    """Wait until the run's record says it ended; returns the record."""
-    deadline = time.time() + timeout
-    while not run.terminal:
-        if time.time() > deadline:
-            raise ClusterctlError(f"run {run.id} did not stop within {timeout:g}s; "
-                                  f"`clusterctl status {run.id}` shows where it stands")
-        if not run.supervisor_alive():
-            ensure_supervisor(run)
-        time.sleep(0.2)
-    return run.record
-
-
-@click.command("stop")
-@click.argument("run_id", shell_complete=complete_run_ids)
-@click.option("--grace", type=click.FloatRange(0, 3600), default=None,
-              help="Seconds between SIGTERM and SIGKILL (default: the run's own), stretched to twice "
-                   f"the job's last checkpoint save, up to {MAX_GRACE:g}s.")
-@click.option("--timeout", type=click.FloatRange(1), default=None,
-              help=f"How long to wait for the run to end (default: the grace + {LOG_DRAIN_S + 60:g}s).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run as it ended (orchestrator/schemas/stop.json).")
-def stop_command(run_id, grace, timeout, as_json):
-    """Stop a run on every node: SIGTERM (the trainer checkpoints), then SIGKILL.
-
-    Exits 3 naming every node where the stop could not be confirmed (unreachable); that stop
-    stays pending and is carried out as soon as the node answers again."""
-    run = Run.find(run_id)
-    _stop(run, grace, timeout)
-    if as_json:
-        emit(run_doc(run.record))
-
-
-def _stop(run: Run, grace: float | None, timeout: float | None) -> None:
-    rec = run.record
-    if run.terminal and not rec.get("stop_pending"):
-        _err(f"clusterctl: run {run.id} already {rec.get('state')}")
-        return
-    run.request_stop(grace, by=f"{getpass.getuser()}@{socket.gethostname()}")
-    if run.supervisor_alive():
-        os.kill(rec["supervisor_pid"], signal.SIGTERM)
-    else:
-        ensure_supervisor(run)  # a replacement reads the request when it starts
-    spec = run.spec
-    wait = timeout or (max(spec.grace, grace or 0, MAX_GRACE) + LOG_DRAIN_S + spec.lost_timeout + 60)
-    rec = _wait_ended(run, wait)
-    pending = rec.get("stop_pending") or []
-    if pending:
-        raise UnreachableError({n: "not reachable" for n in pending},
-                               f"so run {run.id} could not be confirmed stopped there. The stop stays "
-                               f"pending: it is carried out as soon as "
-                               f"{'that node answers' if len(pending) == 1 else 'they answer'} again "
-                               f"(`clusterctl status {run.id}` shows it)")
-    _summary(rec)
-
-
-__all__ = ["ensure_supervisor", "follow", "runs_command", "status_command", "stop_command", "tail_command"]
+__all__ = ["complete_run_ids", "ensure_supervisor", "follow", "runs_command", "status_command", "tail_command"]

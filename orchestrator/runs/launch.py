@@ -8,6 +8,7 @@ others once its rendezvous port listens.
 from __future__ import annotations
 
 import json
+import re
 import time
 from importlib import resources
 
@@ -15,7 +16,7 @@ from orchestrator import shell
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
-from orchestrator.runs.torchrun import node_env, target_argv, torchrun_argv
+from orchestrator.torchrun import node_env, target_argv, torchrun_argv
 from orchestrator.transport import Cluster, ClusterResult
 
 AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
@@ -98,19 +99,50 @@ def release_nodes(cluster: Cluster, inv: Inventory, run_id: str, names: list[str
                        nodes=names, timeout=AGENT_TIMEOUT)
 
 
+KEY_RE = re.compile(r"^(?P<run>[^@]+?)(?:\.a(?P<attempt>\d+))?@(?P<node>[^@]+)$")
+
+
+def parse_key(key: str) -> tuple[str, int, str] | None:
+    """RUN_ID[.aK]@NODE -> (run id, attempt, node); None for what is not a run key. A run id ends
+    in 4 hex digits (store.new_run_id), so a trailing .aK is always the attempt."""
+    m = KEY_RE.match(key)
+    return (m["run"], int(m["attempt"] or 1), m["node"]) if m else None
+
+
+def live_keys(cluster: Cluster, names: list[str]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The keys of runs with a live process on each node (agent `live`: found by the run key in
+    their environment) and {node: why} for the nodes that could not be asked."""
+    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT, nodes=names)
+    out, failed = {}, {}
+    for name, r in res.items():
+        try:
+            keys = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else None
+        except (ValueError, IndexError):
+            keys = None
+        if keys is None:
+            failed[name] = r.describe() if not r.ok else f"the node agent printed {r.stdout[-200:]!r}"
+        else:
+            out[name] = [k for k in keys if k.endswith("@" + name)]
+    return out, failed
+
+
 def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
     """Runs alive on the nodes that hold no claim (started with --force, or by an older
-    clusterctl): LaunchError naming them, unless forced."""
-    res = cluster.run(lambda n: agent_cmd(n, "live"), stdin=AGENT, timeout=AGENT_TIMEOUT,
-                      nodes=[n.name for n in inv.nodes])
-    busy = {}
-    for name, r in res.items():
-        live = [k for k in _agent_json(name, inv, r) if k.endswith("@" + name)]
-        if live:
-            busy[name] = live
+    clusterctl, or an attempt whose stop is still pending): LaunchError naming them, unless forced."""
+    live, failed = live_keys(cluster, [n.name for n in inv.nodes])
+    if failed:
+        name, why = next(iter(failed.items()))
+        raise LaunchError(f"{name}: cannot run the node agent with {inv.node(name).python}: {why}")
+    busy = {k: v for k, v in live.items() if v}
     if busy and not force:
         desc = "; ".join(f"{k} is running {', '.join(x.split('@')[0] for x in v)}" for k, v in busy.items())
         raise LaunchError(f"{desc}. Stop it with `clusterctl stop RUN`, or pass --force to share the node")
+
+
+def stray_processes(cluster: Cluster, run_id: str, names: list[str]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Every attempt of `run_id` still alive on these nodes: {node: [keys]}, and the nodes not asked."""
+    live, failed = live_keys(cluster, names)
+    return {n: ks for n, keys in live.items() if (ks := [k for k in keys if (p := parse_key(k)) and p[0] == run_id])}, failed
 
 
 class Launcher:
