@@ -84,7 +84,8 @@ def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeou
     return "sh -s -- " + " ".join([
         shell.quote(",".join(checks)), shell.path(node.workdir), shell.path(output_dir(inv, node)),
         shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
-        role, shell.path(node.python), shell.quote(f"{connect_timeout:g}")])
+        role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
+        shell.join([a for d in run_outputs(inv, node) for a in ("--output", d)])]).rstrip()
 
 
 class _Listener:

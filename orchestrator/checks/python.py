@@ -182,11 +182,12 @@ assert "\nPYEOF\n" not in NODEINFO
 
 # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
 # The workdir digest only when code_sync is asked for ("-" skips it); the run's output directory
-# is not code (nor is any directory marked as an output: see nodeinfo).
+# is not code, nor are the run's outputs (the probe's --output arguments), nor any directory marked
+# as an output (see nodeinfo).
 PYTHON = Probe("python", """pwd_arg=-
 if want code_sync; then pwd_arg=$wd; fi
 echo "@@python"
-"$py" -S - info "$pwd_arg" --output "$out" 2>&1 <<'PYEOF'
+"$py" -S - info "$pwd_arg" --output "$out" "$@" 2>&1 <<'PYEOF'
 """ + NODEINFO + """PYEOF
 echo "@@rc $?"
 """)
