@@ -26,8 +26,8 @@ others are editing never enters the measurement): --new defaults to HEAD (`.` ru
 tree), --old to OLD_REV, the last commit before the node agent's fail-fast changes.
 
 --projected adds a third way: --new with the supervisor's teardown after a node failed sending
-the agent's `stop KEY GRACE peer-failed` (a two-line change to runs/stopping.py and
-runs/launch.py that this benchmark applies to its own worktree): what the control side gains by
+the agent's `stop KEY GRACE peer-failed` (a few-line change to runs/attempt.py, stopping.py and
+launch.py that this benchmark applies to its own worktree): what the control side gains by
 telling the nodes why they are stopped.
 """
 
@@ -72,8 +72,13 @@ def peer_failed_patch(tree: Path) -> None:
          "def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None, *mode: str)"),
         ('agent_cmd(n, "stop", node_key(run_id, n), grace)', 'agent_cmd(n, "stop", node_key(run_id, n), grace, *mode)')],
         "orchestrator/runs/stopping.py": [
-        ("stop_on(cluster, self.key, grace, live)",
-         'stop_on(cluster, self.key, grace, live, *(("peer-failed",) if why.endswith(" failed") else ()))')]}
+        ("grace: float, unreached_ok: set[str] = frozenset())",
+         "grace: float, unreached_ok: set[str] = frozenset(), mode: tuple = ())"),
+        ("stop_on(self.cluster, key, grace, live)", "stop_on(self.cluster, key, grace, live, *mode)")],
+        "orchestrator/runs/attempt.py": [
+        ("self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done)",
+         "self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done, mode=(\"peer-failed\",) "
+         "if why.endswith(\" failed\") and why != \"launch failed\" else ())")]}
     for name, pairs in edits.items():
         path = tree / name
         text = path.read_text()
