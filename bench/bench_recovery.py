@@ -10,7 +10,8 @@ run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
 
   detection   link cut → the supervisor records the node lost (bounded by --lost-timeout)
   teardown    → attempt 1 ended (the other nodes stopped, their logs drained)
-  relaunch    → attempt 2 began (checkpoint directories prepared on the new node set)
+  relaunch    → attempt 2 began
+  prepare     the spare claimed and brought to the run's code, node to node (runs/spares.py)
   restore     checkpoint streamed from the control machine to the new master
   preflight   the fast preflight on the new node set
   launch      torchrun started on every node over SSH
@@ -184,6 +185,7 @@ def phases(t_fail: float, attempts: list[dict], lines: dict[str, list]) -> dict:
         "detection": a1["failed_at"] - t_fail,
         "teardown": a1["ended"] - a1["failed_at"],
         "relaunch": a2["started"] - a1["ended"],
+        "prepare": a2.get("prepare_s", 0.0),
         "restore": a2.get("restore_s", 0.0),
         "preflight": a2["preflight_s"],
         "launch": a2["launch_s"],
@@ -262,7 +264,8 @@ def main(argv=None) -> int:
         r = recovery(args.victim, args.steps)
         print(f"recovery: node{args.victim} cut for good; attempt 2 on {', '.join(r['nodes'])} "
               f"from {r['checkpoint']}")
-        for k in ("detection", "teardown", "relaunch", "restore", "preflight", "launch", "rendezvous", "startup",
+        for k in ("detection", "teardown", "relaunch", "prepare", "restore", "preflight", "launch", "rendezvous",
+                  "startup",
                   "first step", "unaccounted"):
             print(f"  {k:<12} {r[k]:6.2f} s" + (f"  ({r['startup parts']})" if k == "startup" else ""))
         print(f"  after detection: {r['after detection']:.2f} s (target <= 20 s: "

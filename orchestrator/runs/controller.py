@@ -204,6 +204,7 @@ class Controller:
         runner = self.runner(a)
         self.copier.dirs.update(self.prepare_dirs(a.nodes))
         if rec.state is not RunState.RUNNING:  # died while launching: stop what started, relaunch
+            runner.statuses.update({st.name: st for st in rec.nodes if st.name in runner.statuses})
             runner.teardown("the supervisor died while launching")
             why = f"the supervisor died during attempt {a.attempt}'s {rec.state}"
             return a.attempt, a.nodes, (RunResult(RunState.FAILED, 1, why), Verdict(True, "supervisor died", why))
@@ -237,7 +238,9 @@ class Controller:
         self.book.attempt_started(a, list(runner.statuses.values()))
         try:
             if fresh:
+                t0 = time.monotonic()
                 self.prepare_fresh(fresh, [n for n in nodes if n not in fresh])
+                self.book.attempt_changed(prepare_s=round(time.monotonic() - t0, 3))
             dirs = self.prepare_dirs(nodes)
             self.copier.dirs.update(dirs)
             if k > 1 or self.spec.resume_from:

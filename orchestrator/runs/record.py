@@ -33,7 +33,7 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.PREFLIGHT: frozenset({S.LAUNCHING, S.RECOVERING}) | LIVE_END,
     S.LAUNCHING: frozenset({S.RUNNING, S.RECOVERING}) | LIVE_END,
     S.RUNNING: frozenset({S.RECOVERING, S.FINISHED}) | LIVE_END,
-    S.RECOVERING: frozenset({S.PREFLIGHT}) | LIVE_END,
+    S.RECOVERING: frozenset({S.RECOVERING, S.PREFLIGHT}) | LIVE_END,  # itself: adopted between attempts
     S.FINISHED: frozenset(), S.FAILED: frozenset(), S.STOPPED: frozenset(),
     S.UNKNOWN: frozenset({S.CONNECTING}) | LIVE_END,
 }
@@ -53,6 +53,7 @@ class AttemptRecord:
     started: float = 0.0
     log_start: dict[str, int] = field(default_factory=dict)  # where this attempt's bytes begin in each log copy
     prepared: list[str] = field(default_factory=list)  # fresh nodes brought to the run's code first
+    prepare_s: float | None = None  # claiming them and bringing them to the code (runs/spares.py)
     checkpoint: str | None = None  # what it started from
     restored: list[str] = field(default_factory=list)  # the nodes the checkpoint was put on
     restored_from: str | None = None  # "nodes" (node to node) or None (the control machine's copy)

@@ -100,7 +100,9 @@ class Stopper:
                            p.grace + 30)
                 if res.reachable:
                     self.say(f"stopped {p.key} on {p.node} after it answered again")
-                    wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run_id, node)), stdin=AGENT), 30)
+                    if not self.in_use(p.node):
+                        wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run_id, node)), stdin=AGENT),
+                             30)
                     self._done(p)
                     return
                 why = res.describe()
@@ -114,11 +116,18 @@ class Stopper:
             tries += 1
         self.say(f"gave up stopping {p.key} on {p.node} after {LOST_PATIENCE:g}s; it stays pending in the record")
 
+    def in_use(self, node: str) -> bool:
+        """The run still trains on `node` (a later attempt took it): its claim stays."""
+        rec = self.book.rec
+        return not rec.state.terminal and rec.current is not None and node in rec.current.nodes
+
     def _done(self, p: PendingStop) -> None:
         with self.lock:
             self.pending.pop((p.node, p.key), None)
             self.threads.pop((p.node, p.key), None)
             self.book.stops(list(self.pending.values()))
+            if not self.in_use(p.node):
+                self.book.released([p.node])
 
     def join(self, timeout: float) -> None:
         """Wait (up to `timeout` in all) for the pending stops to be carried out."""
