@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.cluster import TestCluster  # noqa: E402
 
-OLD_REV = "52dec82"  # the node agent's fail fast before this benchmark: 2.8-3 s
+OLD_REV = "52dec82"  # the last commit before the node agent's fail-fast changes
 PHASES = ("noticed", "exit_code", "seen", "stop sent", "stop there", "clean", "foreground")
 
 
