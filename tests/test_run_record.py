@@ -96,3 +96,14 @@ def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
 ])
 def test_a_run_key_reads_as_run_attempt_and_node(key, want):
     assert parse_key(key) == want
+
+
+def test_the_tail_status_mark_is_the_node_agents():
+    """`tail KEY OFFSET status` closes with the agent's STATUS_MARK line; the controller reads the same mark."""
+    import re
+    from importlib import resources
+
+    from orchestrator.runs.launch import STATUS_MARK
+
+    agent = resources.files("orchestrator").joinpath("remote/node_agent.py").read_text()
+    assert re.search(r'^STATUS_MARK = "(.*?)"', agent, re.M).group(1) == STATUS_MARK

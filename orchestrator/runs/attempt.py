@@ -142,11 +142,16 @@ class AttemptRunner:
         self.book.launching(rank_map_text(inv, nprocs), sum(nprocs.values()))
 
     # ---------------------------------------------------------------- stopping this attempt
-    def teardown(self, why: str) -> None:
+    def teardown(self, why: str, peer_failed: bool = False) -> None:
         """Stop this attempt on every one of its nodes; a node that cannot be reached now is
-        stopped once it answers (a pending stop under this attempt's key)."""
+        stopped once it answers (a pending stop under this attempt's key). `peer_failed`: a node
+        failed, so the nodes kill at once (unless a checkpoint is being written there) and nothing
+        waits to ask them for the last save's length first: a user's stop is the one that grants
+        a checkpoint its grace."""
+        peer_failed = peer_failed and not self.policy.stop_requests
         with self.tlock:
-            grace = grace_for(self.cluster, self.key, self._asked_grace(), self.policy.stop_requests >= 2)
+            grace = self._asked_grace() if peer_failed else \
+                grace_for(self.cluster, self.key, self._asked_grace(), self.policy.stop_requests >= 2)
             self.book.tearing_down(why, grace)
             if self.drain_timer is None:  # the logs may take the grace, then LOG_DRAIN_S, to close
                 self.drain_timer = threading.Timer(grace + LOG_DRAIN_S, self.drained.set)
@@ -156,7 +161,7 @@ class AttemptRunner:
             done = {n for n, st in self.statuses.items() if (st.state is NodeState.PENDING and not st.pid)
                     or st.state in (NodeState.FINISHED, NodeState.FAILED, NodeState.GONE)}
         # outside the lock: a second stop request (grace 0) must not wait for the first one's grace
-        self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done)
+        self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done, peer_failed=peer_failed)
 
     def _asked_grace(self) -> float:
         req = self.run.stop_request or {}
@@ -167,11 +172,13 @@ class AttemptRunner:
             self.drain_timer.cancel()
 
     # ---------------------------------------------------------------- nodes ending
-    def node_ended(self, res: NodeResult) -> None:
-        """A node's log copy ended: the node was lost, or its torchrun ended (ask the agent how)."""
+    def node_ended(self, res: NodeResult, final: dict | None = None) -> None:
+        """A node's log copy ended: the node was lost, or its torchrun ended (how: the status the
+        agent's tail closed with, else ask the agent)."""
         name = res.node
         conn = self.cluster.connections.get(name)
-        now = agent_status(self.cluster, self.key, [name])[name] if conn is not None and conn.alive else {}
+        now = final if final is not None else \
+            agent_status(self.cluster, self.key, [name])[name] if conn is not None and conn.alive else {}
         if now.get("exit_code") is not None:
             self.record_end(name, now)
             return
@@ -190,7 +197,8 @@ class AttemptRunner:
         self.policy.failed(name, None, reason)
         self.save()
         if self.policy.first is not None or self.policy.stop_requests:  # its pending stop, too
-            threading.Thread(target=self.teardown, args=("lost after the failure or stop",), daemon=True).start()
+            threading.Thread(target=self.teardown, args=("lost after the failure or stop", self.policy.first is not None),
+                             daemon=True).start()
 
     def record_end(self, name: str, now: dict) -> None:
         """A node's torchrun ended: its exit code and end time, by the node's own record."""
@@ -207,4 +215,4 @@ class AttemptRunner:
     def _first_failure(self, ff: FirstFailure) -> None:
         self.say(f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
         self.book.attempt_changed(failed_at=ff.at)
-        threading.Thread(target=self.teardown, args=(f"{ff.node} failed",), daemon=True).start()
+        threading.Thread(target=self.teardown, args=(f"{ff.node} failed", True), daemon=True).start()

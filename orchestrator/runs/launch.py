@@ -22,6 +22,7 @@ from orchestrator.transport import Cluster, ClusterResult
 AGENT = resources.files("orchestrator").joinpath("remote/node_agent.py").read_bytes()
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
 RANK_LINES = resources.files("orchestrator").joinpath("remote/rank_lines.py").read_text()
+STATUS_MARK = "clusterctl-status "  # the node agent's STATUS_MARK: `tail KEY OFFSET status`'s last stderr line
 AGENT_TIMEOUT = 60.0  # one agent command (start, status, live)
 LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
 
@@ -48,9 +49,13 @@ def agent_status(cluster: Cluster, run_id: str, nodes: list[str] | None = None,
     return out
 
 
-def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None) -> ClusterResult:
-    """SIGTERM the run on each node, SIGKILL after `grace` seconds."""
-    return cluster.run(lambda n: agent_cmd(n, "stop", node_key(run_id, n), grace), stdin=AGENT, nodes=nodes,
+def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None,
+            peer_failed: bool = False) -> ClusterResult:
+    """SIGTERM the run on each node, SIGKILL after `grace` seconds (the agent stretches it to cover
+    a checkpoint save). `peer_failed`: a node of the run already failed, so no collective save can
+    complete: the agent kills at once, unless a checkpoint is being written there."""
+    mode = ["peer-failed"] if peer_failed else []
+    return cluster.run(lambda n: agent_cmd(n, "stop", node_key(run_id, n), grace, *mode), stdin=AGENT, nodes=nodes,
                        timeout=grace + 30)
 
 

@@ -51,11 +51,13 @@ class Stopper:
         self.pending: dict[tuple[str, str], PendingStop] = {}
         self.threads: dict[tuple[str, str], threading.Thread] = {}
 
-    def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset()) -> list[str]:
+    def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset(),
+             peer_failed: bool = False) -> list[str]:
         """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
-        in `unreached_ok`: never started). Returns the nodes left pending."""
+        in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
+        failed (launch.stop_on). Returns the nodes left pending."""
         live = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
-        res = stop_on(self.cluster, key, grace, live) if live else {}
+        res = stop_on(self.cluster, key, grace, live, peer_failed) if live else {}
         left = []
         for name in nodes:
             r = res.get(name)

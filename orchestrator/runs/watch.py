@@ -2,7 +2,9 @@
 
 One agent `tail KEY OFFSET` per running node, all driven by the transport's engine: stdout
 bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets as on the node), the
-agent's own stderr lines to the supervisor's log. `on_end` hears each node's end.
+agent's own stderr lines to the supervisor's log. `on_end` hears each node's end, with the
+node's status JSON when the agent's tail closed with it (`tail KEY OFFSET status`: no second
+session is opened to ask how the run ended there).
 
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
 resumes at the size of the control copy, so every byte lands exactly once. The node is reported
@@ -11,6 +13,7 @@ lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -18,7 +21,7 @@ from typing import IO, Callable
 
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
-from orchestrator.runs.launch import AGENT, agent_cmd, node_key
+from orchestrator.runs.launch import AGENT, STATUS_MARK, agent_cmd, node_key
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
 
@@ -33,6 +36,7 @@ class LogCopier:
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
         self.echo, self.after_write = echo, after_write
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
+        self.final: dict[str, dict] = {}  # node -> the agent's status JSON that closed its tail
 
     def offset(self, name: str) -> int:
         return self.files[name].tell() - self.start_at.get(name, 0)
@@ -46,6 +50,12 @@ class LogCopier:
                 self.after_write()
 
     def on_line(self, name: str, stream: str, line: str) -> None:
+        if stream == "stderr" and line.startswith(STATUS_MARK):  # the node's own word on how the run ended
+            try:
+                self.final[name] = json.loads(line[len(STATUS_MARK):])
+            except ValueError:
+                self.echo(f"supervisor: {name}: unreadable end status {line[-200:]!r}")
+            return
         if stream == "stderr" and line.strip():
             self.echo(f"supervisor: {name}: {line.strip()}")
 
@@ -80,7 +90,7 @@ class _Copy:
     """The tails of one copy_logs call: each node's tail runs on the engine; a dropped one is
     reconnected on its own thread and handed back to the engine through `events`."""
 
-    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
+    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, dict | None], None],
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
@@ -91,7 +101,7 @@ class _Copy:
     def start_tail(self, name: str) -> Proc:
         node = self.nodes[name]
         return self.cluster.connections[name].exec(
-            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name)), stdin=AGENT)
+            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name), "status"), stdin=AGENT)
 
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
@@ -112,7 +122,7 @@ class _Copy:
 
     def ended(self, res: NodeResult) -> None:
         self.active.discard(res.node)
-        self.on_end(res)
+        self.on_end(res, self.copier.final.pop(res.node, None))
 
     def pending(self) -> Proc | None:
         """For the engine: the next resumed tail; final results met on the way are reported."""
@@ -145,7 +155,7 @@ class _Copy:
                     pass
 
 
-def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult], None],
+def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, dict | None], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None) -> None:
