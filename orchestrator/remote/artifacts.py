@@ -20,6 +20,9 @@ checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOAR
                             Then every file under TBDIR past the offset the control machine already
                             has ({rel: offset} as hex JSON), as frames: a JSON header line
                             {"rel", "offset", "size"} then `size` bytes
+  (no command)              shipped inside node_agent.py as ARTIFACTS_SRC: `tail KEY OFFSET stream`
+                            runs `stream_records` every SCAN_S s in its one process (records: see
+                            `frame`; kinds FRAME_*), so no poll process is started while a run trains
   pack RUN_ID REL KEY...    an uncompressed tar on stdout of the run's artifacts (REL: one relative
                             path inside them, - for all) as artifacts/..., and of each node-runs
                             directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;
@@ -36,6 +39,9 @@ BASE = os.path.expanduser("~/.clusterctl/artifacts")
 NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 CHUNK = 1 << 20
+SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
+# the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)
+FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
 
 
 def prepare(run_id):
@@ -188,9 +194,14 @@ def pack(run_id, rel, *keys):
                 continue  # gone since it was listed (a pruned checkpoint)
 
 
-def since(d, offsets_hex):
-    have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
-    out = sys.stdout.buffer
+def frame(head, body):
+    """One record: a JSON header line (`head` and "size") then `size` bytes of body."""
+    return json.dumps(dict(head, size=len(body))).encode() + b"\n" + body
+
+
+def new_bytes(d, have):
+    """(rel, offset, bytes) of every file under d past the offset in `have` ({rel: offset}),
+    which is moved on past what is returned."""
     for rel, size in _files(d) if os.path.isdir(d) else []:
         start = int(have.get(rel, 0))
         if size <= start:
@@ -198,9 +209,30 @@ def since(d, offsets_hex):
         with open(os.path.join(d, rel), "rb") as f:
             f.seek(start)
             data = f.read(size - start)
-        out.write(json.dumps({"rel": rel, "offset": start, "size": len(data)}).encode() + b"\n")
-        out.write(data)
+        have[rel] = start + len(data)
+        yield rel, start, data
+
+
+def since(d, offsets_hex):
+    have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
+    out = sys.stdout.buffer
+    for rel, start, data in new_bytes(d, have):
+        out.write(frame({"rel": rel, "offset": start}, data))
     out.flush()
+
+
+def stream_records(d, tb, have, last):
+    """What a node's stream owes since its last scan: the checkpoint list (as `poll` prints it)
+    when it changed (`last` holds the one sent), then the TensorBoard frames past `have`."""
+    out = []
+    if d != "-":
+        found = _ckpts(d)
+        if found != last.get("ckpts"):
+            last["ckpts"] = found
+            out.append(frame({"t": FRAME_CKPTS}, json.dumps(found).encode()))
+    for rel, start, data in new_bytes(tb, have):
+        out.append(frame({"t": FRAME_TB, "rel": rel, "offset": start}, data))
+    return out
 
 
 def poll(d, tb, offsets_hex):

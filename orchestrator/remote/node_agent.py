@@ -32,6 +32,10 @@ processes), never by name pattern.
   status KEY                   print the run's state as JSON
   tail KEY OFFSET [status]     stream the log from OFFSET until the run ended and all is sent;
                                with status, then `status`'s JSON on stderr after STATUS_MARK
+  tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX
+                               the same as framed records on stdout, with the node's new
+                               checkpoints and TensorBoard bytes and, last, the status (Stream);
+                               needs ARTIFACTS_SRC (remote/artifacts.py) prepended to this script
   live                         print the keys of runs still alive on this node
   claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
                                the holder's record}; a claim whose run has ended is replaced
@@ -409,14 +413,15 @@ def vanished(d, run_id):
         return not run_pids(run_id)
 
 
-def tail(run_id, offset, report=""):
+def tail(run_id, offset, report="", *watch):
     """The log from `offset` until the run ended and every byte is out; with report=status,
-    then `status`'s JSON as the last stderr line, after STATUS_MARK (saves asking again)."""
-    if report not in ("", "status"):
-        sys.exit(f"unknown tail report {report!r}: expected status")
+    then `status`'s JSON as the last stderr line, after STATUS_MARK (saves asking again); with
+    report=stream, framed records instead (see Stream)."""
+    if report not in ("", "status", "stream") or len(watch) != (3 if report == "stream" else 0):
+        sys.exit(f"unknown tail report {report!r}: expected status, or stream CKPTDIR|- TBDIR OFFSETS_HEX")
     d = rundir(run_id)
     path = os.path.join(d, "log")
-    out = sys.stdout.buffer
+    sink = Stream(*watch) if report == "stream" else Plain(report)
     pos = int(offset)
     deadline = time.time() + 30
     while not os.path.exists(path):  # the run may be a moment from starting
@@ -429,8 +434,7 @@ def tail(run_id, offset, report=""):
         while True:
             chunk = f.read(1 << 20)
             if chunk:
-                out.write(chunk)
-                out.flush()
+                pos = sink.log(pos, chunk)
                 idle_since = time.time()
                 continue
             ended = os.path.exists(os.path.join(d, "exit_code"))
@@ -440,13 +444,68 @@ def tail(run_id, offset, report=""):
             if ended:
                 chunk = f.read()  # whatever landed between the last read and the exit
                 if not chunk:
-                    if report:
-                        sys.stderr.write(STATUS_MARK + json.dumps(status_doc(run_id)) + "\n")
+                    sink.end(status_doc(run_id))
                     return
-                out.write(chunk)
-                out.flush()
+                pos = sink.log(pos, chunk)
                 continue
+            sink.tick()
             time.sleep(0.02)
+
+
+class Plain:
+    """`tail`'s raw output: the log bytes as they are; with report=status, the end after STATUS_MARK."""
+
+    def __init__(self, report):
+        self.report, self.out = report, sys.stdout.buffer
+
+    def log(self, pos, chunk):
+        self.out.write(chunk)
+        self.out.flush()
+        return pos + len(chunk)
+
+    def tick(self):
+        pass
+
+    def end(self, doc):
+        if self.report:
+            sys.stderr.write(STATUS_MARK + json.dumps(doc) + "\n")
+
+
+class Stream(Plain):
+    """`tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX`: one stream for everything the control
+    machine takes from a running node. Records (artifacts.py `frame`): the log's bytes by offset,
+    the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past OFFSETS_HEX
+    (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process, and last the
+    run's status. artifacts.py comes prepended as ARTIFACTS_SRC: its rules, run in their own
+    namespace, are the ones its `poll` applies."""
+
+    def __init__(self, ckpt_dir, tb_dir, offsets_hex):
+        super().__init__("stream")
+        src = globals().get("ARTIFACTS_SRC") or sys.exit("stream: expected ARTIFACTS_SRC before the script")
+        self.art = {"__name__": "clusterctl_artifacts"}
+        exec(src, self.art)
+        self.ckpt_dir, self.tb_dir, self.last = ckpt_dir, tb_dir, {}
+        self.have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
+        self.next_scan = 0.0
+
+    def log(self, pos, chunk):
+        self.out.write(self.art["frame"]({"t": self.art["FRAME_LOG"], "offset": pos}, chunk))
+        self.out.flush()
+        self.tick()  # a log that never pauses still gets its checkpoints seen
+        return pos + len(chunk)
+
+    def tick(self, now=False):
+        if not now and time.time() < self.next_scan:
+            return
+        self.next_scan = time.time() + self.art["SCAN_S"]
+        for rec in self.art["stream_records"](self.ckpt_dir, self.tb_dir, self.have, self.last):
+            self.out.write(rec)
+        self.out.flush()
+
+    def end(self, doc):
+        self.tick(now=True)  # what the run wrote last
+        self.out.write(self.art["frame"]({"t": self.art["FRAME_END"]}, json.dumps(doc).encode()))
+        self.out.flush()
 
 
 def live():

@@ -24,7 +24,7 @@ from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResul
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, grace_for
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
-from orchestrator.runs.watch import copy_logs
+from orchestrator.runs.watch import Artifacts, copy_logs
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 
@@ -47,6 +47,7 @@ class AttemptRunner:
         self.tlock = threading.Lock()  # teardowns: one at a time
         self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
         self.drain_timer: threading.Timer | None = None
+        self.artifacts: Artifacts | None = None  # the run's ArtifactCopier: the nodes' streams report to it
 
     def save(self) -> None:
         self.book.nodes_changed(list(self.statuses.values()))
@@ -81,7 +82,7 @@ class AttemptRunner:
 
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None) -> RunResult:
         copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
-                  start_at=start_at)
+                  start_at=start_at, artifacts=self.artifacts)
         return self.result()
 
     def result(self) -> RunResult:

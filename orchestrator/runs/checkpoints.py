@@ -2,16 +2,17 @@
 
 The job writes checkpoints to CLUSTERCTL_CHECKPOINT_DIR and TensorBoard events to
 CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
-orchestrator/remote/artifacts.py). While it trains, `ArtifactCopier` asks every node what
-finished and copies it here over the run's SSH connections, as a tar stream unpacked as it
-arrives (transfer/unpack.py: each file written once and hashed on the way in). A checkpoint
-counts as complete by the trainer's own marks: a file's sha256 sidecar, a directory's
-MANIFEST.sha256 of every file. An FSDP checkpoint written without a shared filesystem is spread
-over the nodes (each holds its ranks' shards, the manifest lists them all): the pieces are
-merged into one directory here, complete once the manifest checks. Before a relaunch, `restore`
-streams the newest complete checkpoint to the nodes that need it. With train.checkpoint_replica
-the same poll loop also runs runs/replicas.py's `Replicator` (node-to-node copies that never
-pass through this machine).
+orchestrator/remote/artifacts.py). While it trains, each node's log stream (runs/watch.py,
+the agent's `tail ... stream`) tells `ArtifactCopier` what finished there and carries the new
+TensorBoard bytes; the copier copies new checkpoints here over the run's SSH connections, on its
+own thread, as a tar stream unpacked as it arrives (transfer/unpack.py: each file written once
+and hashed on the way in). A checkpoint counts as complete by the trainer's own marks: a file's
+sha256 sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without
+a shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
+them all): the pieces are merged into one directory here, complete once the manifest checks.
+Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
+With train.checkpoint_replica the same thread also runs runs/replicas.py's `Replicator`
+(node-to-node copies that never pass through this machine).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import tarfile
 import threading
@@ -37,7 +39,7 @@ from orchestrator.transport import Cluster
 AGENT = resources.files("orchestrator").joinpath("remote/artifacts.py").read_bytes()
 MANIFEST = "MANIFEST.sha256"
 KEEP = 3  # complete checkpoints kept on the control machine
-POLL_S = 2.0  # how often the nodes are asked for new checkpoints and event bytes
+POLL_S = 2.0  # how often a copy that failed is tried again (the nodes' streams say what is new)
 TIMEOUT = 600.0  # one copy of one checkpoint
 
 
@@ -152,8 +154,9 @@ class CheckpointStore:
 
 
 class ArtifactCopier:
-    """Copies finished checkpoints and new TensorBoard bytes from the nodes to the run directory,
-    every POLL_S seconds while the run trains (`start`/`stop`), and once more with `sweep`."""
+    """Copies finished checkpoints and new TensorBoard bytes from the nodes to the run directory:
+    as the nodes' streams report them while the run trains (`start`/`stop`: the copying thread),
+    and once more with `sweep` (one `poll` process per node)."""
 
     def __init__(self, cluster: Cluster, run_dir: Path, dirs: dict[str, dict], say: Callable[[str], None] = print,
                  checkpoints: bool = True):
@@ -166,9 +169,34 @@ class ArtifactCopier:
         self.fetched: set[tuple[str, str]] = set()  # (node, checkpoint) pieces already taken
         self.copy_s = 0.0  # seconds spent copying checkpoints (the benchmark reads it)
         self.events: list[tuple[float, str]] = []  # (time, checkpoint) as each became complete here
+        self.latest: dict[str, list[dict]] = {}  # node -> its complete checkpoints, as last reported
+        self._news: queue.Queue[str] = queue.Queue()  # nodes whose checkpoints changed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ a node's stream (runs/watch.py)
+    def stream_args(self, node: str) -> list[str] | None:
+        """`tail ... stream`'s CKPTDIR|- TBDIR OFFSETS_HEX for `node`, resuming its TensorBoard
+        files at their sizes here; None before its directories are known."""
+        d = self.dirs.get(node)
+        if d is None:
+            return None
+        want = self.checkpoints or self.replicator is not None
+        return [d["checkpoints"] if want else "-", d["tensorboard"], json.dumps(self.tb_have(node)).encode().hex()]
+
+    def on_checkpoints(self, node: str, found: list[dict]) -> None:
+        """The node's complete checkpoints changed: copied on the copying thread, not the stream's."""
+        self.latest[node] = found
+        self._news.put(node)
+
+    def on_tb(self, node: str, head: dict, body: bytes) -> None:
+        write_frame(head, body, self.tb_dir / node)
+
+    def tb_have(self, node: str) -> dict[str, int]:
+        local = self.tb_dir / node  # one subdirectory per node: event file names may repeat
+        return {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
+            if local.is_dir() else {}
 
     # ------------------------------------------------------------ one poll
     def poll(self, nodes: list[str]) -> dict[str, list[dict]]:
@@ -177,11 +205,7 @@ class ArtifactCopier:
         TensorBoard event files gained since the last poll, which are appended here."""
         names = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
         want = self.checkpoints or self.replicator is not None
-        have, bufs = {}, {n: bytearray() for n in names}
-        for node in names:
-            local = self.tb_dir / node  # one subdirectory per node: event file names may repeat
-            have[node] = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
-                if local.is_dir() else {}
+        have, bufs = {n: self.tb_have(n) for n in names}, {n: bytearray() for n in names}
         if not names:
             return {}
         res = self.cluster.run(lambda n: artifacts_cmd(n, "poll", self.dirs[n.name]["checkpoints"] if want else "-",
@@ -251,14 +275,32 @@ class ArtifactCopier:
             if self.replicator is not None:
                 self.replicator.poll(nodes, found)
 
+    def copy_new(self, nodes: list[str], which: list[str]) -> None:
+        """What the streams reported for the nodes `which`: their new checkpoints copied here, and
+        every node's newest replicated."""
+        with self._lock:
+            latest = dict(self.latest)  # the streams' thread adds to it meanwhile
+            if self.checkpoints:
+                self.fetch_new({n: latest[n] for n in which if n in latest})
+            if self.replicator is not None:
+                self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
+
     def start(self, nodes: Callable[[], list[str]]) -> None:
+        """The copying thread: each node's news as its stream brings it; every POLL_S s without
+        news, what was reported is looked over again (a copy that failed is tried again)."""
         def loop():
             with contextlib.suppress(OSError):  # behind the job's processes when they share this machine
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            while not self._stop.wait(POLL_S):
+            while not self._stop.is_set():
                 try:
-                    self.sweep(nodes())
-                except Exception as e:  # noqa: BLE001 - a failed copy is retried at the next poll
+                    which = [self._news.get(timeout=POLL_S)]
+                except queue.Empty:
+                    which = list(self.latest)
+                if self._stop.is_set():
+                    break
+                try:
+                    self.copy_new(nodes(), which)
+                except Exception as e:  # noqa: BLE001 - a failed copy is tried again
                     self.say(f"artifact copy: {type(e).__name__}: {e}")
 
         self._stop.clear()
@@ -266,10 +308,15 @@ class ArtifactCopier:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the copying thread once its copy in progress is done (`sweep` takes what is left)."""
         self._stop.set()
+        self._news.put("")  # wakes the thread
         if self._thread is not None:
             self._thread.join(TIMEOUT)
             self._thread = None
+        self.latest.clear()
+        while not self._news.empty():
+            self._news.get_nowait()
 
 
 def write_frames(data: bytes, root: Path) -> None:
@@ -278,17 +325,21 @@ def write_frames(data: bytes, root: Path) -> None:
     while pos < len(data):
         nl = data.index(b"\n", pos)
         head = json.loads(data[pos:nl])
-        body = data[nl + 1: nl + 1 + head["size"]]
+        write_frame(head, data[nl + 1: nl + 1 + head["size"]], root)
         pos = nl + 1 + head["size"]
-        rel = Path(head["rel"])
-        if rel.is_absolute() or ".." in rel.parts:
-            continue
-        dst = root / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with open(dst, "ab") as f:
-            if f.tell() != head["offset"]:
-                continue  # out of step (a file rewritten on the node): skip rather than corrupt
-            f.write(body)
+
+
+def write_frame(head: dict, body: bytes, root: Path) -> None:
+    """One frame's bytes appended to root/REL when the file here ends at its offset."""
+    rel = Path(head["rel"])
+    if rel.is_absolute() or ".." in rel.parts:
+        return
+    dst = root / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "ab") as f:
+        if f.tell() != head["offset"]:
+            return  # out of step (a file rewritten on the node): skip rather than corrupt
+        f.write(body)
 
 
 def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nodes: list[Node]) -> list[str]:

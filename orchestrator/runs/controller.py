@@ -221,6 +221,7 @@ class Controller:
         self.current = AttemptRunner(run=self.run, spec=self.spec, book=self.book, cluster=self.cluster,
                                      inv=ordered(self.full_inv, a.nodes), record=a, stopper=self.stopper,
                                      stop_requests=self.stop_requests, say=say)
+        self.current.artifacts = self.copier
         return self.current
 
     def verdict(self, runner: AttemptRunner, result: RunResult) -> Verdict:

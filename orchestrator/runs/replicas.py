@@ -106,7 +106,8 @@ def _merge_moves(here: list[Piece], targets: list[str]) -> list[Move] | None:
 
 class Replicator:
     """Copies each node's newest complete checkpoint to its replica holder (`ring`); called from
-    ArtifactCopier's poll loop. `dirs` is the attempt's prepare() answer per node."""
+    ArtifactCopier's copying thread as the nodes' streams report new checkpoints, and by its
+    end-of-attempt sweep. `dirs` is the attempt's prepare() answer per node."""
 
     def __init__(self, cluster: Cluster, dirs: dict[str, dict], say: Callable[[str], None] = print,
                  keep: int = KEEP):
@@ -117,7 +118,8 @@ class Replicator:
         self.events: list[tuple[float, str, str, str]] = []  # (time, source, holder, checkpoint)
 
     def poll(self, nodes: list[str], found: dict[str, list[dict]]) -> None:
-        """`found`: each node's complete checkpoints, newest first (the copier's poll)."""
+        """`found`: each node's complete checkpoints, newest first (as the node's stream or the
+        sweep's poll reported them)."""
         alive = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
         holders = {s: h for s, h in ring(nodes).items() if s in alive and h in alive}
         for src, holder in holders.items():

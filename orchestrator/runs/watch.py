@@ -6,6 +6,13 @@ agent's own stderr lines to the supervisor's log. `on_end` hears each node's end
 node's status JSON when the agent's tail closed with it (`tail KEY OFFSET status`: no second
 session is opened to ask how the run ended there).
 
+With `artifacts` (the run's ArtifactCopier, runs/checkpoints.py) the same process carries
+everything else the control machine takes from the node while it trains: `tail KEY OFFSET
+stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read here
+by `Frames`): log bytes by offset, the node's complete checkpoints whenever they change (the
+copier fetches and replicates them on its own thread), TensorBoard bytes (appended here at
+once) and last the status. No poll process is started on the nodes while the run trains.
+
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
 resumes at the size of the control copy, so every byte lands exactly once. The node is reported
 lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`.
@@ -17,7 +24,8 @@ import json
 import queue
 import threading
 import time
-from typing import IO, Callable
+from importlib import resources
+from typing import IO, Callable, Iterator, Protocol
 
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
@@ -26,28 +34,108 @@ from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
+ARTIFACTS_SRC = resources.files("orchestrator").joinpath("remote/artifacts.py").read_text()
+# `tail ... stream` runs artifacts.py's rules in the agent's process: one program on stdin
+STREAM_AGENT = f"ARTIFACTS_SRC = {ARTIFACTS_SRC!r}\n".encode() + AGENT
+# the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
+FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
+
+
+class Artifacts(Protocol):
+    """What a node's stream feeds besides the log (runs/checkpoints.py ArtifactCopier)."""
+
+    def stream_args(self, node: str) -> list[str] | None: ...
+
+    def on_checkpoints(self, node: str, found: list[dict]) -> None: ...
+
+    def on_tb(self, node: str, head: dict, body: bytes) -> None: ...
+
+
+class Frames:
+    """Splits a byte stream into records: a JSON header line with "size", then that many bytes."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.broken = False  # a record could not be read: the rest is ignored
+
+    def feed(self, data: bytes) -> Iterator[tuple[dict, bytes]]:
+        self.buf += data
+        while (nl := self.buf.find(b"\n")) >= 0:
+            head = json.loads(self.buf[:nl])
+            end = nl + 1 + int(head["size"])
+            if len(self.buf) < end:
+                return
+            body = bytes(self.buf[nl + 1:end])
+            del self.buf[:end]
+            yield head, body
 
 
 class LogCopier:
     """Byte and line sinks for the engine: a node's stdout appended to its log copy."""
 
     def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = print,
-                 after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None):
+                 after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None,
+                 artifacts: Artifacts | None = None):
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
-        self.echo, self.after_write = echo, after_write
+        self.echo, self.after_write, self.artifacts = echo, after_write, artifacts
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
         self.final: dict[str, dict] = {}  # node -> the agent's status JSON that closed its tail
+        self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
 
     def offset(self, name: str) -> int:
         return self.files[name].tell() - self.start_at.get(name, 0)
 
+    def tail_args(self, name: str) -> list[object]:
+        """The agent's `tail` arguments after KEY OFFSET: a framed stream when the copier has the
+        node's directories (its reader starts afresh: a dropped stream's half record is sent again)."""
+        more = self.artifacts.stream_args(name) if self.artifacts is not None else None
+        if more is None:
+            self.frames.pop(name, None)
+            return ["status"]
+        self.frames[name] = Frames()
+        return ["stream", *more]
+
     def on_bytes(self, name: str, stream: str, data: bytes) -> None:
-        if stream == "stdout":
-            f = self.files[name]
-            f.write(data)
-            f.flush()
-            if self.after_write is not None:
-                self.after_write()
+        if stream != "stdout":
+            return
+        reader = self.frames.get(name)
+        if reader is None:
+            self.write_log(name, data)
+            return
+        if reader.broken:
+            return
+        try:
+            for head, body in reader.feed(data):
+                self.on_record(name, head, body)
+        except (ValueError, KeyError, TypeError) as e:  # out of step: nothing after it can be trusted
+            reader.broken = True
+            self.echo(f"supervisor: {name}: unreadable stream ({type(e).__name__}: {e}); "
+                      "the rest of this tail is dropped")
+
+    def on_record(self, name: str, head: dict, body: bytes) -> None:
+        kind = head.get("t")
+        if kind == FRAME_LOG:
+            have = self.offset(name)
+            if head["offset"] > have:
+                raise ValueError(f"log bytes from {head['offset']}, the copy has {have}")
+            if head["offset"] + len(body) > have:
+                self.write_log(name, body[have - head["offset"]:])
+        elif kind == FRAME_END:
+            self.final[name] = json.loads(body)
+        elif self.artifacts is not None and kind == FRAME_TB:
+            try:
+                self.artifacts.on_tb(name, head, body)
+            except OSError as e:  # the log copy goes on; a reconnect or the last sweep sends them again
+                self.echo(f"supervisor: {name}: TensorBoard bytes of {head.get('rel')!r} not written: {e}")
+        elif self.artifacts is not None and kind == FRAME_CKPTS:
+            self.artifacts.on_checkpoints(name, json.loads(body))
+
+    def write_log(self, name: str, data: bytes) -> None:
+        f = self.files[name]
+        f.write(data)
+        f.flush()
+        if self.after_write is not None:
+            self.after_write()
 
     def on_line(self, name: str, stream: str, line: str) -> None:
         if stream == "stderr" and line.startswith(STATUS_MARK):  # the node's own word on how the run ended
@@ -100,8 +188,10 @@ class _Copy:
 
     def start_tail(self, name: str) -> Proc:
         node = self.nodes[name]
+        more = self.copier.tail_args(name)
         return self.cluster.connections[name].exec(
-            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name), "status"), stdin=AGENT)
+            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name), *more),
+            stdin=STREAM_AGENT if more[0] == "stream" else AGENT)
 
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
@@ -158,16 +248,17 @@ class _Copy:
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, dict | None], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
-              start_at: dict[str, int] | None = None) -> None:
+              start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None) -> None:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
     `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines). `key`:
     the run's id on the nodes when it is not run.id (a restart's RUN_ID.aK); `start_at`: where
-    each node's log begins in its copy."""
+    each node's log begins in its copy; `artifacts`: where the nodes' checkpoint and TensorBoard
+    records go (their tails then stream them)."""
     if not nodes:
         return
-    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at)
+    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts)
     try:
         _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id).copy()
     finally:

@@ -1,0 +1,212 @@
+"""The node's one stream (`tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX`), run locally as it
+is shipped (remote/artifacts.py prepended to the agent), and read by the control side's Frames."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from orchestrator.runs import watch
+from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier
+from orchestrator.runs.watch import STREAM_AGENT, Frames, LogCopier
+
+REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
+JOB = r"""
+import hashlib, os, sys, time
+ck, tb = os.environ["CK"], os.environ["TB"]
+os.makedirs(os.path.join(tb, "sub"), exist_ok=True)
+for step in range(1, 13):
+    sys.stdout.buffer.write(b"step %d " % step + bytes(range(256)) * (40 if step % 4 == 0 else 1) + b"\n")
+    sys.stdout.flush()
+    with open(os.path.join(tb, "sub", "events.0"), "ab") as f:
+        f.write(b"tb%d;" % step)
+    if step % 4 == 0:
+        name = os.path.join(ck, "ckpt_%08d.pt" % step)
+        data = os.urandom(5000)
+        with open(name + ".sha256", "w") as f:
+            f.write(hashlib.sha256(data).hexdigest() + "  ckpt_%08d.pt\n" % step)
+        with open(name + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(name + ".tmp", name)
+    time.sleep(0.4)
+"""
+
+
+def agent_env(tmp_path):
+    return dict(os.environ, HOME=str(tmp_path), CK=str(tmp_path / "ck"), TB=str(tmp_path / "tb"))
+
+
+def start_job(tmp_path, key):
+    (tmp_path / "ck").mkdir()
+    spec = {"argv": [sys.executable, "-c", JOB], "cwd": str(tmp_path), "env": {}}
+    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=watch.AGENT,
+                       env=agent_env(tmp_path), capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def stream(tmp_path, key, offset, tb_have, ckdir=None):
+    args = ["tail", key, str(offset), "stream", ckdir or str(tmp_path / "ck"), str(tmp_path / "tb"),
+            json.dumps(tb_have).encode().hex()]
+    return subprocess.Popen([sys.executable, "-", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=agent_env(tmp_path))
+
+
+def records(proc, stop_after=None):
+    """(head, body) records as they arrive; `stop_after(records)` true: the stream is cut there."""
+    proc.stdin.write(STREAM_AGENT)
+    proc.stdin.close()
+    frames, out = Frames(), []
+    while chunk := os.read(proc.stdout.fileno(), 7001):  # odd pieces: records split anywhere
+        out += list(frames.feed(chunk))
+        if stop_after is not None and stop_after(out):
+            proc.kill()
+            break
+    proc.wait(30)
+    return out
+
+
+def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_copy_ends(tmp_path):
+    key = "s1@n1"
+    start_job(tmp_path, key)
+    # the first stream is cut once it announced a checkpoint and sent some TensorBoard bytes
+    first = records(stream(tmp_path, key, 0, {}), lambda rs: any(h["t"] == "ckpts" and json.loads(b) for h, b in rs)
+                    and any(h["t"] == "tb" for h, _ in rs))
+    log, tb = b"", {}
+    for head, body in first:
+        if head["t"] == "log":
+            assert head["offset"] == len(log)
+            log += body
+        elif head["t"] == "tb":
+            assert head["offset"] == tb.get(head["rel"], 0)
+            tb[head["rel"]] = tb.get(head["rel"], 0) + len(body)
+    assert not any(h["t"] == "end" for h, _ in first)
+    # resumed at the copy's sizes: every byte once, the end status last
+    second = records(stream(tmp_path, key, len(log), tb))
+    kinds = [h["t"] for h, _ in second]
+    assert kinds[-1] == "end" and kinds.count("end") == 1
+    for head, body in second[:-1]:
+        if head["t"] == "log":
+            assert head["offset"] == len(log)
+            log += body
+        elif head["t"] == "tb":
+            assert head["offset"] == tb.get(head["rel"], 0)
+            tb[head["rel"]] = tb.get(head["rel"], 0) + len(body)
+    run = tmp_path / ".clusterctl" / "node-runs" / key
+    assert log == (run / "log").read_bytes()
+    assert tb == {"sub/events.0": (tmp_path / "tb" / "sub" / "events.0").stat().st_size}
+    assert json.loads(second[-1][1])["exit_code"] == 0
+    # the checkpoint list is the one `artifacts.py poll` prints, and only when it changed
+    lists = [json.loads(b) for h, b in second if h["t"] == "ckpts"]
+    assert lists[0] != [] and all(a != b for a, b in zip(lists, lists[1:]))
+    poll = subprocess.run([sys.executable, "-", "poll", str(tmp_path / "ck"), str(tmp_path / "tb"), "-"],
+                          input=ARTIFACTS, capture_output=True, timeout=30, env=agent_env(tmp_path))
+    assert lists[-1] == json.loads(poll.stdout.split(b"\n", 1)[0])
+    assert [c["name"] for c in lists[-1]] == ["ckpt_00000012.pt", "ckpt_00000008.pt", "ckpt_00000004.pt"]
+
+
+def test_without_a_checkpoint_directory_only_log_tensorboard_and_status(tmp_path):
+    key = "s2@n1"
+    start_job(tmp_path, key)
+    rs = records(stream(tmp_path, key, 0, {}, ckdir="-"))
+    assert {h["t"] for h, _ in rs} == {"log", "tb", "end"}
+
+
+class Copier:
+    def __init__(self, tmp_path):
+        self.tb_dir, self.found = tmp_path / "tb-here", []
+
+    def stream_args(self, node):
+        return ["-", "-", "-"]
+
+    def on_checkpoints(self, node, found):
+        self.found.append((node, found))
+
+    def on_tb(self, node, head, body):
+        from orchestrator.runs.checkpoints import write_frame
+
+        write_frame(head, body, self.tb_dir / node)
+
+
+def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
+    """Records cut into single bytes, a reconnect half way through a record: the log copy gets each
+    byte once, in order; checkpoint lists and TensorBoard bytes go to the copier."""
+    (tmp_path / "nodes").mkdir()
+
+    class Run:
+        def node_log(self, name):
+            return tmp_path / "nodes" / f"{name}.log"
+
+    copier = Copier(tmp_path)
+    lc = LogCopier(Run(), ["n1"], echo=print, artifacts=copier)
+    assert lc.tail_args("n1")[0] == "stream"
+    whole = bytes(range(256)) * 50
+    ck = [{"name": "ckpt_00000004.pt", "step": 4, "kind": "file", "files": []}]
+    data = (frame({"t": "log", "offset": 0}, whole[:3000]) + frame({"t": "ckpts"}, json.dumps(ck).encode())
+            + frame({"t": "tb", "rel": "a/events", "offset": 0}, b"xyz") + frame({"t": "log", "offset": 3000},
+                                                                                 whole[3000:9000]))
+    for i in range(len(data) - 10):  # the last record arrives cut: its connection dropped
+        lc.on_bytes("n1", "stdout", data[i:i + 1])
+    assert lc.offset("n1") == 3000
+    lc.tail_args("n1")  # the reconnected tail starts afresh, at the copy's size
+    again = frame({"t": "log", "offset": 3000}, whole[3000:]) + frame({"t": "end"}, b'{"exit_code": 0}')
+    lc.on_bytes("n1", "stdout", again)
+    lc.close()
+    assert (tmp_path / "nodes" / "n1.log").read_bytes() == whole
+    assert copier.found == [("n1", ck)] and (copier.tb_dir / "n1" / "a" / "events").read_bytes() == b"xyz"
+    assert lc.final["n1"] == {"exit_code": 0}
+
+
+def frame(head, body):
+    ns = {"__name__": "x"}
+    exec((REMOTE / "artifacts.py").read_text(), ns)
+    return ns["frame"](head, body)
+
+
+def test_the_record_kinds_are_the_node_sides():
+    text = (REMOTE / "artifacts.py").read_text()
+    node = re.search(r"^FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = (.*)$", text, re.M).group(1)
+    assert eval(node) == (watch.FRAME_LOG, watch.FRAME_TB, watch.FRAME_CKPTS, watch.FRAME_END)  # noqa: S307
+
+
+def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):
+    """on_checkpoints returns at once; the copy runs on the copier's thread; a failed copy is tried
+    again without news from the node."""
+    release, calls = threading.Event(), []
+
+    class Cluster:
+        connections = {}
+
+        def run(self, cmd, *, stdin, nodes, timeout, capture, on_bytes):
+            calls.append(cmd(SimpleNamespace(python="python3", name=nodes[0])))
+            release.wait(10)
+            from orchestrator.transport import NodeResult
+
+            return {nodes[0]: NodeResult(nodes[0], 1)}
+
+    copier = ArtifactCopier(Cluster(), tmp_path, {"n1": {"checkpoints": "/c", "tensorboard": "/t"}}, say=print)
+    copier.start(lambda: ["n1"])
+    t0 = time.monotonic()
+    copier.on_checkpoints("n1", [{"name": "ckpt_00000004.pt", "step": 4, "kind": "file", "files": []}])
+    assert time.monotonic() - t0 < 0.1
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls and "send" in calls[0]
+    release.set()
+    while len(calls) < 2 and time.monotonic() < deadline:  # failed: tried again after POLL_S
+        time.sleep(0.05)
+    copier.stop()
+    assert len(calls) >= 2
+    assert copier.stream_args("n1")[:2] == ["/c", "/t"] and copier.stream_args("n2") is None
+
+
+def test_the_stream_agent_is_the_agent_with_artifacts_rules_before_it():
+    assert STREAM_AGENT.endswith(watch.AGENT)
+    ns = {}
+    exec(STREAM_AGENT[:-len(watch.AGENT)], ns)
+    assert ns["ARTIFACTS_SRC"].encode() == ARTIFACTS
