@@ -206,3 +206,12 @@ def test_node_count_limit():
     text = "nodes:\n" + "".join(f"  - {{name: n{i}, host: h{i}}}\n" for i in range(4097))
     e = _err(text)
     assert "nodes: List should have at most 4096 items" in str(e)
+
+
+def test_a_key_with_a_control_character_is_quoted_in_the_message():
+    """Found by the inventory fuzzer: `ssh: {"i<TAB>dentity_file": x}` printed the tab raw in the key
+    path, so the message was not one printable paragraph."""
+    with pytest.raises(InventoryError) as e:
+        parse_inventory('nodes:\n  - {name: a, host: 10.0.0.1}\nssh:\n  "i\\tdentity_file": x\n', "inv.yaml")
+    msg = str(e.value)
+    assert msg.isprintable() and "ssh.'i\\tdentity_file'" in msg, repr(msg)

@@ -99,7 +99,7 @@ def test_nodes_subset_trains_with_its_first_node_as_rank_0(cpu3, tmp_path, home)
     assert re.search(r"^node2/r0 +\| rank 0 of 2 on node2 ", r.stdout, re.M), r.stdout
     assert re.search(r"^node3/r1 +\| rank 1 of 2 on node3 ", r.stdout, re.M), r.stdout
     rec = last_run(home)
-    assert rec["preflight_ok"] is True
+    assert rec["attempts"][0]["preflight_ok"] is True
     assert [(n["name"], n["rank"], n["first_rank"]) for n in rec["nodes"]] == [("node2", 0, 0), ("node3", 1, 1)]
     assert not cpu3.processes(cpu3.nodes[0])  # node1 was never part of it
 

@@ -67,8 +67,11 @@ def _node_at(root, loc: tuple) -> tuple[Any, Any]:
 
 
 def _format_loc(loc: tuple) -> str:
+    """A key path as a message shows it: `nodes[2].ssh.port`; a key with a control character or
+    a space in it is quoted as repr quotes it, so the message stays one printable paragraph."""
     out = ""
     for p in loc:
+        p = p if isinstance(p, int) or (str(p).isprintable() and " " not in str(p)) else repr(str(p))
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out
 
