@@ -215,6 +215,7 @@ class Controller:
             self.copier.stop()
             runner.close()
             self.current = None
+        self.copier.sweep(list(a.nodes))  # a checkpoint written just before the end
         return a.attempt, a.nodes, (result, self.verdict(runner, result))
 
     def runner(self, a: AttemptRecord) -> AttemptRunner:
