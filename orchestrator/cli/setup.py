@@ -1,23 +1,13 @@
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import click
 
 from orchestrator.cli.jsonout import emit
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, UsageError, with_unreachable
-
-
-def requirements_path(inv) -> Path:
-    """setup.requirements on this machine: a relative path is relative to the inventory's
-    directory (the current one for the embedded inventory)."""
-    p = Path(os.path.expanduser(inv.setup.requirements))
-    if not p.is_absolute() and os.path.isfile(inv.source):
-        p = Path(inv.source).resolve().parent / p
-    return p
+from orchestrator.pyenv import requirements_path
 
 
 def _summary(report) -> str:

@@ -35,7 +35,8 @@ def _script(setup: SetupSection, *args: str) -> str:
     return f"{shell.path(setup.base)} -c {shell.quote(PYENV)} " + " ".join(shell.path(a) for a in args)
 
 
-def _last_json(text: str) -> dict | None:
+def last_json(text: str) -> dict | None:
+    """The last JSON object a node-side script printed on a line of its own (None: none, or unreadable)."""
     for line in reversed(text.splitlines()):
         if line.startswith("{"):
             try:
@@ -62,7 +63,7 @@ def probe(cluster: Cluster, nodes: list[str], setup: SetupSection) -> dict[str, 
                       timeout=PROBE_TIMEOUT)
     out: dict[str, dict | str] = {}
     for name, r in res.items():
-        doc = _last_json(r.stdout) if r.ok else None
+        doc = last_json(r.stdout) if r.ok else None
         out[name] = doc if doc is not None else _why(r, f"cannot run {setup.base}")
     return out
 
@@ -87,7 +88,7 @@ def _ship(cluster: Cluster, nodes: list[Node], setup: SetupSection, lock: Lock, 
 
 
 def _installed(name: str, r: NodeResult, probes: dict, lock: Lock, nbytes: int) -> SetupResult:
-    doc = _last_json(r.stdout) if r.ok else None
+    doc = last_json(r.stdout) if r.ok else None
     if doc is None or doc.get("installed") != lock.hash:
         return SetupResult(name, "failed", False, _why(r, "installing failed"), probes[name].get("hash"),
                            r.duration, nbytes)

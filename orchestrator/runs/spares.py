@@ -16,7 +16,6 @@ must record the same lock hash as the donors' venvs. Every wait has a timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from orchestrator import shell
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import load_nodeinfo
+from orchestrator.pyenv.nodes import last_json
 from orchestrator.sync import prune_command, sync
 from orchestrator.transfer.files import run_outputs
 from orchestrator.transfer.pair import copy_code
@@ -43,16 +43,6 @@ def _nodeinfo(inv: Inventory, node: Node, mode: str, *extra: str) -> str:
             f"{shell.path(node.workdir)} {shell.join([*outputs, *extra])}").rstrip()
 
 
-def _last_json(r: NodeResult) -> dict | None:
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
-
-
 def _why(r: NodeResult) -> str:
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     return err[-1].strip() if err else r.describe()
@@ -65,7 +55,7 @@ def _listings(cluster: Cluster, inv: Inventory, donors: list[str]) -> dict[str, 
     res = cluster.run(lambda n: _nodeinfo(inv, n, "select", *sel), nodes=donors, timeout=LIST_TIMEOUT)
     out: dict[str, dict | str] = {}
     for name, r in res.items():
-        doc = _last_json(r) if r.ok else None
+        doc = last_json(r.stdout) if r.ok else None
         if doc is None:
             out[name] = _why(r)
         elif (doc.get("code") or {}).get("kind") == "missing":
@@ -98,7 +88,7 @@ def _settle(cluster: Cluster, inv: Inventory, node: Node, files: list[str], ref:
     if ref is None:
         return None
     r = cluster.run(lambda n: _nodeinfo(inv, n, "info"), nodes=[node.name], timeout=LIST_TIMEOUT)[node.name]
-    got = ((_last_json(r) or {}).get("code") or {}).get("digest") if r.ok else None
+    got = ((last_json(r.stdout) or {}).get("code") or {}).get("digest") if r.ok else None
     if got != ref:
         return f"its code digest is {got or _why(r)} after the copy, the run's is {ref}"
     return None
