@@ -215,3 +215,21 @@ def test_a_key_with_a_control_character_is_quoted_in_the_message():
         parse_inventory('nodes:\n  - {name: a, host: 10.0.0.1}\nssh:\n  "i\\tdentity_file": x\n', "inv.yaml")
     msg = str(e.value)
     assert msg.isprintable() and "ssh.'i\\tdentity_file'" in msg, repr(msg)
+
+
+def test_a_libyaml_that_caps_nesting_itself_gives_the_same_refusal(monkeypatch):
+    """CI's libyaml stops `[[[[…` in its scanner ("exceeded maximum nesting depth") before the
+    event walk counts level 33; this machine's does not. Both must say the same thing."""
+    import yaml
+
+    from orchestrator.inventory import read
+
+    def capped(text, Loader):
+        mark = yaml.Mark("bad.yaml", 0, 2, 1003, None, None)
+        raise yaml.scanner.ScannerError(None, None, "exceeded maximum nesting depth", mark,
+                                        None)
+        yield  # a generator, like yaml.parse
+
+    monkeypatch.setattr(read.yaml, "parse", capped)
+    e = _err("\n\nx: " + "[" * 2000 + "\n")
+    assert f"nested more than {MAX_DEPTH} levels deep" in str(e) and ":3:" in str(e), str(e)
