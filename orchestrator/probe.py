@@ -67,3 +67,12 @@ def load_nodeinfo():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def program(name: str) -> bytes:
+    """The bytes a node runs for orchestrator/remote/NAME.py (`python3 - ARGS` with them on stdin,
+    or exec'd by the node agent): the one place a shipped program is read, so how it is built
+    (one file, or a shared helper module in front of it) is decided here and nowhere else."""
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parent / "remote" / f"{name}.py").read_bytes()
