@@ -1,0 +1,396 @@
+"""The control side's one client of the node agent (orchestrator/remote/node_agent.py).
+
+Every agent command line is built here and every answer read here. The agent runs as
+`PYTHON - VERB ARGS` with its program on stdin (probe.program), each argument quoted by
+orchestrator/shell.py. One function per verb returns a Call: the node's command line, its stdin,
+its time limit and the reader that turns what came back into the verb's small frozen reply. `run`
+sends a call to many nodes at once through the cluster; `Call.over` sends it on one open
+connection. A node that could not be asked, or whose answer could not be read, still gets a
+reply: its `error` says why, so callers decide what that means and nothing is parsed twice.
+
+On a node a run's processes carry the key RUN_ID[.aK]@NODE (the attempt's key, then the node);
+a node's claim is held under RUN_ID@NODE.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from functools import cache
+from typing import Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+
+from orchestrator import probe, shell
+from orchestrator.inventory import Node
+from orchestrator.transport import Cluster, Connection, NodeResult, Proc, wait
+
+TIMEOUT = 60.0  # one agent command (claim, release, claims, live, start)
+STATUS_MARK = "clusterctl-status "  # the agent's STATUS_MARK: `tail KEY OFFSET status`'s last stderr line
+KEY_RE = re.compile(r"^(?P<run>[^@]+?)(?:\.a(?P<attempt>\d+))?@(?P<node>[^@]+)$")
+T = TypeVar("T")
+
+
+@cache
+def program() -> bytes:
+    """The agent as the nodes run it, read once per process."""
+    return probe.program("node_agent")
+
+
+@cache
+def stream_program() -> bytes:
+    """The agent with remote/artifacts.py in front as ARTIFACTS_SRC: `tail ... stream` runs its rules."""
+    return f"ARTIFACTS_SRC = {probe.program('artifacts').decode()!r}\n".encode() + program()
+
+
+class BadReply(ValueError):
+    """The agent printed something that is not the answer its verb gives."""
+
+
+# ------------------------------------------------------------------ calls
+
+
+@dataclass(frozen=True)
+class Exec:
+    """An agent command for one node: the shell line and the program on its stdin."""
+
+    command: str
+    stdin: bytes
+
+    def start(self, conn: Connection) -> Proc:
+        return conn.exec(self.command, stdin=self.stdin)
+
+
+@dataclass(frozen=True)
+class Call(Exec, Generic[T]):
+    """An agent command whose answer is read into a reply (also when the node could not be asked)."""
+
+    timeout: float
+    read: Callable[[NodeResult], T]
+
+    def over(self, conn: Connection) -> T:
+        """On one open connection; raises what `conn.exec` raises (ConnectionLost)."""
+        return self.read(wait(self.start(conn), self.timeout))
+
+
+def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] | None = None) -> dict[str, T]:
+    """`call` on each chosen node of the cluster (all when `nodes` is None), at once: node -> reply."""
+    chosen = None if nodes is None else set(nodes)
+    calls = {n.name: call(n) for n in cluster.nodes if chosen is None or n.name in chosen}
+    if not calls:
+        return {}
+    res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
+                      timeout=max(c.timeout for c in calls.values()))
+    return {name: calls[name].read(r) for name, r in res.items()}
+
+
+def _line(node: Node, verb: str, *args: object) -> str:
+    return f"{shell.path(node.python)} - {shell.join([verb, *args])}"
+
+
+def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T],
+          timeout: float = TIMEOUT) -> Call[T]:
+    return Call(_line(node, verb, *args), program(), timeout, read)
+
+
+def _key(key: str, node: Node) -> str:
+    return f"{key}@{node.name}"
+
+
+def _reply(r: NodeResult, want: type, build: Callable[[object], T], failed: Callable[[str], T]) -> T:
+    """build(the JSON the agent printed last) when it ran and printed a `want` that reads; else
+    failed(why): the transport's word, or the exit code and the end of stderr, or what it printed."""
+    if not r.ok:
+        return failed(f"{r.describe()} {r.stderr.strip()[-500:]}".strip())
+    try:
+        doc = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
+        if not isinstance(doc, want):
+            raise BadReply(f"not a JSON {want.__name__}")
+        return build(doc)
+    except (LookupError, TypeError, ValueError, AttributeError) as e:
+        return failed(f"unreadable node agent answer ({type(e).__name__}: {e}): {r.stdout[-200:]!r}")
+
+
+# ------------------------------------------------------------------ run keys
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """A run's key on a node, RUN_ID[.aK]@NODE: the run, its attempt and the node."""
+
+    key: str
+    run: str
+    attempt: int
+    node: str
+
+    @property
+    def attempt_key(self) -> str:
+        """RUN_ID[.aK]: what `status` and `stop` take."""
+        return self.key.rpartition("@")[0]
+
+    @classmethod
+    def parse(cls, key: str) -> RunKey | None:
+        """None for what is not a run key. A run id ends in 4 hex digits (store.new_run_id), so a
+        trailing .aK is always the attempt."""
+        m = KEY_RE.match(key)
+        return cls(key, m["run"], int(m["attempt"] or 1), m["node"]) if m else None
+
+
+# ------------------------------------------------------------------ status
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """A node's own view of one run: `status`, or the end of its `tail`."""
+
+    exists: bool = False  # the run directory is on the node
+    pid: int | None = None  # torchrun's
+    started: float | None = None
+    exit_code: int | None = None  # recorded once torchrun ended and nothing of the run is left
+    alive: int = 0  # processes of the run
+    log_size: int = 0
+    last_line: str = ""
+    error_file: str | None = None  # torchrun's error file, as text
+    ended: float | None = None  # when torchrun ended, node clock
+    save_seconds: float = 0.0  # how long the job's last checkpoint took
+    stop_requested: bool = False
+    error: str | None = None  # the node could not be asked, or its answer not read
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> AgentStatus:
+        code = doc.get("exit_code")
+        return cls(bool(doc.get("exists")), doc.get("pid"), doc.get("started"), None if code is None else int(code),
+                   int(doc.get("alive") or 0), int(doc.get("log_size") or 0), str(doc.get("last_line") or ""),
+                   doc.get("error_file"), doc.get("ended"), float(doc.get("save_seconds") or 0),
+                   bool(doc.get("stop_requested")))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AgentStatus:
+        """BadReply when `text` is not a status."""
+        try:
+            doc = json.loads(text)
+            if isinstance(doc, dict):
+                return cls.from_doc(doc)
+        except (TypeError, ValueError):
+            pass
+        raise BadReply(f"not a status: {text[-200:]!r}")
+
+    def as_json(self) -> dict:
+        """As the agent printed it, or {"error": why} (`status --json`'s nodes_now)."""
+        return {"error": self.error} if self.error else {k: v for k, v in asdict(self).items() if k != "error"}
+
+
+def read_status(r: NodeResult) -> AgentStatus:
+    return _reply(r, dict, AgentStatus.from_doc, lambda why: AgentStatus(error=why))
+
+
+def status(node: Node, key: str, timeout: float = 30) -> Call[AgentStatus]:
+    """`status RUN_KEY`: the node's view of attempt `key` there."""
+    return _call(node, "status", _key(key, node), read=read_status, timeout=timeout)
+
+
+def end_status(line: str) -> AgentStatus | None:
+    """The status a `tail ... status` closes with (its last stderr line); None for any other line,
+    BadReply for a status line that cannot be read."""
+    return AgentStatus.from_json(line[len(STATUS_MARK):]) if line.startswith(STATUS_MARK) else None
+
+
+# ------------------------------------------------------------------ stop
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """A node's `stop`: whether it ran (one that ran out of time ran: the node carries it out),
+    how many processes of the run it left, and why there is no count."""
+
+    reached: bool
+    left: int | None = None
+    error: str | None = None
+
+
+def read_stop(r: NodeResult) -> StopResult:
+    return _reply(r, dict, lambda d: StopResult(True, int(d["left"])), lambda why: StopResult(r.reachable, None, why))
+
+
+def stop(node: Node, key: str, grace: float, peer_failed: bool = False) -> Call[StopResult]:
+    """`stop RUN_KEY GRACE [peer-failed]`: SIGTERM attempt `key`, SIGKILL after `grace` (the agent
+    stretches it over a checkpoint save). peer_failed: another node of the run failed, so no
+    collective save can complete: the agent kills at once unless a checkpoint is being written."""
+    mode = ["peer-failed"] if peer_failed else []
+    return _call(node, "stop", _key(key, node), grace, *mode, read=read_stop, timeout=grace + 30)
+
+
+# ------------------------------------------------------------------ claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A node's claim: the run holding it (key RUN_ID@NODE), who started that run, since when;
+    stale once its run has nothing left on the node."""
+
+    run: str = ""
+    key: str = ""
+    who: str = ""
+    since: float = 0.0
+    stale: bool = False
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> Claim:
+        return cls(str(doc.get("run") or ""), str(doc.get("key") or ""), str(doc.get("who") or ""),
+                   float(doc.get("since") or 0), bool(doc.get("stale")))
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim."""
+
+    ok: bool
+    claim: Claim = Claim()
+    error: str | None = None
+
+
+def read_claimed(r: NodeResult) -> Claimed:
+    return _reply(r, dict, lambda d: Claimed(d.get("ok") is True, Claim.from_doc(d)),
+                  lambda why: Claimed(False, error=why))
+
+
+def claim(node: Node, run_id: str, who: str) -> Call[Claimed]:
+    """`claim NODE RUN_ID@NODE WHO`: take the node for the run (atomic on the node)."""
+    return _call(node, "claim", node.name, _key(run_id, node), who, read=read_claimed)
+
+
+@dataclass(frozen=True)
+class Claims:
+    """`claims`: every claim on the node's machine (two local nodes share one), by node name."""
+
+    held: Mapping[str, Claim] = field(default_factory=dict)
+    error: str | None = None
+
+
+def read_claims(r: NodeResult) -> Claims:
+    return _reply(r, dict, lambda d: Claims({name: Claim.from_doc(c) for name, c in d.items()}),
+                  lambda why: Claims(error=why))
+
+
+def claims(node: Node) -> Call[Claims]:
+    return _call(node, "claims", read=read_claims)
+
+
+@dataclass(frozen=True)
+class Released:
+    """`release`: whether the run's claim was dropped (False: another run holds the node, or none)."""
+
+    released: bool
+    error: str | None = None
+
+
+def read_released(r: NodeResult) -> Released:
+    return _reply(r, dict, lambda d: Released(d["released"] is True), lambda why: Released(False, why))
+
+
+def release(node: Node, run_id: str, timeout: float = TIMEOUT) -> Call[Released]:
+    """`release NODE RUN_ID@NODE`: drop the run's claim on the node (another run's stays)."""
+    return _call(node, "release", node.name, _key(run_id, node), read=read_released, timeout=timeout)
+
+
+# ------------------------------------------------------------------ live runs, start, listening
+
+
+@dataclass(frozen=True)
+class Live:
+    """`live`: the runs with a process alive on the node, by key (found by the key in their environment)."""
+
+    keys: tuple[RunKey, ...] = ()
+    error: str | None = None
+
+
+def read_live(node: str, r: NodeResult) -> Live:
+    """The node's keys only: two `connection: local` nodes share one machine."""
+    def build(keys: list) -> Live:
+        mine = [k for k in keys if isinstance(k, str) and k.endswith("@" + node)]
+        return Live(tuple(RunKey.parse(k) or RunKey(k, k.rpartition("@")[0], 1, node) for k in mine))
+
+    return _reply(r, list, build, lambda why: Live(error=why))
+
+
+def live(node: Node) -> Call[Live]:
+    return _call(node, "live", read=lambda r: read_live(node.name, r))
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """What `start` runs: argv ({rundir}/ names the run directory), its cwd, its environment and
+    the helper files written into the run directory first."""
+
+    argv: Sequence[str]
+    cwd: str
+    env: Mapping[str, str]
+    files: Mapping[str, str] = field(default_factory=dict)
+
+    def hex(self) -> str:
+        doc = {"argv": list(self.argv), "cwd": self.cwd, "files": dict(self.files), "env": dict(self.env)}
+        return json.dumps(doc).encode().hex()
+
+
+@dataclass(frozen=True)
+class Started:
+    """`start`: torchrun's pid; `not_started` is the node's word when it could not be run (its log
+    says so and its exit code, 127, is recorded); `error`: the agent did not answer."""
+
+    pid: int | None = None
+    not_started: str | None = None
+    error: str | None = None
+
+
+def read_started(r: NodeResult) -> Started:
+    return _reply(r, dict, lambda d: Started(d.get("pid"), d.get("error")), lambda why: Started(error=why))
+
+
+def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
+    """`start RUN_KEY -`: the spec goes in front of the program as SPEC_HEX, never on a command line
+    (the inventory's env holds tokens, and `ps` on the node shows argv)."""
+    stdin = f"SPEC_HEX = {spec.hex()!r}\n".encode() + program()
+    return Call(_line(node, "start", _key(key, node), "-"), stdin, TIMEOUT, read_started)
+
+
+class Port(Enum):
+    """`wait-listening`: how the wait for the run's port ended."""
+
+    LISTENING = "listening"
+    EXITED = "exited"  # the run ended first
+    TIMEOUT = "timeout"
+    UNANSWERED = "unanswered"  # the agent did not answer (or answered something else)
+
+
+def read_port(r: NodeResult) -> Port:
+    words = r.stdout.split() if r.ok else []
+    return next((p for p in Port if words and p.value == words[-1]), Port.UNANSWERED)
+
+
+def wait_listening(node: Node, key: str, port: int, seconds: float) -> Call[Port]:
+    """`wait-listening RUN_KEY PORT S`: until the port listens, the run ends or `seconds` pass."""
+    return _call(node, "wait-listening", _key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
+
+
+# ------------------------------------------------------------------ the log stream
+
+
+@dataclass(frozen=True)
+class StreamFrom:
+    """What a node's `tail ... stream` carries besides the log: its checkpoint directory (None: not
+    watched), its TensorBoard directory and, per file, the bytes the control copy already has."""
+
+    checkpoints: str | None
+    tensorboard: str
+    have: Mapping[str, int] = field(default_factory=dict)
+
+
+def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) -> Exec:
+    """`tail RUN_KEY OFFSET status`: the log from `offset` as raw bytes, closed by the status on
+    stderr (end_status); with `stream`, `tail RUN_KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX`:
+    framed records (log bytes, checkpoints, TensorBoard bytes, the status last: AgentStatus.from_json)."""
+    if stream is None:
+        return Exec(_line(node, "tail", _key(key, node), offset, "status"), program())
+    have = json.dumps(dict(stream.have)).encode().hex()
+    return Exec(_line(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
+                      have), stream_program())
