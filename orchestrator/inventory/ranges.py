@@ -10,6 +10,9 @@ A range entry becomes one ordinary node entry per name, before validation, so ev
 (gpus, iface, ssh, env, ...) applies to each of them and every later check is the same as for
 nodes written out. Ranks follow the range's sorted order (gpu01 is rank 0); list ranges one
 after another for any other order. `address:` takes a range or a template like `host:`.
+A bracket holds numbers and `lo-hi[/step]` ranges, comma-separated: a negative number
+(`n[-1-3]`), a range that runs backwards (`n[5-2]`) or a step of 0 is refused in words, and a
+range of hosts is then checked host by host (`10.0.0.[250-260]` stops at 10.0.0.256).
 
 `expand_ranges` works on the composed YAML tree and the plain data built from it, and returns
 both with the ranges expanded: the tree's node list holds the written entry once per node it
@@ -29,7 +32,8 @@ from orchestrator.inventory.fields import excerpt
 from orchestrator.inventory.models import MAX_NODES
 
 _BRACKET = re.compile(r"\[([^\]]*)\]")
-_RANGE_PIECE = re.compile(r"^\s*(\d+)(?:\s*-\s*(\d+)(?:\s*/\s*(\d+))?)?\s*$")
+_RANGE_PIECE = re.compile(r"^\s*(\d+)(?:\s*-\s*(\d+)(?:\s*/\s*(\d+))?)?\s*$", re.ASCII)
+_NEGATIVE = re.compile(r"^\s*-|-\s*-", re.ASCII)
 _PATTERN_KEYS = ("host", "address")
 
 
@@ -60,8 +64,30 @@ def range_size(pattern: str) -> int | None:
     return total - 1
 
 
+def check_brackets(pattern: str, what: str = "range") -> None:
+    """Each bracket of `pattern` holds numbers, ranges `lo-hi` with lo <= hi and an optional step
+    of 1 or more (`1-9/2`), separated by commas; else ValueError saying which piece is wrong.
+    NodeSet itself reads `n[-1-3]` as n-1, n0, ..., n3 and explains `n[5-2]` in its own terms."""
+    bad = f"{what} {excerpt(pattern)} is not a node range like gpu[01-32]"
+    for inner in _BRACKET.findall(pattern):
+        for piece in inner.split(","):
+            shown = excerpt(piece.strip(), 30)
+            m = _RANGE_PIECE.match(piece)
+            if m is None:
+                if not piece.strip():
+                    raise ValueError(f"{bad}: a bracket or a comma-separated part of one is empty")
+                if _NEGATIVE.search(piece):
+                    raise ValueError(f"{bad}: {shown} holds a negative number, and node numbers start at 0")
+                raise ValueError(f"{bad}: {shown} is not a number or a range like 01-32, 1-9/2")
+            if m[2] is not None and int(m[2]) < int(m[1]):
+                raise ValueError(f"{bad}: {m[1]}-{m[2]} runs backwards; write it low to high, {m[2]}-{m[1]}")
+            if m[3] is not None and int(m[3]) < 1:
+                raise ValueError(f"{bad}: the step in {shown} is {m[3]}, and a step is 1 or more")
+
+
 def expand(pattern: str, *, what: str = "range") -> list[str]:
     """The names of a node range, in NodeSet's (sorted) order. Raises ValueError with the reason."""
+    check_brackets(pattern, what)
     size = range_size(pattern)
     if size is not None and size > MAX_NODES:
         raise ValueError(f"{what} {excerpt(pattern)} is {size:,} nodes; an inventory holds at most "
@@ -96,7 +122,7 @@ def _value_node(entry_node, key: str):
 def _expand_entry(entry: dict, entry_node, source: str, i: int) -> list[dict]:
     name = entry["name"]
     try:
-        names = expand(name, what="name")
+        names = expand(name, what=f"nodes[{i}].name")
     except ValueError as e:
         raise InventoryError(str(e), path=source, line=_line(_value_node(entry_node, "name")),
                              key=f"nodes[{i}].name") from None
@@ -108,7 +134,7 @@ def _expand_entry(entry: dict, entry_node, source: str, i: int) -> list[dict]:
         where = dict(path=source, line=_line(_value_node(entry_node, key)), key=f"nodes[{i}].{key}")
         if is_range(text):
             try:
-                values[key] = expand(text, what=key)
+                values[key] = expand(text, what=f"nodes[{i}].{key}")
             except ValueError as e:
                 raise InventoryError(str(e), **where) from None
             if len(values[key]) != len(names):
