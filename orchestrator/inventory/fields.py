@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?\Z")
 
 
 def excerpt(value: Any, limit: int = 60) -> str:

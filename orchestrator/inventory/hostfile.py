@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory.models import HOST_RE
+from orchestrator.inventory.hosts import check_host
 from orchestrator.inventory.load import parse_inventory
 
 
@@ -27,8 +27,10 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> list[dict]:
             raise InventoryError(f"cannot parse hostfile line {raw.strip()!r}; expected 'HOST slots=N'",
                                  path=source, line=ln)
         host = m["host"]
-        if not HOST_RE.match(host):
-            raise InventoryError(f"{host!r} is not a valid host name", path=source, line=ln)
+        try:
+            check_host(host)
+        except ValueError as e:
+            raise InventoryError(str(e), path=source, line=ln) from None
         name = host.split(".")[0] if not re.match(r"^[0-9.]+$", host) else host.replace(".", "-")
         node = {"name": name, "host": host}
         if m["slots"] is not None:

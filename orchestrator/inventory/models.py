@@ -1,7 +1,7 @@
 """The inventory's models: the YAML as pydantic models, validated once, and the frozen `Node` and
 `Inventory` that the rest of clusterctl is handed.
 
-Everything downstream trusts these values: names, hosts, users, interfaces and
+Everything downstream trusts these values: names, hosts (hosts.py), users, interfaces and
 env keys are checked against strict patterns here, and every value that goes
 into a remote command is still quoted (see `orchestrator.shell`).  Errors name
 file:line and the key, and exit with code 2.
@@ -17,14 +17,13 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from orchestrator.errors import InventoryError
-from orchestrator.inventory.fields import _check_env, _check_path, _Model, excerpt
+from orchestrator.inventory.fields import USER_RE, _check_env, _check_path, _Model, excerpt
+from orchestrator.inventory.hosts import check_host, check_proxy_jump
 from orchestrator.inventory.sections import ChecksSection, SetupSection, SyncSection, TrainSection
 from orchestrator.inventory.sshconfig import config_hostname
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-HOST_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,252}|\[?[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?\]?)$")
-USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
-IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
+IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}\Z")
 
 DEFAULT_INVENTORY = "default_inventory.yaml"
 MAX_NODES = 4096  # the most nodes an inventory lists (the --fanout ceiling too)
@@ -59,9 +58,7 @@ class SSHSettings(_Model):
     @field_validator("proxy_jump")
     @classmethod
     def _jump(cls, v):
-        if v is not None and not re.match(r"^[A-Za-z0-9_.@:,\[\]-]+$", v):
-            raise ValueError(f"{excerpt(v)} is not a valid ProxyJump ([user@]host[:port][,...])")
-        return v
+        return v if v is None else check_proxy_jump(v)
 
     def merged(self, override: "SSHSettings | None") -> "SSHSettings":
         if override is None:
@@ -94,9 +91,7 @@ class NodeModel(_Model):
     @field_validator("host", "address")
     @classmethod
     def _host(cls, v):
-        if v is not None and not HOST_RE.match(v):
-            raise ValueError(f"{excerpt(v)} is not a valid host name or address")
-        return v
+        return v if v is None else check_host(v)
 
     @field_validator("iface")
     @classmethod

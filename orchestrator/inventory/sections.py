@@ -49,7 +49,7 @@ class TrainSection(_Model):
     @field_validator("module")
     @classmethod
     def _module(cls, v):
-        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*$", v):
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*\Z", v):
             raise ValueError(f"{excerpt(v)} is not a Python module name")
         return v
 
@@ -98,7 +98,7 @@ class SetupSection(_Model):
         if isinstance(v, float):
             raise ValueError("write the version quoted, e.g. python_version: \"3.11\" (YAML reads an "
                              f"unquoted 3.10 as the number 3.1; this one was {v})")
-        if isinstance(v, str) and not re.match(r"^3\.[0-9]{1,2}$", v):
+        if isinstance(v, str) and not re.match(r"^3\.[0-9]{1,2}\Z", v):
             raise ValueError(f"{excerpt(v)} is not a Python version like \"3.11\"")
         return v
 
