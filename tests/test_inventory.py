@@ -64,7 +64,7 @@ def _err(text: str) -> InventoryError:
     ("nodes:\n  - name: a\n    host: h1\n    gpus: eight\n", 4, "gpus"),
     ("master_port: [1]\nnodes:\n  - {name: a, host: h1}\n", 1, "master_port"),
     # port out of range
-    ("master_port: 70000\nnodes:\n  - {name: a, host: h1}\n", 1, "less than or equal to 65535"),
+    ("master_port: 70000\nnodes:\n  - {name: a, host: h1}\n", 1, "master_port: 70000 is not a port"),
     ("ssh: {port: 0}\nnodes:\n  - {name: a, host: h1}\n", 1, "ssh.port"),
     # duplicates
     ("nodes:\n  - {name: a, host: h1}\n  - {name: a, host: h2}\n", 3, "duplicate node name 'a'"),

@@ -23,6 +23,7 @@ import yaml
 
 from orchestrator.errors import InventoryError
 from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.hosts import PORT_RULE, port_problem
 from orchestrator.inventory.load import parse_inventory
 from orchestrator.inventory.models import NAME_RE
 from orchestrator.inventory.ranges import expand
@@ -162,11 +163,7 @@ def to_nodes(groups: dict[str, Group], group: str, source: str) -> tuple[list[di
                 continue
             where = KEYS[key]
             if where == ("ssh", "port"):
-                try:
-                    value = int(value)
-                except (TypeError, ValueError):
-                    raise InventoryError(f"{host}: ansible_port {excerpt(value)} is not a number",
-                                         path=source) from None
+                value = _port(value, host, source)
             else:
                 value = str(value)
             if len(where) == 1:
@@ -177,6 +174,19 @@ def to_nodes(groups: dict[str, Group], group: str, source: str) -> tuple[list[di
     if not nodes:
         raise InventoryError(f"group {excerpt(group)} has no hosts", path=source)
     return nodes, left_out
+
+
+def _port(value: Any, host: str, source: str) -> int:
+    """ansible_port as a number. An INI value is text, checked as the inventory checks a port
+    written in YAML (`+22`, `0x16`, `1_000` and `022` are refused); a YAML inventory's number
+    is checked for its range."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        why = f"{excerpt(value)} is not a port: {PORT_RULE}"
+    else:
+        why = port_problem(value if isinstance(value, str) else str(value))
+    if why:
+        raise InventoryError(f"{host}: ansible_port {why}", path=source)
+    return int(value)
 
 
 def _lift_common_ssh(nodes: list[dict]) -> dict:

@@ -17,8 +17,10 @@ at most a short, escaped excerpt of the offending value. Refused, before any YAM
   plain scalars, and anchors or aliases used as keys.
 Then, while building values: keys that are not strings, duplicate keys, and strings holding
 control or invisible format characters (from escapes such as "\\x01" or a raw U+202E).
-Last, the pydantic models validate in strict mode: a YAML boolean is never a port, a GPU count
-or a path, and a node list holds at most MAX_NODES (4,096) nodes.
+Then ports, on their text as written (YAML 1.1 reads `0x50`, `0777`, `1_000` and `+22` as
+numbers): decimal digits, 1 to 65535. Last, the pydantic models validate in strict mode: a YAML
+boolean is never a port, a GPU count or a path, a node list holds at most MAX_NODES (4,096)
+nodes, and hosts, addresses and ProxyJump hops are what hosts.py allows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pydantic import ValidationError
 
 from orchestrator.errors import InventoryError
 from orchestrator.inventory.fields import excerpt
+from orchestrator.inventory.hosts import port_problem
 from orchestrator.inventory.models import DEFAULT_INVENTORY, Inventory, InventoryModel, _resolve
 from orchestrator.inventory.ranges import expand_ranges
 from orchestrator.inventory.read import (
@@ -109,6 +112,42 @@ def _is_plain_number(node, value) -> bool:
             and isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
+def _check_ports(root, data, source: str) -> None:
+    """Ports as written. YAML 1.1 reads `0x50`, `0777`, `0b101`, `1_000`, `+22` and `1:30` as
+    numbers, so a port is checked on its text here (hosts.port_problem), and a port that is not
+    a number gets the same sentence instead of a type error. An unset ssh port (null) is left to
+    the models, as are lists and mappings."""
+    locs = [("master_port",), ("ssh", "port")]
+    nodes = data.get("nodes")
+    if isinstance(nodes, list):
+        locs += [("nodes", i, "ssh", "port") for i in range(len(nodes))]
+    for loc in locs:
+        value = _value_at(data, loc)
+        if value is None:
+            continue
+        node, _ = _node_at(root, loc)
+        if not isinstance(node, yaml.ScalarNode):
+            continue
+        if node.style:  # quoted: a string even when it holds digits
+            why = f"{excerpt(value)} is quoted, so it is text and not a port: write the number without quotes"
+        else:
+            why = port_problem(node.value, value if isinstance(value, int) and not isinstance(value, bool) else None)
+        if why:
+            key = _format_loc(loc)
+            raise InventoryError(f"{key}: {why}", path=source, line=_yaml_line(node.start_mark), key=key)
+
+
+def _value_at(data, loc: tuple):
+    for part in loc:
+        if isinstance(part, int) and isinstance(data, list) and part < len(data):
+            data = data[part]
+        elif isinstance(part, str) and isinstance(data, dict):
+            data = data.get(part)
+        else:
+            return None
+    return data
+
+
 def _written(node) -> str:
     """The offending value as the user wrote it, short."""
     if isinstance(node, yaml.ScalarNode):
@@ -170,6 +209,7 @@ def parse_inventory(text: str, source: str = "<string>") -> Inventory:
                              line=_yaml_line(root.start_mark))
     root, data = expand_ranges(root, data, source)  # `name: gpu[01-32]` -> 32 node entries (ranges.py)
     _use_written_numbers(root, data)
+    _check_ports(root, data, source)
     try:
         model = InventoryModel.model_validate(data)
     except ValidationError as e:
