@@ -1,5 +1,6 @@
-"""The node side read on the control machine: the `@@name` sections its probes print, and
-orchestrator/remote/nodeinfo.py loaded as a module (the same code the nodes run).
+"""The node side read on the control machine: the `@@name` sections its probes print, the bytes
+of each program shipped to the nodes (`program`: remote/common.py in front of it), and those
+programs loaded here as modules from the same bytes (`load`, `common`, `load_nodeinfo`).
 
 A probe (the preflight script, the GPU probe, nodeinfo) prints each tool's output under an
 `@@name [arg]` line and may close it with `@@rc N`, the tool's exit code. The checks' parsers, the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 _SECTION = re.compile(r"^@@([A-Za-z0-9_-]+)(?: (.*))?$")
 
@@ -53,26 +55,62 @@ def section(text: str, name: str) -> Section | None:
     return next((s for s in sections(text) if s.name == name), None)
 
 
-def load_nodeinfo():
-    """orchestrator/remote/nodeinfo.py as a module (the same code the nodes run)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "orchestrator.probes.nodeinfo"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent / "remote" / "nodeinfo.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+REMOTE = Path(__file__).resolve().parent / "remote"
+COMMON = "common"  # remote/common.py: the helpers every shipped program is sent with
 
 
 def program(name: str) -> bytes:
     """The bytes a node runs for orchestrator/remote/NAME.py (`python3 - ARGS` with them on stdin,
-    or exec'd by the node agent): the one place a shipped program is read, so how it is built
-    (one file, or a shared helper module in front of it) is decided here and nowhere else."""
-    from pathlib import Path
+    `python -c` with them as text, or exec'd by the node agent): remote/common.py's text, then the
+    program's, so the shared helpers are the program's globals there. The one place a shipped
+    program is read: every caller, and every module loaded from one here, takes these bytes."""
+    head = (REMOTE / f"{COMMON}.py").read_bytes()
+    return head + f"\n# ---- orchestrator/remote/{name}.py\n".encode() + (REMOTE / f"{name}.py").read_bytes()
 
-    return (Path(__file__).resolve().parent / "remote" / f"{name}.py").read_bytes()
+
+class _Program:
+    """The loader of a shipped program run here as a module: the same bytes the nodes run."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get_source(self, fullname: str) -> str:  # tracebacks show the program's lines through it
+        return (REMOTE / f"{COMMON}.py").read_text() if self.name == COMMON else program(self.name).decode()
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        code = compile(self.get_source(module.__name__), module.__spec__.origin, "exec")
+        exec(code, module.__dict__)
+
+
+def load(name: str):
+    """orchestrator/remote/NAME.py as a module here, built from `program(NAME)` (the same code the
+    nodes run, common.py's helpers included); common.py alone for NAME "common"."""
+    import importlib.util
+    import sys
+
+    modname = f"orchestrator.probes.{name}"
+    if modname not in sys.modules:
+        origin = str(REMOTE / (f"{name}.py" if name == COMMON else f"{COMMON}.py+{name}.py"))
+        spec = importlib.util.spec_from_loader(modname, _Program(name), origin=origin)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[modname]
+            raise
+    return sys.modules[modname]
+
+
+def common():
+    """orchestrator/remote/common.py as a module: the node side's shared rules (stop grace,
+    checkpoint names, the tar member rule, sha256) that the control side follows too."""
+    return load(COMMON)
+
+
+def load_nodeinfo():
+    """orchestrator/remote/nodeinfo.py as a module (the same code the nodes run)."""
+    return load("nodeinfo")

@@ -1,0 +1,218 @@
+"""What every program shipped to the nodes shares, written once: orchestrator/probe.py `program`
+sends this file's text in front of the program's own, so on a node these are that program's
+globals, and the control machine loads the same text as a module (probe.py `common`), so both
+sides of the wire read one rule. Stdlib only, and nothing imported at the top but os:
+nodeinfo.py starts under -S on every node and counts each import. The programs behind it do not
+define these names again (tests/test_remote_common.py looks).
+
+  stop grace         MAX_GRACE, stop_grace: how long a stop waits between SIGTERM and SIGKILL
+  checkpoints        checkpoint_step (the names the trainer writes), checkpoint_parts,
+                     checkpoint_kind (finished on a node), checkpoint_verified (checked here)
+  sha256             sha256_file, Hashed (a stream hashed and counted as it passes)
+  tar                tar_member_ok (the one member rule), extract_member, send_tar (to a relay)
+  files              write_atomic, safe_name
+  processes          marked_pids: this user's processes found by an environment marker
+"""
+import os
+
+# ------------------------------------------------------------------ stop grace
+
+MAX_GRACE = 300.0  # the stop grace is stretched to 2x the last checkpoint save, up to this
+
+
+def stop_grace(grace, save_seconds=0.0):
+    """The seconds between SIGTERM and SIGKILL: at least 2x the job's last checkpoint save, up
+    to MAX_GRACE (a longer grace asked for explicitly is kept)."""
+    return max(float(grace), min(2 * float(save_seconds), MAX_GRACE))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+CKPT_PREFIX, CKPT_FILE, SIDECAR, MANIFEST = "ckpt_", ".pt", ".sha256", "MANIFEST.sha256"
+
+
+def checkpoint_step(name):
+    """The step of a checkpoint's name as the trainer writes it, else None: ckpt_NNNNNNNN.pt (a
+    file, complete once its .sha256 sidecar sits beside it) or ckpt_NNNNNNNN (an FSDP directory,
+    complete once its MANIFEST.sha256 lists every file)."""
+    stem = name[:-len(CKPT_FILE)] if name.endswith(CKPT_FILE) else name
+    digits = stem[len(CKPT_PREFIX):]
+    if stem.startswith(CKPT_PREFIX) and len(digits) == 8 and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
+
+
+def checkpoint_parts(name):
+    """The entries one checkpoint is made of in its directory: a file and its sidecar, or the
+    directory."""
+    return (name, name + SIDECAR) if name.endswith(CKPT_FILE) else (name,)
+
+
+def checkpoint_kind(d, name):
+    """"file" or "dir" once checkpoint `name` in directory d is finished as the trainer marks it
+    (a file's sidecar is written before the file is renamed into place, a directory is renamed
+    once its manifest is in it), else None. Its bytes are not read: see checkpoint_verified."""
+    if checkpoint_step(name) is None:
+        return None
+    path = os.path.join(d, name)
+    if name.endswith(CKPT_FILE):
+        return "file" if os.path.exists(path + SIDECAR) else None
+    return "dir" if os.path.isdir(path) else None
+
+
+def checkpoint_verified(path, digest=None):
+    """Whether the checkpoint at `path` holds what its marks say: the file matches its sidecar, or
+    every file its directory's MANIFEST names is there and matches. digest(path) -> hex sha256
+    (sha256_file by default; a caller that hashed the files as they were written passes its own)."""
+    digest = digest or sha256_file
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, MANIFEST)) as f:
+                lines = f.read().splitlines()
+            for line in lines:
+                want, name = line.split("  ", 1)
+                if digest(os.path.join(path, name)) != want:
+                    return False
+            return bool(lines)
+        with open(path + SIDECAR) as f:
+            want = (f.read().split() or [""])[0]
+        return digest(path) == want
+    except (OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------ sha256
+
+
+def sha256_file(path):
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Hashed:
+    """Bytes passing by, hashed (sha256) and counted; as a write-only file (for tarfile) each
+    write goes to `out` first."""
+
+    def __init__(self, out=None):
+        import hashlib
+
+        self.out, self.sha, self.total = out, hashlib.sha256(), 0
+
+    def update(self, data):
+        self.sha.update(data)
+        self.total += len(data)
+
+    def write(self, data):
+        if self.out is not None:
+            self.out(data)
+        self.update(data)
+        return len(data)
+
+    def hexdigest(self):
+        return self.sha.hexdigest()
+
+
+# ------------------------------------------------------------------ tar
+
+
+def tar_member_ok(member, root, links=False):
+    """The one rule for a tar member unpacked below the directory `root`: a relative name with no
+    `..` part that stays below root even through a link unpacked before it; a regular file or a
+    directory, or with links=True (a sync ships the code's symbolic links as they are) a symbolic
+    link. Never a device, a FIFO or a hard link."""
+    name = member.name
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        return False
+    if not (member.isfile() or member.isdir() or (links and member.issym())):
+        return False
+    root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(root, name))
+    return path == root or path.startswith(root + os.sep)
+
+
+def extract_member(tar, member, root, links=False):
+    """Unpack a member that passed tar_member_ok below root, through tarfile's own filter where
+    this Python has one ("data"; "tar" for a stream with links, which may point anywhere). A code
+    stream (links=True) keeps each file's mode and mtime (a later sync compares mtimes); a data
+    stream's files take this node's."""
+    import tarfile
+
+    kw = {"filter": "tar" if links else "data"} if hasattr(tarfile, "data_filter") else {}
+    tar.extract(member, root, set_attrs=links and member.isfile(), **kw)
+
+
+def send_tar(host, port, token, connect_timeout, idle, add):
+    """Stream a tar to a relay.py `recv` listening at host:port: present its one-time token, then
+    the tar, whose members add(tar) adds. -> the Hashed stream as sent (its bytes and sha256, for
+    the control machine to announce). ConnectionError when host:port cannot be reached."""
+    import socket
+    import tarfile
+
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=connect_timeout)
+    except OSError as e:
+        raise ConnectionError(f"cannot reach {host}:{port}: {e.strerror or e}") from None
+    sock.settimeout(idle)
+    sock.sendall(token.encode() + b"\n")
+    sink = Hashed(sock.sendall)
+    with tarfile.open(fileobj=sink, mode="w|", bufsize=1 << 20) as tar:
+        add(tar)
+    sock.shutdown(socket.SHUT_WR)
+    sock.close()
+    return sink
+
+
+# ------------------------------------------------------------------ files
+
+
+def write_atomic(path, text):
+    """Write `text` to path.tmp, fsync it, and rename it over `path`: a reader sees the old file
+    or the whole new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def safe_name(name):
+    """A run id, run key or node name usable as one path component: not empty, no "/", no
+    leading "."."""
+    return bool(name) and "/" not in name and not name.startswith(".")
+
+
+# ------------------------------------------------------------------ processes
+
+
+def marked_pids(var, want):
+    """The pids of this user's live processes (zombies left out, this one too) whose environment
+    sets `var` to a value for which want(value) is true: a run's processes are found by the
+    marker they inherit, never by name. A process that ends while the scan reads it is skipped."""
+    tag = var.encode() + b"="
+    me, uid, out = os.getpid(), os.getuid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if os.fstat(f.fileno()).st_uid != uid:
+                    continue
+                env = b"\0" + f.read()
+            if b"\0" + tag not in env:
+                continue
+            if not any(want(v[len(tag):].decode(errors="replace")) for v in env.split(b"\0") if v.startswith(tag)):
+                continue
+            with open(f"/proc/{name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except (OSError, IndexError):
+            continue  # gone meanwhile (or not ours to read)
+        out.append(int(name))
+    return out
