@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 
 import click
 
 from orchestrator import shell
 from orchestrator.errors import EXIT_FAILED, ClusterctlError, CommandFailed, CommandTimeout
 from orchestrator.inventory import Inventory, Node
+from orchestrator.probe import program
 from orchestrator.torchrun import iface_env
 from orchestrator.transport import Cluster, Proc, first_line
 
-PROBE = resources.files("orchestrator").joinpath("remote/netprobe.py").read_bytes()
+PROBE = program("netprobe")
 
 
 class NetbenchError(ClusterctlError):

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from orchestrator import shell
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import load_nodeinfo
+from orchestrator.probe import program
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
@@ -281,9 +281,8 @@ def _push(cluster: Cluster, src: str, files: list[str], methods: dict[str, str],
 
 def prune_command(inv: Inventory, node: Node) -> str:
     """nodeinfo's prune of node's workdir (the manifest on stdin), the run's outputs named."""
-    ni = load_nodeinfo()
     outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
-    return (f"{shell.path(node.python)} -c {shell.quote(ni.__loader__.get_source(ni.__name__))} prune "
+    return (f"{shell.path(node.python)} -c {shell.quote(program('nodeinfo').decode())} prune "
             f"{shell.path(node.workdir)} {shell.join(outputs)}").rstrip()
 
 

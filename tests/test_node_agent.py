@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.probe import program
 from tests.conftest import wait_for
 
-AGENT = (Path(__file__).parent.parent / "orchestrator" / "remote" / "node_agent.py").read_bytes()
+AGENT = program("node_agent")  # as shipped: remote/common.py in front
 
 
 @pytest.fixture
@@ -157,7 +158,13 @@ def test_wait_listening(agent):
     assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
 
 
-RANK_LINES = str(Path(__file__).parent.parent / "orchestrator" / "remote" / "rank_lines.py")
+@pytest.fixture(scope="module")
+def rank_lines(tmp_path_factory):
+    """rank_lines.py as the agent writes it into a run directory: the shipped program, run by path."""
+    path = tmp_path_factory.mktemp("rundir") / "rank_lines.py"
+    path.write_bytes(program("rank_lines"))
+    return str(path)
+
 
 TEARER = """
 import os, sys, time
@@ -171,12 +178,12 @@ sys.exit(7)
 """
 
 
-def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp_path):
+def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp_path, rank_lines):
     script = tmp_path / "tearer.py"
     script.write_text(TEARER)
     log = tmp_path / "log"
     with open(log, "ab") as f:
-        r = subprocess.run([sys.executable, RANK_LINES, str(script)], stdout=f, stderr=f, timeout=60,
+        r = subprocess.run([sys.executable, rank_lines, str(script)], stdout=f, stderr=f, timeout=60,
                            env=dict(os.environ, LOCAL_RANK="3"))
     assert r.returncode == 7
     lines = log.read_bytes().split(b"\n")
@@ -186,7 +193,7 @@ def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp
     assert lines[-1] == b"[default3]:no newline at the end" and len(lines) == 101
 
 
-def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path):
+def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path, rank_lines):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -195,7 +202,7 @@ def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path):
         "signal.signal(signal.SIGTERM, lambda *a: (print('checkpointed', flush=True), sys.exit(0)))\n"
         "print('up', sys.argv[1:], flush=True)\n"
         "time.sleep(60)\n")
-    p = subprocess.Popen([sys.executable, RANK_LINES, "-m", "mypkg", "--flag"], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, rank_lines, "-m", "mypkg", "--flag"], cwd=tmp_path,
                          stdout=subprocess.PIPE, env=dict(os.environ, LOCAL_RANK="0"))
     assert p.stdout.readline() == b"[default0]:up ['--flag']\n"
     p.send_signal(signal.SIGTERM)
@@ -203,8 +210,8 @@ def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path):
     assert p.wait(10) == 0
 
 
-def test_rank_lines_dies_of_the_scripts_signal(tmp_path):
-    p = subprocess.Popen([sys.executable, RANK_LINES, "-c", "import os, signal; os.kill(os.getpid(), 9)"],
+def test_rank_lines_dies_of_the_scripts_signal(tmp_path, rank_lines):
+    p = subprocess.Popen([sys.executable, rank_lines, "-c", "import os, signal; os.kill(os.getpid(), 9)"],
                          stdout=subprocess.PIPE)
     p.communicate(timeout=30)
     assert p.returncode == -9

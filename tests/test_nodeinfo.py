@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from orchestrator.checks import load_nodeinfo
+from orchestrator.probe import program
 
-NODEINFO = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "nodeinfo.py"
+NODEINFO = program("nodeinfo").decode()  # as shipped: remote/common.py in front
 
 VERSION_PY = '''from typing import Optional
 
@@ -25,7 +26,7 @@ hip: Optional[str] = None
 
 
 def info(python, *args, env=None):
-    out = subprocess.run([str(python), "-S", str(NODEINFO), "info", "-", *args], capture_output=True,
+    out = subprocess.run([str(python), "-S", "-c", NODEINFO, "info", "-", *args], capture_output=True,
                          text=True, check=True, env=env)
     return json.loads(out.stdout)
 

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.inventory import parse_inventory
+from orchestrator.probe import program
 from orchestrator.pyenv import INSTALL, SHIP, UNCHANGED, plan, target_of
 from orchestrator.pyenv.resolve import (
     RequirementError,
@@ -29,7 +30,7 @@ from orchestrator.pyenv.resolve import (
     wheel_name,
 )
 
-PYENV = Path(__file__).resolve().parent.parent / "orchestrator" / "remote" / "pyenv.py"
+PYENV = program("pyenv").decode()  # as shipped: remote/common.py in front
 NODES = "nodes: [{name: a, host: h1}, {name: b, host: h2, python: /opt/py}]\n"
 
 
@@ -163,7 +164,7 @@ def wheelhouse(root: Path, pins: dict[str, str], body: str = "", with_uv: bool =
 
 
 def node(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PYENV), *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", PYENV, *args], capture_output=True, text=True, timeout=300,
                           env=env)
 
 

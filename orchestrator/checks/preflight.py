@@ -25,7 +25,6 @@ import secrets
 import subprocess
 import threading
 import time
-from importlib import resources
 from typing import Mapping
 
 from orchestrator import shell
@@ -37,10 +36,11 @@ from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, 
 from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
+from orchestrator.probe import program
 from orchestrator.transfer.files import run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
-LISTENER = resources.files("orchestrator").joinpath("remote", "portlisten.py").read_bytes()
+LISTENER = program("portlisten")
 PROBE_TIMEOUT = 60.0
 # The control machine's own checks: everything else runs in the node's probe.
 CONTROL = ("ssh", "ping")

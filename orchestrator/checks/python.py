@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from importlib import resources
 
 from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, skip, warn
 from orchestrator.checks.gpu import GPU, facts
+from orchestrator.probe import program
 
 # ------------------------------------------------------------------ one node
 
@@ -177,7 +177,7 @@ def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str
 
 # ------------------------------------------------------------------ probe and registration
 
-NODEINFO = resources.files("orchestrator").joinpath("remote", "nodeinfo.py").read_text()
+NODEINFO = program("nodeinfo").decode()
 assert "\nPYEOF\n" not in NODEINFO
 
 # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from importlib import resources
 from pathlib import Path
 
 from orchestrator import shell
 from orchestrator.inventory import Inventory, Node, SetupSection
+from orchestrator.probe import program
 from orchestrator.pyenv import SHIP, UNCHANGED, SetupReport, SetupResult, plan, target_of
 from orchestrator.pyenv.resolve import Lock, resolve
 from orchestrator.transfer import chain as relay
@@ -27,7 +27,7 @@ WHEELHOUSES = "~/.cache/clusterctl/wheelhouse"  # on the nodes: one directory pe
 PROBE_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
 
-PYENV = resources.files("orchestrator").joinpath("remote", "pyenv.py").read_text()
+PYENV = program("pyenv").decode()
 
 
 def _script(setup: SetupSection, *args: str) -> str:

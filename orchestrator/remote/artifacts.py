@@ -1,4 +1,6 @@
-"""A run's files on a node, for the control machine to copy: shipped on stdin, stdlib only.
+"""A run's files on a node, for the control machine to copy: shipped on stdin, stdlib only, with
+remote/common.py in front of it (probe.py `program`): the checkpoint names and marks, the tar
+member rule and safe_name come from there.
 
 A run keeps what must outlive a node under ~/.clusterctl/artifacts/RUN_ID/ on every node:
 checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOARD_DIR).
@@ -30,14 +32,12 @@ checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOAR
 """
 import json
 import os
-import re
 import shutil
 import sys
 import tarfile
 
 BASE = os.path.expanduser("~/.clusterctl/artifacts")
 NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")
-NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
 # the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)
@@ -45,7 +45,7 @@ FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
 
 
 def prepare(run_id):
-    if not run_id or "/" in run_id or run_id.startswith("."):
+    if not safe_name(run_id):
         sys.exit("bad run id")
     out = {}
     for sub in ("checkpoints", "tensorboard", "replicas"):
@@ -73,29 +73,20 @@ def _files(root, rel=""):
 def _ckpts(d):
     found = []
     for name in os.listdir(d) if os.path.isdir(d) else []:
-        m = NAME.match(name)
-        if not m:
+        kind = checkpoint_kind(d, name)
+        if kind is None:
             continue
-        path = os.path.join(d, name)
-        if m.group(2):
-            if not os.path.exists(path + ".sha256"):
-                continue
-            files = _files(d, name) + _files(d, name + ".sha256")
-            kind = "file"
-        elif os.path.isdir(path):
-            files, kind = _files(d, name), "dir"
-        else:
-            continue
-        found.append({"name": name, "step": int(m.group(1)), "kind": kind, "files": files})
+        files = [f for part in checkpoint_parts(name) for f in _files(d, part)]
+        found.append({"name": name, "step": checkpoint_step(name), "kind": kind, "files": files})
         if kind == "dir":
-            found[-1]["manifest"] = _manifest(path)
+            found[-1]["manifest"] = _manifest(os.path.join(d, name))
     found.sort(key=lambda c: c["step"], reverse=True)
     return found
 
 
 def _manifest(path):
     try:
-        with open(os.path.join(path, "MANIFEST.sha256")) as f:
+        with open(os.path.join(path, MANIFEST)) as f:
             return [line.rstrip("\n").split("  ", 1)[1] for line in f if "  " in line]
     except OSError:
         return []
@@ -104,7 +95,7 @@ def _manifest(path):
 def held(d, replicas):
     out = {"own": _ckpts(d), "replicas": {}}
     for src in sorted(os.listdir(replicas)) if os.path.isdir(replicas) else []:
-        if _safe_name(src) and os.path.isdir(os.path.join(replicas, src)):
+        if safe_name(src) and os.path.isdir(os.path.join(replicas, src)):
             out["replicas"][src] = _ckpts(os.path.join(replicas, src))
     print(json.dumps(out))
 
@@ -115,7 +106,7 @@ def prune(d, keep):
         if c["kind"] == "dir":
             shutil.rmtree(path, ignore_errors=True)
         else:
-            for p in (path + ".sha256", path):
+            for p in reversed(checkpoint_parts(path)):  # the sidecar first: no longer complete
                 if os.path.exists(p):
                     os.remove(p)
     print("ok")
@@ -125,9 +116,9 @@ def send(d, *names):
     background()
     with tarfile.open(fileobj=sys.stdout.buffer, mode="w|", bufsize=CHUNK) as tar:  # 1 MiB writes, not 10 KiB
         for name in names:
-            if not NAME.match(name):
+            if checkpoint_step(name) is None:
                 sys.exit("not a checkpoint name: " + name)
-            for rel in (name, name + ".sha256") if name.endswith(".pt") else (name,):
+            for rel in checkpoint_parts(name):
                 if os.path.exists(os.path.join(d, rel)):
                     tar.add(os.path.join(d, rel), arcname=rel)
 
@@ -153,10 +144,10 @@ def receive(d):
     try:
         with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
             for member in tar:
-                if member.name.startswith(("/", "..")) or "/../" in member.name or not (member.isfile() or member.isdir()):
+                if not tar_member_ok(member, stage):
                     sys.exit("refusing tar member " + member.name)
-                tar.extract(member, stage, set_attrs=False)
-        for name in sorted(os.listdir(stage), key=lambda n: n.endswith(".sha256"), reverse=True):
+                extract_member(tar, member, stage)
+        for name in sorted(os.listdir(stage), key=lambda n: n.endswith(SIDECAR), reverse=True):
             # a checksum before its file: the trainer never sees a file without its .sha256
             dst = os.path.join(d, name)
             if os.path.isdir(dst) and not os.path.islink(dst):
@@ -167,12 +158,8 @@ def receive(d):
     print("ok")
 
 
-def _safe_name(name):
-    return bool(name) and "/" not in name and not name.startswith(".")
-
-
 def pack(run_id, rel, *keys):
-    if not _safe_name(run_id) or not all(_safe_name(k) for k in keys):
+    if not safe_name(run_id) or not all(safe_name(k) for k in keys):
         sys.exit("bad run id or key")
     parts = [] if rel == "-" else rel.split("/")
     if rel != "-" and (rel.startswith("/") or ".." in parts or not rel.strip("/")):

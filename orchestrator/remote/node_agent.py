@@ -1,4 +1,6 @@
-"""clusterctl's node agent: shipped on stdin (`python3 - CMD ARGS`), stdlib only.
+"""clusterctl's node agent: shipped on stdin (`python3 - CMD ARGS`), stdlib only, with
+remote/common.py in front of it (probe.py `program`): write_atomic, marked_pids, stop_grace and
+safe_name come from there.
 
 Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = RUN_ID@NODE
 (two `connection: local` nodes share one machine and one home):
@@ -35,7 +37,8 @@ processes), never by name pattern.
   tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX
                                the same as framed records on stdout, with the node's new
                                checkpoints and TensorBoard bytes and, last, the status (Stream);
-                               needs ARTIFACTS_SRC (remote/artifacts.py) prepended to this script
+                               needs ARTIFACTS_SRC (probe.py `program("artifacts")`, text)
+                               prepended to this script
   live                         print the keys of runs still alive on this node
   claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
                                the holder's record}; a claim whose run has ended is replaced
@@ -53,26 +56,17 @@ import time
 BASE = os.path.expanduser("~/.clusterctl/node-runs")
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run never started on the node is held this long (preflight, launch)
-MAX_GRACE = 300.0  # the stop grace is stretched to 2x the last checkpoint save, up to this
 TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
 # interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
+RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
 
 
 def rundir(run_id):
-    if not run_id or "/" in run_id or run_id.startswith("."):
+    if not safe_name(run_id):
         sys.exit("bad run id")
     return os.path.join(BASE, run_id)
-
-
-def write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read(path, default=None):
@@ -86,29 +80,7 @@ def read(path, default=None):
 def run_pids(run_id, match=None):
     """This user's processes whose environment carries CLUSTERCTL_RUN_KEY=key (or, with
     `match`, a run key for which match(key) is true)."""
-    marker = ("CLUSTERCTL_RUN_KEY=" + run_id).encode() + b"\0"
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = b"\0" + f.read()
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z":
-            continue
-        if match is None:
-            found = (b"\0" + marker) in env
-        else:
-            keys = [v[len(b"CLUSTERCTL_RUN_KEY="):].decode(errors="replace") for v in env.split(b"\0")
-                    if v.startswith(b"CLUSTERCTL_RUN_KEY=")]
-            found = any(match(k) for k in keys)
-        if found:
-            out.append(int(name))
-    return out
+    return marked_pids(RUN_KEY, match or (lambda key: key == run_id))
 
 
 def pgid_of(pid):
@@ -179,7 +151,7 @@ def waiter(d, run_id, spec, notify_fd):
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned workers become our children, not init's
     env = dict(os.environ)
     env.update(spec.get("env", {}))
-    env["CLUSTERCTL_RUN_KEY"] = run_id
+    env[RUN_KEY] = run_id
     env["CLUSTERCTL_RUN_ID"] = run_id.split("@")[0]
     env["CLUSTERCTL_NODE_DIR"] = d  # where the job may leave save_seconds
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(d, "error.json")
@@ -264,12 +236,6 @@ def save_seconds(d):
         return float(read(os.path.join(d, "save_seconds"), "") or 0)
     except ValueError:
         return 0.0
-
-
-def stop_grace(grace, save_s):
-    """The grace a stop gives the job: at least 2x its last checkpoint save, up to MAX_GRACE
-    (a longer grace asked for explicitly is kept)."""
-    return max(float(grace), min(2 * float(save_s), MAX_GRACE))
 
 
 def wait_until(done, until):
@@ -476,8 +442,8 @@ class Stream(Plain):
     machine takes from a running node. Records (artifacts.py `frame`): the log's bytes by offset,
     the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past OFFSETS_HEX
     (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process, and last the
-    run's status. artifacts.py comes prepended as ARTIFACTS_SRC: its rules, run in their own
-    namespace, are the ones its `poll` applies."""
+    run's status. artifacts.py as shipped (common.py in front) comes prepended as ARTIFACTS_SRC:
+    its rules, run in their own namespace, are the ones its `poll` applies."""
 
     def __init__(self, ckpt_dir, tb_dir, offsets_hex):
         super().__init__("stream")
@@ -518,7 +484,7 @@ def live():
 
 
 def node_name_ok(name):
-    if not name or "/" in name or name.startswith("."):
+    if not safe_name(name):
         sys.exit("bad node name")
     return os.path.join(CLAIMS, name)
 

@@ -1,5 +1,7 @@
 """Node facts for preflight and sync; stdlib only, runs on the node (shipped, never installed)
-and on the control machine (imported), so both sides hash a workdir the same way.
+and on the control machine (loaded as a module by probe.py), so both sides hash a workdir the
+same way. remote/common.py comes in front of it either way (probe.py `program`): sha256_file,
+Hashed and send_tar come from there.
 
     python - info WORKDIR        one JSON line: python/torch/CUDA/ROCm/NCCL versions (torch is
                                  *not* imported: its version.py and dist-info are read, which
@@ -265,12 +267,12 @@ def code_files(root, outputs=()):
 def digest(root, outputs=()):
     """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of a workdir's code
     (`outputs`: workdir-relative output directories, left out)."""
-    import hashlib
+    import hashlib  # a link's target, hashed whole
 
     if not os.path.isdir(root):
         return {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
     files, head, dirty, kind = code_files(root, outputs)
-    h = hashlib.sha256()
+    h = Hashed()
     n = 0
     for rel in files:
         p = os.path.join(root, rel)
@@ -278,11 +280,7 @@ def digest(root, outputs=()):
             if os.path.islink(p):
                 content, mode = os.readlink(p).encode("utf-8", "surrogateescape"), "l"
             elif os.path.isfile(p):
-                fh = hashlib.sha256()
-                with open(p, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        fh.update(chunk)
-                content, mode = fh.digest(), "x" if os.access(p, os.X_OK) else "f"
+                content, mode = bytes.fromhex(sha256_file(p)), "x" if os.access(p, os.X_OK) else "f"
             else:
                 continue
         except OSError:
@@ -525,38 +523,22 @@ def _stdin_all(idle):
 def send(root, idle, connect_timeout):
     """Stdin: "to HOST PORT TOKEN" and the NUL-separated files; stream them as a tar to the relay
     listening there (token first), then print "sent BYTES SHA256" for the control machine."""
-    import hashlib
-    import socket
-    import tarfile
-
     head, _, names = _stdin_all(idle).partition(b"\n")
     words = head.decode().split()
     if len(words) != 4 or words[0] != "to":
         raise SystemExit("protocol error: expected 'to HOST PORT TOKEN'")
-    try:
-        sock = socket.create_connection((words[1], int(words[2])), timeout=connect_timeout)
-    except OSError as e:
-        raise SystemExit(f"cannot reach {words[1]}:{words[2]}: {e.strerror or e}")
-    sock.settimeout(idle)
-    sock.sendall(words[3].encode() + b"\n")
-    sha, total = hashlib.sha256(), 0
 
-    class Sink:
-        def write(self, data):
-            nonlocal total
-            sock.sendall(data)
-            sha.update(data)
-            total += len(data)
-            return len(data)
-
-    with tarfile.open(fileobj=Sink(), mode="w|", bufsize=1 << 20) as tar:
+    def add(tar):
         for rel in names.decode("utf-8", "surrogateescape").split("\0"):
             p = os.path.join(root, rel)
             if rel and (os.path.islink(p) or os.path.isfile(p)):
                 tar.add(p, arcname=rel, recursive=False)
-    sock.shutdown(socket.SHUT_WR)
-    sock.close()
-    print(f"sent {total} {sha.hexdigest()}")
+
+    try:
+        sent = send_tar(words[1], words[2], words[3], connect_timeout, idle, add)
+    except ConnectionError as e:
+        raise SystemExit(str(e)) from None
+    print(f"sent {sent.total} {sent.hexdigest()}")
 
 
 def _options(argv):

@@ -1,6 +1,7 @@
 """clusterctl's node side of `setup`: report a node's Python, and build a venv from a shipped
 wheelhouse. Stdlib only; run by the interpreter that creates the venv as
-`python3 -c <this> MODE ...`, never installed.
+`python3 -c <this> MODE ...`, never installed, with remote/common.py in front of it (probe.py
+`program`): sha256_file and write_atomic come from there.
 
     probe VENV ROOT            one JSON line: this interpreter's version, arch and glibc, the
                                state of VENV (absent | managed | foreign | broken), the hash
@@ -22,7 +23,6 @@ where the installer did. The previous directory is kept, older ones are removed,
 wheelhouses other than this one.
 """
 import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -94,20 +94,12 @@ def probe(venv, root):
         "uv": shutil.which("uv"), "executable": sys.executable}))
 
 
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(wheelhouse, lock):
     for w in lock["wheels"]:
         path = os.path.join(wheelhouse, w["file"])
         if not os.path.exists(path):
             raise Failed(f"the wheelhouse {wheelhouse} lacks {w['file']}")
-        if sha256_of(path) != w["sha256"]:
+        if sha256_file(path) != w["sha256"]:
             raise Failed(f"{w['file']} in {wheelhouse} does not match its sha256 (damaged copy)")
 
 
@@ -175,10 +167,7 @@ def build(new, wheelhouse, lock, timings, online=False):
 def write_record(new, lock, installer):
     rec = {"hash": lock["hash"], "requirements": lock["pins"], "python": platform.python_version(),
            "installer": installer, "created": time.time()}
-    tmp = os.path.join(new, RECORD + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(tmp, os.path.join(new, RECORD))
+    write_atomic(os.path.join(new, RECORD), json.dumps(rec, indent=1))
 
 
 def switch(venv, new):

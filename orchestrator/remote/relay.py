@@ -1,5 +1,7 @@
 """clusterctl's sync relay: receive a tar stream, forward it to the next node, write it into the
-workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed.
+workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed, with
+remote/common.py in front of it (probe.py `program`): the tar member rule, Hashed, send_tar,
+checkpoint names and marked_pids come from there.
 
     recv XFER WORKDIR       the relay; its stdin is the control protocol below
     changed WORKDIR         stdin: NUL-terminated "SIZE MTIME PATH" records of the files a sync
@@ -24,10 +26,8 @@ The stream is extracted into WORKDIR/.clusterctl-relay-XFER while it passes thro
 into WORKDIR only when its sha256 matches the announced one, so a corrupted stream changes nothing.
 Every wait has a timeout (--idle seconds without progress, --connect-timeout for the downstream).
 """
-import hashlib
 import hmac
 import os
-import re
 import select
 import shutil
 import socket
@@ -125,7 +125,7 @@ class Pass:
 
     def __init__(self, pull, down, idle):
         self.pull, self.down, self.idle = pull, down, idle
-        self.sha, self.total, self.pending = hashlib.sha256(), 0, b""
+        self.seen, self.pending = Hashed(), b""
         self.forward_error = None
         self.corrupt_at = int(os.environ.get(CORRUPT_ENV, "-1"))
         self.last_report = 0.0
@@ -134,20 +134,20 @@ class Pass:
         data = self.pull()
         if not data:
             return False
-        self.sha.update(data)
         if self.down is not None:
             self.forward(data)
-        self.total += len(data)
+        self.seen.update(data)
         now = time.monotonic()
         if now - self.last_report > 0.25:
             self.last_report = now
-            emit(f"progress {self.total}")
+            emit(f"progress {self.seen.total}")
         self.pending = data
         return True
 
     def forward(self, data):
-        if self.total <= self.corrupt_at < self.total + len(data):
-            i = self.corrupt_at - self.total
+        done = self.seen.total
+        if done <= self.corrupt_at < done + len(data):
+            i = self.corrupt_at - done
             data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
         try:
             self.down.sendall(data)
@@ -172,25 +172,19 @@ class Pass:
             self.pending = b""
 
 
-def within(root, path):
-    p = os.path.realpath(path)
-    return p == root or p.startswith(root + os.sep)
-
-
 def extract(stream, staging):
-    """Unpack the tar stream into staging; returns the number of entries."""
+    """Unpack the tar stream into staging (its files and symbolic links; directories follow from
+    them); returns the number of entries."""
     import tarfile
 
     root = os.path.realpath(staging)
     count = 0
     with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
         for m in tar:
-            if m.name.startswith("/") or ".." in m.name.split("/") or \
-                    not within(root, os.path.join(root, m.name)):
+            if not tar_member_ok(m, root, links=True):
                 raise Failed("refusing unsafe path in the stream: " + m.name)
             if m.isfile() or m.issym():
-                kw = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
-                tar.extract(m, root, set_attrs=m.isfile(), **kw)
+                extract_member(tar, m, root, links=True)
                 count += 1
     return count
 
@@ -254,9 +248,9 @@ def recv(xfer, workdir, idle, connect_timeout):
         if down is not None:
             down.close()
         (announced,) = expect(inp.line(), "sha256", 2)
-        got = stream.sha.hexdigest()
+        got = stream.seen.hexdigest()
         if got != announced:
-            raise Failed(f"the stream received here ({stream.total} bytes, sha256 {got[:16]}) does not "
+            raise Failed(f"the stream received here ({stream.seen.total} bytes, sha256 {got[:16]}) does not "
                          f"match the one the control machine sent (sha256 {announced[:16]}): it was "
                          "corrupted on the way; nothing was written into the workdir")
         if error:
@@ -264,51 +258,27 @@ def recv(xfer, workdir, idle, connect_timeout):
         install(staging, workdir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    emit(f"done {stream.total} {files}")
-
-
-CKPT_NAME = re.compile(r"^ckpt_\d{8}(\.pt)?$")
-
-
-class Sink:
-    """The socket as a write-only file for tarfile: each chunk is hashed and counted as it goes."""
-
-    def __init__(self, sock):
-        self.sock, self.sha, self.total = sock, hashlib.sha256(), 0
-
-    def write(self, data):
-        self.sock.sendall(data)
-        self.sha.update(data)
-        self.total += len(data)
-        return len(data)
+    emit(f"done {stream.seen.total} {files}")
 
 
 def send(xfer, src, names, idle, connect_timeout):
     """Connect to the receiving relay named on stdin, present its token, stream a tar of `names`
     (at the lowest CPU priority: it runs beside the training)."""
-    import tarfile
-
     os.nice(19)
 
     for name in names:
-        if not CKPT_NAME.match(name) or not os.path.exists(os.path.join(src, name)):
+        if checkpoint_step(name) is None or not os.path.exists(os.path.join(src, name)):
             raise Failed(f"no checkpoint {name} in {src}")
     host, port, token = expect(Stdin(idle).line(), "to", 4)
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=connect_timeout)
-    except OSError as e:
-        raise Failed(f"cannot reach {host}:{port}: {e.strerror or e}")
-    sock.settimeout(idle)
-    sock.sendall(token.encode() + b"\n")
-    sink = Sink(sock)
-    with tarfile.open(fileobj=sink, mode="w|", bufsize=CHUNK) as tar:
+
+    def add(tar):
         for name in names:
-            for rel in (name, name + ".sha256") if name.endswith(".pt") else (name,):
+            for rel in checkpoint_parts(name):
                 if os.path.exists(os.path.join(src, rel)):
                     tar.add(os.path.join(src, rel), arcname=rel, filter=lambda m: m if m.isfile() or m.isdir() else None)
-    sock.shutdown(socket.SHUT_WR)
-    sock.close()
-    emit(f"sent {sink.total} {sink.sha.hexdigest()}")
+
+    sent = send_tar(host, port, token, connect_timeout, idle, add)
+    emit(f"sent {sent.total} {sent.hexdigest()}")
 
 
 def changed(workdir):
@@ -334,24 +304,13 @@ def stop(xfer, workdir):
     """SIGTERM this user's processes carrying CLUSTERCTL_XFER=xfer; remove the staging dir."""
     import signal
 
-    marker = ("CLUSTERCTL_XFER=" + xfer).encode() + b"\0"
-    me, uid, n = os.getpid(), os.getuid(), 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
+    n = 0
+    for pid in marked_pids("CLUSTERCTL_XFER", lambda value: value == xfer):
         try:
-            if os.stat("/proc/" + name).st_uid != uid:
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = b"\0" + f.read()
+            os.kill(pid, signal.SIGTERM)
+            n += 1
         except OSError:
-            continue
-        if b"\0" + marker in env:
-            try:
-                os.kill(int(name), signal.SIGTERM)
-                n += 1
-            except OSError:
-                pass
+            pass
     shutil.rmtree(os.path.join(workdir, ".clusterctl-relay-" + xfer), ignore_errors=True)
     emit(f"stopped {n}")
 

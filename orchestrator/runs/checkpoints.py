@@ -10,6 +10,7 @@ and hashed on the way in). A checkpoint counts as complete by the trainer's own 
 sha256 sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without
 a shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
 them all): the pieces are merged into one directory here, complete once the manifest checks.
+The names and marks are remote/common.py's, the rules the nodes' artifacts.py applies.
 Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
 With train.checkpoint_replica the same thread also runs runs/replicas.py's `Replicator`
 (node-to-node copies that never pass through this machine).
@@ -25,19 +26,20 @@ import shutil
 import tarfile
 import threading
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
 from orchestrator import shell
 from orchestrator.inventory import Node
+from orchestrator.probe import common, program
+from orchestrator.runs.agent import StreamFrom
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
 from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
-AGENT = resources.files("orchestrator").joinpath("remote/artifacts.py").read_bytes()
-MANIFEST = "MANIFEST.sha256"
+AGENT = program("artifacts")
+MANIFEST: str = common().MANIFEST
 KEEP = 3  # complete checkpoints kept on the control machine
 POLL_S = 2.0  # how often a copy that failed is tried again (the nodes' streams say what is new)
 TIMEOUT = 600.0  # one copy of one checkpoint
@@ -53,25 +55,18 @@ def is_complete(path: Path, known: dict[Path, str] | None = None) -> bool:
     as they were written (not read again)."""
     known = known or {}
 
-    def digest(p: Path) -> str:
-        return known[p] if p in known else sha256_file(p)
+    def digest(p: str) -> str:
+        return known.get(Path(p)) or sha256_file(p)
 
-    try:
-        if path.is_dir():
-            lines = (path / MANIFEST).read_text().splitlines()
-            for line in lines:
-                want, name = line.split("  ", 1)
-                if digest(path / name) != want:
-                    return False
-            return bool(lines)
-        want = (Path(str(path) + ".sha256").read_text().split() or [""])[0]
-        return digest(path) == want
-    except (OSError, ValueError):
-        return False
+    return common().checkpoint_verified(str(path), digest)
 
 
 def step_of(name: str) -> int:
-    return int(name[5:13])
+    """The step of a checkpoint's name (ckpt_NNNNNNNN.pt or ckpt_NNNNNNNN); ValueError for another name."""
+    step = common().checkpoint_step(name)
+    if step is None:
+        raise ValueError(f"not a checkpoint name: {name!r}")
+    return step
 
 
 class CheckpointStore:
@@ -87,7 +82,7 @@ class CheckpointStore:
 
     def complete(self) -> list[str]:
         """Complete checkpoint names here, newest first."""
-        names = [p.name for p in self.dir.iterdir() if p.name.startswith("ckpt_") and not p.name.endswith(".sha256")]
+        names = [p.name for p in self.dir.iterdir() if common().checkpoint_step(p.name) is not None]
         return sorted(names, key=step_of, reverse=True)
 
     def newest(self) -> str | None:
@@ -122,7 +117,7 @@ class CheckpointStore:
             return False
         stage = unpacker.dest
         if kind == "file":
-            os.replace(Path(str(src) + ".sha256"), self.dir / (name + ".sha256"))
+            os.replace(Path(str(src) + common().SIDECAR), self.dir / (name + common().SIDECAR))
         os.replace(src, self.dir / name)
         shutil.rmtree(stage, ignore_errors=True)
         self.prune()
@@ -143,13 +138,14 @@ class CheckpointStore:
 
     def prune(self) -> None:
         for old in self.complete()[self.keep:]:
-            p = self.dir / old
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            Path(str(p) + ".sha256").unlink(missing_ok=True)
+            for part in common().checkpoint_parts(old):
+                p = self.dir / part
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         newest = self.complete()
         floor = step_of(newest[-1]) if len(newest) >= self.keep else -1
         for stage in self.dir.glob(".ckpt_*.partial"):  # pieces older than what is kept never complete
-            if step_of(stage.name[1:]) < floor:
+            step = common().checkpoint_step(stage.name[1:-len(".partial")])
+            if step is not None and step < floor:
                 shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -176,14 +172,14 @@ class ArtifactCopier:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ a node's stream (runs/watch.py)
-    def stream_args(self, node: str) -> list[str] | None:
-        """`tail ... stream`'s CKPTDIR|- TBDIR OFFSETS_HEX for `node`, resuming its TensorBoard
-        files at their sizes here; None before its directories are known."""
+    def stream_from(self, node: str) -> StreamFrom | None:
+        """What `node`'s log stream carries besides the log: its checkpoints (when they are copied or
+        replicated) and its TensorBoard files from their sizes here; None before its directories are known."""
         d = self.dirs.get(node)
         if d is None:
             return None
         want = self.checkpoints or self.replicator is not None
-        return [d["checkpoints"] if want else "-", d["tensorboard"], json.dumps(self.tb_have(node)).encode().hex()]
+        return StreamFrom(d["checkpoints"] if want else None, d["tensorboard"], self.tb_have(node))
 
     def on_checkpoints(self, node: str, found: list[dict]) -> None:
         """The node's complete checkpoints changed: copied on the copying thread, not the stream's."""
@@ -352,7 +348,7 @@ def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nod
     kind = "dir" if (store.dir / name).is_dir() else "file"
     targets = nodes if kind == "dir" else nodes[:1]
     files = ([str(p.relative_to(store.dir)) for p in sorted((store.dir / name).rglob("*")) if p.is_file()]
-             if kind == "dir" else [name, name + ".sha256"])
+             if kind == "dir" else list(common().checkpoint_parts(name)))
     res = cluster.run(lambda n: f"{shell.path(n.python)} -c {shell.quote(LOADER)} "
                                 f"receive {shell.quote(dirs[n.name]['checkpoints'])}",
                       stdin=lambda n: _agent_then(TarStream(str(store.dir), files)),

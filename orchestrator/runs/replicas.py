@@ -18,14 +18,14 @@ import json
 import posixpath
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Callable
 
+from orchestrator.probe import program
 from orchestrator.runs.checkpoints import KEEP, artifacts_cmd
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
 
-AGENT = resources.files("orchestrator").joinpath("remote/artifacts.py").read_bytes()
+AGENT = program("artifacts")
 
 
 def ring(nodes: list[str]) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import load_nodeinfo
+from orchestrator.probe import load_nodeinfo, program
 from orchestrator.pyenv.nodes import last_json
 from orchestrator.sync import prune_command, sync
 from orchestrator.transfer.files import run_outputs
@@ -37,9 +37,8 @@ COPY_TIMEOUT = 600.0  # one node-to-node copy of the code
 
 def _nodeinfo(inv: Inventory, node: Node, mode: str, *extra: str) -> str:
     """nodeinfo MODE on node's workdir with the run's outputs named (and `extra` options)."""
-    ni = load_nodeinfo()
     outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
-    return (f"{shell.path(node.python)} -S -c {shell.quote(ni.__loader__.get_source(ni.__name__))} {mode} "
+    return (f"{shell.path(node.python)} -S -c {shell.quote(program('nodeinfo').decode())} {mode} "
             f"{shell.path(node.workdir)} {shell.join([*outputs, *extra])}").rstrip()
 
 

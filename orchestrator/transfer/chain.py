@@ -23,6 +23,7 @@ from typing import Callable
 
 from orchestrator import shell
 from orchestrator.inventory import Node
+from orchestrator.probe import program
 from orchestrator.transfer import SyncResult
 from orchestrator.transfer.archive import TarStream, framed
 from orchestrator.transport import Cluster, NodeResult
@@ -33,9 +34,7 @@ IDLE_TIMEOUT = 120.0  # a relay with no data (or protocol line) for this long gi
 
 
 def relay_source() -> str:
-    from pathlib import Path
-
-    return (Path(__file__).resolve().parent.parent / "remote" / "relay.py").read_text()
+    return program("relay").decode()
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from orchestrator import shell
 from orchestrator.inventory import Node
-from orchestrator.probe import load_nodeinfo
+from orchestrator.probe import program
 from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT, relay_source
 from orchestrator.transport import Cluster, NodeResult
 
@@ -140,9 +140,8 @@ class CodePair(Pair):
             yield line + self.manifest
 
     def send_command(self, _node: Node) -> str:
-        ni = load_nodeinfo()
         return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(self.src.python)} -c "
-                f"{shell.quote(ni.__loader__.get_source(ni.__name__))} send {shell.path(self.src_dir)} "
+                f"{shell.quote(program('nodeinfo').decode())} send {shell.path(self.src_dir)} "
                 f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
 
 
