@@ -7,7 +7,8 @@
   a stopped run is recorded as stopped.
 
   The grace covers a checkpoint: at least twice the job's last save (node agent's
-  save_seconds), up to MAX_GRACE; a longer grace asked for explicitly is kept.
+  save_seconds), up to MAX_GRACE; a longer grace asked for explicitly is kept. The rule and the
+  cap are remote/common.py's, the ones the node agent applies.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.probe import common
 from orchestrator.runs.logs import rank_tail, worker_failure
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import exit_hint, exit_meaning
 
-MAX_GRACE = 300.0  # the same cap as the node agent's
+MAX_GRACE: float = common().MAX_GRACE  # the node agent's cap: remote/common.py
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 LOG_TAIL_BYTES = 1 << 18  # how much of a node's log the root cause looks at
 
 
 def stop_grace(grace: float, save_seconds: float = 0.0) -> float:
-    """The seconds between SIGTERM and SIGKILL: `grace`, stretched to 2x the last checkpoint save."""
-    return max(float(grace), min(2 * float(save_seconds), MAX_GRACE))
+    """The seconds between SIGTERM and SIGKILL: `grace`, stretched to 2x the last checkpoint save
+    (remote/common.py's rule, which the node agent applies)."""
+    return common().stop_grace(grace, save_seconds)
 
 
 def earliest_failure(first: FirstFailure | None, statuses: list[NodeStatus]) -> FirstFailure | None:

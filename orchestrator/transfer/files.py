@@ -4,23 +4,18 @@ node that hands its code to a spare (runs/spares.py) picks the same files as thi
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import load_nodeinfo
+from orchestrator.probe import common, load_nodeinfo
 
 TRAINER_MODULE = "trainer"
 OUTPUT_FLAG = "--output-dir"
 
 
 def sha256_file(path) -> str:
-    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The hex sha256 of a file's bytes, as the nodes take it (remote/common.py)."""
+    return common().sha256_file(path)
 
 
 def git_list(src: str) -> list[str]:

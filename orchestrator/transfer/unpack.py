@@ -6,8 +6,8 @@ unpacker's own thread; a pipe between them bounds what is in flight to the pipe'
 tarfile reads the pipe as a forward-only file (`_Forward`) in its normal mode, which reads each
 member's data straight from the pipe; its stream mode re-joins and re-slices a buffer on every
 read. Only
-plain files and directories are taken, none outside the directory: any other member ends the
-extraction with an error, and the rest of the stream is still read so the sender never blocks.
+plain files and directories are taken, none outside the directory (remote/common.py's member
+rule, the nodes' own): any other member ends the extraction with an error, and the rest of the stream is still read so the sender never blocks.
 With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
 checksums need not read the file back.
 """
@@ -21,6 +21,8 @@ import os
 import tarfile
 import threading
 from pathlib import Path, PurePosixPath
+
+from orchestrator.probe import common
 
 PIPE = 1 << 20  # bytes in flight between the transport thread and the unpacker
 READ = 1 << 16  # each file copy step: small enough to stay in cache between hashing and writing
@@ -91,11 +93,12 @@ class Unpacker:
 
     def _run(self) -> None:
         try:
+            member_ok = common().tar_member_ok
             with tarfile.open(fileobj=_Forward(self._r), mode="r:") as tar:
                 for m in tar:
-                    parts = PurePosixPath(m.name).parts
-                    if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in parts:
+                    if not member_ok(m, self.dest):
                         raise tarfile.TarError(f"refusing tar member {m.name!r}")
+                    parts = PurePosixPath(m.name).parts
                     dst = self.dest.joinpath(*parts)
                     if m.isdir():
                         dst.mkdir(parents=True, exist_ok=True)
