@@ -17,10 +17,13 @@ MAX_FUNCTION_LINES = 60
 
 # "path" or "path:qualname" -> why it may be longer
 EXCEPTIONS: dict[str, str] = {
-    "orchestrator/remote/nodeinfo.py": "shipped to each node as one script (python -S -c, stdlib only): it "
-                                       "cannot import a sibling module there",
-    "orchestrator/remote/node_agent.py": "shipped to each node as one self-contained script on stdin "
-                                         "(`python - CMD`); it cannot import a sibling module there",
+    "orchestrator/remote/nodeinfo.py": "shipped as one program (probe.program: remote/common.py, then this "
+                                       "file; python -S, where each module more costs start-up on every node): "
+                                       "the shared rules live in common.py, what is left is what code is "
+                                       "(gitignore, digest, selection) and the torch facts",
+    "orchestrator/remote/node_agent.py": "shipped as one program on stdin (probe.program: remote/common.py, then "
+                                         "this file, nothing else); the shared rules live in common.py, what is "
+                                         "left is the agent's own verbs over one run directory",
 }
 
 
@@ -113,7 +116,8 @@ LAYERS: list[dict[str, str]] = [
     {"inventory": "the frozen, validated models that every layer above is handed"},
     {"errors": "the one exception hierarchy and exit codes",
      "shell": "the one quoting rule",
-     "probe": "the node side's output format (@@ sections) and nodeinfo.py loaded as a module",
+     "probe": "the node side's output format (@@ sections), the shipped programs' bytes (common.py in front) "
+              "and those programs loaded as modules",
      "home": "where clusterctl keeps its state on the control machine",
      "__init__": "the package's version"},
 ]

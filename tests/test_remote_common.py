@@ -1,0 +1,282 @@
+"""remote/common.py: the node side's shared rules, written once and shipped in front of every
+program (probe.program), loaded here from the same bytes (probe.common)."""
+
+import ast
+import io
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import probe
+from orchestrator.runs import checkpoints, policy
+
+REMOTE = Path(probe.__file__).resolve().parent / "remote"
+PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem != probe.COMMON)
+
+
+# ------------------------------------------------------------------ (a) written once
+
+
+def _defined(path: Path) -> dict[str, int]:
+    """Top-level names a file defines (functions, classes, assignments) -> line."""
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = node.lineno
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        out[n.id] = node.lineno
+    return out
+
+
+def _calls(node: ast.AST, *names: str) -> list[ast.Call]:
+    """Calls under node of a function or method named one of `names` (`f(...)`, `x.f(...)`)."""
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call) and
+            (c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None)) in names]
+
+
+def _own_rules(path: Path) -> list[str]:
+    """What a program writes itself that common.py holds, function by function: a tar member
+    rule (a member's name checked for "/" or "..", or TarFile.extract called directly), a sha256
+    fed piece by piece (hashlib.sha256() with nothing in it: a file's or a stream's), an atomic
+    write (a ".tmp" name renamed into place), a /proc scan of environments (/proc/PID/environ
+    opened); and anywhere, a checkpoint name pattern (a regex of ckpt_ names)."""
+    tree = ast.parse(path.read_text())
+    found = [f"{path.name}:{c.lineno}: a checkpoint name pattern" for c in ast.walk(tree)
+             if isinstance(c, ast.Constant) and isinstance(c.value, str) and "ckpt_" in c.value and "\\d" in c.value]
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        where = f"{path.name}:{fn.lineno} {fn.name}"
+        text = {c.value for c in ast.walk(fn) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        names_checked = any(isinstance(a, ast.Attribute) and a.attr == "name" for a in ast.walk(fn))
+        tar_calls = [c for c in _calls(fn, "extract", "extractall", "extractfile") if isinstance(c.func, ast.Attribute)]
+        if any(c.func.attr != "extractfile" for c in tar_calls) or (tar_calls and names_checked and
+                                                                    text & {"/", "..", "/../"}):
+            found.append(f"{where}: a tar member rule")
+        if any(not c.args and isinstance(c.func, ast.Attribute) and getattr(c.func.value, "id", "") == "hashlib"
+               for c in _calls(fn, "sha256")):
+            found.append(f"{where}: its own sha256")
+        if ".tmp" in text and _calls(fn, "replace", "rename"):
+            found.append(f"{where}: an atomic write")
+        if any("/environ" in ast.unparse(c) for c in _calls(fn, "open")):
+            found.append(f"{where}: a /proc environment scan")
+    return found
+
+
+def test_no_program_writes_a_shared_rule_again():
+    """Each shipped program uses common.py's tar member rule, sha256, atomic write, marker scan,
+    checkpoint names and stop grace: neither a helper of the same name nor a rule of its own."""
+    shared = set(_defined(REMOTE / "common.py"))
+    shared.discard("__doc__")
+    again, own = [], []
+    for name in PROGRAMS:
+        path = REMOTE / f"{name}.py"
+        again += [f"{path.name}:{line}: {n} (common.py has it)" for n, line in _defined(path).items() if n in shared]
+        own += _own_rules(path)
+    assert not again, "defined again in a shipped program:\n" + "\n".join(again)
+    assert not own, "a shared rule written again in a shipped program:\n" + "\n".join(own)
+
+
+def test_the_check_for_rules_written_again_is_not_vacuous(tmp_path):
+    """The rules the test above looks for, written the old way, are found."""
+    old = tmp_path / "old.py"
+    old.write_text('''
+import hashlib, os, tarfile
+def receive(tar, root):
+    for m in tar:
+        if m.name.startswith("/") or not (m.isfile() or m.isdir()):
+            raise SystemExit("refusing")
+        tar.extract(m, root)
+def digest(path):
+    h = hashlib.sha256()
+    h.update(open(path, "rb").read())
+    return h.hexdigest()
+def save(path, text):
+    tmp = path + ".tmp"
+    open(tmp, "w").write(text)
+    os.replace(tmp, path)
+def pids(marker):
+    return [p for p in os.listdir("/proc") if marker in open(f"/proc/{p}/environ", "rb").read()]
+def write_atomic(path, text):
+    pass
+NAME = re.compile(r"^ckpt_(\\d{8})(\\.pt)?$")
+''')
+    found = " ".join(_own_rules(old))
+    for what in ("a tar member rule", "its own sha256", "an atomic write", "a /proc environment scan",
+                 "a checkpoint name pattern"):
+        assert what in found
+    assert "write_atomic" in _defined(old) and "write_atomic" in _defined(REMOTE / "common.py")
+
+
+def test_the_control_side_takes_the_node_sides_grace_and_names():
+    c = probe.common()
+    assert policy.MAX_GRACE == c.MAX_GRACE == 300.0
+    assert policy.stop_grace(5, 10) == c.stop_grace(5, 10) == 20 and policy.stop_grace(5, 1000) == 300.0
+    assert policy.stop_grace(400, 1000) == 400.0 and policy.stop_grace(5) == 5.0
+    assert checkpoints.MANIFEST == c.MANIFEST
+    assert checkpoints.AGENT == probe.program("artifacts")
+    assert [c.checkpoint_step(n) for n in ("ckpt_00000012.pt", "ckpt_00000012", "ckpt_00000012.pt.sha256",
+                                           "ckpt_0000012.pt", "ckpt_00000012.tmp", "ckpt_0000001x")] == \
+        [12, 12, None, None, None, None]
+    assert checkpoints.step_of("ckpt_00000007") == 7
+    with pytest.raises(ValueError):
+        checkpoints.step_of("ckpt_7")
+
+
+# ------------------------------------------------------------------ (b) the tar member rule
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.linkname = kind, link
+    return m
+
+
+@pytest.mark.parametrize("member", [
+    _member("../x"), _member("a/../../x"), _member("/etc/x"), _member(""),
+    _member("root", tarfile.SYMTYPE, "/"), _member("up", tarfile.SYMTYPE, "../.."),
+    _member("dev", tarfile.CHRTYPE), _member("disk", tarfile.BLKTYPE), _member("fifo", tarfile.FIFOTYPE),
+    _member("hard", tarfile.LNKTYPE, "/etc/passwd"),
+], ids=lambda m: f"{m.name or 'empty'}-{m.type.decode() if m.type else 'reg'}")
+def test_the_member_rule_refuses(member, tmp_path):
+    assert not probe.common().tar_member_ok(member, str(tmp_path))
+
+
+def test_the_member_rule_accepts_files_and_directories(tmp_path):
+    ok = probe.common().tar_member_ok
+    assert ok(_member("ckpt_00000001.pt"), tmp_path) and ok(_member("ckpt_00000002/__0_0.distcp"), tmp_path)
+    assert ok(_member("ckpt_00000002", tarfile.DIRTYPE), tmp_path) and ok(_member("a/./b..c"), tmp_path)
+
+
+def test_a_code_stream_keeps_its_links_but_nothing_lands_through_one(tmp_path):
+    """links=True (sync's relay): a symbolic link ships as it is, wherever it points, but no later
+    member is written through a link to outside the directory."""
+    c = probe.common()
+    (tmp_path / "root").symlink_to("/")
+    assert c.tar_member_ok(_member("data", tarfile.SYMTYPE, "/"), tmp_path, links=True)
+    assert not c.tar_member_ok(_member("root/etc/x"), tmp_path, links=True)
+    assert not c.tar_member_ok(_member("dev", tarfile.CHRTYPE), tmp_path, links=True)
+
+
+def test_extraction_refuses_before_anything_lands(tmp_path):
+    """artifacts.py `receive`, as shipped: a tar with a link to / is refused, nothing is written."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"x" * 10
+        info = tarfile.TarInfo("ckpt_00000001.pt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        tar.addfile(_member("evil", tarfile.SYMTYPE, "/"))
+    r = subprocess.run([sys.executable, "-c", probe.program("artifacts").decode(), "receive", str(tmp_path / "d")],
+                       input=buf.getvalue(), capture_output=True, timeout=60)
+    assert r.returncode != 0 and b"refusing tar member evil" in r.stderr
+    assert os.listdir(tmp_path / "d") == []
+
+
+# ------------------------------------------------------------------ (c) the marker scan
+
+
+def test_the_marker_scan_skips_a_process_that_ends_mid_scan(monkeypatch):
+    c = probe.common()
+    env = dict(os.environ, CLUSTERCTL_TEST_MARK="m1")
+    stays = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    goes = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], env=env)
+    real = os.listdir
+    try:
+        deadline = time.time() + 10
+        while not os.path.exists(f"/proc/{zombie.pid}") or \
+                open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.time() < deadline, "the zombie never ended"
+            time.sleep(0.01)
+
+        def listing(path):
+            names = real(path)
+            if path == "/proc":  # listed, then gone before its environ is read
+                goes.kill()
+                goes.wait()
+                names.append("999999999")  # and one that never was there
+            return names
+
+        monkeypatch.setattr(os, "listdir", listing)
+        found = c.marked_pids("CLUSTERCTL_TEST_MARK", lambda v: v == "m1")
+        monkeypatch.setattr(os, "listdir", real)
+        assert found == [stays.pid]
+        assert c.marked_pids("CLUSTERCTL_TEST_MARK", lambda v: v == "m2") == []
+    finally:
+        for p in (stays, goes, zombie):
+            p.kill()
+            p.wait()
+
+
+# ------------------------------------------------------------------ (d) every program runs as shipped
+
+
+def _run(name: str, *args: str, cwd: Path, stdin: bytes | None = None, flags=()) -> subprocess.CompletedProcess:
+    """`python - ARGS` with the program on stdin (or -c, when the program reads stdin itself)."""
+    src = probe.program(name)
+    env = dict(os.environ, HOME=str(cwd))
+    if stdin is None:
+        return subprocess.run([sys.executable, *flags, "-", *args], input=src, cwd=cwd, env=env,
+                              capture_output=True, timeout=60)
+    return subprocess.run([sys.executable, *flags, "-c", src.decode(), *args], input=stdin, cwd=cwd, env=env,
+                          capture_output=True, timeout=60)
+
+
+def test_every_shipped_program_runs_from_its_program_bytes(tmp_path):
+    """Each program's cheapest verb, run from probe.program's bytes (common.py in front)."""
+    cheapest = {
+        "node_agent": (("live",), None, b"[]"),
+        "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), None, b'"own": []'),
+        "relay": (("changed", str(tmp_path / "wd")), b"", b"changed 0 0"),
+        "nodeinfo": (("info", "-"), None, b'"python"'),
+        "pyenv": (("probe", str(tmp_path / "venv"), str(tmp_path)), None, b'"venv": "absent"'),
+        "portlisten": (("0", "1", "0"), None, b"listening"),
+        "rank_lines": (("-c", "print('hi')"), None, b"[default0]:hi"),
+        "netprobe": (("serve", "0", "0.2"), None, b"listening"),
+    }
+    assert sorted(cheapest) == PROGRAMS, "a shipped program without a check here"
+    for name, (args, stdin, want) in cheapest.items():
+        r = _run(name, *args, cwd=tmp_path, stdin=stdin, flags=("-S",) if name == "nodeinfo" else ())
+        assert r.returncode == 0 and want in r.stdout, (name, r.stdout[-500:], r.stderr[-2000:])
+
+
+def test_every_name_a_program_uses_is_defined_once_shipped():
+    """pyflakes over the shipped bytes: a helper a program calls is common.py's (nothing undefined)."""
+    from pyflakes.api import check
+    from pyflakes.reporter import Reporter
+
+    for name in PROGRAMS:
+        out = io.StringIO()
+        check(probe.program(name).decode(), name, Reporter(out, out))
+        undefined = [ln for ln in out.getvalue().splitlines() if "undefined name" in ln]
+        assert not undefined, undefined
+
+
+def test_the_control_side_loads_the_same_bytes():
+    ni = probe.load_nodeinfo()
+    assert ni.__loader__.get_source(ni.__name__) == probe.program("nodeinfo").decode()
+    assert ni.sha256_file is not probe.common().sha256_file  # its own copy, as on a node
+    assert ni.send_tar.__code__.co_code == probe.common().send_tar.__code__.co_code
+
+
+def test_a_stop_signal_reaches_a_marked_relay(tmp_path):
+    """relay.py `stop XFER` as shipped: its processes are found by CLUSTERCTL_XFER and ended."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env=dict(os.environ, CLUSTERCTL_XFER="x1"))
+    try:
+        r = _run("relay", "stop", "x1", str(tmp_path), cwd=tmp_path, stdin=b"")
+        assert r.returncode == 0 and b"stopped 1" in r.stdout, r.stderr
+        assert sleeper.wait(10) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
+        sleeper.wait()
