@@ -46,6 +46,11 @@ def rng(name: str, host: str = "'{name}'", address: str | None = None) -> str:
 @pytest.mark.parametrize("text,line,needles", [
     (rng("n[-1-3]"), 2, ["nodes[0].name 'n[-1-3]'", "'-1-3' holds a negative number"]),
     (rng("n[1--3]"), 2, ["nodes[0].name 'n[1--3]'", "negative number"]),
+    # NodeSet itself reads these as n-3, n-2, ...
+    (rng("n[-3--1]"), 2, ["'-3--1' holds a negative number"]),
+    (rng("n[-1]"), 2, ["'-1' holds a negative number"]),
+    (rng("n[1,-2]"), 2, ["'-2' holds a negative number"]),
+    (rng("x[-5-5/5]"), 2, ["'-5-5/5' holds a negative number"]),
     (rng("n[5-2]"), 2, ["nodes[0].name 'n[5-2]'", "5-2 runs backwards", "2-5"]),
     (rng("n[08-02]"), 2, ["08-02 runs backwards", "02-08"]),
     (rng("n[1,5-2]"), 2, ["5-2 runs backwards"]),

@@ -9,25 +9,37 @@ byte-level damage. Each mutation knows whether it keeps the document valid; that
 under test, decides which exit code is right. A mutation whose effect is unknown (a random
 byte flip) only has to end in 0 or in a proper exit-2 paragraph.
 
+Values at the edge are generated too: node ranges (valid ones, and negative or backwards ones),
+host names and addresses (IPv4 with leading zeros or octets over 255, IPv6 literals, 253/63
+character limits, user@host), and ports written as YAML 1.1 reads them (`0x50`, `0777`, `1_000`,
+`+22`) in every place a port goes.
+
 Every case runs through the real CLI entry point (`orchestrator.cli.main`) in one worker process
 whose whole address space is capped at 256 MiB (RLIMIT_AS) and which must answer each case
 within 2 s (tests/inventory_worker.py); interpreter start-up is paid once, not per case.
+
+Each run draws a fresh seed and prints it (`CLUSTERCTL_FUZZ_SEED=N`), and a failure repeats it;
+set CLUSTERCTL_FUZZ_SEED=N (with the same INVENTORY_FUZZ_CASES) to replay that run.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import random
 import re
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.inventory_worker import REPO_ROOT, Worker
 
-CASES = int(__import__("os").environ.get("INVENTORY_FUZZ_CASES", "1000"))
+CASES = int(os.environ.get("INVENTORY_FUZZ_CASES", "1000"))
 CASE_TIMEOUT_S = 2.0
+SEED = int(os.environ.get("CLUSTERCTL_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
+REPLAY = f"inventory fuzz seed: replay with CLUSTERCTL_FUZZ_SEED={SEED} INVENTORY_FUZZ_CASES={CASES}"
 
 
 # ---------------------------------------------------------------- a YAML tree we emit ourselves
@@ -146,42 +158,51 @@ def base() -> Map:
 # kind -> (values that keep the document valid, values that make it invalid). Written from the
 # README's inventory reference, not from the models.
 HUGE = "9" * 30
+LONG_HOST = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters, the longest name
+GOOD_HOSTS = ["h1", "gpu-01.cluster.local", "node_1", "h1.", "a" * 63 + ".x", LONG_HOST, "10.0.0.1",
+              "255.255.255.255", '"::1"', '"[::1]"', '"fe80::1%eth0"', '"[fe80::1%eth0]"', '"::ffff:10.0.0.1"']
+BAD_HOSTS = ["010.0.0.1", "10.0.0.01", "10.0.0.256", "1.2.3", "1.2.3.4.5", "0x7f.1", "a..b", "a-", "-a",
+             '"user@h1"', '"h1:22"', '"[10.0.0.1]"', '":::"', '"' + "a" * 64 + '.x"', '"' + LONG_HOST + 'c"',
+             '"bücher.example"', '"h1 && reboot"', '"-oProxyCommand=x"', '""']
+# Ports YAML 1.1 reads as numbers although they are not written in decimal (0x50 is 80).
+YAML_NUMBER_PORTS = ["0x50", "0777", "022", "0b101", "1_000", "+22", "1:30", "0o777"]
 VALUES = {
-    "port": (["1", "22", "2222", "29500", "65535", "0x50"],
+    "port": (["1", "22", "80", "2222", "29500", "65535"],
              ["true", "false", "yes", "no", "on", "off", "0", "-1", "65536", "1.5", HUGE, "-" + HUGE,
-              '"22"', "[22]", "{p: 22}", "2024-01-01", "9" * 5000]),
+              '"22"', '" 22"', "[22]", "{p: 22}", "2024-01-01", "9" * 5000, "22.0", "-22", ".inf"]
+             + YAML_NUMBER_PORTS),
     "gpus": (["0", "1", "8", "1024"], ["true", "yes", "-1", "1025", "2.0", HUGE, '"8"', "[8]", "null"]),
     "timeout": (["1", "10", "0.5", "600"], ["0", "-1", "601", ".inf", ".nan", "true", '"10"', "1e400", "[]"]),
     "nonneg": (["0", "1.0", "10", "1000000", HUGE], ["-1", "-0.5", ".nan", "true", '"1"', "null", "[]"]),
     "path": (["~/gpt_train", "/opt/x", '"/srv/ünïcode dir"', '"~/a b"', "python3"],
              ["123", "true", "2024-01-01", "1.5", '"~root/x"', '""', '"a\\nb"', "[a]", "{a: b}"]),
     "name": (None, ['"a;b"', "007", "true", '""', '"ü"', "null", "[a]", '"' + "x" * 300 + '"']),
-    "host": (None, ['"h1 && reboot"', '"-oProxyCommand=x"', "1", "true", "null", "[h]"]),
+    "host": (GOOD_HOSTS, BAD_HOSTS + ["1", "true", "null", "[h]"]),
     "user": (["train", "ubuntu", "a_b-c"], ['"$(id)"', "123", "true", "[u]"]),
     "iface": (["eth0", "ib0", "enp1s0f0"], ['"eth0;ls"', "0", "true", "[eth0]"]),
     "bool": (["true", "false"], ["1", "0", '"true"', "null", "[]"]),
     "nproc": (["1", "8", "auto"], ["true", "all", "0", "-1", "[]"]),
     "module": (["trainer", "pkg.mod"], ['"os;rm"', "1", "true", "[m]"]),
 }
-NULLABLE = {"node.gpus", "node.iface", "train.module"}  # and every ssh key
+NULLABLE = {"node.gpus", "node.iface", "node.address", "train.module"}  # and every ssh key
 FIELDS = {  # where -> key -> kind
     "top": {"master_port": "port", "workdir": "path", "python": "path"},
     "ssh": {"user": "user", "port": "port", "identity_file": "path", "known_hosts": "path",
             "connect_timeout": "timeout"},
-    "node": {"name": "name", "host": "host", "gpus": "gpus", "iface": "iface"},
+    "node": {"name": "name", "host": "host", "address": "host", "gpus": "gpus", "iface": "iface"},
     "train": {"module": "module", "nproc_per_node": "nproc"},
     "checks": {"clock_skew_warn": "nonneg", "clock_skew_fail": "nonneg", "disk_min_gb": "nonneg",
                "require_gpu_idle": "bool"},
 }
 OPTIONAL = {"top": ["ssh", "master_port", "workdir", "python", "env", "train", "checks"],
-            "ssh": list(FIELDS["ssh"]), "node": ["gpus", "iface", "env"],
+            "ssh": list(FIELDS["ssh"]), "node": ["gpus", "iface", "env", "address", "ssh"],
             "train": ["module", "args", "env", "nproc_per_node"], "checks": list(FIELDS["checks"])}
 ENV_KEY = st.from_regex(r"\A[A-Z_][A-Z0-9_]{0,12}\Z")
 PRINTABLE = st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")), max_size=20)
 
 
 def mappings(doc: Map) -> dict[str, list[Map]]:
-    """The mappings of each kind present in the document."""
+    """The mappings of each kind present in the document (a node's own `ssh:` is an ssh one)."""
     out = {"top": [doc], "ssh": [], "node": [], "train": [], "checks": [], "env": []}
     for key in ("ssh", "train", "checks", "env"):
         if isinstance(doc.get(key), Map):
@@ -190,8 +211,9 @@ def mappings(doc: Map) -> dict[str, list[Map]]:
     for n in (nodes.items if isinstance(nodes, Seq) else []):
         if isinstance(n, Map):
             out["node"].append(n)
-            if isinstance(n.get("env"), Map):
-                out["env"].append(n.get("env"))
+            for key, kind in (("env", "env"), ("ssh", "ssh")):
+                if isinstance(n.get(key), Map):
+                    out[kind].append(n.get(key))
     if out["train"] and isinstance(out["train"][0].get("env"), Map):
         out["env"].append(out["train"][0].get("env"))
     return out
@@ -210,11 +232,47 @@ def parse_value(text: str):
     return Str(json.loads(text)) if text.startswith('"') else Plain(text)
 
 
+def text_of(n) -> str | None:
+    n = n.target if isinstance(n, Alias) else n
+    return n.text if isinstance(n, (Plain, Str)) else None
+
+
+# A node range as this test writes it: PREFIX[LO-HI] or PREFIX[LO-HI/STEP], LO and HI the same width.
+RANGE = re.compile(r"\A(?P<pre>[^\[]*)\[(?P<lo>\d+)-(?P<hi>\d+)(?:/(?P<step>\d+))?\](?P<post>.*)\Z")
+
+
+def expand_range(text: str) -> list[str]:
+    """The names a range this test wrote stands for, in order (the test's own reading, not NodeSet's)."""
+    m = RANGE.match(text)
+    if not m:
+        return [text]
+    width = len(m["lo"]) if m["lo"].startswith("0") else 0
+    return [f"{m['pre']}{i:0{width}d}{m['post']}" for i in range(int(m["lo"]), int(m["hi"]) + 1, int(m["step"] or 1))]
+
+
+def node_hosts(doc: Map, skip: Map | None = None) -> set[str]:
+    """Every host the nodes use, lower-cased, ranges and {name} templates expanded."""
+    out = set()
+    for n in mappings(doc)["node"]:
+        if n is skip:
+            continue
+        names, host = expand_range(text_of(n.get("name")) or ""), text_of(n.get("host"))
+        if host is not None:
+            hosts = [host.replace("{name}", x) for x in names] if "{name}" in host else expand_range(host)
+            out |= {h.lower() for h in hosts}
+    return out
+
+
+def is_range_entry(m: Map) -> bool:
+    return RANGE.match(text_of(m.get("name")) or "") is not None
+
+
 # ---------------------------------------------------------------- mutations that keep it valid
 
 
 def keep_valid(draw, doc: Map) -> None:
-    op = draw(st.sampled_from(["delete", "value", "env", "add_nodes", "style", "reorder", "delete_node"]))
+    op = draw(st.sampled_from(["delete", "value", "env", "add_nodes", "style", "reorder", "delete_node",
+                               "add_range", "node_port", "address"]))
     ms = mappings(doc)
     if op == "delete":
         where = draw(st.sampled_from([w for w in OPTIONAL if ms.get(w)]))
@@ -224,10 +282,17 @@ def keep_valid(draw, doc: Map) -> None:
             key = draw(st.sampled_from(keys))
             m.pairs = [(k, v) for k, v in m.pairs if k != key]
     elif op == "value":
-        choices = [(w, m, k) for w, m, k in fields(doc) if VALUES[FIELDS[w][k]][0]]
+        # a range entry's host stays a range; another node's host is never reused
+        choices = [(w, m, k) for w, m, k in fields(doc) if VALUES[FIELDS[w][k]][0]
+                   and not (k == "host" and is_range_entry(m))]
         if choices:
             where, m, key = draw(st.sampled_from(choices))
-            set_value(m, key, parse_value(draw(st.sampled_from(VALUES[FIELDS[where][key]][0]))))
+            values = VALUES[FIELDS[where][key]][0]
+            if key == "host":
+                taken = node_hosts(doc, skip=m)
+                values = [v for v in values if text_of(parse_value(v)).lower() not in taken]
+            if values:
+                set_value(m, key, parse_value(draw(st.sampled_from(values))))
     elif op == "env" and ms["env"]:
         m = draw(st.sampled_from(ms["env"]))
         key = draw(ENV_KEY.filter(lambda k: k not in m.keys()))
@@ -252,6 +317,36 @@ def keep_valid(draw, doc: Map) -> None:
         m.pairs = draw(st.permutations(m.pairs))
     elif op == "delete_node" and isinstance(doc.get("nodes"), Seq) and len(doc.get("nodes").items) > 1:
         doc.get("nodes").items.pop(draw(st.integers(0, len(doc.get("nodes").items) - 1)))
+    elif op == "add_range" and isinstance(doc.get("nodes"), Seq):
+        items = doc.get("nodes").items
+        k = len(items)
+        while any((text_of(m.get("name")) or "").startswith(f"r{k}n") for m in items if isinstance(m, Map)):
+            k += 1
+        lo = draw(st.integers(0, 250))
+        hi = lo + draw(st.integers(0, 5))
+        pad = draw(st.booleans()) and len(str(hi)) == len(str(lo))
+        lo_s, hi_s = (f"{lo:03d}", f"{hi:03d}") if pad else (str(lo), str(hi))
+        step = draw(st.sampled_from(["", "", "/2"]))
+        name = f"r{k}n[{lo_s}-{hi_s}{step}]"
+        n = len(expand_range(name))
+        host = draw(st.sampled_from(["{name}.cluster", f"10.8.{k % 256}.[{lo}-{lo + n - 1}]"]))
+        entry = Map([("name", Str(name)), ("host", Str(host)), ("gpus", Plain(str(draw(st.integers(0, 8)))))],
+                    flow=True)
+        if draw(st.booleans()):
+            entry.pairs.append(("address", Str(f"192.168.{k % 256}.[{lo}-{lo + n - 1}]")))
+        items.append(entry)
+    elif op == "node_port" and ms["node"]:
+        node = draw(st.sampled_from(ms["node"]))
+        port = Plain(draw(st.sampled_from(VALUES["port"][0])))
+        if isinstance(node.get("ssh"), Map):
+            node.get("ssh").pairs = [(k, v) for k, v in node.get("ssh").pairs if k != "port"] + [("port", port)]
+        else:
+            node.pairs = [(k, v) for k, v in node.pairs if k != "ssh"] + [("ssh", Map([("port", port)], flow=True))]
+    elif op == "address" and ms["node"]:
+        node = draw(st.sampled_from(ms["node"]))
+        if not is_range_entry(node):
+            node.pairs = [(k, v) for k, v in node.pairs if k != "address"]
+            node.pairs.append(("address", parse_value(draw(st.sampled_from(GOOD_HOSTS)))))
 
 
 def share_env(doc: Map) -> None:
@@ -277,7 +372,8 @@ def make_invalid(draw, doc: Map) -> str:
     all_maps = [m for ms_ in ms.values() for m in ms_]
     op = draw(st.sampled_from(["wrong_value", "delete_required", "unknown_key", "duplicate_key", "tag",
                                "deep", "alias_bomb", "complex_key", "non_string_key", "undefined_alias",
-                               "control_escape", "format_char", "bad_env", "empty_nodes", "two_documents"]))
+                               "control_escape", "format_char", "bad_env", "empty_nodes", "two_documents",
+                               *["bad_range", "bad_port", "bad_host"] * 3]))  # the edges, drawn more often
     if op == "wrong_value":
         where, m, key = draw(st.sampled_from(fields(doc)))
         kind = FIELDS[where][key]
@@ -350,6 +446,29 @@ def make_invalid(draw, doc: Map) -> str:
         doc.pairs = [(k, v) for k, v in doc.pairs if k != "nodes"] + [("nodes", Raw("[]"))]
     elif op == "two_documents":
         return "two_documents"
+    elif op == "bad_range":
+        name, host = draw(st.sampled_from([
+            ("n[-1-3]", "{name}.x"), ("n[-1]", "{name}.x"), ("n[1,-2]", "{name}.x"), ("n[-3--1]", "{name}.x"),
+            ("x[-5-5/5]", "{name}.x"), ("n[1--3]", "{name}.x"), ("n[5-2]", "{name}.x"), ("n[08-02]", "{name}.x"),
+            ("n[1-3/0]", "{name}.x"), ("n[1,3-2]", "{name}.x"), ("n[]", "{name}.x"), ("n[1-3]", "10.7.0.[-1-1]"),
+            ("n[1-3]", "10.7.0.[3-1]"), ("n[1-3]", "10.7.0.[254-256]"), ("n[1-3]", "10.7.0.[08-10]"),
+            ("n[1-3]", "010.7.0.[1-3]")]))
+        doc.get("nodes").items.append(Map([("name", Str(name)), ("host", Str(host))], flow=True))
+    elif op == "bad_port":
+        port = parse_value(draw(st.sampled_from(YAML_NUMBER_PORTS + ["0", "65536", "-22", '" 22"', "22.0", "true"])))
+        where = draw(st.sampled_from(["master_port", "ssh", "node"]))
+        if where == "master_port":
+            doc.pairs = [(k, v) for k, v in doc.pairs if k != "master_port"] + [("master_port", port)]
+        else:
+            m = doc if where == "ssh" else draw(st.sampled_from(ms["node"]))
+            if not isinstance(m.get("ssh"), Map):
+                m.pairs = [(k, v) for k, v in m.pairs if k != "ssh"] + [("ssh", Map([], flow=True))]
+            ssh = m.get("ssh")
+            ssh.pairs = [(k, v) for k, v in ssh.pairs if k != "port"] + [("port", port)]
+    elif op == "bad_host":
+        node = draw(st.sampled_from(ms["node"]))
+        key = draw(st.sampled_from(["host", "address"]))
+        node.pairs = [(k, v) for k, v in node.pairs if k != key] + [(key, parse_value(draw(st.sampled_from(BAD_HOSTS))))]
     return op
 
 
@@ -397,10 +516,11 @@ def expected(doc: Map) -> dict:
     nodes = []
     for n in doc.get("nodes").items:
         gpus = n.get("gpus")
-        nodes.append({"name": text(n.get("name")), "gpus": None if gpus is None else int(text(gpus), 0),
-                      "env": {**top_env, **(env_of(n.get("env")) if n.get("env") is not None else {})}})
+        for name in expand_range(text(n.get("name"))):
+            nodes.append({"name": name, "gpus": None if gpus is None else int(text(gpus), 0),
+                          "env": {**top_env, **(env_of(n.get("env")) if n.get("env") is not None else {})}})
     port = doc.get("master_port")
-    return {"master_port": 29500 if port is None else int(text(port), 0), "nodes": nodes}
+    return {"master_port": 29500 if port is None else int(text(port)), "nodes": nodes}
 
 
 # ---------------------------------------------------------------- the property
@@ -413,14 +533,39 @@ def worker():
     w.close()
 
 
+@pytest.fixture(scope="module")
+def fuzz_seed(request):
+    """Prints this run's seed on the terminal, past pytest's output capture."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(REPLAY)
+    else:
+        print(REPLAY)
+    return SEED
+
+
 PARAGRAPH = re.compile(r"\Aclusterctl: error: (?P<path>[^\n]*?):(?P<line>\d+): [^\n]+\n(  [^\n]+\n)*\Z")
 
 
+@seed(SEED)
 @settings(max_examples=CASES, deadline=None, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=st.data())
-def test_any_inventory_is_valid_or_one_paragraph_exit_2(worker, tmp_path_factory, data):
+def test_any_inventory_is_valid_or_one_paragraph_exit_2(fuzz_seed, worker, tmp_path_factory, data):
+    try:
+        check_one(worker, tmp_path_factory, data)
+    except AssertionError as e:  # the seed in the message itself, not only in the report around it
+        e.args = (f"{e.args[0] if e.args else ''}\n{REPLAY}",)
+        raise
+    except Exception as e:
+        e.add_note(REPLAY)
+        raise
+
+
+def check_one(worker, tmp_path_factory, data):
     draw = data.draw
     doc = base()
     for _ in range(draw(st.integers(0, 3))):
