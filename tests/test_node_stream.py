@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from orchestrator.runs import watch
+from orchestrator import probe
+from orchestrator.runs import agent, watch
+from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier
-from orchestrator.runs.watch import STREAM_AGENT, Frames, LogCopier
+from orchestrator.runs.watch import Frames, LogCopier
 
 REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
 JOB = r"""
@@ -44,7 +46,7 @@ def agent_env(tmp_path):
 def start_job(tmp_path, key):
     (tmp_path / "ck").mkdir()
     spec = {"argv": [sys.executable, "-c", JOB], "cwd": str(tmp_path), "env": {}}
-    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=watch.AGENT,
+    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=agent.program(),
                        env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
@@ -58,7 +60,7 @@ def stream(tmp_path, key, offset, tb_have, ckdir=None):
 
 def records(proc, stop_after=None):
     """(head, body) records as they arrive; `stop_after(records)` true: the stream is cut there."""
-    proc.stdin.write(STREAM_AGENT)
+    proc.stdin.write(agent.stream_program())
     proc.stdin.close()
     frames, out = Frames(), []
     while chunk := os.read(proc.stdout.fileno(), 7001):  # odd pieces: records split anywhere
@@ -120,8 +122,8 @@ class Copier:
     def __init__(self, tmp_path):
         self.tb_dir, self.found = tmp_path / "tb-here", []
 
-    def stream_args(self, node):
-        return ["-", "-", "-"]
+    def stream_from(self, node):
+        return StreamFrom(None, "-")
 
     def on_checkpoints(self, node, found):
         self.found.append((node, found))
@@ -143,7 +145,7 @@ def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
 
     copier = Copier(tmp_path)
     lc = LogCopier(Run(), ["n1"], echo=print, artifacts=copier)
-    assert lc.tail_args("n1")[0] == "stream"
+    assert lc.tail_stream("n1") == StreamFrom(None, "-")
     whole = bytes(range(256)) * 50
     ck = [{"name": "ckpt_00000004.pt", "step": 4, "kind": "file", "files": []}]
     data = (frame({"t": "log", "offset": 0}, whole[:3000]) + frame({"t": "ckpts"}, json.dumps(ck).encode())
@@ -152,13 +154,13 @@ def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
     for i in range(len(data) - 10):  # the last record arrives cut: its connection dropped
         lc.on_bytes("n1", "stdout", data[i:i + 1])
     assert lc.offset("n1") == 3000
-    lc.tail_args("n1")  # the reconnected tail starts afresh, at the copy's size
+    lc.tail_stream("n1")  # the reconnected tail starts afresh, at the copy's size
     again = frame({"t": "log", "offset": 3000}, whole[3000:]) + frame({"t": "end"}, b'{"exit_code": 0}')
     lc.on_bytes("n1", "stdout", again)
     lc.close()
     assert (tmp_path / "nodes" / "n1.log").read_bytes() == whole
     assert copier.found == [("n1", ck)] and (copier.tb_dir / "n1" / "a" / "events").read_bytes() == b"xyz"
-    assert lc.final["n1"] == {"exit_code": 0}
+    assert lc.final["n1"] == AgentStatus(exit_code=0)
 
 
 def frame(head, body):
@@ -202,11 +204,12 @@ def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_
         time.sleep(0.05)
     copier.stop()
     assert len(calls) >= 2
-    assert copier.stream_args("n1")[:2] == ["/c", "/t"] and copier.stream_args("n2") is None
+    assert copier.stream_from("n1") == StreamFrom("/c", "/t", {}) and copier.stream_from("n2") is None
 
 
 def test_the_stream_agent_is_the_agent_with_artifacts_rules_before_it():
-    assert STREAM_AGENT.endswith(watch.AGENT)
+    stream = agent.stream_program()
+    assert stream.endswith(agent.program())
     ns = {}
-    exec(STREAM_AGENT[:-len(watch.AGENT)], ns)
-    assert ns["ARTIFACTS_SRC"].encode() == ARTIFACTS
+    exec(stream[:-len(agent.program())], ns)
+    assert ns["ARTIFACTS_SRC"].encode() == probe.program("artifacts")

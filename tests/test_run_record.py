@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from orchestrator.runs.launch import parse_key
 from orchestrator.runs.record import TRANSITIONS, AttemptRecord, Book, PendingStop, RunRecord, TransitionError, load
 from orchestrator.runs.spec import NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
@@ -86,24 +85,3 @@ def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
     rec = load(run)
     assert rec.state is RunState.RUNNING and rec.current.nodes == ["a"] and rec.pending_stops == []
     assert RunRecord.from_json(None, "x").state is RunState.UNKNOWN
-
-
-@pytest.mark.parametrize("key, want", [
-    ("run-20261124-101428-e58f@node1", ("run-20261124-101428-e58f", 1, "node1")),
-    ("run-20261124-101428-e58f.a3@node1", ("run-20261124-101428-e58f", 3, "node1")),
-    ("exp.a2-20261124-101428-e58f.a2@n@x", None),
-    ("no-at-sign", None),
-])
-def test_a_run_key_reads_as_run_attempt_and_node(key, want):
-    assert parse_key(key) == want
-
-
-def test_the_tail_status_mark_is_the_node_agents():
-    """`tail KEY OFFSET status` closes with the agent's STATUS_MARK line; the controller reads the same mark."""
-    import re
-    from importlib import resources
-
-    from orchestrator.runs.launch import STATUS_MARK
-
-    agent = resources.files("orchestrator").joinpath("remote/node_agent.py").read_text()
-    assert re.search(r'^STATUS_MARK = "(.*?)"', agent, re.M).group(1) == STATUS_MARK

@@ -19,7 +19,8 @@ from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
-from orchestrator.runs.launch import agent_status
+from orchestrator.runs import agent
+from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.runs.spec import NodeState, NodeStatus
@@ -207,24 +208,24 @@ def _last_line(run: Run, node: str) -> str:
         return ""
 
 
-def ask_nodes(run: Run) -> dict[str, dict]:
+def ask_nodes(run: Run) -> dict[str, AgentStatus]:
     """Each started node's own view of the run (node agent `status`), for when the supervisor is gone."""
     spec = run.spec
     started = [nd.name for nd in run.nodes() if nd.pid]
     if not started:
         return {}
     with Cluster(spec.load_inventory(started), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
-        out = agent_status(cluster, run.id)
+        out = agent.run(cluster, lambda n: agent.status(n, run.id))
         for name, r in cluster.unreachable.items():
-            out[name] = {"error": r.error}
+            out[name] = AgentStatus(error=r.error)
     return out
 
 
-def _node_state_now(now: dict, code: int | None) -> NodeState:
+def _node_state_now(now: AgentStatus, code: int | None) -> NodeState:
     """A node's state from its own answer (the node agent's `status`)."""
-    if now.get("error"):
+    if now.error:
         return NodeState.UNREACHABLE
-    if code is None and now.get("alive"):
+    if code is None and now.alive:
         return NodeState.RUNNING
     if code is None:
         return NodeState.GONE
@@ -246,7 +247,8 @@ def status_command(run_id, as_json):
     if not alive:
         ensure_supervisor(run)
     if as_json:
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=from_nodes), indent=2))
+        nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
+        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now), indent=2))
         return
     typed = load_record(run)
     a = typed.current
@@ -262,7 +264,7 @@ def status_command(run_id, as_json):
         state, code, last = nd.state, nd.exit_code, _last_line(run, nd.name)
         now = from_nodes.get(nd.name)
         if now is not None:  # the nodes' own word beats a stale record
-            code, last = now.get("exit_code", code), now.get("last_line") or last
+            code, last = code if now.error else now.exit_code, now.last_line or last
             state = _node_state_now(now, code)
         t.add_row(nd.name, nd.ranks, str(state), str(nd.pid or "-"), "-" if code is None else str(code),
                   _runtime(nd, rec), last[:100])

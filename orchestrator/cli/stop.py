@@ -19,7 +19,8 @@ import click
 from orchestrator.cli.jsonout import emit, run_doc
 from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import ClusterctlError, UnreachableError
-from orchestrator.runs.launch import stop_on, stray_processes
+from orchestrator.runs import agent
+from orchestrator.runs.launch import stray_processes
 from orchestrator.runs.policy import MAX_GRACE
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.stopping import LOG_DRAIN_S
@@ -61,7 +62,7 @@ def stop_command(run_id, grace, timeout, as_json):
 
 def stop_strays(run: Run, grace: float | None) -> dict[str, list[str]]:
     """An ended run's processes still alive on a node (an attempt whose stop never reached it):
-    stopped now. Returns {node: [attempt keys stopped]}; UnreachableError names nodes not asked."""
+    stopped now. Returns {node: [the keys stopped]}; UnreachableError names nodes not asked."""
     rec = load_record(run)
     names = sorted({n for a in rec.attempts for n in a.nodes} | {nd.name for nd in rec.nodes})
     spec = run.spec
@@ -74,10 +75,10 @@ def stop_strays(run: Run, grace: float | None) -> dict[str, list[str]]:
         g = spec.grace if grace is None else grace
         for node, keys in strays.items():
             for key in keys:
-                stop_on(cluster, key.rsplit("@", 1)[0], g, [node])
+                agent.run(cluster, lambda n: agent.stop(n, key.attempt_key, g), [node])
     if failed:
         raise UnreachableError(failed, f"so processes of run {run.id} may still run there")
-    return strays
+    return {node: [k.key for k in keys] for node, keys in strays.items()}
 
 
 def _stop(run: Run, grace: float | None, timeout: float | None) -> None:

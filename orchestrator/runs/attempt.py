@@ -17,7 +17,9 @@ from typing import Callable
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.launch import Launcher, agent_status, check_free
+from orchestrator.runs import agent
+from orchestrator.runs.agent import AgentStatus
+from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec
@@ -96,8 +98,9 @@ class AttemptRunner:
             if st.name in self.statuses:
                 self.statuses[st.name] = st
         started = [n for n in self.inv.nodes if self.statuses[n.name].pid]
-        now = agent_status(self.cluster, self.key, [n.name for n in started if n.name in self.cluster.connections])
-        ended = sorted((doc["ended"] or 0, name) for name, doc in now.items() if doc.get("exit_code") is not None)
+        now = agent.run(self.cluster, lambda n: agent.status(n, self.key),
+                        [n.name for n in started if n.name in self.cluster.connections])
+        ended = sorted((s.ended or 0, name) for name, s in now.items() if s.exit_code is not None)
         for _, name in ended:
             self.record_end(name, now[name])
         if self.policy.stop_requests:
@@ -173,22 +176,26 @@ class AttemptRunner:
             self.drain_timer.cancel()
 
     # ---------------------------------------------------------------- nodes ending
-    def node_ended(self, res: NodeResult, final: dict | None = None) -> None:
+    def node_ended(self, res: NodeResult, final: AgentStatus | None = None) -> None:
         """A node's log copy ended: the node was lost, or its torchrun ended (how: the status the
         agent's tail closed with, else ask the agent)."""
         name = res.node
         conn = self.cluster.connections.get(name)
-        now = final if final is not None else \
-            agent_status(self.cluster, self.key, [name])[name] if conn is not None and conn.alive else {}
-        if now.get("exit_code") is not None:
+        if final is not None:
+            now = final
+        elif conn is not None and conn.alive:
+            now = agent.run(self.cluster, lambda n: agent.status(n, self.key), [name])[name]
+        else:
+            now = AgentStatus(error="not connected")
+        if now.exit_code is not None:
             self.record_end(name, now)
             return
         st = self.statuses[name]
-        if res.kind is ErrorKind.STOPPED and now.get("alive"):
+        if res.kind is ErrorKind.STOPPED and now.alive:
             st.error = "still running when the log copy was given up"
             self.save()
             return
-        if now.get("exists") and not now.get("alive"):  # reachable, but no process and no exit code
+        if now.exists and not now.alive:  # reachable, but no process and no exit code
             st.state, st.error = NodeState.GONE, "the run vanished on the node without an exit code"
             self.policy.failed(name, None, st.error)
             self.save()
@@ -201,16 +208,16 @@ class AttemptRunner:
             threading.Thread(target=self.teardown, args=("lost after the failure or stop", self.policy.first is not None),
                              daemon=True).start()
 
-    def record_end(self, name: str, now: dict) -> None:
+    def record_end(self, name: str, now: AgentStatus) -> None:
         """A node's torchrun ended: its exit code and end time, by the node's own record."""
         st = self.statuses[name]
-        if st.state in (NodeState.FINISHED, NodeState.FAILED) and st.node_ended == now.get("ended"):
+        if st.state in (NodeState.FINISHED, NodeState.FAILED) and st.node_ended == now.ended:
             return
-        code = now.get("exit_code")
+        code = now.exit_code
         st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
-        st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.get("ended"), now.get("error_file")
+        st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.ended, now.error_file
         if code != 0:
-            self.policy.failed(name, code, exit_meaning(code), ended=now.get("ended"))
+            self.policy.failed(name, code, exit_meaning(code), ended=now.ended)
         self.save()
 
     def _first_failure(self, ff: FirstFailure) -> None:

@@ -27,7 +27,8 @@ import psutil
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs.checkpoints import ArtifactCopier
-from orchestrator.runs.launch import claim_nodes, release_nodes
+from orchestrator.runs import agent
+from orchestrator.runs.launch import claim_nodes
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.replicas import Replicator
 from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
@@ -146,7 +147,7 @@ class Controller:
         names = [n for n in self.book.rec.claimed if n in self.cluster.connections
                  and self.cluster.connections[n].alive and not (self.stopper and self.stopper.is_pending(n))]
         if names:
-            release_nodes(self.cluster, self.full_inv, self.run.id, names)
+            agent.run(self.cluster, lambda n: agent.release(n, self.run.id), names)
             self.book.released(names)
 
     # ---------------------------------------------------------------- the loop

@@ -13,12 +13,13 @@ its original place.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Callable
 
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, LaunchError
-from orchestrator.runs.launch import NodeBusy, claim_nodes, live_keys, node_claims, parse_key
+from orchestrator.runs import agent
+from orchestrator.runs.agent import Claim
+from orchestrator.runs.launch import NodeBusy, claim_nodes
 from orchestrator.runs.spec import RunState
 from orchestrator.runs.store import Run
 
@@ -33,18 +34,12 @@ STOP_CHECK_S = 0.2  # how soon a stop request ends the wait
 YOUNG_S = 10.0  # a queued run this young may not have recorded its supervisor yet
 
 
-def holders(cluster: "Cluster", names: list[str]) -> dict[str, dict]:
-    """node -> the live claim on it ({"run", "who", "since"}); a node that cannot be asked
-    counts as held (by {"error": why}), so a queued run never takes half a node set."""
-    out: dict[str, dict] = {}
-    for name, r in node_claims(cluster, names).items():
-        try:
-            doc = json.loads(r.stdout).get(name) if r.ok else {"error": r.describe()}
-        except ValueError:
-            doc = {"error": r.stdout[-200:]}
-        if doc and not doc.get("stale"):
-            out[name] = doc
-    return out
+def holders(cluster: "Cluster", names: list[str]) -> tuple[dict[str, Claim], dict[str, str]]:
+    """node -> the live claim on it, and node -> why for the nodes that could not be asked (they
+    count as held: a queued run never takes half a node set)."""
+    asked = agent.run(cluster, agent.claims, names)
+    held = {name: c for name, got in asked.items() if (c := got.held.get(name)) is not None and not c.stale}
+    return held, {name: got.error for name, got in asked.items() if got.error is not None}
 
 
 def ahead_of(run: Run, names: list[str]) -> list[str]:
@@ -61,11 +56,11 @@ def ahead_of(run: Run, names: list[str]) -> list[str]:
     return out
 
 
-def describe(busy: dict[str, dict], ahead: list[str]) -> str:
+def describe(busy: dict[str, Claim], failed: dict[str, str], ahead: list[str]) -> str:
     if ahead:
         return f"queued behind {', '.join(ahead)}"
-    return "; ".join(f"{node}: {d['error']}" if "error" in d else
-                     f"{node} held by {d.get('run', '?')} ({d.get('who', '?')})" for node, d in busy.items())
+    return "; ".join([f"{node}: {why}" for node, why in failed.items()] +
+                     [f"{node} held by {c.run or '?'} ({c.who or '?'})" for node, c in busy.items()])
 
 
 def claim_when_free(run: Run, book: "Book", cluster: "Cluster", inv: "Inventory", spec: "RunSpec", who: str,
@@ -78,15 +73,16 @@ def claim_when_free(run: Run, book: "Book", cluster: "Cluster", inv: "Inventory"
     while True:
         ahead = ahead_of(run, names)
         # its own claims do not hold it back (a supervisor that died just after claiming, adopted)
-        busy = {} if ahead else {k: v for k, v in holders(cluster, names).items() if v.get("run") != run.id}
-        if not ahead and not busy:
+        held, failed = holders(cluster, names) if not ahead else ({}, {})
+        busy = {k: c for k, c in held.items() if c.run != run.id}
+        if not ahead and not busy and not failed:
             try:
                 claim_nodes(cluster, inv, run.id, who)
                 book.claimed(names)
                 return
             except NodeBusy as e:  # taken between the look and the claim: wait on
                 busy = {e.node: e.holder}
-        waiting = describe(busy, ahead)
+        waiting = describe(busy, failed, ahead)
         book.waiting(waiting)
         wait_a_poll(run, spec, stop_requests, deadline, waiting)
 
@@ -112,25 +108,16 @@ def cluster_runs(cluster: "Cluster", names: list[str]) -> tuple[list[dict], dict
     ("nodes": where it holds a claim; "live": {node: [attempt keys with live processes]}), and
     {node: why} for nodes not asked."""
     runs: dict[str, dict] = {}
-    failed: dict[str, str] = {}
-    live, failed_live = live_keys(cluster, names)
-    failed.update(failed_live)
-    for name, r in node_claims(cluster, names).items():
-        try:
-            doc, why = (json.loads(r.stdout).get(name), None) if r.ok else (None, r.describe())
-        except ValueError:
-            doc, why = None, f"the node agent printed {r.stdout[-200:]!r}"
-        if why:
-            failed[name] = why
-        elif doc and not doc.get("stale"):
-            held = runs.setdefault(doc.get("run", "?"), {"run": doc.get("run", "?"), "who": doc.get("who"),
-                                                         "since": doc.get("since"), "nodes": []})
-            held["nodes"].append(name)
-    for name, keys in live.items():
-        for key in keys:
-            run_id = (parse_key(key) or (key,))[0]
-            held = runs.setdefault(run_id, {"run": run_id, "who": None, "since": None, "nodes": []})
-            held.setdefault("live", {}).setdefault(name, []).append(key)
+    live = agent.run(cluster, agent.live, names)
+    claims, failed = holders(cluster, names)
+    failed = {**{name: got.error for name, got in live.items() if got.error is not None}, **failed}
+    for name, c in claims.items():
+        held = runs.setdefault(c.run or "?", {"run": c.run or "?", "who": c.who, "since": c.since, "nodes": []})
+        held["nodes"].append(name)
+    for name, got in live.items():
+        for key in got.keys:
+            held = runs.setdefault(key.run, {"run": key.run, "who": None, "since": None, "nodes": []})
+            held.setdefault("live", {}).setdefault(name, []).append(key.key)
     for held in runs.values():
         held.setdefault("live", {})
     return sorted(runs.values(), key=lambda d: d.get("since") or 0), failed

@@ -16,10 +16,10 @@ from typing import Callable
 
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory
-from orchestrator.runs.launch import AGENT, agent_cmd, agent_status, node_key, stop_on
+from orchestrator.runs import agent
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book, PendingStop
-from orchestrator.transport import Cluster, wait
+from orchestrator.transport import Cluster
 
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers
 LOG_DRAIN_S = 60.0  # after a stop's grace, how long the nodes' logs may take to close
@@ -36,7 +36,8 @@ def grace_for(cluster: Cluster | None, key: str, asked: float, kill: bool) -> fl
     if kill:
         return 0.0
     live = [n for n, c in cluster.connections.items() if c.alive] if cluster else []
-    saves = [d.get("save_seconds") or 0 for d in agent_status(cluster, key, live, timeout=10).values()] if live else []
+    saves = [s.save_seconds for s in agent.run(cluster, lambda n: agent.status(n, key, timeout=10), live).values()] \
+        if live else []
     return stop_grace(asked, max(saves, default=0))
 
 
@@ -55,15 +56,15 @@ class Stopper:
              peer_failed: bool = False) -> list[str]:
         """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
         in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
-        failed (launch.stop_on). Returns the nodes left pending."""
+        failed (agent.stop). Returns the nodes left pending."""
         live = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
-        res = stop_on(self.cluster, key, grace, live, peer_failed) if live else {}
+        res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), live)
         left = []
         for name in nodes:
             r = res.get(name)
-            if (r is None or not r.reachable) and name not in unreached_ok:
+            if (r is None or not r.reached) and name not in unreached_ok:
                 self.say(f"{name}: could not confirm the stop of {key} "
-                         f"({r.describe() if r else 'not connected'}); retrying until the node answers")
+                         f"({r.error if r else 'not connected'}); retrying until the node answers")
                 self.pend(PendingStop(name, key, grace, time.time()))
                 left.append(name)
         return left
@@ -98,16 +99,14 @@ class Stopper:
             c = self.cluster.connection_for(node, connect_timeout=3)
             try:
                 c.open()
-                res = wait(c.exec(agent_cmd(node, "stop", node_key(p.key, node), p.grace), stdin=AGENT),
-                           p.grace + 30)
-                if res.reachable:
+                res = agent.stop(node, p.key, p.grace).over(c)
+                if res.reached:
                     self.say(f"stopped {p.key} on {p.node} after it answered again")
                     if not self.in_use(p.node):
-                        wait(c.exec(agent_cmd(node, "release", node.name, node_key(self.run_id, node)), stdin=AGENT),
-                             30)
+                        agent.release(node, self.run_id, timeout=30).over(c)
                     self._done(p)
                     return
-                why = res.describe()
+                why = res.error
             except ClusterctlError as e:  # ConnectError, HostKeyError, ConnectionLost: not answering yet
                 why = str(e)
             finally:

@@ -1,10 +1,10 @@
 """Copying every node's log into the run directory while the run goes on.
 
-One agent `tail KEY OFFSET` per running node, all driven by the transport's engine: stdout
-bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets as on the node), the
-agent's own stderr lines to the supervisor's log. `on_end` hears each node's end, with the
-node's status JSON when the agent's tail closed with it (`tail KEY OFFSET status`: no second
-session is opened to ask how the run ended there).
+One agent `tail KEY OFFSET` per running node (runs/agent.py `tail`), all driven by the
+transport's engine: stdout bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets
+as on the node), the agent's own stderr lines to the supervisor's log. `on_end` hears each node's
+end, with the node's AgentStatus when the agent's tail closed with it (`tail KEY OFFSET status`:
+no second session is opened to ask how the run ended there).
 
 With `artifacts` (the run's ArtifactCopier, runs/checkpoints.py) the same process carries
 everything else the control machine takes from the node while it trains: `tail KEY OFFSET
@@ -24,19 +24,16 @@ import json
 import queue
 import threading
 import time
-from importlib import resources
 from typing import IO, Callable, Iterator, Protocol
 
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
-from orchestrator.runs.launch import AGENT, STATUS_MARK, agent_cmd, node_key
+from orchestrator.runs import agent
+from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
-ARTIFACTS_SRC = resources.files("orchestrator").joinpath("remote/artifacts.py").read_text()
-# `tail ... stream` runs artifacts.py's rules in the agent's process: one program on stdin
-STREAM_AGENT = f"ARTIFACTS_SRC = {ARTIFACTS_SRC!r}\n".encode() + AGENT
 # the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
 FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
 
@@ -44,7 +41,7 @@ FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
 class Artifacts(Protocol):
     """What a node's stream feeds besides the log (runs/checkpoints.py ArtifactCopier)."""
 
-    def stream_args(self, node: str) -> list[str] | None: ...
+    def stream_from(self, node: str) -> StreamFrom | None: ...
 
     def on_checkpoints(self, node: str, found: list[dict]) -> None: ...
 
@@ -79,21 +76,22 @@ class LogCopier:
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
         self.echo, self.after_write, self.artifacts = echo, after_write, artifacts
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
-        self.final: dict[str, dict] = {}  # node -> the agent's status JSON that closed its tail
+        self.final: dict[str, AgentStatus] = {}  # node -> the agent's status that closed its tail
         self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
 
     def offset(self, name: str) -> int:
         return self.files[name].tell() - self.start_at.get(name, 0)
 
-    def tail_args(self, name: str) -> list[object]:
-        """The agent's `tail` arguments after KEY OFFSET: a framed stream when the copier has the
-        node's directories (its reader starts afresh: a dropped stream's half record is sent again)."""
-        more = self.artifacts.stream_args(name) if self.artifacts is not None else None
+    def tail_stream(self, name: str) -> StreamFrom | None:
+        """What the node's next `tail` streams besides the log: the copier's directories for the
+        node, when it knows them (the reader starts afresh: a dropped stream's half record is sent
+        again); None: the plain log, closed by the status line."""
+        more = self.artifacts.stream_from(name) if self.artifacts is not None else None
         if more is None:
             self.frames.pop(name, None)
-            return ["status"]
-        self.frames[name] = Frames()
-        return ["stream", *more]
+        else:
+            self.frames[name] = Frames()
+        return more
 
     def on_bytes(self, name: str, stream: str, data: bytes) -> None:
         if stream != "stdout":
@@ -121,7 +119,7 @@ class LogCopier:
             if head["offset"] + len(body) > have:
                 self.write_log(name, body[have - head["offset"]:])
         elif kind == FRAME_END:
-            self.final[name] = json.loads(body)
+            self.final[name] = AgentStatus.from_json(body)
         elif self.artifacts is not None and kind == FRAME_TB:
             try:
                 self.artifacts.on_tb(name, head, body)
@@ -138,13 +136,16 @@ class LogCopier:
             self.after_write()
 
     def on_line(self, name: str, stream: str, line: str) -> None:
-        if stream == "stderr" and line.startswith(STATUS_MARK):  # the node's own word on how the run ended
-            try:
-                self.final[name] = json.loads(line[len(STATUS_MARK):])
-            except ValueError:
-                self.echo(f"supervisor: {name}: unreadable end status {line[-200:]!r}")
+        if stream != "stderr":
             return
-        if stream == "stderr" and line.strip():
+        try:
+            end = agent.end_status(line)  # the node's own word on how the run ended
+        except ValueError:
+            self.echo(f"supervisor: {name}: unreadable end status {line[-200:]!r}")
+            return
+        if end is not None:
+            self.final[name] = end
+        elif line.strip():
             self.echo(f"supervisor: {name}: {line.strip()}")
 
     def close(self) -> None:
@@ -178,7 +179,8 @@ class _Copy:
     """The tails of one copy_logs call: each node's tail runs on the engine; a dropped one is
     reconnected on its own thread and handed back to the engine through `events`."""
 
-    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, dict | None], None],
+    def __init__(self, cluster: Cluster, run: Run, nodes: list[Node],
+                 on_end: Callable[[NodeResult, AgentStatus | None], None],
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
@@ -187,11 +189,8 @@ class _Copy:
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
 
     def start_tail(self, name: str) -> Proc:
-        node = self.nodes[name]
-        more = self.copier.tail_args(name)
-        return self.cluster.connections[name].exec(
-            agent_cmd(node, "tail", node_key(self.key, node), self.copier.offset(name), *more),
-            stdin=STREAM_AGENT if more[0] == "stream" else AGENT)
+        tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), self.copier.tail_stream(name))
+        return tail.start(self.cluster.connections[name])
 
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
@@ -245,7 +244,7 @@ class _Copy:
                     pass
 
 
-def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, dict | None], None],
+def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, AgentStatus | None], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None) -> None:
