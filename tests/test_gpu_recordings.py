@@ -95,7 +95,8 @@ def parse(name):
 
 
 def test_every_recording_is_checked_and_named_in_the_readme():
-    files = {p.name for p in FIX.iterdir() if p.name != "README.md" and not p.name.startswith("transcribed_")}
+    files = {p.name for p in FIX.iterdir() if p.is_file() and p.name != "README.md"
+             and not p.name.startswith("transcribed_")}  # health/ is tests/test_gpu_health.py's
     assert files == set(GPUS) | set(LISTS) | set(APPS)
     readme = read("README.md")
     assert [f for f in sorted(files) if f"| {f} |" not in readme] == []
