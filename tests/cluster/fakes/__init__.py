@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 FAKE_NVIDIA_SMI = Path(__file__).with_name("nvidia_smi.py")
+FAKE_DMESG = Path(__file__).with_name("dmesg.py")
 FAKE_ROCM_SMI = Path(__file__).with_name("rocm_smi.py")
 RECORDINGS = Path(__file__).resolve().parents[2] / "fixtures" / "gpus"
 # The test user cannot read pyenv shims under /root: use the real interpreter file.
@@ -23,6 +24,11 @@ _INTERPRETER = os.path.realpath(getattr(sys, "_base_executable", sys.executable)
 
 # An idle H100 80GB HBM3, driver 590.48.01 (every field the driver knows).
 NVIDIA_RECORDING = "nvidia_query_gpu_h100_590_idle.csv"
+# The same H100's `nvidia-smi -q` and `nvidia-smi nvlink --status` (18 links up).
+NVIDIA_QUERY_RECORDING = "health/nvidia_q_h100_590_idle.txt"
+NVLINK_RECORDING = "health/nvlink_h100_590.txt"
+# An Xid from a real kernel log (dmesg --time-format iso): 48, a double-bit ECC error.
+XID_RECORDING = "health/dmesg_iso_gpud.log"
 # A Radeon RX 7900 XT, rocm-smi --showproductname --showuse --showmeminfo vram --json.
 ROCM_RECORDING = "rocm_json_rx7900xt_marimo9237.json"
 
@@ -42,15 +48,35 @@ def _with_unit(value, unit):
     return str(value) if unit is None else f"{value} {unit}"
 
 
+def fake_bus_id(i):
+    """The PCI bus id the fake gives GPU i (recordings have one GPU's)."""
+    return f"00000000:{0x18 + 0x10 * i:02X}:00.0"
+
+
+def xid_message(gpu_index, code=48, recording=XID_RECORDING):
+    """The message of the recording's first Xid line with that code (its time stamp cut off),
+    naming fake GPU gpu_index's PCI address instead of the recorded one."""
+    for line in (RECORDINGS / recording).read_text().splitlines():
+        head, sep, rest = line.partition("NVRM: Xid (PCI:")
+        if sep and rest.split("): ", 1)[1].startswith(f"{code},"):
+            bus = fake_bus_id(gpu_index)
+            return "NVRM: Xid (PCI:" + bus[4:].rsplit(".", 1)[0].lower() + "): " + rest.split("): ", 1)[1]
+    raise ValueError(f"no Xid {code} in {recording}")
+
+
 def gpu_state(node_name, n, processes=(), recording=NVIDIA_RECORDING, memory_used=None,
-              utilization=None, temperature=None, broken=None):
+              utilization=None, temperature=None, broken=None, health=None, nvlink_down=None,
+              kernel_log=(), dmesg_denied=False):
     """The state the fake nvidia-smi answers from: the recording's rows for n GPUs.
 
     processes: (pid, name, used_mib) or (pid, name, used_mib, gpu_index); gpu_index defaults
     to 0. Their memory is added to the recorded memory.used of their GPU unless memory_used
     (MiB, every GPU) is given. utilization (%) and temperature (C) replace the recorded
     reading on every GPU. broken: text printed instead of any answer, with exit code 9 (like a
-    driver/library mismatch).
+    driver/library mismatch). health: {gpu_index: {"Remapped Rows/Pending": "Yes", ...}}, values
+    `nvidia-smi -q` shows instead of the recorded ones (paths of section titles and key);
+    nvlink_down: {gpu_index: [link, ...]} shown `<inactive>`. kernel_log: [(epoch seconds,
+    message)], what the fake dmesg prints (see xid_message); dmesg_denied: dmesg refuses to read.
     """
     fields, rows = read_query_gpu(recording)
     units = dict(fields)
@@ -60,7 +86,7 @@ def gpu_state(node_name, n, processes=(), recording=NVIDIA_RECORDING, memory_use
         rec["index"] = str(i)
         rec["uuid"] = "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{node_name}.gpu{i}"))
         if "pci.bus_id" in rec:
-            rec["pci.bus_id"] = f"00000000:{0x18 + 0x10 * i:02X}:00.0"
+            rec["pci.bus_id"] = fake_bus_id(i)
         if "count" in rec:
             rec["count"] = str(n)
         gpus.append(rec)
@@ -83,7 +109,10 @@ def gpu_state(node_name, n, processes=(), recording=NVIDIA_RECORDING, memory_use
             rec["utilization.gpu"] = _with_unit(utilization, units["utilization.gpu"])
         if temperature is not None:
             rec["temperature.gpu"] = _with_unit(temperature, units["temperature.gpu"])
-    return {"fields": fields, "gpus": gpus, "processes": procs, "broken": broken}
+    return {"fields": fields, "gpus": gpus, "processes": procs, "broken": broken,
+            "query": (RECORDINGS / NVIDIA_QUERY_RECORDING).read_text(), "health": dict(health or {}),
+            "nvlink": (RECORDINGS / NVLINK_RECORDING).read_text(), "nvlink_down": dict(nvlink_down or {}),
+            "kernel_log": [(float(t), str(m)) for t, m in kernel_log], "dmesg_denied": bool(dmesg_denied)}
 
 
 def rocm_state(n, processes=(), recording=ROCM_RECORDING):
@@ -117,7 +146,14 @@ def _install(bin_dir: Path, name: str, fake: Path, state) -> None:
 
 
 def install_nvidia_smi(bin_dir: Path, state) -> None:
+    """The fake nvidia-smi and the fake dmesg beside it (the fake driver's kernel log, same state)."""
     _install(bin_dir, "nvidia-smi", FAKE_NVIDIA_SMI, state)
+    script = bin_dir / "dmesg"
+    if state is None:
+        script.unlink(missing_ok=True)
+    elif not script.exists():
+        script.write_text(f"#!{_INTERPRETER} -S\n" + FAKE_DMESG.read_text())
+        script.chmod(0o755)
 
 
 def install_rocm_smi(bin_dir: Path, state) -> None:

@@ -3,7 +3,9 @@
 Installed as ``<node bin_dir>/nvidia-smi`` with its state in ``nvidia-smi.state`` (marshal) next to it
 (written by ``TestNode.set_gpus`` from tests/cluster/fakes.gpu_state). ``--query-gpu`` answers any
 field the recorded driver printed, with the recorded texts and units (dropped for ``nounits``);
-``--query-compute-apps``, ``-L`` and the plain table follow the real tool's layout.
+``--query-compute-apps``, ``-L`` and the plain table follow the real tool's layout; ``-q`` and
+``nvlink --status`` replay recorded answers (tests/fixtures/gpus/health) for every GPU, with the
+per-GPU overrides of the state (a pending row remap, an inactive link).
 Runs with the system python and only the stdlib.
 """
 
@@ -149,6 +151,59 @@ def table(state):
     return out
 
 
+def overridden(block, values):
+    """The recorded `-q` lines of one GPU with the values at some paths replaced
+    ({"Remapped Rows/Pending": "Yes"}): a line's path is its section titles and its key."""
+    stack, out = [], []
+    for line in block:
+        key, sep, value = line.partition(" : ")
+        name = (key if sep else line).strip()
+        if not name:
+            out.append(line)
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([k for _, k in stack] + [name])
+        if sep and path in values:
+            line = key + sep + values[path]
+        if not sep or not value.strip():
+            stack.append((indent, name))
+        out.append(line)
+    return out
+
+
+def query(state):
+    """`nvidia-smi -q`: the recording's header, then its one GPU's block for every GPU, with this
+    GPU's bus id, uuid and minor number and the state's overrides for it."""
+    lines = state["query"].split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith("GPU "))
+    out = []
+    for line in lines[:first]:
+        key, sep, _ = line.partition(" : ")
+        out.append(key + sep + str(len(state["gpus"])) if key.strip() == "Attached GPUs" else line)
+    for g in state["gpus"]:
+        values = {"PCI/Bus Id": g["pci.bus_id"], "GPU UUID": g["uuid"], "Minor Number": g["index"]}
+        values.update(state["health"].get(int(g["index"]), {}))
+        out.append("GPU " + g["pci.bus_id"])
+        out.extend(overridden(lines[first + 1:], values))
+    return out[:-1] if out and out[-1] == "" else out
+
+
+def nvlink(state):
+    """`nvidia-smi nvlink --status`: the recorded links under every GPU, `<inactive>` where the state
+    takes a link down."""
+    links = [line for line in state["nvlink"].splitlines() if line.strip().startswith("Link ")]
+    out = []
+    for g in state["gpus"]:
+        out.append(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
+        down = state["nvlink_down"].get(int(g["index"]), ())
+        for line in links:
+            number = int(line.split(":")[0].split()[-1])
+            out.append(line.split(":")[0] + ": <inactive>" if number in down else line)
+    return out
+
+
 def main(argv):
     state = load_state()
     if state.get("broken"):
@@ -176,6 +231,10 @@ def main(argv):
     elif "--query-compute-apps" in opts:
         fields = [f.strip() for f in opts["--query-compute-apps"].split(",")]
         lines = app_lines(app_records(state, ids), fields, opts.get("--format", ""))
+    elif "-q" in flags or "--query" in flags:
+        lines = query(state)
+    elif argv[:1] == ["nvlink"] and ("--status" in flags or "-s" in flags):
+        lines = nvlink(state)
     elif "-L" in flags or "--list-gpus" in flags:
         lines = list_gpus(state)
     elif not flags and not opts:
