@@ -30,6 +30,7 @@ from typing import Mapping
 from orchestrator import shell
 from orchestrator.checks import Ctx, CheckResult, fail, load_nodeinfo, ok, retry, skip
 from orchestrator.checks.gpu import gpus_from_probe
+from orchestrator.checks.gpu_health import probe_options
 from orchestrator.checks.net import attribute_port_reachable
 from orchestrator.checks.ping import ping_all, ping_result
 from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, probe_script
@@ -81,8 +82,9 @@ def control_workdir(inv: Inventory) -> str | None:
 
 def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeout: float) -> str:
     role = "master" if node.rank == 0 else "worker"
+    names = ",".join(probe_options(inv, checks))  # the checks, and gpu_health's gpu_diag option
     return "sh -s -- " + " ".join([
-        shell.quote(",".join(checks)), shell.path(node.workdir), shell.path(output_dir(inv, node)),
+        shell.quote(names), shell.path(node.workdir), shell.path(output_dir(inv, node)),
         shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
         role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
         shell.join([a for d in run_outputs(inv, node) for a in ("--output", d)])]).rstrip()

@@ -11,6 +11,7 @@ from orchestrator.checks import Check
 from orchestrator.checks.control import PING, SSH
 from orchestrator.checks.firewall import FIREWALL
 from orchestrator.checks.gpu import GPU_COUNT, GPU_IDLE
+from orchestrator.checks.gpu_health import GPU_HEALTH
 from orchestrator.checks.net import IFACE, PORT_FREE, PORT_REACHABLE
 from orchestrator.checks.output_dir import OUTPUT_DIR
 from orchestrator.checks.output_shared import OUTPUT_SHARED
@@ -19,7 +20,7 @@ from orchestrator.checks.shm import SHM
 from orchestrator.checks.system import CLOCK_SKEW, DISK
 
 REGISTRY: tuple[Check, ...] = (
-    SSH, PING, GPU_COUNT, GPU_IDLE, PORT_FREE, PORT_REACHABLE, FIREWALL, CLOCK_SKEW, CODE_SYNC,
+    SSH, PING, GPU_COUNT, GPU_IDLE, GPU_HEALTH, PORT_FREE, PORT_REACHABLE, FIREWALL, CLOCK_SKEW, CODE_SYNC,
     PYTHON_ENV, IFACE, DISK, SHM, OUTPUT_DIR, OUTPUT_SHARED)
 
 CHECKS: tuple[str, ...] = tuple(c.name for c in REGISTRY)

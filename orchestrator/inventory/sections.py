@@ -61,6 +61,7 @@ class ChecksSection(_Model):
     clock_skew_fail: float = Field(default=5.0, ge=0)
     disk_min_gb: float = Field(default=10.0, ge=0)
     require_gpu_idle: bool = True
+    gpu_diag: bool = False  # gpu_health also runs `dcgmi diag -r 1` (about a minute) where dcgmi exists
 
 
 class SyncSection(_Model):
