@@ -186,6 +186,24 @@ def test_recovery_actions_and_reset_status_fail():
     assert g.recovery == "GPU Reset" and nvidia_findings(g)[0].what.endswith("GPU Reset")
 
 
+def test_every_uncorrectable_counter_and_pending_page_retirement():
+    """Readings no recording has, made by changing one recorded value: the pre-Ampere layout counts
+    Volatile > Double Bit > Total, Hopper's adds the SRAM counters, a pending page retirement fails."""
+    titan = read("nvidia_q_titanv_560_gpud.txt")
+    i = titan.index("            Double Bit")
+    dbe = titan[:i] + titan[i:].replace("                Total                     : N/A",
+                                        "                Total                     : 3", 1)
+    dbe = dbe.replace("Pending Page Blacklist            : N/A", "Pending Page Blacklist            : Yes")
+    (g,) = parse_nvidia_query(dbe)[1]
+    assert (g.ecc_volatile_uncorrectable, g.retired_pending) == (3, True)
+    assert [f.what for f in nvidia_findings(g)][:2] == [
+        "3 uncorrectable ECC error(s) since the driver loaded",
+        "page retirement pending: the bad pages stay in use until a reset"]
+    h100 = read("transcribed_nvidia_q_h100_dram_uncorrectable.txt").replace(
+        "SRAM Uncorrectable Parity                  : 0", "SRAM Uncorrectable Parity                  : 1", 1)
+    assert parse_nvidia_query(h100)[1][0].ecc_volatile_uncorrectable == 3  # 2 DRAM + 1 SRAM, volatile only
+
+
 def test_tree_keeps_values_with_colons_and_sections():
     entries = dict(tree(read("nvidia_q_a10_535_gpud.txt").splitlines()[:30]))
     assert entries[("Timestamp",)] == "Wed Sep 25 10:40:24 2024"
@@ -209,6 +227,17 @@ def test_xids_as_recorded(name):
     got = [(x.code, x.pci, x.time, x.process) for x in parse_xids(read(name))]
     want = [(c, p, None if t is None else log_time(t), proc) for c, p, t, proc in XIDS[name]]
     assert got == want
+
+
+def test_xid_lines_of_older_drivers():
+    # the forms leptonai/gpud's Xid parser lists (components/accelerator/nvidia/xid): no pid and
+    # name, and no "PCI:" before the address
+    text = ("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.\n"
+            "[...] NVRM: Xid (0000:03:00): 14, Channel 00000001\n")
+    assert [(x.code, x.pci, x.message, x.process) for x in parse_xids(text)] == [
+        (79, "0000:01:00", "GPU has fallen off the bus.", None), (14, "0000:03:00", "Channel 00000001", None)]
+    assert said(xid_findings(parse_xids(text)[:1], 0, {"0000:01:00": 0})) == [
+        ("fail", 0, "Xid 79 (GPU has fallen off the bus): GPU has fallen off the bus.")]
 
 
 def test_log_times_carry_their_zone():

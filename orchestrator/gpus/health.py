@@ -127,8 +127,7 @@ def _nvidia_gpu(index: int, bus_id: str, entries) -> NvidiaHealth:
         pcie_width=_int(_get(entries, *link, "Link Width", "Current")),
         pcie_width_max=_int(_get(entries, *link, "Link Width", "Max")),
         ecc_volatile_uncorrectable=_volatile_uncorrectable(entries),
-        retired_pending=_yes(_get(entries, "Retired Pages", "Pending Page Blacklist")
-                             or _get(entries, "Retired Pages", "Pending Page Retirement")),
+        retired_pending=_yes(_get(entries, "Retired Pages", "Pending Page Blacklist")),
         remap_pending=_yes(_get(entries, "Remapped Rows", "Pending")),
         remap_failed=_yes(_get(entries, "Remapped Rows", "Remapping Failure Occurred")),
         remap_uncorrectable=_int(_get(entries, "Remapped Rows", "Uncorrectable Error")),
