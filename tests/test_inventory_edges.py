@@ -78,6 +78,14 @@ def test_good_node_ranges_still_expand():
     assert [n.name for n in parse_inventory(rng("n[3-3]")).nodes] == ["n3"]
 
 
+def test_many_long_host_refusals_stay_one_short_paragraph():
+    """Found by the fuzzer: ten host refusals that each say why made a 2,177-byte message."""
+    text = "nodes:\n" + "".join(f"  - {{name: n{i}, host: '10.9.0.{i}10.9.0.{i}'}}\n" for i in range(40))
+    msg = str(_err(text))
+    assert len(msg) < 1800 and "more" in msg.splitlines()[-1], msg
+    assert msg.count("\n") < 10 and all(line.isprintable() for line in msg.splitlines()), msg
+
+
 def test_nodes_option_refuses_a_backwards_range(tmp_path, capsys):
     p = tmp_path / "inv.yaml"
     p.write_text(rng("n[1-3]").replace("host: '{name}'", "connection: local"))

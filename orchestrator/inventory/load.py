@@ -49,6 +49,10 @@ from orchestrator.inventory.read import (
 
 # ---------------------------------------------------------------- validation
 
+# The most characters the errors of one refusal take before "... and N more", so the whole
+# paragraph stays under 2 KiB with its path (and ten host refusals, each saying why, would not).
+MAX_MESSAGE_CHARS = 1536
+
 
 def _node_at(root, loc: tuple) -> tuple[Any, Any]:
     """Walk a composed YAML tree along a pydantic error location.
@@ -189,11 +193,16 @@ def _validation_error(e: ValidationError, root, source: str) -> InventoryError:
             if err["type"] in _TYPE_HINTS and isinstance(node, yaml.ScalarNode):
                 msg += f"; {_TYPE_HINTS[err['type']]}"
         msgs.append((line, f"{key}: {msg}" if key else msg))
-    head_line, head = msgs[0]
-    rest = "".join(f"\n  {source}:{ln}: {m}" if ln else f"\n  {source}: {m}" for ln, m in msgs[1:])
-    if len(errors) > MAX_ERRORS_SHOWN:
-        rest += f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more"
-    return InventoryError(head + rest, path=source, line=head_line, key=_format_loc(tuple(errors[0]["loc"])))
+    head_line, text = msgs[0]
+    shown = 1
+    for ln, m in msgs[1:]:  # further errors, one line each, while the paragraph stays short
+        more = f"\n  {source}:{ln}: {m}" if ln else f"\n  {source}: {m}"
+        if len(text) + len(more) > MAX_MESSAGE_CHARS:
+            break
+        text, shown = text + more, shown + 1
+    if len(errors) > shown:
+        text += f"\n  ... and {len(errors) - shown} more"
+    return InventoryError(text, path=source, line=head_line, key=_format_loc(tuple(errors[0]["loc"])))
 
 
 def parse_inventory(text: str, source: str = "<string>") -> Inventory:
