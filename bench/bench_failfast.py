@@ -25,10 +25,9 @@ printed with the ratio. Each way runs from its own `git worktree` of a commit (a
 others are editing never enters the measurement): --new defaults to HEAD (`.` runs this working
 tree), --old to OLD_REV, the last commit before the node agent's fail-fast changes.
 
---projected adds a third way: --new with the supervisor's teardown after a node failed sending
-the agent's `stop KEY GRACE peer-failed` (a few-line change to runs/attempt.py, stopping.py and
-launch.py that this benchmark applies to its own worktree): what the control side gains by
-telling the nodes why they are stopped.
+The peer-failed stop (a teardown after a node failed sends the agents `stop KEY GRACE
+peer-failed`, which kills at once unless a checkpoint is being written) is part of HEAD: the
+--projected way that applied it as a patch to a worktree is gone with the code it patched.
 """
 
 from __future__ import annotations
@@ -63,30 +62,6 @@ def worktree(rev: str, where: Path) -> Path:
     for p in (where, path):
         os.chmod(p, 0o755)
     return path
-
-
-def peer_failed_patch(tree: Path) -> None:
-    """The teardown after a node failed asks the agents for a peer-failed stop."""
-    edits = {"orchestrator/runs/launch.py": [
-        ("def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None)",
-         "def stop_on(cluster: Cluster, run_id: str, grace: float, nodes: list[str] | None = None, *mode: str)"),
-        ('agent_cmd(n, "stop", node_key(run_id, n), grace)', 'agent_cmd(n, "stop", node_key(run_id, n), grace, *mode)')],
-        "orchestrator/runs/stopping.py": [
-        ("grace: float, unreached_ok: set[str] = frozenset())",
-         "grace: float, unreached_ok: set[str] = frozenset(), mode: tuple = ())"),
-        ("stop_on(self.cluster, key, grace, live)", "stop_on(self.cluster, key, grace, live, *mode)")],
-        "orchestrator/runs/attempt.py": [
-        ("self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done)",
-         "self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done, mode=(\"peer-failed\",) "
-         "if why.endswith(\" failed\") and why != \"launch failed\" else ())")]}
-    for name, pairs in edits.items():
-        path = tree / name
-        text = path.read_text()
-        for old, new in pairs:
-            if text.count(old) != 1:
-                raise SystemExit(f"bench: --projected: {name} no longer has {old!r}; the control side changed")
-            text = text.replace(old, new)
-        path.write_text(text)
 
 
 def drop_worktree(path: Path) -> None:
@@ -254,21 +229,17 @@ def main(argv=None) -> int:
     ap.add_argument("--old", default=OLD_REV, help="the old way's commit")
     ap.add_argument("--new", default="HEAD", help="the new way's commit ('.': this working tree)")
     ap.add_argument("--detail", action="store_true", help="the other nodes' workers, torchrun and waiter, per run")
-    ap.add_argument("--projected", action="store_true", help="also --new with a peer-failed teardown (see above)")
     args = ap.parse_args(argv)
     td = Path(tempfile.mkdtemp(prefix="ccff-"))
     trees = {}
     try:
         trees = {"new": worktree(args.new, td), "old": worktree(args.old, td)}
-        if args.projected:
-            trees["proj"] = worktree(args.new if args.new != "." else "HEAD", td)
-            peer_failed_patch(trees["proj"])
         revs = {k: subprocess.run(["git", "-C", str(p), "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True).stdout.strip() + (" + working tree" if p == REPO else "")
                 for k, p in trees.items()}
         print(f"fail fast: {args.nodes} nodes, preset nano, kill -9 of node{args.nodes}'s torchrun; "
               f"new = {revs['new']}, old = {revs['old']}"
-              f"{', proj = ' + revs['proj'] + ' + peer-failed teardown' if args.projected else ''}; "
+              "; "
               f"{args.repeat} runs each way, alternating", flush=True)
         print(f"  {'run':<8}" + "".join(f"{p:>11}" for p in PHASES) + "  exit codes / node clean", flush=True)
         res = {way: [] for way in trees}
@@ -290,9 +261,6 @@ def main(argv=None) -> int:
         new, old = median(res["new"], "clean"), median(res["old"], "clean")
         print(f"  kill -9 -> every node clean: new {new:.2f} s, old {old:.2f} s, new/old {new / old:.2f} "
               f"(target <= 2 s: {'met' if new <= 2 else 'MISSED'})")
-        if args.projected:
-            proj = median(res["proj"], "clean")
-            print(f"  projected, with a peer-failed teardown: {proj:.2f} s, proj/old {proj / old:.2f}")
     finally:
         for p in trees.values():
             drop_worktree(p)

@@ -8,10 +8,10 @@ its rendezvous port listens.
 from __future__ import annotations
 
 import time
-from importlib import resources
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory, Node
+from orchestrator.probe import program
 from orchestrator.runs import agent
 from orchestrator.runs.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
@@ -19,7 +19,7 @@ from orchestrator.torchrun import node_env, target_argv, torchrun_argv
 from orchestrator.transport import Cluster
 
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
-RANK_LINES = resources.files("orchestrator").joinpath("remote/rank_lines.py").read_text()
+RANK_LINES = program("rank_lines").decode()
 LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
 
 
