@@ -54,6 +54,21 @@ def run_dir_of(home):
                     if (home / "runs").exists() else None, 60, "the run directory")
 
 
+def copies(run_dir):
+    """The complete checkpoint copies on the control machine (a .sha256 sidecar beside each)."""
+    return [p for p in (run_dir / "checkpoints").glob("ckpt_*.pt") if Path(f"{p}.sha256").exists()]
+
+
+def damage_newest(run_dir, held):
+    """One byte of the newest copy changed, as a disk would after it was verified on arrival."""
+    newest = max(copies(run_dir), key=lambda p: p.name)
+    with open(newest, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def copied(run_dir, name):
     return (run_dir / "checkpoints" / name).exists()
 
@@ -62,15 +77,18 @@ def start_steps(text):
     return [int(s) for s in re.findall(r"start step (\d+)", text)]
 
 
-def cut_mid_run(inv, home, node, ready, what):
+def cut_mid_run(inv, home, node, ready, what, after_cut=None):
     """Start the run, wait until `ready(run_dir)` holds, cut `node`'s link for good (never brought
-    back during the run), wait for the end. -> (run_dir, ready's value, stdout, stderr, exit code, run.json)."""
+    back during the run), call `after_cut(run_dir, ready's value)`, wait for the end.
+    -> (run_dir, ready's value, stdout, stderr, exit code, run.json)."""
     proc = start(inv)
     try:
         run_dir = run_dir_of(home)
         got = wait_for(lambda: ready(run_dir) or (proc.poll() is not None and pytest.fail(
             f"the run ended before {what}:\n{proc.stderr.read()[-3000:]}")), 240, what)
         node.link_down()
+        if after_cut:
+            after_cut(run_dir, got)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -86,9 +104,12 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     inv = inventory(cluster, tmp_path, 200)
     names = [n.name for n in cluster.nodes]
     sync_code(inv, tmp_path, names[:4])
-    run_dir, _, out, err, code, rec = cut_mid_run(
-        inv, home, cluster.nodes[victim], lambda d: list((d / "checkpoints").glob("ckpt_*.pt")),
-        "a checkpoint on the control machine")
+    # the master is the only writer: with it cut, the relaunch restores this machine's copy. The
+    # newest copy is damaged right after the cut (no copy arrives any more): it must be skipped.
+    ready = (lambda d: copies(d)) if victim else (lambda d: len(copies(d)) >= 2 and copies(d))
+    run_dir, held, out, err, code, rec = cut_mid_run(
+        inv, home, cluster.nodes[victim], ready, "checkpoints on the control machine",
+        after_cut=None if victim else damage_newest)
     assert code == 0, err[-3000:]
     assert rec["state"] == "finished" and rec["exit_code"] == 0
     names = [n.name for n in cluster.nodes]
@@ -105,6 +126,11 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     resumed = [s for s in start_steps(master_log) if s]
     assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
     assert "step 200 | loss" in master_log
+    if not victim:
+        newest = max(p.name for p in held)
+        assert attempts[1]["skipped"] == [newest], (attempts[1], err[-3000:])
+        assert f"skipping checkpoint {newest}" in err + out and resumed[-1] < int(newest[5:13]), resumed
+        assert attempts[1]["checkpoint"] == f"ckpt_{resumed[-1]:08d}.pt", attempts[1]
     # the foreground follows the new attempt's nodes, with their new ranks
     assert re.search(rf"^{want[0]}/r0 +\| step 200 \| loss", out, re.M), out[-2000:]
     assert copied(run_dir, "ckpt_00000200.pt")

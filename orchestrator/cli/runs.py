@@ -81,6 +81,7 @@ class _Show:
         self.shown_pf = not show_preflight
         self.pf_text = ""
         self.shown_tables: set[str] = set()
+        self.announced: set[int] = set()  # attempts whose start was told
         self.follower: Follower | None = None
         self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
@@ -99,6 +100,8 @@ class _Show:
                     click.echo(f"clusterctl: attempt {a['attempt']}'s preflight failed on "
                                f"{', '.join(a.get('bad_nodes') or []) or 'a node'}:", err=True)
                     click.echo((self.run.dir / f).read_text().rstrip(), err=True)
+        for a in rec.get("attempts") or []:
+            self.announce(a)
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
@@ -107,6 +110,23 @@ class _Show:
         elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
             self.ranks = ranks  # a restart: the next attempt's nodes and ranks
             self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
+
+    def announce(self, a: dict) -> None:
+        """Once an attempt is launched: what it starts from, and any damaged copy passed over."""
+        k = a.get("attempt", 1)
+        if k in self.announced or not a.get("launched") or (k == 1 and not a.get("resumed_from")):
+            return
+        self.announced.add(k)
+        if a.get("skipped"):
+            click.echo(f"clusterctl: attempt {k}: skipping checkpoint {', '.join(a['skipped'])} on this machine: "
+                       "the bytes no longer match their checksums (damaged after the copy)", err=True)
+        where = {"nodes": "the nodes"}.get(a.get("restored_from") or "", "this machine")
+        if a.get("resumed_from"):
+            where = f"run {a['resumed_from']}"
+        click.echo(f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from checkpoint "
+                   f"{a['checkpoint']} ({where})" if a.get("checkpoint") else
+                   f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from scratch: no "
+                   "checkpoint was copied", err=True)
 
     def start(self, rec: dict) -> Follower:
         if self.follower is None:

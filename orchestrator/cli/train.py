@@ -89,6 +89,12 @@ def _checkpointed_run(run_id: str) -> str:
     if not store.is_dir() or CheckpointStore(run.dir).newest() is None:
         raise click.UsageError(f"run {run.id} has no complete checkpoint in {store} to resume from (a run's "
                                "checkpoints are copied there while it trains, from CLUSTERCTL_CHECKPOINT_DIR)")
+    # a skipped copy is told with the attempt's start (cli/runs.py announce) and kept in its record
+    intact, skipped = CheckpointStore(run.dir).newest_intact(lambda line: None)
+    if intact is None:
+        raise click.UsageError(f"run {run.id} has no intact checkpoint in {store}: {', '.join(skipped)} "
+                               f"{'is' if len(skipped) == 1 else 'are all'} damaged (the bytes no longer match "
+                               "their checksums). Nothing was started and nothing changed on the nodes.")
     return run.id
 
 

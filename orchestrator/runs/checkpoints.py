@@ -89,6 +89,20 @@ class CheckpointStore:
         done = self.complete()
         return done[0] if done else None
 
+    def newest_intact(self, say: Callable[[str], None] = print) -> tuple[str | None, list[str]]:
+        """(the newest checkpoint here whose bytes still match their marks, the newer ones skipped):
+        each is read again before it is chosen, since a copy verified on arrival can rot on this
+        disk or be cut by a full one later. Each skipped one is said, with why."""
+        skipped = []
+        for name in self.complete():
+            if is_complete(self.dir / name):
+                return name, skipped
+            mark = common().SIDECAR if (self.dir / name).is_file() else common().MANIFEST
+            say(f"skipping checkpoint {name} in {self.dir}: its bytes no longer match its {mark} "
+                f"(damaged on this machine after it was copied)")
+            skipped.append(name)
+        return None, skipped
+
     def has(self, name: str) -> bool:
         return (self.dir / name).exists()
 
@@ -338,11 +352,13 @@ def write_frame(head: dict, body: bytes, root: Path) -> None:
         f.write(body)
 
 
-def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nodes: list[Node]) -> list[str]:
-    """Put the newest complete checkpoint on the nodes that need it: a file checkpoint (DDP, rank 0
-    loads and broadcasts) on the first node only, a directory (FSDP shards) on every node.
-    Returns the nodes written to; raises nothing, a failed node is reported by name."""
-    name = store.newest()
+def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nodes: list[Node],
+            name: str | None = None) -> list[str]:
+    """Put checkpoint `name` (default: the newest complete one, unverified: the caller chose it
+    with newest_intact) on the nodes that need it: a file checkpoint (DDP, rank 0 loads and
+    broadcasts) on the first node only, a directory (FSDP shards) on every node. Returns the nodes
+    written to; raises RestoreError naming the nodes that failed."""
+    name = name or store.newest()
     if name is None:
         return []
     kind = "dir" if (store.dir / name).is_dir() else "file"

@@ -59,6 +59,7 @@ class AttemptRecord:
     restored_from: str | None = None  # "nodes" (node to node) or None (the control machine's copy)
     resumed_from: str | None = None  # train --resume-from RUN
     restore_s: float | None = None
+    skipped: list[str] = field(default_factory=list)  # newer copies passed over: damaged on this machine
     preflight_s: float | None = None
     preflight_ok: bool | None = None
     preflight_file: str | None = None  # the table, under the run directory

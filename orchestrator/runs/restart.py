@@ -149,10 +149,13 @@ class Restorer:
         self.origin = CheckpointStore(Run(origin).dir) if origin else None
 
     def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
-        """The attempt record's fields for what was restored (empty: nothing to restore)."""
+        """The attempt record's fields for what was restored (empty: nothing to restore). Every
+        copy here is verified before it is chosen; a damaged one is skipped and said. When copies
+        were made and none is intact (and the nodes hold none newer), LaunchError: the run does
+        not go back to step 0 without a word."""
         t0 = time.monotonic()
         store = self.store if self.store.newest() or self.origin is None else self.origin
-        here = store.newest()
+        here, skipped = store.newest_intact(self.say)
         if relaunch:  # what the surviving nodes hold may be newer
             try:
                 found = restore_from_nodes(self.cluster, dirs, nodes, step_of(here) if here else -1, say=self.say)
@@ -161,15 +164,21 @@ class Restorer:
                 found = None
             if found is not None:
                 return {"checkpoint": found[0], "restored": found[1], "restored_from": "nodes",
-                        "restore_s": round(time.monotonic() - t0, 3)}
+                        "restore_s": round(time.monotonic() - t0, 3), "skipped": skipped}
+        if here is None and skipped:
+            raise LaunchError(f"no intact checkpoint to restore: {', '.join(skipped)} in {store.dir} "
+                              f"{'is' if len(skipped) == 1 else 'are'} damaged (the bytes no longer match "
+                              f"their checksums) and the nodes hold none; not restarting from step 0. "
+                              f"Nothing was changed on the nodes.")
         if here is None:
             self.say("restarting from scratch: no checkpoint was copied")
             return {}
         try:
-            restored = restore(self.cluster, store, dirs, [self.inv.node(n) for n in nodes])
+            restored = restore(self.cluster, store, dirs, [self.inv.node(n) for n in nodes], here)
         except RestoreError as e:
             raise LaunchError(str(e)) from e
-        out = {"checkpoint": here, "restored": restored, "restore_s": round(time.monotonic() - t0, 3)}
+        out = {"checkpoint": here, "restored": restored, "restore_s": round(time.monotonic() - t0, 3),
+               "skipped": skipped}
         if store is self.origin:
             out["resumed_from"] = self.origin_id
         return out
