@@ -3,7 +3,8 @@ remote/common.py in front of it (probe.py `program`): the checkpoint names and m
 member rule and safe_name come from there.
 
 A run keeps what must outlive a node under ~/.clusterctl/artifacts/RUN_ID/ on every node:
-checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOARD_DIR).
+checkpoints/ (CLUSTERCTL_CHECKPOINT_DIR) and tensorboard/ (CLUSTERCTL_TENSORBOARD_DIR), each
+level 0700 (0750 under share_with_group: common.py private_files, own_dir).
 
   prepare RUN_ID            create both directories; print {"checkpoints": ABS, "tensorboard": ABS,
                             "replicas": ABS} (replicas/SOURCE/: other nodes' checkpoints kept here)
@@ -48,10 +49,10 @@ def prepare(run_id):
     if not safe_name(run_id):
         sys.exit("bad run id")
     out = {}
+    for top in (os.path.dirname(BASE), BASE, os.path.join(BASE, run_id)):
+        own_dir(top)  # ~/.clusterctl, artifacts/, RUN_ID/: 0700 (0750 under share_with_group)
     for sub in ("checkpoints", "tensorboard", "replicas"):
-        d = os.path.join(BASE, run_id, sub)
-        os.makedirs(d, exist_ok=True)
-        out[sub] = d
+        out[sub] = own_dir(os.path.join(BASE, run_id, sub))
     print(json.dumps(out))
 
 
@@ -228,6 +229,7 @@ def poll(d, tb, offsets_hex):
 
 
 if __name__ == "__main__":
+    private_files()
     cmd, args = sys.argv[1], sys.argv[2:]
     {"prepare": prepare, "held": held, "prune": prune, "send": send, "receive": receive, "poll": poll,
      "pack": pack}[cmd](*args)

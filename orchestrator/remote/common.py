@@ -11,6 +11,7 @@ define these names again (tests/test_remote_common.py looks).
   sha256             sha256_file, Hashed (a stream hashed and counted as it passes)
   tar                tar_member_ok (the one member rule), extract_member, send_tar (to a relay)
   files              write_atomic, safe_name
+  file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
   processes          marked_pids: this user's processes found by an environment marker
 """
 import os
@@ -139,12 +140,16 @@ def tar_member_ok(member, root, links=False):
 def extract_member(tar, member, root, links=False):
     """Unpack a member that passed tar_member_ok below root, through tarfile's own filter where
     this Python has one ("data"; "tar" for a stream with links, which may point anywhere). A code
-    stream (links=True) keeps each file's mode and mtime (a later sync compares mtimes); a data
-    stream's files take this node's."""
+    stream (links=True) keeps each file's mtime (a later sync compares mtimes) and its mode less
+    the umask (0755 lands 0700: the owner's execute bit stays); a data stream's files and every
+    directory take this node's umask (private_files), never the member's wider mode."""
     import tarfile
 
     kw = {"filter": "tar" if links else "data"} if hasattr(tarfile, "data_filter") else {}
     tar.extract(member, root, set_attrs=links and member.isfile(), **kw)
+    if member.isfile() or member.isdir():  # never wider than this program's umask, whatever the member says
+        base = 0o777 if member.isdir() else member.mode if links else 0o666
+        os.chmod(os.path.join(root, member.name), base & 0o777 & ~current_umask())
 
 
 def send_tar(host, port, token, connect_timeout, idle, add):
@@ -186,6 +191,57 @@ def safe_name(name):
     """A run id, run key or node name usable as one path component: not empty, no "/", no
     leading "."."""
     return bool(name) and "/" not in name and not name.startswith(".")
+
+
+# ------------------------------------------------------------------ file modes
+
+# What clusterctl writes on a node is the user's alone: directories 0700, files 0600. With the
+# inventory's share_with_group the control machine puts GROUP_ENV=1 in front of a program's command
+# line, and what it writes is also readable by the user's group: 0750, 0640.
+GROUP_ENV = "CLUSTERCTL_SHARE_WITH_GROUP"
+PRIVATE_UMASK, GROUP_UMASK = 0o077, 0o027
+USER_UMASK = None  # the user's umask, found at the program's start: the job's processes get it back
+# the user's umask (octal) as the clusterctl command found it, for a program it starts on this
+# machine (a `connection: local` node) whose own start finds clusterctl's
+USER_UMASK_ENV = "CLUSTERCTL_USER_UMASK"
+
+
+def umask_for(share_with_group):
+    return GROUP_UMASK if share_with_group else PRIVATE_UMASK
+
+
+def private_files():
+    """The first call of every shipped program but rank_lines (which is the job's): from here on
+    what the program creates takes umask_for(GROUP_ENV=1 in its environment). Keeps the user's
+    umask in USER_UMASK (USER_UMASK_ENV's, else the one it found) and returns the one it found."""
+    global USER_UMASK
+    found = os.umask(umask_for(os.environ.get(GROUP_ENV) == "1"))
+    given = os.environ.get(USER_UMASK_ENV, "")
+    if USER_UMASK is None:
+        USER_UMASK = int(given, 8) & 0o777 if given and set(given) <= set("01234567") else found
+    return found
+
+
+def current_umask():
+    """The umask in force. Reading it means setting it: for that moment it is PRIVATE_UMASK, so a
+    file another thread creates meanwhile is never wider than it would have been."""
+    mask = os.umask(PRIVATE_UMASK)
+    os.umask(mask)
+    return mask
+
+
+def own_dir(path):
+    """Directory `path` (made with its parents when missing) with the mode the umask gives a new
+    one: 0700, or 0750 under share_with_group. One an older clusterctl made 0755 is tightened, and
+    a private one opened to the group when the setting changes; a set-group-ID bit is kept (the
+    directory's group then owns what is made in it), and a directory of another user is left as
+    it is. -> path"""
+    os.makedirs(path, exist_ok=True)
+    mode = 0o777 & ~current_umask()
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o777 != mode:
+        os.chmod(path, (st.st_mode & 0o7000) | mode)
+    return path
 
 
 # ------------------------------------------------------------------ processes

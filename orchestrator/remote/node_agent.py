@@ -15,6 +15,8 @@ Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = R
   save_seconds  how long the job's last checkpoint took (the trainer writes it; the stop grace
               covers it)
 and ~/.clusterctl/claims/NODE, the node's claim {"run", "key", "who", "since"}: one run at a time.
+All of it is the user's alone, 0700/0600 (0750/0640 under share_with_group; spec.json, which holds
+the inventory's env, 0600 always): private_files. torchrun gets the user's own umask back.
 
 The waiter (the parent of torchrun) is a child subreaper: a worker orphaned by a dead torchrun is
 reparented to it, and once torchrun ended by any means, the waiter kills what is left of the run
@@ -97,13 +99,14 @@ def start(run_id, spec_hex="-"):
         spec_hex = globals().get("SPEC_HEX") or sys.exit("no spec: expected SPEC_HEX before the script")
     spec = json.loads(bytes.fromhex(spec_hex).decode())
     d = rundir(run_id)
-    os.makedirs(BASE, mode=0o700, exist_ok=True)
+    own_dir(os.path.dirname(BASE))  # ~/.clusterctl: an older clusterctl's 0755 is tightened
+    own_dir(BASE)
+    os.mkdir(d)  # 0700 (0750 under share_with_group): private_files' umask
+    umask = os.umask(PRIVATE_UMASK)  # spec.json holds the inventory's env: the user's eyes only, always
     try:
-        os.chmod(BASE, 0o700)  # spec.json holds the inventory's env: this user's eyes only
-    except OSError:
-        pass
-    os.makedirs(d, mode=0o700, exist_ok=False)
-    write_atomic(os.path.join(d, "spec.json"), json.dumps(spec))
+        write_atomic(os.path.join(d, "spec.json"), json.dumps(spec))
+    finally:
+        os.umask(umask)
     r, w = os.pipe()
     if os.fork() > 0:  # the caller: wait for the waiter to report torchrun's pid
         os.close(w)
@@ -126,9 +129,12 @@ def start(run_id, spec_hex="-"):
 
 
 def default_signals():
-    """An ignored signal stays ignored across exec: give the run back SIGTERM (its graceful stop)."""
+    """An ignored signal stays ignored across exec: give the run back SIGTERM (its graceful stop),
+    and the user's umask: what the job writes is the user's, not clusterctl's (private_files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if USER_UMASK is not None:
+        os.umask(USER_UMASK)
 
 
 def prctl(option, arg):
@@ -586,6 +592,7 @@ def wait_listening(run_id, port, seconds):
 
 
 if __name__ == "__main__":
+    private_files()
     cmd, args = sys.argv[1], sys.argv[2:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
      "wait-listening": wait_listening, "claim": claim, "release": release,

@@ -336,6 +336,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    private_files()  # what it installs, a node's code and replicas, is the user's alone (or the group's too)
     try:
         sys.exit(main(sys.argv[1:]))
     except socket.timeout:
