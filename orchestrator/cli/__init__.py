@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import traceback
 
@@ -23,6 +24,7 @@ from orchestrator.errors import (
     ClusterctlError,
     exit_codes_text,
 )
+from orchestrator.home import hand_down_umask, set_umask
 from orchestrator.transport import quiet_paramiko
 
 # name -> "module:attribute" of a click command, imported only when used.
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     as_json = wants_json(argv)
+    umask = set_umask()  # what a command writes is the user's alone until a run's inventory says otherwise
+    handed = hand_down_umask(umask)
     try:
         rv = cli.main(args=argv, prog_name="clusterctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
@@ -233,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_FAILED
         return fail(f"clusterctl: internal error: {type(e).__name__}: {e}\n"
                     f"This is a bug; rerun with --debug for the traceback.", EXIT_FAILED, "internal")
+    finally:
+        os.umask(umask)  # a caller in the same process (a test) keeps its own
+        if handed:
+            os.environ.pop(handed, None)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@
 
 Every write of a record is atomic (temp file + rename), so a crash of the controller at any
 moment leaves the last good record, and the node logs survive as they are.
+
+A run directory and what is written in it are the user's alone (0700, 0600), or with the
+inventory's share_with_group also the group's to read (0750, 0640): the writing process's umask
+(`run_umask`). spec.json, which holds the inventory and its env (tokens), is 0600 either way.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator.errors import UsageError
-from orchestrator.home import runs_dir
+from orchestrator.errors import ClusterctlError, UsageError
+from orchestrator.home import own_runs_dir, runs_dir, set_umask
 from orchestrator.runs.spec import NodeStatus, RunSpec, RunState
 
 SUPERVISOR_MARK = "CLUSTERCTL_SUPERVISOR"  # in the supervisor's environment: its run id
@@ -38,13 +42,26 @@ def new_run_id(name: str | None) -> str:
     return f"{base}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def write_json(path: Path, doc: dict) -> None:
+def write_json(path: Path, doc: dict, mode: int = 0o666) -> None:
+    """`doc` replaces the file at `path` whole. `mode` before the umask (0o600: the user's alone
+    whatever the umask lets the group read)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         json.dump(doc, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def run_umask(spec: RunSpec) -> int:
+    """Make this process's umask the run's (home.py `set_umask`): its recorded inventory's
+    share_with_group decides; one that no longer reads leaves the run private. Returns the umask
+    it replaced."""
+    try:
+        share = spec.load_inventory().share_with_group
+    except ClusterctlError:
+        share = False
+    return set_umask(share)
 
 
 def read_json(path: Path) -> dict | None:
@@ -76,13 +93,20 @@ class Run:
 
     @classmethod
     def create(cls, run_id: str, spec: RunSpec) -> "Run":
+        """The run's directory, its spec and first record, made under the run's umask (run_umask;
+        this process's own is given back)."""
         r = cls(run_id)
-        # built under a hidden name and renamed, so a run directory is never seen half made
-        tmp = r.dir.with_name(f".{run_id}.tmp")
-        (tmp / "nodes").mkdir(parents=True)
-        write_json(tmp / "spec.json", spec.to_json())
-        write_json(tmp / "run.json", {"id": run_id, "state": RunState.STARTING, "created": time.time()})
-        os.rename(tmp, r.dir)
+        umask = run_umask(spec)
+        try:
+            own_runs_dir()
+            # built under a hidden name and renamed, so a run directory is never seen half made
+            tmp = r.dir.with_name(f".{run_id}.tmp")
+            (tmp / "nodes").mkdir(parents=True)
+            write_json(tmp / "spec.json", spec.to_json(), mode=0o600)
+            write_json(tmp / "run.json", {"id": run_id, "state": RunState.STARTING, "created": time.time()})
+            os.rename(tmp, r.dir)
+        finally:
+            os.umask(umask)
         return r
 
     @classmethod

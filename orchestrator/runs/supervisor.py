@@ -26,13 +26,17 @@ import sys
 from orchestrator.runs.controller import Controller
 from orchestrator.runs.notify import notify_end
 from orchestrator.runs.stopping import say
-from orchestrator.runs.store import SUPERVISOR_MARK, Run
+from orchestrator.runs.store import SUPERVISOR_MARK, Run, run_umask
 from orchestrator.transport import quiet_paramiko
 
 
 def spawn(run: Run, adopt: bool = False) -> subprocess.Popen:
     """Start the run's supervisor, detached (own session), its output in supervisor.log."""
-    log = open(run.dir / "supervisor.log", "ab")
+    umask = run_umask(run.spec)  # the log is the run's: the user's alone, or the group's too
+    try:
+        log = open(run.dir / "supervisor.log", "ab")
+    finally:
+        os.umask(umask)
     env = dict(os.environ, **{SUPERVISOR_MARK: run.id})
     argv = [sys.executable, "-m", "orchestrator.runs.supervisor", run.id] + (["--adopt"] if adopt else [])
     try:
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
     run = Run(argv[0])
+    run_umask(run.spec)  # first: all it writes (records, logs, checkpoint copies) is the user's, or the group's too
     lock = run.lock_supervisor()
     if lock is None:  # another supervisor runs the run
         return 0
