@@ -184,7 +184,7 @@ def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_
         connections = {}
 
         def run(self, cmd, *, stdin, nodes, timeout, capture, on_bytes):
-            calls.append(cmd(SimpleNamespace(python="python3", name=nodes[0])))
+            calls.append(cmd(SimpleNamespace(python="python3", name=nodes[0], program_env="")))
             release.wait(10)
             from orchestrator.transport import NodeResult
 

@@ -21,6 +21,7 @@ from orchestrator.inventory.fields import USER_RE, _check_env, _check_path, _Mod
 from orchestrator.inventory.hosts import check_host, check_proxy_jump
 from orchestrator.inventory.sections import ChecksSection, SetupSection, SyncSection, TrainSection
 from orchestrator.inventory.sshconfig import config_hostname
+from orchestrator.probe import common
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 IFACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}\Z")
@@ -129,6 +130,9 @@ class InventoryModel(_Model):
     checks: ChecksSection = Field(default_factory=ChecksSection)
     sync: SyncSection = Field(default_factory=SyncSection)
     setup: SetupSection | None = None
+    # what clusterctl writes (run records here, artifacts and node-run records on the nodes) is
+    # readable by the user's group too: 0750/0640 instead of 0700/0600 (home.py, remote/common.py)
+    share_with_group: bool = False
 
     @field_validator("env", mode="before")
     @classmethod
@@ -171,10 +175,17 @@ class Node:
     workdir: str
     line: int | None = None
     spare: bool = False  # held back for restarts (runs/restart.py)
+    share_with_group: bool = False  # the inventory's: what clusterctl writes on the node, the group reads too
 
     @property
     def is_local(self) -> bool:
         return self.connection == "local"
+
+    @property
+    def program_env(self) -> str:
+        """What goes in front of a shipped program's command line on this node: the assignment
+        that carries share_with_group there (remote/common.py `private_files`), else nothing."""
+        return f"{common().GROUP_ENV}=1 " if self.share_with_group else ""
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,7 @@ class Inventory:
     source: str = "<memory>"
     sync: SyncSection = field(default_factory=SyncSection)
     setup: SetupSection | None = None
+    share_with_group: bool = False
     _by_name: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -213,7 +225,8 @@ class Inventory:
             raise InventoryError(f"unknown node(s): {', '.join(unknown)}", path=self.source)
         keep = tuple(replace(n, rank=i) for i, n in enumerate(n for n in self.nodes if n.name in names))
         return Inventory(keep, self.master_port, self.workdir, self.output_dir, self.python,
-                         self.env, self.train, self.checks, self.source, self.sync, self.setup)
+                         self.env, self.train, self.checks, self.source, self.sync, self.setup,
+                         self.share_with_group)
 
 
 def _python_of(model: InventoryModel, nm: NodeModel, source: str, line: int | None, i: int) -> str:
@@ -259,6 +272,8 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
             name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
             connection=nm.connection, ssh=ssh, env=env, python=python,
             workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
+            share_with_group=model.share_with_group,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
-                     dict(model.env), model.train, model.checks, source, model.sync, model.setup)
+                     dict(model.env), model.train, model.checks, source, model.sync, model.setup,
+                     model.share_with_group)

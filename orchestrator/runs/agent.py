@@ -85,7 +85,7 @@ def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] 
 
 
 def _line(node: Node, verb: str, *args: object) -> str:
-    return f"{shell.path(node.python)} - {shell.join([verb, *args])}"
+    return f"{node.program_env}{shell.path(node.python)} - {shell.join([verb, *args])}"
 
 
 def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T],

@@ -46,7 +46,7 @@ TIMEOUT = 600.0  # one copy of one checkpoint
 
 
 def artifacts_cmd(node: Node, *args: object) -> str:
-    return f"{shell.path(node.python)} - {shell.join(args)}"
+    return f"{node.program_env}{shell.path(node.python)} - {shell.join(args)}"
 
 
 def is_complete(path: Path, known: dict[Path, str] | None = None) -> bool:
@@ -365,7 +365,7 @@ def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nod
     targets = nodes if kind == "dir" else nodes[:1]
     files = ([str(p.relative_to(store.dir)) for p in sorted((store.dir / name).rglob("*")) if p.is_file()]
              if kind == "dir" else list(common().checkpoint_parts(name)))
-    res = cluster.run(lambda n: f"{shell.path(n.python)} -c {shell.quote(LOADER)} "
+    res = cluster.run(lambda n: f"{n.program_env}{shell.path(n.python)} -c {shell.quote(LOADER)} "
                                 f"receive {shell.quote(dirs[n.name]['checkpoints'])}",
                       stdin=lambda n: _agent_then(TarStream(str(store.dir), files)),
                       nodes=[n.name for n in targets], timeout=TIMEOUT)

@@ -173,7 +173,8 @@ class Chain:
     # ------------------------------------------------------------------ running it
 
     def command(self, node: Node) -> str:
-        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(self.python(node))} -c {shell.quote(relay_source())} "
+        return (f"{node.program_env}CLUSTERCTL_XFER={self.xfer} {shell.path(self.python(node))} "
+                f"-c {shell.quote(relay_source())} "
                 f"recv {self.xfer} {shell.path(self.dest(node))} --idle {IDLE_TIMEOUT:g} "
                 f"--connect-timeout {CONNECT_TIMEOUT:g}")
 

@@ -85,7 +85,8 @@ class Pair:
 
     # ------------------------------------------------------------ running it
     def command(self, node: Node, mode: str, where: str, *names: str) -> str:
-        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(node.python)} -c {shell.quote(relay_source())} "
+        return (f"{node.program_env}CLUSTERCTL_XFER={self.xfer} {shell.path(node.python)} "
+                f"-c {shell.quote(relay_source())} "
                 f"{mode} {self.xfer} {shell.path(where)} {shell.join(names)} "
                 f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
 
