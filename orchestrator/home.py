@@ -32,15 +32,30 @@ def set_umask(share_with_group: bool = False) -> int:
     return os.umask(common().umask_for(share_with_group))
 
 
+USER_UMASK_ENV = "CLUSTERCTL_USER_UMASK"  # the user's umask (octal), as the clusterctl command found it
+
+
 def hand_down_umask(umask: int) -> str | None:
-    """Name the user's umask in this process's environment (common.py USER_UMASK_ENV), unless a
-    clusterctl process above did: a job this process starts on a `connection: local` node gets it
-    back instead of clusterctl's. -> the variable's name when it was set here, else None."""
-    name = common().USER_UMASK_ENV
-    if name in os.environ:
+    """Name the user's umask in this process's environment, unless a clusterctl process above did
+    (the supervisor inherits it from `train`): a command run on a `connection: local` node starts
+    with it, as an SSH session starts with the node's (`user_umask`). -> the variable's name when
+    it was set here, else None."""
+    if USER_UMASK_ENV in os.environ:
         return None
-    os.environ[name] = f"{umask:03o}"
-    return name
+    os.environ[USER_UMASK_ENV] = f"{umask:03o}"
+    return USER_UMASK_ENV
+
+
+def users_env() -> dict[str, str]:
+    """This process's environment without what clusterctl hands down to itself: what a command
+    the user gave (a local node's, --notify's) starts with."""
+    return {k: v for k, v in os.environ.items() if k != USER_UMASK_ENV}
+
+
+def user_umask() -> int:
+    """The user's umask as hand_down_umask named it; -1 (leave the umask as it is) when none was."""
+    given = os.environ.get(USER_UMASK_ENV, "")
+    return int(given, 8) & 0o777 if given and set(given) <= set("01234567") else -1
 
 
 def own_runs_dir() -> Path:

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.cli import main
-from orchestrator.home import runs_dir
+from orchestrator.home import USER_UMASK_ENV, runs_dir
 from orchestrator.inventory import parse_inventory
 from orchestrator.runs.checkpoints import LOADER
 from orchestrator.runs.spec import RunSpec
@@ -117,7 +117,7 @@ def test_the_cli_writes_privately_and_gives_the_callers_umask_back(tmp_path, kee
     out = tmp_path / "nodes.yaml"
     assert main(["inventory", "import-hostfile", str(hostfile), "-o", str(out)]) == 0
     assert mode(out) == 0o600
-    assert os.umask(0o022) == 0o022 and COMMON.USER_UMASK_ENV not in os.environ
+    assert os.umask(0o022) == 0o022 and USER_UMASK_ENV not in os.environ
 
 
 def test_records_keep_an_explicit_private_mode_whatever_the_umask(tmp_path, keep_umask):
@@ -131,7 +131,7 @@ def test_records_keep_an_explicit_private_mode_whatever_the_umask(tmp_path, keep
 
 
 def node_env(home: Path, share: bool = False) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (COMMON.GROUP_ENV, COMMON.USER_UMASK_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (COMMON.GROUP_ENV, USER_UMASK_ENV)}
     return dict(env, HOME=str(home), **(SHARE if share else {}))
 
 
@@ -203,15 +203,16 @@ def test_node_agent_records_are_private_and_the_job_keeps_the_users_umask(tmp_pa
     assert mode(tmp_path / "job-out.txt") == 0o644  # the job's: the user's umask, untouched
 
 
-def test_a_local_nodes_job_gets_the_umask_the_command_found(tmp_path):
-    """On a `connection: local` node the agent starts under the supervisor's umask; the CLI named
-    the user's in the environment, and the job gets that one back."""
-    spec = {"argv": [sys.executable, "-c", "open('out.txt', 'w')"], "cwd": str(tmp_path), "env": {}}
-    env = dict(node_env(tmp_path), **{COMMON.USER_UMASK_ENV: "002"})
-    r = subprocess.run([sys.executable, "-", "start", "r2@n1", json.dumps(spec).encode().hex()],
-                       input=probe.program("node_agent"), env=env, capture_output=True, timeout=60, umask=0o077)
-    assert r.returncode == 0, r.stderr.decode()
-    wait_for(lambda: (tmp_path / ".clusterctl" / "node-runs" / "r2@n1" / "exit_code").exists(), 30, "the exit code")
+def test_a_local_node_runs_commands_under_the_users_umask_not_clusterctls(tmp_path, monkeypatch, keep_umask):
+    """A `connection: local` node's command starts as an SSH session would, with the user's umask
+    as the CLI found it (here 002), though the supervisor that runs it holds clusterctl's 077."""
+    from orchestrator.transport.local import LocalConnection
+
+    monkeypatch.setenv(USER_UMASK_ENV, "002")
+    os.umask(0o077)
+    node = parse_inventory(INVENTORY).nodes[0]
+    proc = LocalConnection(node).exec(f"touch {tmp_path}/out.txt")
+    wait_for(lambda: proc.p.poll() is not None, 30, "the command")
     assert mode(tmp_path / "out.txt") == 0o664
 
 

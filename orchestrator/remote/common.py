@@ -200,10 +200,7 @@ def safe_name(name):
 # line, and what it writes is also readable by the user's group: 0750, 0640.
 GROUP_ENV = "CLUSTERCTL_SHARE_WITH_GROUP"
 PRIVATE_UMASK, GROUP_UMASK = 0o077, 0o027
-USER_UMASK = None  # the user's umask, found at the program's start: the job's processes get it back
-# the user's umask (octal) as the clusterctl command found it, for a program it starts on this
-# machine (a `connection: local` node) whose own start finds clusterctl's
-USER_UMASK_ENV = "CLUSTERCTL_USER_UMASK"
+USER_UMASK = None  # the umask the program started with (the user's): the job's processes get it back
 
 
 def umask_for(share_with_group):
@@ -212,13 +209,13 @@ def umask_for(share_with_group):
 
 def private_files():
     """The first call of every shipped program but rank_lines (which is the job's): from here on
-    what the program creates takes umask_for(GROUP_ENV=1 in its environment). Keeps the user's
-    umask in USER_UMASK (USER_UMASK_ENV's, else the one it found) and returns the one it found."""
+    what the program creates takes umask_for(GROUP_ENV=1 in its environment). Keeps the umask it
+    found, the user's (an SSH session's, or a local node's: transport/local.py), in USER_UMASK
+    and returns it."""
     global USER_UMASK
     found = os.umask(umask_for(os.environ.get(GROUP_ENV) == "1"))
-    given = os.environ.get(USER_UMASK_ENV, "")
     if USER_UMASK is None:
-        USER_UMASK = int(given, 8) & 0o777 if given and set(given) <= set("01234567") else found
+        USER_UMASK = found
     return found
 
 

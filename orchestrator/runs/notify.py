@@ -22,6 +22,7 @@ import signal
 import subprocess
 from typing import Callable
 
+from orchestrator.home import user_umask, users_env
 from orchestrator.runs.store import SUPERVISOR_MARK, Run, read_json, write_json
 
 NOTIFY_TIMEOUT = 60.0
@@ -77,12 +78,12 @@ def notify_end(run: Run, say: Callable[[str], None] = print, timeout: float = NO
         if not command:
             return None
         rec = run.record
-        env = {k: v for k, v in os.environ.items() if k != SUPERVISOR_MARK}  # the command is not the supervisor
+        env = {k: v for k, v in users_env().items() if k != SUPERVISOR_MARK}  # the command is not the supervisor
         env.update(notify_env(rec))
         say(f"notify: {command} (run {rec.get('state')}, exit code {rec.get('exit_code')})")
         proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=_cwd(run))
+                                cwd=_cwd(run), umask=user_umask())
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

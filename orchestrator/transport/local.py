@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+from orchestrator.home import user_umask, users_env
 from orchestrator.transport.base import Connection, Proc
 
 
@@ -86,7 +87,8 @@ class LocalConnection(Connection):
     def exec(self, command, *, stdin=None):
         p = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE if stdin is not None
                              else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)  # cwd: where clusterctl runs
+                             start_new_session=True,  # cwd: where clusterctl runs
+                             env=users_env(), umask=user_umask())  # the user's, not clusterctl's, as an SSH session gets
         if stdin is not None:
             chunks = [stdin] if isinstance(stdin, (bytes, bytearray, memoryview)) else stdin
 
