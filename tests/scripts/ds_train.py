@@ -8,6 +8,7 @@ and every rank prints how much of the optimizer's fp32 state ZeRO gave it (its p
 --steps N   optimizer steps (default 8)
 """
 import argparse
+import gc
 
 import deepspeed
 import torch
@@ -46,5 +47,9 @@ print(f"ds rank {rank} holds {held} of {total} optimizer parameters", flush=True
 if rank == 0:
     print(f"ds done: zero stage {engine.zero_optimization_stage()}, world {world}, "
           f"backend {dist.get_backend()}, device {engine.device}", flush=True)
+# what clusterctl's SIGABRT hint asks of any script: let go of the engine (its process-group work
+# and DeepSpeed's comm threads) before the process group, not at interpreter exit
+del engine, optimizer
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()
