@@ -7,6 +7,8 @@ break nodes take `make_cluster` and build their own, always torn down after the 
 
 import importlib
 import json
+import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,24 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.cluster import TestCluster, require_root  # noqa: E402
+
+
+FUZZ_SEED = "INVENTORY_FUZZ_SEED"
+
+
+def pytest_configure(config):
+    """The inventory fuzzer's seed is drawn once, here, before any xdist worker starts: every
+    worker fuzzes with it and the header names it (a worker's own print would be captured). Not a
+    CLUSTERCTL_ name: the runs the tests start pass those on (--notify's environment)."""
+    if not hasattr(config, "workerinput") and not os.environ.get(FUZZ_SEED):
+        os.environ[FUZZ_SEED] = str(random.SystemRandom().randrange(1 << 32))
+
+
+def pytest_sessionstart(session):
+    """The seed on the terminal, -q or not (the fuzz test also adds it to a failure's message)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        reporter.write_line(f"inventory fuzz seed: replay with {FUZZ_SEED}={os.environ.get(FUZZ_SEED)}")
 
 
 @pytest.fixture(scope="session", autouse=True)

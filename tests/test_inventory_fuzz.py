@@ -18,8 +18,8 @@ Every case runs through the real CLI entry point (`orchestrator.cli.main`) in on
 whose whole address space is capped at 256 MiB (RLIMIT_AS) and which must answer each case
 within 2 s (tests/inventory_worker.py); interpreter start-up is paid once, not per case.
 
-Each run draws a fresh seed and prints it (`CLUSTERCTL_FUZZ_SEED=N`), and a failure repeats it;
-set CLUSTERCTL_FUZZ_SEED=N (with the same INVENTORY_FUZZ_CASES) to replay that run.
+Each run draws a fresh seed and prints it (`INVENTORY_FUZZ_SEED=N`), and a failure repeats it;
+set INVENTORY_FUZZ_SEED=N (with the same INVENTORY_FUZZ_CASES) to replay that run.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from tests.inventory_worker import REPO_ROOT, Worker
 
 CASES = int(os.environ.get("INVENTORY_FUZZ_CASES", "1000"))
 CASE_TIMEOUT_S = 2.0
-SEED = int(os.environ.get("CLUSTERCTL_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
-REPLAY = f"inventory fuzz seed: replay with CLUSTERCTL_FUZZ_SEED={SEED} INVENTORY_FUZZ_CASES={CASES}"
+SEED = int(os.environ.get("INVENTORY_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
+REPLAY = f"inventory fuzz seed: replay with INVENTORY_FUZZ_SEED={SEED} INVENTORY_FUZZ_CASES={CASES}"
 
 
 # ---------------------------------------------------------------- a YAML tree we emit ourselves
@@ -534,15 +534,9 @@ def worker():
 
 
 @pytest.fixture(scope="module")
-def fuzz_seed(request):
-    """Prints this run's seed on the terminal, past pytest's output capture."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(REPLAY)
-    else:
-        print(REPLAY)
+def fuzz_seed():
+    """This run's seed: drawn once by conftest.py (so every xdist worker shares it), which prints it
+    on the terminal at the session's start; a failure's message carries REPLAY too."""
     return SEED
 
 
