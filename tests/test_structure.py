@@ -21,6 +21,9 @@ EXCEPTIONS: dict[str, str] = {
                                        "file; python -S, where each module more costs start-up on every node): "
                                        "the shared rules live in common.py, what is left is what code is "
                                        "(gitignore, digest, selection) and the torch facts",
+    "orchestrator/runs/agent.py": "the control side's one client of the node agent: every verb's command line "
+                                  "and the reading of its answer live here, one small typed reply each, so no "
+                                  "caller builds or parses an agent line by hand",
     "orchestrator/remote/node_agent.py": "shipped as one program on stdin (probe.program: remote/common.py, then "
                                          "this file, nothing else); the shared rules live in common.py, what is "
                                          "left is the agent's own verbs over one run directory",

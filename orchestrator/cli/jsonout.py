@@ -68,4 +68,12 @@ def run_doc(rec: dict) -> dict:
                       "last_rank": nd.get("last_rank")})
     return {"event": "end", "ok": code == 0, "run_id": rec.get("id"), "state": rec.get("state"),
             "exit_code": code, "summary": rec.get("summary"), "error": rec.get("error"),
-            "first_failure": rec.get("first_failure"), "nodes": nodes}
+            "first_failure": rec.get("first_failure"), "hang": last_hang(rec), "nodes": nodes}
+
+
+def last_hang(rec: dict) -> dict | None:
+    """The newest attempt's hang verdict (runs/hang.py), as run_doc reports it."""
+    for a in reversed(rec.get("attempts") or []):
+        if a.get("hang"):
+            return {"attempt": a.get("attempt", 1), "text": a["hang"], "snapshots": a.get("hang_dir")}
+    return None

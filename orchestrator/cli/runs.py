@@ -82,6 +82,7 @@ class _Show:
         self.pf_text = ""
         self.shown_tables: set[str] = set()
         self.announced: set[int] = set()  # attempts whose start was told
+        self.hangs_told: set[tuple] = set()  # (attempt, hangs/N) whose verdict was told
         self.follower: Follower | None = None
         self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
@@ -102,6 +103,7 @@ class _Show:
                     click.echo((self.run.dir / f).read_text().rstrip(), err=True)
         for a in rec.get("attempts") or []:
             self.announce(a)
+            self.tell_hang(a)
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
@@ -110,6 +112,23 @@ class _Show:
         elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
             self.ranks = ranks  # a restart: the next attempt's nodes and ranks
             self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
+
+    def tell_hang(self, a: dict) -> None:
+        """A hang the supervisor found (runs/hang.py): its verdict, the stacks line and where the
+        snapshots are, once, while the run is torn down (or goes on, under --on-hang observe)."""
+        where = a.get("hang_dir")
+        if not a.get("hang") or (a.get("attempt", 1), where) in self.hangs_told:
+            return
+        self.hangs_told.add((a.get("attempt", 1), where))
+        click.echo(f"clusterctl: {a['hang']}", err=True)
+        try:
+            details = json.loads((self.run.dir / where / "verdict.json").read_text()).get("details") or []
+        except (OSError, ValueError, TypeError):
+            details = []
+        for line in details:
+            click.echo(f"clusterctl:   {line}", err=True)
+        if where:
+            click.echo(f"clusterctl:   every rank's stacks: {self.run.dir / where / 'stacks.txt'}", err=True)
 
     def announce(self, a: dict) -> None:
         """Once an attempt is launched: what it starts from, and any damaged copy passed over."""
@@ -291,6 +310,9 @@ def status_command(run_id, as_json):
     Console().print(t)
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
+    if a is not None and a.hang:
+        _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
+                                                             if a.hang_dir else ""))
     if typed.recovering:
         _err(f"clusterctl: recovering after {typed.recovering}")
     if rec.get("summary") or rec.get("error"):

@@ -25,6 +25,7 @@ from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
@@ -135,10 +136,18 @@ def _checkpointed_run(run_id: str) -> str:
 @click.option("--resume-from", metavar="RUN", default=None,
               help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
                    "put on the nodes before launch, where the script's `--resume auto` finds it.")
+@click.option("--hang-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
+              help="No rank wrote a line or entered a collective for this long: snapshot every rank's stacks "
+                   "and collectives, name the rank holding the others up, and apply --on-hang; 0 turns it off "
+                   "[default: the inventory's train.hang_timeout, else 300].")
+@click.option("--on-hang", type=click.Choice(ON_HANG), default=None,
+              help="What a hang does: fail the run, restart it from its checkpoint without the culprit's node "
+                   "(a spare takes its place; counts against --max-restarts), or observe (report and go on) "
+                   "[default: the inventory's train.on_hang, else fail].")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, resume_from,
-                  script):
+                  hang_timeout, on_hang, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -159,7 +168,9 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
         max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
         queue=queue, queue_timeout=queue_timeout, resume_from=resume_from,
-        copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica))
+        copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
+        hang_timeout=inv.train.hang_timeout if hang_timeout is None else hang_timeout,
+        on_hang=on_hang or inv.train.on_hang))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

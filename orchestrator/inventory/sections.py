@@ -28,6 +28,10 @@ class TrainSection(_Model):
     # each node's complete checkpoints are also copied node to node to the next node in rank order
     # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
     checkpoint_replica: bool = False
+    # no rank made progress (no log line, no collective) for this many seconds: a hang, named and
+    # acted on (runs/hang.py); 0 turns the watch off
+    hang_timeout: float = Field(default=300.0, ge=0, le=86400)
+    on_hang: Literal["fail", "restart", "observe"] = "fail"  # restart: without the culprit's node
 
     @field_validator("env", mode="before")
     @classmethod

@@ -12,7 +12,8 @@ define these names again (tests/test_remote_common.py looks).
   tar                tar_member_ok (the one member rule), extract_member, send_tar (to a relay)
   files              write_atomic, safe_name
   file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
-  processes          marked_pids: this user's processes found by an environment marker
+  processes          marked_pids: this user's processes found by an environment marker;
+                     proc_environ: chosen variables of one process's environment
 """
 import os
 
@@ -242,6 +243,23 @@ def own_dir(path):
 
 
 # ------------------------------------------------------------------ processes
+
+
+def proc_environ(pid, names):
+    """The variables `names` of a process's environment as it started ({name: value}); {} once
+    it is gone or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return {}
+    out = {}
+    for item in env:
+        k, _, v = item.partition(b"=")
+        k = k.decode(errors="replace")
+        if k in names:
+            out[k] = v.decode(errors="replace")
+    return out
 
 
 def marked_pids(var, want):

@@ -48,6 +48,10 @@ processes), never by name pattern.
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
                                ("exited") or S seconds pass ("timeout")
+  snapshot KEY N WAIT          each rank's /proc state and what its hook (remote/hook/
+                               sitecustomize.py, in RUNDIR/py on the job's PYTHONPATH) answers
+                               to request N within WAIT s: its Python stacks and Flight Recorder
+  reach S HOST:PORT...         whether each HOST:PORT takes a TCP connection within S s
 """
 import json
 import os
@@ -63,6 +67,11 @@ TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
 RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
+HOOK = "hook"  # RUNDIR/hook: the ranks' snapshot FIFOs (PID.fifo) and answers (PID.N.json)
+# the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective
+# timeout dumps them into RUNDIR/hook (TORCH_FR_BUFFER_SIZE is torch >= 2.5's name; the older
+# TORCH_NCCL_TRACE_BUFFER_SIZE is left out: 2.13 warns on every rank that it is deprecated)
+FLIGHT_RECORDER = (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"))
 
 
 def rundir(run_id):
@@ -128,6 +137,20 @@ def start(run_id, spec_hex="-"):
     waiter(d, run_id, spec, w)
 
 
+def hook_env(d, text, env):
+    """RUNDIR/py/sitecustomize.py in front of the job's PYTHONPATH, its FIFOs and answers in
+    RUNDIR/hook, and the Flight Recorder on (a value the user set is kept): every rank can be
+    asked for its stacks and collectives (`snapshot`), and a collective timeout dumps there."""
+    os.makedirs(os.path.join(d, "py"), exist_ok=True)
+    os.makedirs(os.path.join(d, HOOK), exist_ok=True)
+    write_atomic(os.path.join(d, "py", "sitecustomize.py"), text)
+    env["PYTHONPATH"] = os.path.join(d, "py") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["CLUSTERCTL_HOOK_DIR"] = os.path.join(d, HOOK)
+    for var, value in FLIGHT_RECORDER:
+        env.setdefault(var, value)
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(d, HOOK, "fr_trace_"))
+
+
 def default_signals():
     """An ignored signal stays ignored across exec: give the run back SIGTERM (its graceful stop),
     and the user's umask: what the job writes is the user's, not clusterctl's (private_files)."""
@@ -165,6 +188,8 @@ def waiter(d, run_id, spec, notify_fd):
     cwd = os.path.expanduser(spec.get("cwd") or "~")
     for name, text in spec.get("files", {}).items():  # helpers the command runs, e.g. rank_lines.py
         write_atomic(os.path.join(d, os.path.basename(name)), text)
+    if spec.get("hook"):  # the snapshot hook in every rank (remote/hook/sitecustomize.py)
+        hook_env(d, spec["hook"], env)
     argv = [os.path.expanduser(spec["argv"][0])] + [d + a[len("{rundir}"):] if a.startswith("{rundir}/")
                                                     else a for a in spec["argv"][1:]]
     log = open(os.path.join(d, "log"), "ab", buffering=0)
@@ -489,6 +514,101 @@ def live():
     print(json.dumps(out))
 
 
+def proc_stat(pid):
+    """(state, ppid, cpu seconds) of a process from /proc/PID/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rank_procs(run_id, torchrun_pid):
+    """{pid: {"rank", "local_rank", "state", "ppid", "cpu_s", "wchan"}} for each rank of the run on
+    this node: the topmost process with RANK set that is not torchrun nor its rank_lines.py
+    wrapper (a rank's data-loader workers carry its RANK too)."""
+    found = {}
+    for pid in run_pids(run_id):
+        if pid == torchrun_pid:
+            continue
+        env = proc_environ(pid, ("RANK", "LOCAL_RANK"))
+        st = proc_stat(pid)
+        if "RANK" not in env or st is None:
+            continue
+        argv = (read(f"/proc/{pid}/cmdline", "") or "").split("\0")
+        if any(a.endswith("rank_lines.py") for a in argv[:3]):
+            continue
+        found[pid] = {"pid": pid, "rank": int(env["RANK"]) if env["RANK"].isdigit() else env["RANK"],
+                      "local_rank": env.get("LOCAL_RANK"), "state": st[0], "ppid": st[1], "cpu_s": st[2],
+                      "wchan": (read(f"/proc/{pid}/wchan", "") or "").strip()}
+    return {pid: p for pid, p in found.items()
+            if not (p["ppid"] in found and found[p["ppid"]]["rank"] == p["rank"])}
+
+
+def snapshot(run_id, request, wait):
+    """Every rank of the run on this node: its /proc state, and what its hook answers to request
+    N within `wait` s (its threads' Python stacks, its Flight Recorder). A stopped (T) or dead
+    process is not asked. Prints {"ranks": [...], "time"}."""
+    d = rundir(run_id)
+    hook = os.path.join(d, HOOK)
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    ranks = rank_procs(run_id, info.get("pid"))
+    asked = {}
+    for pid, p in ranks.items():
+        if p["state"] in "TtZX":
+            p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"
+            continue
+        try:
+            fd = os.open(os.path.join(hook, f"{pid}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            p["error"] = "no hook answers in it" + ("" if e.errno in (2, 6) else f" ({e.strerror})")
+            continue
+        try:
+            os.write(fd, str(int(request)).encode())
+        finally:
+            os.close(fd)
+        asked[pid] = os.path.join(hook, f"{pid}.{int(request)}.json")
+    wait_until(lambda: all(os.path.exists(a) for a in asked.values()), time.time() + float(wait))
+    for pid, path in asked.items():
+        try:
+            with open(path) as f:
+                ranks[pid]["answer"] = json.load(f)
+            os.unlink(path)
+        except (OSError, ValueError):
+            ranks[pid]["error"] = f"no answer within {float(wait):g}s"
+        st = proc_stat(pid)  # after the wait: a process stopped meanwhile says so
+        if st is not None:
+            ranks[pid]["state"], ranks[pid]["cpu_s"] = st[0], st[2]
+    print(json.dumps({"ranks": sorted(ranks.values(), key=lambda p: str(p["rank"])), "time": time.time()}))
+
+
+def reach(timeout, *targets):
+    """Whether this node can open a TCP connection to each HOST:PORT within `timeout` s (refused
+    counts: the host answered). Prints {target: "ok" | why}."""
+    import socket
+    import threading
+
+    out = {}
+
+    def one(target):
+        host, _, port = target.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=float(timeout)).close()
+            out[target] = "ok"
+        except ConnectionRefusedError:
+            out[target] = "ok"
+        except (OSError, ValueError) as e:
+            out[target] = str(e) or type(e).__name__
+
+    threads = [threading.Thread(target=one, args=(t,), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(float(timeout) + 2)
+    print(json.dumps({t: out.get(t, "no answer") for t in targets}))
+
+
 def node_name_ok(name):
     if not safe_name(name):
         sys.exit("bad node name")
@@ -596,4 +716,4 @@ if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
      "wait-listening": wait_listening, "claim": claim, "release": release,
-     "claims": claims}[cmd](*args)
+     "claims": claims, "snapshot": snapshot, "reach": reach}[cmd](*args)

@@ -326,9 +326,12 @@ class StartSpec:
     cwd: str
     env: Mapping[str, str]
     files: Mapping[str, str] = field(default_factory=dict)
+    hook: str = ""  # remote/hook/sitecustomize.py's text: every rank answers `snapshot` ("" none)
 
     def hex(self) -> str:
         doc = {"argv": list(self.argv), "cwd": self.cwd, "files": dict(self.files), "env": dict(self.env)}
+        if self.hook:
+            doc["hook"] = self.hook
         return json.dumps(doc).encode().hex()
 
 
@@ -394,3 +397,43 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
     have = json.dumps(dict(stream.have)).encode().hex()
     return Exec(_line(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
                       have), stream_program())
+
+
+# ------------------------------------------------------------------ snapshots and links (runs/hang.py)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """`snapshot`: each rank of the run on the node, as the agent's JSON has it (runs/hang.py
+    RankSnap.from_agent reads one)."""
+
+    ranks: tuple[Mapping, ...] = ()
+    time: float | None = None
+    error: str | None = None
+
+
+def read_snapshot(r: NodeResult) -> Snapshot:
+    return _reply(r, dict, lambda d: Snapshot(tuple(d["ranks"]), d.get("time")), lambda why: Snapshot(error=why))
+
+
+def snapshot(node: Node, key: str, request: int, wait: float) -> Call[Snapshot]:
+    """`snapshot RUN_KEY N WAIT`: every rank's /proc state and its hook's answer to request N."""
+    return _call(node, "snapshot", _key(key, node), request, wait, read=read_snapshot, timeout=wait + 30)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """`reach`: target -> "ok" or why no TCP connection opened."""
+
+    result: Mapping[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+def read_reach(r: NodeResult) -> Reach:
+    return _reply(r, dict, lambda d: Reach({str(k): str(v) for k, v in d.items()}), lambda why: Reach(error=why))
+
+
+def reach(node: Node, targets: Sequence[str], seconds: float = 3.0) -> Call[Reach]:
+    """`reach S HOST:PORT...`: whether this node opens a TCP connection to each target."""
+    return _call(node, "reach", seconds, *targets, read=read_reach, timeout=seconds + 30)
+

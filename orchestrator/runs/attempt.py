@@ -10,19 +10,22 @@ and nodes, so a node that cannot be reached keeps a pending stop for exactly wha
 from __future__ import annotations
 
 import io
+import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
+from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
+from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, HangWatch, RankSnap
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
-from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec
+from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, grace_for
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
@@ -50,6 +53,9 @@ class AttemptRunner:
         self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
         self.drain_timer: threading.Timer | None = None
         self.artifacts: Artifacts | None = None  # the run's ArtifactCopier: the nodes' streams report to it
+        self.hang_watch: HangWatch | None = None
+        self.hang: HangVerdict | None = None  # the hang that failed this attempt
+        self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
 
     def save(self) -> None:
         self.book.nodes_changed(list(self.statuses.values()))
@@ -83,12 +89,74 @@ class AttemptRunner:
         return self.watch(running, self.record.log_start)
 
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None) -> RunResult:
-        copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
-                  start_at=start_at, artifacts=self.artifacts)
+        hw = self.watch_hangs([n.name for n in nodes])
+        try:
+            copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
+                      start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None)
+        finally:
+            if hw is not None:
+                hw.close()
         return self.result()
 
     def result(self) -> RunResult:
-        return self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
+        r = self.policy.result(self.statuses.__getitem__, self.run.node_log, list(self.statuses.values()))
+        v = self.hang
+        if v is not None and r.state is RunState.FAILED:  # the hang is the story, not the stop it caused
+            where = f"\nsnapshots of every rank: {self.run.dir / self.record.hang_dir}" if self.record.hang_dir else ""
+            return RunResult(RunState.FAILED, EXIT_FAILED, v.text + "".join(f"\n  {d}" for d in v.details) + where,
+                             r.first_failure)
+        return r
+
+    # ---------------------------------------------------------------- hangs (runs/hang.py)
+    def watch_hangs(self, names: list[str]) -> HangWatch | None:
+        """The hang watch over this attempt's ranks, started (None when --hang-timeout is 0)."""
+        if self.spec.hang_timeout <= 0:
+            return None
+        ranks_of = {r: st.name for st in self.statuses.values() if st.first_rank is not None
+                    and st.last_rank is not None for r in range(st.first_rank, st.last_rank + 1)}
+        self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
+                                         world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
+                                         on_hang=self.on_hang, say=self.say, probe=lambda: self.probe_links(names),
+                                         observe=self.spec.on_hang == "observe")
+        hw.start()
+        return hw
+
+    def snapshot(self, names: list[str], request: int) -> list[RankSnap]:
+        """Every rank of the attempt on the nodes still running it (node agent `snapshot`)."""
+        live = [n for n in names if self.statuses[n].state is NodeState.RUNNING
+                and (c := self.cluster.connections.get(n)) is not None and c.alive]
+        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, request, SNAPSHOT_WAIT_S), live)
+        out: list[RankSnap] = []
+        for name, sn in sorted(got.items()):
+            if sn.error is not None:
+                self.say(f"{name}: no snapshot: {sn.error}")
+                continue
+            out.extend(RankSnap.from_agent(name, doc) for doc in sn.ranks)
+        self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
+        return out
+
+    def probe_links(self, names: list[str]) -> list[tuple[str, str]]:
+        """The node pairs of the attempt that cannot open a TCP connection to each other's SSH port."""
+        nodes = {n: self.inv.node(n) for n in names}
+        target = {n: f"{nd.address}:{nd.ssh.port or 22}" for n, nd in nodes.items()}
+        got = agent.run(self.cluster, lambda nd: agent.reach(nd, [t for m, t in target.items() if m != nd.name]),
+                        names)
+        down = set()
+        for a, r in got.items():
+            for b, t in target.items():
+                if b != a and r.error is None and r.result.get(t, "ok") != "ok":
+                    down.add(tuple(sorted((a, b))))
+        return sorted(down)
+
+    def on_hang(self, v: HangVerdict, d: Path) -> None:
+        """A hang was found: recorded with its snapshots; unless observed, the attempt fails with it."""
+        (d / "snapshots.json").write_text(json.dumps(self.snapshots, indent=1, default=str))
+        self.book.attempt_changed(hang=v.text, hang_dir=str(d.relative_to(self.run.dir)))
+        if self.spec.on_hang == "observe" or self.policy.stop_requests or self.policy.first is not None:
+            return
+        self.hang = v
+        node = next((c.node for c in v.culprits if c.node in self.statuses), next(iter(self.statuses)))
+        self.policy.failed(node, None, v.text)
 
     def adopt(self, recorded: list[NodeStatus]) -> RunResult:
         """Take over this attempt from the record after the supervisor died: what ended while

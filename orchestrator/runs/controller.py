@@ -227,6 +227,11 @@ class Controller:
         return self.current
 
     def verdict(self, runner: AttemptRunner, result: RunResult) -> Verdict:
+        hang = runner.hang
+        if hang is not None and result.state is RunState.FAILED:
+            # a deterministic hang hangs again: retried only when its culprit's node can be left out
+            restart = self.spec.on_hang == "restart" and bool(hang.nodes)
+            return Verdict(restart, "hang", hang.text.removeprefix("hang: "), hang.nodes if restart else ())
         first = result.first_failure.node if result.first_failure else None
         return classify(outcomes(self.run, runner), first, stopped=result.state is RunState.STOPPED)
 

@@ -11,7 +11,7 @@ import time
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import program
+from orchestrator.probe import REMOTE, program
 from orchestrator.runs import agent
 from orchestrator.runs.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
@@ -20,6 +20,8 @@ from orchestrator.transport import Cluster
 
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
 RANK_LINES = program("rank_lines").decode()
+# in every rank: answers the node agent's `snapshot` with its stacks and Flight Recorder (runs/hang.py)
+HOOK = (REMOTE / "hook" / "sitecustomize.py").read_text()
 LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
 
 
@@ -90,7 +92,7 @@ class Launcher:
                              master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
                              target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
         env = node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id, **self.extra_env.get(node.name, {})})
-        return agent.StartSpec(argv, node.workdir, env, {"rank_lines.py": RANK_LINES})
+        return agent.StartSpec(argv, node.workdir, env, {"rank_lines.py": RANK_LINES}, HOOK)
 
     def start(self, names: list[str]) -> None:
         started = agent.run(self.cluster, lambda n: agent.start(n, self.run_id, self.start_spec(n)), names)

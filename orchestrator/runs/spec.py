@@ -90,6 +90,8 @@ class RunSpec:
     resume_from: str | None = None  # --resume-from: the run whose newest copied checkpoint starts this one
     copy_checkpoints: bool = _TRAIN["copy_checkpoints"].default  # train.copy_checkpoints
     checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
+    hang_timeout: float = _TRAIN["hang_timeout"].default  # --hang-timeout, else train.hang_timeout (0: off)
+    on_hang: str = _TRAIN["on_hang"].default  # --on-hang, else train.on_hang: fail | restart | observe
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":

@@ -1,0 +1,156 @@
+"""clusterctl's hook in each rank of a run: answers a snapshot request with the rank's Python
+stacks and its Flight Recorder, without the script's help and without ptrace.
+
+The node agent writes this file into the run directory (RUNDIR/py/) and puts that directory in
+front of the job's PYTHONPATH, so every Python process of the run imports it at start-up, before
+the script. In a rank (RANK is set; torchrun itself and clusterctl's rank_lines.py wrapper are
+left alone) it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
+open() on it: no CPU is spent until the node agent's `snapshot` writes a request number N there.
+The thread then writes PID.N.json (whole, by rename): every thread's Python stack
+(sys._current_frames, which works while the main thread waits inside a collective) and, when
+torch.distributed is initialised, the Flight Recorder's dump (torch._C._distributed_c10d
+._dump_fr_trace: pg_status per process group, the last entries with collective_seq_id and
+profiling_name). A rank that cannot run Python (stopped, in D state) does not answer; the agent
+reports its /proc state instead.
+
+Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
+Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
+"""
+import os
+import sys
+
+HOOK_ENV = "CLUSTERCTL_HOOK_DIR"
+FR_ENTRIES = 64  # the newest Flight Recorder entries sent per rank
+FRAMES = 40  # innermost frames sent per thread
+
+
+def _lib_dirs():
+    import sysconfig
+
+    out = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            out.add(os.path.realpath(p) + os.sep)
+    return tuple(out)
+
+
+def _stacks():
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    me = threading.get_ident()
+    libs = _lib_dirs()
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        frames = []
+        for fs in traceback.extract_stack(frame)[-FRAMES:]:
+            path = os.path.realpath(fs.filename) if fs.filename and not fs.filename.startswith("<") else fs.filename
+            frames.append({"file": fs.filename, "line": fs.lineno, "func": fs.name, "code": (fs.line or "")[:160],
+                           "lib": bool(path) and path.startswith(libs)})
+        out.append({"thread": names.get(ident, str(ident)), "main": ident == main, "frames": frames})
+    out.sort(key=lambda t: not t["main"])
+    return out
+
+
+def _flight_recorder():
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace")
+    doc = pickle.loads(dump())
+    entries = []
+    for e in (doc.get("entries") or [])[-FR_ENTRIES:]:
+        entries.append({"pg_id": e.get("pg_id"), "process_group": list(e.get("process_group") or ()),
+                        "collective_seq_id": e.get("collective_seq_id"), "p2p_seq_id": e.get("p2p_seq_id"),
+                        "profiling_name": e.get("profiling_name"), "state": e.get("state"),
+                        "input_sizes": e.get("input_sizes"), "time_created_ns": e.get("time_created_ns"),
+                        "is_p2p": e.get("is_p2p"),
+                        "frames": [{"file": f.get("filename"), "line": f.get("line"), "func": f.get("name")}
+                                   for f in (e.get("frames") or [])[:FRAMES]]})
+    status = {str(k): {kk: int(vv) for kk, vv in v.items()} for k, v in (doc.get("pg_status") or {}).items()}
+    config = {str(k): {"name": v.get("name"), "desc": v.get("desc"), "ranks": str(v.get("ranks"))}
+              for k, v in (doc.get("pg_config") or {}).items()}
+    return {"pg_status": status, "pg_config": config, "entries": entries}
+
+
+def _answer(d, request):
+    import json
+    import time
+
+    doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
+           "request": request, "time": time.time()}
+    try:
+        doc["stacks"] = _stacks()
+    except Exception as e:  # noqa: BLE001 - the answer says what could not be read
+        doc["stacks_error"] = f"{type(e).__name__}: {e}"
+    try:
+        doc["fr"] = _flight_recorder()
+    except Exception as e:  # noqa: BLE001
+        doc["fr_error"] = f"{type(e).__name__}: {e}"
+    path = os.path.join(d, f"{os.getpid()}.{request}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
+def _serve(d, fifo):
+    while True:
+        try:
+            with open(fifo, "rb") as f:  # blocks (GIL released) until the node agent writes
+                request = f.read().decode(errors="replace").strip()
+        except OSError:
+            return
+        if request.isdigit():
+            try:
+                _answer(d, request)
+            except Exception:  # noqa: BLE001 - never disturb the job; the agent sees no answer
+                pass
+
+
+def _install():
+    d = os.environ.get(HOOK_ENV)
+    if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
+        return
+    if os.environ.get("CLUSTERCTL_HOOK_PID") == str(os.getppid()):
+        return  # a process the rank started (a data-loader worker): the rank answers for it
+    fifo = os.path.join(d, f"{os.getpid()}.fifo")
+    try:
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return
+    os.environ["CLUSTERCTL_HOOK_PID"] = str(os.getpid())
+    import atexit
+    import threading
+
+    atexit.register(lambda: os.path.exists(fifo) and os.unlink(fifo))
+    threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
+
+
+def _chain():
+    """Run the sitecustomize this one shadows (Debian's, a venv's), as Python would have."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+try:
+    _install()
+except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
+    pass
+_chain()

@@ -1,0 +1,398 @@
+"""Hangs: a run whose ranks all stopped making progress is found, explained and acted on.
+
+Progress is what the control machine already sees: any byte of any node's log (every rank's
+lines arrive on the node streams, runs/watch.py). When none arrives for the hang timeout
+(`--hang-timeout`, inventory `train.hang_timeout`, 300 s by default, 0 off), `HangWatch` asks
+every node's agent for a snapshot of each rank (`snapshot`: the rank's /proc state, and what the
+hook clusterctl puts on the job's PYTHONPATH answers — every thread's Python stack and the Flight
+Recorder, remote/hook/sitecustomize.py), waits CONFIRM_S, and asks again. A log byte or a
+collective entered between the two is progress and the watch goes on; otherwise it is a hang:
+both snapshots and the verdict go to runs/RUN/hangs/N/, the verdict to the run record, the
+supervisor's log and the foreground, and the run's --on-hang policy applies (fail, restart
+without the culprit's node, observe).
+
+`analyze` turns the ranks' snapshots into one verdict. Per process group (the Flight Recorder's
+pg_status, by pg id) the collective the most advanced ranks entered last (last_enqueued_collective,
+the group's collective_seq_id) is the one they wait in; a member that has not entered it is a
+culprit, named with its innermost frame outside the Python and site-packages libraries. A member
+that cannot answer is named by its /proc state: stopped (T), uninterruptible (D), gone. Ranks
+that entered the same sequence number with different collectives (or different sizes) are a
+mismatch. When every rank waits in the same collective and none is behind, the ranks cannot
+reach each other: `probe_links` names the node pairs that cannot open a TCP connection.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+DEFAULT_HANG_TIMEOUT = 300.0
+ON_HANG = ("fail", "restart", "observe")
+SNAPSHOT_WAIT_S = 10.0  # how long a node's agent waits for its ranks' hooks to answer (a loaded
+# node's rank was seen taking 5 s to answer its first request)
+DEFAULT_PG = "0"  # the default process group's id in the Flight Recorder: every rank is a member
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int | None
+    func: str
+    code: str = ""
+    lib: bool = False  # under the Python or site-packages library directories
+
+    @property
+    def where(self) -> str:
+        return f"{Path(self.file).name}:{self.line} {self.func}"
+
+
+@dataclass(frozen=True)
+class RankSnap:
+    """One rank at one moment, as its node's agent and its hook saw it."""
+
+    node: str
+    rank: int
+    pid: int | None = None
+    state: str = "?"  # /proc state: R running, S sleeping, D uninterruptible, T stopped, Z gone
+    wchan: str = ""
+    cpu_s: float | None = None
+    error: str | None = None  # why there is no answer (stopped, no hook, no answer in time)
+    threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (name, frames outermost first), main first
+    pgs: Mapping[str, int] = field(default_factory=dict)  # pg id -> last collective entered
+    names: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)  # (pg, seq) -> (name, sizes)
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.threads) or bool(self.pgs)
+
+    @property
+    def main(self) -> tuple[Frame, ...]:
+        return self.threads[0][1] if self.threads else ()
+
+    @property
+    def where(self) -> str | None:
+        """The innermost frame of the main thread in the script's own code (else the innermost)."""
+        frames = self.main
+        own = [f for f in frames if not f.lib]
+        pick = own[-1] if own else (frames[-1] if frames else None)
+        return pick.where if pick else None
+
+    @property
+    def in_library(self) -> bool:
+        """The main thread's innermost frame is library code (torch waiting in a collective)."""
+        return bool(self.main) and self.main[-1].lib
+
+    @classmethod
+    def from_agent(cls, node: str, doc: Mapping) -> RankSnap:
+        ans = doc.get("answer") or {}
+        threads = []
+        for t in ans.get("stacks") or []:
+            frames = tuple(Frame(str(f.get("file") or "?"), f.get("line"), str(f.get("func") or "?"),
+                                 str(f.get("code") or ""), bool(f.get("lib"))) for f in t.get("frames") or [])
+            threads.append((str(t.get("thread") or "?"), frames))
+        fr = ans.get("fr") or {}
+        pgs = {str(k): int(v.get("last_enqueued_collective", -1)) for k, v in (fr.get("pg_status") or {}).items()}
+        names = {}
+        for e in fr.get("entries") or []:
+            if e.get("is_p2p") or e.get("collective_seq_id") is None:
+                continue
+            names[(str(e.get("pg_id")), int(e["collective_seq_id"]))] = (str(e.get("profiling_name") or "?"),
+                                                                        json.dumps(e.get("input_sizes")))
+        rank = doc.get("rank")
+        return cls(node, int(rank) if str(rank).isdigit() else -1, doc.get("pid"), str(doc.get("state") or "?"),
+                   str(doc.get("wchan") or ""), doc.get("cpu_s"), doc.get("error") or ans.get("fr_error"),
+                   tuple(threads), pgs, names)
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int
+    node: str
+    pid: int | None
+    why: str
+
+    def text(self) -> str:
+        return f"rank {self.rank} ({self.node}, pid {self.pid or '?'}) {self.why}"
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    text: str  # one line: "hang: rank 1 (n2, pid 4242) never entered gloo:all_reduce #41 ..."
+    details: tuple[str, ...] = ()  # the lines under it: stacks grouped, what else was seen
+    culprits: tuple[Culprit, ...] = ()
+    collective: str | None = None  # "gloo:all_reduce #41" the others wait in
+    mismatch: bool = False  # the script's own bug: restarting elsewhere would not help
+    links: tuple[tuple[str, str], ...] = ()  # node pairs that cannot reach each other
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes a restart should leave out: the culprits' (none for a mismatch or a partition
+        whose side cannot be told)."""
+        if self.mismatch:
+            return ()
+        return tuple(dict.fromkeys(c.node for c in self.culprits))
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "details": list(self.details), "collective": self.collective,
+                "mismatch": self.mismatch, "links": [list(p) for p in self.links],
+                "culprits": [{"rank": c.rank, "node": c.node, "pid": c.pid, "why": c.why} for c in self.culprits]}
+
+
+def _ranks(rs: Iterable[int]) -> str:
+    """0,2,5-7 style."""
+    rs = sorted(set(rs))
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _word(rs: Iterable[int]) -> str:
+    rs = sorted(set(rs))
+    return f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+
+
+def _unanswered_why(s: RankSnap) -> str:
+    if s.state in ("T", "t"):
+        return "is stopped (state T: SIGSTOP, or a debugger holds it)"
+    if s.state == "D":
+        return f"is in uninterruptible sleep (state D{', in ' + s.wchan if s.wchan and s.wchan != '0' else ''})"
+    if s.state in ("Z", "X"):
+        return "has exited (its process is a zombie)"
+    return f"did not answer ({s.error or 'no hook'}; state {s.state})"
+
+
+def stack_groups(snaps: Iterable[RankSnap]) -> list[tuple[str, list[int]]]:
+    """(innermost own frame, ranks) per distinct main-thread stack, the most common first."""
+    groups: dict[str, list[int]] = {}
+    for s in snaps:
+        key = s.where or ("no answer: " + _unanswered_why(s) if not s.answered else "no Python frame")
+        groups.setdefault(key, []).append(s.rank)
+    return sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+
+
+def _group(pg: str, snaps: list[RankSnap], by_rank: Mapping[int, RankSnap], culprits: dict[int, Culprit]
+           ) -> tuple[str | None, str, bool]:
+    """One process group: the collective its most advanced members entered last ("name #seq"),
+    a mismatch's text when they entered different ones there, and whether a member is behind
+    (each one behind, or diverging, is added to `culprits`)."""
+    members = [s for s in snaps if pg in s.pgs]
+    if not members:
+        return None, "", False
+    top = max(s.pgs[pg] for s in members)
+    waiting = [s for s in members if s.pgs[pg] == top]
+    behind = [s for s in members if s.pgs[pg] < top]
+    behind_ranks = {s.rank for s in behind}
+    if pg == DEFAULT_PG:  # every rank is a member: one that did not answer has not entered it either
+        behind_ranks |= set(culprits)
+    seen = {s.names.get((pg, top)) for s in waiting} - {None}
+    group = "" if pg == DEFAULT_PG else f" of process group {pg}"
+    what = f"{next(iter(seen))[0] if seen else 'a collective'} #{top}{group}"
+    if len(seen) > 1:  # the same sequence number, different collectives: the ranks diverged
+        kinds: dict[tuple[str, str], list[int]] = {}
+        for s in waiting:
+            kinds.setdefault(s.names.get((pg, top), ("?", "?")), []).append(s.rank)
+        same_names = len(seen) != len({k[0] for k in seen})  # then the sizes tell them apart
+        parts = [f"{_word(rs)} ({', '.join(dict.fromkeys(by_rank[r].node for r in rs))}) in {n}"
+                 f"{' of sizes ' + sz if same_names else ''}"
+                 for (n, sz), rs in sorted(kinds.items(), key=lambda kv: min(kv[1]))]
+        biggest = max(kinds.values(), key=len)
+        called = by_rank[biggest[0]].names[(pg, top)][0]
+        for rs in (rs for rs in kinds.values() if rs is not biggest):
+            for r in rs:
+                s = by_rank[r]
+                culprits.setdefault(r, Culprit(r, s.node, s.pid, f"called {s.names[(pg, top)][0]} as #{top} where "
+                                                                 f"{_word(biggest)} called {called}"))
+        return what, f"collective mismatch at #{top}{group}: " + "; ".join(parts), False
+    wait_ranks = [s.rank for s in waiting]
+    they_wait = f"that {_word(wait_ranks)} wait{'s' if len(wait_ranks) == 1 else ''} in"
+    for s in behind:
+        where = f"; its stack: {s.where}" if s.where else ""
+        culprits[s.rank] = Culprit(s.rank, s.node, s.pid, f"never entered {what} {they_wait}{where}")
+    for r in behind_ranks - {s.rank for s in behind}:
+        c = culprits[r]
+        culprits[r] = Culprit(c.rank, c.node, c.pid, f"{c.why}: it never entered {what} {they_wait}")
+    return what, "", bool(behind_ranks)
+
+
+def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, str] | None = None) -> HangVerdict:
+    """One verdict from every rank's snapshot; `world` is every global rank of the attempt and
+    `ranks_of` their nodes (for a rank that has no process left)."""
+    world = sorted(set(world))
+    by_rank = {s.rank: s for s in snaps}
+    culprits: dict[int, Culprit] = {}
+    details: list[str] = []
+
+    for r in world:
+        if r not in by_rank:
+            culprits[r] = Culprit(r, (ranks_of or {}).get(r, "?"), None, "has no process left on its node")
+    for s in snaps:
+        if not s.answered:
+            culprits[s.rank] = Culprit(s.rank, s.node, s.pid, _unanswered_why(s))
+
+    collective, mismatch, mismatch_text = None, False, ""
+    pg_ids = sorted({pg for s in snaps for pg in s.pgs}, key=lambda p: (p != DEFAULT_PG, p))
+    for pg in pg_ids:
+        what, mismatched, behind = _group(pg, snaps, by_rank, culprits)
+        collective = collective or what
+        if mismatched:
+            mismatch, mismatch_text = True, mismatch_text or mismatched
+        elif behind:
+            collective = what
+            break  # the first group with a rank behind explains the others' wait
+
+    groups = stack_groups(snaps)
+    if len(groups) > 1:
+        details.append("stacks: " + "; ".join(f"{_word(rs)} at {where}" for where, rs in groups))
+    elif groups:
+        details.append(f"stacks: every rank at {groups[0][0]}")
+    ordered = [culprits[r] for r in sorted(culprits)]
+    if mismatch:
+        text = "hang: " + mismatch_text
+    elif ordered:
+        text = "hang: " + "; ".join(c.text() for c in ordered[:4]) + (f"; and {len(ordered) - 4} more"
+                                                                       if len(ordered) > 4 else "")
+    elif collective and all(s.in_library for s in snaps):
+        text = (f"hang: every rank entered {collective} and none came out: the ranks cannot reach each other "
+                "(a link between nodes, or a firewall)")
+    elif collective:
+        text = f"hang: no rank made progress for the hang timeout; the last collective entered is {collective}"
+    else:
+        text = "hang: no rank made progress for the hang timeout and none is in a collective"
+    return HangVerdict(text, tuple(details), tuple(ordered), collective, mismatch)
+
+
+def progressed(before: list[RankSnap], after: list[RankSnap]) -> bool:
+    """Any rank entered a collective between the two snapshots (of the ranks that answered both:
+    a rank too slow to answer the first is not taken for one that moved)."""
+    old = {s.rank: s.pgs for s in before if s.answered}
+    return any(seq > old[s.rank].get(pg, -1) for s in after if s.answered and s.rank in old
+               for pg, seq in s.pgs.items())
+
+
+def with_links(v: HangVerdict, down: list[tuple[str, str]]) -> HangVerdict:
+    """The verdict with the node pairs found unable to reach each other."""
+    if not down:
+        return v
+    pairs = ", ".join(f"{a} ↔ {b}" for a, b in down)
+    text = (f"hang: every rank waits in {v.collective or 'a collective'} and the nodes {pairs} cannot reach "
+            "each other (TCP to the node's SSH port times out); each still answers this machine")
+    return HangVerdict(text, v.details, v.culprits, v.collective, v.mismatch, tuple(down))
+
+
+# ------------------------------------------------------------------ the watch
+
+
+@dataclass
+class HangWatch:
+    """Watches one attempt for a hang (see the module doc). `heard` is called on every log byte;
+    `snap(request)` returns every rank's snapshot and `probe()` the node pairs that cannot reach
+    each other; `on_hang(verdict, directory)` applies the policy."""
+
+    timeout: float
+    snap: Callable[[int], list[RankSnap]]
+    world: list[int]
+    ranks_of: Mapping[int, str]
+    out_dir: Path
+    on_hang: Callable[[HangVerdict, Path], None]
+    say: Callable[[str], None]
+    probe: Callable[[], list[tuple[str, str]]] | None = None
+    observe: bool = False
+    last: float = field(default_factory=time.monotonic)
+    stop: threading.Event = field(default_factory=threading.Event)
+    requests: int = 0
+    verdict: HangVerdict | None = None
+    thread: threading.Thread | None = None
+
+    @property
+    def confirm_s(self) -> float:
+        return min(10.0, max(2.0, self.timeout / 6))
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+
+    def start(self) -> None:
+        if self.timeout > 0:
+            self.last = time.monotonic()
+            self.thread = threading.Thread(target=self.loop, name="hang-watch", daemon=True)
+            self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+
+    def loop(self) -> None:
+        tick = min(5.0, max(0.5, self.timeout / 10))
+        while not self.stop.wait(tick):
+            if time.monotonic() - self.last < self.timeout:
+                continue
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - the watch must never take the run down itself
+                self.say(f"hang watch: {type(e).__name__}: {e}")
+                self.last = time.monotonic()
+
+    def take(self) -> list[RankSnap]:
+        self.requests += 1
+        return self.snap(self.requests)
+
+    def check(self) -> None:
+        since = self.last
+        self.say(f"no progress for {time.monotonic() - since:.0f}s (no rank wrote a line): taking a snapshot "
+                 "of every rank")
+        first = self.take()
+        if self.stop.wait(self.confirm_s) or self.last != since:
+            return
+        second = self.take()
+        if self.stop.is_set() or self.last != since:
+            return
+        if progressed(first, second):
+            self.say("the ranks still enter collectives: not a hang (the script is quiet)")
+            self.last = time.monotonic()
+            return
+        v = analyze(second, self.world, self.ranks_of)
+        if v.links == () and not v.culprits and not v.mismatch and v.collective and self.probe is not None:
+            v = with_links(v, self.probe())
+        n = len([p for p in self.out_dir.glob("[0-9]*")]) + 1 if self.out_dir.is_dir() else 1
+        d = self.out_dir / str(n)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "verdict.json").write_text(json.dumps(v.to_json(), indent=2))
+        (d / "stacks.txt").write_text(stacks_text(second))
+        self.verdict = v
+        self.say(v.text + "".join(f"\n  {line}" for line in v.details) + f"\n  snapshots: {d}")
+        self.on_hang(v, d)
+        # observe: told once; the next hang is one that follows new progress
+        self.last = float("inf") if self.observe else time.monotonic()
+
+
+def stacks_text(snaps: list[RankSnap]) -> str:
+    """Every rank's threads, identical main stacks printed once under their ranks (`clusterctl stack`)."""
+    groups: dict[tuple, list[RankSnap]] = {}
+    for s in sorted(snaps, key=lambda s: s.rank):
+        key = (tuple((name, tuple((f.file, f.line, f.func) for f in frames)) for name, frames in s.threads),
+               tuple(sorted(s.pgs.items()))) if s.answered else ("state", s.state, s.error)
+        groups.setdefault(key, []).append(s)
+    out = []
+    for key, members in groups.items():
+        head = ", ".join(f"{s.node} r{s.rank} pid {s.pid}" for s in members)
+        out.append(f"---- {_word(s.rank for s in members)} ({head})")
+        s = members[0]
+        if not s.answered:
+            out.append(f"  no answer: {_unanswered_why(s)}")
+            continue
+        for name, frames in s.threads:
+            out.append(f"  thread {name}:")
+            for f in frames:
+                out.append(f"    {f.file}:{f.line} in {f.func}" + (f"\n      {f.code}" if f.code else ""))
+        colls = sorted(s.pgs.items())
+        if colls:
+            out.append("  collectives entered: " + ", ".join(
+                f"pg {pg} #{seq} {s.names.get((pg, seq), ('?',))[0]}" for pg, seq in colls))
+    return "\n".join(out) + "\n"

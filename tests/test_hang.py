@@ -1,0 +1,280 @@
+"""The hang verdict (runs/hang.py) from snapshots recorded on real runs, the watch's decisions, and
+the node side (the hook in a rank and the agent's `snapshot`) run as shipped.
+
+tests/fixtures/hangs/*.json are runs/RUN/hangs/1/snapshots.json of three runs of
+tests/scripts/hang_ddp.py on two `connection: local` nodes (gloo on CPU, torch 2.13, --hang-timeout
+10): rank 1 blocked in slow_data_loader (loader), SIGSTOPped (stop), and calling broadcast where
+rank 0 calls all_reduce (skip). Each holds every request the watch made, by request number.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runs.hang import (
+    Frame,
+    HangVerdict,
+    HangWatch,
+    RankSnap,
+    analyze,
+    progressed,
+    stacks_text,
+    with_links,
+)
+from tests.conftest import wait_for
+from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hangs"
+HOOK = (Path(__file__).parent.parent / "orchestrator" / "remote" / "hook" / "sitecustomize.py").read_text()
+
+
+def recorded(name: str, request: str) -> list[RankSnap]:
+    doc = json.loads((FIXTURES / f"{name}.json").read_text())[request]
+    return [RankSnap.from_agent(node, r) for node, ranks in sorted(doc.items()) for r in ranks]
+
+
+def last(name: str) -> str:
+    return max(json.loads((FIXTURES / f"{name}.json").read_text()), key=int)
+
+
+def test_a_rank_in_its_data_loader_is_named_with_the_collective_the_others_wait_in():
+    v = analyze(recorded("loader", last("loader")), [0, 1], {0: "local0", 1: "local1"})
+    assert v.text.startswith("hang: rank 1 (local1, pid ")
+    assert "never entered gloo:all_reduce #11 that rank 0 waits in; its stack: hang_ddp.py:30 slow_data_loader" \
+        in v.text
+    assert v.nodes == ("local1",) and not v.mismatch and v.collective == "gloo:all_reduce #11"
+    assert "stacks: rank 0 at hang_ddp.py:52 <module>; rank 1 at hang_ddp.py:30 slow_data_loader" in v.details
+
+
+def test_a_stopped_rank_is_named_as_stopped():
+    v = analyze(recorded("stop", last("stop")), [0, 1], {0: "local0", 1: "local1"})
+    assert "rank 1 (local1, pid " in v.text
+    assert "is stopped (state T: SIGSTOP, or a debugger holds it): it never entered gloo:all_reduce #11 that " \
+           "rank 0 waits in" in v.text
+    assert v.nodes == ("local1",)
+
+
+def test_two_ranks_in_different_collectives_are_a_mismatch_and_no_node_is_blamed():
+    v = analyze(recorded("skip", last("skip")), [0, 1], {0: "local0", 1: "local1"})
+    assert v.text == "hang: collective mismatch at #11: rank 0 (local0) in gloo:all_reduce; rank 1 (local1) in " \
+                     "gloo:broadcast"
+    assert v.mismatch and v.nodes == ()  # the script's own bug: a restart elsewhere hangs again
+
+
+def test_a_rank_too_slow_to_answer_the_first_snapshot_is_not_progress():
+    # recorded: rank 1 answered request 1 after the agent's wait; the watch then took it for progress
+    assert not progressed(recorded("loader", "1"), recorded("loader", "2"))
+    assert not progressed(recorded("loader", "2"), recorded("loader", "3"))
+
+
+def snap(node, rank, pgs, names=None, where=("train.py", 10, "step", False), state="S", error=None, answered=True):
+    frames = (Frame(where[0], where[1], where[2], lib=where[3]),)
+    return RankSnap(node, rank, 100 + rank, state, "", 1.0, error, (("MainThread", frames),) if answered else (),
+                    pgs if answered else {}, names or {})
+
+
+AR = ("gloo:all_reduce", "[[4]]")
+
+
+def test_four_ranks_three_waiting_name_the_one_behind_and_the_waiters_as_a_range():
+    lib = ("distributed_c10d.py", 3252, "all_reduce", True)
+    snaps = [snap(f"n{r + 1}", r, {"0": 41}, {("0", 41): AR}, where=lib) for r in (0, 2, 3)]
+    snaps.append(snap("n2", 1, {"0": 40}, {("0", 40): AR}, where=("hang.py", 3, "slow_data_loader", False)))
+    v = analyze(snaps, range(4))
+    assert v.text == ("hang: rank 1 (n2, pid 101) never entered gloo:all_reduce #41 that ranks 0,2-3 wait in; "
+                      "its stack: hang.py:3 slow_data_loader")
+    assert v.culprits[0].node == "n2" and v.nodes == ("n2",)
+
+
+def test_a_rank_behind_in_a_subgroup_is_found_there():
+    lib = ("distributed_c10d.py", 1, "all_reduce", True)
+    snaps = [snap("n1", 0, {"0": 5, "1": 9}, {("1", 9): AR}, where=lib),
+             snap("n2", 1, {"0": 5, "1": 8}, {("1", 8): AR}, where=("t.py", 7, "own", False)),
+             snap("n3", 2, {"0": 5}, {}, where=lib)]
+    v = analyze(snaps, range(3))
+    assert "rank 1 (n2, pid 101) never entered gloo:all_reduce #9 of process group 1 that rank 0 waits in" in v.text
+
+
+def test_every_rank_waiting_in_the_same_collective_asks_about_links_and_names_them():
+    lib = ("distributed_c10d.py", 1, "all_reduce", True)
+    snaps = [snap(f"n{r + 1}", r, {"0": 318}, {("0", 318): AR}, where=lib) for r in range(4)]
+    v = analyze(snaps, range(4))
+    assert not v.culprits and v.collective == "gloo:all_reduce #318"
+    assert "every rank entered gloo:all_reduce #318 and none came out" in v.text
+    linked = with_links(v, [("n2", "n3")])
+    assert "the nodes n2 ↔ n3 cannot reach each other" in linked.text and linked.links == (("n2", "n3"),)
+    assert with_links(v, []) is v
+
+
+def test_ranks_all_in_their_own_code_are_not_a_collective_hang():
+    snaps = [snap(f"n{r + 1}", r, {}, where=("io.py", 5, "read_shard", False)) for r in range(2)]
+    v = analyze(snaps, range(2))
+    assert v.text == "hang: no rank made progress for the hang timeout and none is in a collective"
+    assert v.details == ("stacks: every rank at io.py:5 read_shard",)
+
+
+def test_a_rank_without_a_process_and_one_in_d_state_are_named():
+    snaps = [snap("n1", 0, {"0": 3}, {("0", 3): AR}),
+             snap("n2", 1, {}, state="D", error="no answer within 10s", answered=False)]
+    v = analyze(snaps, range(3), {2: "n3"})
+    assert "rank 1 (n2, pid 101) is in uninterruptible sleep (state D)" in v.text
+    assert "rank 2 (n3, pid ?) has no process left on its node" in v.text
+    assert set(v.nodes) == {"n2", "n3"}
+
+
+def test_stacks_text_prints_identical_stacks_once_under_their_ranks():
+    snaps = [snap("n1", r, {"0": 2}, {("0", 2): AR}) for r in range(3)] + [snap("n2", 3, {"0": 1})]
+    text = stacks_text(snaps)
+    assert text.count("---- ") == 2
+    assert "---- ranks 0-2 (n1 r0 pid 100, n1 r1 pid 101, n1 r2 pid 102)" in text
+    assert "collectives entered: pg 0 #2 gloo:all_reduce" in text
+
+
+# ------------------------------------------------------------------ the watch
+
+
+def watch(tmp_path, seqs, observe=False, timeout=1.0, pause=False):
+    """A HangWatch over two ranks whose snapshots enter the collectives in `seqs` (one per request)."""
+    calls, found = [], []
+
+    def take(k):
+        calls.append(k)
+        s = seqs[min(k, len(seqs)) - 1]
+        return [snap("n1", 0, {"0": s}, {("0", s): AR}, where=("c10d.py", 1, "all_reduce", True)),
+                snap("n2", 1, {"0": s - 1}, {("0", s - 1): AR}, where=("t.py", 3, "loader", False))]
+
+    w = HangWatch(timeout=timeout, snap=take, world=[0, 1], ranks_of={0: "n1", 1: "n2"}, out_dir=tmp_path / "hangs",
+                  on_hang=lambda v, d: found.append((v, d)), say=lambda line: None, observe=observe)
+    if not pause:
+        w.stop.wait = lambda s: False  # no confirmation pause when check() is called directly
+    return w, calls, found
+
+
+def test_the_watch_records_a_hang_with_its_verdict_and_stacks(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7])
+    w.check()
+    assert calls == [1, 2] and len(found) == 1
+    v, d = found[0]
+    assert d == tmp_path / "hangs" / "1"
+    assert json.loads((d / "verdict.json").read_text())["culprits"][0]["node"] == "n2"
+    assert "thread MainThread" in (d / "stacks.txt").read_text()
+    assert w.last != float("inf")  # fail/restart: the attempt ends; the next attempt has its own watch
+
+
+def test_a_quiet_run_that_still_enters_collectives_is_not_a_hang(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 9])
+    w.check()
+    assert calls == [1, 2] and found == []
+
+
+def test_observe_tells_a_hang_once_until_the_run_makes_progress_again(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7], observe=True)
+    w.check()
+    assert len(found) == 1 and w.last == float("inf")
+    w.heard()  # a log line: progress, the watch is armed again
+    assert w.last != float("inf")
+
+
+def test_a_log_line_between_the_snapshots_is_progress(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7])
+
+    def take(k):
+        w.heard()
+        return []
+
+    w.snap = take
+    w.check()
+    assert calls == [] and found == []
+
+
+def test_the_watch_thread_fires_after_the_timeout_and_stops_on_close(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7], timeout=0.5, pause=True)
+    w.start()
+    try:
+        assert wait_for(lambda: found, timeout=30)
+    finally:
+        w.close()
+    w.thread.join(10)
+    assert not w.thread.is_alive()
+
+
+def test_a_verdict_serialises_what_the_record_and_json_report():
+    v = HangVerdict("hang: x", ("d",), collective="gloo:all_reduce #1")
+    assert v.to_json() == {"text": "hang: x", "details": ["d"], "collective": "gloo:all_reduce #1",
+                           "mismatch": False, "links": [], "culprits": []}
+
+
+# ------------------------------------------------------------------ the node side, as shipped
+
+RANK = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(2))
+print("ready", flush=True)
+def stuck_here():
+    while True:
+        time.sleep(0.05)
+stuck_here()
+"""
+LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CHILD']], "
+          "env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
+
+
+def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(agent):
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": RANK},
+            "hook": HOOK}
+    r = agent("start", "h1@n1", json.dumps(spec).encode().hex())
+    assert r.returncode == 0, r.stderr
+    d = rundir(agent, "h1@n1")
+    try:
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
+        assert (d / "py" / "sitecustomize.py").read_text() == HOOK
+        doc = json.loads(agent("snapshot", "h1@n1", 1, 20).stdout)
+        [rank] = doc["ranks"]
+        assert rank["rank"] == 0 and rank["state"] in "RS" and "error" not in rank, rank
+        s = RankSnap.from_agent("n1", rank)
+        assert s.where.endswith(" stuck_here") and s.pgs == {"0": 3}
+        assert s.names[("0", 3)][0] == "gloo:all_reduce"
+        assert not list((d / "hook").glob("*.json"))  # answers are taken away once read
+        os.kill(rank["pid"], signal.SIGSTOP)
+        try:
+            stopped = json.loads(agent("snapshot", "h1@n1", 2, 5).stdout)["ranks"][0]
+            assert stopped["state"] == "T" and stopped["error"] == "not asked: the process is stopped"
+        finally:
+            os.kill(rank["pid"], signal.SIGCONT)
+    finally:
+        agent("stop", "h1@n1", 1)
+
+
+def test_the_hook_stays_out_of_processes_that_are_not_ranks_and_runs_the_sitecustomize_it_shadows(tmp_path):
+    hook, other, fifos = tmp_path / "py", tmp_path / "other", tmp_path / "hook"
+    for p in (hook, other, fifos):
+        p.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
+    import subprocess
+
+    code = "import os, sys; print(os.environ.get('SHADOWED_RAN'), sorted(os.listdir(sys.argv[1])))"
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{other}", CLUSTERCTL_HOOK_DIR=str(fifos))
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, "-c", code, str(fifos)], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["1", "[]"], out.stderr  # no RANK: no FIFO, and the shadowed one ran
+    out = subprocess.run([sys.executable, "-c", code, str(fifos)], env=dict(env, RANK="3"), capture_output=True,
+                         text=True)
+    assert out.stdout.strip().startswith("1 ['") and ".fifo" in out.stdout, out.stderr
+
+
+def test_the_watch_never_runs_with_a_zero_timeout(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7], timeout=0)
+    w.start()
+    assert w.thread is None
+    time.sleep(0.1)
+    assert calls == [] and threading.active_count() >= 1

@@ -1,0 +1,134 @@
+"""Hangs on the real test cluster (gloo on CPU): a rank stuck in its data loader, a stopped
+worker and two nodes partitioned from each other are named, with the node, the rank and the
+collective, and the run ends; --on-hang restart goes on without the culprit's node; a quiet run
+that still enters collectives is left alone. tests/scripts/hang_ddp.py makes each hang."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.cluster
+
+HANG = str(Path(__file__).parent / "scripts" / "hang_ddp.py")
+SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
+
+
+def cli(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def inventory(cluster, tmp_path, spare=False):
+    for n in cluster.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    nodes = cluster.inventory()["nodes"]
+    if spare:
+        nodes[-1]["spare"] = True
+    return str(cluster.write_inventory(tmp_path / "nodes.yaml", nodes=nodes, env={"OMP_NUM_THREADS": "1"}))
+
+
+def end_event(r):
+    doc = json.loads(r.stdout.splitlines()[-1])
+    jsonschema.validate(doc, json.loads((SCHEMAS / "train.json").read_text()))
+    assert doc["event"] == "end"
+    return doc
+
+
+def record(home):
+    [d] = [p for p in (home / "runs").iterdir() if (p / "run.json").exists()]
+    return d, json.loads((d / "run.json").read_text())
+
+
+def no_job_left(cluster):
+    return all(not [p for p in cluster.processes(n) if not p.name().startswith("sshd")] for n in cluster.nodes)
+
+
+def test_a_rank_stuck_in_its_data_loader_is_named_and_the_run_ends(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--",
+            HANG, "--mode", "loader", "--rank", "1", "--at", "5")
+    assert r.returncode == 1, r.stderr
+    hang = end_event(r)["hang"]
+    assert hang["text"].startswith("hang: rank 1 (node2, pid "), hang
+    assert "never entered gloo:all_reduce #" in hang["text"] and "that ranks 0,2-3 wait in" in hang["text"]
+    assert hang["text"].endswith("its stack: hang_ddp.py:32 slow_data_loader"), hang["text"]
+    assert "clusterctl: hang: rank 1 (node2" in r.stderr  # told while the run is torn down
+    d, rec = record(home)
+    assert rec["state"] == "failed" and rec["summary"].startswith(hang["text"])
+    assert rec["attempts"][0]["verdict"] == "hang"
+    verdict = json.loads((d / hang["snapshots"] / "verdict.json").read_text())
+    assert [(c["rank"], c["node"]) for c in verdict["culprits"]] == [(1, "node2")]
+    assert "slow_data_loader" in (d / hang["snapshots"] / "stacks.txt").read_text()
+    st = cli("status", rec["id"])
+    assert f"attempt 1: {hang['text']}" in st.stderr
+    assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
+
+
+def test_a_stopped_worker_is_named_as_stopped(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--",
+            HANG, "--mode", "stop", "--rank", "2", "--at", "5")
+    assert r.returncode == 1, r.stderr
+    text = end_event(r)["hang"]["text"]
+    assert text.startswith("hang: rank 2 (node3, pid ") and "is stopped (state T" in text, text
+    assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
+
+
+def test_two_nodes_cut_from_each_other_are_named_as_the_link(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path)
+    n2, n3 = cluster4.nodes[1], cluster4.nodes[2]
+    rules = [(n2, ("INPUT", "-s", n3.host, "-j", "DROP")), (n2, ("OUTPUT", "-d", n3.host, "-j", "DROP")),
+             (n3, ("INPUT", "-s", n2.host, "-j", "DROP")), (n3, ("OUTPUT", "-d", n2.host, "-j", "DROP"))]
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                          "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--", HANG, "--mode", "none", "--sleep", "0.1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
+    reader.start()
+    try:
+        assert wait_for(lambda: any('"rank 3 step 5"' in ln for ln in out), 120, "step 5 on every rank")
+        for node, rule in rules:
+            node.iptables("-A", *rule)
+        p.wait(timeout=180)
+        reader.join(10)
+    finally:
+        for node, rule in rules:
+            node.iptables("-D", *rule, check=False)
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, p.stderr.read()
+    doc = json.loads(out[-1])
+    assert "the nodes node2 ↔ node3 cannot reach each other" in doc["hang"]["text"], doc["hang"]
+    assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
+
+
+def test_on_hang_restart_goes_on_without_the_culprits_node(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path, spare=True)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--on-hang", "restart",
+            "--max-restarts", "1", "--json", "--", HANG, "--mode", "loader", "--host", "node2", "--at", "5",
+            "--steps", "15", "--sleep", "0.05")
+    assert r.returncode == 0, r.stderr
+    _, rec = record(home)
+    a1, a2 = rec["attempts"]
+    assert a1["verdict"] == "hang" and a1["bad_nodes"] == ["node2"] and "rank 1 (node2" in a1["hang"]
+    assert a2["nodes"] == ["node1", "node4", "node3"] and a2["verdict"] == "finished"
+    assert rec["left_out"] == ["node2"]
+
+
+def test_a_quiet_run_that_still_enters_collectives_is_left_alone(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--nodes", "node1,node2", "--json",
+            "--", HANG, "--mode", "quiet", "--at", "2", "--quiet", "14", "--steps", "4")
+    assert r.returncode == 0, r.stderr
+    assert end_event(r)["hang"] is None
+    d, rec = record(home)
+    assert "not a hang (the script is quiet)" in (d / "supervisor.log").read_text()
+    assert not (d / "hangs").exists()
