@@ -35,6 +35,7 @@ LAZY_COMMANDS = {
     "train": "orchestrator.cli.train:train_command",
     "tail": "orchestrator.cli.runs:tail_command",
     "status": "orchestrator.cli.runs:status_command",
+    "stack": "orchestrator.cli.stack:stack_command",
     "runs": "orchestrator.cli.runs:runs_command",
     "queue": "orchestrator.cli.queue:queue_command",
     "stop": "orchestrator.cli.stop:stop_command",
