@@ -15,18 +15,17 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from orchestrator.runs.hang import (
     Frame,
     HangVerdict,
-    HangWatch,
     RankSnap,
     analyze,
     progressed,
     stacks_text,
     with_links,
 )
+from orchestrator.runs.hangwatch import HangWatch
 from tests.conftest import wait_for
 from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
 
@@ -69,8 +68,18 @@ def test_two_ranks_in_different_collectives_are_a_mismatch_and_no_node_is_blamed
 
 def test_a_rank_too_slow_to_answer_the_first_snapshot_is_not_progress():
     # recorded: rank 1 answered request 1 after the agent's wait; the watch then took it for progress
-    assert not progressed(recorded("loader", "1"), recorded("loader", "2"))
-    assert not progressed(recorded("loader", "2"), recorded("loader", "3"))
+    assert progressed(recorded("loader", "1"), recorded("loader", "2"), 2.0) is None
+    assert progressed(recorded("loader", "2"), recorded("loader", "3"), 2.0) is None
+
+
+def test_a_rank_busy_in_its_own_code_is_not_a_hang_but_a_waiting_one_is():
+    before = [snap("n1", 0, {"0": 3}), snap("n2", 1, {"0": 2}, where=("eval.py", 9, "evaluate", False))]
+    busy = [snap("n1", 0, {"0": 3}), RankSnap("n2", 1, 101, "R", "", 1.0 + 1.8, None, before[1].threads, {"0": 2})]
+    assert progressed(before, busy, 2.0) == "rank 1 (n2) is busy in its own code (90% of a core, at eval.py:9 " \
+                                            "evaluate): not a hang"
+    assert progressed(before, before, 2.0) is None  # same CPU time: waiting, or asleep
+    moved = [snap("n1", 0, {"0": 4}), snap("n2", 1, {"0": 4})]
+    assert progressed(before, moved, 2.0).startswith("the ranks still enter collectives")
 
 
 def snap(node, rank, pgs, names=None, where=("train.py", 10, "step", False), state="S", error=None, answered=True):
@@ -150,7 +159,7 @@ def watch(tmp_path, seqs, observe=False, timeout=1.0, pause=False):
                 snap("n2", 1, {"0": s - 1}, {("0", s - 1): AR}, where=("t.py", 3, "loader", False))]
 
     w = HangWatch(timeout=timeout, snap=take, world=[0, 1], ranks_of={0: "n1", 1: "n2"}, out_dir=tmp_path / "hangs",
-                  on_hang=lambda v, d: found.append((v, d)), say=lambda line: None, observe=observe)
+                  on_hang=lambda v, d: found.append((v, d)), say=lambda line: None, observe=observe, armed=True)
     if not pause:
         w.stop.wait = lambda s: False  # no confirmation pause when check() is called directly
     return w, calls, found
@@ -270,6 +279,26 @@ def test_the_hook_stays_out_of_processes_that_are_not_ranks_and_runs_the_sitecus
     out = subprocess.run([sys.executable, "-c", code, str(fifos)], env=dict(env, RANK="3"), capture_output=True,
                          text=True)
     assert out.stdout.strip().startswith("1 ['") and ".fifo" in out.stdout, out.stderr
+
+
+def test_the_silence_before_the_first_line_is_not_watched(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7], timeout=0.2, pause=True)
+    w.armed = False  # a fresh attempt: imports and rendezvous print nothing for a while
+    w.start()
+    try:
+        time.sleep(1.0)
+        assert calls == []
+        w.heard()  # the first line: from now on silence counts
+        assert wait_for(lambda: found, timeout=30)
+    finally:
+        w.close()
+
+
+def test_no_rank_found_is_nothing_to_judge(tmp_path):
+    w, calls, found = watch(tmp_path, [7, 7])
+    w.snap = lambda k: calls.append(k) or []
+    w.check()
+    assert calls == [1, 2] and found == [] and w.last != float("inf")
 
 
 def test_the_watch_never_runs_with_a_zero_timeout(tmp_path):

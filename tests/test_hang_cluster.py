@@ -53,8 +53,8 @@ def no_job_left(cluster):
 
 def test_a_rank_stuck_in_its_data_loader_is_named_and_the_run_ends(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path)
-    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--",
-            HANG, "--mode", "loader", "--rank", "1", "--at", "5")
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--json", "--",
+            HANG, "--mode", "loader", "--rank", "1", "--at", "3")
     assert r.returncode == 1, r.stderr
     hang = end_event(r)["hang"]
     assert hang["text"].startswith("hang: rank 1 (node2, pid "), hang
@@ -74,8 +74,8 @@ def test_a_rank_stuck_in_its_data_loader_is_named_and_the_run_ends(cluster4, tmp
 
 def test_a_stopped_worker_is_named_as_stopped(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path)
-    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--",
-            HANG, "--mode", "stop", "--rank", "2", "--at", "5")
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--json", "--",
+            HANG, "--mode", "stop", "--rank", "2", "--at", "3")
     assert r.returncode == 1, r.stderr
     text = end_event(r)["hang"]["text"]
     assert text.startswith("hang: rank 2 (node3, pid ") and "is stopped (state T" in text, text
@@ -88,7 +88,7 @@ def test_two_nodes_cut_from_each_other_are_named_as_the_link(cluster4, tmp_path,
     rules = [(n2, ("INPUT", "-s", n3.host, "-j", "DROP")), (n2, ("OUTPUT", "-d", n3.host, "-j", "DROP")),
              (n3, ("INPUT", "-s", n2.host, "-j", "DROP")), (n3, ("OUTPUT", "-d", n2.host, "-j", "DROP"))]
     p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
-                          "--nproc-per-node", "1", "--hang-timeout", "8", "--json", "--", HANG, "--mode", "none", "--sleep", "0.1"],
+                          "--nproc-per-node", "1", "--hang-timeout", "4", "--json", "--", HANG, "--mode", "none", "--sleep", "0.1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
@@ -112,7 +112,7 @@ def test_two_nodes_cut_from_each_other_are_named_as_the_link(cluster4, tmp_path,
 
 def test_on_hang_restart_goes_on_without_the_culprits_node(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path, spare=True)
-    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "8", "--on-hang", "restart",
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--on-hang", "restart",
             "--max-restarts", "1", "--json", "--", HANG, "--mode", "loader", "--host", "node2", "--at", "5",
             "--steps", "15", "--sleep", "0.05")
     assert r.returncode == 0, r.stderr
@@ -125,10 +125,41 @@ def test_on_hang_restart_goes_on_without_the_culprits_node(cluster4, tmp_path, h
 
 def test_a_quiet_run_that_still_enters_collectives_is_left_alone(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path)
-    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--nodes", "node1,node2", "--json",
-            "--", HANG, "--mode", "quiet", "--at", "2", "--quiet", "14", "--steps", "4")
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "3", "--nodes", "node1,node2", "--json",
+            "--", HANG, "--mode", "quiet", "--at", "2", "--quiet", "9", "--steps", "4")
     assert r.returncode == 0, r.stderr
     assert end_event(r)["hang"] is None
     d, rec = record(home)
     assert "not a hang (the script is quiet)" in (d / "supervisor.log").read_text()
     assert not (d / "hangs").exists()
+
+
+def test_observe_reports_and_goes_on_and_stack_shows_every_rank_now(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "6", "--on-hang",
+            "observe", "--detach", "--", HANG, "--mode", "loader", "--rank", "1", "--at", "3")
+    assert r.returncode == 0, r.stderr
+    run_id = r.stdout.strip()
+    d = home / "runs" / run_id
+
+    def hang_told():
+        rec = json.loads((d / "run.json").read_text())
+        return rec["attempts"][-1].get("hang") if rec.get("attempts") else None
+
+    try:
+        told = wait_for(hang_told, 120, "the hang to be told")
+        assert told.startswith("hang: rank 1 (node2, pid ") and "slow_data_loader" in told
+        assert json.loads((d / "run.json").read_text())["state"] == "running"  # observed, not acted on
+        st = cli("stack", run_id)
+        assert st.returncode == 0, st.stderr
+        assert st.stdout.startswith(f"run {run_id}, attempt 1: 4 ranks on 4 nodes\n")
+        groups = [ln for ln in st.stdout.splitlines() if ln.startswith("---- ")]
+        assert groups[0].startswith("---- ranks 0,2-3 (node1 r0 pid ") and groups[1].startswith("---- rank 1 (node2")
+        assert "in slow_data_loader" in st.stdout and "in all_reduce" in st.stdout
+        one = cli("stack", run_id, "--node", "node2", "--json")
+        [rank] = json.loads(one.stdout)["nodes"]["node2"]
+        assert rank["rank"] == 1 and rank["answer"]["stacks"][0]["thread"] == "MainThread"
+    finally:
+        stop = cli("stop", run_id)
+    assert stop.returncode == 0, stop.stderr
+    assert cli("stack", run_id).returncode == 1  # ended: nothing to ask

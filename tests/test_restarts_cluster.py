@@ -101,7 +101,7 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     """The trainer with its defaults (its out/ inside the workdir), preflight on, and a spare that never
     trained nor had the code: the spare is brought to the run's code node to node before its preflight."""
     cluster = make_cluster(5, gpus=0)
-    inv = inventory(cluster, tmp_path, 200)
+    inv = inventory(cluster, tmp_path, 120)
     names = [n.name for n in cluster.nodes]
     sync_code(inv, tmp_path, names[:4])
     # the master is the only writer: with it cut, the relaunch restores this machine's copy. The
@@ -125,17 +125,27 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
     master_log = (run_dir / "nodes" / f"{want[0]}.log").read_text()
     resumed = [s for s in start_steps(master_log) if s]
     assert resumed and resumed[-1] >= 10 and resumed[-1] % 10 == 0, master_log[-2000:]
-    assert "step 200 | loss" in master_log
+    assert "step 120 | loss" in master_log
     if not victim:
         newest = max(p.name for p in held)
         assert attempts[1]["skipped"] == [newest], (attempts[1], err[-3000:])
         assert f"skipping checkpoint {newest}" in err + out and resumed[-1] < int(newest[5:13]), resumed
         assert attempts[1]["checkpoint"] == f"ckpt_{resumed[-1]:08d}.pt", attempts[1]
     # the foreground follows the new attempt's nodes, with their new ranks
-    assert re.search(rf"^{want[0]}/r0 +\| step 200 \| loss", out, re.M), out[-2000:]
-    assert copied(run_dir, "ckpt_00000200.pt")
+    assert re.search(rf"^{want[0]}/r0 +\| step 120 \| loss", out, re.M), out[-2000:]
+    assert copied(run_dir, "ckpt_00000120.pt")
     # TensorBoard events from both attempts' masters came home
     assert list((run_dir / "tensorboard").rglob("events.out.tfevents*"))
+    # the story on screen: the node lost and the restart told by clusterctl, the stopped ranks'
+    # tracebacks folded, and where the results are
+    lost = names[victim]
+    told = [ln for ln in err.splitlines() if ln.startswith("clusterctl: ")]
+    assert any(ln.startswith(f"clusterctl: {lost} lost: no answer for ") for ln in told), told
+    assert any(ln.startswith("clusterctl: attempt 1 failed (node lost: ") and "restarting as attempt 2 of at most 3 "
+               f"on {', '.join(want)} ({names[4]} in {lost}'s place)" in ln for ln in told), told
+    assert (out + err).count("Traceback (most recent call last)") <= 2, out[-4000:]
+    assert f"clusterctl: TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}" in told, told[-5:]
+    assert f"clusterctl: checkpoints: {run_dir / 'checkpoints'} (newest ckpt_00000120.pt)" in err
 
 
 def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_control_machine(

@@ -21,8 +21,10 @@ from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
+from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.record import load as load_record
-from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
+from orchestrator.runs.record import story
+from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
 from orchestrator.runs.spec import NodeState, NodeStatus
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn
@@ -82,7 +84,7 @@ class _Show:
         self.pf_text = ""
         self.shown_tables: set[str] = set()
         self.announced: set[int] = set()  # attempts whose start was told
-        self.hangs_told: set[tuple] = set()  # (attempt, hangs/N) whose verdict was told
+        self.story_at = 0  # the story's bytes printed (a re-attached `tail` tells it from the start)
         self.follower: Follower | None = None
         self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
@@ -101,9 +103,13 @@ class _Show:
                     click.echo(f"clusterctl: attempt {a['attempt']}'s preflight failed on "
                                f"{', '.join(a.get('bad_nodes') or []) or 'a node'}:", err=True)
                     click.echo((self.run.dir / f).read_text().rstrip(), err=True)
+        lines, self.story_at = story(self.run, self.story_at)
+        for line in lines:  # what clusterctl saw and did, as it happened (record.py Book.tell)
+            click.echo(f"clusterctl: {line}", err=True)
         for a in rec.get("attempts") or []:
             self.announce(a)
-            self.tell_hang(a)
+        if self.follower is not None:
+            self.follower.folder.quiet = quiet_nodes(rec)
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
@@ -112,23 +118,6 @@ class _Show:
         elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
             self.ranks = ranks  # a restart: the next attempt's nodes and ranks
             self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
-
-    def tell_hang(self, a: dict) -> None:
-        """A hang the supervisor found (runs/hang.py): its verdict, the stacks line and where the
-        snapshots are, once, while the run is torn down (or goes on, under --on-hang observe)."""
-        where = a.get("hang_dir")
-        if not a.get("hang") or (a.get("attempt", 1), where) in self.hangs_told:
-            return
-        self.hangs_told.add((a.get("attempt", 1), where))
-        click.echo(f"clusterctl: {a['hang']}", err=True)
-        try:
-            details = json.loads((self.run.dir / where / "verdict.json").read_text()).get("details") or []
-        except (OSError, ValueError, TypeError):
-            details = []
-        for line in details:
-            click.echo(f"clusterctl:   {line}", err=True)
-        if where:
-            click.echo(f"clusterctl:   every rank's stacks: {self.run.dir / where / 'stacks.txt'}", err=True)
 
     def announce(self, a: dict) -> None:
         """Once an attempt is launched: what it starts from, and any damaged copy passed over."""
@@ -200,9 +189,26 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node:
             if on_interrupt is None:
                 raise
             on_interrupt()
+    if show.follower:
+        show.follower.close()
     _summary(run.record)
+    _results(run)
     code = run.record.get("exit_code")
     return 1 if code is None else int(code)
+
+
+def _results(run: Run) -> None:
+    """Where a run's results are on this machine: its checkpoints, its TensorBoard events (with the
+    command that shows them) and its logs."""
+    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
+    if newest is not None:
+        _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest}); `clusterctl train "
+             f"--resume-from {run.id}` starts a run from it")
+    tb = run.dir / "tensorboard"
+    if tb.is_dir() and any(p.is_file() for p in tb.rglob("*")):
+        _err(f"clusterctl: TensorBoard: tensorboard --logdir {tb}")
+    _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every rank); what clusterctl did: "
+         f"{run.dir / 'supervisor.log'}")
 
 
 @click.command("tail")
@@ -310,6 +316,9 @@ def status_command(run_id, as_json):
     Console().print(t)
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
+    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
+    if newest is not None:
+        _err(f"clusterctl: newest checkpoint copied home: {newest} ({run.dir / 'checkpoints'})")
     if a is not None and a.hang:
         _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
                                                              if a.hang_dir else ""))

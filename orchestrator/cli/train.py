@@ -178,6 +178,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
          f"{f' (+{spares} spare)' if spares else ''} (records in {run.dir})")
     if detach:
         emit({"ok": True, "run_id": run.id, "records": str(run.dir)}) if as_json else click.echo(run.id)
+        _err(f"clusterctl: follow it with `clusterctl tail {run.id}`, see it with `clusterctl status {run.id}`, "
+             f"stop it with `clusterctl stop {run.id}`")
         sys.exit(wait_launching(run, sup))
     presses = []
 

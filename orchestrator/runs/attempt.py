@@ -21,7 +21,8 @@ from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Launc
 from orchestrator.inventory import Inventory, Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, HangWatch, RankSnap
+from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
+from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
@@ -88,11 +89,12 @@ class AttemptRunner:
         running = [n for n in self.inv.nodes if self.statuses[n.name].state is NodeState.RUNNING]
         return self.watch(running, self.record.log_start)
 
-    def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None) -> RunResult:
-        hw = self.watch_hangs([n.name for n in nodes])
+    def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
+        hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
-                      start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None)
+                      start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
+                      tell=self.book.tell)
         finally:
             if hw is not None:
                 hw.close()
@@ -108,7 +110,7 @@ class AttemptRunner:
         return r
 
     # ---------------------------------------------------------------- hangs (runs/hang.py)
-    def watch_hangs(self, names: list[str]) -> HangWatch | None:
+    def watch_hangs(self, names: list[str], armed: bool = False) -> HangWatch | None:
         """The hang watch over this attempt's ranks, started (None when --hang-timeout is 0)."""
         if self.spec.hang_timeout <= 0:
             return None
@@ -116,8 +118,9 @@ class AttemptRunner:
                     and st.last_rank is not None for r in range(st.first_rank, st.last_rank + 1)}
         self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
                                          world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
-                                         on_hang=self.on_hang, say=self.say, probe=lambda: self.probe_links(names),
-                                         observe=self.spec.on_hang == "observe")
+                                         on_hang=self.on_hang, say=self.say, tell=self.book.tell,
+                                         probe=lambda: self.probe_links(names),
+                                         observe=self.spec.on_hang == "observe", armed=armed)
         hw.start()
         return hw
 
@@ -125,7 +128,8 @@ class AttemptRunner:
         """Every rank of the attempt on the nodes still running it (node agent `snapshot`)."""
         live = [n for n in names if self.statuses[n].state is NodeState.RUNNING
                 and (c := self.cluster.connections.get(n)) is not None and c.alive]
-        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, request, SNAPSHOT_WAIT_S), live)
+        ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
+        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
         out: list[RankSnap] = []
         for name, sn in sorted(got.items()):
             if sn.error is not None:
@@ -152,6 +156,8 @@ class AttemptRunner:
         """A hang was found: recorded with its snapshots; unless observed, the attempt fails with it."""
         (d / "snapshots.json").write_text(json.dumps(self.snapshots, indent=1, default=str))
         self.book.attempt_changed(hang=v.text, hang_dir=str(d.relative_to(self.run.dir)))
+        for line in (v.text, *(f"  {x}" for x in v.details), f"  every rank's stacks: {d / 'stacks.txt'}"):
+            self.book.tell(line)
         if self.spec.on_hang == "observe" or self.policy.stop_requests or self.policy.first is not None:
             return
         self.hang = v
@@ -173,7 +179,7 @@ class AttemptRunner:
             self.record_end(name, now[name])
         if self.policy.stop_requests:
             self.teardown("stop")
-        return self.watch(started, self.record.log_start)
+        return self.watch(started, self.record.log_start, adopted=True)
 
     # ---------------------------------------------------------------- preflight and ranks
     def preflight(self) -> dict[str, int | None]:
@@ -289,6 +295,7 @@ class AttemptRunner:
         self.save()
 
     def _first_failure(self, ff: FirstFailure) -> None:
-        self.say(f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
+        self.book.tell(f"stopping every node of attempt {self.record.attempt} after the hang" if self.hang is not None
+                       else f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
         self.book.attempt_changed(failed_at=ff.at)
         threading.Thread(target=self.teardown, args=(f"{ff.node} failed", True), daemon=True).start()

@@ -38,6 +38,15 @@ from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
 
+def _changes(old: list[str], new: list[str]) -> str:
+    """How the next attempt's nodes differ: " (node5 in node2's place)", " (without node2)"."""
+    if len(old) == len(new):
+        subs = [f"{n} in {o}'s place" for o, n in zip(old, new) if o != n]
+    else:
+        subs = [f"without {o}" for o in old if o not in new]
+    return f" ({', '.join(subs)})" if subs else ""
+
+
 class NodesNotReady(LaunchError):
     """Nodes entering a relaunch could not be claimed or brought to the run's code: {node: why}."""
 
@@ -183,10 +192,11 @@ class Controller:
             min_nodes = self.spec.min_nodes or len(nodes)
             nxt = next_nodes(nodes, self.spares_left(), verdict.bad_nodes, min_nodes)
             if nxt is None:
-                say(f"not enough nodes for another attempt (--min-nodes {min_nodes})")
+                self.book.tell(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); not enough nodes for "
+                               f"another attempt (no spare left, --min-nodes {min_nodes})")
                 return self.end(result, verdict)
-            say(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting "
-                f"({launched} of {self.spec.max_restarts} restarts used)")
+            self.book.tell(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting as attempt {k + 1} "
+                           f"of at most {self.spec.max_restarts + 1} on {', '.join(nxt[0])}{_changes(nodes, nxt[0])}")
             self.book.recovering(f"attempt {k}: {verdict.cause}")
             nodes, k = nxt[0], k + 1
 
@@ -271,6 +281,7 @@ class Controller:
                 raise
             bad = tuple(e.nodes) if isinstance(e, PreflightFailed) else tuple(e.why)
             cause = "preflight failed" if isinstance(e, PreflightFailed) else "nodes not ready"
+            self.book.tell(f"attempt {k}: {cause} on {', '.join(bad)}; leaving {'it' if len(bad) == 1 else 'them'} out")
             say(f"attempt {k}: {cause} on {', '.join(bad)}: {e}" +
                 (f"\n{e.table}" if isinstance(e, PreflightFailed) else ""))
             return RunResult(RunState.FAILED, 1, str(e)), Verdict(True, cause, str(e), bad)
@@ -296,7 +307,7 @@ class Controller:
                 why[name] = str(e)
         ready = [n for n in fresh if n not in why]
         if ready:
-            say(f"bringing {', '.join(ready)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
+            self.book.tell(f"bringing {', '.join(ready)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
             why.update(prepare_nodes(self.cluster, self.full_inv, ready, donors, say))
         if why:
             raise NodesNotReady(why)

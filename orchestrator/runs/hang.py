@@ -2,7 +2,8 @@
 
 Progress is what the control machine already sees: any byte of any node's log (every rank's
 lines arrive on the node streams, runs/watch.py). When none arrives for the hang timeout
-(`--hang-timeout`, inventory `train.hang_timeout`, 300 s by default, 0 off), `HangWatch` asks
+(`--hang-timeout`, inventory `train.hang_timeout`, 300 s by default, 0 off), the watch
+(runs/hangwatch.py) asks
 every node's agent for a snapshot of each rank (`snapshot`: the rank's /proc state, and what the
 hook clusterctl puts on the job's PYTHONPATH answers — every thread's Python stack and the Flight
 Recorder, remote/hook/sitecustomize.py), waits CONFIRM_S, and asks again. A log byte or a
@@ -24,11 +25,9 @@ reach each other: `probe_links` names the node pairs that cannot open a TCP conn
 from __future__ import annotations
 
 import json
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 DEFAULT_HANG_TIMEOUT = 300.0
 ON_HANG = ("fail", "restart", "observe")
@@ -270,12 +269,26 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
     return HangVerdict(text, tuple(details), tuple(ordered), collective, mismatch)
 
 
-def progressed(before: list[RankSnap], after: list[RankSnap]) -> bool:
-    """Any rank entered a collective between the two snapshots (of the ranks that answered both:
-    a rank too slow to answer the first is not taken for one that moved)."""
-    old = {s.rank: s.pgs for s in before if s.answered}
-    return any(seq > old[s.rank].get(pg, -1) for s in after if s.answered and s.rank in old
-               for pg, seq in s.pgs.items())
+BUSY = 0.5  # a rank that used this share of a core between the snapshots is working, not hung
+
+
+def progressed(before: list[RankSnap], after: list[RankSnap], elapsed: float = 0.0) -> str | None:
+    """Why the run is not hung, from two snapshots `elapsed` s apart: a rank entered a collective
+    (of the ranks that answered both: one too slow to answer the first is not taken for one that
+    moved), or a rank is busy in its own code (a long evaluation, torch.compile, tokenizing before
+    the first line: CPU time, not a wait). None: no progress."""
+    old = {s.rank: s for s in before}
+    for s in after:
+        o = old.get(s.rank)
+        if o is None:
+            continue
+        if s.answered and o.answered and any(seq > o.pgs.get(pg, -1) for pg, seq in s.pgs.items()):
+            return "the ranks still enter collectives: not a hang (the script is quiet)"
+        if elapsed > 0 and s.cpu_s is not None and o.cpu_s is not None and s.cpu_s - o.cpu_s >= BUSY * elapsed:
+            share = (s.cpu_s - o.cpu_s) / elapsed
+            return (f"rank {s.rank} ({s.node}) is busy in its own code ({share:.0%} of a core"
+                    f"{', at ' + s.where if s.where else ''}): not a hang")
+    return None
 
 
 def with_links(v: HangVerdict, down: list[tuple[str, str]]) -> HangVerdict:
@@ -286,90 +299,6 @@ def with_links(v: HangVerdict, down: list[tuple[str, str]]) -> HangVerdict:
     text = (f"hang: every rank waits in {v.collective or 'a collective'} and the nodes {pairs} cannot reach "
             "each other (TCP to the node's SSH port times out); each still answers this machine")
     return HangVerdict(text, v.details, v.culprits, v.collective, v.mismatch, tuple(down))
-
-
-# ------------------------------------------------------------------ the watch
-
-
-@dataclass
-class HangWatch:
-    """Watches one attempt for a hang (see the module doc). `heard` is called on every log byte;
-    `snap(request)` returns every rank's snapshot and `probe()` the node pairs that cannot reach
-    each other; `on_hang(verdict, directory)` applies the policy."""
-
-    timeout: float
-    snap: Callable[[int], list[RankSnap]]
-    world: list[int]
-    ranks_of: Mapping[int, str]
-    out_dir: Path
-    on_hang: Callable[[HangVerdict, Path], None]
-    say: Callable[[str], None]
-    probe: Callable[[], list[tuple[str, str]]] | None = None
-    observe: bool = False
-    last: float = field(default_factory=time.monotonic)
-    stop: threading.Event = field(default_factory=threading.Event)
-    requests: int = 0
-    verdict: HangVerdict | None = None
-    thread: threading.Thread | None = None
-
-    @property
-    def confirm_s(self) -> float:
-        return min(10.0, max(2.0, self.timeout / 6))
-
-    def heard(self) -> None:
-        self.last = time.monotonic()
-
-    def start(self) -> None:
-        if self.timeout > 0:
-            self.last = time.monotonic()
-            self.thread = threading.Thread(target=self.loop, name="hang-watch", daemon=True)
-            self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-
-    def loop(self) -> None:
-        tick = min(5.0, max(0.5, self.timeout / 10))
-        while not self.stop.wait(tick):
-            if time.monotonic() - self.last < self.timeout:
-                continue
-            try:
-                self.check()
-            except Exception as e:  # noqa: BLE001 - the watch must never take the run down itself
-                self.say(f"hang watch: {type(e).__name__}: {e}")
-                self.last = time.monotonic()
-
-    def take(self) -> list[RankSnap]:
-        self.requests += 1
-        return self.snap(self.requests)
-
-    def check(self) -> None:
-        since = self.last
-        self.say(f"no progress for {time.monotonic() - since:.0f}s (no rank wrote a line): taking a snapshot "
-                 "of every rank")
-        first = self.take()
-        if self.stop.wait(self.confirm_s) or self.last != since:
-            return
-        second = self.take()
-        if self.stop.is_set() or self.last != since:
-            return
-        if progressed(first, second):
-            self.say("the ranks still enter collectives: not a hang (the script is quiet)")
-            self.last = time.monotonic()
-            return
-        v = analyze(second, self.world, self.ranks_of)
-        if v.links == () and not v.culprits and not v.mismatch and v.collective and self.probe is not None:
-            v = with_links(v, self.probe())
-        n = len([p for p in self.out_dir.glob("[0-9]*")]) + 1 if self.out_dir.is_dir() else 1
-        d = self.out_dir / str(n)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "verdict.json").write_text(json.dumps(v.to_json(), indent=2))
-        (d / "stacks.txt").write_text(stacks_text(second))
-        self.verdict = v
-        self.say(v.text + "".join(f"\n  {line}" for line in v.details) + f"\n  snapshots: {d}")
-        self.on_hang(v, d)
-        # observe: told once; the next hang is one that follows new progress
-        self.last = float("inf") if self.observe else time.monotonic()
 
 
 def stacks_text(snaps: list[RankSnap]) -> str:

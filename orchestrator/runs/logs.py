@@ -10,6 +10,7 @@ itself keep the bare node label.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -76,6 +77,67 @@ class LinePrinter(Protocol):
     def widen(self, label: str) -> None: ...
 
 
+# What ranks print while they go down: Python tracebacks, C++ frames, torchrun's own exceptions.
+TRACE_START = re.compile(r"Traceback \(most recent call last\)|^Exception raised from |^frame #\d+|^#\d+ |"
+                         r"SignalException|Failed to recv|Error waiting on exit barrier|^terminate called|"
+                         r"^\S+ \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/")
+TRACE_BODY = re.compile(r"^\s|^\^+$|^frame #\d+|^#\d+ |^Exception raised from |^$|^During handling of|"
+                        r"^The above exception|^\S+ \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/")
+TRACE_END = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\b")
+RANK_TAG = re.compile(r"^\[rank\d+\]:")
+FOLD_FLUSH_S = 2.0  # a folded block with no line for this long is told
+
+
+class Folder:
+    """The screen's account of what ranks print while they go down: on a `quiet` node (one
+    clusterctl stopped after another failed, or any node once one finished cleanly) each block of
+    traceback, C++ frames or torchrun shutdown lines is counted instead of printed, and told as
+    one line. The log files keep every byte; other lines pass."""
+
+    def __init__(self) -> None:
+        self.quiet: set[str] = set()
+        self.open: dict[str, list] = {}  # node -> [lines folded, label, last fold time]
+
+    def fold(self, node: str, label: str, text: str) -> bool:
+        """True when the line is folded (not to be printed)."""
+        if node not in self.quiet:
+            return False
+        t = RANK_TAG.sub("", text)
+        block = self.open.get(node)
+        if block is not None and (TRACE_BODY.match(t) or TRACE_START.search(t) or TRACE_END.match(t)):
+            block[0] += 1
+            block[2] = time.monotonic()
+            return True
+        if block is None and TRACE_START.search(t):
+            self.open[node] = [1, label, time.monotonic()]
+            return True
+        return False
+
+    def told(self, node: str, log: Path | None = None, idle: float | None = None) -> tuple[str, str] | None:
+        """(label, the one line) for `node`'s open block, closing it (with `idle`: only once it has
+        had no line for that long)."""
+        block = self.open.get(node)
+        if block is None or (idle is not None and time.monotonic() - block[2] < idle):
+            return None
+        del self.open[node]
+        where = f"; {log} has them" if log is not None else ""
+        n = block[0]
+        return block[1], f"[clusterctl: {n} line{'s' if n != 1 else ''} of a stopped rank's traceback folded{where}]"
+
+
+def quiet_nodes(rec: dict) -> set[str]:
+    """The nodes whose tracebacks are noise on screen (runs/logs.py Folder): every node but the
+    one that failed first once clusterctl tears the attempt down (a user's stop: every node), and
+    every node once one finished cleanly (torchrun's shutdown after a success)."""
+    names = {nd.get("name") for nd in rec.get("nodes") or []}
+    why = rec.get("teardown") or ""
+    if why:
+        return names - {why[:-len(" failed")]} if why.endswith(" failed") else names
+    if any(nd.get("state") == "finished" for nd in rec.get("nodes") or []):
+        return names
+    return set()
+
+
 class Follower:
     """Prints every node's new lines with `node/rN | ` prefixes, filtered by node or rank."""
 
@@ -83,6 +145,17 @@ class Follower:
                  rank: int | None = None, sink: Callable[[str, str, str], None] | None = None):
         self.logs, self.printer, self.node, self.rank = logs, printer, node, rank
         self.sink = sink
+        self.folder = Folder()  # the screen only: --json's sink gets every line
+
+    def _tell_fold(self, lg: NodeLog, idle: float | None = None) -> None:
+        told = self.folder.told(lg.node, lg.path, idle)
+        if told is not None:
+            self.printer(told[0], "stdout", told[1], lg.node)
+
+    def close(self) -> None:
+        """Tell the blocks still folded (the run ended)."""
+        for lg in self.logs:
+            self._tell_fold(lg)
 
     def retarget(self, nodes: list[tuple[str, Path, int | None]]) -> None:
         """A restarted run's next attempt: follow its nodes too (a spare's log is new) and label
@@ -109,8 +182,15 @@ class Follower:
                 if self.rank is not None and rank != self.rank:
                     continue
                 s = text.decode("utf-8", "replace").rstrip("\r")
+                if self.sink is None and "\r" in s:  # a progress bar's updates: the screen shows the
+                    s = s.rsplit("\r", 1)[-1]       # last, as a terminal would (the file keeps them all)
+                if self.sink is None:
+                    if self.folder.fold(lg.node, label, s):
+                        continue
+                    self._tell_fold(lg)  # a line that is not the block's: the block ended
                 (self.sink or self.printer)(label, "stdout", s, lg.node)
                 count += 1
+            self._tell_fold(lg, idle=0.0 if final else FOLD_FLUSH_S)
         return count
 
 

@@ -16,6 +16,7 @@ Any live state may end (failed, stopped); preflight, launching and running may g
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -270,3 +271,34 @@ class Book:
 
     def cpu(self, seconds: float) -> None:
         self._set(supervisor_cpu_s=round(seconds, 3))
+
+    # ---------------------------------------------------------------- the story
+    def tell(self, text: str) -> None:
+        """One line of the run's story: what clusterctl saw and did (a node silent, lost, the
+        teardown, a restart), appended to runs/RUN/story.jsonl, which the foreground and `tail`
+        print as it grows (cli/runs.py), and to the supervisor's log."""
+        print(f"supervisor: {text}", flush=True)
+        line = json.dumps({"at": time.time(), "text": text}) + "\n"
+        with self._lock, open(self.run.dir / STORY, "a") as f:
+            f.write(line)
+
+
+STORY = "story.jsonl"
+
+
+def story(run: Run, offset: int = 0) -> tuple[list[str], int]:
+    """The story's lines from byte `offset` on (whole lines only) and the offset after them."""
+    try:
+        with open(run.dir / STORY, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    out = []
+    for raw in data[:end].splitlines():
+        try:
+            out.append(str(json.loads(raw)["text"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out, offset + end

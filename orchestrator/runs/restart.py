@@ -47,7 +47,7 @@ COMM_ERROR = re.compile(
     r"ProcessGroupGloo.*(?:Read|Write|Timed out)|Gloo connectFullMesh failed|Socket Timeout|"
     r"Timed out waiting|watchdog caught collective operation timeout|TCPStore|ECONNREFUSED|"
     r"Connection refused", re.I)
-EXCEPTION_LINE = re.compile(r"^(?:\[[A-Za-z_]*\d+\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", re.M)
+EXCEPTION_LINE = re.compile(r"^(?:\[[A-Za-z_]*\d+\]:)*\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,15 @@ class Verdict:
     bad_nodes: tuple[str, ...] = ()  # not to be used again this run
 
 
+# torchrun's own exceptions, raised because a worker failed: never the root cause when a worker's is there
+LAUNCHER_EXCEPTION = re.compile(r"^torch\.distributed\.elastic\.|^(?:ChildFailedError|SignalException)\b")
+
+
 def _last_exception(log: str) -> str | None:
-    found = EXCEPTION_LINE.findall(log)
-    return found[-1].strip() if found else None
+    """The last exception a worker raised (torchrun's ChildFailedError wrapping it is passed over)."""
+    found = [e.strip() for e in EXCEPTION_LINE.findall(log)]
+    own = [e for e in found if not LAUNCHER_EXCEPTION.match(e)]
+    return (own or found)[-1] if found else None
 
 
 def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False) -> Verdict:
@@ -207,12 +213,14 @@ def summary(result: RunResult, attempts: list, verdict: Verdict, max_restarts: i
     if len(attempts) <= 1 and verdict.cause in ("finished", "stopped"):
         return result
     k = len(attempts)
-    tried = "; ".join(f"attempt {a.attempt}: {a.verdict or '?'}" +
-                      (f" ({a.detail})" if a.detail and a.verdict != "finished" else "") for a in attempts)
     note = ""
     if verdict.retry and sum(1 for a in attempts if a.launched) > max_restarts:
         note = f" (no restart left: --max-restarts {max_restarts})"
     elif verdict.cause == "script error" and max_restarts:
         note = " (the script's own error: not retried)"
+    if k <= 1:  # the summary already is the one attempt's story
+        return dataclasses.replace(result, summary=result.summary + note) if note else result
+    tried = "; ".join(f"attempt {a.attempt}: {a.verdict or '?'}" +
+                      (f" ({a.detail})" if a.detail and a.verdict != "finished" else "") for a in attempts)
     text = f"{result.summary}\n{k} attempt{'s' if k > 1 else ''}: {tried}{note}"
     return dataclasses.replace(result, summary=text)

@@ -153,23 +153,27 @@ class LogCopier:
             f.close()
 
 
-def reconnect(cluster: Cluster, node: Node, lost: NodeResult, echo: Callable[[str], None],
+def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[[str], None],
               stop: threading.Event | None = None) -> bool:
     """Reopen a node's dropped connection with backoff until `lost_timeout` after the node was
-    last heard from (one attempt at least). True once it is open again."""
+    last heard from (one attempt at least). True once it is open again. Each step is told (the
+    run's story: the foreground prints it) with the silence measured."""
     conn = cluster.connections[node.name]
-    deadline = getattr(conn, "last_heard", time.monotonic()) + cluster.lost_timeout
-    echo(f"supervisor: {node.name}: {lost.error or 'connection lost'}; reconnecting")
+    heard = getattr(conn, "last_heard", time.monotonic())
+    deadline = heard + cluster.lost_timeout
+    tell(f"{node.name}: silent for {time.monotonic() - heard:.1f}s ({lost.error or 'connection lost'}); "
+         f"reconnecting, lost after {cluster.lost_timeout:g}s")
     for attempt in range(10_000):
         try:
             conn.reopen(timeout=deadline - time.monotonic())
-            echo(f"supervisor: {node.name}: reconnected")
+            tell(f"{node.name}: reconnected after {time.monotonic() - heard:.1f}s of silence; its log goes on "
+                 "where it stopped")
             return True
         except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
             why = str(e)
         wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
         if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
-            echo(f"supervisor: {node.name}: no answer for {cluster.lost_timeout:g}s ({why}); lost")
+            tell(f"{node.name} lost: no answer for {time.monotonic() - heard:.1f}s ({why})")
             return False
         time.sleep(wait)
     return False
@@ -184,6 +188,7 @@ class _Copy:
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
+        self.tell: Callable[[str], None] = lambda text: echo(f"supervisor: {text}")
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
@@ -195,7 +200,7 @@ class _Copy:
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
         name = res.node
-        while reconnect(self.cluster, self.nodes[name], res, self.echo, self.stop):
+        while reconnect(self.cluster, self.nodes[name], res, self.tell, self.stop):
             try:
                 self.events.put(self.start_tail(name))
                 return
@@ -247,18 +252,23 @@ class _Copy:
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, AgentStatus | None], None],
               *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
-              start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None) -> None:
+              start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
+              tell: Callable[[str], None] | None = None) -> None:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
     `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines). `key`:
     the run's id on the nodes when it is not run.id (a restart's RUN_ID.aK); `start_at`: where
     each node's log begins in its copy; `artifacts`: where the nodes' checkpoint and TensorBoard
-    records go (their tails then stream them)."""
+    records go (their tails then stream them); `tell`: where a node's silence, reconnection and
+    loss are told (the run's story, record.py Book.tell; else echoed)."""
     if not nodes:
         return
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts)
     try:
-        _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id).copy()
+        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id)
+        if tell is not None:
+            copy.tell = tell
+        copy.copy()
     finally:
         copier.close()
