@@ -137,12 +137,15 @@ class AttemptRunner:
                 continue
             out.extend(RankSnap.from_agent(name, doc) for doc in sn.ranks)
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
+        for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run
+            del self.snapshots[old]               # checked for days must not grow the supervisor
         return out
 
     def probe_links(self, names: list[str]) -> list[tuple[str, str]]:
         """The node pairs of the attempt that cannot open a TCP connection to each other's SSH port."""
         nodes = {n: self.inv.node(n) for n in names}
-        target = {n: f"{nd.address}:{nd.ssh.port or 22}" for n, nd in nodes.items()}
+        target = {n: f"{f'[{nd.address}]' if ':' in nd.address else nd.address}:{nd.ssh.port or 22}"
+                  for n, nd in nodes.items()}
         got = agent.run(self.cluster, lambda nd: agent.reach(nd, [t for m, t in target.items() if m != nd.name]),
                         names)
         down = set()
