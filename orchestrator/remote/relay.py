@@ -92,32 +92,78 @@ def expect(words, key, count):
     return words[1:]
 
 
+TOKEN_S = 5.0  # a connection has this long to present the 33-byte token, whatever else arrives
+MAX_PENDING = 64  # connections not yet authenticated; past this the oldest is dropped
+LISTEN_BACKLOG = 512  # connections the kernel holds until accepted (the loop takes them all at once)
+
+
 def accept_upstream(lsock, token, idle):
-    """The first connection that presents `token`; others are closed."""
+    """The first connection that presents `token` within TOKEN_S of connecting; others are closed.
+    Every connection is read at once, none in turn (selectors): a client that trickles bytes or
+    never sends any holds only its own slot for TOKEN_S, a flood of connections only the oldest
+    of MAX_PENDING slots, so neither keeps the real upstream out."""
+    import selectors
+
+    want = token.encode() + b"\n"
     deadline = time.monotonic() + idle
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise Failed(f"no upstream node connected within {idle:g}s")
-        lsock.settimeout(left)
-        try:
-            conn, _ = lsock.accept()
-        except socket.timeout:
-            continue
-        conn.settimeout(min(left, 10))
-        want, got = token.encode() + b"\n", b""
-        try:  # exactly the token's length: the stream follows it at once
-            while len(got) < len(want):
-                part = conn.recv(len(want) - len(got))
-                if not part:
-                    break
-                got += part
-        except OSError:
-            pass
-        if hmac.compare_digest(got, want):
-            conn.settimeout(idle)
-            return conn
+    sel = selectors.DefaultSelector()
+    lsock.setblocking(False)
+    sel.register(lsock, selectors.EVENT_READ)
+    pending = {}  # socket -> [bytes so far, when it must have sent the token]
+
+    def drop(conn):
+        sel.unregister(conn)
+        pending.pop(conn, None)
         conn.close()
+
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise Failed(f"no upstream node connected within {idle:g}s")
+            for conn in [c for c, (_, until) in pending.items() if until <= now]:
+                drop(conn)
+            soonest = min([deadline] + [until for _, until in pending.values()])
+            for key, _ in sel.select(max(0.0, soonest - now)):
+                if key.fileobj is lsock:
+                    while True:  # take everything waiting: a flood must not fill the backlog
+                        try:
+                            conn, _ = lsock.accept()
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        conn.setblocking(False)
+                        if len(pending) >= MAX_PENDING:
+                            drop(min(pending, key=lambda c: pending[c][1]))
+                        pending[conn] = [b"", time.monotonic() + TOKEN_S]
+                        sel.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj
+                if conn not in pending:
+                    continue
+                try:
+                    part = conn.recv(len(want) - len(pending[conn][0]))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    part = b""
+                got = pending[conn][0] + part
+                if not part:
+                    drop(conn)
+                elif len(got) < len(want):  # no early word on a wrong prefix: compared whole only
+                    pending[conn][0] = got
+                elif hmac.compare_digest(got, want):
+                    sel.unregister(conn)
+                    del pending[conn]
+                    conn.setblocking(True)
+                    conn.settimeout(idle)
+                    return conn
+                else:
+                    drop(conn)
+    finally:
+        for conn in list(pending):
+            drop(conn)
+        sel.close()
+        lsock.setblocking(True)
 
 
 class Pass:
@@ -222,7 +268,8 @@ def link_downstream(words, connect_timeout):
 def recv(xfer, workdir, idle, connect_timeout):
     inp = Stdin(idle)
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-    lsock = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
+    lsock = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6,
+                                 backlog=LISTEN_BACKLOG)
     emit(f"port {lsock.getsockname()[1]}")
     (token,) = expect(inp.line(), "token", 2)
     down = link_downstream(inp.line(), connect_timeout)
