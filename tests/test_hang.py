@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 
 from orchestrator.runs.hang import (
     Frame,
@@ -237,8 +238,14 @@ LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.
           "env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
 
 
-def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(agent):
-    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": RANK},
+# the rank's Python under a shell script that carries its RANK too (a user's `run.sh` wrapper)
+LAUNCH_SH = ("import os, subprocess, sys; subprocess.run(['/bin/sh', '-c', '\"$0\" -c \"$CHILD\"; true', "
+             "sys.executable], env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
+
+
+@pytest.mark.parametrize("launch", [LAUNCH, LAUNCH_SH], ids=["python", "under-a-shell"])
+def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(agent, launch):
+    spec = {"argv": [sys.executable, "-c", launch], "cwd": str(agent.home), "env": {"CHILD": RANK},
             "hook": HOOK}
     r = agent("start", "h1@n1", json.dumps(spec).encode().hex())
     assert r.returncode == 0, r.stderr

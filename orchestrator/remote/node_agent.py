@@ -524,10 +524,11 @@ def proc_stat(pid):
     return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rank_procs(run_id, torchrun_pid):
+def rank_procs(run_id, torchrun_pid, hook=None):
     """{pid: {"rank", "local_rank", "state", "ppid", "cpu_s", "wchan"}} for each rank of the run on
-    this node: the topmost process with RANK set that is not torchrun nor its rank_lines.py
-    wrapper (a rank's data-loader workers carry its RANK too)."""
+    this node: of the processes with that RANK that are not torchrun nor its rank_lines.py wrapper
+    (a rank's data-loader workers carry its RANK too, and so does a shell script between the
+    wrapper and Python), the topmost one whose hook listens in `hook`, else the topmost."""
     found = {}
     for pid in run_pids(run_id):
         if pid == torchrun_pid:
@@ -542,8 +543,14 @@ def rank_procs(run_id, torchrun_pid):
         found[pid] = {"pid": pid, "rank": int(env["RANK"]) if env["RANK"].isdigit() else env["RANK"],
                       "local_rank": env.get("LOCAL_RANK"), "state": st[0], "ppid": st[1], "cpu_s": st[2],
                       "wchan": (read(f"/proc/{pid}/wchan", "") or "").strip()}
-    return {pid: p for pid, p in found.items()
-            if not (p["ppid"] in found and found[p["ppid"]]["rank"] == p["rank"])}
+    out = {}
+    for rank in dict.fromkeys(p["rank"] for p in found.values()):
+        group = [pid for pid, p in found.items() if p["rank"] == rank]
+        pick = [pid for pid in group if hook and os.path.exists(os.path.join(hook, f"{pid}.fifo"))] or group
+        tops = [pid for pid in pick if found[pid]["ppid"] not in pick]
+        pid = min(tops or pick)
+        out[pid] = found[pid]
+    return out
 
 
 def snapshot(run_id, request, wait):
@@ -553,7 +560,7 @@ def snapshot(run_id, request, wait):
     d = rundir(run_id)
     hook = os.path.join(d, HOOK)
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
-    ranks = rank_procs(run_id, info.get("pid"))
+    ranks = rank_procs(run_id, info.get("pid"), hook)
     asked = {}
     for pid, p in ranks.items():
         if p["state"] in "TtZX":
