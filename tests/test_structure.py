@@ -21,6 +21,9 @@ EXCEPTIONS: dict[str, str] = {
                                        "file; python -S, where each module more costs start-up on every node): "
                                        "the shared rules live in common.py, what is left is what code is "
                                        "(gitignore, digest, selection) and the torch facts",
+    "orchestrator/remote/relay.py": "shipped as one program (`python3 -c`, remote/common.py in front, stdlib "
+                                    "only): the relay's protocol, the gate that lets only the token's holder in "
+                                    "and the tar pass-through run as one file on the node",
     "orchestrator/runs/agent.py": "the control side's one client of the node agent: every verb's command line "
                                   "and the reading of its answer live here, one small typed reply each, so no "
                                   "caller builds or parses an agent line by hand",

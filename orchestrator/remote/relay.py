@@ -97,73 +97,90 @@ MAX_PENDING = 64  # connections not yet authenticated; past this the oldest is d
 LISTEN_BACKLOG = 512  # connections the kernel holds until accepted (the loop takes them all at once)
 
 
+class Gate:
+    """The connections to a relay's port not yet authenticated (accept_upstream's state)."""
+
+    def __init__(self, lsock, want):
+        import selectors
+
+        self.lsock, self.want, self.read_event = lsock, want, selectors.EVENT_READ
+        self.sel = selectors.DefaultSelector()
+        self.pending = {}  # socket -> [bytes so far, when it must have sent the token]
+        lsock.setblocking(False)
+        self.sel.register(lsock, self.read_event)
+
+    def drop(self, conn):
+        self.sel.unregister(conn)
+        self.pending.pop(conn, None)
+        conn.close()
+
+    def expire(self, now):
+        for conn in [c for c, (_, until) in self.pending.items() if until <= now]:
+            self.drop(conn)
+
+    def take_all(self):
+        """Accept everything waiting (a flood must not fill the backlog), the oldest dropped past
+        MAX_PENDING."""
+        while True:
+            try:
+                conn, _ = self.lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            if len(self.pending) >= MAX_PENDING:
+                self.drop(min(self.pending, key=lambda c: self.pending[c][1]))
+            self.pending[conn] = [b"", time.monotonic() + TOKEN_S]
+            self.sel.register(conn, self.read_event)
+
+    def read(self, conn):
+        """conn once it presented the whole token (then no longer pending), else None."""
+        try:
+            part = conn.recv(len(self.want) - len(self.pending[conn][0]))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            part = b""
+        got = self.pending[conn][0] + part
+        if part and len(got) < len(self.want):  # no early word on a wrong prefix: compared whole only
+            self.pending[conn][0] = got
+            return None
+        if part and hmac.compare_digest(got, self.want):
+            self.sel.unregister(conn)
+            del self.pending[conn]
+            return conn
+        self.drop(conn)
+        return None
+
+    def close(self):
+        for conn in list(self.pending):
+            self.drop(conn)
+        self.sel.close()
+        self.lsock.setblocking(True)
+
+
 def accept_upstream(lsock, token, idle):
     """The first connection that presents `token` within TOKEN_S of connecting; others are closed.
     Every connection is read at once, none in turn (selectors): a client that trickles bytes or
     never sends any holds only its own slot for TOKEN_S, a flood of connections only the oldest
     of MAX_PENDING slots, so neither keeps the real upstream out."""
-    import selectors
-
-    want = token.encode() + b"\n"
     deadline = time.monotonic() + idle
-    sel = selectors.DefaultSelector()
-    lsock.setblocking(False)
-    sel.register(lsock, selectors.EVENT_READ)
-    pending = {}  # socket -> [bytes so far, when it must have sent the token]
-
-    def drop(conn):
-        sel.unregister(conn)
-        pending.pop(conn, None)
-        conn.close()
-
+    gate = Gate(lsock, token.encode() + b"\n")
     try:
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise Failed(f"no upstream node connected within {idle:g}s")
-            for conn in [c for c, (_, until) in pending.items() if until <= now]:
-                drop(conn)
-            soonest = min([deadline] + [until for _, until in pending.values()])
-            for key, _ in sel.select(max(0.0, soonest - now)):
+            gate.expire(now)
+            soonest = min([deadline] + [until for _, until in gate.pending.values()])
+            for key, _ in gate.sel.select(max(0.0, soonest - now)):
                 if key.fileobj is lsock:
-                    while True:  # take everything waiting: a flood must not fill the backlog
-                        try:
-                            conn, _ = lsock.accept()
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        conn.setblocking(False)
-                        if len(pending) >= MAX_PENDING:
-                            drop(min(pending, key=lambda c: pending[c][1]))
-                        pending[conn] = [b"", time.monotonic() + TOKEN_S]
-                        sel.register(conn, selectors.EVENT_READ)
-                    continue
-                conn = key.fileobj
-                if conn not in pending:
-                    continue
-                try:
-                    part = conn.recv(len(want) - len(pending[conn][0]))
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    part = b""
-                got = pending[conn][0] + part
-                if not part:
-                    drop(conn)
-                elif len(got) < len(want):  # no early word on a wrong prefix: compared whole only
-                    pending[conn][0] = got
-                elif hmac.compare_digest(got, want):
-                    sel.unregister(conn)
-                    del pending[conn]
+                    gate.take_all()
+                elif key.fileobj in gate.pending and (conn := gate.read(key.fileobj)) is not None:
                     conn.setblocking(True)
                     conn.settimeout(idle)
                     return conn
-                else:
-                    drop(conn)
     finally:
-        for conn in list(pending):
-            drop(conn)
-        sel.close()
-        lsock.setblocking(True)
+        gate.close()
 
 
 class Pass:
