@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -282,19 +283,25 @@ def test_nodes_that_cannot_reach_each_other_get_direct_pushes(cl, clean, tmp_pat
 
 @pytest.mark.cluster
 def test_tar_path_time_grows_linearly_with_size(cl, clean, tmp_path):
-    """80 MB and 160 MB to one node over the tar path: the time ratio, not seconds, is asserted
-    (it was quadratic: 80 MB took 47x the time of 10 MB)."""
+    """80 MB and 160 MB to one node over the tar path: the ratio of this process's CPU time is
+    asserted, not seconds (it was quadratic: 80 MB took 47x the time of 10 MB, all of it paramiko
+    re-slicing one big buffer in this process). CPU time, not wall time: the suite runs two test
+    files at once, and another file's training run on the same cores stretched the wall-time
+    ratio to 2.46 with nothing wrong; quadratic doubles it to 4."""
     inv = parse_inventory(yaml.safe_dump(cl.inventory(sync={"include": ["data"]})), "<t>").select(["node1"])
-    best = {}
+    best, wall = {}, {}
     with Cluster(inv) as c:
         for mb in (80, 160) * 2:
             src = tmp_path / f"s{mb}"
             if not src.exists():
                 data_tree(src, mb=mb, files=mb // 10)
             cl.nodes[0].run("rm -rf ~/gpt_train")
+            cpu = time.process_time()
             rep = sync(c, inv, str(src), method="tar")
+            cpu = time.process_time() - cpu
             assert rep.ok and rep.results[0].method == "tar", rep.results
-            best[mb] = min(best.get(mb, 1e9), rep.seconds)
-    print(f"tar path to one node: 80 MB {best[80]:.2f}s ({80 / best[80]:.0f} MB/s), "
-          f"160 MB {best[160]:.2f}s ({160 / best[160]:.0f} MB/s), ratio {best[160] / best[80]:.2f}")
-    assert best[160] / best[80] <= 2.3
+            best[mb] = min(best.get(mb, 1e9), cpu)
+            wall[mb] = min(wall.get(mb, 1e9), rep.seconds)
+    print(f"tar path to one node: 80 MB {wall[80]:.2f}s, {best[80]:.2f} CPU s; 160 MB {wall[160]:.2f}s, "
+          f"{best[160]:.2f} CPU s; CPU ratio {best[160] / best[80]:.2f}")
+    assert best[160] / best[80] <= 3.0
