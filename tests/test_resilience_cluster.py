@@ -64,7 +64,7 @@ def test_a_dropped_ssh_connection_is_reconnected_and_every_line_arrives_once(mak
         assert steps_of(copy, rank) == list(range(steps)), f"{node}: duplicated or missing steps"
         on_node = cluster.nodes[rank].run(f"cat ~/.clusterctl/node-runs/{run_id}@{node}/log").stdout.encode()
         assert copy == on_node  # byte for byte
-    wait_for(lambda: all_clean(cluster), 10, "every node clean")
+    wait_for(lambda: all_clean(cluster), 20, "every node clean")
 
 
 def test_killed_supervisor_and_torchrun_leave_no_orphans_and_blame_the_right_node(make_cluster, tmp_path, home):

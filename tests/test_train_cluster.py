@@ -99,7 +99,7 @@ def test_a_failing_rank_is_the_root_cause_not_its_peers_errors(cluster4, tmp_pat
     assert rec["summary"].startswith("node3 (ranks 4-5) failed first: exit code 1")
     assert "rank 5 failing on purpose" in rec["summary"]  # the failing node's own log, not a peer's
     assert "node3 (ranks 4-5) failed first" in r.stderr
-    wait_for(lambda: all_clean(cluster4), 10, "every node clean")
+    wait_for(lambda: all_clean(cluster4), 20, "every node clean")
 
 
 def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_path, home):
@@ -264,7 +264,7 @@ def test_the_trainer_with_preflight_from_the_inventory_train_section(make_cluste
              "the final checkpoint copied to the control machine")
     # the supervisor closed its connections before recording the end; sshd's session
     # processes for them exit a moment later, asynchronously
-    wait_for(lambda: all_clean(cluster), 5, "the nodes clean after a finished run")
+    wait_for(lambda: all_clean(cluster), 20, "the nodes clean after a finished run")
 
 
 def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_path, home):
