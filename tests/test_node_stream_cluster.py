@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.test_resilience_cluster import running
-from tests.test_train_cluster import all_clean, cli, rec_of
+from tests.test_train_cluster import cli, wait_clean, rec_of
 
 pytestmark = pytest.mark.cluster
 
@@ -79,4 +79,4 @@ def test_the_log_copy_stays_the_nodes_log_with_artifacts_on_the_stream_and_conne
              "node1's checkpoint replicated on node2")
     # the replica's relays and the sessions close a moment after the run ends (longer when the
     # suite's other worker trains on the same cores)
-    wait_for(lambda: all_clean(cluster), 30, "every node clean")
+    wait_clean(cluster, 30, "every node clean")

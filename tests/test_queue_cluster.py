@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import pid_ended, wait_for
-from tests.test_train_cluster import DDP, all_clean, prepare, rec_of
+from tests.test_train_cluster import DDP, wait_clean, prepare, rec_of
 
 pytestmark = pytest.mark.cluster
 
@@ -56,7 +56,7 @@ def test_two_queued_runs_on_the_same_nodes_run_one_after_the_other(make_cluster,
     # node of the first (the nodes' own end times), and within 5 s of the first run's recorded end
     assert max(n["node_ended"] for n in a["nodes"]) < b["started"], (a["nodes"], b["started"])
     assert b["started"] - a["ended"] < 5, (a["ended"], b["started"])
-    wait_for(lambda: all_clean(cluster), 15, "clean")
+    wait_clean(cluster, 15, "clean")
 
 
 def test_a_run_from_another_control_machine_shows_in_runs_cluster(make_cluster, tmp_path, home):
@@ -76,7 +76,7 @@ def test_a_run_from_another_control_machine_shows_in_runs_cluster(make_cluster, 
     assert cli("stop", theirs, home=other).returncode == 0
     r = cli("runs", "-i", inv, "--cluster", "--json", home=home)
     assert (r.returncode, json.loads(r.stdout)) == (0, []), r.stderr
-    wait_for(lambda: all_clean(cluster), 15, "clean")
+    wait_clean(cluster, 15, "clean")
 
 
 def test_stop_of_a_queued_run_removes_it_from_the_queue(make_cluster, tmp_path, home):
@@ -103,7 +103,7 @@ def test_stop_of_a_queued_run_removes_it_from_the_queue(make_cluster, tmp_path, 
     wait_for(lambda: state(home, gives_up) == "failed", 30, "the queue timeout")
     assert "--queue-timeout 2s" in rec_of(home / "runs" / gives_up)["error"]
     assert cli("stop", holder, home=home).returncode == 0
-    wait_for(lambda: all_clean(cluster), 15, "clean")
+    wait_clean(cluster, 15, "clean")
 
 
 def test_a_queued_run_whose_supervisor_died_is_adopted_and_still_runs(make_cluster, tmp_path, home):
@@ -127,4 +127,4 @@ def test_a_queued_run_whose_supervisor_died_is_adopted_and_still_runs(make_clust
     wait_for(lambda: state(home, waiting) in ("finished", "failed", "stopped"), 120, "the adopted run to end")
     rec = rec_of(home / "runs" / waiting)
     assert rec["state"] == "finished" and rec.get("adopted_at"), rec
-    wait_for(lambda: all_clean(cluster), 15, "clean")
+    wait_clean(cluster, 15, "clean")

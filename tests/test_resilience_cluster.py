@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.conftest import VANISHED, ended, scan
-from tests.test_train_cluster import DDP, all_clean, cli, log_has, prepare, rec_of, wait_for
+from tests.test_train_cluster import DDP, wait_clean, cli, log_has, prepare, rec_of, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -64,7 +64,7 @@ def test_a_dropped_ssh_connection_is_reconnected_and_every_line_arrives_once(mak
         assert steps_of(copy, rank) == list(range(steps)), f"{node}: duplicated or missing steps"
         on_node = cluster.nodes[rank].run(f"cat ~/.clusterctl/node-runs/{run_id}@{node}/log").stdout.encode()
         assert copy == on_node  # byte for byte
-    wait_for(lambda: all_clean(cluster), 20, "every node clean")
+    wait_clean(cluster, 20, "every node clean")
 
 
 def test_killed_supervisor_and_torchrun_leave_no_orphans_and_blame_the_right_node(make_cluster, tmp_path, home):
@@ -83,7 +83,7 @@ def test_killed_supervisor_and_torchrun_leave_no_orphans_and_blame_the_right_nod
     # enforced on the node: no controller is running
     wait_for(lambda: all(ended(p) for p in workers), 5,
              "node2's workers gone")
-    wait_for(lambda: all_clean(cluster), 60, "the whole job gone")
+    wait_clean(cluster, 60, "the whole job gone")
     r = cli("tail", run_id)  # starts a supervisor that adopts the run and records its end
     assert "takes the run over" in r.stderr
     rec = rec_of(run_dir)
@@ -137,7 +137,7 @@ def test_two_simultaneous_launches_exactly_one_runs(make_cluster, tmp_path, home
         loser_err = next(o for p, o in zip(procs, outs) if p.returncode == 1)[1]
         assert f"is running {winner}" in loser_err and "claimed by" in loser_err, loser_err
         wait_for(lambda: rec_of(home / "runs" / winner).get("state") == "finished", 120, "the winner to finish")
-        wait_for(lambda: all_clean(cluster), 15, "clean")
+        wait_clean(cluster, 15, "clean")
         claims = [n.run("ls ~/.clusterctl/claims/ 2>/dev/null | grep -v lock || true").stdout.split()
                   for n in cluster.nodes]
         assert claims == [[], []], claims  # released at the end

@@ -57,6 +57,22 @@ def all_clean(cluster):
     return all(not cluster.processes(n) for n in cluster.nodes)
 
 
+def left_on_nodes(cluster) -> list:
+    """What is still running on the nodes, one line each: node, pid, state, age and command line."""
+    now = time.time()
+    return [f"{n.name} pid {p.pid} {st} {now - made:.0f}s old: {cmd}" for n in cluster.nodes
+            for p, (st, made, cmd) in scan(cluster.processes(n), lambda p: (p.status(), p.create_time(), cmdline(p)))]
+
+
+def wait_clean(cluster, timeout, what="every node clean"):
+    """Wait for no test-user process on any node; on timeout the failure lists what was left, so a
+    slow exit and a leaked process read differently in CI's output."""
+    try:
+        wait_for(lambda: all_clean(cluster), timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; left: {left_on_nodes(cluster)}") from None
+
+
 def job_processes(cluster):
     """The test user's processes on the nodes other than sshd's session processes: what a run
     launched. A session whose command has ended can take a moment longer to exit under load."""
@@ -69,7 +85,7 @@ def assert_job_gone(cluster, timeout=15):
     """Nothing the run launched is left the moment it returned; its SSH sessions close soon after."""
     left = job_processes(cluster)
     assert not left, left
-    wait_for(lambda: all_clean(cluster), timeout, "the nodes' SSH sessions to close")
+    wait_clean(cluster, timeout, "the nodes' SSH sessions to close")
 
 
 def test_four_nodes_two_procs_each_finish_with_global_ranks(cluster4, tmp_path, home):
@@ -99,7 +115,7 @@ def test_a_failing_rank_is_the_root_cause_not_its_peers_errors(cluster4, tmp_pat
     assert rec["summary"].startswith("node3 (ranks 4-5) failed first: exit code 1")
     assert "rank 5 failing on purpose" in rec["summary"]  # the failing node's own log, not a peer's
     assert "node3 (ranks 4-5) failed first" in r.stderr
-    wait_for(lambda: all_clean(cluster4), 20, "every node clean")
+    wait_clean(cluster4, 20, "every node clean")
 
 
 def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_path, home):
@@ -116,7 +132,7 @@ def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_pa
     detected = time.time()
     rec = wait_for(lambda: (lambda d: d if d.get("state") in ("failed", "finished") else None)(
         rec_of(run_dir)), 60, "the run to end")
-    wait_for(lambda: all_clean(cluster), 10 - (time.time() - detected) + 5, "every node clean")
+    wait_clean(cluster, 10 - (time.time() - detected) + 5, "every node clean")
     assert time.time() - detected < 15
     assert rec["state"] == "failed" and rec["exit_code"] != 0
     assert rec["first_failure"]["node"] == "node3", rec["first_failure"]
@@ -157,7 +173,7 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
     proc.kill()
     proc.wait()
     # the run goes on and finishes on the nodes without it
-    wait_for(lambda: all_clean(cluster), 90, "the run to finish on the nodes")
+    wait_clean(cluster, 90, "the run to finish on the nodes")
     r = cli("tail", run_dir.name)
     assert r.returncode == 0, r.stderr
     got = r.stdout.splitlines()
@@ -184,7 +200,7 @@ def test_sigint_stops_every_process_of_the_run(make_cluster, tmp_path, home):
     t0 = time.time()
     # the job gets a 5 s grace before it is killed; wait with room for a loaded machine
     wait_for(lambda: not job_processes(cluster), 15, "zero processes of the run")
-    wait_for(lambda: all_clean(cluster), 15, "the nodes' SSH sessions to close")
+    wait_clean(cluster, 15, "the nodes' SSH sessions to close")
     out, err = proc.communicate(timeout=30)
     assert "stopping run" in err and "gracefully" in err
     assert proc.returncode == 130
@@ -207,7 +223,7 @@ def test_second_sigint_kills_a_run_that_ignores_the_graceful_stop(make_cluster, 
                                                                      lambda p: p.cmdline()))
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
-    wait_for(lambda: all_clean(cluster), 15, "zero processes after the second Ctrl-C")
+    wait_clean(cluster, 15, "zero processes after the second Ctrl-C")
     out, err = proc.communicate(timeout=60)
     assert time.time() - t0 < 60  # not the 120 s grace
     assert "gracefully" in err and "killing run" in err
@@ -230,7 +246,7 @@ def test_second_run_on_a_busy_node_is_refused_unless_forced(make_cluster, tmp_pa
     assert s.returncode == 0 and "running" in s.stdout
     st = cli("stop", first)
     assert st.returncode == 0, st.stderr
-    wait_for(lambda: all_clean(cluster), 15, "stopped")
+    wait_clean(cluster, 15, "stopped")
     assert rec_of(home / "runs" / first)["state"] == "stopped"
     runs = cli("runs", "--json")
     assert first in runs.stdout
@@ -264,7 +280,7 @@ def test_the_trainer_with_preflight_from_the_inventory_train_section(make_cluste
              "the final checkpoint copied to the control machine")
     # the supervisor closed its connections before recording the end; sshd's session
     # processes for them exit a moment later, asynchronously
-    wait_for(lambda: all_clean(cluster), 20, "the nodes clean after a finished run")
+    wait_clean(cluster, 20, "the nodes clean after a finished run")
 
 
 def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_path, home):
@@ -276,7 +292,7 @@ def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_p
     wait_for(lambda: log_has(run_dir / "nodes" / "node1.log", b"step 10 |"), 90, "training steps")
     st = cli("stop", run_dir.name)
     assert st.returncode == 0, st.stderr
-    wait_for(lambda: all_clean(cluster), 25, "every process gone")
+    wait_clean(cluster, 25, "every process gone")
     log = (run_dir / "nodes" / "node1.log").read_bytes()
     assert b"SIGTERM received: saved checkpoint" in log, log[-2000:]
     assert rec_of(run_dir)["state"] == "stopped"
