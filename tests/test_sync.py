@@ -67,21 +67,26 @@ def test_git_tree_and_plain_copy_hash_the_same(tmp_path):
 
 
 @pytest.mark.parametrize("git", [False, True], ids=["tree", "git"])
-def test_a_marked_output_directory_is_neither_code_nor_pruned(tmp_path, git):
-    """A run's output dir inside the workdir (preflight marks it) differs per node: not code."""
+def test_a_named_output_directory_is_neither_code_nor_pruned_and_nothing_marks_it(tmp_path, git):
+    """A run's output dir inside the workdir differs per node: named as an output, it is not code,
+    and neither the digest nor the prune writes anything into it. An older clusterctl's mark
+    (.clusterctl-dir-id) is not code either, and no longer makes a directory an output."""
     root = tmp_path / "wd"
     make_tree(root, git=git)
     ni = load_nodeinfo()
     before = ni.digest(str(root))
     (root / "pkg" / "ckpts").mkdir()
     (root / "pkg" / "ckpts" / "state.json").write_text("weights")
-    assert ni.digest(str(root))["digest"] != before["digest"]  # unmarked: it counts as code
+    assert ni.digest(str(root))["digest"] != before["digest"]  # not named: it counts as code
     (root / "pkg" / "ckpts" / ".clusterctl-dir-id").write_text("id")
     (root / "pkg" / "ckpts" / "sub").mkdir()
     (root / "pkg" / "ckpts" / "sub" / "events").write_text("tb")
-    assert ni.digest(str(root)) == before
-    ni.prune(str(root), "\0".join(EXPECTED).encode())
+    assert ni.digest(str(root))["digest"] != before["digest"]  # the old mark alone: still code
+    assert ni.digest(str(root), {"pkg/ckpts"}) == before
+    (root / "pkg" / "ckpts" / ".clusterctl-dir-id").unlink()
+    ni.prune(str(root), "\0".join(EXPECTED).encode(), {"pkg/ckpts"})
     assert (root / "pkg" / "ckpts" / "state.json").exists() and (root / "pkg" / "ckpts" / "sub" / "events").exists()
+    assert not (root / "pkg" / "ckpts" / ".clusterctl-dir-id").exists()
 
 
 @pytest.mark.parametrize("git", [False, True], ids=["tree", "git"])
@@ -104,8 +109,8 @@ def test_the_trainers_output_dir_in_the_workdir_is_not_code(tmp_path, git):
     assert ni.digest(str(root), set(outs)) == before
     assert not any(f.startswith("out/") for f in select_files(str(root), outputs=outs))
     ni.prune(str(root), "\0".join(select_files(str(root))).encode(), set(outs))
-    assert (root / "out" / "ckpt_00000010.pt").exists() and (root / "out" / ".clusterctl-dir-id").exists()
-    assert ni.digest(str(root)) == before  # marked by the prune: preflight's probe leaves it out too
+    assert (root / "out" / "ckpt_00000010.pt").exists() and not (root / "out" / ".clusterctl-dir-id").exists()
+    assert ni.digest(str(root), set(outs)) == before  # the probe is given the same outputs (--output)
 
 
 def test_run_outputs_follow_the_inventory(tmp_path):
@@ -262,12 +267,12 @@ def test_preflights_probe_leaves_its_output_directory_out_of_the_digest(tmp_path
 
     root = tmp_path / "wd"
     make_tree(root)
-    want = load_nodeinfo().digest(str(root))
+    want = load_nodeinfo().digest(str(root), listing=True)
     (root / "ckpts").mkdir()
     (root / "ckpts" / "state.pt.json").write_text("weights")
     inv = parse_inventory(yaml.safe_dump({"workdir": str(root), "output_dir": "ckpts", "nodes": [
         {"name": "a", "connection": "local"}]}), "<t>")
     info, why = node_info(probe_locally(inv, inv.nodes[0], ["code_sync"]))
     assert info is not None, why
-    assert info["code"] == want and load_nodeinfo().digest(str(root)) != want
-    assert not (root / "ckpts" / ".clusterctl-dir-id").exists()  # the probe only reads
+    assert info["code"] == want and load_nodeinfo().digest(str(root), listing=True) != want
+    assert sorted(os.listdir(root / "ckpts")) == ["state.pt.json"]  # the probe only reads

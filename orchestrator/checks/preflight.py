@@ -20,7 +20,6 @@ whose probe could not answer (a result marked `unanswered`) is probed again: che
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import threading
@@ -28,7 +27,7 @@ import time
 from typing import Mapping
 
 from orchestrator import shell
-from orchestrator.checks import Ctx, CheckResult, fail, load_nodeinfo, ok, retry, skip
+from orchestrator.checks import Ctx, CheckResult, fail, ok, retry, skip
 from orchestrator.checks.gpu import gpus_from_probe
 from orchestrator.checks.gpu_health import probe_options
 from orchestrator.checks.net import attribute_port_reachable
@@ -38,7 +37,7 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import program
-from orchestrator.transfer.files import run_outputs
+from orchestrator.transfer.files import control_code, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
 LISTENER = program("portlisten")
@@ -71,12 +70,6 @@ def output_dir(inv: Inventory, node: Node) -> str:
     return node.workdir.rstrip("/") + "/" + d
 
 
-def control_workdir(inv: Inventory) -> str | None:
-    """The control machine's copy of the workdir, when it has one."""
-    p = os.path.expanduser(inv.workdir)
-    return p if os.path.isdir(p) else None
-
-
 # ------------------------------------------------------------------ running
 
 
@@ -87,7 +80,9 @@ def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeou
         shell.quote(names), shell.path(node.workdir), shell.path(output_dir(inv, node)),
         shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
         role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
-        shell.join([a for d in run_outputs(inv, node) for a in ("--output", d)])]).rstrip()
+        shell.join([a for d in run_outputs(inv, node) for a in ("--output", d)]
+                   + [a for g in inv.sync.include for a in ("--include", g)]
+                   + [a for g in inv.sync.exclude for a in ("--exclude", g)])]).rstrip()
 
 
 class _Listener:
@@ -248,10 +243,13 @@ def _gpus_found(nodes: list[Node], done: dict[str, str], probed_gpus: bool) -> d
 
 
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
-                  connect_timeout: float = 3.0, control_dir: str | None = None) -> PreflightReport:
-    """control_dir: the control machine's copy code_sync compares with (default: the inventory's
-    workdir here, when it exists). Nodes whose probe could not answer are probed again (a few
-    rounds within a few seconds, checks/retry.py); report.asked_again lists them per round."""
+                  connect_timeout: float = 3.0, control_dir: str | None = None,
+                  code_required: bool = False) -> PreflightReport:
+    """control_dir: the directory here whose sync selection code_sync compares every node with
+    (transfer/files.py code_source; None: the nodes are compared with each other).
+    code_required: an empty workdir fails code_sync even with no control_dir. Nodes whose probe
+    could not answer are probed again (a few rounds within a few seconds, checks/retry.py);
+    report.asked_again lists them per round."""
     t_start = time.monotonic()
     checks = list(CHECKS) if checks is None else ordered(checks)
     inv = inventory
@@ -269,11 +267,9 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
 
     probe_checks = [c for c in checks if c not in CONTROL]
     probes = _Probes(inv, probe_checks, connect_timeout)
-    extra = {}
-    if "code_sync" in probe_checks:
-        cw = control_dir or control_workdir(inv)
-        # the run's outputs are not code here either (transfer/files.py run_outputs, the one rule)
-        extra["control_code"] = load_nodeinfo().digest(cw, run_outputs(inv, inv.master)) if cw is not None else None
+    extra: dict = {"code_required": code_required}
+    if "code_sync" in probe_checks and control_dir is not None:
+        extra["control_code"] = control_code(inv, control_dir)
     if probe_checks and connected:
         probes.run(cluster, connected)
     _verdicts(cluster, nodes, reports, probes, extra)

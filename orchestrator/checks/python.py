@@ -142,36 +142,75 @@ def compare_python_env(texts: dict[str, str], ctx_of: dict[str, Ctx], master: st
     return out
 
 
+def name_some(paths: list[str], limit: int = 3) -> str:
+    """"a, b, c and 12 more"."""
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def differences(mine: dict[str, str], ref: dict[str, str], ref_name: str) -> str:
+    """What differs between a node's per-file hashes and the reference's (`ref_name`), a few
+    names of each kind."""
+    changed = sorted(p for p in mine if p in ref and mine[p] != ref[p])
+    missing = sorted(p for p in ref if p not in mine)
+    extra = sorted(p for p in mine if p not in ref)
+    parts = [f"{what} {name_some(paths)}" for what, paths in (
+        ("changed:", changed), ("missing:", missing), (f"not in {ref_name}:", extra)) if paths]
+    return "; ".join(parts) or "the node did not list its files"
+
+
+def _source(control: dict) -> str:
+    return f"this machine's {control['source']}" if control.get("source") else "this machine's copy"
+
+
+def sync_remedy(ctx: Ctx) -> str:
+    source = ctx.inventory.source
+    where = f"-i {source}" if source and not source.startswith("<") else "-i <inventory>"
+    return f"`clusterctl sync {where}` pushes it"
+
+
 def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str | None = None,
-                      control: dict | None = None) -> dict[str, CheckResult]:
-    """Equal workdir digests everywhere, and equal to the control machine's copy when given."""
-    out, digests = {}, {}
+                      control: dict | None = None, required: bool = False) -> dict[str, CheckResult]:
+    """Every node's workdir holds what a sync from this machine ships (`control`: nodeinfo's
+    digest with per-file hashes of that selection), else the same as the other nodes. A missing
+    workdir fails; an empty one fails when there is a control copy or `required`."""
+    out, codes = {}, {}
     for name, text in texts.items():
         info, why = node_info(text)
-        wd = ctx_of[name].node.workdir
+        wd, remedy = ctx_of[name].node.workdir, sync_remedy(ctx_of[name])
         code = (info or {}).get("code")
         if info is None or not code:
             out[name] = skip("code_sync", f"no digest: the node's python does not run ({why})")
         elif code.get("kind") == "missing":
-            out[name] = fail("code_sync", f"{wd} does not exist", "`clusterctl sync -i <inventory>` pushes it")
+            out[name] = fail("code_sync", f"{wd} does not exist", remedy)
+        elif not code["files"] and (control is not None or required):
+            n = len((control or {}).get("hashes") or {})
+            has = f": {n} file{'' if n == 1 else 's'} to ship from {_source(control)}" if control else ""
+            out[name] = fail("code_sync", f"{wd} holds no code{has}", remedy)
         else:
-            digests[name] = code
-    if not digests:
+            codes[name] = code
+    if not codes:
         return out
-    if master is None or master not in digests:
-        master = next((k for k, c in ctx_of.items() if c.is_master and k in digests), next(iter(digests)))
-    ref = _reference({k: v["digest"] for k, v in digests.items()}, master,
-                     control.get("digest") if control and control.get("kind") != "missing" else None)
-    against = "the control machine's copy" if control and control.get("kind") != "missing" else "the other nodes"
-    for name, code in digests.items():
+    if control is not None:
+        ref_digest, ref, against = control["digest"], control.get("hashes") or {}, _source(control)
+        ref_name = "this machine's copy"
+    else:
+        if master is None or master not in codes:
+            master = next((k for k, c in ctx_of.items() if c.is_master and k in codes), next(iter(codes)))
+        ref_digest = _reference({k: v["digest"] for k, v in codes.items()}, master)
+        ref_node = master if codes[master]["digest"] == ref_digest else \
+            next(k for k, v in codes.items() if v["digest"] == ref_digest)
+        ref, against, ref_name = codes[ref_node].get("hashes") or {}, f"the other nodes ({ref_node})", ref_node
+    for name, code in codes.items():
         head = f" (git {code['head']}{', dirty' if code.get('dirty') else ''})" if code.get("head") else ""
         n = code["files"]
         what = f"{n} file{'' if n == 1 else 's'}, digest {code['digest']}{head}"
-        if code["digest"] == ref:
+        if code["digest"] == ref_digest:
             out[name] = ok("code_sync", what)
         else:
-            out[name] = fail("code_sync", f"workdir ({what}) differs from {against} (digest {ref})",
-                             "push the same code everywhere: `clusterctl sync -i <inventory>`")
+            diff = differences(code.get("hashes") or {}, ref, ref_name)
+            out[name] = fail("code_sync", f"workdir ({what}) differs from {against}: {diff}",
+                             sync_remedy(ctx_of[name]))
     return out
 
 
@@ -181,9 +220,9 @@ NODEINFO = program("nodeinfo").decode()
 assert "\nPYEOF\n" not in NODEINFO
 
 # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
-# The workdir digest only when code_sync is asked for ("-" skips it); the run's output directory
-# is not code, nor are the run's outputs (the probe's --output arguments), nor any directory marked
-# as an output (see nodeinfo).
+# The workdir digest only when code_sync is asked for ("-" skips it), of what a sync ships (the
+# probe's --include/--exclude arguments); the run's output directory is not code, nor are the
+# run's outputs (the probe's --output arguments).
 PYTHON = Probe("python", """pwd_arg=-
 if want code_sync; then pwd_arg=$wd; fi
 echo "@@python"
@@ -198,7 +237,8 @@ PYTHON_ENV = Check(
     "GPUs, a ROCm build (whl/rocm6.x) on AMD GPUs",
     probes=(GPU, PYTHON), compare=compare_python_env)
 CODE_SYNC = Check(
-    "code_sync", "the workdir has the same files everywhere (and as the control machine's copy)",
-    "push the same code everywhere: `clusterctl sync -i <inventory>`",
+    "code_sync", "every workdir holds what `sync` ships from the checkout here (else the same as the others)",
+    "`clusterctl sync -i <inventory>` pushes it",
     probes=(PYTHON,), compare=lambda texts, ctx_of: compare_code_sync(
-        texts, ctx_of, control=next((c.extra.get("control_code") for c in ctx_of.values()), None)), fast=True)
+        texts, ctx_of, control=next((c.extra.get("control_code") for c in ctx_of.values()), None),
+        required=any(c.extra.get("code_required") for c in ctx_of.values())), fast=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -11,6 +12,7 @@ from orchestrator.checks.preflight import run_preflight, select_checks
 from orchestrator.checks.registry import CHECKS, REGISTRY
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, with_unreachable
+from orchestrator.transfer.files import code_source
 
 
 @click.command("preflight")
@@ -38,8 +40,11 @@ def preflight_command(opts: ClusterOptions, as_json: bool, only: str | None, ski
         sys.exit(EXIT_OK)
     checks = select_checks(only, skip_)
     inv = opts.load()
+    # code_sync compares every node with what `sync` would push from here
+    source = code_source(inv) if "code_sync" in checks else None
     with opts.cluster(inv) as cluster:
-        report = run_preflight(cluster, inv, checks, connect_timeout=port_timeout)
+        report = run_preflight(cluster, inv, checks, connect_timeout=port_timeout,
+                               control_dir=source if source and os.path.isdir(source) else None, code_required=True)
         unreachable = list(cluster.unreachable)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import sys
 
 import click
@@ -14,7 +14,8 @@ from orchestrator.sync import sync
 @click.command("sync")
 @cluster_options
 @click.option("--src", type=click.Path(file_okay=False), default=None,
-              help="Local directory to push (default: the inventory's workdir on this machine).")
+              help="Local directory to push (default: the inventory's sync.src, else the git checkout "
+                   "the current directory is in).")
 @click.option("--method", type=click.Choice(["auto", "relay", "tar", "rsync"]), default="auto",
               show_default=True,
               help="relay: one stream from here, forwarded node to node (each byte leaves this machine "
@@ -30,29 +31,30 @@ from orchestrator.sync import sync
                    "of the progress view.")
 def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tuple[str, ...],
                  exclude: tuple[str, ...], as_json: bool):
-    """Push the workdir to every node (.gitignore aware), then check code_sync."""
+    """Push this checkout (or --src, or the inventory's sync.src) to every node's workdir
+    (.gitignore aware), then check code_sync against it."""
     from rich.console import Console
 
     from orchestrator.checks.preflight import run_preflight
+    from orchestrator.transfer.files import require_code_source
     from orchestrator.transfer.progress import RichEvents, SyncEvents, summary
 
     inv = opts.load()
-    src = os.path.expanduser(src or inv.workdir)
-    if not os.path.isdir(src):
-        raise UsageError(f"nothing to push: {src} is not a directory here (use --src DIR)")
+    src = require_code_source(inv, src)
     for p in include + exclude:
         if not p or p.startswith(("/", "~")) or ".." in p.split("/"):
             raise UsageError(f"--include/--exclude {p!r}: give a path or glob inside {src}")
+    # --include/--exclude add to the inventory's: the push and the code_sync after it see the same selection
+    inv = dataclasses.replace(inv, sync=inv.sync.model_copy(update={
+        "include": [*inv.sync.include, *include], "exclude": [*inv.sync.exclude, *exclude]}))
     console = Console(stderr=True)
     with opts.cluster(inv) as cluster:
         if as_json:
-            report = sync(cluster, inv, src, method=method, include=include, exclude=exclude,
-                          events=SyncEvents())
+            report = sync(cluster, inv, src, method=method, events=SyncEvents())
         else:
             with RichEvents(console) as events:
-                report = sync(cluster, inv, src, method=method, include=include, exclude=exclude,
-                              events=events)
-        code = run_preflight(cluster, inv, ["code_sync"], control_dir=src)
+                report = sync(cluster, inv, src, method=method, events=events)
+        code = run_preflight(cluster, inv, ["code_sync"], control_dir=src, code_required=True)
         unreachable = list(cluster.unreachable)
     bad_code = {n.node.name: r.detail for n in code.nodes
                 if (r := n.results.get("code_sync")) is not None and r.status != "ok"}

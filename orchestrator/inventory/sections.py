@@ -69,13 +69,22 @@ class ChecksSection(_Model):
 
 
 class SyncSection(_Model):
-    """What `clusterctl sync` ships besides what git would: paths relative to the pushed directory.
-    include: directories or globs shipped even when .gitignore excludes them (a data directory);
-    exclude: globs never shipped (matched against the path, each parent directory and, without a
+    """What `clusterctl sync` pushes and ships besides what git would. src: the directory pushed
+    (on this machine, relative to the inventory's directory; default: the git checkout `sync` runs
+    in). include, exclude: paths relative to it. include: directories or globs shipped even when
+    .gitignore excludes them (a data directory); exclude: globs never shipped (matched against the path, each parent directory and, without a
     '/', the base name)."""
 
     include: list[str] = Field(default_factory=list)
     exclude: list[str] = Field(default_factory=list)
+    src: str | None = None
+
+    @field_validator("src")
+    @classmethod
+    def _src(cls, v):
+        if v is not None and (not v or "\x00" in v):
+            raise ValueError("must be a directory on this machine (relative to the inventory's directory)")
+        return v
 
     @field_validator("include", "exclude")
     @classmethod

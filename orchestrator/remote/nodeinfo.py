@@ -14,16 +14,17 @@ Hashed and send_tar come from there.
                                  line on stdin) as a tar to a relay.py `recv` on another node;
                                  prints "sent BYTES SHA256".
 Every mode takes `--output DIR` (repeated): a run's output directory, relative to WD or absolute;
-select also `--include GLOB` and `--exclude GLOB` (the inventory's sync section).
+info and select also `--include GLOB` and `--exclude GLOB` (the inventory's sync section).
 
-Outputs are never code. A directory named by --output, or holding .clusterctl-dir-id (the mark
-preflight, sync and spare preparation leave in a run's output directory: `prune` and `select`
-create it in each --output directory), is neither hashed, pruned, listed nor sent.
+Outputs are never code: a directory named by --output is neither hashed, pruned, listed nor
+sent. Nothing here writes into the workdir except `prune` (deleting) and a push's own files.
 
-The digest is content-based: for every file a git tree would ship (git ls-files -co
---exclude-standard in a git checkout, else a walk honouring .gitignore files) its path,
-executable bit and sha256. A git checkout and a plain copy of it hash the same, so a workdir
-pushed by `clusterctl sync` compares equal to the control machine's checkout.
+The digest is content-based: for every file a sync would ship (`select`: what a git tree would
+ship, git ls-files -co --exclude-standard in a git checkout, else a walk honouring .gitignore
+files, plus --include, minus --exclude) its path, executable bit and sha256. A git checkout and
+a plain copy of it hash the same, so a workdir pushed by `clusterctl sync` compares equal to the
+control machine's checkout. `info` also lists each file's short hash, so preflight's code_sync
+can name the files that differ.
 """
 import os
 import sys
@@ -60,8 +61,7 @@ def dumps(value):
         return "[" + ", ".join(dumps(v) for v in value) + "]"
     raise TypeError(f"cannot encode {type(value).__name__}")
 
-OWN_PREFIX = ".clusterctl-"  # the output dir id, relay staging: never part of the code
-OUTPUT_MARK = ".clusterctl-dir-id"  # marks a run's output directory (preflight, prune, select): not code
+OWN_PREFIX = ".clusterctl-"  # relay staging, an older clusterctl's output marks: never part of the code
 
 
 # ------------------------------------------------------------------ .gitignore subset
@@ -160,37 +160,6 @@ def output_dirs(root, paths):
     return out
 
 
-def is_output(root, rel, outputs):
-    """A directory named as an output, or marked as one on disk."""
-    return rel in outputs or os.path.exists(os.path.join(root, rel, OUTPUT_MARK))
-
-
-def mark_outputs(root, outputs):
-    """Create each output directory with its mark if missing, atomically (a temp file hard-linked
-    to the name, as preflight's output_shared does: on a shared filesystem the first node wins).
-    A workdir that does not exist is not created."""
-    import uuid
-
-    for rel in sorted(outputs) if os.path.isdir(root) else ():
-        d = os.path.join(root, rel)
-        mark = os.path.join(d, OUTPUT_MARK)
-        try:
-            os.makedirs(d, exist_ok=True)
-            if os.path.exists(mark) and os.path.getsize(mark):
-                continue
-            tmp = f"{mark}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(str(uuid.uuid4()) + "\n")
-            try:
-                os.link(tmp, mark)
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-        except OSError:
-            continue
-
-
 def walk_files(root, outputs=()):
     """Relative paths of the files a git tree would ship, honouring every .gitignore; output
     directories left out."""
@@ -216,7 +185,7 @@ def walk_files(root, outputs=()):
             if ignored(rules, r, is_dir):
                 continue
             if is_dir:
-                if not is_output(root, r, outputs):
+                if r not in outputs:
                     visit(e.path, r, rules)
             else:
                 out.append(r)
@@ -245,16 +214,7 @@ def git_files(root, outputs=()):
         return None
     files = sorted({f for f in ls.stdout.decode("utf-8", "surrogateescape").split("\0")
                     if f and not any(part.startswith(OWN_PREFIX) for part in f.split("/"))})
-    marked = {}  # directory -> holds the output marker (itself or a parent)
-
-    def output(d):
-        if not d:
-            return False
-        if d not in marked:
-            marked[d] = is_output(root, d, outputs) or output(os.path.dirname(d))
-        return marked[d]
-
-    files = [f for f in files if not output(os.path.dirname(f))]
+    files = [f for f in files if not under(f, outputs)]
     return files, head.stdout.decode().strip() or None, bool(st.stdout.strip())
 
 
@@ -264,31 +224,39 @@ def code_files(root, outputs=()):
     return (g[0], g[1], g[2], "git") if g else (walk_files(root, outputs), None, None, "tree")
 
 
-def digest(root, outputs=()):
-    """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of a workdir's code
-    (`outputs`: workdir-relative output directories, left out)."""
+def _entry(p):
+    """(mode, 32-byte content hash) of one file or symlink, or None when it is neither."""
     import hashlib  # a link's target, hashed whole
 
+    if os.path.islink(p):
+        return "l", hashlib.sha256(os.readlink(p).encode("utf-8", "surrogateescape")).digest()
+    if os.path.isfile(p):
+        return ("x" if os.access(p, os.X_OK) else "f"), bytes.fromhex(sha256_file(p))
+    return None
+
+
+def digest(root, outputs=(), include=(), exclude=(), listing=False):
+    """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of what a sync of the
+    workdir ships (`select`; `outputs`: workdir-relative output directories, left out). With
+    `listing`, also "hashes": {path: mode + 16 hex digits of its hash}, to name what differs."""
     if not os.path.isdir(root):
         return {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
-    files, head, dirty, kind = code_files(root, outputs)
+    code, head, dirty, kind = code_files(root, outputs)
     h = Hashed()
-    n = 0
-    for rel in files:
-        p = os.path.join(root, rel)
+    hashes = {}
+    for rel in select(root, include, exclude, outputs, code):
         try:
-            if os.path.islink(p):
-                content, mode = os.readlink(p).encode("utf-8", "surrogateescape"), "l"
-            elif os.path.isfile(p):
-                content, mode = bytes.fromhex(sha256_file(p)), "x" if os.access(p, os.X_OK) else "f"
-            else:
-                continue
+            entry = _entry(os.path.join(root, rel))
         except OSError:
             continue
+        if entry is None:
+            continue
+        mode, content = entry
         h.update(rel.encode("utf-8", "surrogateescape") + b"\0" + mode.encode() + b"\0")
-        h.update(content if mode != "l" else hashlib.sha256(content).digest())
-        n += 1
-    return {"kind": kind, "digest": h.hexdigest()[:16], "files": n, "head": head, "dirty": dirty}
+        h.update(content)
+        hashes[rel] = mode + content.hex()[:16]
+    doc = {"kind": kind, "digest": h.hexdigest()[:16], "files": len(hashes), "head": head, "dirty": dirty}
+    return doc | {"hashes": hashes} if listing else doc
 
 
 # ------------------------------------------------------------------ versions
@@ -434,10 +402,9 @@ def versions():
 
 def prune(root, manifest, outputs=()):
     """Delete the files under root that manifest (NUL-separated paths) does not list and no
-    .gitignore ignores: what a push left behind from an older tree. Output directories are marked
-    (created if missing) and left alone."""
+    .gitignore ignores: what a push left behind from an older tree. Output directories are left
+    alone."""
     keep = {p for p in manifest.decode("utf-8", "surrogateescape").split("\0") if p}
-    mark_outputs(root, outputs)
     removed = 0
     for rel in walk_files(root, outputs):
         if rel not in keep:
@@ -497,10 +464,11 @@ def under(rel, dirs):
     return any(rel == d or rel.startswith(d + "/") for d in dirs)
 
 
-def select(src, include=(), exclude=(), outputs=()):
-    """Sorted relative paths a sync of src ships: the code, plus `include`, minus `exclude` and
-    the output directories."""
-    files = [f for f in code_files(src, outputs)[0] if os.path.lexists(os.path.join(src, f))]
+def select(src, include=(), exclude=(), outputs=(), code=None):
+    """Sorted relative paths a sync of src ships: the code (`code`: code_files' list, when the
+    caller has it), plus `include`, minus `exclude` and the output directories."""
+    code = code_files(src, outputs)[0] if code is None else code
+    files = [f for f in code if os.path.lexists(os.path.join(src, f))]
     files = set(files) | set(included(src, include))
     return sorted(f for f in files if not excluded(f, exclude) and not under(f, outputs)
                   and not any(p.startswith(OWN_PREFIX) for p in f.split("/")))
@@ -561,7 +529,8 @@ def main(argv):
     wd, opts = _options(argv[1:])
     if mode == "info":
         doc = versions()
-        doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]))
+        doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]), opts["--include"],
+                                                    opts["--exclude"], listing=True)
         print(dumps(doc))
     elif mode == "send":
         send(os.path.realpath(wd), float(opts["--idle"][0]), float(opts["--connect-timeout"][0]))
@@ -571,7 +540,6 @@ def main(argv):
         if mode == "prune":
             prune(root, sys.stdin.buffer.read(), outputs)
         else:
-            mark_outputs(root, outputs)
             print(dumps({"files": select(root, opts["--include"], opts["--exclude"], outputs),
                          "code": digest(root, outputs)}))
     return 0

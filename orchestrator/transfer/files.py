@@ -5,7 +5,10 @@ node that hands its code to a spare (runs/spares.py) picks the same files as thi
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
+from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import common, load_nodeinfo
 
@@ -73,3 +76,50 @@ def run_outputs(inv: Inventory, node: Node) -> list[str]:
         dirs.append(_trainer_output_dir())
     out = [_inside(node.workdir, d) for d in dirs if d]
     return sorted({d for d in out if d})
+
+
+def checkout_of(cwd: str) -> str | None:
+    """The top of the git checkout holding `cwd` (`git rev-parse --show-toplevel`), or None."""
+    try:
+        p = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    top = p.stdout.strip() if p.returncode == 0 else ""
+    return top or None
+
+
+def code_source(inv: Inventory, src: str | None = None, cwd: str | None = None) -> str | None:
+    """The directory on this machine whose files `sync` pushes and code_sync compares with:
+    `src` (--src), else the inventory's `sync.src` (relative to the inventory's directory), else
+    the git checkout the current directory is in; None when there is none."""
+    if src is None and inv.sync.src is not None:
+        src = os.path.expanduser(inv.sync.src)
+        if not os.path.isabs(src) and os.path.isfile(inv.source):
+            src = os.path.join(os.path.dirname(os.path.abspath(inv.source)), src)
+    if src is not None:
+        return os.path.abspath(os.path.expanduser(src))
+    return checkout_of(cwd or os.getcwd())
+
+
+def require_code_source(inv: Inventory, src: str | None = None, cwd: str | None = None) -> str:
+    """code_source, or a UsageError that says why there is none and how to name one."""
+    found = code_source(inv, src, cwd)
+    if found is not None and os.path.isdir(found):
+        return found
+    if found is not None:
+        raise UsageError(f"nothing to push: {found} is not a directory here (give --src DIR, or `sync: {{src: DIR}}` "
+                         "in the inventory)")
+    here = os.path.abspath(cwd or os.getcwd())
+    why = (f"{here} is not inside a git checkout" if shutil.which("git") else
+           f"git is not installed on this machine, so the checkout {here} may be in cannot be found")
+    raise UsageError(f"nothing to push: {why}. Run sync from the checkout whose code the nodes should get, "
+                     "or name the directory with --src DIR or `sync: {src: DIR}` in the inventory")
+
+
+def control_code(inv: Inventory, src: str) -> dict:
+    """What code_sync compares every node with: the digest and per-file hashes of the files a
+    sync of `src` ships (the inventory's include and exclude, no run outputs)."""
+    outputs = {d for n in inv.nodes for d in run_outputs(inv, n)}
+    return load_nodeinfo().digest(src, outputs, tuple(inv.sync.include), tuple(inv.sync.exclude), listing=True) \
+        | {"source": src}
