@@ -45,6 +45,7 @@ LAZY_COMMANDS = {
     "launch": "orchestrator.cli.launch:launch_command",
     "top": "orchestrator.cli.top:top_command",
     "fetch": "orchestrator.cli.fetch:fetch_command",
+    "cp": "orchestrator.cli.cp:cp_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.

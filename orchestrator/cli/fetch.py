@@ -9,15 +9,15 @@ import click
 
 from orchestrator.cli.jsonout import emit
 from orchestrator.cli.runs import complete_run_ids
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, with_unreachable
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, with_unreachable
 from orchestrator.runs.fetch import TIMEOUT, check_path, fetch
 from orchestrator.runs.store import Run
 
 
-def _size(n: int) -> str:
+def size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
 
@@ -35,23 +35,36 @@ def fetch_command(run_id, path, nodes, output, timeout, as_json):
     """Copy a run's files from every node it used: its artifacts (checkpoints/, tensorboard/) into
     NODE/artifacts/ and each attempt's node-side log, spec and exit code into NODE/node-runs/.
 
-    PATH (relative to the run's artifacts, e.g. `checkpoints`) copies only that. Exits 3 naming
+    PATH copies only that file or tree: relative, from the run's artifacts (e.g. `checkpoints`)
+    or else from the node's workdir (e.g. `out/ckpt.pt`, into NODE/workdir/); `~/...` or absolute,
+    from inside the workdir or the home (NODE/workdir/, NODE/home/); anywhere else is refused
+    (exit 2). A PATH a node does not have exits 1 naming the node and the path. Exits 3 naming
     every node that could not be reached; the others are still copied."""
     rel = check_path(path)
     run = Run.find(run_id)
     results = fetch(run, rel, nodes, Path(output) if output else None, timeout)
     for f in results:
         if f.ok:
-            click.echo(f"{f.name}: {f.files} files, {_size(f.bytes)} → {f.dest}", err=True)
+            head = f"{f.name}: {f.source}: " if f.source else f"{f.name}: "
+            click.echo(f"{head}{f.files} files, {size_text(f.bytes)} → {f.dest}", err=True)
         else:
             click.echo(f"{f.name}: not fetched: {f.error}", err=True)
     unreachable = [f.name for f in results if f.unreachable]
+    refused = [f for f in results if f.error_kind == "outside"]
     failed = [f.name for f in results if not f.ok and not f.unreachable]
-    code = with_unreachable(unreachable, EXIT_FAILED if failed else EXIT_OK)
+    code = with_unreachable(unreachable, EXIT_USAGE if refused else EXIT_FAILED if failed else EXIT_OK)
     if unreachable:
         click.echo(f"clusterctl: error: could not reach {', '.join(unreachable)}, so "
                    f"{'its' if len(unreachable) == 1 else 'their'} files of run {run.id} were not "
                    f"fetched; the other nodes' were", err=True)
+    elif refused:
+        click.echo(f"clusterctl: error: {rel} is refused: fetch copies only from the run's artifacts, the "
+                   f"node's workdir and its home ({refused[0].error})", err=True)
+    elif failed:
+        click.echo(f"clusterctl: error: {rel or 'the run files'} could not be fetched from "
+                   f"{', '.join(failed)} (see above); "
+                   + ("use --node to fetch from the nodes that have it" if len(failed) < len(results)
+                      else "nothing was fetched"), err=True)
     if as_json:
         emit({"ok": code == EXIT_OK, "run_id": run.id, "path": rel,
               "nodes": [f.doc() for f in results]})

@@ -30,6 +30,15 @@ level 0700 (0750 under share_with_group: common.py private_files, own_dir).
                             path inside them, - for all) as artifacts/..., and of each node-runs
                             directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;
                             regular files only, what is missing is left out
+  tree SPEC                 an uncompressed tar on stdout of one path and everything under it:
+                            files, directories (empty ones too) and symbolic links as links
+                            (`cp`, `fetch RUN PATH`). SPEC is JSON, either {"path": P, "name": N}:
+                            P (`~` is this user's home) sent as N; or {"path": P, "run": RUN_ID,
+                            "workdir": W}: a relative P is looked for in the run's artifacts, then
+                            in W, and sent as artifacts/REL, workdir/REL or home/REL after the
+                            first of those that holds it (links in its parents resolved), one
+                            outside all three refused. Exit TREE_MISSING when P does not exist,
+                            TREE_OUTSIDE when it lies outside
 """
 import json
 import os
@@ -43,6 +52,7 @@ CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
 # the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)
 FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
+TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads this file for them)
 
 
 def prepare(run_id):
@@ -182,6 +192,69 @@ def pack(run_id, rel, *keys):
                 continue  # gone since it was listed (a pruned checkpoint)
 
 
+def _located(path, roots):
+    """LABEL/REL of path under the first root that holds it (links in its parents resolved, the
+    path itself never followed), or None."""
+    where = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    for label, root in roots:
+        root = os.path.realpath(os.path.expanduser(root))
+        if where == root or where.startswith(root.rstrip("/") + "/"):
+            rel = os.path.relpath(where, root)
+            return label if rel == "." else label + "/" + rel
+    return None
+
+
+def _tree_source(s):
+    """(path, name in the stream) for a `tree` SPEC; exits when there is none to send."""
+    asked = s["path"]
+    if "name" in s:
+        tried, roots = [asked], None
+    else:
+        if not safe_name(s["run"]):
+            sys.exit("bad run id")
+        run_dir = os.path.join(BASE, s["run"])
+        roots = [("artifacts", run_dir), ("workdir", s["workdir"]), ("home", "~")]
+        tried = [asked] if asked.startswith(("/", "~")) else [os.path.join(run_dir, asked),
+                                                               os.path.join(s["workdir"], asked)]
+    found = [os.path.normpath(os.path.expanduser(p)) for p in tried if os.path.lexists(os.path.expanduser(p))]
+    if not found:
+        sys.stderr.write("no such file or directory: %s\n" % " or ".join(tried))
+        sys.exit(TREE_MISSING)
+    name = s["name"] if roots is None else _located(found[0], roots)
+    if not name:
+        sys.stderr.write("%s lies outside the run's artifacts, the workdir (%s) and the home directory\n"
+                         % (found[0], s["workdir"]))
+        sys.exit(TREE_OUTSIDE)
+    return found[0], name
+
+
+def tree(spec):
+    path, name = _tree_source(json.loads(spec))
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|", bufsize=CHUNK) as tar:
+        for p, arcname in _walk(path, name):
+            tar.inodes.clear()  # each file whole, never a hard-link member (the reader takes none)
+            try:
+                tar.add(p, arcname=arcname, recursive=False)
+            except OSError as e:
+                sys.stderr.write("cannot read %s: %s\n" % (p, e.strerror or e))
+                sys.exit(1)
+
+
+def _walk(path, name):
+    """(path, arcname) of path and, for a directory, everything under it in sorted order: files,
+    directories and symbolic links (never followed); sockets, FIFOs and devices left out."""
+    yield path, name
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
+    for d, dirs, files in os.walk(path):
+        dirs.sort()
+        rel = os.path.relpath(d, path)
+        for n in sorted(dirs + files):
+            p = os.path.join(d, n)
+            if os.path.islink(p) or os.path.isdir(p) or os.path.isfile(p):
+                yield p, name + "/" + (n if rel == "." else rel + "/" + n)
+
+
 def frame(head, body):
     """One record: a JSON header line (`head` and "size") then `size` bytes of body."""
     return json.dumps(dict(head, size=len(body))).encode() + b"\n" + body
@@ -232,4 +305,4 @@ if __name__ == "__main__":
     private_files()
     cmd, args = sys.argv[1], sys.argv[2:]
     {"prepare": prepare, "held": held, "prune": prune, "send": send, "receive": receive, "poll": poll,
-     "pack": pack}[cmd](*args)
+     "pack": pack, "tree": tree}[cmd](*args)

@@ -236,8 +236,8 @@ class Pass:
 
 
 def extract(stream, staging):
-    """Unpack the tar stream into staging (its files and symbolic links; directories follow from
-    them); returns the number of entries."""
+    """Unpack the tar stream into staging (its files, symbolic links and directories, an empty one
+    too); returns the number of files and links."""
     import tarfile
 
     root = os.path.realpath(staging)
@@ -246,9 +246,9 @@ def extract(stream, staging):
         for m in tar:
             if not tar_member_ok(m, root, links=True):
                 raise Failed("refusing unsafe path in the stream: " + m.name)
-            if m.isfile() or m.issym():
+            if m.isfile() or m.issym() or m.isdir():
                 extract_member(tar, m, root, links=True)
-                count += 1
+                count += not m.isdir()
     return count
 
 

@@ -1,11 +1,15 @@
 """`clusterctl fetch`: a run's files copied from its nodes to the control machine.
 
-Each node sends one uncompressed tar (orchestrator/remote/artifacts.py `pack`) over the
-connection's stdout: the run's artifacts (~/.clusterctl/artifacts/RUN/, checkpoints/ and
+Without PATH each node sends one uncompressed tar (orchestrator/remote/artifacts.py `pack`) over
+the connection's stdout: the run's artifacts (~/.clusterctl/artifacts/RUN/, checkpoints/ and
 tensorboard/) as artifacts/..., and the node-runs directory of every attempt the node took part
 in (~/.clusterctl/node-runs/KEY@NODE/: log, spec.json, exit_code, ...) as node-runs/KEY@NODE/....
-The bytes go through a pipe into a tar reader that extracts member by member, so neither the
-archive nor a file is ever held whole in memory or on disk twice. Every node at once.
+With PATH it sends that one path (artifacts.py `tree`): relative, in the run's artifacts or else
+in the node's workdir (artifacts/PATH, workdir/PATH); `~/...` or absolute, inside the workdir or
+the home (workdir/..., home/...); anywhere else is refused on the node, links resolved there.
+The bytes go through a pipe into a tar reader that extracts member by member
+(transfer/copy.py `pull`), so neither the archive nor a file is ever held whole in memory or on
+disk twice. Every node at once.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.checkpoints import AGENT, artifacts_cmd
+from orchestrator.runs.checkpoints import artifacts_cmd
 from orchestrator.runs.store import Run
-from orchestrator.transfer.unpack import Unpacker
+from orchestrator.transfer.copy import pull, tree_cmd
 from orchestrator.transport import Cluster
 
 TIMEOUT = 3600.0  # the default limit on one node's whole fetch
@@ -24,13 +28,15 @@ JOIN_S = 60.0  # how long the extraction may take past the node's last byte
 
 
 def check_path(path: str | None) -> str | None:
-    """A relative path inside the run's artifacts, normalised; None for everything."""
+    """PATH normalised: relative (the run's artifacts, else the workdir), `~/...` or absolute; no
+    `..` part. None for everything. Whether it lies inside the workdir or the home is the node's
+    to say (artifacts.py `tree`), where links resolve."""
     if path is None:
         return None
     p = PurePosixPath(path)
-    if p.is_absolute() or ".." in p.parts:
-        raise UsageError(f"PATH must be relative to the run's artifacts and stay inside them "
-                         f"(e.g. checkpoints or tensorboard): got {path!r}")
+    if ".." in p.parts:
+        raise UsageError(f"PATH must stay inside the run's artifacts, the node's workdir or its home "
+                         f"(e.g. checkpoints, out/ckpt.pt or ~/data), without `..`: got {path!r}")
     return None if str(p) == "." else str(p)
 
 
@@ -58,11 +64,12 @@ class NodeFetch:
     files: int = 0
     stream_bytes: int = 0  # bytes of the tar stream that came over the connection
     unreachable: bool = False
+    source: str | None = None  # with PATH: what it was found as on the node (artifacts/..., workdir/..., home/...)
 
     def doc(self) -> dict:
         return {"name": self.name, "ok": self.ok, "exit_code": self.exit_code, "error": self.error,
                 "error_kind": self.error_kind, "bytes": self.bytes, "files": self.files,
-                "stream_bytes": self.stream_bytes, "dest": str(self.dest)}
+                "stream_bytes": self.stream_bytes, "dest": str(self.dest), "source": self.source}
 
 
 def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list[str]]:
@@ -75,49 +82,23 @@ def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list
 
 def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] = (), out: Path | None = None,
           timeout: float = TIMEOUT) -> list[NodeFetch]:
-    """Copy the run's files from each of its nodes (or `only` those) into OUT/NODE/ (default
-    runs/RUN/fetched/NODE/). One NodeFetch per node; a node that failed or could not be reached
-    is reported in its NodeFetch, the others are still fetched."""
+    """Copy the run's files (or PATH) from each of its nodes (or `only` those) into OUT/NODE/
+    (default runs/RUN/fetched/NODE/). One NodeFetch per node; a node that failed, lacks PATH or
+    could not be reached is reported in its NodeFetch, the others are still fetched."""
     rel = check_path(path)
     keys = nodes_of(run, only)
     root = out if out is not None else run.dir / "fetched"
-    results = {n: NodeFetch(n, root / n) for n in keys}
     spec = run.spec
+
+    def command(n) -> str:
+        if rel is None:
+            return artifacts_cmd(n, "pack", run.id, "-", *keys[n.name])
+        return tree_cmd(n, {"path": rel, "run": run.id, "workdir": n.workdir})
+
     with Cluster(spec.load_inventory(list(keys)), connect_timeout=spec.connect_timeout,
                  fanout=spec.fanout) as cluster:
-        unpackers = {}
-        for name in keys:
-            if name in cluster.connections:
-                results[name].dest.mkdir(parents=True, exist_ok=True)
-                unpackers[name] = Unpacker(results[name].dest, name=f"fetch-{name}")
-
-        errs = {n: bytearray() for n in keys}
-
-        def on_bytes(node: str, stream: str, data: bytes) -> None:
-            if stream == "stdout" and node in unpackers:
-                unpackers[node].feed(data)
-            elif stream == "stderr":
-                errs[node] += data
-                del errs[node][:-4096]  # the end of it is what explains a failure
-
-        try:
-            res = cluster.run(lambda n: artifacts_cmd(n, "pack", run.id, rel or "-", *keys[n.name]),
-                              stdin=AGENT, nodes=list(keys), timeout=timeout, capture=False, on_bytes=on_bytes)
-        finally:
-            for u in unpackers.values():
-                u.close(JOIN_S)
-    for name, r in res.items():
-        f = results[name]
-        if (u := unpackers.get(name)) is not None:
-            f.files, f.bytes, f.stream_bytes = u.files, u.bytes, u.stream_bytes
-        kind = getattr(r.kind, "value", r.kind)
-        f.exit_code, f.error_kind = r.exit_code, None if kind is None else str(kind)
-        f.unreachable = name in cluster.unreachable
-        if not r.ok:
-            tail = errs[name].decode(errors="replace").strip()[-300:]
-            f.error = r.describe() + (f": {tail}" if tail else "")
-        elif u is not None and u.error:
-            f.error, f.error_kind = f"could not unpack: {u.error}", "unpack"
-        else:
-            f.ok = True
-    return [results[n] for n in keys]
+        got = pull(cluster, command, {n: root / n for n in keys}, path=rel or "", tree=rel is not None,
+                   timeout=timeout)
+    return [NodeFetch(n, root / n, g.ok, g.exit_code, g.error, g.error_kind, g.bytes, g.files, g.stream_bytes,
+                      g.unreachable, g.top if rel is not None and g.ok else None)
+            for n, g in ((n, got[n]) for n in keys)]

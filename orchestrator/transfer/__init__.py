@@ -17,6 +17,7 @@ class SyncResult:
     detail: str  # what was done, or why it failed
     bytes: int = 0  # bytes of the stream (or of the files rsync sent) that reached the node
     seconds: float = 0.0
+    files: int = 0  # files (and links) written on the node, when it reports them
 
     @property
     def error(self) -> str | None:

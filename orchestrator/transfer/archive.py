@@ -25,6 +25,8 @@ def _header(rel: str, st: os.stat_result, link: str | None) -> bytes:
     info.mode = stat.S_IMODE(st.st_mode)
     if link is not None:
         info.type, info.linkname = tarfile.SYMTYPE, link
+    elif stat.S_ISDIR(st.st_mode):
+        info.type = tarfile.DIRTYPE
     else:
         info.size = st.st_size
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
@@ -47,10 +49,13 @@ def _contents(f, size: int) -> Iterator[bytes]:
 class TarStream:
     """Iterate for the chunks of a tar of `files` (relative to src); afterwards `.sha256` and
     `.bytes` describe exactly what was produced, and `.skipped` lists files that vanished or
-    could not be read."""
+    could not be read. A directory in `files` is left out, or with dirs=True sent as a directory
+    entry (an empty one arrives too). `names` renames entries in the stream: {rel: name}."""
 
-    def __init__(self, src: str, files: list[str], chunk: int = CHUNK):
+    def __init__(self, src: str, files: list[str], chunk: int = CHUNK, *, dirs: bool = False,
+                 names: dict[str, str] | None = None):
         self.src, self.files, self.chunk = src, files, chunk
+        self.dirs, self.names = dirs, names or {}
         self._sha = hashlib.sha256()
         self.bytes = 0
         self.skipped: list[str] = []
@@ -61,12 +66,14 @@ class TarStream:
 
     def _raw(self) -> Iterator[bytes]:
         for rel in self.files:
-            path = os.path.join(self.src, rel)
+            path, name = os.path.join(self.src, rel), self.names.get(rel, rel)
             try:
                 st = os.lstat(path)
                 if stat.S_ISLNK(st.st_mode):
-                    yield _header(rel, st, os.readlink(path))
+                    yield _header(name, st, os.readlink(path))
                     continue
+                if stat.S_ISDIR(st.st_mode) and self.dirs:
+                    yield _header(name, st, None)
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 f = open(path, "rb")
@@ -75,7 +82,7 @@ class TarStream:
                 continue
             with f:
                 st = os.fstat(f.fileno())
-                yield _header(rel, st, None)
+                yield _header(name, st, None)
                 yield from _contents(f, st.st_size)
         yield bytes(2 * BLOCK)  # end of archive
 

@@ -58,8 +58,11 @@ class Chain:
     def __init__(self, cluster: Cluster, nodes: list[Node], src: str, files: list[str], *,
                  chain: bool = True, on_bytes: Callable[[str, int], None] | None = None,
                  timeout: float = 3600.0, dest: Callable[[Node], str] | None = None,
-                 python: Callable[[Node], str] | None = None):
+                 python: Callable[[Node], str] | None = None, stream: Callable[[], TarStream] | None = None):
         self.cluster, self.src, self.files, self.chain = cluster, src, files, chain
+        # the stream each segment head sends: the files as they are, unless a caller names and
+        # shapes it (cp: directories too, the top entry renamed)
+        self.stream = stream or (lambda: TarStream(self.src, self.files))
         # where the tree lands and which interpreter runs the relay: the workdir and the node's
         # python unless a caller ships elsewhere (setup: a wheelhouse, before the venv exists)
         self.dest = dest or (lambda n: n.workdir)
@@ -126,7 +129,7 @@ class Chain:
         self._plan_segments()
         if hop.head is hop:
             yield b"source stdin\n"
-            stream = TarStream(self.src, self.files)
+            stream = self.stream()
             yield from framed(stream)
             with self.cond:
                 self.bytes_sent += stream.bytes
@@ -193,7 +196,7 @@ class Chain:
         if r.ok and hop.done:
             via = "" if hop.head is hop else f" (relayed from {self.order[self.order.index(hop) - 1].node.name})"
             return SyncResult(hop.node.name, method, True, f"{hop.files} files, {hop.bytes / 1e6:.1f} MB{via}",
-                              hop.bytes, r.duration)
+                              hop.bytes, r.duration, hop.files)
         err = [ln.removeprefix("relay: ") for ln in r.stderr.splitlines() if ln.strip()]
         why = err[-1] if err else (r.error or f"the relay exited with code {r.exit_code}")
         if hop.port is None and not err:
@@ -202,7 +205,7 @@ class Chain:
 
 
 def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, chain: bool,
-         on_bytes=None, timeout: float = 3600.0, dest=None, python=None
+         on_bytes=None, timeout: float = 3600.0, dest=None, python=None, stream=None
          ) -> tuple[list[SyncResult], int, list[str]]:
     """Relay (chain=True) or direct tar pushes to `nodes`, in groups of at most the fan-out (a
     relay needs all its nodes running at once). Returns (results, bytes sent from here, notes)."""
@@ -210,7 +213,8 @@ def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, cha
     t0 = time.monotonic()
     for i in range(0, len(nodes), cluster.fanout):
         c = Chain(cluster, nodes[i:i + cluster.fanout], src, files, chain=chain, on_bytes=on_bytes,
-                  timeout=max(1.0, timeout - (time.monotonic() - t0)), dest=dest, python=python)
+                  timeout=max(1.0, timeout - (time.monotonic() - t0)), dest=dest, python=python,
+                  stream=stream)
         results += c.run()
         sent += c.bytes_sent
         notes += c.notes

@@ -8,7 +8,9 @@ member's data straight from the pipe; its stream mode re-joins and re-slices a b
 read. Only
 plain files and directories are taken, none outside the directory (remote/common.py's member
 rule, the nodes' own): any other member ends the extraction with an error, and the rest of the stream is still read so the sender never blocks.
-With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
+With `tree=True` (a copy of a tree: `cp`, `fetch` of a path) symbolic links are taken too, as
+links (the same rule with links=True), and each file keeps its mode less the umask (a script stays
+executable). With `checksums=True` each file's sha256 is taken as it is written (`digests`), so a caller checking
 checksums need not read the file back.
 """
 
@@ -58,13 +60,14 @@ class _Forward:
 
 
 class Unpacker:
-    def __init__(self, dest: Path, *, checksums: bool = False, name: str = "unpack"):
-        self.dest, self.checksums = dest, checksums
+    def __init__(self, dest: Path, *, checksums: bool = False, tree: bool = False, name: str = "unpack"):
+        self.dest, self.checksums, self.tree = dest, checksums, tree
         self.files = 0  # files written
         self.bytes = 0  # bytes of those files
         self.stream_bytes = 0  # bytes of the tar stream fed in
         self.digests: dict[Path, str] = {}  # with checksums=True: file written → its sha256
         self.error: str | None = None
+        self.first: str | None = None  # the first member's name (a tree's top entry)
         r, w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux: a 1 MiB pipe, fewer thread switches
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE)
@@ -96,15 +99,21 @@ class Unpacker:
             member_ok = common().tar_member_ok
             with tarfile.open(fileobj=_Forward(self._r), mode="r:") as tar:
                 for m in tar:
-                    if not member_ok(m, self.dest):
+                    if not member_ok(m, self.dest, links=self.tree):
                         raise tarfile.TarError(f"refusing tar member {m.name!r}")
+                    self.first = self.first or m.name
                     parts = PurePosixPath(m.name).parts
                     dst = self.dest.joinpath(*parts)
                     if m.isdir():
                         dst.mkdir(parents=True, exist_ok=True)
                         continue
                     dst.parent.mkdir(parents=True, exist_ok=True)
+                    if m.issym():
+                        self._link(m.linkname, dst)
+                        continue
                     self._write(tar.extractfile(m), dst)
+                    if self.tree:
+                        os.chmod(dst, m.mode & 0o777 & ~common().current_umask())
                     self.files += 1
                     self.bytes += m.size
         except (OSError, tarfile.TarError) as e:
@@ -113,6 +122,13 @@ class Unpacker:
             while self._r.read(PIPE):  # drain: the transport thread must never block on us
                 pass
             self._r.close()
+
+    def _link(self, target: str, dst: Path) -> None:
+        """A symbolic link at dst (what was there before, not a directory, replaced)."""
+        if dst.is_symlink() or dst.exists() and not dst.is_dir():
+            dst.unlink()
+        os.symlink(target, dst)
+        self.files += 1
 
     def _write(self, src, dst: Path) -> None:
         h = hashlib.sha256() if self.checksums else None
