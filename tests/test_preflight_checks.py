@@ -235,3 +235,76 @@ def test_a_probe_that_did_not_finish_is_unanswered_and_asked_again():
     # m (8 GPUs in the inventory, no GPU tool) fails for good: only w1 is asked again
     assert reports["m"].results["gpu_count"].status == "fail"
     assert retry.ask_again({k: r.results for k, r in reports.items()}) == ["w1"]
+
+
+# ------------------------------------------------------------------ code_sync against this machine's copy
+
+def _code(files: dict[str, str] | None, kind="tree"):
+    """The @@python section a node prints, its code listing from `files` (path -> hash)."""
+    if files is None:
+        code = {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
+    else:
+        code = {"kind": kind, "digest": "d" + str(sorted(files.items())), "files": len(files), "head": None,
+                "dirty": None, "hashes": files}
+    return sec("python", json.dumps({"python": "3.11.7", "torch": "2.13.0", "code": code}))
+
+
+def _control(files):
+    return {"kind": "git", "digest": "d" + str(sorted(files.items())), "files": len(files), "hashes": files,
+            "source": "/home/me/proj"}
+
+
+def test_code_sync_names_the_files_that_differ_from_this_machines_copy():
+    from orchestrator.checks.python import compare_code_sync
+
+    here = {f"f{i}.py": f"f{i:016x}" for i in range(6)}
+    node = dict(here, **{"f0.py": "fchanged00000000"})
+    for i in range(1, 6):
+        del node[f"f{i}.py"]
+    node["stray.py"] = "f1111111111111111"
+    c = {n.name: ctx(n) for n in INV.nodes}
+    out = compare_code_sync({"m": _code(here), "w1": _code(node)}, c, "m", _control(here))
+    assert out["m"].status == "ok" and "6 files" in out["m"].detail
+    r = out["w1"]
+    assert r.status == "fail" and "/home/me/proj" in r.detail, r
+    assert "changed: f0.py" in r.detail and "missing: f1.py, f2.py, f3.py and 2 more" in r.detail, r.detail
+    assert "not in this machine's copy: stray.py" in r.detail, r.detail
+    assert r.remedy == "`clusterctl sync -i <inventory>` pushes it"
+    # compared only with each other, the same node set passes: the control copy is what decides
+    alone = compare_code_sync({"m": _code(node), "w1": _code(node)}, c, "m")
+    assert {x.status for x in alone.values()} == {"ok"}
+
+
+def test_code_sync_fails_an_empty_or_missing_workdir():
+    from orchestrator.checks.python import compare_code_sync
+
+    c = {n.name: ctx(n) for n in INV.nodes}
+    here = {"train.py": "f0123456789abcdef", "lib.py": "f0123456789abcdee"}
+    out = compare_code_sync({"m": _code({}), "w1": _code(None)}, c, "m", _control(here))
+    assert out["m"].status == "fail" and "holds no code: 2 files to ship from this machine's /home/me/proj" \
+        in out["m"].detail, out["m"]
+    assert out["w1"].status == "fail" and "does not exist" in out["w1"].detail
+    # no copy here to compare with: an empty workdir still fails when code is required (the
+    # preflight and sync commands), and passes for a job that brings its own script (train's)
+    empty = {"m": _code({}), "w1": _code({})}
+    assert {r.status for r in compare_code_sync(empty, c, "m", required=True).values()} == {"fail"}
+    assert {r.status for r in compare_code_sync(empty, c, "m").values()} == {"ok"}
+
+
+def test_output_shared_writes_nothing_and_names_the_directory(tmp_path):
+    """The probe names the nearest existing directory (inode, device, machine) and the path
+    below it: two homes differ, the same directory matches, and nothing is created."""
+    from orchestrator.checks.output_shared import _id
+    from orchestrator.checks.preflight import probe_locally
+
+    def name(out):
+        inv = parse_inventory(yaml.safe_dump({"workdir": str(tmp_path / "wd"), "output_dir": str(out),
+                                              "nodes": [{"name": "a", "connection": "local"}]}), "<t>")
+        return _id(probe_locally(inv, inv.nodes[0], ["output_shared"]))
+
+    (tmp_path / "wd").mkdir()
+    a, b = name(tmp_path / "wd" / "runs"), name(tmp_path / "wd" / "runs")
+    assert a and a == b and a.endswith(" runs/"), a
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wd"] and not list((tmp_path / "wd").iterdir())
+    (tmp_path / "other").mkdir()
+    assert name(tmp_path / "other" / "runs") != a

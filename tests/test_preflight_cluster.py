@@ -83,9 +83,14 @@ def test_healthy_cluster_all_ok_one_handshake_per_node(cl, tmp_path, capsys):
     assert "rank 0-1 → node1" in report.rank_map() and "world size 8" in report.rank_map()
     assert result(report, "node2", "port_reachable").status == "ok"
     assert "4/4" not in result(report, "node1", "port_reachable").detail  # 3 workers
+    # the command compares code_sync with what `sync` would push from here: the nodes' code
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text(cl.nodes[0].run("cat ~/gpt_train/train.py").stdout)
+    (tmp_path / "code" / ".gitignore").write_text("data/\n")
+    path = cl.write_inventory(tmp_path / "nodes.yaml", checks={"disk_min_gb": 0.1}, sync={"src": "code"})
     rc = main(["preflight", "-i", str(path), "--json", "--skip", "python_env"])
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 0 and doc["ok"] is True
+    assert rc == 0 and doc["ok"] is True, [(n["name"], c) for n in doc["nodes"] for c in n["checks"] if c["status"] != "ok"]
     assert [n["name"] for n in doc["nodes"]] == ["node1", "node2", "node3", "node4"]
     assert [c["check"] for c in doc["nodes"][0]["checks"]] == NOT_ENV
     # the listener is gone: nothing of ours left listening on the master (sshd may still be

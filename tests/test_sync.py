@@ -276,3 +276,63 @@ def test_preflights_probe_leaves_its_output_directory_out_of_the_digest(tmp_path
     assert info is not None, why
     assert info["code"] == want and load_nodeinfo().digest(str(root), listing=True) != want
     assert sorted(os.listdir(root / "ckpts")) == ["state.pt.json"]  # the probe only reads
+
+
+# ------------------------------------------------------------------ which directory sync pushes
+
+
+def test_the_source_is_src_then_sync_src_then_the_checkout_of_the_current_directory(tmp_path):
+    from orchestrator.errors import UsageError
+    from orchestrator.transfer.files import code_source, require_code_source
+
+    proj = tmp_path / "proj"
+    make_tree(proj, git=True)
+    (proj / "pkg" / "deep").mkdir()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    inv_path = tmp_path / "nodes.yaml"
+    inv_path.write_text(yaml.safe_dump({"nodes": [{"name": "a", "host": "h"}]}))
+    inv = parse_inventory(inv_path.read_text(), str(inv_path))
+    assert code_source(inv, cwd=str(proj / "pkg" / "deep")) == str(proj)  # git rev-parse --show-toplevel
+    assert code_source(inv, cwd=str(plain)) is None
+    assert code_source(inv, src=str(plain), cwd=str(proj)) == str(plain)
+    inv_path.write_text(yaml.safe_dump({"nodes": [{"name": "a", "host": "h"}], "sync": {"src": "plain"}}))
+    with_src = parse_inventory(inv_path.read_text(), str(inv_path))
+    assert code_source(with_src, cwd=str(proj)) == str(plain)  # relative to the inventory's directory
+    with pytest.raises(UsageError) as e:
+        require_code_source(inv, cwd=str(plain))
+    assert "not inside a git checkout" in str(e.value) and "--src DIR" in str(e.value) and e.value.exit_code == 2
+
+
+def test_without_git_here_the_error_says_so(tmp_path, monkeypatch):
+    from orchestrator.errors import UsageError
+    from orchestrator.transfer.files import require_code_source
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    inv = parse_inventory(yaml.safe_dump({"nodes": [{"name": "a", "host": "h"}]}), "<t>")
+    with pytest.raises(UsageError) as e:
+        require_code_source(inv, cwd=str(tmp_path))
+    assert "git is not installed on this machine" in str(e.value)
+
+
+def test_sync_outside_a_checkout_is_one_paragraph(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump({"nodes": [{"name": "a", "host": "h"}]}))
+    assert main(["sync", "-i", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not inside a git checkout" in err and "Traceback" not in err, err
+
+
+def test_the_control_listing_is_syncs_selection(tmp_path):
+    """code_sync's reference is exactly what sync ships: include in, exclude out, outputs out."""
+    from orchestrator.transfer.files import control_code
+
+    root = tmp_path / "wd"
+    make_tree(root, git=True)
+    inv = parse_inventory(yaml.safe_dump({"workdir": "~/w", "nodes": [{"name": "a", "host": "h"}],
+                                          "sync": {"include": ["data"], "exclude": ["run.sh"]}}), "<t>")
+    got = control_code(inv, str(root))
+    want = select_files(str(root), ["data"], ["run.sh"], run_outputs(inv, inv.nodes[0]))
+    assert sorted(got["hashes"]) == want and "data/big.bin" in want and "run.sh" not in want
+    assert got["source"] == str(root) and got["files"] == len(want)
