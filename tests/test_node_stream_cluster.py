@@ -79,4 +79,4 @@ def test_the_log_copy_stays_the_nodes_log_with_artifacts_on_the_stream_and_conne
              "node1's checkpoint replicated on node2")
     # the replica's relays and the sessions close a moment after the run ends (longer when the
     # suite's other worker trains on the same cores)
-    wait_clean(cluster, 30, "every node clean")
+    wait_clean(cluster, 60, "every node clean")
