@@ -142,9 +142,11 @@ def test_inventory_from_slurm_inside_a_job_reaches_the_allocated_nodes(slurm):
     # a site inventory: the venv's python, the user's key, the cluster's known_hosts, nodes by address
     site = cluster.inventory()
     site["ssh"]["identity_file"] = "~/.ssh/id_ed25519"
-    site["workdir"] = "~/site_run"  # the same (empty) code on every node: preflight's code_sync passes
+    # the same code on every node (the job runs outside a git checkout: code_sync compares the
+    # nodes with each other; an empty workdir would fail it)
+    site["workdir"] = "~/site_run"
     for nd in cluster.nodes:
-        nd.run("mkdir -p ~/site_run")
+        nd.run("mkdir -p ~/site_run && echo 'print(1)' > ~/site_run/train.py")
     template = cluster.nodes[0].home / "site.yaml"
     template.write_text(yaml.safe_dump(site))
     chown(cluster, template)

@@ -35,7 +35,11 @@ def code_sync(path, capsys, *nodes):
                 for n in doc["nodes"]}
 
 
-def test_a_fresh_node_gets_the_runs_code_from_a_donor_and_passes_code_sync(make_cluster, tmp_path, capsys):
+def test_a_fresh_node_gets_the_runs_code_from_a_donor_and_passes_code_sync(make_cluster, tmp_path, capsys,
+                                                                          monkeypatch):
+    # outside any git checkout, with no sync.src: code_sync compares the nodes with each other (the
+    # run's code), not with this repository nor with the source edited since
+    monkeypatch.chdir(tmp_path)
     cl = make_cluster(3, gpus=0)
     n1, n2, n3 = (nd.name for nd in cl.nodes)
     src = tmp_path / "src"
@@ -44,7 +48,6 @@ def test_a_fresh_node_gets_the_runs_code_from_a_donor_and_passes_code_sync(make_
     assert main(["sync", "-i", str(path), "--src", str(src), "--nodes", f"{n1},{n2}"]) == 0
     for i, nd in enumerate(cl.nodes[:2]):  # each node's outputs differ, as training leaves them
         nd.run(TRAINER_LEAVES.format(i))
-    cl.nodes[0].run("rm -f ~/gpt_train/out/.clusterctl-dir-id")  # a node synced before outputs were marked
     cl.nodes[2].run("mkdir -p ~/gpt_train && echo old > ~/gpt_train/stale.py")  # a spare's old tree
     (src / "train.py").write_text("print('edited here since the run started')\n")
     capsys.readouterr()
