@@ -151,9 +151,12 @@ def test_a_node_cut_for_good_is_replaced_by_the_spare_and_the_run_resumes(make_c
 def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_control_machine(
         make_cluster, tmp_path, home):
     """copy_checkpoints: false, checkpoint_replica: true: node1 (the master, which writes every
-    checkpoint) replicates to node2; node1 cut for good, the spare resumes from node2's replica."""
+    checkpoint) replicates to node2; node1 cut for good, the spare resumes from node2's replica.
+    The trainer is told `--resume none`: it resumes only because train.resume_args adds `--resume
+    auto` to the relaunch that starts from the restored checkpoint (a script that resumes on a flag)."""
     cluster = make_cluster(5, gpus=0)
-    inv = inventory(cluster, tmp_path, 150, train={"copy_checkpoints": False, "checkpoint_replica": True})
+    inv = inventory(cluster, tmp_path, 150, "--resume", "none",
+                    train={"copy_checkpoints": False, "checkpoint_replica": True, "resume_args": ["--resume", "auto"]})
 
     def replica_on_node2(run_dir):
         """A verified replica of a checkpoint at step <= 100: at least 50 steps still to train."""
@@ -171,6 +174,9 @@ def test_a_replica_on_the_next_node_outlives_the_master_without_crossing_the_con
     attempts = rec["attempts"]
     assert attempts[1]["nodes"] == [names[4], *names[1:4]] and attempts[1]["verdict"] == "finished"
     assert attempts[1].get("restored_from") == "nodes", (attempts[1], err[-3000:])
+    assert not attempts[0].get("resume_args") and attempts[1]["resume_args"] == ["--resume", "auto"], attempts
+    assert re.search(rf"^clusterctl: attempt 2 on .* starts from checkpoint {attempts[1]['checkpoint']} "
+                     r"\(the nodes\) with --resume auto$", err, re.M), err[-3000:]
     master_log = (run_dir / "nodes" / f"{names[4]}.log").read_text()
     resumed = [s for s in start_steps(master_log) if s]
     # at least the replica seen before the cut (the newest one the nodes held is taken)

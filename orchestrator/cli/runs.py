@@ -9,6 +9,7 @@ so nothing is lost or printed twice, and applies the failure policy and pending 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -131,10 +132,11 @@ class _Show:
         where = {"nodes": "the nodes"}.get(a.get("restored_from") or "", "this machine")
         if a.get("resumed_from"):
             where = f"run {a['resumed_from']}"
+        told = f" with {shlex.join(a['resume_args'])}" if a.get("resume_args") else ""
         click.echo(f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from checkpoint "
-                   f"{a['checkpoint']} ({where})" if a.get("checkpoint") else
+                   f"{a['checkpoint']} ({where}){told}" if a.get("checkpoint") else
                    f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from scratch: no "
-                   "checkpoint was copied", err=True)
+                   "checkpoint was copied" + (" (--resume-args not added)" if self.run.spec.resume_args else ""), err=True)
 
     def start(self, rec: dict) -> Follower:
         if self.follower is None:

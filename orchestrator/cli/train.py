@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import shlex
 import time
 
 import click
@@ -99,6 +100,14 @@ def _checkpointed_run(run_id: str) -> str:
     return run.id
 
 
+def _split_args(text: str, flag: str) -> list[str]:
+    """A flag's arguments, split as a shell would (quotes kept together); bad quoting exits 2."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise click.UsageError(f"{flag} {text!r}: {e} (quote it as a shell would)") from None
+
+
 @click.command("train", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @cluster_options
 @click.option("--name", help="A name for the run (its id is NAME-DATE-TIME-XXXX).")
@@ -136,6 +145,10 @@ def _checkpointed_run(run_id: str) -> str:
 @click.option("--resume-from", metavar="RUN", default=None,
               help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
                    "put on the nodes before launch, where the script's `--resume auto` finds it.")
+@click.option("--resume-args", metavar="'ARGS'", default=None,
+              help="Arguments added to the job's own when it starts from a restored checkpoint (a restart, "
+                   "or --resume-from), split as a shell would, e.g. --resume-args '--init_from=resume' for "
+                   "nanoGPT [default: the inventory's train.resume_args].")
 @click.option("--hang-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
               help="No rank wrote a line or entered a collective for this long: snapshot every rank's stacks "
                    "and collectives, name the rank holding the others up, and apply --on-hang; 0 turns it off "
@@ -147,7 +160,7 @@ def _checkpointed_run(run_id: str) -> str:
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, resume_from,
-                  hang_timeout, on_hang, script):
+                  resume_args, hang_timeout, on_hang, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -170,7 +183,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         queue=queue, queue_timeout=queue_timeout, resume_from=resume_from,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
         hang_timeout=inv.train.hang_timeout if hang_timeout is None else hang_timeout,
-        on_hang=on_hang or inv.train.on_hang))
+        on_hang=on_hang or inv.train.on_hang,
+        resume_args=tuple(inv.train.resume_args if resume_args is None else _split_args(resume_args, "--resume-args"))))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

@@ -32,17 +32,20 @@ class TrainSection(_Model):
     # acted on (runs/hang.py); 0 turns the watch off
     hang_timeout: float = Field(default=300.0, ge=0, le=86400)
     on_hang: Literal["fail", "restart", "observe"] = "fail"  # restart: without the culprit's node
+    # appended to the job's arguments when a launch starts from a restored checkpoint (a restart,
+    # or --resume-from), e.g. nanoGPT's ["--init_from=resume"]: the script resumes unedited
+    resume_args: list[str] = Field(default_factory=list)
 
     @field_validator("env", mode="before")
     @classmethod
     def _env(cls, v):
         return _check_env(v) if isinstance(v, dict) else v
 
-    @field_validator("args", mode="before")
+    @field_validator("args", "resume_args", mode="before")
     @classmethod
     def _args(cls, v):
         if isinstance(v, str):
-            raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny']")
+            raise ValueError("must be a list of strings, e.g. ['--preset', 'tiny'] or ['--init_from=resume']")
         if isinstance(v, list):
             for a in v:
                 if isinstance(a, bool) or not isinstance(a, (str, int, float)):

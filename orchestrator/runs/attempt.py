@@ -73,7 +73,7 @@ class AttemptRunner:
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
-        launcher = Launcher(self.cluster, self.inv, self.key, self.spec, self.statuses)
+        launcher = Launcher(self.cluster, self.inv, self.key, self.spec, self.statuses, self.record.resume_args)
         launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
         t0 = time.monotonic()
         try:

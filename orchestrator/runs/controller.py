@@ -264,6 +264,8 @@ class Controller:
             if k > 1 or self.spec.resume_from:
                 self.book.attempt_changed(**Restorer(self.cluster, self.full_inv, self.copier.store,
                                                      self.spec.resume_from, say).restore(dirs, nodes, relaunch=k > 1))
+                if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
+                    self.book.attempt_changed(resume_args=list(self.spec.resume_args))
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}

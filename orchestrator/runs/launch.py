@@ -8,6 +8,7 @@ its rendezvous port listens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory, Node
@@ -78,11 +79,12 @@ class Launcher:
     """Builds each node's start command and spec, and starts torchrun in rank order."""
 
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, spec: RunSpec,
-                 statuses: dict[str, NodeStatus]):
+                 statuses: dict[str, NodeStatus], resume_args: Sequence[str] = ()):
         self.cluster, self.inv, self.run_id, self.statuses = cluster, inv, run_id, statuses
         self.extra_env: dict[str, dict[str, str]] = {}  # node -> its own additions (checkpoint dir, attempt)
-        # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have
-        self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args)]
+        # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have;
+        # `resume_args` (--resume-args) follow the job's own when the launch starts from a checkpoint
+        self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args), *resume_args]
 
     def start_spec(self, node: Node) -> agent.StartSpec:
         """What the node's agent starts: torchrun for the node's ranks, its environment (env: tokens

@@ -59,6 +59,7 @@ class AttemptRecord:
     restored: list[str] = field(default_factory=list)  # the nodes the checkpoint was put on
     restored_from: str | None = None  # "nodes" (node to node) or None (the control machine's copy)
     resumed_from: str | None = None  # train --resume-from RUN
+    resume_args: list[str] = field(default_factory=list)  # added to the job's arguments: it started from `checkpoint`
     restore_s: float | None = None
     skipped: list[str] = field(default_factory=list)  # newer copies passed over: damaged on this machine
     preflight_s: float | None = None

@@ -92,17 +92,19 @@ class RunSpec:
     checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
     hang_timeout: float = _TRAIN["hang_timeout"].default  # --hang-timeout, else train.hang_timeout (0: off)
     on_hang: str = _TRAIN["on_hang"].default  # --on-hang, else train.on_hang: fail | restart | observe
+    resume_args: tuple[str, ...] = ()  # --resume-args, else train.resume_args: added when a checkpoint was restored
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
         kw = fields_of(cls, doc or {})
-        for k in ("nodes", "args"):
+        for k in ("nodes", "args", "resume_args"):
             if k in kw:
                 kw[k] = tuple(kw[k] or ())
         return cls(**{k: v for k, v in kw.items() if v is not None})  # null: the default
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args)}
+        return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args),
+                "resume_args": list(self.resume_args)}
 
     def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
         """The run's inventory as recorded when it started (an older record: the file), narrowed
