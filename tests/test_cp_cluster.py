@@ -7,7 +7,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -15,16 +14,12 @@ import pytest
 
 from orchestrator.inventory.ranges import fold
 from tests.cluster.sshd import SFTP_SERVER
+from tests.test_train_cluster import cli
 
 pytestmark = pytest.mark.cluster
 
 WRITER = str(Path(__file__).parent / "scripts" / "write_artifacts.py")
 SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
-
-
-def cli(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ.copy())
 
 
 def tree(root: Path) -> dict[str, object]:

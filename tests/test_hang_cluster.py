@@ -3,6 +3,7 @@ worker and two nodes partitioned from each other are named, with the node, the r
 collective, and the run ends; --on-hang restart goes on without the culprit's node; a quiet run
 that still enters collectives is left alone. tests/scripts/hang_ddp.py makes each hang."""
 
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import wait_for
+from tests.test_train_cluster import cli as train_cli
 
 pytestmark = pytest.mark.cluster
 
@@ -21,9 +23,7 @@ HANG = str(Path(__file__).parent / "scripts" / "hang_ddp.py")
 SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
 
 
-def cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ.copy())
+cli = functools.partial(train_cli, timeout=240)
 
 
 def inventory(cluster, tmp_path, spare=False):

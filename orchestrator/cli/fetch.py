@@ -45,7 +45,7 @@ def fetch_command(run_id, path, nodes, output, timeout, as_json):
     results = fetch(run, rel, nodes, Path(output) if output else None, timeout)
     for f in results:
         if f.ok:
-            head = f"{f.name}: {f.source}: " if f.source else f"{f.name}: "
+            head = f"{f.name}: {f.top}: " if f.top else f"{f.name}: "
             click.echo(f"{head}{f.files} files, {size_text(f.bytes)} → {f.dest}", err=True)
         else:
             click.echo(f"{f.name}: not fetched: {f.error}", err=True)
@@ -67,5 +67,5 @@ def fetch_command(run_id, path, nodes, output, timeout, as_json):
                       else "nothing was fetched"), err=True)
     if as_json:
         emit({"ok": code == EXIT_OK, "run_id": run.id, "path": rel,
-              "nodes": [f.doc() for f in results]})
+              "nodes": [{**f.doc(), "stream_bytes": f.stream_bytes, "source": f.top} for f in results]})
     sys.exit(code)

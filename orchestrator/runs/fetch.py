@@ -14,13 +14,12 @@ disk twice. Every node at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
 from orchestrator.runs.checkpoints import artifacts_cmd
 from orchestrator.runs.store import Run
-from orchestrator.transfer.copy import pull, tree_cmd
+from orchestrator.transfer.copy import Copied, pull, tree_cmd
 from orchestrator.transport import Cluster
 
 TIMEOUT = 3600.0  # the default limit on one node's whole fetch
@@ -52,26 +51,6 @@ def run_keys(rec: dict) -> dict[str, list[str]]:
     return out
 
 
-@dataclass
-class NodeFetch:
-    name: str
-    dest: Path
-    ok: bool = False
-    exit_code: int | None = None
-    error: str | None = None
-    error_kind: str | None = None
-    bytes: int = 0  # bytes of the files written here
-    files: int = 0
-    stream_bytes: int = 0  # bytes of the tar stream that came over the connection
-    unreachable: bool = False
-    source: str | None = None  # with PATH: what it was found as on the node (artifacts/..., workdir/..., home/...)
-
-    def doc(self) -> dict:
-        return {"name": self.name, "ok": self.ok, "exit_code": self.exit_code, "error": self.error,
-                "error_kind": self.error_kind, "bytes": self.bytes, "files": self.files,
-                "stream_bytes": self.stream_bytes, "dest": str(self.dest), "source": self.source}
-
-
 def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list[str]]:
     keys = run_keys(run.record)
     unknown = [n for n in only if n not in keys]
@@ -81,10 +60,11 @@ def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list
 
 
 def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] = (), out: Path | None = None,
-          timeout: float = TIMEOUT) -> list[NodeFetch]:
+          timeout: float = TIMEOUT) -> list[Copied]:
     """Copy the run's files (or PATH) from each of its nodes (or `only` those) into OUT/NODE/
-    (default runs/RUN/fetched/NODE/). One NodeFetch per node; a node that failed, lacks PATH or
-    could not be reached is reported in its NodeFetch, the others are still fetched."""
+    (default runs/RUN/fetched/NODE/). One Copied per node (`top`: with PATH, what it was found as on
+    the node: artifacts/..., workdir/..., home/...); a node that failed, lacks PATH or could not be
+    reached is reported in its Copied, the others are still fetched."""
     rel = check_path(path)
     keys = nodes_of(run, only)
     root = out if out is not None else run.dir / "fetched"
@@ -99,6 +79,7 @@ def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] =
                  fanout=spec.fanout) as cluster:
         got = pull(cluster, command, {n: root / n for n in keys}, path=rel or "", tree=rel is not None,
                    timeout=timeout)
-    return [NodeFetch(n, root / n, g.ok, g.exit_code, g.error, g.error_kind, g.bytes, g.files, g.stream_bytes,
-                      g.unreachable, g.top if rel is not None and g.ok else None)
-            for n, g in ((n, got[n]) for n in keys)]
+    for g in got.values():
+        if rel is None or not g.ok:
+            g.top = None  # the whole run's files, or nothing found: no PATH to name
+    return [got[n] for n in keys]
