@@ -1,4 +1,5 @@
-"""`clusterctl tail`, `status`, `runs`, and following a run's logs (shared with `train`).
+"""`clusterctl tail`, and following a run's logs (shared with `train`); `status` and `runs` are
+cli/status.py.
 
 Everything here re-attaches by run id. When the run's supervisor is gone (a crashed or
 killed controller), `tail`, `status` and `stop` start one that adopts the run
@@ -8,28 +9,22 @@ so nothing is lost or printed twice, and applies the failure policy and pending 
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
 import time
+from typing import Collection
 
 import click
 
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
-from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.output import Prefixer
-from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError, UnreachableError
-from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus
+from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.checkpoints import CheckpointStore
-from orchestrator.runs.record import load as load_record
 from orchestrator.runs.record import story
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
-from orchestrator.runs.spec import NodeState, NodeStatus
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn
-from orchestrator.transport import Cluster
 
 SUPERVISOR_GRACE_S = 10  # a run this young may not have recorded its supervisor yet
 SUPERVISOR_START_S = 30  # how long a replacement supervisor may take to record itself
@@ -78,9 +73,9 @@ def _summary(rec: dict) -> None:
 class _Show:
     """What `follow` prints once: the preflight table, the rank map, then the log lines."""
 
-    def __init__(self, run: Run, n: int | None, node: str | None, rank: int | None, show_preflight: bool,
-                 sink=None):
-        self.run, self.n, self.node, self.rank, self.sink = run, n, node, rank, sink
+    def __init__(self, run: Run, n: int | None, nodes: Collection[str], ranks: Collection[int], show_preflight: bool,
+                 sink=None, fold: bool = True):
+        self.run, self.n, self.nodes, self.ranks_only, self.sink, self.fold = run, n, nodes, ranks, sink, fold
         self.shown_pf = not show_preflight
         self.pf_text = ""
         self.shown_tables: set[str] = set()
@@ -141,8 +136,8 @@ class _Show:
     def start(self, rec: dict) -> Follower:
         if self.follower is None:
             self.ranks = _ranks(rec)
-            self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), node=self.node, rank=self.rank,
-                                     sink=self.sink)
+            self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), nodes=self.nodes,
+                                     ranks=self.ranks_only, sink=self.sink, fold=self.fold)
         return self.follower
 
 
@@ -162,12 +157,12 @@ def ensure_supervisor(run: Run) -> subprocess.Popen | None:
     return proc
 
 
-def follow(run: Run, *, keep_following: bool = True, n: int | None = None, node: str | None = None,
-           rank: int | None = None, on_interrupt=None, show_preflight: bool = True,
-           supervisor: subprocess.Popen | None = None, sink=None) -> int:
+def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes: Collection[str] = (),
+           ranks: Collection[int] = (), on_interrupt=None, show_preflight: bool = True,
+           supervisor: subprocess.Popen | None = None, sink=None, fold: bool = True) -> int:
     """Print the run's lines until it ends (or once, without following); `sink(label, stream,
     text, node)` takes each line instead of the prefixed printer (--json)."""
-    show = _Show(run, n, node, rank, show_preflight, sink)
+    show = _Show(run, n, nodes, ranks, show_preflight, sink, fold)
     restarts = 0
     while True:
         try:
@@ -209,23 +204,65 @@ def _results(run: Run) -> None:
     tb = run.dir / "tensorboard"
     if tb.is_dir() and any(p.is_file() for p in tb.rglob("*")):
         _err(f"clusterctl: TensorBoard: tensorboard --logdir {tb}")
-    _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every rank); what clusterctl did: "
+    ranks = run.dir / "ranks"
+    per_rank = f"; each rank's lines: {ranks} (rank 0: {ranks / 'rank0.log'})" if (ranks / "rank0.log").exists() else ""
+    _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every rank){per_rank}; what clusterctl did: "
          f"{run.dir / 'supervisor.log'}")
+
+
+def parse_ranks(value: str | None) -> frozenset[int]:
+    """`--ranks 0,5,8-15` -> those global ranks; a bad value is a usage error naming it."""
+    out: set[int] = set()
+    for part in (value or "").split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise click.BadParameter(f"{part.strip()!r} is not a rank or a range of ranks: use numbers and "
+                                     "ranges such as 0,5,8-15", param_hint="'--ranks'")
+        out.update(range(int(lo), int(hi if dash else lo) + 1))
+    return frozenset(out)
+
+
+def _node_filter(run: Run, value: str | None) -> frozenset[str]:
+    """`--node n3` or `--node 'n[1-4],n7'` -> those nodes, each one of the run's."""
+    if not value:
+        return frozenset()
+    from orchestrator.inventory.ranges import expand
+
+    try:
+        names = expand(value, what="--node")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--node'") from None
+    rec = run.record
+    known = list(dict.fromkeys([nd.name for nd in run.nodes(rec)] +
+                               [n for a in rec.get("attempts") or [] for n in a.get("nodes") or []]))
+    unknown = [n for n in names if n not in known]
+    if unknown and known:
+        raise click.BadParameter(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a node of run "
+                                 f"{run.id} ({', '.join(known)})", param_hint="'--node'")
+    return frozenset(names)
 
 
 @click.command("tail")
 @click.argument("run_id", required=False, shell_complete=complete_run_ids)
 @click.option("-n", "lines", type=click.IntRange(0), default=None, help="Start with the last N lines of each node.")
 @click.option("--no-follow", is_flag=True, help="Print what is there and return.")
-@click.option("--node", help="Only this node's lines.")
+@click.option("--node", help="Only these nodes' lines: a name or a range (n3, 'n[1-4],n7').")
 @click.option("--rank", type=click.IntRange(0), default=None, help="Only this global rank's lines.")
+@click.option("--ranks", "rank_list", default=None, help="Only these global ranks' lines: 0,5 or 0-7,12.")
+@click.option("--no-fold", is_flag=True, help="Print every line: identical lines of many ranks are not folded "
+                                               "into one, nor stopped ranks' tracebacks.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per log line, then one for the run "
                                                         "(orchestrator/schemas/tail.json).")
-def tail_command(run_id, lines, no_follow, node, rank, as_json):
-    """Re-attach to a run (the latest by default); Ctrl-C detaches, the run goes on."""
+def tail_command(run_id, lines, no_follow, node, rank, rank_list, no_fold, as_json):
+    """Re-attach to a run (the latest by default); Ctrl-C detaches, the run goes on.
+
+    Each rank's lines are also in ~/.clusterctl/runs/RUN/ranks/rankN.log (rank 0: rank0.log)."""
+    ranks = parse_ranks(rank_list) if rank_list is not None else frozenset()
     run = Run.find(run_id)
+    nodes = _node_filter(run, node)
     try:
-        code = follow(run, keep_following=not no_follow, n=lines, node=node, rank=rank,
+        code = follow(run, keep_following=not no_follow, n=lines, nodes=nodes,
+                      ranks=ranks | ({rank} if rank is not None else set()), fold=not no_fold,
                       sink=json_lines if as_json else None)
         if as_json:
             emit(run_doc(run.record), compact=True)
@@ -235,158 +272,4 @@ def tail_command(run_id, lines, no_follow, node, rank, as_json):
         sys.exit(EXIT_INTERRUPTED)
 
 
-def _runtime(nd: NodeStatus, rec: dict) -> str:
-    start = rec.get("started")
-    if not start:
-        return "-"
-    end = nd.ended or rec.get("ended") or time.time()
-    s = int(end - start)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def _last_line(run: Run, node: str) -> str:
-    p = run.node_log(node)
-    off = last_lines_offset(p, 1)
-    try:
-        with open(p, "rb") as f:
-            f.seek(off)
-            return f.read().decode(errors="replace").strip()[:100]
-    except OSError:
-        return ""
-
-
-def ask_nodes(run: Run) -> dict[str, AgentStatus]:
-    """Each started node's own view of the run (node agent `status`), for when the supervisor is gone."""
-    spec = run.spec
-    started = [nd.name for nd in run.nodes() if nd.pid]
-    if not started:
-        return {}
-    with Cluster(spec.load_inventory(started), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
-        out = agent.run(cluster, lambda n: agent.status(n, run.id))
-        for name, r in cluster.unreachable.items():
-            out[name] = AgentStatus(error=r.error)
-    return out
-
-
-def _node_state_now(now: AgentStatus, code: int | None) -> NodeState:
-    """A node's state from its own answer (the node agent's `status`)."""
-    if now.error:
-        return NodeState.UNREACHABLE
-    if code is None and now.alive:
-        return NodeState.RUNNING
-    if code is None:
-        return NodeState.GONE
-    return NodeState.FINISHED if code == 0 else NodeState.FAILED
-
-
-@click.command("status")
-@click.argument("run_id", required=False, shell_complete=complete_run_ids)
-@click.option("--json", "as_json", is_flag=True)
-def status_command(run_id, as_json):
-    """Per node: state, pid, exit code, runtime and last line of a run (the latest by default)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    run = Run.find(run_id)
-    rec = run.record
-    alive, terminal = run.supervisor_alive(), run.state(rec).terminal
-    from_nodes = {} if alive or terminal else ask_nodes(run)
-    if not alive:
-        ensure_supervisor(run)
-    if as_json:
-        nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now), indent=2))
-        return
-    typed = load_record(run)
-    a = typed.current
-    attempt = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None and \
-        (a.attempt > 1 or run.spec.max_restarts) else ""
-    t = Table(title=f"{run.id}: {rec.get('state')}{attempt}" + ("" if alive or terminal else
-                                                      " (supervisor gone: asked the nodes and started "
-                                                      "one that takes the run over)"))
-    t.add_column("node", no_wrap=True)
-    for c in ("ranks", "state", "pid", "exit", "runtime", "last line"):
-        t.add_column(c)
-    for nd in run.nodes(rec):
-        state, code, last = nd.state, nd.exit_code, _last_line(run, nd.name)
-        now = from_nodes.get(nd.name)
-        if now is not None:  # the nodes' own word beats a stale record
-            code, last = code if now.error else now.exit_code, now.last_line or last
-            state = _node_state_now(now, code)
-        t.add_row(nd.name, nd.ranks, str(state), str(nd.pid or "-"), "-" if code is None else str(code),
-                  _runtime(nd, rec), last[:100])
-    Console().print(t)
-    if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
-        _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
-    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
-    if newest is not None:
-        _err(f"clusterctl: newest checkpoint copied home: {newest} ({run.dir / 'checkpoints'})")
-    if a is not None and a.hang:
-        _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
-                                                             if a.hang_dir else ""))
-    if typed.recovering:
-        _err(f"clusterctl: recovering after {typed.recovering}")
-    if rec.get("summary") or rec.get("error"):
-        _summary(rec)
-    if typed.pending_stops:
-        what = ", ".join(f"{p.node} ({p.key})" for p in typed.pending_stops)
-        _err(f"clusterctl: stop pending on {what}: not confirmed yet; it is carried out as soon as the node "
-             "answers again")
-
-
-@click.command("runs")
-@cluster_options
-@click.option("--cluster", "on_cluster", is_flag=True,
-              help="Ask the inventory's nodes (-i) which runs hold them, from whichever control machine.")
-@click.option("--json", "as_json", is_flag=True)
-def runs_command(opts: ClusterOptions, on_cluster, as_json):
-    """The runs recorded on this control machine, oldest first; with --cluster, every run holding
-    a node of the inventory: run id, who started it (user@control-host), since when, its nodes."""
-    from rich.console import Console
-    from rich.table import Table
-
-    if on_cluster:
-        return _cluster_runs(opts, as_json)
-    rows = [r.record for r in Run.all()]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    t = Table(title="runs")
-    # the id is what `tail`/`status`/`stop` take: never cut it short, the other columns give way
-    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in rows), default=3))
-    for c in ("state", "nodes", "world", "created", "exit"):
-        t.add_column(c, no_wrap=c in ("state", "created"))
-    for rec in rows:
-        t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(len(rec.get("nodes", []))),
-                  str(rec.get("world_size", "-")), time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("created", 0))),
-                  "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
-    Console().print(t)
-
-
-def _cluster_runs(opts: ClusterOptions, as_json: bool) -> None:
-    """`runs --cluster`: the nodes' claims, grouped by run; exit 3 naming nodes not asked."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from orchestrator.runs.queue import cluster_runs
-
-    inv = opts.load()
-    with opts.cluster(inv) as cluster:
-        held, failed = cluster_runs(cluster, [n.name for n in inv.nodes])
-    if as_json:
-        click.echo(json.dumps(held, indent=2))
-    else:
-        t = Table(title="runs on the cluster")
-        t.add_column("run", no_wrap=True, min_width=max((len(d["run"]) for d in held), default=3))
-        for c in ("who", "since", "claims", "live processes"):
-            t.add_column(c, no_wrap=c == "since")
-        for d in held:
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"])) if d.get("since") else "-"
-            live = ", ".join(f"{n} ({', '.join(k.split('@')[0] for k in ks)})" for n, ks in d["live"].items())
-            t.add_row(d["run"], d.get("who") or "?", since, ",".join(d["nodes"]) or "-", live or "-")
-        Console().print(t)
-    if failed:
-        raise UnreachableError(failed, "so runs holding them may be missing above")
-
-
-__all__ = ["complete_run_ids", "ensure_supervisor", "follow", "runs_command", "status_command", "tail_command"]
+__all__ = ["complete_run_ids", "ensure_supervisor", "follow", "parse_ranks", "tail_command"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Collection, Protocol
 
 _RANK_RE = re.compile(rb"^\[[A-Za-z_]*?(\d+)\]:")
 
@@ -138,24 +138,109 @@ def quiet_nodes(rec: dict) -> set[str]:
     return set()
 
 
+FOLD_WINDOW_S = 1.0  # identical lines from several ranks this close together print once
+
+
+def rank_ranges(ranks) -> str:
+    """0,2,5-7 style."""
+    rs, out = sorted(set(ranks)), []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+class _Group:
+    def __init__(self, seq: int, t0: float, text: str, key: str):
+        self.seq, self.t0, self.text, self.key = seq, t0, text, key
+        self.members: dict[tuple[str, int | None], str] = {}  # (node, rank) -> its own label
+
+    def label(self) -> str:
+        if len(self.members) == 1:
+            return next(iter(self.members.values()))
+        from orchestrator.checks.report import nodeset
+
+        nodes = nodeset([n for n, _ in self.members])
+        ranks = [r for _, r in self.members if r is not None]
+        if not ranks:
+            return nodes
+        return f"{nodes}/r{ranks[0]}" if len(ranks) == 1 else f"{nodes}/r[{rank_ranges(ranks)}]"
+
+
+class LineFold:
+    """Identical lines from many ranks within `window` seconds print once under their node and
+    rank ranges (`n[1-8]/r[0-63] | text`), as monarch folds its ranks' logs and `clush -b` its
+    nodes' output. Lines that differ are never folded. Each rank's lines keep their order: a line
+    joins an open group only if that rank's previous line is not in a later group, and groups
+    print in the order they began, each once `window` has passed since its first line (or at
+    `flush(all=True)`). The screen only: the files and --json keep every line."""
+
+    def __init__(self, out: Callable[[str, str, str], None], window: float = FOLD_WINDOW_S):
+        self.out, self.window = out, window
+        self.groups: list[_Group] = []  # open, in the order they began
+        self.by_text: dict[tuple[str, bool], _Group] = {}
+        self.last: dict[tuple[str, int | None], int] = {}  # (node, rank) -> its newest group's seq
+        self.seq = 0
+
+    def add(self, node: str, rank: int | None, label: str, text: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        who, key = (node, rank), (text, rank is None)
+        g = self.by_text.get(key)
+        if g is None or who in g.members or self.last.get(who, -1) > g.seq or now - g.t0 >= self.window:
+            g = self.by_text[key] = _Group(self.seq, now, text, node)
+            self.groups.append(g)
+            self.seq += 1
+        g.members[who] = label
+        self.last[who] = g.seq
+
+    def flush(self, now: float | None = None, all: bool = False) -> None:
+        now = time.monotonic() if now is None else now
+        while self.groups and (all or now - self.groups[0].t0 >= self.window):
+            g = self.groups.pop(0)
+            if self.by_text.get((g.text, next(iter(g.members))[1] is None)) is g:
+                del self.by_text[(g.text, next(iter(g.members))[1] is None)]
+            self.out(g.label(), g.text, g.key)
+
+
 class Follower:
-    """Prints every node's new lines with `node/rN | ` prefixes, filtered by node or rank."""
+    """Prints every node's new lines with `node/rN | ` prefixes, filtered by nodes or ranks;
+    on screen identical lines of many ranks fold (LineFold) and stopped ranks' tracebacks fold
+    (Folder), unless `fold` is False."""
 
     def __init__(self, logs: list[NodeLog], printer: LinePrinter, *, node: str | None = None,
-                 rank: int | None = None, sink: Callable[[str, str, str], None] | None = None):
-        self.logs, self.printer, self.node, self.rank = logs, printer, node, rank
-        self.sink = sink
+                 rank: int | None = None, sink: Callable[[str, str, str], None] | None = None,
+                 nodes: Collection[str] | None = None, ranks: Collection[int] | None = None, fold: bool = True):
+        self.logs, self.printer, self.sink = logs, printer, sink
+        self.nodes = set(nodes or ()) | ({node} if node else set())
+        self.ranks = set(ranks or ()) | ({rank} if rank is not None else set())
         self.folder = Folder()  # the screen only: --json's sink gets every line
+        self.lines = LineFold(lambda label, text, key: self.printer(label, "stdout", text, key)) \
+            if fold and sink is None else None
+        self.fold = fold
 
     def _tell_fold(self, lg: NodeLog, idle: float | None = None) -> None:
         told = self.folder.told(lg.node, lg.path, idle)
         if told is not None:
-            self.printer(told[0], "stdout", told[1], lg.node)
+            self._print(lg.node, None, told[0], told[1])
+
+    def _print(self, node: str, rank: int | None, label: str, text: str) -> None:
+        if self.sink is not None:
+            self.sink(label, "stdout", text, node)
+        elif self.lines is not None:
+            self.lines.add(node, rank, label, text)
+        else:
+            self.printer(label, "stdout", text, node)
 
     def close(self) -> None:
         """Tell the blocks still folded (the run ended)."""
         for lg in self.logs:
             self._tell_fold(lg)
+        if self.lines is not None:
+            self.lines.flush(all=True)
 
     def retarget(self, nodes: list[tuple[str, Path, int | None]]) -> None:
         """A restarted run's next attempt: follow its nodes too (a spare's log is new) and label
@@ -171,26 +256,29 @@ class Follower:
                 self.printer.widen(f"{name}/r{first_rank}")
 
     def poll(self, final: bool = False) -> int:
-        """Print what is new; returns the number of lines printed."""
+        """Print what is new; returns the number of lines read for printing."""
         count = 0
         for lg in self.logs:
-            if self.node and lg.node != self.node:
+            if self.nodes and lg.node not in self.nodes:
                 lg.read_lines(final)
                 continue
             for raw in lg.read_lines(final):
                 label, rank, text = lg.label(raw)
-                if self.rank is not None and rank != self.rank:
+                if self.ranks and rank not in self.ranks:
                     continue
                 s = text.decode("utf-8", "replace").rstrip("\r")
                 if self.sink is None and "\r" in s:  # a progress bar's updates: the screen shows the
                     s = s.rsplit("\r", 1)[-1]       # last, as a terminal would (the file keeps them all)
-                if self.sink is None:
+                if self.sink is None and self.fold:
                     if self.folder.fold(lg.node, label, s):
                         continue
                     self._tell_fold(lg)  # a line that is not the block's: the block ended
-                (self.sink or self.printer)(label, "stdout", s, lg.node)
+                self._print(lg.node, rank, label, s)
                 count += 1
-            self._tell_fold(lg, idle=0.0 if final else FOLD_FLUSH_S)
+            if self.fold:
+                self._tell_fold(lg, idle=0.0 if final else FOLD_FLUSH_S)
+        if self.lines is not None:
+            self.lines.flush(all=final)
         return count
 
 

@@ -30,6 +30,7 @@ from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus, StreamFrom
+from orchestrator.runs.rankfiles import RankFiles
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
 
@@ -78,6 +79,12 @@ class LogCopier:
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
         self.final: dict[str, AgentStatus] = {}  # node -> the agent's status that closed its tail
         self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
+        first = {nd.get("name"): nd.get("first_rank") for nd in run.record.get("nodes") or []}
+        self.ranks: RankFiles | None = None  # the per-rank files (runs/rankfiles.py), split as bytes land
+        try:
+            self.ranks = RankFiles(run.dir, {name: run.node_log(name) for name in names}, first)
+        except OSError as e:
+            self.echo(f"supervisor: per-rank log files not written: {e}")
 
     def offset(self, name: str) -> int:
         return self.files[name].tell() - self.start_at.get(name, 0)
@@ -132,6 +139,12 @@ class LogCopier:
         f = self.files[name]
         f.write(data)
         f.flush()
+        if self.ranks is not None:
+            try:
+                self.ranks.feed(name, data)
+            except OSError as e:  # the node's log copy goes on; the rank files stop here
+                self.echo(f"supervisor: per-rank log files stopped: {e}")
+                self.ranks = None
         if self.after_write is not None:
             self.after_write()
 
@@ -151,6 +164,8 @@ class LogCopier:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[[str], None],

@@ -1,0 +1,181 @@
+"""`clusterctl status` and `clusterctl runs`: a run's nodes now, and the runs recorded here.
+
+Both render with rich tables sized to the terminal (80 columns when not one); their layouts at
+80 and 120 columns are held by tests/test_golden.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
+from orchestrator.errors import UnreachableError
+from orchestrator.runs import agent
+from orchestrator.runs.agent import AgentStatus
+from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.logs import last_lines_offset
+from orchestrator.runs.record import load as load_record
+from orchestrator.runs.spec import NodeState, NodeStatus
+from orchestrator.runs.store import Run
+from orchestrator.transport import Cluster
+
+
+def _runtime(nd: NodeStatus, rec: dict) -> str:
+    start = rec.get("started")
+    if not start:
+        return "-"
+    end = nd.ended or rec.get("ended") or time.time()
+    s = int(end - start)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _last_line(run: Run, node: str) -> str:
+    p = run.node_log(node)
+    off = last_lines_offset(p, 1)
+    try:
+        with open(p, "rb") as f:
+            f.seek(off)
+            return f.read().decode(errors="replace").strip()[:100]
+    except OSError:
+        return ""
+
+
+def ask_nodes(run: Run) -> dict[str, AgentStatus]:
+    """Each started node's own view of the run (node agent `status`), for when the supervisor is gone."""
+    spec = run.spec
+    started = [nd.name for nd in run.nodes() if nd.pid]
+    if not started:
+        return {}
+    with Cluster(spec.load_inventory(started), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
+        out = agent.run(cluster, lambda n: agent.status(n, run.id))
+        for name, r in cluster.unreachable.items():
+            out[name] = AgentStatus(error=r.error)
+    return out
+
+
+def _node_state_now(now: AgentStatus, code: int | None) -> NodeState:
+    """A node's state from its own answer (the node agent's `status`)."""
+    if now.error:
+        return NodeState.UNREACHABLE
+    if code is None and now.alive:
+        return NodeState.RUNNING
+    if code is None:
+        return NodeState.GONE
+    return NodeState.FINISHED if code == 0 else NodeState.FAILED
+
+
+@click.command("status")
+@click.argument("run_id", required=False, shell_complete=complete_run_ids)
+@click.option("--json", "as_json", is_flag=True)
+def status_command(run_id, as_json):
+    """Per node: state, pid, exit code, runtime and last line of a run (the latest by default)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    run = Run.find(run_id)
+    rec = run.record
+    alive, terminal = run.supervisor_alive(), run.state(rec).terminal
+    from_nodes = {} if alive or terminal else ask_nodes(run)
+    if not alive:
+        ensure_supervisor(run)
+    if as_json:
+        nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
+        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now), indent=2))
+        return
+    typed = load_record(run)
+    a = typed.current
+    attempt = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None and \
+        (a.attempt > 1 or run.spec.max_restarts) else ""
+    t = Table(title=f"{run.id}: {rec.get('state')}{attempt}" + ("" if alive or terminal else
+                                                      " (supervisor gone: asked the nodes and started "
+                                                      "one that takes the run over)"))
+    t.add_column("node", no_wrap=True)
+    for c in ("ranks", "state", "pid", "exit", "runtime", "last line"):
+        t.add_column(c)
+    for nd in run.nodes(rec):
+        state, code, last = nd.state, nd.exit_code, _last_line(run, nd.name)
+        now = from_nodes.get(nd.name)
+        if now is not None:  # the nodes' own word beats a stale record
+            code, last = code if now.error else now.exit_code, now.last_line or last
+            state = _node_state_now(now, code)
+        t.add_row(nd.name, nd.ranks, str(state), str(nd.pid or "-"), "-" if code is None else str(code),
+                  _runtime(nd, rec), last[:100])
+    Console().print(t)
+    if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
+        _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
+    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
+    if newest is not None:
+        _err(f"clusterctl: newest checkpoint copied home: {newest} ({run.dir / 'checkpoints'})")
+    if a is not None and a.hang:
+        _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
+                                                             if a.hang_dir else ""))
+    if typed.recovering:
+        _err(f"clusterctl: recovering after {typed.recovering}")
+    if rec.get("summary") or rec.get("error"):
+        _summary(rec)
+    if typed.pending_stops:
+        what = ", ".join(f"{p.node} ({p.key})" for p in typed.pending_stops)
+        _err(f"clusterctl: stop pending on {what}: not confirmed yet; it is carried out as soon as the node "
+             "answers again")
+
+
+@click.command("runs")
+@cluster_options
+@click.option("--cluster", "on_cluster", is_flag=True,
+              help="Ask the inventory's nodes (-i) which runs hold them, from whichever control machine.")
+@click.option("--json", "as_json", is_flag=True)
+def runs_command(opts: ClusterOptions, on_cluster, as_json):
+    """The runs recorded on this control machine, oldest first; with --cluster, every run holding
+    a node of the inventory: run id, who started it (user@control-host), since when, its nodes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if on_cluster:
+        return _cluster_runs(opts, as_json)
+    rows = [r.record for r in Run.all()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    t = Table(title="runs")
+    # the id is what `tail`/`status`/`stop` take: never cut it short, the other columns give way
+    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in rows), default=3))
+    for c in ("state", "nodes", "world", "created", "exit"):
+        t.add_column(c, no_wrap=c in ("state", "created"))
+    for rec in rows:
+        t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(len(rec.get("nodes", []))),
+                  str(rec.get("world_size", "-")), time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("created", 0))),
+                  "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
+    Console().print(t)
+
+
+def _cluster_runs(opts: ClusterOptions, as_json: bool) -> None:
+    """`runs --cluster`: the nodes' claims, grouped by run; exit 3 naming nodes not asked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from orchestrator.runs.queue import cluster_runs
+
+    inv = opts.load()
+    with opts.cluster(inv) as cluster:
+        held, failed = cluster_runs(cluster, [n.name for n in inv.nodes])
+    if as_json:
+        click.echo(json.dumps(held, indent=2))
+    else:
+        t = Table(title="runs on the cluster")
+        t.add_column("run", no_wrap=True, min_width=max((len(d["run"]) for d in held), default=3))
+        for c in ("who", "since", "claims", "live processes"):
+            t.add_column(c, no_wrap=c == "since")
+        for d in held:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"])) if d.get("since") else "-"
+            live = ", ".join(f"{n} ({', '.join(k.split('@')[0] for k in ks)})" for n, ks in d["live"].items())
+            t.add_row(d["run"], d.get("who") or "?", since, ",".join(d["nodes"]) or "-", live or "-")
+        Console().print(t)
+    if failed:
+        raise UnreachableError(failed, "so runs holding them may be missing above")
+
+
+__all__ = ["ask_nodes", "runs_command", "status_command"]
