@@ -136,5 +136,5 @@ def rank_map_text(inv: Inventory, nprocs: dict[str, int]) -> str:
     for node, a, b in rows:
         r = f"rank {a}" if a == b else f"rank {a}-{b}"
         parts.append(f"{r} → {node.name} ({node.address})")
-    world = sum(nprocs.values())
+    world = sum(nprocs[node.name] for node, _, _ in rows)  # nprocs may name nodes left out (spares)
     return f"world size {world} on {len(rows)} nodes: " + ", ".join(parts)

@@ -140,6 +140,8 @@ def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
     (tmp_path / "nodes").mkdir()
 
     class Run:
+        dir, record = tmp_path, {"nodes": [{"name": "n1", "first_rank": 0}]}
+
         def node_log(self, name):
             return tmp_path / "nodes" / f"{name}.log"
 

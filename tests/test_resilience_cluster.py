@@ -89,7 +89,7 @@ def test_killed_supervisor_and_torchrun_leave_no_orphans_and_blame_the_right_nod
     rec = rec_of(run_dir)
     assert rec["state"] == "failed", rec
     assert rec["first_failure"]["node"] == "node2", rec["first_failure"]
-    assert rec["summary"].startswith("node2 (ranks 1-1) failed first: exit code 137")
+    assert rec["summary"].startswith("node2 (rank 1) failed first: exit code 137")
     assert r.returncode == 137
     ranked = [ln for ln in r.stdout.splitlines() if "| rank" in ln]
     assert len(ranked) == len(set(ranked)), "a line was printed twice"

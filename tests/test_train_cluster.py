@@ -136,7 +136,7 @@ def test_one_node_killed_tears_every_node_down_and_names_it(make_cluster, tmp_pa
     assert time.time() - detected < 15
     assert rec["state"] == "failed" and rec["exit_code"] != 0
     assert rec["first_failure"]["node"] == "node3", rec["first_failure"]
-    assert rec["summary"].startswith("node3 (ranks 2-2) failed first: exit code 137")
+    assert rec["summary"].startswith("node3 (rank 2) failed first: exit code 137")
 
 
 def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path, home):

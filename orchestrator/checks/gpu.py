@@ -73,8 +73,11 @@ def parse_gpu_count(text: str, ctx: Ctx) -> CheckResult:
     if want == 0:
         if n == 0:
             return ok("gpu_count", f"{what}; CPU node (gpus: 0): one process")
+        if ctx.node.cpu:  # said on purpose: nothing to warn about on every preflight
+            return ok("gpu_count", f"{what}; CPU node by choice (cpu: true): one process, its GPUs left alone")
         return warn("gpu_count", f"{what}, but the inventory says gpus: 0: the node runs one CPU process",
-                    f"drop `gpus: 0` for {name} (or set `gpus: {n}`) to train on its GPUs")
+                    f"drop `gpus: 0` for {name} (or set `gpus: {n}`) to train on its GPUs, or say `cpu: true` "
+                    "for a CPU node on purpose")
     if n == want:
         return ok("gpu_count", what)
     if n < want:

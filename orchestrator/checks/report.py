@@ -90,8 +90,17 @@ class PreflightReport:
     def nprocs(self) -> dict[str, int]:
         return nprocs_for(self.inventory, self.gpus_found)
 
+    def ranked(self) -> Inventory:
+        """The nodes that get ranks: spares sit out until a restart needs them."""
+        keep = [n.name for n in self.inventory.nodes if not n.spare]
+        return self.inventory.select(keep) if keep and len(keep) < len(self.inventory.nodes) else self.inventory
+
+    def spares_text(self) -> str:
+        spares = [n.name for n in self.inventory.nodes if n.spare]
+        return f"; spare{'s' if len(spares) > 1 else ''} {nodeset(spares)} (no rank until a restart)" if spares else ""
+
     def rank_map(self) -> str:
-        return rank_map_text(self.inventory, self.nprocs())
+        return rank_map_text(self.ranked(), self.nprocs()) + self.spares_text()
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "nodes": [
@@ -190,10 +199,10 @@ class PreflightReport:
         if len(text) <= width:
             return text
         nprocs = self.nprocs()
-        rows = rank_map(self.inventory, nprocs)
+        rows = rank_map(self.ranked(), nprocs)
         entries = [f"{f'rank {a}' if a == b else f'rank {a}-{b}'} → {node.name} ({node.address})"
                    for node, a, b in rows]
-        lines, cur = [f"world size {sum(nprocs.values())} on {len(rows)} nodes:"], "  "
+        lines, cur = [f"world size {sum(nprocs[n.name] for n, _, _ in rows)} on {len(rows)} nodes:"], "  "
         for i, e in enumerate(entries):
             piece = e + ("," if i < len(entries) - 1 else "")
             if cur.strip() and len(cur) + 1 + len(piece) > width:
@@ -201,4 +210,6 @@ class PreflightReport:
                 cur = "  "
             cur += ("" if not cur.strip() else " ") + piece
         lines.append(cur)
+        if self.spares_text():
+            lines.append("  " + self.spares_text().removeprefix("; "))
         return "\n".join(lines)

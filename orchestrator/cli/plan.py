@@ -59,10 +59,12 @@ def _load_link(path: str) -> P.Link:
     return P.Link(bw, lat, P.MEASURED_EFFICIENCY)
 
 
-def nodes_from_inventory(path: str) -> tuple[int, int]:
-    """The inventory hook: (nodes, GPUs per node) of an inventory file.  Nodes with different GPU
-    counts plan with the smallest (the slowest node sets a synchronous step); a node without a
-    `gpus` entry counts as 1."""
+def nodes_from_inventory(path: str) -> tuple[int, int, str | None]:
+    """The inventory hook: (nodes, GPUs per node, the trainer's preset) of an inventory file.
+    Nodes with different GPU counts plan with the smallest (the slowest node sets a synchronous
+    step); a node without a `gpus` entry counts as 1; spares are not counted (they sit out until a
+    restart). The preset is the `--preset` of the inventory's train.args when it runs the bundled
+    trainer, else None."""
     from orchestrator.errors import InventoryError
     from orchestrator.inventory import load_inventory
 
@@ -70,9 +72,22 @@ def nodes_from_inventory(path: str) -> tuple[int, int]:
         inv = load_inventory(path)
     except InventoryError as e:
         raise click.BadParameter(str(e), param_hint="--inventory") from None
-    if not inv.nodes:
+    ranked = [n for n in inv.nodes if not n.spare] or list(inv.nodes)
+    if not ranked:
         raise click.BadParameter(f"{path} lists no nodes", param_hint="--inventory")
-    return len(inv.nodes), min((n.gpus or 1) for n in inv.nodes)
+    return len(ranked), min((n.gpus or 1) for n in ranked), _preset_of(inv.train)
+
+
+def _preset_of(train) -> str | None:
+    if train.script or train.module != "trainer":
+        return None
+    args = list(train.args)
+    for i, a in enumerate(args):
+        value = args[i + 1] if a == "--preset" and i + 1 < len(args) else a.partition("=")[2] \
+            if a.startswith("--preset=") else None
+        if value in P.PRESETS:
+            return value
+    return None
 
 
 def _model(preset, config_file, overrides) -> P.ModelSpec:
@@ -97,7 +112,8 @@ def _bar(share: float, width: int = 20) -> str:
 
 
 @click.command("plan")
-@click.option("--preset", type=click.Choice(list(P.PRESETS)), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(list(P.PRESETS)), default=None,
+              help="Model size [default: the inventory's train.args --preset with -i, else tiny].")
 @click.option("--n-layer", type=int)
 @click.option("--n-embd", type=int)
 @click.option("--n-head", type=int)
@@ -133,7 +149,7 @@ def _bar(share: float, width: int = 20) -> str:
               help="Intra-node GPU link for hierarchical all-reduce (NVLink-class default).")
 @click.option("--link", "link_file", type=click.Path(exists=True, dir_okay=False),
               help="A `clusterctl netbench --save` JSON: its bandwidth_bps/latency_s (efficiency 1.0).")
-@click.option("--step-time", type=float, help="Compute seconds per micro-step (default 1.0 s, the seed's).")
+@click.option("--step-time", type=float, help="Compute seconds per micro-step (default 1.0 s).")
 @click.option("--measure-step", is_flag=True,
               help="Time a forward+backward micro-step of the model here (cuda if present, else cpu).")
 @click.option("--peak-tflops", type=float, help="Device peak TFLOP/s (estimate the step from FLOPs instead).")
@@ -150,12 +166,12 @@ def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inn
                  bandwidth, latency, efficiency, intra_bandwidth, link_file, step_time, measure_step, peak_tflops,
                  mfu, micro_batch, seq_len, overlap, target_share, as_json):
     """Plan a data-parallel GPT-2 run's gradient sync: bytes, seconds, comm share, a recommendation."""
-    m = _model(preset, config_file, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
+    if inventory:
+        inv_nodes, inv_gpus, inv_preset = nodes_from_inventory(inventory)
+        nodes, gpus_per_node, preset = nodes or inv_nodes, gpus_per_node or inv_gpus, preset or inv_preset
+    m = _model(preset or "tiny", config_file, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
                                          vocab_size=vocab_size, n_inner=n_inner, pad_vocab_to=pad_vocab_to,
                                          tied=False if untied else None))
-    if inventory:
-        inv_nodes, inv_gpus = nodes_from_inventory(inventory)
-        nodes, gpus_per_node = nodes or inv_nodes, gpus_per_node or inv_gpus
     nodes, gpus_per_node = nodes or 2, gpus_per_node or 1
     if link_file and bandwidth:
         raise click.UsageError("give --link or --bandwidth, not both")
@@ -174,7 +190,8 @@ def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inn
     if seq_len is not None and seq_len > m.n_positions:
         raise click.BadParameter(f"{seq_len} exceeds the model's context of {m.n_positions} tokens",
                                  param_hint="--seq-len")
-    step_source = "given" if step_time is not None else "peak x MFU" if peak_tflops is not None else "seed's 1 s"
+    step_source = "given" if step_time is not None else "peak x MFU" if peak_tflops is not None else \
+        "assumed 1 s: --step-time or --measure-step for yours"
     if measure_step:
         from orchestrator.plan.measure import measure_step_seconds
 

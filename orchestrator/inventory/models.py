@@ -81,6 +81,7 @@ class NodeModel(_Model):
     workdir: str | None = None
     address: str | None = None  # address other nodes use to reach this one (default: host)
     spare: bool = False  # not used at first: takes a lost node's place when a run restarts
+    cpu: bool | None = None  # a CPU node on purpose: one process, its GPUs (if any) left alone
 
     @field_validator("name")
     @classmethod
@@ -133,6 +134,7 @@ class InventoryModel(_Model):
     # what clusterctl writes (run records here, artifacts and node-run records on the nodes) is
     # readable by the user's group too: 0750/0640 instead of 0700/0600 (home.py, remote/common.py)
     share_with_group: bool = False
+    cpu: bool = False  # every node a CPU node on purpose (a node's own cpu: overrides it)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -176,6 +178,7 @@ class Node:
     line: int | None = None
     spare: bool = False  # held back for restarts (runs/restart.py)
     share_with_group: bool = False  # the inventory's: what clusterctl writes on the node, the group reads too
+    cpu: bool = False  # `cpu: true`: a CPU node on purpose (gpus is 0): GPUs found there are no warning
 
     @property
     def is_local(self) -> bool:
@@ -245,6 +248,16 @@ def _python_of(model: InventoryModel, nm: NodeModel, source: str, line: int | No
     return nm.python or model.python
 
 
+def _gpus_of(model: InventoryModel, nm: NodeModel, source: str, line: int | None, i: int) -> int | None:
+    """The node's `gpus`: 0 for a CPU node (`cpu: true` on the node or at the top), which may not
+    also name a number of GPUs."""
+    cpu = nm.cpu if nm.cpu is not None else model.cpu
+    if cpu and nm.gpus:
+        raise InventoryError(f"nodes[{i}] ({nm.name}) says cpu: true and gpus: {nm.gpus}: a CPU node runs one "
+                             "process on no GPU. Drop one of the two", path=source, line=line, key=f"nodes[{i}].gpus")
+    return 0 if cpu else nm.gpus
+
+
 def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
     nodes = []
     seen_names: dict[str, int] = {}
@@ -269,10 +282,10 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
         python = _python_of(model, nm, source, line, i)
         address = nm.address or (config_hostname(host, ssh.config_file) if nm.connection == "ssh" else host)
         nodes.append(Node(
-            name=nm.name, rank=i, host=host, address=address, gpus=nm.gpus, iface=nm.iface,
+            name=nm.name, rank=i, host=host, address=address, gpus=_gpus_of(model, nm, source, line, i), iface=nm.iface,
             connection=nm.connection, ssh=ssh, env=env, python=python,
             workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
-            share_with_group=model.share_with_group,
+            share_with_group=model.share_with_group, cpu=nm.cpu if nm.cpu is not None else model.cpu,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
                      dict(model.env), model.train, model.checks, source, model.sync, model.setup,

@@ -103,8 +103,11 @@ def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> bytes:
 def root_cause(ff: FirstFailure, st: NodeStatus, log: bytes) -> str:
     """One node, one reason: its exit code and meaning, then the failing worker's own words
     (torchrun's error file, else that rank's last log lines, else the node log's last lines)."""
-    head = (f"{ff.node} (ranks {st.first_rank}-{st.last_rank}) failed first: "
-            f"exit code {ff.exit_code} — {ff.reason}")
+    if ff.exit_code is None:  # lost: the node never said how its torchrun ended
+        head = (f"{ff.node} ({st.ranks_text}) failed first: lost, no exit code — its connection went silent "
+                f"({ff.reason}) and it did not answer again before the lost timeout")
+    else:
+        head = f"{ff.node} ({st.ranks_text}) failed first: exit code {ff.exit_code} — {ff.reason}"
     detail = ""
     wf = worker_failure(log)
     if wf is not None:

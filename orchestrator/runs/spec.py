@@ -153,7 +153,16 @@ class NodeStatus:
 
     @property
     def ranks(self) -> str:
-        return "-" if self.first_rank is None else f"{self.first_rank}-{self.last_rank}"
+        """`0-7`, `3` for a node of one rank, `-` before ranks are assigned."""
+        if self.first_rank is None:
+            return "-"
+        return str(self.first_rank) if self.last_rank in (None, self.first_rank) else f"{self.first_rank}-{self.last_rank}"
+
+    @property
+    def ranks_text(self) -> str:
+        """`ranks 0-7`, `rank 3`, `no ranks yet`."""
+        r = self.ranks
+        return "no ranks yet" if r == "-" else f"rank{'s' if '-' in r else ''} {r}"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from orchestrator.inventory import Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.rankfiles import RankFiles
+from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
 
@@ -71,7 +72,7 @@ class Frames:
 class LogCopier:
     """Byte and line sinks for the engine: a node's stdout appended to its log copy."""
 
-    def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = print,
+    def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = say,
                  after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None,
                  artifacts: Artifacts | None = None):
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
@@ -84,7 +85,7 @@ class LogCopier:
         try:
             self.ranks = RankFiles(run.dir, {name: run.node_log(name) for name in names}, first)
         except OSError as e:
-            self.echo(f"supervisor: per-rank log files not written: {e}")
+            self.echo(f"per-rank log files not written: {e}")
 
     def offset(self, name: str) -> int:
         return self.files[name].tell() - self.start_at.get(name, 0)
@@ -114,7 +115,7 @@ class LogCopier:
                 self.on_record(name, head, body)
         except (ValueError, KeyError, TypeError) as e:  # out of step: nothing after it can be trusted
             reader.broken = True
-            self.echo(f"supervisor: {name}: unreadable stream ({type(e).__name__}: {e}); "
+            self.echo(f"{name}: unreadable stream ({type(e).__name__}: {e}); "
                       "the rest of this tail is dropped")
 
     def on_record(self, name: str, head: dict, body: bytes) -> None:
@@ -131,7 +132,7 @@ class LogCopier:
             try:
                 self.artifacts.on_tb(name, head, body)
             except OSError as e:  # the log copy goes on; a reconnect or the last sweep sends them again
-                self.echo(f"supervisor: {name}: TensorBoard bytes of {head.get('rel')!r} not written: {e}")
+                self.echo(f"{name}: TensorBoard bytes of {head.get('rel')!r} not written: {e}")
         elif self.artifacts is not None and kind == FRAME_CKPTS:
             self.artifacts.on_checkpoints(name, json.loads(body))
 
@@ -143,7 +144,7 @@ class LogCopier:
             try:
                 self.ranks.feed(name, data)
             except OSError as e:  # the node's log copy goes on; the rank files stop here
-                self.echo(f"supervisor: per-rank log files stopped: {e}")
+                self.echo(f"per-rank log files stopped: {e}")
                 self.ranks = None
         if self.after_write is not None:
             self.after_write()
@@ -154,12 +155,12 @@ class LogCopier:
         try:
             end = agent.end_status(line)  # the node's own word on how the run ended
         except ValueError:
-            self.echo(f"supervisor: {name}: unreadable end status {line[-200:]!r}")
+            self.echo(f"{name}: unreadable end status {line[-200:]!r}")
             return
         if end is not None:
             self.final[name] = end
         elif line.strip():
-            self.echo(f"supervisor: {name}: {line.strip()}")
+            self.echo(f"{name}: {line.strip()}")
 
     def close(self) -> None:
         for f in self.files.values():
@@ -203,7 +204,7 @@ class _Copy:
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
-        self.tell: Callable[[str], None] = lambda text: echo(f"supervisor: {text}")
+        self.tell: Callable[[str], None] = echo
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
@@ -265,7 +266,7 @@ class _Copy:
 
 
 def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[NodeResult, AgentStatus | None], None],
-              *, echo: Callable[[str], None] = print, after_write: Callable[[], object] | None = None,
+              *, echo: Callable[[str], None] = say, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
               tell: Callable[[str], None] | None = None) -> None:
