@@ -67,34 +67,48 @@ def _fmt(v, unit="", digits=0) -> str:
 
 
 def _procs_text(procs) -> str:
+    """`pid command [run]` per process, on one line (`; ` between): a GPU is one row."""
     parts = []
     for p in procs:
         what = (p.command or p.name or "?")
-        what = what if len(what) <= 48 else what[:45] + "..."
         run = f" [{p.run_id}]" if p.run_id else ""
-        parts.append(f"{p.pid} {what}{run}")
-    return "\n".join(parts) or "-"
+        parts.append(f"{p.pid}{run} {what}")
+    return "; ".join(parts) or "-"
+
+
+def _short(name: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `H100 80GB HBM3`: the vendor is the tool's column."""
+    for vendor in ("NVIDIA ", "AMD "):
+        name = name.removeprefix(vendor)
+    return name
 
 
 def table(views: list[NodeGpus], title: str):
+    """One row per GPU at any width: the process column, then the name, are cut with `…` on a
+    narrow screen; only a node's error or its `no GPUs` wraps (it is not a GPU's row)."""
+    from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=title, expand=False)
+    def cell(text: str, style: str = "") -> Text:
+        return Text(text, style=style, no_wrap=True, overflow="ellipsis")
+
+    t = Table(title=title, expand=False, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (("node", "left"), ("gpu", "right"), ("name", "left"), ("util", "right"),
-                      ("memory MiB", "right"), ("temp", "right"), ("power", "right"),
-                      ("process [run]", "left")):
-        t.add_column(col, justify=just)
+                      ("mem MiB", "right"), ("temp", "right"), ("power", "right")):
+        t.add_column(col, justify=just, no_wrap=col != "name", min_width=4 if col == "name" else None)
+    t.add_column(Text("process [run]"), min_width=8)
     for v in views:
         if v.error:
-            t.add_row(v.name, "", f"[red]{v.error}[/red]", "", "", "", "", "")
+            t.add_row(v.name, "", "", "", "", "", "", Text(v.error, style="red"))
             continue
         if not v.gpus:
-            t.add_row(v.name, "", "[dim]no GPUs (no nvidia-smi or rocm-smi)[/dim]" if v.tool is None
-                      else "[dim]no GPUs[/dim]", "", "", "", "", _procs_text(v.processes))
+            t.add_row(v.name, "", "", "", "", "", "", Text("no GPUs (no nvidia-smi or rocm-smi)" if v.tool is None
+                                                        else "no GPUs", style="dim"))
             continue
         for i, g in enumerate(v.gpus):
             mem = f"{_fmt(g.mem_used_mib)}/{_fmt(g.mem_total_mib)}"
-            t.add_row(v.name if i == 0 else "", str(g.index), g.name, _fmt(g.util, "%"), mem,
+            t.add_row(v.name if i == 0 else "", str(g.index), cell(_short(g.name)), _fmt(g.util, "%"), mem,
                       _fmt(g.temp_c, "C"), _fmt(g.power_w, "W", 0),
-                      _procs_text(g.processes if v.tool != "rocm-smi" or i else v.processes))
+                      cell(_procs_text(g.processes if v.tool != "rocm-smi" or i else v.processes)))
     return t

@@ -64,6 +64,8 @@ def _summary(rec: dict) -> None:
     state, code = rec.get("state"), rec.get("exit_code")
     if rec.get("error"):
         _err(f"clusterctl: run {rec.get('id')} {state}: {rec['error']}")
+    elif str(rec.get("summary") or "").startswith(f"{state} "):  # 'stopped on request': said once
+        _err(f"clusterctl: run {rec.get('id')} {rec['summary']} (exit code {code})")
     elif rec.get("summary"):
         _err(f"clusterctl: run {rec.get('id')} {state} (exit code {code}): {rec['summary']}")
     else:
@@ -199,15 +201,15 @@ def _results(run: Run) -> None:
     command that shows them) and its logs."""
     newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
     if newest is not None:
-        _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest}); `clusterctl train "
-             f"--resume-from {run.id}` starts a run from it")
+        _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest})")
+        _err(f"clusterctl:   a new run from it: clusterctl train --resume-from {run.id}")
     tb = run.dir / "tensorboard"
     if tb.is_dir() and any(p.is_file() for p in tb.rglob("*")):
         _err(f"clusterctl: TensorBoard: tensorboard --logdir {tb}")
-    ranks = run.dir / "ranks"
-    per_rank = f"; each rank's lines: {ranks} (rank 0: {ranks / 'rank0.log'})" if (ranks / "rank0.log").exists() else ""
-    _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every rank){per_rank}; what clusterctl did: "
-         f"{run.dir / 'supervisor.log'}")
+    _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every node)")
+    if (run.dir / "ranks" / "rank0.log").exists():
+        _err(f"clusterctl:   rank 0: {run.dir / 'ranks' / 'rank0.log'} (rank N: rankN.log)")
+    _err(f"clusterctl:   what clusterctl did: {run.dir / 'supervisor.log'}")
 
 
 def parse_ranks(value: str | None) -> frozenset[int]:

@@ -11,37 +11,35 @@ import time
 
 import click
 
+from orchestrator.cli import tables
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import UnreachableError
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.checkpoints import CheckpointStore
-from orchestrator.runs.logs import last_lines_offset
 from orchestrator.runs.record import load as load_record
-from orchestrator.runs.spec import NodeState, NodeStatus
+from orchestrator.home import runs_dir
+from orchestrator.runs.spec import NodeState
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
 
-def _runtime(nd: NodeStatus, rec: dict) -> str:
-    start = rec.get("started")
-    if not start:
-        return "-"
-    end = nd.ended or rec.get("ended") or time.time()
-    s = int(end - start)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def _last_line(run: Run, node: str) -> str:
-    p = run.node_log(node)
-    off = last_lines_offset(p, 1)
-    try:
-        with open(p, "rb") as f:
-            f.seek(off)
-            return f.read().decode(errors="replace").strip()[:100]
-    except OSError:
-        return ""
+def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus], now: float, note: str = ""):
+    """The attempt, its nodes in rank order, each node's state (the nodes' own word when they
+    were asked), pid, exit, runtime and the job's last line there."""
+    a = typed.current
+    tries = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None else ""
+    rows = []
+    for nd in run.nodes(rec):
+        state, code, last = nd.state, nd.exit_code, tables.last_line(run.node_log(nd.name), nd.first_rank)
+        asked = from_nodes.get(nd.name)
+        if asked is not None:  # the nodes' own word beats a stale record
+            code, last = code if asked.error else asked.exit_code, asked.last_line or last
+            state = _node_state_now(asked, code)
+        rows.append((nd.name, nd.ranks, tables.shown_state(state, rec), str(nd.pid or "-"),
+                     "-" if code is None else str(code), tables.runtime(nd, rec, now), last))
+    return tables.status_table(f"{run.id}: {rec.get('state')}{tries}{note}", rows)
 
 
 def ask_nodes(run: Run) -> dict[str, AgentStatus]:
@@ -74,7 +72,6 @@ def _node_state_now(now: AgentStatus, code: int | None) -> NodeState:
 def status_command(run_id, as_json):
     """Per node: state, pid, exit code, runtime and last line of a run (the latest by default)."""
     from rich.console import Console
-    from rich.table import Table
 
     run = Run.find(run_id)
     rec = run.record
@@ -88,28 +85,14 @@ def status_command(run_id, as_json):
         return
     typed = load_record(run)
     a = typed.current
-    attempt = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None and \
-        (a.attempt > 1 or run.spec.max_restarts) else ""
-    t = Table(title=f"{run.id}: {rec.get('state')}{attempt}" + ("" if alive or terminal else
-                                                      " (supervisor gone: asked the nodes and started "
-                                                      "one that takes the run over)"))
-    t.add_column("node", no_wrap=True)
-    for c in ("ranks", "state", "pid", "exit", "runtime", "last line"):
-        t.add_column(c)
-    for nd in run.nodes(rec):
-        state, code, last = nd.state, nd.exit_code, _last_line(run, nd.name)
-        now = from_nodes.get(nd.name)
-        if now is not None:  # the nodes' own word beats a stale record
-            code, last = code if now.error else now.exit_code, now.last_line or last
-            state = _node_state_now(now, code)
-        t.add_row(nd.name, nd.ranks, str(state), str(nd.pid or "-"), "-" if code is None else str(code),
-                  _runtime(nd, rec), last[:100])
-    Console().print(t)
+    Console().print(_nodes_table(run, rec, typed, from_nodes, time.time(),
+                                 "" if alive or terminal else " (supervisor gone: asked the nodes and started one "
+                                 "that takes the run over)"))
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
     newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
     if newest is not None:
-        _err(f"clusterctl: newest checkpoint copied home: {newest} ({run.dir / 'checkpoints'})")
+        _err(f"clusterctl: newest checkpoint copied home: {newest}, in {run.dir / 'checkpoints'}")
     if a is not None and a.hang:
         _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
                                                              if a.hang_dir else ""))
@@ -132,7 +115,6 @@ def runs_command(opts: ClusterOptions, on_cluster, as_json):
     """The runs recorded on this control machine, oldest first; with --cluster, every run holding
     a node of the inventory: run id, who started it (user@control-host), since when, its nodes."""
     from rich.console import Console
-    from rich.table import Table
 
     if on_cluster:
         return _cluster_runs(opts, as_json)
@@ -140,16 +122,8 @@ def runs_command(opts: ClusterOptions, on_cluster, as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    t = Table(title="runs")
-    # the id is what `tail`/`status`/`stop` take: never cut it short, the other columns give way
-    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in rows), default=3))
-    for c in ("state", "nodes", "world", "created", "exit"):
-        t.add_column(c, no_wrap=c in ("state", "created"))
-    for rec in rows:
-        t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(len(rec.get("nodes", []))),
-                  str(rec.get("world_size", "-")), time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("created", 0))),
-                  "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
-    Console().print(t)
+    click.echo(f"runs recorded in the control home {runs_dir().parent}")  # CLUSTERCTL_HOME picks another
+    Console().print(tables.runs_table(rows))
 
 
 def _cluster_runs(opts: ClusterOptions, as_json: bool) -> None:

@@ -1,0 +1,97 @@
+"""The tables of `status` and `runs`, built from records alone (no clock, no node asked), so the
+same records always render the same (tests/test_golden.py holds them at 80 and 120 columns).
+
+Every row is one line whatever the width: the columns that cannot give way (a run id, a node
+name, a state) never wrap, and a last line too long for the screen ends in `…`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from orchestrator.runs.logs import last_lines_offset
+from orchestrator.runs.rankfiles import RANK_TAG
+from orchestrator.runs.spec import NodeState, NodeStatus
+
+# torchrun's and c10d's own chatter (`W1124 20:13:59.129000 4242 torch/...`): not the job's last word
+_TORCH_LOG = re.compile(r"^[WIEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ |^\[W\d+ |^\[c10d\]")
+
+
+def runtime(nd: NodeStatus, rec: dict, now: float) -> str:
+    start = rec.get("started")
+    if not start:
+        return "-"
+    s = int((nd.ended or rec.get("ended") or now) - start)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def last_line(path: Path, first_rank: int | None, n: int = 20) -> str:
+    """The job's last word on a node: the last line a rank wrote (`r5: step 40 | loss 2.1`), past
+    torchrun's and c10d's warnings; else the log's last line."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(last_lines_offset(path, n))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    for ln in reversed(lines):
+        m = RANK_TAG.match(ln.encode())
+        if m is None:
+            continue
+        text = ln.encode()[m.end():].decode(errors="replace").strip()
+        if text and not _TORCH_LOG.search(text):
+            rank = f"r{first_rank + int(m.group(1))}: " if first_rank is not None else ""
+            return rank + text.rsplit("\r", 1)[-1].strip()
+    plain = [ln for ln in lines if not _TORCH_LOG.search(ln)]
+    return plain[-1].strip() if plain else ""
+
+
+def shown_state(state: NodeState, rec: dict) -> str:
+    """A node torchrun left non-zero because the user stopped the run was stopped, not failed."""
+    by_user = rec.get("state") == "stopped" or rec.get("teardown") == "stop"
+    return "stopped" if by_user and state is NodeState.FAILED else str(state)
+
+
+def _table(title: str | None = None) -> Table:
+    """No borders (two spaces between columns): a table's width is its cells'."""
+    return Table(title=title, box=None, padding=(0, 1), pad_edge=False, title_justify="left",
+                 header_style="bold", title_style="bold")
+
+
+def one_line(text: str) -> Text:
+    """A cell that never wraps: cut with `…` when its column is narrowed."""
+    return Text(text, no_wrap=True, overflow="ellipsis")
+
+
+def status_table(title: str, rows: list[tuple[str, ...]]) -> Table:
+    """node, ranks, state, pid, exit, runtime, last line: one line per node. Only the last line's
+    column gives way to a narrow screen."""
+    t = _table(title)
+    for c in ("node", "ranks", "state", "pid", "exit", "runtime"):
+        t.add_column(c, no_wrap=True, justify="right" if c in ("pid", "exit") else "left")
+    t.add_column("last line", min_width=9)
+    for row in rows:
+        t.add_row(*row[:-1], one_line(row[-1]))
+    return t
+
+
+def runs_table(recs: list[dict]) -> Table:
+    """run, state, tries (attempts), nodes, world, created (month-day time), exit: one line per run."""
+    t = _table()
+    # the id is what `tail`/`status`/`stop` take: never cut short, the other columns give way (they
+    # wrap only on a screen too narrow for one line, which 80 columns is not)
+    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in recs), default=3))
+    for c in ("state", "tries", "nodes", "world", "created", "exit"):
+        t.add_column(c, justify="right" if c in ("tries", "nodes", "world", "exit") else "left")
+    for rec in recs:
+        created = time.strftime("%m-%d %H:%M", time.localtime(rec.get("created", 0)))
+        tries = len(rec.get("attempts") or []) or "-"
+        t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(tries), str(len(rec.get("nodes", []))),
+                  str(rec.get("world_size", "-")), created,
+                  "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
+    return t
