@@ -185,6 +185,8 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
         mine = [ln.split("| ", 1)[1] for ln in got if ln.startswith(f"{node}/r{rank} ")]
         assert mine == expected
         assert f"rank {rank} line 2999" in mine
+        # the rank's own file: split by the supervisor and by the one that took over, each line once
+        assert (run_dir / "ranks" / f"rank{rank}.log").read_text().splitlines() == expected
     assert rec_of(run_dir)["state"] == "finished"
 
 
