@@ -74,6 +74,16 @@ class ConnectError(ClusterctlError):
         self.node, self.message = node, message
         super().__init__(f"{node}: {message}")
 
+    @property
+    def brief(self) -> str:
+        """Why, in a few words (a run record's pending stop keeps this)."""
+        return self.message.split(". ")[0][:200]
+
+    @property
+    def refused(self) -> bool:
+        """The node answered and refused us (its host key, our key): not a node that is down."""
+        return isinstance(self, (HostKeyError, AuthRefused))
+
 
 class UnreachableError(ClusterctlError):
     """Nodes could not be reached, so the command did nothing. Carries {node: reason}."""
@@ -87,7 +97,24 @@ class UnreachableError(ClusterctlError):
 
 
 class HostKeyError(ConnectError):
-    """Unknown or changed host key. The message holds the exact remedy."""
+    """Unknown, changed or revoked host key. The message holds the exact remedy; `verdict`
+    ("unknown", "changed", "revoked") and `fingerprint` (the key the node presented) say it short."""
+
+    def __init__(self, node: str, message: str, *, verdict: str = "unknown", fingerprint: str = ""):
+        self.verdict, self.fingerprint = verdict, fingerprint
+        super().__init__(node, message)
+
+    @property
+    def brief(self) -> str:
+        return f"host key {self.verdict}" + (f" (it presented {self.fingerprint})" if self.fingerprint else "")
+
+
+class AuthRefused(ConnectError):
+    """The node answered and refused every key offered: retrying soon cannot help."""
+
+    @property
+    def brief(self) -> str:
+        return "authentication refused"
 
 
 class ConnectionLost(ConnectError):

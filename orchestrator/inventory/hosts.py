@@ -5,7 +5,7 @@ models (and the hostfile reader) refuse the same things in the same words:
 
 - a host or address is an IPv4 dotted quad (four decimal octets 0-255, no leading zeros: some
   tools read `010` as octal 8), an IPv6 literal (bare or in brackets, with an optional
-  `%scope`), or a DNS name: at most 253 characters, labels of 1 to 63 letters, digits, '-' and
+  `%scope`, which a link-local fe80:: address must have), or a DNS name: at most 253 characters, labels of 1 to 63 letters, digits, '-' and
   '_' (ssh_config aliases often hold one) that do not start or end with '-'. A name that
   inet_aton would read as an address (`1.2.3`, `0x7f.1`, `1.2.3.4.5`) is refused as one;
 - a port is written in decimal digits, 1 to 65535, without a sign, a leading zero or '_';
@@ -76,9 +76,12 @@ def _check_ipv6(text: str, bad: str, hint: str = "") -> None:
     if pct and not _SCOPE.fullmatch(scope):
         raise ValueError(f"{bad}: the IPv6 scope after '%' must be an interface name of letters and digits")
     try:
-        ipaddress.IPv6Address(addr)
+        ip = ipaddress.IPv6Address(addr)
     except ValueError as e:
         raise ValueError(f"{bad}: it is not an IPv6 address ({str(e).rstrip('.')}){hint}") from None
+    if ip.is_link_local and not pct:
+        raise ValueError(f"{bad}: a link-local address (fe80::/10) cannot be reached without its "
+                         f"interface; write it after '%', as in [fe80::1%eth0]")
 
 
 def _check_ipv4(text: str, bad: str) -> None:
@@ -112,6 +115,25 @@ def _check_name(text: str, bad: str) -> None:
             raise ValueError(f"{bad}: label {excerpt(label, 20)} starts or ends with '-'")
 
 
+def split_hop(hop: str) -> tuple[str | None, str, str | None]:
+    """One ProxyJump hop `[user@]host[:port]` -> (user or None, host as written, port as written
+    or None); an IPv6 host keeps its brackets (`[fe80::1]:22` -> host `[fe80::1]`, port `22`).
+    ValueError when something other than ':port' follows ']'. The host is not checked here."""
+    user, at, hostport = hop.rpartition("@")
+    if hostport.startswith("[") and "]" in hostport:
+        inner, _, rest = hostport[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ValueError("after ']' comes ':port' or nothing")
+        return (user if at else None), f"[{inner}]", (rest[1:] if rest else None)
+    host, colon, port = hostport.partition(":")
+    return (user if at else None), host, (port if colon else None)
+
+
+def unbracket(host: str) -> str:
+    """The address a socket takes: `[fe80::1]` -> `fe80::1`; any other host as it is."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def check_proxy_jump(v: str) -> str:
     """`v` if every hop is `[user@]host[:port]` (host checked by check_host, an IPv6 host in
     brackets); else ValueError naming the hop."""
@@ -120,18 +142,12 @@ def check_proxy_jump(v: str) -> str:
         bad = f"{excerpt(v)} is not a valid ProxyJump ([user@]host[:port][,...])"
         if len(hops) > 1:
             bad += f": in hop {excerpt(hop)}"
-        user, at, hostport = hop.rpartition("@")
-        if at and not USER_RE.match(user):
+        try:
+            user, host, port = split_hop(hop)
+        except ValueError as e:
+            raise ValueError(f"{bad}: {e}") from None
+        if user is not None and not USER_RE.match(user):
             raise ValueError(f"{bad}: {excerpt(user)} is not a valid user name")
-        if hostport.startswith("["):
-            host, close, rest = hostport.partition("]")
-            host += close
-            if rest and not rest.startswith(":"):
-                raise ValueError(f"{bad}: after ']' comes ':port' or nothing")
-            port = rest[1:] if rest else None
-        else:
-            host, colon, port = hostport.partition(":")
-            port = port if colon else None
         if not host:
             raise ValueError(f"{bad}: a hop names no host")
         try:

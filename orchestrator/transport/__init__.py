@@ -19,6 +19,7 @@ from orchestrator.transport.base import (
     LineCallback,
     NodeResult,
     Proc,
+    retry_wait,
 )
 from orchestrator.transport.engine import (
     DEFAULT_FANOUT,
@@ -36,4 +37,4 @@ from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "KEEPALIVE_S", "BytesCallback",
            "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "LineCallback", "LocalConnection",
            "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "quiet_paramiko",
-           "stream", "wait"]
+           "retry_wait", "stream", "wait"]

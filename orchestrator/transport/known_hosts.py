@@ -183,7 +183,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                 f"REVOKED HOST KEY for {hostname}: {e.path}{f' line {line}' if line else ''} marks its "
                 f"{kind} key ({fp}) @revoked, so clusterctl refuses it, as ssh does, even though another "
                 f"line may list it. A stolen key may be impersonating this host; if the host got a new "
-                f"key, install it there and list it in {e.path}.")
+                f"key, install it there and list it in {e.path}.", verdict="revoked", fingerprint=fp)
         if status == "ok":
             return
         if status == "changed":
@@ -194,7 +194,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                 raise HostKeyError(self.node, f"WARNING: THE HOST KEY OF {hostname} HAS CHANGED: it "
                                    f"presented {kind} {fp}, which {e.path} does not list for it "
                                    f"(it lists {_key_type(listed[0])}). clusterctl refuses to connect "
-                                   f"until the file is corrected.") from None
+                                   f"until the file is corrected.", verdict="changed", fingerprint=fp) from None
             raise paramiko.BadHostKeyException(hostname, key, expected)
         if self.accept_new:
             with _lock:
@@ -213,8 +213,8 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                 f"host key for {hostname} ({kind} {fp}) is not listed in {e.path}; its line {lines} "
                 f"names a @cert-authority for this host, but clusterctl does not verify host "
                 f"certificates (not supported: paramiko negotiates the plain host key). List the host's "
-                f"own key after checking its fingerprint:\n{remedy}")
+                f"own key after checking its fingerprint:\n{remedy}", fingerprint=fp)
         raise HostKeyError(
             self.node,
             f"unknown host key for {hostname} ({kind} {fp}). clusterctl verifies host keys "
-            f"like ssh does. Check the fingerprint, then add it with:\n{remedy}")
+            f"like ssh does. Check the fingerprint, then add it with:\n{remedy}", fingerprint=fp)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import paramiko
 
-from orchestrator.errors import ConnectError, ConnectionLost, HostKeyError
+from orchestrator.errors import AuthRefused, ClusterctlError, ConnectError, ConnectionLost, HostKeyError, UsageError
 from orchestrator.inventory import Node
+from orchestrator.inventory.hosts import check_proxy_jump, split_hop, unbracket
 from orchestrator.transport.base import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_LOST_TIMEOUT,
@@ -115,10 +116,25 @@ class SSHConnection(Connection):
                           "channel_timeout": self.connect_timeout, "transport_factory": _transport}
         if s.identity_file:
             connect_kwargs["key_filename"] = [os.path.expanduser(s.identity_file)]
-        c = fabric.Connection(host, user=user, port=port, config=config, gateway=gateway,
-                              connect_timeout=self.connect_timeout, connect_kwargs=connect_kwargs)
-        self._secure(c)
-        return c
+        return fabric.Connection(host, user=user, port=port, config=config, gateway=gateway,
+                                 connect_timeout=self.connect_timeout, connect_kwargs=connect_kwargs)
+
+    def _gateway(self, target):
+        """The ProxyJump hops in front of `target`, last hop outermost: the inventory's ssh.proxy_jump,
+        else the ssh_config's ProxyJump for the node, parsed here (fabric reads `[fe80::1]:22` as a
+        host name), else its ProxyCommand; False for none. UsageError for an ssh_config ProxyJump that cannot be used."""
+        jump = self.node.ssh.proxy_jump or target.ssh_config.get("proxyjump")
+        if not jump or jump.lower() == "none":
+            return target.ssh_config.get("proxycommand") or False  # a command string, as fabric takes it
+        try:
+            check_proxy_jump(jump)
+        except ValueError as e:
+            raise UsageError(f"{self.node.name}: the ssh config's ProxyJump cannot be used: {e}") from None
+        gateway = None  # the first hop may have its own ProxyJump in the ssh config (fabric's rule)
+        for hop in jump.split(","):
+            user, host, port = split_hop(hop)
+            gateway = self._make(unbracket(host), user, int(port) if port else None, gateway)
+        return gateway
 
     def _secure(self, c) -> None:
         """Replace fabric's AutoAddPolicy on this hop and every gateway hop with one that decides
@@ -139,24 +155,36 @@ class SSHConnection(Connection):
             c = c.gateway
 
     def open(self):
+        """Connect, or raise ConnectError (HostKeyError, AuthRefused: the node refused us) with
+        every socket of this try already closed: a node's sshd keeps an unauthenticated connection
+        until its LoginGraceTime, and a few left behind fill its MaxStartups for everyone."""
         s, n = self.node.ssh, self.node
-        gateway = None
-        if s.proxy_jump:
-            for hop in s.proxy_jump.split(","):
-                user, _, hostport = hop.rpartition("@")
-                host, _, port = hostport.partition(":")
-                gateway = self._make(host, user or None, int(port) if port else None, gateway)
-        self._conn = self._make(n.host, s.user, s.port, gateway)
+        self._conn = self._make(n.host, s.user, s.port, gateway=False)
         try:
+            self._conn.gateway = self._gateway(self._conn)
+            self._secure(self._conn)
             self._conn.open()
-        except HostKeyError:
-            raise
         except BaseException as e:  # noqa: BLE001 - classified into one sentence below
+            hop = self._failed_hop()
             self.close()
-            raise ConnectError(n.name, _explain_connect_error(e, self._conn, self.connect_timeout)) from e
+            if isinstance(e, (ClusterctlError, KeyboardInterrupt)):
+                raise
+            raise _classified(n.name, e, hop, self.connect_timeout) from e
         self.last_heard = time.monotonic()
         threading.Thread(target=self._watch, args=(self._closing,), name=f"liveness-{n.name}",
                          daemon=True).start()
+
+    def _failed_hop(self):
+        """The first connection of the chain (ProxyJump hops first, the node last) not open."""
+        chain, c = [], self._conn
+        while c is not None and not isinstance(c, (str, bool)):
+            chain.append(c)
+            c = c.gateway
+        for c in reversed(chain):
+            t = c.client.get_transport()
+            if t is None or not t.is_active():
+                return c
+        return self._conn
 
     def reopen(self, timeout: float | None = None) -> None:
         """Replace a lost connection with a new one to the same node, same settings and host-key
@@ -233,12 +261,16 @@ class SSHConnection(Connection):
         return _SSHProc(self.node.name, chan, self)
 
     def close(self):
+        """Close this connection and every ProxyJump hop's, however far their connect got."""
         self._closing.set()
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
-                pass
+        c = self._conn
+        while c is not None and not isinstance(c, (str, bool)):
+            for shut in (c.close, c.client.close):  # fabric's close() skips a connection whose
+                try:                                 # connect() raised; paramiko's closes its socket
+                    shut()
+                except Exception:  # noqa: BLE001 - closing a dead connection may raise anything
+                    pass
+            c = c.gateway
 
 
 STDIN_CHUNK = 1 << 20
@@ -267,13 +299,25 @@ def _send_stdin(chan: paramiko.Channel, chunks) -> None:
             pass
 
 
+def _classified(node: str, e: BaseException, conn, timeout: float) -> ConnectError:
+    """The typed error for a failed connect: a refusal (host key, authentication) is told apart
+    from a node that is down, so a retry can wait longer for a person to act."""
+    text = _explain_connect_error(e, conn, timeout)
+    if isinstance(e, paramiko.BadHostKeyException):
+        return HostKeyError(node, text, verdict="changed", fingerprint=e.key.fingerprint)
+    if isinstance(e, paramiko.AuthenticationException) or \
+            (isinstance(e, paramiko.SSHException) and "No authentication methods" in str(e)):
+        return AuthRefused(node, text)
+    return ConnectError(node, text)
+
+
 def _explain_connect_error(e: BaseException, conn, timeout: float) -> str:
     where = f"{conn.user}@{conn.host}:{conn.port}"
     if isinstance(e, paramiko.BadHostKeyException):
-        return (f"WARNING: THE HOST KEY OF {conn.host} HAS CHANGED (expected {e.expected_key.get_name()} "
+        return (f"WARNING: THE HOST KEY OF {e.hostname} HAS CHANGED (expected {e.expected_key.get_name()} "
                 f"{e.expected_key.fingerprint}, got {e.key.fingerprint}). Someone could be intercepting "
                 f"the connection, or the machine was reinstalled. If you know why, remove the old key with "
-                f"`ssh-keygen -R {conn.host}` and add the new one; clusterctl refuses to connect until then.")
+                f"`ssh-keygen -R {e.hostname}` and add the new one; clusterctl refuses to connect until then.")
     if isinstance(e, paramiko.AuthenticationException):
         return (f"authentication failed for {where}: add your public key to that user's "
                 f"~/.ssh/authorized_keys (ssh-copy-id), or set ssh.user / ssh.identity_file in the inventory")
