@@ -100,10 +100,11 @@ def status_command(run_id, as_json):
         _err(f"clusterctl: recovering after {typed.recovering}")
     if rec.get("summary") or rec.get("error"):
         _summary(rec)
-    if typed.pending_stops:
-        what = ", ".join(f"{p.node} ({p.key})" for p in typed.pending_stops)
-        _err(f"clusterctl: stop pending on {what}: not confirmed yet; it is carried out as soon as the node "
-             "answers again")
+    for p in typed.pending_stops:
+        why = f": {p.why} (try {p.tries}" + (f", next in {max(0, p.next_try - time.time()):.0f}s)"
+                                             if p.next_try else ")") if p.why else ""
+        _err(f"clusterctl: stop pending on {p.node} ({p.key}){why}: not confirmed yet; it is carried out as "
+             "soon as the node answers again")
 
 
 @click.command("runs")

@@ -33,9 +33,9 @@ from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.replicas import Replicator
 from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
 from orchestrator.runs.spec import RunResult, RunState
-from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, say
+from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
-from orchestrator.transport import Cluster
+from orchestrator.transport import Cluster, retry_wait
 
 
 def _changes(old: list[str], new: list[str]) -> str:
@@ -65,6 +65,7 @@ class Controller:
         self.copier: ArtifactCopier | None = None
         self.current: AttemptRunner | None = None
         self.stop_requests = 0
+        self.signalled = threading.Event()  # a SIGTERM/SIGINT came: end within the stop's grace
 
     # ---------------------------------------------------------------- process
     def main(self) -> int:
@@ -101,6 +102,9 @@ class Controller:
     def on_signal(self, signum, frame) -> None:
         self.stop_requests += 1
         say(f"stop request {self.stop_requests} (signal {signum})")
+        self.signalled.set()
+        if self.stopper is not None:  # pending stops are retried only within the grace, then recorded
+            self.stopper.end_by(0.0 if self.stop_requests > 1 else asked_grace(self.run))
         runner = self.current
         if runner is not None:
             runner.policy.stop_requests = self.stop_requests
@@ -118,9 +122,11 @@ class Controller:
         self.cluster = cluster = Cluster(self.full_inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
-        deadline = time.monotonic() + spec.lost_timeout
-        while patient and cluster.unreachable and time.monotonic() < deadline:
-            time.sleep(1)
+        deadline, tries = time.monotonic() + spec.lost_timeout, 0
+        while patient and cluster.unreachable and time.monotonic() + retry_wait(tries) < deadline:
+            if self.signalled.wait(retry_wait(tries)):  # backoff: a node refusing us is not asked every second
+                break
+            tries += 1
             cluster.connect()  # an adopted run's node may be a moment from answering
         for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
             say(f"spare {name} is unreachable: {cluster.unreachable[name].error}")  # not needed to start
@@ -172,6 +178,8 @@ class Controller:
         rec = self.book.rec
         cluster = self.connect(patient=self.adopt)
         self.stopper = Stopper(cluster, self.full_inv, self.run.id, self.book, say)
+        if self.signalled.is_set():  # signalled while connecting
+            self.stopper.end_by(asked_grace(self.run))
         self.stopper.resume(rec.pending_stops)
         if rec.state.terminal:  # adopted only to carry out stops still pending
             return int(rec.exit_code or 0)

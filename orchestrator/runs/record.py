@@ -99,6 +99,9 @@ class PendingStop:
     key: str
     grace: float = 5.0
     since: float = 0.0
+    why: str = ""  # the last try's failure in a few words ("host key changed (it presented SHA256:..)")
+    tries: int = 0
+    next_try: float | None = None  # when the next try is due (time.time())
 
     @classmethod
     def from_json(cls, doc: dict) -> "PendingStop":

@@ -3,31 +3,37 @@ nodes reached now, and a retry per node that cannot be reached until it answers 
 
 Every stop names the attempt it is for: its key (RUN_ID, or RUN_ID.aK for attempt k) and its
 nodes. A node that cannot be reached is recorded as a PendingStop(node, key) in the run record and
-retried on a fresh connection, with backoff, until it answers; then that attempt's processes are
+retried on a fresh connection, with backoff (1 s doubling to 60 s), until it answers; then that attempt's processes are
 stopped there, whatever attempt the run is on by then. So a node lost in attempt 1 that comes
 back while attempt 2 runs elsewhere keeps nothing of the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Callable
 
-from orchestrator.errors import ClusterctlError
+from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Inventory
 from orchestrator.runs import agent
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book, PendingStop
-from orchestrator.transport import Cluster
+from orchestrator.transport import Cluster, retry_wait
 
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers
 LOG_DRAIN_S = 60.0  # after a stop's grace, how long the nodes' logs may take to close
-RETRY_S = (1, 2, 4, 8)  # waits between tries to reach a node with a pending stop; the last repeats
 
 
 def say(text: str) -> None:
     print(f"supervisor: {text}", flush=True)  # stdout is runs/RUN/supervisor.log
+
+
+def asked_grace(run) -> float:
+    """The grace a stop asked for (runs/RUN/stop.json), else the run's own (train --grace)."""
+    req = run.stop_request or {}
+    return req.get("grace") if req.get("grace") is not None else run.spec.grace
 
 
 def grace_for(cluster: Cluster | None, key: str, asked: float, kill: bool) -> float:
@@ -51,6 +57,8 @@ class Stopper:
         self.lock = threading.Lock()
         self.pending: dict[tuple[str, str], PendingStop] = {}
         self.threads: dict[tuple[str, str], threading.Thread] = {}
+        self.quit_at = float("inf")  # monotonic time after which no try starts (end_by)
+        self.wake = threading.Condition()  # notified by end_by: the retries' waits are cut
 
     def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset(),
              peer_failed: bool = False) -> list[str]:
@@ -90,32 +98,61 @@ class Stopper:
             return any(n == node for n, _ in self.pending)
 
     def _retry(self, p: PendingStop) -> None:
-        """On a fresh connection each try, with backoff, until the node answers; then stop attempt
-        `p.key` there and drop the run's claim on the node."""
+        """On a fresh connection each try, waiting longer after each failure (retry_wait: 1 s to
+        60 s), until the node answers; then stop attempt `p.key` there and drop the run's claim on
+        the node. Each failure is written on the pending stop (why, tries, next try), so the record
+        and `status` say why the node is pending. `end_by` cuts the retries short."""
         node = self.inv.node(p.node)
         deadline = time.monotonic() + LOST_PATIENCE
-        tries = 0
-        while time.monotonic() < deadline:
-            c = self.cluster.connection_for(node, connect_timeout=3)
-            try:
-                c.open()
-                res = agent.stop(node, p.key, p.grace).over(c)
-                if res.reached:
-                    self.say(f"stopped {p.key} on {p.node} after it answered again")
-                    if not self.in_use(p.node):
-                        agent.release(node, self.run_id, timeout=30).over(c)
-                    self._done(p)
-                    return
-                why = res.error
-            except ClusterctlError as e:  # ConnectError, HostKeyError, ConnectionLost: not answering yet
-                why = str(e)
-            finally:
-                c.close()  # no connection outlives its try
-            if tries % 10 == 0:
-                self.say(f"{p.node} still unreachable ({why}); retrying")
-            time.sleep(RETRY_S[min(tries, len(RETRY_S) - 1)])
-            tries += 1
-        self.say(f"gave up stopping {p.key} on {p.node} after {LOST_PATIENCE:g}s; it stays pending in the record")
+        while time.monotonic() < min(deadline, self.quit_at):
+            why = self._try(node, p)
+            if why is None:
+                return
+            wait = retry_wait(p.tries)
+            p = dataclasses.replace(p, why=why, tries=p.tries + 1, next_try=time.time() + wait)
+            self._note(p)
+            if p.tries == 1 or p.tries % 5 == 0:
+                self.say(f"{p.node} still unreachable ({why}); try {p.tries}, next in {wait:g}s")
+            with self.wake:
+                self.wake.wait(max(0.0, min(time.monotonic() + wait, deadline, self.quit_at) - time.monotonic()))
+        if time.monotonic() >= self.quit_at:
+            self.say(f"stop of {p.key} on {p.node} left pending in the record (the supervisor was asked to end)")
+        else:
+            self.say(f"gave up stopping {p.key} on {p.node} after {LOST_PATIENCE:g}s; it stays pending in the record")
+
+    def _try(self, node, p: PendingStop) -> str | None:
+        """One try: None when the stop was carried out, else why not in a few words."""
+        c = self.cluster.connection_for(node, connect_timeout=3)
+        try:
+            c.open()
+            res = agent.stop(node, p.key, p.grace).over(c)
+            if res.reached:
+                self.say(f"stopped {p.key} on {p.node} after it answered again")
+                if not self.in_use(p.node):
+                    agent.release(node, self.run_id, timeout=30).over(c)
+                self._done(p)
+                return None
+            return res.error or "no answer"
+        except ConnectError as e:  # HostKeyError, AuthRefused, ConnectionLost: not answering, or refusing us
+            return e.brief
+        except ClusterctlError as e:
+            return str(e)[:200]
+        finally:
+            c.close()  # no connection outlives its try
+
+    def _note(self, p: PendingStop) -> None:
+        with self.lock:
+            k = (p.node, p.key)
+            if k in self.pending:
+                self.pending[k] = p
+                self.book.stops(list(self.pending.values()))
+
+    def end_by(self, seconds: float) -> None:
+        """Stop retrying within `seconds` (a stop request's grace: the supervisor is to end); the
+        stops not carried out by then stay pending in the record for the next supervisor."""
+        with self.wake:
+            self.quit_at = min(self.quit_at, time.monotonic() + seconds)
+            self.wake.notify_all()
 
     def in_use(self, node: str) -> bool:
         """The run still trains on `node` (a later attempt took it): its claim stays."""

@@ -26,14 +26,14 @@ import threading
 import time
 from typing import IO, Callable, Iterator, Protocol
 
-from orchestrator.errors import ClusterctlError
+from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.rankfiles import RankFiles
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
-from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, stream
+from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
 # the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
@@ -187,7 +187,9 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[[st
             return True
         except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
             why = str(e)
-        wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+            refused = isinstance(e, ConnectError) and e.refused
+        # a node that refuses us (host key, our key) waits for a person: the slower backoff
+        wait = retry_wait(attempt) if refused else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
         if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
             tell(f"{node.name} lost: no answer for {time.monotonic() - heard:.1f}s ({why})")
             return False
