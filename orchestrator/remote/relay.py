@@ -3,7 +3,10 @@ workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed, 
 remote/common.py in front of it (probe.py `program`): the tar member rule, Hashed, send_tar,
 checkpoint names and marked_pids come from there.
 
-    recv XFER WORKDIR       the relay; its stdin is the control protocol below
+    recv XFER WORKDIR [--listen ADDR]
+                            the relay; its stdin is the control protocol below. It listens on
+                            ADDR, the address the other nodes use for this one (every address
+                            when ADDR is not this node's own, or not given)
     changed WORKDIR         stdin: NUL-terminated "SIZE MTIME PATH" records of the files a sync
                             would ship; prints "changed BYTES FILES" (files whose size or mtime
                             differ here) and "rsync yes|no"; creates WORKDIR
@@ -16,10 +19,11 @@ checkpoint names and marked_pids come from there.
 The `recv` protocol. Stdin (the node's own SSH channel, so no key or secret is placed on a node):
     token HEX                  what an upstream node must send first on the TCP connection
     next HOST PORT TOKEN | last    where to forward the stream (and the token to present there)
-    source stdin | tcp         stdin: framed data follows here (4-byte big-endian length, then
-                               that many bytes; length 0 ends); tcp: accept it on the port
+    source stdin | tcp [FROM]  stdin: framed data follows here (4-byte big-endian length, then
+                               that many bytes; length 0 ends); tcp: accept it on the port, from
+                               FROM's addresses only when given (others closed before a byte is read)
     sha256 HEX                 the stream's digest, announced by the control machine
-Stdout, one event a line: "port P" (listening on ephemeral port P, all addresses), "linked" or
+Stdout, one event a line: "port P" (listening on ephemeral port P), "linked" or
 "link-failed WHY", "progress BYTES", "forward-failed WHY", "done BYTES FILES".
 
 The stream is extracted into WORKDIR/.clusterctl-relay-XFER while it passes through, and moved
@@ -100,10 +104,11 @@ LISTEN_BACKLOG = 512  # connections the kernel holds until accepted (the loop ta
 class Gate:
     """The connections to a relay's port not yet authenticated (accept_upstream's state)."""
 
-    def __init__(self, lsock, want):
+    def __init__(self, lsock, want, allowed=None):
         import selectors
 
         self.lsock, self.want, self.read_event = lsock, want, selectors.EVENT_READ
+        self.allowed = allowed  # the upstream's addresses: any other source is closed unread (None: any)
         self.sel = selectors.DefaultSelector()
         self.pending = {}  # socket -> [bytes so far, when it must have sent the token]
         lsock.setblocking(False)
@@ -123,9 +128,12 @@ class Gate:
         MAX_PENDING."""
         while True:
             try:
-                conn, _ = self.lsock.accept()
+                conn, peer = self.lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            if self.allowed is not None and plain_ip(peer[0]) not in self.allowed:
+                conn.close()  # not the upstream: nothing is read from it
+                continue
             conn.setblocking(False)
             if len(self.pending) >= MAX_PENDING:
                 self.drop(min(self.pending, key=lambda c: self.pending[c][1]))
@@ -158,13 +166,13 @@ class Gate:
         self.lsock.setblocking(True)
 
 
-def accept_upstream(lsock, token, idle):
-    """The first connection that presents `token` within TOKEN_S of connecting; others are closed.
-    Every connection is read at once, none in turn (selectors): a client that trickles bytes or
+def accept_upstream(lsock, token, idle, allowed=None):
+    """The first connection that presents `token` within TOKEN_S of connecting; others are closed
+    (at once, unread, when they do not come from one of the `allowed` addresses). Every connection is read at once, none in turn (selectors): a client that trickles bytes or
     never sends any holds only its own slot for TOKEN_S, a flood of connections only the oldest
     of MAX_PENDING slots, so neither keeps the real upstream out."""
     deadline = time.monotonic() + idle
-    gate = Gate(lsock, token.encode() + b"\n")
+    gate = Gate(lsock, token.encode() + b"\n", allowed)
     try:
         while True:
             now = time.monotonic()
@@ -282,17 +290,55 @@ def link_downstream(words, connect_timeout):
     return down
 
 
-def recv(xfer, workdir, idle, connect_timeout):
-    inp = Stdin(idle)
+def plain_ip(text):
+    """An address as compared here: no %scope, an IPv4-mapped IPv6 address as its IPv4 one."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(text.split("%")[0])
+    except ValueError:
+        return text
+    return str(ip.ipv4_mapped) if ip.version == 6 and ip.ipv4_mapped else str(ip)
+
+
+def resolve(name):
+    """The addresses `name` resolves to here: getaddrinfo's, as plain_ip writes them; None when it
+    does not resolve."""
+    try:
+        return {plain_ip(info[4][0]) for info in socket.getaddrinfo(name.strip("[]"), None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return None
+
+
+def listen(address):
+    """A socket listening on an ephemeral port of `address`, the one the other nodes use to reach
+    this node, so the port is not offered on its other networks. When that address is not this
+    node's own (a NAT in between, a name that resolves elsewhere) or none is given: every address."""
+    for info in (socket.getaddrinfo(address.strip("[]"), 0, type=socket.SOCK_STREAM) if address else ()):
+        try:
+            return socket.create_server(info[4], family=info[0], backlog=LISTEN_BACKLOG)
+        except OSError:
+            continue
+    if address:
+        sys.stderr.write(f"relay: {address} is not an address of this node; listening on every address\n")
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-    lsock = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6,
-                                 backlog=LISTEN_BACKLOG)
+    return socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6,
+                                backlog=LISTEN_BACKLOG)
+
+
+def recv(xfer, workdir, idle, connect_timeout, address=None):
+    inp = Stdin(idle)
+    try:
+        lsock = listen(address)
+    except OSError:  # `address` does not resolve here
+        lsock = listen(None)
     emit(f"port {lsock.getsockname()[1]}")
     (token,) = expect(inp.line(), "token", 2)
     down = link_downstream(inp.line(), connect_timeout)
-    (source,) = expect(inp.line(), "source", 2)
+    words = inp.line()
+    source, *upstream = expect(words, "source", len(words) if 2 <= len(words) <= 3 else 2)
     if source == "tcp":
-        up = accept_upstream(lsock, token, idle)
+        up = accept_upstream(lsock, token, idle, resolve(upstream[0]) if upstream else None)
 
         def pull():
             return up.recv(CHUNK)
@@ -380,13 +426,13 @@ def stop(xfer, workdir):
 
 
 def main(argv):
-    opts = {"--idle": 120.0, "--connect-timeout": 5.0}
+    opts = {"--idle": 120.0, "--connect-timeout": 5.0, "--listen": None}
     while len(argv) >= 2 and argv[-2] in opts:
-        opts[argv[-2]] = float(argv[-1])
+        opts[argv[-2]] = argv[-1] if argv[-2] == "--listen" else float(argv[-1])
         argv = argv[:-2]
     if len(argv) == 3 and argv[0] == "recv" and argv[1].replace("-", "").isalnum():
         os.makedirs(argv[2], exist_ok=True)
-        recv(argv[1], os.path.realpath(argv[2]), opts["--idle"], opts["--connect-timeout"])
+        recv(argv[1], os.path.realpath(argv[2]), opts["--idle"], opts["--connect-timeout"], opts["--listen"])
     elif len(argv) >= 4 and argv[0] == "send" and argv[1].replace("-", "").isalnum():
         send(argv[1], os.path.realpath(os.path.expanduser(argv[2])), argv[3:], opts["--idle"], opts["--connect-timeout"])
     elif len(argv) == 2 and argv[0] == "changed":

@@ -139,7 +139,8 @@ class Chain:
                 self.notes.append(f"{len(stream.skipped)} files vanished or were unreadable while "
                                   f"streaming to {node.name}: {', '.join(stream.skipped[:3])}")
         else:
-            yield b"source tcp\n"
+            up = self.order[self.order.index(hop) - 1]  # it connects from its address: no other source
+            yield f"source tcp {up.node.address}\n".encode()
             if not self._wait(lambda: hop.head.sha is not None or hop.head.exited, self.timeout):
                 return
         if hop.head.sha is not None:
@@ -179,7 +180,7 @@ class Chain:
         return (f"{node.program_env}CLUSTERCTL_XFER={self.xfer} {shell.path(self.python(node))} "
                 f"-c {shell.quote(relay_source())} "
                 f"recv {self.xfer} {shell.path(self.dest(node))} --idle {IDLE_TIMEOUT:g} "
-                f"--connect-timeout {CONNECT_TIMEOUT:g}")
+                f"--connect-timeout {CONNECT_TIMEOUT:g} --listen {shell.quote(node.address)}")
 
     def run(self) -> list[SyncResult]:
         res = self.cluster.run(self.command, stdin=self.feed, nodes=[h.node.name for h in self.hops],

@@ -65,7 +65,7 @@ class Pair:
 
     # ------------------------------------------------------------ the two ends' stdin
     def recv_feed(self, _node: Node):
-        yield f"token {self.token}\nlast\nsource tcp\n".encode()
+        yield f"token {self.token}\nlast\nsource tcp {self.src.address}\n".encode()
         if self._wait(lambda: self.sent is not None or self.send_exited, self.timeout) and self.sent:
             yield f"sha256 {self.sent[1]}\n".encode()
 
@@ -95,7 +95,8 @@ class Pair:
 
     def _receive(self) -> None:
         try:
-            res = self.cluster.run(lambda _n: self.command(self.dst, "recv", self.dst_dir), stdin=self.recv_feed,
+            res = self.cluster.run(lambda _n: self.command(self.dst, "recv", self.dst_dir) +
+                                   f" --listen {shell.quote(self.dst.address)}", stdin=self.recv_feed,
                                    nodes=[self.dst.name], timeout=self.timeout, on_line=self.on_recv_line)
             self.recv_result = res[self.dst.name]
         finally:
