@@ -12,7 +12,11 @@ import time
 
 import psutil
 import pytest
+import yaml
 
+from orchestrator.errors import AuthRefused, HostKeyError
+from orchestrator.inventory import parse_inventory
+from orchestrator.transport import SSHConnection
 from tests.cluster import host
 from tests.conftest import pid_ended, wait_for
 from tests.test_train_cluster import DDP, cli, log_has, prepare, rec_of
@@ -139,3 +143,26 @@ def test_changed_host_key_mid_run_is_backed_off_closed_and_named(make_cluster, t
     took = sigterm_ends_within_grace(adopted)
     assert took <= GRACE + 3, f"the adopted supervisor took {took:.1f}s to end after SIGTERM"
     assert preauth_count(victim) <= 3
+
+
+def test_a_refused_key_or_host_key_leaves_no_connection_on_the_node(make_cluster, tmp_path):
+    """Each refused connect closes its socket before it returns: the node's sshd holds nothing of
+    it (paramiko's client stayed connected, unauthenticated, until the node's LoginGraceTime)."""
+    cluster = make_cluster(1, gpus=0)
+    node = cluster.nodes[0]
+    stranger = tmp_path / "stranger_key"
+    host.write_keypair(stranger, "not authorized")
+    other_kh = tmp_path / "known_hosts"
+    other_kh.write_text(f"{node.host} {host.write_keypair(tmp_path / 'other_host_key', 'x')}\n")
+    cases = [("identity_file", str(stranger), AuthRefused, "authentication refused"),
+             ("known_hosts", str(other_kh), HostKeyError, "host key changed")]
+    for key, value, kind, brief in cases:
+        ssh = {**cluster.inventory()["ssh"], key: value}
+        inv = parse_inventory(yaml.safe_dump(cluster.inventory(ssh=ssh)), "t")
+        for _ in range(5):
+            c = SSHConnection(inv.nodes[0])
+            with pytest.raises(kind) as e:
+                c.open()
+            assert e.value.brief.startswith(brief), e.value.brief
+            assert e.value.refused
+        wait_for(lambda: preauth_count(node) == 0, 5, f"no connection left on the node after {brief}")
