@@ -24,6 +24,7 @@ from .config import TrainConfig, UsageError, check_precision
 from .data import TokenData
 from .model import build_model, count_params, flops_per_token
 from .parallel import ddp_comm_stats, peak_flops, setup_distributed, wrap_model
+from .progress import StepClock
 from .tokenizer import load_tokenizer
 
 
@@ -55,9 +56,10 @@ def configure_optimizer(model, cfg: TrainConfig, device: torch.device, fused: bo
 class Trainer:
     """Holds what the step needs; `step()` is the whole optimizer step (also used by bench/)."""
 
-    def __init__(self, model, sync_module, optimizer, scaler, autocast, cfg, device):
+    def __init__(self, model, sync_module, optimizer, scaler, autocast, cfg, device, clock: StepClock | None = None):
         self.model, self.sync_module, self.opt, self.scaler = model, sync_module, optimizer, scaler
         self.autocast, self.cfg, self.device = autocast, cfg, device
+        self.clock = clock  # each step's compute time, for clusterctl's straggler watch
 
     def loss(self, x, y):
         with self.autocast:
@@ -76,9 +78,12 @@ class Trainer:
         else:
             self.sync_module.set_requires_gradient_sync(on)
 
-    def step(self, batches, lr: float) -> torch.Tensor:
+    def step(self, batches, lr: float, step: int | None = None) -> torch.Tensor:
         """One optimizer step over len(batches) micro-steps; returns the mean micro-step loss
         as a tensor (no .item() here: on a GPU that would stall the queue every step)."""
+        clock = self.clock if step is not None else None
+        if clock is not None:
+            clock.start()
         for g in self.opt.param_groups:
             g["lr"] = lr
         accum, total = len(batches), torch.zeros((), device=self.device)
@@ -88,12 +93,16 @@ class Trainer:
             loss = self.loss(x, y) / accum  # the mean over micro-steps, as one big batch would give
             self.scaler.scale(loss).backward()
             total += loss.detach().float()
+        if clock is not None:
+            clock.backward_done()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
+        if clock is not None:
+            clock.end(step)
         return total
 
 
@@ -198,7 +207,8 @@ class Run:
             scaler = ShardedGradScaler(device.type)
         else:
             scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-        return Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device)
+        return Trainer(model, sync_module, optimizer, scaler, _make_autocast(cfg.precision, device), cfg, device,
+                       StepClock(self.raw, device))
 
     def strategy(self) -> str:
         if self.world == 1:
@@ -271,7 +281,7 @@ def _loop(run: Run, stop) -> tuple[int, bool]:
             return step, True
         lr = get_lr(step, cfg, run.lr_scale)
         batches = [run.data.batch("train", cfg.batch_size, cfg.seed, run.rank, step, m) for m in range(cfg.grad_accum)]
-        loss = run.trainer.step(batches, lr)
+        loss = run.trainer.step(batches, lr, step)
         step += 1
         steps_since += 1
         if step % cfg.log_every == 0 or step == cfg.max_steps:

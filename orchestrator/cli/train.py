@@ -27,6 +27,7 @@ from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.hang import ON_HANG
+from orchestrator.runs.straggler import ON_STRAGGLER
 from orchestrator.runs.notify import save_notify
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
@@ -132,6 +133,9 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Relaunch after an infrastructure failure (node lost, killed, peer died) up to N times, "
                    "from the last checkpoint, with spare nodes taking lost ones' places [default: the "
                    "inventory's train.max_restarts, else 0].")
+@click.option("--restart-on-exit-codes", metavar="CODES", default=None,
+              help="A worker's exit codes (comma-separated, 1-255) that are retried too, on the same nodes, "
+                   "counting against --max-restarts [default: the inventory's train.restart_on_exit_codes].")
 @click.option("--min-nodes", type=click.IntRange(1), default=None,
               help="A restart may go on with fewer nodes, down to this many, when no spare is left "
                    "(the script must take a different world size).")
@@ -157,10 +161,21 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="What a hang does: fail the run, restart it from its checkpoint without the culprit's node "
                    "(a spare takes its place; counts against --max-restarts), or observe (report and go on) "
                    "[default: the inventory's train.on_hang, else fail].")
+@click.option("--on-straggler", type=click.Choice(ON_STRAGGLER), default=None,
+              help="What a straggler (a rank computing --straggler-factor times the median, over the last "
+                   "--straggler-window steps, as the trainer reports it) does: warn (name it), or replace (restart "
+                   "from the checkpoint without its node, onto a spare, when a restart and a spare are left) "
+                   "[default: the inventory's train.on_straggler, else warn].")
+@click.option("--straggler-factor", type=click.FloatRange(0, 100), default=None, metavar="X",
+              help="How many times the median compute per step makes a straggler; 0 turns the watch off "
+                   "[default: the inventory's train.straggler_factor, else 1.3].")
+@click.option("--straggler-window", type=click.IntRange(3, 100000), default=None, metavar="STEPS",
+              help="The steps each rank's median compute is taken over [default: the inventory's "
+                   "train.straggler_window, else 50].")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, max_restarts, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, hang_timeout, on_hang, script):
+                  lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
+                  resume_args, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -180,10 +195,11 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
         max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
+        restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, resume_from=resume_from,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        hang_timeout=inv.train.hang_timeout if hang_timeout is None else hang_timeout,
-        on_hang=on_hang or inv.train.on_hang,
+        **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
+                  straggler_factor=straggler_factor, straggler_window=straggler_window),
         resume_args=tuple(inv.train.resume_args if resume_args is None else _split_args(resume_args, "--resume-args"))))
     save_notify(run, notify)
     sup = start_supervisor(run)
@@ -216,6 +232,25 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     if as_json:
         emit(run_doc(run.record), compact=True)
     sys.exit(code)
+
+
+def _exit_codes(flag: str | None, inventory: list[int]) -> tuple[int, ...]:
+    """--restart-on-exit-codes '3,42' (else the inventory's list); a bad value is a usage error (exit 2)."""
+    if flag is None:
+        return tuple(inventory)
+    try:
+        codes = tuple(int(c) for c in flag.replace(" ", "").split(",") if c)
+    except ValueError:
+        codes = ()
+    if not codes or any(not 1 <= c <= 255 for c in codes):
+        raise click.BadParameter(f"{flag!r}: give exit codes from 1 to 255, comma-separated, e.g. 3,42",
+                                 param_hint="--restart-on-exit-codes")
+    return codes
+
+
+def _health(train, **flags) -> dict:
+    """The hang and straggler watches' settings: each flag given, else the inventory's train: value."""
+    return {k: getattr(train, k) if v is None else v for k, v in flags.items()}
 
 
 __all__ = ["train_command"]

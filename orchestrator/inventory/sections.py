@@ -21,6 +21,9 @@ class TrainSection(_Model):
     output_dir: str | None = None
     notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
     max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
+    # a worker's exit codes that are retried too (the script's own: a preemption, a known flaky step),
+    # like SkyPilot's recover_on_exit_codes; which failures are retried: runs/policy.py RETRY_RULES
+    restart_on_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(default_factory=list)
     queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
     # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
     # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
@@ -32,6 +35,11 @@ class TrainSection(_Model):
     # acted on (runs/hang.py); 0 turns the watch off
     hang_timeout: float = Field(default=300.0, ge=0, le=86400)
     on_hang: Literal["fail", "restart", "observe"] = "fail"  # restart: without the culprit's node
+    # a rank whose median compute per step over the last straggler_window steps is this many times
+    # the median of every rank's is a straggler (runs/straggler.py); 0 turns the watch off
+    straggler_factor: float = Field(default=1.3, ge=0, le=100)
+    straggler_window: int = Field(default=50, ge=3, le=100000)
+    on_straggler: Literal["warn", "replace"] = "warn"  # replace: restart without its node, onto a spare
     # appended to the job's arguments when a launch starts from a restored checkpoint (a restart,
     # or --resume-from), e.g. nanoGPT's ["--init_from=resume"]: the script resumes unedited
     resume_args: list[str] = Field(default_factory=list)

@@ -48,9 +48,10 @@ processes), never by name pattern.
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
                                ("exited") or S seconds pass ("timeout")
-  snapshot KEY N WAIT          each rank's /proc state and what its hook (remote/hook/
+  snapshot KEY N WAIT [progress] each rank's /proc state and what its hook (remote/hook/
                                sitecustomize.py, in RUNDIR/py on the job's PYTHONPATH) answers
                                to request N within WAIT s: its Python stacks and Flight Recorder
+                               (with `progress`: only the compute time of its newest steps)
   reach S HOST:PORT...         whether each HOST:PORT takes a TCP connection within S s
 """
 import json
@@ -553,7 +554,7 @@ def rank_procs(run_id, torchrun_pid, hook=None):
     return out
 
 
-def snapshot(run_id, request, wait):
+def snapshot(run_id, request, wait, what="stacks"):
     """Every rank of the run on this node: its /proc state, and what its hook answers to request
     N within `wait` s (its threads' Python stacks, its Flight Recorder). A stopped (T) or dead
     process is not asked. Prints {"ranks": [...], "time"}."""
@@ -571,11 +572,12 @@ def snapshot(run_id, request, wait):
         except OSError as e:
             p["error"] = "no hook answers in it" + ("" if e.errno in (2, 6) else f" ({e.strerror})")
             continue
+        tag = ("p" if what == "progress" else "") + str(int(request))
         try:
-            os.write(fd, str(int(request)).encode())
+            os.write(fd, tag.encode())
         finally:
             os.close(fd)
-        asked[pid] = os.path.join(hook, f"{pid}.{int(request)}.json")
+        asked[pid] = os.path.join(hook, f"{pid}.{tag}.json")
     wait_until(lambda: all(os.path.exists(a) for a in asked.values()), time.time() + float(wait))
     for pid, path in asked.items():
         try:

@@ -416,9 +416,11 @@ def read_snapshot(r: NodeResult) -> Snapshot:
     return _reply(r, dict, lambda d: Snapshot(tuple(d["ranks"]), d.get("time")), lambda why: Snapshot(error=why))
 
 
-def snapshot(node: Node, key: str, request: int, wait: float) -> Call[Snapshot]:
-    """`snapshot RUN_KEY N WAIT`: every rank's /proc state and its hook's answer to request N."""
-    return _call(node, "snapshot", _key(key, node), request, wait, read=read_snapshot, timeout=wait + 30)
+def snapshot(node: Node, key: str, request: int, wait: float, progress: bool = False) -> Call[Snapshot]:
+    """`snapshot RUN_KEY N WAIT [progress]`: every rank's /proc state and its hook's answer to
+    request N (progress: the compute time of its newest steps, not its stacks)."""
+    return _call(node, "snapshot", _key(key, node), request, wait, *(["progress"] if progress else []),
+                 read=read_snapshot, timeout=wait + 30)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, grace_for
+from orchestrator.runs.straggler import Slow, StragglerWatch, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import Artifacts, copy_logs
@@ -57,6 +58,8 @@ class AttemptRunner:
         self.hang_watch: HangWatch | None = None
         self.hang: HangVerdict | None = None  # the hang that failed this attempt
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
+        self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
+        self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
 
     def save(self) -> None:
         self.book.nodes_changed(list(self.statuses.values()))
@@ -91,13 +94,15 @@ class AttemptRunner:
 
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
         hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
+        sw = self.watch_stragglers([n.name for n in nodes])
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
                       start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
                       tell=self.book.tell)
         finally:
-            if hw is not None:
-                hw.close()
+            for w in (hw, sw):
+                if w is not None:
+                    w.close()
         return self.result()
 
     def result(self) -> RunResult:
@@ -107,6 +112,8 @@ class AttemptRunner:
             where = f"\nsnapshots of every rank: {self.run.dir / self.record.hang_dir}" if self.record.hang_dir else ""
             return RunResult(RunState.FAILED, EXIT_FAILED, v.text + "".join(f"\n  {d}" for d in v.details) + where,
                              r.first_failure)
+        if self.straggler is not None and r.state is RunState.FAILED:  # ended to leave the straggler out
+            return RunResult(RunState.FAILED, EXIT_FAILED, self.straggler[0], r.first_failure)
         return r
 
     # ---------------------------------------------------------------- hangs (runs/hang.py)
@@ -166,6 +173,39 @@ class AttemptRunner:
         self.hang = v
         node = next((c.node for c in v.culprits if c.node in self.statuses), next(iter(self.statuses)))
         self.policy.failed(node, None, v.text)
+
+    # ---------------------------------------------------------------- stragglers (runs/straggler.py)
+    def watch_stragglers(self, names: list[str]) -> StragglerWatch | None:
+        """The straggler watch over this attempt's ranks, started (None when the factor is 0)."""
+        if self.spec.straggler_factor <= 0:
+            return None
+        node_of = {r: st.name for st in self.statuses.values() if st.first_rank is not None
+                   and st.last_rank is not None for r in range(st.first_rank, st.last_rank + 1)}
+
+        def live() -> list[str]:
+            return [n for n in names if self.statuses[n].state is NodeState.RUNNING
+                    and (c := self.cluster.connections.get(n)) is not None and c.alive]
+
+        sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
+                            tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
+                            factor=self.spec.straggler_factor, say=self.say)
+        sw.start()
+        return sw
+
+    def on_straggler(self, new: list[Slow], current: str | None) -> None:
+        """Recorded (`status` shows it); with --on-straggler replace, a new straggler's node is left
+        out: the attempt ends and the run restarts without it, when the run loop can."""
+        self.book.attempt_changed(straggler=current)
+        if not new or self.spec.on_straggler != "replace" or self.policy.stop_requests or self.policy.first:
+            return
+        nodes = tuple(dict.fromkeys(s.node for s in new))
+        why_not = self.can_replace(list(nodes))
+        if why_not:
+            self.book.tell(f"--on-straggler replace: {', '.join(nodes)} stays in the run: {why_not}")
+            return
+        self.straggler = (current or "", nodes)
+        self.book.tell(f"--on-straggler replace: restarting from the newest checkpoint without {', '.join(nodes)}")
+        self.policy.failed(nodes[0], None, current or "straggler")
 
     def adopt(self, recorded: list[NodeStatus]) -> RunResult:
         """Take over this attempt from the record after the supervisor died: what ended while
@@ -299,6 +339,8 @@ class AttemptRunner:
 
     def _first_failure(self, ff: FirstFailure) -> None:
         self.book.tell(f"stopping every node of attempt {self.record.attempt} after the hang" if self.hang is not None
-                       else f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
+                       else f"stopping every node of attempt {self.record.attempt} to leave out the straggler"
+                       if self.straggler is not None else f"{ff.node} failed first ({ff.reason}); stopping every node of attempt {self.record.attempt}")
         self.book.attempt_changed(failed_at=ff.at)
-        threading.Thread(target=self.teardown, args=(f"{ff.node} failed", True), daemon=True).start()
+        # a straggler left out is stopped as a user's stop is: the trainer saves its checkpoint first
+        threading.Thread(target=self.teardown, args=(f"{ff.node} failed", self.straggler is None), daemon=True).start()

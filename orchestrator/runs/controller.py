@@ -29,6 +29,7 @@ from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs.checkpoints import ArtifactCopier
 from orchestrator.runs import agent
 from orchestrator.runs.launch import claim_nodes
+from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.replicas import Replicator
 from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
@@ -242,16 +243,29 @@ class Controller:
                                      inv=ordered(self.full_inv, a.nodes), record=a, stopper=self.stopper,
                                      stop_requests=self.stop_requests, say=say)
         self.current.artifacts = self.copier
+        self.current.can_replace = self.can_replace
         return self.current
+
+    def can_replace(self, nodes: list[str]) -> str | None:
+        """Why the current attempt cannot restart without `nodes` (None: it can)."""
+        if sum(1 for a in self.book.rec.attempts if a.launched) > self.spec.max_restarts:
+            return f"no restart left (--max-restarts {self.spec.max_restarts})"
+        cur = self.book.rec.current.nodes
+        if next_nodes(cur, self.spares_left(), tuple(nodes), self.spec.min_nodes or len(cur)) is None:
+            return "no spare left to take its place (and --min-nodes does not let the run shrink)"
+        return None
 
     def verdict(self, runner: AttemptRunner, result: RunResult) -> Verdict:
         hang = runner.hang
         if hang is not None and result.state is RunState.FAILED:
             # a deterministic hang hangs again: retried only when its culprit's node can be left out
-            restart = self.spec.on_hang == "restart" and bool(hang.nodes)
+            restart = hang_retried(self.spec.on_hang, hang.nodes)
             return Verdict(restart, "hang", hang.text.removeprefix("hang: "), hang.nodes if restart else ())
+        if runner.straggler is not None and result.state is RunState.FAILED:  # --on-straggler replace
+            return Verdict(True, "straggler", runner.straggler[0].removeprefix("straggler: "), runner.straggler[1])
         first = result.first_failure.node if result.first_failure else None
-        return classify(outcomes(self.run, runner), first, stopped=result.state is RunState.STOPPED)
+        return classify(outcomes(self.run, runner), first, stopped=result.state is RunState.STOPPED,
+                        exit_codes=self.spec.restart_on_exit_codes)
 
     # ---------------------------------------------------------------- one attempt, set up and classified
     def attempt(self, k: int, nodes: list[str]) -> tuple[RunResult, Verdict]:

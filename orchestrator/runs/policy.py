@@ -9,6 +9,10 @@
   The grace covers a checkpoint: at least twice the job's last save (node agent's
   save_seconds), up to MAX_GRACE; a longer grace asked for explicitly is kept. The rule and the
   cap are remote/common.py's, the ones the node agent applies.
+
+  Which failure is retried is RETRY_RULES, by the class runs/restart.py `classify` names (the
+  README's table is this one, checked by tests/test_restart_policy.py); `exit_code_retried` and
+  `hang_retried` are the two rules that depend on settings.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.probe import common
@@ -28,6 +33,45 @@ from orchestrator.runs.store import exit_hint, exit_meaning
 MAX_GRACE: float = common().MAX_GRACE  # the node agent's cap: remote/common.py
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 LOG_TAIL_BYTES = 1 << 18  # how much of a node's log the root cause looks at
+
+
+@dataclass(frozen=True)
+class RetryRule:
+    cause: str  # the class, as runs/restart.py classify (or the run loop) names it
+    retried: str  # yes | no | when ...
+    how: str
+
+
+RETRY_RULES: tuple[RetryRule, ...] = (
+    RetryRule("node lost", "yes", "without the node: a spare takes its place, else --min-nodes lets the run shrink"),
+    RetryRule("killed by signal", "yes", "a worker killed by a signal, the OOM killer's SIGKILL included: on the "
+              "same nodes"),
+    RetryRule("peer failure", "yes", "a collective failed because a peer or the network went away: on the same nodes"),
+    RetryRule("exit code", "when listed", "a worker exited with a code in train.restart_on_exit_codes "
+              "(--restart-on-exit-codes): on the same nodes"),
+    RetryRule("hang", "when its culprit's node can be left out", "only with --on-hang restart, and never a "
+              "collective mismatch: a deterministic hang hangs again on the same nodes"),
+    RetryRule("straggler", "with --on-straggler replace", "without the straggler's node, when a restart and a "
+              "spare are left (else it is only named)"),
+    RetryRule("preflight failed", "yes, free", "a relaunch's node that fails the fast preflight (gpu_health "
+              "included) is left out and a spare takes its place; costs no restart. At the first launch "
+              "nothing starts"),
+    RetryRule("script error", "no", "the script's own exception (not a communication error): it would fail "
+              "the same way again"),
+)
+
+
+def exit_code_retried(code: int | None, listed: Iterable[int]) -> bool:
+    """A worker's exit code (torchrun's -N for a signal reads as 128+N) is one the user asked to retry."""
+    if code is None:
+        return False
+    return (128 - code if code < 0 else code) in set(listed)
+
+
+def hang_retried(on_hang: str, culprit_nodes: tuple[str, ...]) -> bool:
+    """A hang is retried only under --on-hang restart and when its culprits' nodes can be left out
+    (a mismatch names none: the script's own bug)."""
+    return on_hang == "restart" and bool(culprit_nodes)
 
 
 def stop_grace(grace: float, save_seconds: float = 0.0) -> float:

@@ -77,6 +77,7 @@ class AttemptRecord:
     copy_s: float | None = None
     hang: str | None = None  # the hang verdict's line (runs/hang.py), when the watch found one
     hang_dir: str | None = None  # its snapshots, under the run directory (hangs/N)
+    straggler: str | None = None  # the stragglers named now (runs/straggler.py), one line
 
     @classmethod
     def from_json(cls, doc: dict) -> "AttemptRecord":

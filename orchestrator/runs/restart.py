@@ -33,6 +33,7 @@ from orchestrator.runs.checkpoints import (
     step_of,
 )
 from orchestrator.runs.logs import worker_failure
+from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
 from orchestrator.runs.spec import NodeState, RunResult
 from orchestrator.runs.store import Run
@@ -79,8 +80,11 @@ def _last_exception(log: str) -> str | None:
     return (own or found)[-1] if found else None
 
 
-def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False) -> Verdict:
-    """Whose failure was it? `first` is the node the failure policy blamed (None: none failed)."""
+def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, exit_codes: tuple[int, ...] = ()
+             ) -> Verdict:
+    """Whose failure was it? `first` is the node the failure policy blamed (None: none failed);
+    `exit_codes`: a worker's exit codes retried whatever else (--restart-on-exit-codes). Which
+    class is retried: runs/policy.py RETRY_RULES."""
     if stopped:
         return Verdict(False, "stopped", "stopped on request")
     if first is None and all(o.state == NodeState.FINISHED.value for o in outcomes):
@@ -94,6 +98,9 @@ def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False) 
         return Verdict(False, "script error", "no node reported a failure")
     wf = worker_failure(root.log.encode())
     code = wf["exitcode"] if wf else root.exit_code
+    if exit_code_retried(code, exit_codes):
+        shown = 128 - code if code < 0 else code
+        return Verdict(True, "exit code", f"{root.name}: a worker exited with {shown} (--restart-on-exit-codes)")
     if code is not None and (code < 0 or code > 128):
         sig = -code if code < 0 else code - 128
         what = "killed by SIGKILL (the OOM killer, or a kill -9)" if sig == 9 else f"killed by signal {sig}"

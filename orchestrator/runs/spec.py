@@ -84,6 +84,7 @@ class RunSpec:
     connect_timeout: float | None = None
     cwd: str | None = None
     max_restarts: int = _TRAIN["max_restarts"].default  # --max-restarts, else train.max_restarts
+    restart_on_exit_codes: tuple[int, ...] = ()  # --restart-on-exit-codes, else train.restart_on_exit_codes
     min_nodes: int | None = None  # --min-nodes: a restart may shrink to this many nodes; None: no shrinking
     queue: bool = _TRAIN["queue"].default  # --queue, else train.queue: wait for busy nodes instead of refusing
     queue_timeout: float | None = None  # --queue-timeout: how long to wait queued; None: until stopped
@@ -92,19 +93,22 @@ class RunSpec:
     checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
     hang_timeout: float = _TRAIN["hang_timeout"].default  # --hang-timeout, else train.hang_timeout (0: off)
     on_hang: str = _TRAIN["on_hang"].default  # --on-hang, else train.on_hang: fail | restart | observe
+    straggler_factor: float = _TRAIN["straggler_factor"].default  # --straggler-factor, else train.straggler_factor (0: off)
+    straggler_window: int = _TRAIN["straggler_window"].default  # --straggler-window, else train.straggler_window (steps)
+    on_straggler: str = _TRAIN["on_straggler"].default  # --on-straggler, else train.on_straggler: warn | replace
     resume_args: tuple[str, ...] = ()  # --resume-args, else train.resume_args: added when a checkpoint was restored
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
         kw = fields_of(cls, doc or {})
-        for k in ("nodes", "args", "resume_args"):
+        for k in ("nodes", "args", "resume_args", "restart_on_exit_codes"):
             if k in kw:
                 kw[k] = tuple(kw[k] or ())
         return cls(**{k: v for k, v in kw.items() if v is not None})  # null: the default
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args),
-                "resume_args": list(self.resume_args)}
+                "resume_args": list(self.resume_args), "restart_on_exit_codes": list(self.restart_on_exit_codes)}
 
     def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
         """The run's inventory as recorded when it started (an older record: the file), narrowed

@@ -13,6 +13,11 @@ torch.distributed is initialised, the Flight Recorder's dump (torch._C._distribu
 profiling_name). A rank that cannot run Python (stopped, in D state) does not answer; the agent
 reports its /proc state instead.
 
+A request pN (the straggler watch's, runs/straggler.py, every few seconds) is answered with the
+rank's progress only, PID.pN.json: the compute time of its newest steps, as the script reported
+them through `clusterctl_step(step, compute_s)` (the shipped trainer does: trainer/progress.py).
+No stacks, no Flight Recorder: a deque copied to JSON, well under a millisecond.
+
 Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
 Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
 """
@@ -22,6 +27,16 @@ import sys
 HOOK_ENV = "CLUSTERCTL_HOOK_DIR"
 FR_ENTRIES = 64  # the newest Flight Recorder entries sent per rank
 FRAMES = 40  # innermost frames sent per thread
+STEPS_KEPT = 512  # the newest steps a rank keeps for a progress answer
+_steps = []  # [(step, compute_s)], newest last: what clusterctl_step was told
+
+
+def clusterctl_step(step, compute_s):
+    """A script tells clusterctl one step's compute time on this rank's own clock (the time it
+    computed, its waits in collectives left out): the straggler watch compares ranks by it."""
+    _steps.append((int(step), float(compute_s)))
+    if len(_steps) > 2 * STEPS_KEPT:
+        del _steps[:STEPS_KEPT]
 
 
 def _lib_dirs():
@@ -102,6 +117,18 @@ def _answer(d, request):
     os.replace(path + ".tmp", path)
 
 
+def _progress(d, request):
+    import json
+    import time
+
+    doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "request": request, "time": time.time(),
+           "steps": _steps[-STEPS_KEPT:]}
+    path = os.path.join(d, f"{os.getpid()}.{request}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
 def _serve(d, fifo):
     while True:
         try:
@@ -109,9 +136,9 @@ def _serve(d, fifo):
                 request = f.read().decode(errors="replace").strip()
         except OSError:
             return
-        if request.isdigit():
+        if request.isdigit() or (request[:1] == "p" and request[1:].isdigit()):
             try:
-                _answer(d, request)
+                (_progress if request[0] == "p" else _answer)(d, request)
             except Exception:  # noqa: BLE001 - never disturb the job; the agent sees no answer
                 pass
 

@@ -1,0 +1,197 @@
+"""Stragglers: a rank that computes persistently slower than the others is named, and acted on.
+
+In a synchronous job every rank's step takes the time of the slowest: the others wait in the
+gradients' all-reduce. So the straggler is found by each rank's *compute* per step, measured on its
+own clock (no clock is compared across nodes): the shipped trainer times it (trainer/progress.py)
+and tells the hook clusterctl puts in every rank (remote/hook/sitecustomize.py `clusterctl_step`).
+Every PERIOD_S the watch asks every node's agent for each rank's newest steps (`snapshot ...
+progress`: a request the hook answers from memory, no stacks, no Flight Recorder) over the open
+connections.
+
+`judge` is the rule, pure: each rank's median compute over its last `window` steps; a rank whose
+median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
+is slow. A rank found slow on CONFIRM checks in a row is named a straggler, with its node:
+`straggler: node3 rank 2 computes 2.6x the median (480 ms vs 185 ms over the last 50 steps)`;
+one that stays below the factor for CONFIRM checks is told to have recovered. A rank whose script
+reports no compute is never judged (a script other than the trainer: nothing is said).
+
+The Flight Recorder cannot serve here on gloo: torch 2.13 records, per collective, only when it was
+created on that rank (time_discovered_started_ns, time_discovered_completed_ns and duration_ms
+stay empty), and creation times alone only tell the waits apart by comparing clocks across nodes.
+
+--on-straggler warn (default) names it in the foreground, the run's story and `status`;
+replace ends the attempt and restarts it from the newest checkpoint without the straggler's node
+(a spare takes its place), as --on-hang restart does, when a restart and a spare are left;
+otherwise it only warns, and says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from orchestrator.runs import agent
+
+DEFAULT_FACTOR = 1.3
+DEFAULT_WINDOW = 50
+ON_STRAGGLER = ("warn", "replace")
+PERIOD_S = 10.0  # how often the watch asks every rank for its newest steps
+CONFIRM = 2  # checks in a row before a rank is named (or named recovered)
+MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
+MIN_RANKS = 2
+ANSWER_S = 5.0  # how long a node's agent waits for its ranks' progress answers
+
+
+@dataclass(frozen=True)
+class Slow:
+    """One rank found slower than the median over its last `steps` steps."""
+
+    rank: int
+    node: str
+    compute_s: float  # this rank's median compute per step
+    median_s: float  # the median of every rank's median
+    steps: int
+
+    @property
+    def ratio(self) -> float:
+        return self.compute_s / self.median_s if self.median_s > 0 else float("inf")
+
+
+def judge(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window: int = DEFAULT_WINDOW,
+          factor: float = DEFAULT_FACTOR) -> list[Slow]:
+    """The ranks slower than `factor` times the median, by their median compute over their last
+    `window` steps (`samples`: rank -> compute seconds per step, oldest first). Nothing is judged
+    until at least MIN_RANKS ranks have `window` steps each."""
+    full = {r: statistics.median(v[-window:]) for r, v in samples.items() if len(v) >= window}
+    if len(full) < MIN_RANKS or factor <= 0:
+        return []
+    med = statistics.median(full.values())
+    return [Slow(r, node_of.get(r, "?"), c, med, window) for r, c in sorted(full.items())
+            if c >= factor * med and c - med >= MIN_GAP_S]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
+
+
+def describe(slow: Iterable[Slow]) -> str:
+    """One line naming every straggling node, its ranks and by how much."""
+    by_node: dict[str, list[Slow]] = {}
+    for s in slow:
+        by_node.setdefault(s.node, []).append(s)
+    parts = []
+    for node, ss in by_node.items():
+        worst = max(ss, key=lambda s: s.ratio)
+        ranks = ",".join(str(s.rank) for s in ss)
+        verb = "computes" if len(ss) == 1 else "compute"
+        parts.append(f"{node} rank{'s' if len(ss) > 1 else ''} {ranks} {verb} {worst.ratio:.1f}x the median "
+                     f"({_ms(worst.compute_s)} vs {_ms(worst.median_s)} over the last {worst.steps} steps)")
+    return "straggler: " + "; ".join(parts)
+
+
+def merge(into: dict[int, dict[int, float]], ranks: Iterable[Mapping], keep: int) -> None:
+    """Add one progress snapshot's ranks (the agent's documents: rank, answer.steps [[step, s]])
+    into rank -> {step: compute_s}, keeping each rank's newest `keep` steps."""
+    for doc in ranks:
+        rank = doc.get("rank")
+        steps = (doc.get("answer") or {}).get("steps") or []
+        if not str(rank).isdigit() or not steps:
+            continue
+        mine = into.setdefault(int(rank), {})
+        for step, seconds in steps:
+            mine[int(step)] = float(seconds)
+        for old in sorted(mine)[:-keep]:
+            del mine[old]
+
+
+def progress(cluster, key: str, names: list[str], say: Callable[[str], None]) -> list[Mapping]:
+    """Every rank's newest steps on the nodes `names` (node agent `snapshot ... progress`)."""
+    ask = time.time_ns() // 1_000_000  # unique on the node, like the hang watch's requests
+    got = agent.run(cluster, lambda nd: agent.snapshot(nd, key, ask, ANSWER_S, progress=True), names)
+    out: list[Mapping] = []
+    for name, sn in sorted(got.items()):
+        if sn.error is not None:
+            say(f"{name}: no progress snapshot: {sn.error}")
+        out.extend(sn.ranks)
+    return out
+
+
+@dataclass
+class StragglerWatch:
+    """Asks every rank for its newest steps every `period` s (`snap()` -> every rank's document),
+    judges them, and tells (`tell`) a straggler once it is confirmed and once it recovered;
+    `on_straggler(new, current)` is called on every change: the newly confirmed, and the line
+    naming every straggler now (None: none is left)."""
+
+    snap: Callable[[], list[Mapping]]
+    node_of: Mapping[int, str]
+    tell: Callable[[str], None]
+    on_straggler: Callable[[list[Slow], str | None], None]
+    window: int = DEFAULT_WINDOW
+    factor: float = DEFAULT_FACTOR
+    period: float = PERIOD_S
+    say: Callable[[str], None] = print
+    steps: dict[int, dict[int, float]] = field(default_factory=dict)
+    streak: dict[int, int] = field(default_factory=dict)  # rank -> checks in a row slow (>0) or not (<0)
+    named: dict[int, Slow] = field(default_factory=dict)  # the ranks named a straggler now
+    judged: bool = False  # every rank had a window of steps once
+    rounds: int = 0  # checks that judged the ranks
+    ever: dict[int, Slow] = field(default_factory=dict)  # every rank named during the attempt
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.factor > 0:
+            self.thread = threading.Thread(target=self.loop, name="straggler-watch", daemon=True)
+            self.thread.start()
+
+    def close(self) -> None:
+        """Stop the watch; its tally goes to the supervisor's log."""
+        if not self.stop.is_set() and self.judged:
+            self.say(f"straggler watch: judged every rank {self.rounds} times; named "
+                     f"{', '.join(f'{s.node} rank {r}' for r, s in sorted(self.ever.items())) or 'nobody'}")
+        self.stop.set()
+
+    def loop(self) -> None:
+        while not self.stop.wait(self.period):
+            try:
+                self.check(self.snap())
+            except Exception as e:  # noqa: BLE001 - the watch must never take the run down itself
+                self.say(f"straggler watch: {type(e).__name__}: {e}")
+
+    def check(self, ranks: list[Mapping]) -> None:
+        """One round: the snapshot merged, every rank judged, the changes told."""
+        merge(self.steps, ranks, 4 * self.window)
+        samples = {r: [v[s] for s in sorted(v)] for r, v in self.steps.items()}
+        slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor)}
+        judged = {r for r, v in samples.items() if len(v) >= self.window}
+        self.rounds += len(judged) >= MIN_RANKS
+        if len(judged) >= MIN_RANKS and not self.judged:  # once, in the supervisor's log: the watch sees every rank
+            self.judged = True
+            med = {r: statistics.median(samples[r][-self.window:]) for r in judged}
+            mid = statistics.median(med.values())
+            worst = max(med, key=med.get)
+            self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} steps: median "
+                     f"compute {_ms(mid)} per step, the slowest rank {worst} at {med[worst] / mid:.2f}x")
+        for r in judged:
+            was = self.streak.get(r, 0)
+            self.streak[r] = (max(was, 0) + 1) if r in slow else (min(was, 0) - 1)
+        new = [slow[r] for r in sorted(slow) if self.streak[r] >= CONFIRM and r not in self.named]
+        gone = [r for r in sorted(self.named) if self.streak.get(r, 0) <= -CONFIRM]
+        for r in gone:
+            s = self.named.pop(r)
+            self.tell(f"straggler: {s.node} rank {r} no longer computes slower than the median")
+        if new:
+            self.named.update({s.rank: s for s in new})
+            self.ever.update({s.rank: s for s in new})
+            self.tell(describe(new))
+        if new or gone:
+            self.on_straggler(new, self.current)
+
+    @property
+    def current(self) -> str | None:
+        """The stragglers named now, in one line (None: none)."""
+        return describe(self.named[r] for r in sorted(self.named)) if self.named else None

@@ -1,0 +1,178 @@
+"""Stragglers (runs/straggler.py): the rule on recorded-shape numbers, the watch's naming and
+recovery, the rank's side (the hook's progress answer through the node agent as shipped) and the
+trainer's compute clock, which leaves the waits out."""
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from orchestrator.runs.straggler import CONFIRM, Slow, StragglerWatch, describe, judge, merge
+from tests.conftest import wait_for
+from tests.test_hang import HOOK
+from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
+from trainer.progress import StepClock
+
+NODES = {0: "n1", 1: "n2", 2: "n3", 3: "n4"}
+
+
+def healthy(steps=60, base=0.185):
+    # every rank within +-10 % of the others, with a rank that is a little slower throughout
+    return {r: [base * (1 + 0.1 * ((s * 7 + r * 3) % 5 - 2) / 2) * (1.08 if r == 3 else 1) for s in range(steps)]
+            for r in range(4)}
+
+
+def test_a_rank_computing_persistently_slower_is_named_with_its_node_and_by_how_much():
+    samples = healthy()
+    samples[2] = [0.480] * 60
+    [s] = judge(samples, NODES, window=50, factor=1.3)
+    assert (s.rank, s.node, s.steps) == (2, "n3", 50) and s.compute_s == pytest.approx(0.48)
+    assert describe([s]) == f"straggler: n3 rank 2 computes {s.ratio:.1f}x the median ({s.compute_s * 1e3:.0f} ms " \
+                            f"vs {s.median_s * 1e3:.0f} ms over the last 50 steps)"
+    assert s.ratio > 2.3
+
+
+def test_a_healthy_run_with_jitter_names_nobody():
+    assert judge(healthy(), NODES, window=50, factor=1.3) == []
+    noisy = healthy()
+    noisy[1][-10:] = [1.0] * 10  # a burst of ten slow steps (an evaluation, a checkpoint) is not persistent
+    assert judge(noisy, NODES, window=50, factor=1.3) == []
+    tiny = {r: [0.0005 * (3 if r == 0 else 1)] * 60 for r in range(4)}  # 3x, but 1 ms: jitter, not a straggler
+    assert judge(tiny, NODES, window=50, factor=1.3) == []
+
+
+def test_nothing_is_judged_before_every_rank_has_a_window_or_with_one_rank():
+    samples = healthy(steps=40)
+    samples[2] = [0.48] * 40
+    assert judge(samples, NODES, window=50) == []
+    assert judge({0: [0.1] * 60}, NODES, window=50) == []
+    assert judge({0: [0.1] * 60, 1: [0.5] * 60}, NODES, window=50, factor=0) == []  # 0: off
+
+
+def test_two_ranks_on_one_node_are_named_once_with_the_worst():
+    a, b = Slow(4, "n3", 0.40, 0.2, 50), Slow(5, "n3", 0.50, 0.2, 50)
+    assert describe([a, b]) == "straggler: n3 ranks 4,5 compute 2.5x the median (500 ms vs 200 ms over the last 50 steps)"
+
+
+def test_snapshots_merge_by_step_and_keep_the_newest():
+    into = {}
+    merge(into, [{"rank": 1, "answer": {"steps": [[1, 0.1], [2, 0.2]]}}, {"rank": 0, "error": "no hook"}], keep=3)
+    merge(into, [{"rank": 1, "answer": {"steps": [[2, 0.2], [3, 0.3], [4, 0.4]]}}], keep=3)
+    assert into == {1: {2: 0.2, 3: 0.3, 4: 0.4}}
+
+
+def watch(told, acted, window=5):
+    return StragglerWatch(snap=lambda: [], node_of=NODES, tell=told.append, window=window, factor=1.3,
+                          on_straggler=lambda new, cur: acted.append(([s.rank for s in new], cur)))
+
+
+def docs(compute: dict[int, float], first: int, n: int):
+    return [{"rank": r, "answer": {"steps": [[s, c] for s in range(first, first + n)]}} for r, c in compute.items()]
+
+
+def test_the_watch_names_a_straggler_once_confirmed_and_says_when_it_recovered():
+    told, acted = [], []
+    w = watch(told, acted)
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    w.check(docs(slow, 0, 5))
+    assert told == [] and acted == []  # slow once: not yet persistent
+    for k in range(1, CONFIRM):
+        w.check(docs(slow, 5 * k, 5))
+    assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
+    assert acted == [([2], told[0])] and w.current == told[0]
+    w.check(docs(slow, 100, 5))
+    assert len(told) == 1  # named once
+    even = {r: 0.1 for r in range(4)}
+    for k in range(CONFIRM):
+        w.check(docs(even, 200 + 5 * k, 5))
+    assert told[-1] == "straggler: n3 rank 2 no longer computes slower than the median"
+    assert acted[-1] == ([], None) and w.current is None
+
+
+def test_the_watch_names_nobody_on_a_healthy_run():
+    told, acted = [], []
+    w = watch(told, acted, window=50)
+    samples = healthy(steps=300)
+    for k in range(6):
+        w.check([{"rank": r, "answer": {"steps": [[s, v[s]] for s in range(50 * k, 50 * k + 50)]}}
+                 for r, v in samples.items()])
+    assert told == [] and acted == []
+
+
+RANK = """
+import os, sys, time
+import sitecustomize
+for step in range(1, 8):
+    sitecustomize.clusterctl_step(step, step / 100)
+print("ready", flush=True)
+time.sleep(120)
+"""
+LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CHILD']], "
+          "env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
+
+
+def test_a_rank_answers_a_progress_request_with_its_newest_steps_and_no_stacks(agent):  # noqa: F811
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": RANK}, "hook": HOOK}
+    r = agent("start", "p1@n1", json.dumps(spec).encode().hex())
+    assert r.returncode == 0, r.stderr
+    d = rundir(agent, "p1@n1")
+    try:
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
+        doc = json.loads(agent("snapshot", "p1@n1", 7, 20, "progress").stdout)
+        [rank] = doc["ranks"]
+        assert rank["rank"] == 0 and "error" not in rank, rank
+        assert rank["answer"]["steps"] == [[s, s / 100] for s in range(1, 8)]
+        assert "stacks" not in rank["answer"] and "fr" not in rank["answer"]
+        assert not list((d / "hook").glob("*.json"))
+    finally:
+        agent("stop", "p1@n1", 1)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class Wait(torch.autograd.Function):
+    """At the input, so its backward runs after every parameter's gradient: where DDP waits for the
+    gradients' all-reduce. It moves the fake clock by `wait` s."""
+
+    clock, wait = None, 0.0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Wait.clock.now += Wait.wait
+        return g
+
+
+class Timed(torch.nn.Linear):
+    def forward(self, x):
+        Wait.clock.now += 0.05  # this rank's own compute
+        return super().forward(x)
+
+
+def test_the_trainers_compute_clock_leaves_out_the_wait_for_the_other_ranks(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", fake)
+    Wait.clock = fake
+    model = Timed(4, 4)
+    told = []
+    clock = StepClock(model, torch.device("cpu"), sink=lambda step, s: told.append((step, round(s, 6))))
+    for step, wait in ((1, 0.0), (2, 0.7)):
+        Wait.wait = wait
+        clock.start()
+        x = torch.ones(2, 4, requires_grad=True)
+        model(Wait.apply(x)).sum().backward()
+        clock.backward_done()
+        fake.now += 0.01  # the optimizer
+        clock.end(step)
+    assert told == [(1, 0.06), (2, 0.06)]  # 0.7 s waited in step 2 is not compute
