@@ -89,6 +89,15 @@ def test_a_ranks_lines_keep_their_order_and_a_late_repeat_is_not_folded():
     assert got == ["n1/r0 | A", "n1/r[0-1] | B", "n[1-2]/r[1,8] | A", "n2/r9 | B"]
 
 
+def test_lines_held_for_folding_print_before_clusterctl_speaks(tmp_path):
+    out = io.StringIO()
+    f = Follower(write_logs(tmp_path)[:1], Prefixer(["n1/r7"], out=out, color=False))
+    f.poll()  # within the window: held
+    assert out.getvalue() == ""
+    f.flush()  # what _Show does before a story line
+    assert out.getvalue().splitlines()[0] == "n1/r[0-7] | data: 1000 batches of 8"
+
+
 # ---------------------------------------------------------------- the per-rank files on disk
 def rank_lines(run_dir, rank):
     p = rank_file(run_dir, rank)

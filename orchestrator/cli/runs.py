@@ -102,6 +102,8 @@ class _Show:
                                f"{', '.join(a.get('bad_nodes') or []) or 'a node'}:", err=True)
                     click.echo((self.run.dir / f).read_text().rstrip(), err=True)
         lines, self.story_at = story(self.run, self.story_at)
+        if lines and self.follower is not None:
+            self.follower.flush()  # the job's lines held for folding came first: they print first
         for line in lines:  # what clusterctl saw and did, as it happened (record.py Book.tell)
             click.echo(f"clusterctl: {line}", err=True)
         for a in rec.get("attempts") or []:

@@ -235,6 +235,11 @@ class Follower:
         else:
             self.printer(label, "stdout", text, node)
 
+    def flush(self) -> None:
+        """Print the lines held for folding now (clusterctl is about to say something)."""
+        if self.lines is not None:
+            self.lines.flush(all=True)
+
     def close(self) -> None:
         """Tell the blocks still folded (the run ended)."""
         for lg in self.logs:
