@@ -15,11 +15,11 @@ from orchestrator.cli import tables
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import UnreachableError
+from orchestrator.home import runs_dir
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.record import load as load_record
-from orchestrator.home import runs_dir
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
