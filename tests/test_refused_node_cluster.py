@@ -133,6 +133,8 @@ def test_changed_host_key_mid_run_is_backed_off_closed_and_named(make_cluster, t
     assert f"host key changed (it presented {fp})" in status.stderr, status.stderr
 
     took = sigterm_ends_within_grace(rec["supervisor_pid"])
+    print(f"in {WATCH_S}s after the key change: at most {most} unauthenticated connections at once, "
+          f"{ok}/{tried} logins in, {tries} tries by the supervisor; SIGTERM ended it in {took:.2f}s")
     assert took <= GRACE + 3, f"the supervisor took {took:.1f}s to end after SIGTERM"
     cli("status", run_dir.name)  # the supervisor is gone and a stop pending: a replacement adopts the run
     adopted = wait_for(lambda: (lambda d: d.get("supervisor_pid") if d.get("adopted_at") and
@@ -141,6 +143,7 @@ def test_changed_host_key_mid_run_is_backed_off_closed_and_named(make_cluster, t
     wait_for(lambda: (rec_of(run_dir).get("pending_stops") or [{}])[0].get("tries", 0) > pending["node2"]["tries"],
              30, "the adopted supervisor's first try")
     took = sigterm_ends_within_grace(adopted)
+    print(f"SIGTERM ended the adopted supervisor in {took:.2f}s")
     assert took <= GRACE + 3, f"the adopted supervisor took {took:.1f}s to end after SIGTERM"
     assert preauth_count(victim) <= 3
 
