@@ -1,0 +1,193 @@
+"""A job's own checkpoint directory on a node (`train --checkpoint-dir DIR`), for the control machine
+to copy and restore: shipped on stdin, stdlib only, with remote/common.py in front of it (probe.py
+`program`).
+
+Whatever the job writes under DIR counts, any names and shapes (nanoGPT's ckpt.pt, a Trainer's
+checkpoint-500/, DeepSpeed's global_step500/ and `latest`, a torch DCP directory). The unit is a
+top-level entry of DIR. An entry is complete on this node once it has stopped changing (nothing
+under it, files or directories, modified for QUIET_S seconds by this node's clock) and no process
+of this user holds a file under it open for writing (/proc/PID/fdinfo's access mode): no mark from
+the script is needed. Regular files are carried; links, empty directories and special files are not.
+
+  prepare PATH              create PATH (with the user's own umask: it is the job's directory) and
+                            print its absolute path
+  state PATH QUIET_S        print {"path": ABS, "entries": {NAME: {"files": [[rel, size, mtime_ns]],
+                            "quiet": bool, "writing": [rel]}}}; rel is relative to PATH
+  send PATH                 stdin after the program: one JSON line [[rel, size, mtime_ns], ...]; an
+                            uncompressed tar of those files on stdout. A file whose size or mtime
+                            differs from the line, before or after it is read, ends the program with
+                            CHANGED (the job wrote it meanwhile: the copy is not a checkpoint)
+  restore PATH ASIDE        stdin after the program: a tar of a checkpoint's entries. Unpacked
+                            beside PATH first; then each entry of PATH that the checkpoint has is
+                            replaced by it, and every other entry (a half-written checkpoint, files
+                            the checkpoint never had) is moved into ASIDE, kept, out of the job's
+                            way. Prints {"files": [[rel, size, mtime_ns]] (as written),
+                            "aside": [NAME, ...]}
+"""
+import json
+import os
+import shutil
+import sys
+import tarfile
+
+CHUNK = 1 << 20
+CHANGED = 6  # `send`'s exit code when a file changed under it
+STAGE = ".clusterctl-restore"  # restore's staging directory, beside PATH's entries
+
+
+def _abs(path):
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def prepare(path):
+    if USER_UMASK is not None:
+        os.umask(USER_UMASK)  # the job's directory: the user's umask, as if the job had made it
+    path = _abs(path)
+    os.makedirs(path, exist_ok=True)
+    print(json.dumps({"path": path}))
+
+
+def _writers(root):
+    """Paths under root that a process of this user has open for writing (this one excepted)."""
+    out, me, uid = set(), str(os.getpid()), os.getuid()
+    prefix = os.path.realpath(root) + os.sep
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        try:
+            if os.stat("/proc/" + pid).st_uid != uid:
+                continue
+            fds = os.listdir("/proc/%s/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+                if not target.startswith(prefix):
+                    continue
+                with open("/proc/%s/fdinfo/%s" % (pid, fd)) as f:
+                    flags = next((int(ln.split()[1], 8) for ln in f if ln.startswith("flags:")), 0)
+            except (OSError, ValueError):
+                continue
+            if flags & 3:  # O_WRONLY or O_RDWR
+                out.add(target[len(prefix):])
+    return out
+
+
+def _entry(root, name, now_ns, quiet_ns):
+    """One top-level entry: its regular files and whether nothing under it changed for quiet_ns."""
+    top = os.path.join(root, name)
+    files, newest = [], 0
+    try:
+        newest = os.lstat(top).st_mtime_ns
+    except OSError:
+        return None
+    if os.path.isdir(top) and not os.path.islink(top):
+        for d, dirs, names in os.walk(top):
+            dirs.sort()
+            try:
+                newest = max(newest, os.lstat(d).st_mtime_ns)  # a file removed changes its directory
+            except OSError:
+                pass
+            for n in sorted(names):
+                _add(files, root, os.path.join(d, n))
+    else:
+        _add(files, root, top)
+    newest = max([newest] + [f[2] for f in files])
+    return {"files": files, "quiet": now_ns - newest >= quiet_ns, "writing": []}
+
+
+def _add(files, root, path):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if not os.path.islink(path) and os.path.isfile(path):
+        files.append([os.path.relpath(path, root), st.st_size, st.st_mtime_ns])
+
+
+def state(path, quiet_s):
+    import time
+
+    root = _abs(path)
+    now = time.time_ns()
+    entries = {}
+    names = sorted(n for n in os.listdir(root) if not n.startswith(STAGE)) if os.path.isdir(root) else []
+    for name in names:
+        e = _entry(root, name, now, int(float(quiet_s) * 1e9))
+        if e is not None:
+            entries[name] = e
+    for rel in sorted(_writers(root)):
+        top = rel.split(os.sep, 1)[0]
+        if top in entries:
+            entries[top]["writing"].append(rel)
+            entries[top]["quiet"] = False
+    print(json.dumps({"path": root, "entries": entries}))
+
+
+def _same(path, size, mtime_ns):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_size == size and st.st_mtime_ns == mtime_ns
+
+
+def send(path):
+    root = _abs(path)
+    want = json.loads(sys.stdin.buffer.readline())
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|", bufsize=CHUNK) as tar:
+        for rel, size, mtime_ns in want:
+            p = os.path.join(root, rel)
+            if ".." in rel.split("/") or rel.startswith("/") or not _same(p, size, mtime_ns):
+                sys.stderr.write("changed: %s\n" % rel)
+                sys.exit(CHANGED)
+            tar.add(p, arcname=rel, recursive=False)
+            if not _same(p, size, mtime_ns):
+                sys.stderr.write("changed while read: %s\n" % rel)
+                sys.exit(CHANGED)
+
+
+def restore(path, aside):
+    root = _abs(path)
+    os.makedirs(root, exist_ok=True)
+    stage = os.path.join(root, "%s.%d" % (STAGE, os.getpid()))
+    os.makedirs(stage)
+    moved = []
+    try:
+        with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+            for member in tar:
+                if not tar_member_ok(member, stage) or member.isdir():
+                    sys.exit("refusing tar member " + member.name)
+                extract_member(tar, member, stage)
+        aside = _abs(aside)
+        new = set(os.listdir(stage))
+        for name in sorted(os.listdir(root)):
+            if name.startswith(STAGE):
+                continue
+            p = os.path.join(root, name)
+            if name in new:
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+            else:
+                own_dir(aside)
+                shutil.move(p, os.path.join(aside, name))
+                moved.append(name)
+        written = []
+        for name in sorted(new):
+            os.replace(os.path.join(stage, name), os.path.join(root, name))
+            written += _entry(root, name, 0, 0)["files"]
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print(json.dumps({"files": written, "aside": moved}))
+
+
+def main(argv):
+    private_files()
+    verbs = {"prepare": (prepare, 1), "state": (state, 2), "send": (send, 1), "restore": (restore, 2)}
+    if not argv or argv[0] not in verbs or len(argv) - 1 != verbs[argv[0]][1]:
+        sys.exit("usage: ckptdir.py prepare PATH | state PATH QUIET_S | send PATH | restore PATH ASIDE")
+    verbs[argv[0]][0](*argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
