@@ -132,8 +132,12 @@ class _Show:
         if a.get("resumed_from"):
             where = f"run {a['resumed_from']}"
         told = f" with {shlex.join(a['resume_args'])}" if a.get("resume_args") else ""
+        about = f": {a['checkpoint_about']}" if a.get("checkpoint_about") else ""
+        for node, names in sorted((a.get("set_aside") or {}).items()):
+            click.echo(f"clusterctl: attempt {k}: {node}: set aside {', '.join(names)} (not in the checkpoint; "
+                       f"kept under ~/.clusterctl/artifacts/{self.run.id}/set-aside/ there)", err=True)
         click.echo(f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from checkpoint "
-                   f"{a['checkpoint']} ({where}){told}" if a.get("checkpoint") else
+                   f"{a['checkpoint']} ({where}{about}){told}" if a.get("checkpoint") else
                    f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from scratch: no "
                    "checkpoint was copied" + (" (--resume-args not added)" if self.run.spec.resume_args else ""), err=True)
 

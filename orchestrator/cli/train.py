@@ -25,7 +25,9 @@ from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
+from orchestrator.inventory.sections import check_checkpoint_dir
 from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.ckptdir import DirStore
 from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.straggler import ON_STRAGGLER
 from orchestrator.runs.notify import save_notify
@@ -85,20 +87,48 @@ def _check_script(script: tuple[str, ...]) -> None:
         raise click.UsageError("-m needs a module: clusterctl train -- -m package.module ARGS")
 
 
-def _checkpointed_run(run_id: str) -> str:
-    """--resume-from: the full id of a run with a complete checkpoint on this machine (else exit 2)."""
+def _checkpointed_run(run_id: str, checkpoint_dir: str | None) -> str:
+    """--resume-from: the full id of a run with a complete checkpoint on this machine (else exit 2):
+    a snapshot of its checkpoint directory with --checkpoint-dir, else the trainer's ckpt_N.pt."""
     run = Run.find(run_id)  # no such run: UsageError
     store = run.dir / "checkpoints"
-    if not store.is_dir() or CheckpointStore(run.dir).newest() is None:
-        raise click.UsageError(f"run {run.id} has no complete checkpoint in {store} to resume from (a run's "
-                               "checkpoints are copied there while it trains, from CLUSTERCTL_CHECKPOINT_DIR)")
+    checkpoints = DirStore(run.dir) if checkpoint_dir else CheckpointStore(run.dir)
+    if not store.is_dir() or checkpoints.newest() is None:
+        what = ("no snapshot of a checkpoint directory (--checkpoint-dir)" if checkpoint_dir else
+                "no complete checkpoint (a run's checkpoints are copied there while it trains, from "
+                "CLUSTERCTL_CHECKPOINT_DIR, or with --checkpoint-dir from the job's own directory)")
+        raise click.UsageError(f"run {run.id} has {what} in {store} to resume from")
     # a skipped copy is told with the attempt's start (cli/runs.py announce) and kept in its record
-    intact, skipped = CheckpointStore(run.dir).newest_intact(lambda line: None)
+    intact, skipped = checkpoints.newest_intact(lambda line: None)
     if intact is None:
         raise click.UsageError(f"run {run.id} has no intact checkpoint in {store}: {', '.join(skipped)} "
                                f"{'is' if len(skipped) == 1 else 'are all'} damaged (the bytes no longer match "
                                "their checksums). Nothing was started and nothing changed on the nodes.")
     return run.id
+
+
+def _checkpoint_dir(inv, flag: str | None) -> str | None:
+    """--checkpoint-dir, else train.checkpoint_dir; exit 2 for a path that cannot be one, or with a
+    setting that does not carry it yet."""
+    try:
+        found = check_checkpoint_dir(flag) if flag is not None else inv.train.checkpoint_dir
+    except ValueError as e:
+        raise click.UsageError(f"--checkpoint-dir: {e}") from None
+    if found is not None and inv.train.checkpoint_replica:
+        raise click.UsageError("train.checkpoint_replica copies the trainer's ckpt_N.pt checkpoints node to node; "
+                               "it does not carry a --checkpoint-dir directory yet. Turn one of the two off "
+                               "(the checkpoint directory is copied to this machine).")
+    return found
+
+
+def _checkpoints(inv, resume_from: str | None, resume_args: str | None, checkpoint_dir: str | None) -> dict:
+    """RunSpec's checkpoint settings, flags over the inventory's: checkpoint_dir, resume_from (a
+    run with a complete checkpoint, checked) and resume_args (split as a shell would)."""
+    checkpoint_dir = _checkpoint_dir(inv, checkpoint_dir)
+    return {"checkpoint_dir": checkpoint_dir,
+            "resume_from": None if resume_from is None else _checkpointed_run(resume_from, checkpoint_dir),
+            "resume_args": tuple(inv.train.resume_args if resume_args is None else
+                                 _split_args(resume_args, "--resume-args"))}
 
 
 def _split_args(text: str, flag: str) -> list[str]:
@@ -153,6 +183,11 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Arguments added to the job's own when it starts from a restored checkpoint (a restart, "
                    "or --resume-from), split as a shell would, e.g. --resume-args '--init_from=resume' for "
                    "nanoGPT [default: the inventory's train.resume_args].")
+@click.option("--checkpoint-dir", metavar="DIR", default=None,
+              help="The job's own checkpoint directory, relative to the workdir unless absolute (nanoGPT's "
+                   "out, a Trainer's output_dir): whatever the job writes there, any names, is copied to this "
+                   "machine once complete on every node and put back on every node before a restart "
+                   "[default: the inventory's train.checkpoint_dir].")
 @click.option("--hang-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
               help="No rank wrote a line or entered a collective for this long: snapshot every rank's stacks "
                    "and collectives, name the rank holding the others up, and apply --on-hang; 0 turns it off "
@@ -175,7 +210,7 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
+                  resume_args, checkpoint_dir, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -186,8 +221,6 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     if queue and force:
         raise click.UsageError("--queue waits for busy nodes and --force shares them: use one of the two")
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
-    if resume_from is not None:
-        resume_from = _checkpointed_run(resume_from)
     path = os.path.abspath(opts.inventory_path) if opts.inventory_path else None
     run = Run.create(new_run_id(name), RunSpec(
         inventory=path, inventory_text=decode_inventory(read_inventory_bytes(path), path) if path else None,
@@ -196,11 +229,10 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
         max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
-        queue=queue, queue_timeout=queue_timeout, resume_from=resume_from,
+        queue=queue, queue_timeout=queue_timeout, **_checkpoints(inv, resume_from, resume_args, checkpoint_dir),
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
         **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
-                  straggler_factor=straggler_factor, straggler_window=straggler_window),
-        resume_args=tuple(inv.train.resume_args if resume_args is None else _split_args(resume_args, "--resume-args"))))
+                  straggler_factor=straggler_factor, straggler_window=straggler_window)))
     save_notify(run, notify)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

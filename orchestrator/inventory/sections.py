@@ -10,6 +10,19 @@ from pydantic import Field, field_validator
 from orchestrator.inventory.fields import _check_env, _check_path, _Model, excerpt
 
 
+def check_checkpoint_dir(v: str | None) -> str | None:
+    """train.checkpoint_dir / --checkpoint-dir: a path on one line, not the workdir itself nor above it."""
+    v = _check_path(v)
+    if v is not None and not v.startswith(("/", "~")):
+        parts = [p for p in v.split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise ValueError(f"{excerpt(v)} must name a directory inside the workdir (or an absolute path): "
+                             f"restoring a checkpoint replaces what that directory holds")
+    if v is not None and v.rstrip("/") in ("/", "~"):
+        raise ValueError(f"{excerpt(v)} would be a whole filesystem or home: name the job's checkpoint directory")
+    return v
+
+
 class TrainSection(_Model):
     """What `clusterctl train` runs when no script is given on the command line."""
 
@@ -43,11 +56,20 @@ class TrainSection(_Model):
     # appended to the job's arguments when a launch starts from a restored checkpoint (a restart,
     # or --resume-from), e.g. nanoGPT's ["--init_from=resume"]: the script resumes unedited
     resume_args: list[str] = Field(default_factory=list)
+    # the job's own checkpoint directory, relative to the workdir unless absolute: whatever the job
+    # writes there (any names) is copied off the nodes once complete and put back on every node of
+    # a restart (runs/ckptdir.py); CLUSTERCTL_CHECKPOINT_DIR names it to the job
+    checkpoint_dir: str | None = None
 
     @field_validator("env", mode="before")
     @classmethod
     def _env(cls, v):
         return _check_env(v) if isinstance(v, dict) else v
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _checkpoint_dir(cls, v):
+        return check_checkpoint_dir(v)
 
     @field_validator("args", "resume_args", mode="before")
     @classmethod

@@ -173,6 +173,7 @@ class ArtifactCopier:
         self.cluster, self.dirs, self.say = cluster, dirs, say
         self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
         self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
+        self.dirsnap = None  # a runs/ckptdir.py DirCopier (--checkpoint-dir): the job's own directory
         self.store = CheckpointStore(run_dir)
         self.tb_dir = run_dir / "tensorboard"
         self.tb_dir.mkdir(exist_ok=True)
@@ -277,13 +278,17 @@ class ArtifactCopier:
             self.copy_s += time.monotonic() - t0
 
     # ------------------------------------------------------------ the loop
-    def sweep(self, nodes: list[str]) -> None:
+    def sweep(self, nodes: list[str], finished: bool = False) -> None:
+        """Once more at an attempt's end; `finished`: it ended well (the checkpoint directory is
+        looked at only then: nothing was cut mid-write)."""
         with self._lock:
             found = self.poll(nodes)
             if self.checkpoints:
                 self.fetch_new(found)
             if self.replicator is not None:
                 self.replicator.poll(nodes, found)
+            if self.dirsnap is not None and finished:
+                self.dirsnap.tick(nodes, final=True)
 
     def copy_new(self, nodes: list[str], which: list[str]) -> None:
         """What the streams reported for the nodes `which`: their new checkpoints copied here, and
@@ -294,6 +299,8 @@ class ArtifactCopier:
                 self.fetch_new({n: latest[n] for n in which if n in latest})
             if self.replicator is not None:
                 self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
+            if self.dirsnap is not None:  # at most every ckptdir.POLL_S
+                self.dirsnap.tick(nodes)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
         """The copying thread: each node's news as its stream brings it; every POLL_S s without

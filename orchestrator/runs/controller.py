@@ -26,7 +26,9 @@ import psutil
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
+from orchestrator.runs import ckptdir
 from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.ckptdir import DirCopier, DirStore
 from orchestrator.runs import agent
 from orchestrator.runs.launch import claim_nodes
 from orchestrator.runs.policy import hang_retried
@@ -104,8 +106,8 @@ class Controller:
         self.stop_requests += 1
         say(f"stop request {self.stop_requests} (signal {signum})")
         self.signalled.set()
-        if self.stopper is not None:  # pending stops are retried only within the grace, then recorded
-            self.stopper.end_by(0.0 if self.stop_requests > 1 else asked_grace(self.run))
+        if self.stopper is not None and self.book.rec.state.terminal:  # only pending stops left: they
+            self.stopper.end_by(0.0 if self.stop_requests > 1 else asked_grace(self.run))  # end with the grace
         runner = self.current
         if runner is not None:
             runner.policy.stop_requests = self.stop_requests
@@ -125,7 +127,7 @@ class Controller:
         cluster.connect()
         deadline, tries = time.monotonic() + spec.lost_timeout, 0
         while patient and cluster.unreachable and time.monotonic() + retry_wait(tries) < deadline:
-            if self.signalled.wait(retry_wait(tries)):  # backoff: a node refusing us is not asked every second
+            if self.signalled.wait(retry_wait(tries, refused=False)):  # backoff: not one try a second
                 break
             tries += 1
             cluster.connect()  # an adopted run's node may be a moment from answering
@@ -179,7 +181,7 @@ class Controller:
         rec = self.book.rec
         cluster = self.connect(patient=self.adopt)
         self.stopper = Stopper(cluster, self.full_inv, self.run.id, self.book, say)
-        if self.signalled.is_set():  # signalled while connecting
+        if self.signalled.is_set() and rec.state.terminal:  # signalled while connecting
             self.stopper.end_by(asked_grace(self.run))
         self.stopper.resume(rec.pending_stops)
         if rec.state.terminal:  # adopted only to carry out stops still pending
@@ -187,6 +189,8 @@ class Controller:
         self.copier = ArtifactCopier(cluster, self.run.dir, {}, say=say, checkpoints=self.spec.copy_checkpoints)
         if self.spec.checkpoint_replica:
             self.copier.replicator = Replicator(cluster, self.copier.dirs, say=say)
+        if self.spec.checkpoint_dir and self.spec.copy_checkpoints:
+            self.copier.dirsnap = DirCopier(cluster, DirStore(self.run.dir), say=say)
         k, nodes, ended = self.entry()
         while True:
             result, verdict = ended if ended is not None else self.attempt(k, nodes)
@@ -235,7 +239,7 @@ class Controller:
             self.copier.stop()
             runner.close()
             self.current = None
-        self.copier.sweep(list(a.nodes))  # a checkpoint written just before the end
+        self.copier.sweep(list(a.nodes), finished=result.state is RunState.FINISHED)  # written just before the end
         return a.attempt, a.nodes, (result, self.verdict(runner, result))
 
     def runner(self, a: AttemptRecord) -> AttemptRunner:
@@ -285,20 +289,24 @@ class Controller:
             self.copier.dirs.update(dirs)
             if k > 1 or self.spec.resume_from:
                 self.book.attempt_changed(**Restorer(self.cluster, self.full_inv, self.copier.store,
-                                                     self.spec.resume_from, say).restore(dirs, nodes, relaunch=k > 1))
+                                                     self.spec.resume_from, say, self.copier.dirsnap,
+                                                     self.spec.checkpoint_dir).restore(dirs, nodes, relaunch=k > 1))
                 if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
                     self.book.attempt_changed(resume_args=list(self.spec.resume_args))
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
-            per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d["checkpoints"], "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]}
-                        for n, d in dirs.items()}
+            per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d.get("ckptdir", d["checkpoints"]),
+                            "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]} for n, d in dirs.items()}
             self.copier.start(lambda: list(nodes))
             try:
                 result = runner.run_attempt(env, per_node)
             finally:
                 self.copier.stop()
-            self.copier.sweep(list(nodes))  # a checkpoint written just before the end
-            self.book.attempt_changed(copy_s=round(self.copier.copy_s, 3))
+            # a checkpoint written just before the end (a checkpoint directory only after a good end:
+            # a worker killed mid-write leaves a torn file that soon looks complete)
+            self.copier.sweep(list(nodes), finished=result.state is RunState.FINISHED)
+            self.book.attempt_changed(copy_s=round(self.copier.copy_s + (self.copier.dirsnap.copy_s
+                                                                       if self.copier.dirsnap else 0.0), 3))
             return result, self.verdict(runner, result)
         except (PreflightFailed, NodesNotReady) as e:
             if k == 1 or self.stop_requests:  # the first launch: the user's to fix
@@ -314,9 +322,17 @@ class Controller:
             self.current = None
 
     def prepare_dirs(self, names: list[str]) -> dict[str, dict]:
+        """Each node's artifact directories, and with --checkpoint-dir the job's own ("ckptdir")."""
         from orchestrator.runs.restart import prepare_artifacts
 
-        return prepare_artifacts(self.cluster, self.run.id, names)
+        dirs = prepare_artifacts(self.cluster, self.run.id, names)
+        if self.spec.checkpoint_dir:
+            paths = ckptdir.prepare(self.cluster, [self.full_inv.node(n) for n in names], self.spec.checkpoint_dir)
+            for n, p in paths.items():
+                dirs[n]["ckptdir"] = p
+            if self.copier is not None and self.copier.dirsnap is not None:
+                self.copier.dirsnap.paths = paths  # this attempt's nodes only
+        return dirs
 
     def prepare_fresh(self, fresh: list[str], donors: list[str]) -> None:
         """Spares entering the run: claimed, then brought to the run's code (and venv) from a node

@@ -56,6 +56,8 @@ class AttemptRecord:
     prepared: list[str] = field(default_factory=list)  # fresh nodes brought to the run's code first
     prepare_s: float | None = None  # claiming them and bringing them to the code (runs/spares.py)
     checkpoint: str | None = None  # what it started from
+    checkpoint_about: str | None = None  # --checkpoint-dir: the snapshot's entries, step and size, in words
+    set_aside: dict[str, list[str]] = field(default_factory=dict)  # --checkpoint-dir: node -> entries moved aside
     restored: list[str] = field(default_factory=list)  # the nodes the checkpoint was put on
     restored_from: str | None = None  # "nodes" (node to node) or None (the control machine's copy)
     resumed_from: str | None = None  # train --resume-from RUN

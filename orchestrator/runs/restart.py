@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
 import re
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from orchestrator.runs.checkpoints import (
     restore,
     step_of,
 )
+from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
 from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
@@ -39,6 +41,7 @@ from orchestrator.runs.spec import NodeState, RunResult
 from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
+    from orchestrator.runs.ckptdir import DirCopier
     from orchestrator.transport import Cluster
 
 # a worker's error that says a peer or the network went away, not that the script is wrong
@@ -156,16 +159,20 @@ class Restorer:
     one than this machine, else this run's newest here, else (attempt 1, or none copied yet)
     --resume-from's (`origin`)."""
 
-    def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say):
+    def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say,
+                 dirsnap: "DirCopier | None" = None, checkpoint_dir: str | None = None):
         self.cluster, self.inv, self.store, self.say = cluster, inv, store, say
         self.origin_id = origin
         self.origin = CheckpointStore(Run(origin).dir) if origin else None
+        self.dirsnap, self.checkpoint_dir = dirsnap, checkpoint_dir
 
     def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
         """The attempt record's fields for what was restored (empty: nothing to restore). Every
         copy here is verified before it is chosen; a damaged one is skipped and said. When copies
         were made and none is intact (and the nodes hold none newer), LaunchError: the run does
         not go back to step 0 without a word."""
+        if self.checkpoint_dir:
+            return self.restore_dir(dirs, nodes)
         t0 = time.monotonic()
         store = self.store if self.store.newest() or self.origin is None else self.origin
         here, skipped = store.newest_intact(self.say)
@@ -193,6 +200,42 @@ class Restorer:
         out = {"checkpoint": here, "restored": restored, "restore_s": round(time.monotonic() - t0, 3),
                "skipped": skipped}
         if store is self.origin:
+            out["resumed_from"] = self.origin_id
+        return out
+
+
+    def restore_dir(self, dirs: dict[str, dict], nodes: list[str]) -> dict:
+        """--checkpoint-dir: the newest intact snapshot of the job's directory (this run's, else
+        --resume-from's) into that directory on every node (runs/ckptdir.py restore_dir)."""
+        t0 = time.monotonic()
+        own = DirStore(self.store.dir.parent)
+        store = own if own.names() or self.origin is None else DirStore(self.origin.dir.parent)
+        name, skipped = store.newest_intact(self.say)
+        if name is None and skipped:
+            raise LaunchError(f"no intact checkpoint to restore: {', '.join(skipped)} in {store.dir} "
+                              f"{'is' if len(skipped) == 1 else 'are'} damaged (the bytes no longer match their "
+                              f"checksums); not restarting from scratch. Nothing was changed on the nodes.")
+        if name is None:
+            self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied")
+            return {}
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = {n: posixpath.join(posixpath.dirname(dirs[n]["checkpoints"]), "set-aside", stamp) for n in nodes}
+        try:
+            replies = restore_dir(self.cluster, store, name, {n: dirs[n]["ckptdir"] for n in nodes},
+                                  [self.inv.node(n) for n in nodes], aside)
+        except RestoreDirError as e:
+            raise LaunchError(str(e)) from e
+        self.say(f"restored checkpoint {store.describe(name)} into {self.checkpoint_dir} on {', '.join(nodes)}")
+        for n, r in replies.items():
+            if r["aside"]:
+                self.say(f"{n}: {', '.join(r['aside'])} in {self.checkpoint_dir} set aside (not in the restored "
+                         f"checkpoint; kept in {aside[n]})")
+        if self.dirsnap is not None:
+            self.dirsnap.restored(name, {n: r["files"] for n, r in replies.items()}, store)
+        out = {"checkpoint": name, "restored": list(nodes), "restore_s": round(time.monotonic() - t0, 3),
+               "skipped": skipped, "checkpoint_about": f"{store.about(name)} in {self.checkpoint_dir}",
+               "set_aside": {n: r["aside"] for n, r in replies.items() if r["aside"]}}
+        if store is not own:
             out["resumed_from"] = self.origin_id
         return out
 

@@ -97,6 +97,7 @@ class RunSpec:
     straggler_window: int = _TRAIN["straggler_window"].default  # --straggler-window, else train.straggler_window (steps)
     on_straggler: str = _TRAIN["on_straggler"].default  # --on-straggler, else train.on_straggler: warn | replace
     resume_args: tuple[str, ...] = ()  # --resume-args, else train.resume_args: added when a checkpoint was restored
+    checkpoint_dir: str | None = None  # --checkpoint-dir, else train.checkpoint_dir: the job's own (runs/ckptdir.py)
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
@@ -117,6 +118,9 @@ class RunSpec:
             inv = parse_inventory(self.inventory_text, source=self.inventory or "<recorded inventory>")
         else:
             inv = load_inventory(self.inventory)
+        if self.checkpoint_dir is not None and inv.train.checkpoint_dir != self.checkpoint_dir:
+            # --checkpoint-dir: the run's outputs (transfer/files.run_outputs) include it like the inventory's
+            inv = dataclasses.replace(inv, train=inv.train.model_copy(update={"checkpoint_dir": self.checkpoint_dir}))
         return inv.select(nodes or list(self.nodes) or None)
 
 

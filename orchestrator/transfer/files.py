@@ -66,12 +66,12 @@ def _inside(workdir: str, path: str) -> str | None:
 
 def run_outputs(inv: Inventory, node: Node) -> list[str]:
     """The run's output directories inside `node`'s workdir, relative to it: the inventory's
-    `output_dir` and `train.output_dir`, every `--output-dir` in `train.args`, and the bundled
+    `output_dir`, `train.output_dir` and `train.checkpoint_dir`, every `--output-dir` in `train.args`, and the bundled
     trainer's default output directory when the inventory runs it without one. They are never
     code: not shipped, pruned, hashed by code_sync, nor copied to a spare."""
     t = inv.train
     named = _flag_values(t.args, OUTPUT_FLAG)
-    dirs = [inv.output_dir, t.output_dir, *named]
+    dirs = [inv.output_dir, t.output_dir, t.checkpoint_dir, *named]
     if t.script is None and (t.module or TRAINER_MODULE) == TRAINER_MODULE and not named:
         dirs.append(_trainer_output_dir())
     out = [_inside(node.workdir, d) for d in dirs if d]

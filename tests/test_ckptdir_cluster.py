@@ -1,0 +1,159 @@
+"""Any script's checkpoints carried (train --checkpoint-dir), on the real test cluster (gloo on CPU):
+the job's own directory is copied off the nodes once complete, without a mark from the script, and
+put back on every node of a restart, so a script that knows nothing of clusterctl resumes on a spare."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.runs import ckptdir
+from tests.conftest import wait_for
+from tests.test_restarts_cluster import run_dir_of, sync_code
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parent.parent
+NANOGPT = str(REPO / "tests" / "scripts" / "nanogpt_like.py")
+
+
+def inventory(cluster, tmp_path, train):
+    nodes = cluster.inventory()["nodes"]
+    nodes[-1]["spare"] = True
+    for n in cluster.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    return str(cluster.write_inventory(tmp_path / "nodes.yaml", nodes=nodes,
+                                       env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
+
+
+def snapshots(run_dir):
+    d = run_dir / "checkpoints"
+    return sorted(p.stem for p in d.glob("snap-*.json")) if d.is_dir() else []
+
+
+def iter_of(run_dir, snap):
+    return torch.load(run_dir / "checkpoints" / snap / "ckpt.pt", map_location="cpu")["iter_num"]
+
+
+def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_restored(
+        make_cluster, tmp_path, home, monkeypatch):
+    """nanoGPT's habits (rank 0 saves out/ckpt.pt in place; --init_from=resume loads it on every
+    rank). The master checkpoints at iteration 30 (copied home), then starts writing iteration 60's
+    and is cut off mid-write, for good, holding the file open: that half file must never be
+    copied, and the spare and node2 both resume from iteration 30 through --resume-args."""
+    monkeypatch.chdir(tmp_path)
+    cluster = make_cluster(3, gpus=0)
+    names = [n.name for n in cluster.nodes]
+    inv = inventory(cluster, tmp_path, {"max_restarts": 1})
+    sync_code(inv, tmp_path, names[:2])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--lost-timeout", "5",
+         "--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT,
+         "--max_iters=100", "--iter_s=0.5", "--slow_save_at=60", "--slow_save_s=120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = run_dir_of(home)
+        wait_for(lambda: snapshots(run_dir) or (proc.poll() is not None and pytest.fail(proc.stderr.read()[-3000:])),
+                 180, "the first checkpoint copied home")
+        wait_for(lambda: cluster.nodes[0].run("test -e ~/gpt_train/slow-save-started", check=False).returncode == 0,
+                 120, "the slow save")
+        # long enough for a half-written file that is merely unchanged to look complete and be
+        # looked at twice: only its open file keeps it from being taken
+        time.sleep(ckptdir.QUIET_S + 2 * ckptdir.POLL_S)
+        before_cut = snapshots(run_dir)
+        cluster.nodes[0].link_down()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert proc.returncode == 0, err[-4000:]
+    attempts = rec["attempts"]
+    assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])
+    assert attempts[0]["verdict"] == "node lost" and attempts[1]["verdict"] == "finished"
+    snap = attempts[1]["checkpoint"]
+    assert iter_of(run_dir, snap) == 30, (snap, snapshots(run_dir))
+    assert all(iter_of(run_dir, s) == 30 for s in before_cut), before_cut  # the torn save never came home
+    assert attempts[1]["resume_args"] == ["--init_from=resume"]
+    # attempt 2 starts from the checkpoint's iteration on every rank, the spare included
+    for node in (names[2], names[1]):
+        text = (run_dir / "nodes" / f"{node}.log").read_text()
+        assert re.findall(r"rank (\d) init_from resume at iter (\d+)", text), text[-2000:]
+        assert all(it == "30" for _r, it in re.findall(r"rank (\d) init_from resume at iter (\d+)", text))
+    assert "done at iter 100" in (run_dir / "nodes" / f"{names[2]}.log").read_text()
+    told = [ln for ln in err.splitlines() if ln.startswith("clusterctl: ")]
+    assert f"clusterctl: attempt 2 on {names[2]}, {names[1]} starts from checkpoint {snap} (this machine: " \
+           "ckpt.pt; 1 file, 0.0 MB in out) with --init_from=resume" in told, told
+    # node2 never wrote a ckpt.pt (rank 1 does not save): it holds the restored bytes
+    r = cluster.nodes[1].run("sha256sum ~/gpt_train/out/ckpt.pt")
+    doc = json.loads((run_dir / "checkpoints" / f"{snap}.json").read_text())
+    assert r.stdout.split()[0] == doc["files"]["ckpt.pt"]["sha256"]
+
+
+HF = str(REPO / "tests" / "scripts" / "hf_trainer.py")
+
+
+def gathered(run_dir):
+    """The newest snapshot holding a whole checkpoint-N/ with node2's rng_state_1.pth -> (snapshot, N)."""
+    for s in reversed(snapshots(run_dir)):
+        try:
+            doc = json.loads((run_dir / "checkpoints" / f"{s}.json").read_text())
+        except FileNotFoundError:  # pruned meanwhile
+            continue
+        steps = [int(rel.split("/")[0][11:]) for rel in doc["files"] if rel.endswith("/rng_state_1.pth")
+                 and f"{rel.split('/')[0]}/model.safetensors" in doc["files"]]
+        if steps:
+            return s, max(steps)
+    return None
+
+
+def test_a_trainer_checkpoint_written_by_every_node_is_gathered_and_restored_whole_on_every_node(
+        make_cluster, tmp_path, home, monkeypatch):
+    """transformers.Trainer: rank 0 writes checkpoint-N/'s model and state on node1, rank 1 its
+    rng_state_1.pth into checkpoint-N/ on node2. node2 is cut for good once a checkpoint with both
+    is home: the spare and node1 get the whole checkpoint-N/ (node2's piece from the control
+    machine), --resume-args '--resume' makes the unedited script call
+    trainer.train(resume_from_checkpoint=True), and both ranks go on from step N."""
+    monkeypatch.chdir(tmp_path)
+    cluster = make_cluster(3, gpus=0)
+    names = [n.name for n in cluster.nodes]
+    inv = inventory(cluster, tmp_path, {"max_restarts": 1, "checkpoint_dir": "out", "resume_args": ["--resume"]})
+    sync_code(inv, tmp_path, names[:2])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--lost-timeout", "5", "--", HF,
+         "--max_steps", "150", "--save_steps", "30", "--step_s", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = run_dir_of(home)
+        snap, step = wait_for(lambda: gathered(run_dir) or (proc.poll() is not None and pytest.fail(
+            proc.stderr.read()[-3000:])), 240, "a checkpoint with node2's rng state copied home")
+        cluster.nodes[1].link_down()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert proc.returncode == 0, err[-4000:]
+    attempts = rec["attempts"]
+    assert [a["nodes"] for a in attempts] == [names[:2], [names[0], names[2]]], attempts
+    assert attempts[1]["verdict"] == "finished" and attempts[1]["resume_args"] == ["--resume"]
+    # the restored snapshot (pruned by now: newer ones came home) was at least the one seen before the cut
+    newest = int(re.search(r"step (\d+);", attempts[1]["checkpoint_about"]).group(1))
+    assert attempts[1]["checkpoint"] >= snap and newest >= step, (attempts[1], snap, step)
+    # both ranks start from that checkpoint's step
+    starts = {}
+    for node in (names[0], names[2]):
+        text = (run_dir / "nodes" / f"{node}.log").read_text()[attempts[1]["log_start"].get(node, 0):]
+        starts.update(re.findall(r"rank (\d) starts at step (\d+)", text))
+    assert starts == {"0": str(newest), "1": str(newest)}, (starts, newest)
+    assert "rank 0 finished at step 150" in (run_dir / "nodes" / f"{names[0]}.log").read_text()
+    # the spare got node2's rng state of that checkpoint, byte for byte as node2 wrote it (read
+    # inside node2's namespace: its link is still down)
+    rel = f"~/gpt_train/out/checkpoint-{newest}/rng_state_1.pth"
+    theirs = cluster.nodes[1].run(f"sha256sum {rel}").stdout.split()[0]
+    assert cluster.nodes[2].run(f"sha256sum {rel}").stdout.split()[0] == theirs
