@@ -249,3 +249,41 @@ def test_the_checkpoint_dir_is_a_run_output_never_code(tmp_path):
                                   "train:\n  script: train.py\n", checkpoint_dir="/w/state")
     inv = spec.load_inventory()
     assert run_outputs(inv, inv.nodes[0]) == ["state"]
+
+
+def test_resume_from_restores_another_runs_snapshot_and_a_damaged_one_changes_nothing(copier, tmp_path, home):
+    """--resume-from with --checkpoint-dir: the origin run's newest intact snapshot goes into DIR on
+    every node (Restorer.restore_dir); with every snapshot damaged it is LaunchError and no node's
+    DIR is touched."""
+    from orchestrator.errors import LaunchError
+    from orchestrator.runs.checkpoints import CheckpointStore
+    from orchestrator.runs.ckptdir import newest_copied
+    from orchestrator.runs.restart import Restorer
+    from orchestrator.runs.spec import RunSpec
+    from orchestrator.runs.store import Run
+
+    origin = Run.create("origin-1", RunSpec(args=("t.py",), checkpoint_dir="out"))
+    w0, w1 = tmp_path / "w0" / "out", tmp_path / "w1" / "out"
+    (w0 / "ckpt.pt").write_bytes(b"state at 40")
+    old(w0)
+    copier.store = DirStore(origin.dir)
+    assert copier.tick(["n0", "n1"], final=True) == "snap-000001"
+    assert newest_copied(origin.dir) == "snap-000001 (ckpt.pt; 1 file, 0.0 MB)"
+    (w0 / "ckpt.pt").write_bytes(b"later, torn")
+    (w1 / "stray.txt").write_text("x")
+    run = Run.create("next-1", RunSpec(args=("t.py",), checkpoint_dir="out", resume_from=origin.id))
+    said = []
+    dirs = {n: {"checkpoints": str(tmp_path / f"art-{n}" / "checkpoints"), "ckptdir": copier.paths[n]}
+            for n in ("n0", "n1")}
+    with copier.cluster as c:
+        r = Restorer(c, c.inventory, CheckpointStore(run.dir), origin.id, said.append, None, "out")
+        got = r.restore(dirs, ["n0", "n1"], relaunch=False)
+        assert got["checkpoint"] == "snap-000001" and got["resumed_from"] == origin.id, got
+        assert got["set_aside"] == {"n1": ["stray.txt"]}
+        assert (w0 / "ckpt.pt").read_bytes() == (w1 / "ckpt.pt").read_bytes() == b"state at 40"
+        (origin.dir / "checkpoints" / "snap-000001" / "ckpt.pt").write_bytes(b"rotten bits")
+        (w0 / "ckpt.pt").write_bytes(b"untouched")
+        with pytest.raises(LaunchError, match="no intact checkpoint.*snap-000001.*Nothing was changed"):
+            r.restore(dirs, ["n0", "n1"], relaunch=False)
+    assert (w0 / "ckpt.pt").read_bytes() == b"untouched"
+    assert any("skipping checkpoint snap-000001" in s for s in said), said

@@ -20,7 +20,7 @@ import click
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
-from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.ckptdir import newest_copied
 from orchestrator.runs.record import story
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
 from orchestrator.runs.store import Run
@@ -205,7 +205,7 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
 def _results(run: Run) -> None:
     """Where a run's results are on this machine: its checkpoints, its TensorBoard events (with the
     command that shows them) and its logs."""
-    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
+    newest = newest_copied(run.dir)
     if newest is not None:
         _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest})")
         _err(f"clusterctl:   a new run from it: clusterctl train --resume-from {run.id}")

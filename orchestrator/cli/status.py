@@ -18,7 +18,7 @@ from orchestrator.errors import UnreachableError
 from orchestrator.home import runs_dir
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.ckptdir import newest_copied
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.store import Run
@@ -90,7 +90,7 @@ def status_command(run_id, as_json):
                                  "that takes the run over)"))
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
-    newest = CheckpointStore(run.dir).newest() if (run.dir / "checkpoints").is_dir() else None
+    newest = newest_copied(run.dir)
     if newest is not None:
         _err(f"clusterctl: newest checkpoint copied home: {newest}, in {run.dir / 'checkpoints'}")
     if a is not None and a.hang:

@@ -157,6 +157,19 @@ class DirStore:
             shutil.rmtree(stage, ignore_errors=True)
 
 
+def newest_copied(run_dir: Path) -> str | None:
+    """The newest checkpoint copied home for a run, in words: a snapshot of its checkpoint directory
+    ('snap-000003 (ckpt.pt; 1 file, 0.4 MB)'), else the trainer's newest ckpt_N.pt; None: none."""
+    if not (run_dir / "checkpoints").is_dir():
+        return None
+    snaps = DirStore(run_dir)
+    if (name := snaps.newest()) is not None:
+        return snaps.describe(name)
+    from orchestrator.runs.checkpoints import CheckpointStore
+
+    return CheckpointStore(run_dir).newest()
+
+
 def plan(states: dict[str, dict], order: list[str], prev: dict | None) -> dict:
     """The next snapshot's files {rel: {node, size, mtime_ns}} from every node's `state`. An entry
     complete on every node that has it is taken as the nodes have it now (a file on several nodes
