@@ -126,7 +126,7 @@ class Controller:
                                          connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
         cluster.connect()
         deadline, tries = time.monotonic() + spec.lost_timeout, 0
-        while patient and cluster.unreachable and time.monotonic() + retry_wait(tries) < deadline:
+        while patient and cluster.unreachable and time.monotonic() + retry_wait(tries, refused=False) < deadline:
             if self.signalled.wait(retry_wait(tries, refused=False)):  # backoff: not one try a second
                 break
             tries += 1

@@ -3,7 +3,8 @@ nodes reached now, and a retry per node that cannot be reached until it answers 
 
 Every stop names the attempt it is for: its key (RUN_ID, or RUN_ID.aK for attempt k) and its
 nodes. A node that cannot be reached is recorded as a PendingStop(node, key) in the run record and
-retried on a fresh connection, with backoff (1 s doubling to 60 s), until it answers; then that attempt's processes are
+retried on a fresh connection, with backoff (1 s doubling to 8 s, to 60 s for a node that refuses
+us), until it answers; then that attempt's processes are
 stopped there, whatever attempt the run is on by then. So a node lost in attempt 1 that comes
 back while attempt 2 runs elsewhere keeps nothing of the run.
 """
@@ -105,10 +106,10 @@ class Stopper:
         node = self.inv.node(p.node)
         deadline = time.monotonic() + LOST_PATIENCE
         while time.monotonic() < min(deadline, self.quit_at):
-            why = self._try(node, p)
+            why, refused = self._try(node, p)
             if why is None:
                 return
-            wait = retry_wait(p.tries)
+            wait = retry_wait(p.tries, refused)
             p = dataclasses.replace(p, why=why, tries=p.tries + 1, next_try=time.time() + wait)
             self._note(p)
             if p.tries == 1 or p.tries % 5 == 0:
@@ -120,8 +121,9 @@ class Stopper:
         else:
             self.say(f"gave up stopping {p.key} on {p.node} after {LOST_PATIENCE:g}s; it stays pending in the record")
 
-    def _try(self, node, p: PendingStop) -> str | None:
-        """One try: None when the stop was carried out, else why not in a few words."""
+    def _try(self, node, p: PendingStop) -> tuple[str | None, bool]:
+        """One try: (None, _) when the stop was carried out, else (why not in a few words, whether
+        the node refused us)."""
         c = self.cluster.connection_for(node, connect_timeout=3)
         try:
             c.open()
@@ -131,12 +133,12 @@ class Stopper:
                 if not self.in_use(p.node):
                     agent.release(node, self.run_id, timeout=30).over(c)
                 self._done(p)
-                return None
-            return res.error or "no answer"
+                return None, False
+            return res.error or "no answer", False
         except ConnectError as e:  # HostKeyError, AuthRefused, ConnectionLost: not answering, or refusing us
-            return e.brief
+            return e.brief, e.refused
         except ClusterctlError as e:
-            return str(e)[:200]
+            return str(e)[:200], False
         finally:
             c.close()  # no connection outlives its try
 
@@ -148,8 +150,9 @@ class Stopper:
                 self.book.stops(list(self.pending.values()))
 
     def end_by(self, seconds: float) -> None:
-        """Stop retrying within `seconds` (a stop request's grace: the supervisor is to end); the
-        stops not carried out by then stay pending in the record for the next supervisor."""
+        """Stop retrying within `seconds` (a stop request's grace, once the run has ended: the
+        supervisor is to end); the stops not carried out by then stay pending in the record for the
+        next supervisor."""
         with self.wake:
             self.quit_at = min(self.quit_at, time.monotonic() + seconds)
             self.wake.notify_all()

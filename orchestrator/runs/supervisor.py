@@ -13,7 +13,10 @@ policy to what happened while nobody watched, and goes on restarting and copying
 
 SIGTERM/SIGINT to the supervisor is a graceful stop request (runs/RUN/stop.json may give the
 grace); a second one kills. A node that cannot be reached to stop it keeps a pending stop for the
-attempt that ran there (runs/stopping.py), retried until it answers (up to LOST_PATIENCE).
+attempt that ran there (runs/stopping.py), retried with backoff until it answers (up to
+LOST_PATIENCE). Once the run has ended, with only pending stops left (a supervisor adopted for them
+too), SIGTERM ends the supervisor within the grace: the stops stay pending in the record for the
+next one.
 Run: python -m orchestrator.runs.supervisor RUN_ID [--adopt]
 """
 

@@ -19,14 +19,17 @@ from orchestrator.inventory import Node
 DEFAULT_CONNECT_TIMEOUT = 10.0
 KEEPALIVE_S = 5
 DEFAULT_LOST_TIMEOUT = 30.0  # a node silent this long (no answer to keepalives) is lost
-RETRY_FIRST_S, RETRY_CAP_S = 1.0, 60.0  # the waits between tries to reach a node: doubling, capped
+RETRY_FIRST_S = 1.0  # the first wait between tries to reach a node; it doubles after each failure
+RETRY_CAP_S = 60.0  # up to this for a node that refuses us: a person must act there
+RETRY_DOWN_CAP_S = 8.0  # up to this for a node that does not answer: back any moment, a try costs it nothing
 
 
-def retry_wait(tries: int) -> float:
-    """The wait after the `tries`-th failed try (from 0) to reach a node: 1 s, 2 s, 4 s ... 60 s.
-    The one backoff of every loop that retries a connection, so a node that refuses us (its
-    host key, our key) or is down gets a handful of tries a minute, never one a second."""
-    return min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** min(tries, 16))
+def retry_wait(tries: int, refused: bool = True) -> float:
+    """The wait after the `tries`-th failed try (from 0) to reach a node: 1 s, 2 s, 4 s ... up to
+    60 s when the node refused us (its host key, our key: every try holds one of its sshd's
+    unauthenticated slots for the handshake), up to 8 s when it did not answer. The one backoff
+    of every loop that retries a connection: never one try a second."""
+    return min(RETRY_CAP_S if refused else RETRY_DOWN_CAP_S, RETRY_FIRST_S * 2 ** min(tries, 16))
 
 # on_line(node_name, stream ("stdout"|"stderr"), line_without_newline)
 LineCallback = Callable[[str, str, str], None]
