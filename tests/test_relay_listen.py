@@ -57,4 +57,4 @@ def test_relay_whose_address_is_not_its_own_listens_everywhere_and_says_so(tmp_p
     socket.create_connection(("127.0.0.1", port), timeout=5).close()
     p.stdin.write(b"token t\nlast\nsource stdin\n\0\0\0\0sha256 0\n")
     _, err = _finish(p)
-    assert "192.0.2.7 is not an address of this node; listening on every address" in err.decode()
+    assert "192.0.2.7 is not one address of this node; listening on every address" in err.decode()

@@ -312,15 +312,17 @@ def resolve(name):
 
 def listen(address):
     """A socket listening on an ephemeral port of `address`, the one the other nodes use to reach
-    this node, so the port is not offered on its other networks. When that address is not this
-    node's own (a NAT in between, a name that resolves elsewhere) or none is given: every address."""
-    for info in (socket.getaddrinfo(address.strip("[]"), 0, type=socket.SOCK_STREAM) if address else ()):
+    this node, so the port is not offered on its other networks. When that address is not one of
+    this node's own (a NAT in between, a name that resolves elsewhere or to several addresses, of
+    which the peers may pick any) or none is given: every address."""
+    infos = socket.getaddrinfo(address.strip("[]"), 0, type=socket.SOCK_STREAM) if address else []
+    if len({info[4][0] for info in infos}) == 1:
         try:
-            return socket.create_server(info[4], family=info[0], backlog=LISTEN_BACKLOG)
+            return socket.create_server(infos[0][4], family=infos[0][0], backlog=LISTEN_BACKLOG)
         except OSError:
-            continue
+            pass
     if address:
-        sys.stderr.write(f"relay: {address} is not an address of this node; listening on every address\n")
+        sys.stderr.write(f"relay: {address} is not one address of this node; listening on every address\n")
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
     return socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6,
                                 backlog=LISTEN_BACKLOG)
