@@ -129,7 +129,7 @@ class Copier:
         self.found.append((node, found))
 
     def on_tb(self, node, head, body):
-        from orchestrator.runs.checkpoints import write_frame
+        from orchestrator.runs.curves import write_frame
 
         write_frame(head, body, self.tb_dir / node)
 

@@ -9,7 +9,8 @@ import tarfile
 
 import pytest
 
-from orchestrator.runs.checkpoints import CheckpointStore, is_complete, write_frames
+from orchestrator.runs.checkpoints import CheckpointStore, is_complete
+from orchestrator.runs.curves import write_frames
 from orchestrator.runs.restart import Outcome, classify, next_nodes
 
 TORCHRUN_KILLED = """[default0]:step 12 | loss 4.1

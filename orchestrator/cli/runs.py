@@ -212,6 +212,8 @@ def _results(run: Run) -> None:
     tb = run.dir / "tensorboard"
     if tb.is_dir() and any(p.is_file() for p in tb.rglob("*")):
         _err(f"clusterctl: TensorBoard: tensorboard --logdir {tb}")
+        if run.spec.resume_from:  # its files were linked in at the start (runs/curves.py)
+            _err(f"clusterctl:   the curves go on from run {run.spec.resume_from}'s")
     _err(f"clusterctl: logs: {run.dir / 'nodes'} (every byte of every node)")
     if (run.dir / "ranks" / "rank0.log").exists():
         _err(f"clusterctl:   rank 0: {run.dir / 'ranks' / 'rank0.log'} (rank N: rankN.log)")

@@ -28,6 +28,7 @@ from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.inventory.sections import check_checkpoint_dir
 from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.ckptdir import DirStore
+from orchestrator.runs.curves import carry_over
 from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.straggler import ON_STRAGGLER
 from orchestrator.runs.notify import save_notify
@@ -234,6 +235,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
                   straggler_factor=straggler_factor, straggler_window=straggler_window)))
     save_notify(run, notify)
+    if run.spec.resume_from:  # the resumed run's curves go on in this one's (runs/curves.py)
+        carry_over(Run.find(run.spec.resume_from).dir, run.dir)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)
     _err(f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"

@@ -4,7 +4,8 @@ The job writes checkpoints to CLUSTERCTL_CHECKPOINT_DIR and TensorBoard events t
 CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
 orchestrator/remote/artifacts.py). While it trains, each node's log stream (runs/watch.py,
 the agent's `tail ... stream`) tells `ArtifactCopier` what finished there and carries the new
-TensorBoard bytes; the copier copies new checkpoints here over the run's SSH connections, on its
+TensorBoard bytes (into one directory for the whole run: runs/curves.py); the copier copies new
+checkpoints here over the run's SSH connections, on its
 own thread, as a tar stream unpacked as it arrives (transfer/unpack.py: each file written once
 and hashed on the way in). A checkpoint counts as complete by the trainer's own marks: a file's
 sha256 sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without
@@ -33,6 +34,7 @@ from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.probe import common, program
 from orchestrator.runs.agent import StreamFrom
+from orchestrator.runs.curves import Curves
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
 from orchestrator.transfer.unpack import Unpacker
@@ -175,8 +177,7 @@ class ArtifactCopier:
         self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
         self.dirsnap = None  # a runs/ckptdir.py DirCopier (--checkpoint-dir): the job's own directory
         self.store = CheckpointStore(run_dir)
-        self.tb_dir = run_dir / "tensorboard"
-        self.tb_dir.mkdir(exist_ok=True)
+        self.curves = Curves(run_dir)  # one TensorBoard run: every node's, every attempt's files
         self.fetched: set[tuple[str, str]] = set()  # (node, checkpoint) pieces already taken
         self.copy_s = 0.0  # seconds spent copying checkpoints (the benchmark reads it)
         self.events: list[tuple[float, str]] = []  # (time, checkpoint) as each became complete here
@@ -202,12 +203,11 @@ class ArtifactCopier:
         self._news.put(node)
 
     def on_tb(self, node: str, head: dict, body: bytes) -> None:
-        write_frame(head, body, self.tb_dir / node)
+        self.curves.frame(head, body)
 
     def tb_have(self, node: str) -> dict[str, int]:
-        local = self.tb_dir / node  # one subdirectory per node: event file names may repeat
-        return {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()} \
-            if local.is_dir() else {}
+        """The event files here (every node's, runs/curves.py) and their sizes."""
+        return self.curves.have()
 
     # ------------------------------------------------------------ one poll
     def poll(self, nodes: list[str]) -> dict[str, list[dict]]:
@@ -234,7 +234,7 @@ class ArtifactCopier:
                 found[node] = json.loads(head)
             except ValueError:
                 continue
-            write_frames(frames, self.tb_dir / node)
+            self.curves.frames(frames)
         return found
 
     def fetch_new(self, found: dict[str, list[dict]]) -> None:
@@ -334,29 +334,6 @@ class ArtifactCopier:
         self.latest.clear()
         while not self._news.empty():
             self._news.get_nowait()
-
-
-def write_frames(data: bytes, root: Path) -> None:
-    """Apply `since` frames: each header line names a file, the offset and how many bytes follow."""
-    pos = 0
-    while pos < len(data):
-        nl = data.index(b"\n", pos)
-        head = json.loads(data[pos:nl])
-        write_frame(head, data[nl + 1: nl + 1 + head["size"]], root)
-        pos = nl + 1 + head["size"]
-
-
-def write_frame(head: dict, body: bytes, root: Path) -> None:
-    """One frame's bytes appended to root/REL when the file here ends at its offset."""
-    rel = Path(head["rel"])
-    if rel.is_absolute() or ".." in rel.parts:
-        return
-    dst = root / rel
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(dst, "ab") as f:
-        if f.tell() != head["offset"]:
-            return  # out of step (a file rewritten on the node): skip rather than corrupt
-        f.write(body)
 
 
 def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nodes: list[Node],
