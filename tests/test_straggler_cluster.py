@@ -29,13 +29,16 @@ REPO = str(Path(__file__).resolve().parent.parent)
 QUOTA = 0.15  # of one core
 
 
-def inventory(cluster, tmp_path, steps):
+def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
     for n in cluster.nodes:
         n.run("mkdir -p ~/gpt_train")
+    nodes = cluster.inventory()["nodes"]
+    if spare:
+        nodes[-1]["spare"] = True
     return str(cluster.write_inventory(
-        tmp_path / "nodes.yaml", env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+        tmp_path / "nodes.yaml", nodes=nodes, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
         train={"module": "trainer", "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "4",
-                                             "--block-size", "64", "--log-every", "10", "--ckpt-every", "0",
+                                             "--block-size", "64", "--log-every", "10", "--ckpt-every", str(ckpt_every),
                                              "--eval-every", "0", "--eval-steps", "1", "--sample-tokens", "0",
                                              "--output-dir", "out"]}))
 
@@ -83,6 +86,12 @@ def worker(cluster, node, rank):
     return None
 
 
+def reached(home, step):
+    """Rank 0 logged `step` (in the control machine's copy of node1's log)."""
+    logs = list((home / "runs").glob("*/nodes/node1.log")) if (home / "runs").exists() else []
+    return any(f"step {step} |" in log.read_text(errors="replace") for log in logs)
+
+
 def start(inv, *flags):
     p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
                           "--nproc-per-node", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -104,11 +113,7 @@ def test_a_worker_held_to_15_percent_of_a_core_is_named_a_straggler(cluster4, tm
     quota = Quota(QUOTA)
     try:
         w = wait_for(lambda: worker(cluster4, cluster4.nodes[2], 2), 120, "rank 2's worker on node3")
-        assert wait_for(lambda: any("step 30 |" in ln for ln in err) or
-                        (home / "runs").exists() and any("step 30 |" in (d / "nodes" / "node1.log").read_text()
-                                                          for d in (home / "runs").iterdir()
-                                                          if (d / "nodes" / "node1.log").exists()),
-                        180, "step 30")
+        assert wait_for(lambda: reached(home, 30), 180, "step 30")
         quota.add(w.pid)
         line = wait_for(lambda: next((ln for ln in err if "straggler:" in ln), None), 240, "the straggler named")
         m = re.search(r"clusterctl: straggler: node3 rank 2 computes (\d+\.\d)x the median \((\d+) ms vs (\d+) ms "
@@ -120,9 +125,33 @@ def test_a_worker_held_to_15_percent_of_a_core_is_named_a_straggler(cluster4, tm
         assert "attempt 1: straggler: node3 rank 2 computes" in st.stderr, st.stderr
     finally:
         quota.close()
-        if p.poll() is None:
-            p.terminate()  # Ctrl-C: the run is stopped on every node
-            p.wait(timeout=120)
+        if run_id_of(err):
+            cli("stop", run_id_of(err))  # every node stopped and released before the next test
+        p.wait(timeout=120)
+    assert wait_for(lambda: not [q for q in cluster4.processes() if not q.name().startswith("sshd")], 60,
+                    "the run's processes to go")
+
+
+def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, tmp_path, home):
+    inv = inventory(cluster4, tmp_path, 2500, spare=True, ckpt_every=50)
+    p, err = start(inv, "--straggler-window", "20", "--on-straggler", "replace", "--max-restarts", "1")
+    quota = Quota(QUOTA)
+    try:
+        w = wait_for(lambda: worker(cluster4, cluster4.nodes[1], 1), 120, "rank 1's worker on node2")
+        assert wait_for(lambda: reached(home, 60), 180, "step 60")
+        quota.add(w.pid)
+        assert p.wait(timeout=400) == 0, "".join(err)
+    finally:
+        quota.close()
+        if p.poll() is None and run_id_of(err):
+            cli("stop", run_id_of(err))
+    [d] = [d for d in (home / "runs").iterdir() if (d / "run.json").exists()]
+    rec = json.loads((d / "run.json").read_text())
+    a1, a2 = rec["attempts"]
+    assert a1["verdict"] == "straggler" and a1["bad_nodes"] == ["node2"] and a1["detail"].startswith("node2 rank 1 ")
+    assert a2["nodes"] == ["node1", "node4", "node3"] and a2["verdict"] == "finished" and a2["checkpoint"], a2
+    assert rec["left_out"] == ["node2"]
+    assert any("--on-straggler replace: restarting from the newest checkpoint without node2" in ln for ln in err)
 
 
 def test_a_healthy_run_names_nobody(cluster4, tmp_path, home):
