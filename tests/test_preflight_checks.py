@@ -308,3 +308,38 @@ def test_output_shared_writes_nothing_and_names_the_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wd"] and not list((tmp_path / "wd").iterdir())
     (tmp_path / "other").mkdir()
     assert name(tmp_path / "other" / "runs") != a
+
+
+# ------------------------------------------------------------------ remedies fit the environment
+
+SETUP_INV = parse_inventory(yaml.safe_dump({
+    "nodes": [{"name": "m", "host": "10.0.0.1", "gpus": 8}, {"name": "w1", "host": "10.0.0.2", "gpus": 8}],
+    "setup": {"requirements": "reqs/train.txt", "venv": "~/venvs/train"}}), "nodes.yaml")
+
+
+def test_with_setup_the_fix_for_a_wrong_torch_is_the_requirements_file_and_setup():
+    """A setup-built venv has no pip (uv builds it), and setup would undo a hand install: every
+    python_env remedy names the requirements file and `clusterctl setup -i INV` instead."""
+    m, w1 = SETUP_INV.nodes
+    c = {n.name: Ctx(node=n, inventory=SETUP_INV, is_master=n.rank == 0) for n in SETUP_INV.nodes}
+
+    def verdict(text, node=m):
+        return compare_python_env({node.name: text}, {node.name: c[node.name]})[node.name]
+
+    cpu = verdict(NVIDIA + info(torch="2.13.0+cpu"))
+    assert cpu.status == "fail" and "CPU-only build" in cpu.detail
+    assert "pip" not in cpu.remedy, cpu.remedy
+    assert "reqs/train.txt" in cpu.remedy and "`clusterctl setup -i nodes.yaml`" in cpu.remedy
+    assert "--extra-index-url https://download.pytorch.org/whl/cu12x" in cpu.remedy
+    assert "torch==2.13.0+cu126" in cpu.remedy and "gpus: 0" in cpu.remedy
+    rocm = compare_python_env({"m": AMD + info(cuda="12.6", nccl="2.26.2")}, {"m": c["m"]})["m"]
+    assert "pip" not in rocm.remedy and "whl/rocm6.x" in rocm.remedy and "clusterctl setup" in rocm.remedy
+    no_nccl = verdict(NVIDIA + info(cuda="12.6"))
+    assert no_nccl.status == "warn" and "reqs/train.txt" in no_nccl.remedy and "clusterctl setup" in no_nccl.remedy
+    no_torch = verdict("@@no-gpu-tool\n" + info(torch=None))
+    assert no_torch.status == "fail" and "pip" not in no_torch.remedy
+    assert no_torch.remedy.startswith("add torch in reqs/train.txt, then run `clusterctl setup -i nodes.yaml`")
+    both = compare_python_env({"m": "@@no-gpu-tool\n" + info(), "w1": "@@no-gpu-tool\n" + info(torch="2.12.0")}, c)
+    assert both["w1"].status == "fail" and both["w1"].remedy.startswith("run `clusterctl setup -i nodes.yaml`")
+    # without setup: the node's own pip, as before
+    assert "-m pip install torch==2.13.0 --index-url" in env_verdict(NVIDIA + info(torch="2.13.0+cpu")).remedy

@@ -56,36 +56,65 @@ def accelerator(text: str, ctx: Ctx) -> tuple[str | None, str]:
     return f.vendor, f"{n}{'NVIDIA' if f.vendor == 'nvidia' else 'AMD'} GPU{'s' if n != '1 ' else ''}"
 
 
+def _inventory_flag(ctx: Ctx) -> str:
+    source = ctx.inventory.source
+    return f"-i {source}" if source and not source.startswith("<") else "-i <inventory>"
+
+
+def setup_fix(ctx: Ctx, change: str) -> str | None:
+    """With a `setup:` section the nodes' python is the venv setup builds from the requirements
+    file (uv, no pip in it): the fix is `change` in that file and setup again. None without one."""
+    s = ctx.inventory.setup
+    if s is None:
+        return None
+    what = f"{change} in {s.requirements}, then run " if change else "run "
+    return f"{what}`clusterctl setup {_inventory_flag(ctx)}`, which rebuilds {s.venv} on every node"
+
+
+def torch_build_remedy(ctx: Ctx, pin: str, vendor: str) -> str:
+    """How to get the torch build the node's GPUs need, the way its environment is made: the
+    setup venv's requirements file, else pip in the node's python."""
+    index, label, example = (CUDA_INDEX, "cu12x: the CUDA version `nvidia-smi` shows or lower", "cu126") \
+        if vendor == "nvidia" else (ROCM_INDEX, "rocm6.x: the installed ROCm release", "rocm6.3")
+    build = "CUDA" if vendor == "nvidia" else "ROCm"
+    wanted = f"{pin}+{example}" if "==" in pin else pin
+    via_setup = setup_fix(ctx, f"ask for the {build} build (`--extra-index-url {index}` and `{wanted}`; "
+                               f"{label})")
+    if via_setup:
+        return f"{via_setup}; or set `gpus: 0` to run it as a CPU node"
+    return (f"`{ctx.node.python} -m pip install {pin} --index-url {index}` on {ctx.node.name} ({label}, "
+            f"e.g. {example}), or set `gpus: 0` to run it as a CPU node")
+
+
 def check_accelerator(info: dict, text: str, ctx: Ctx) -> CheckResult | None:
     """A fail or warn when torch cannot drive the node's GPUs, None when it can (or no GPUs)."""
     vendor, found = accelerator(text, ctx)
     if vendor is None:
         return None
-    name, py, torch = ctx.node.name, ctx.node.python, info.get("torch")
+    torch = info.get("torch")
     pin = f"torch=={torch.split('+')[0]}" if torch and torch != "?" else "torch"
     if vendor == "nvidia":
         if not info.get("cuda"):
             build = f"a ROCm build (hip {info['hip']})" if info.get("hip") else "a CPU-only build"
             return fail("python_env", f"torch {torch} is {build} but the node has {found} (torch.version.cuda "
-                        "is None)",
-                        f"`{py} -m pip install {pin} --index-url {CUDA_INDEX}` on {name} (cu12x: the CUDA "
-                        "version `nvidia-smi` shows or lower, e.g. cu126), or set `gpus: 0` to run it as a "
-                        "CPU node")
+                        "is None)", torch_build_remedy(ctx, pin, "nvidia"))
         if not info.get("nccl"):
             return warn("python_env", f"torch {torch} (CUDA {info['cuda']}) on {found}, but no NCCL found next "
                         "to it (no nvidia-nccl-cu* package, no libnccl in torch/lib)",
-                        f"install torch from {CUDA_INDEX} (it brings nvidia-nccl-cu12); a build without NCCL "
-                        "cannot use the nccl backend")
+                        (setup_fix(ctx, f"take torch from {CUDA_INDEX} (`--extra-index-url`; it brings "
+                                        "nvidia-nccl-cu12)") or
+                         f"install torch from {CUDA_INDEX} (it brings nvidia-nccl-cu12)") + "; a build without "
+                        "NCCL cannot use the nccl backend")
         return None
     if not info.get("hip"):
         build = f"a CUDA build (cuda {info['cuda']})" if info.get("cuda") else "a CPU-only build"
         return fail("python_env", f"torch {torch} is {build} but the node has {found} (torch.version.hip is None)",
-                    f"`{py} -m pip install {pin} --index-url {ROCM_INDEX}` on {name} (rocm6.x: the installed "
-                    "ROCm release, e.g. rocm6.3), or set `gpus: 0` to run it as a CPU node")
+                    torch_build_remedy(ctx, pin, "amd"))
     if not info.get("rccl"):
         return warn("python_env", f"torch {torch} (HIP {info['hip']}) on {found}, but no RCCL found "
                     "(no librccl in torch/lib or /opt/rocm/lib)",
-                    f"install torch from {ROCM_INDEX}, or ROCm's rccl package: the nccl backend needs RCCL")
+                    (setup_fix(ctx, f"take torch from {ROCM_INDEX} (`--extra-index-url`)") or
+                     f"install torch from {ROCM_INDEX}, or ROCm's rccl package") + ": the nccl backend needs RCCL")
     return None
 
 
@@ -111,12 +140,13 @@ def compare_python_env(texts: dict[str, str], ctx_of: dict[str, Ctx], master: st
         node = ctx_of[name].node
         if info is None:
             out[name] = fail("python_env", f"{node.python} does not run: {why}",
+                             setup_fix(ctx_of[name], "") or
                              f"install Python (and torch) on {name}, or set `python:` for it in the inventory")
             continue
         envs[name] = env_of(info)
         if envs[name]["torch"] == "-":
             out[name] = fail("python_env", f"{env_text(envs[name])}; torch is not installed for {node.python}",
-                             f"`{node.python} -m pip install torch` on {name}")
+                             setup_fix(ctx_of[name], "add torch") or f"`{node.python} -m pip install torch` on {name}")
             continue
         r = check_accelerator(info, text, ctx_of[name])
         if r is not None and r.status == "fail":
@@ -134,9 +164,9 @@ def compare_python_env(texts: dict[str, str], ctx_of: dict[str, Ctx], master: st
         diff = [k for k in ENV_KEYS if env[k] != ref_env[k]]
         if diff:
             side = ", ".join(f"{k} {env[k]} (others {ref_env[k]})" for k in diff)
+            same = setup_fix(ctx_of[name], "") or f"install the same versions on {name} ({env_text(ref_env)})"
             out[name] = fail("python_env", f"mismatch: {side}",
-                             f"install the same versions on {name} ({env_text(ref_env)}); mixed torch/NCCL "
-                             "versions hang or crash in the first collective")
+                             f"{same}; mixed torch/NCCL versions hang or crash in the first collective")
         else:
             out[name] = notes.get(name) or ok("python_env", env_text(env))
     return out
@@ -164,9 +194,7 @@ def _source(control: dict) -> str:
 
 
 def sync_remedy(ctx: Ctx) -> str:
-    source = ctx.inventory.source
-    where = f"-i {source}" if source and not source.startswith("<") else "-i <inventory>"
-    return f"`clusterctl sync {where}` pushes it"
+    return f"`clusterctl sync {_inventory_flag(ctx)}` pushes it"
 
 
 def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str | None = None,
