@@ -44,6 +44,7 @@ LAZY_COMMANDS = {
     "render": "orchestrator.cli.render:render_command",
     "launch": "orchestrator.cli.launch:launch_command",
     "top": "orchestrator.cli.top:top_command",
+    "watch": "orchestrator.cli.watch:watch_command",
     "fetch": "orchestrator.cli.fetch:fetch_command",
     "cp": "orchestrator.cli.cp:cp_command",
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Collection
 
 import click
 
@@ -19,9 +20,30 @@ from orchestrator.cli.runs import _err, complete_run_ids
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, ClusterctlError, with_unreachable
 from orchestrator.runs import agent
 from orchestrator.runs.hang import SNAPSHOT_WAIT_S, RankSnap, stacks_text
-from orchestrator.runs.record import load as load_record
+from orchestrator.runs.record import AttemptRecord, load as load_record
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
+
+
+def take_stacks(run: Run, a: AttemptRecord, names: list[str], ranks: Collection[int] = (),
+                wait: float = SNAPSHOT_WAIT_S) -> tuple[list[RankSnap], dict[str, list], dict[str, str]]:
+    """Attempt `a`'s ranks on the nodes `names` now (only `ranks`, when given): (their snapshots,
+    each node's documents as its agent reported them, node -> why it could not be asked)."""
+    spec = run.spec
+    request = time.time_ns() // 1_000_000  # unique per ask: the hang watch asks the same hooks
+    with Cluster(spec.load_inventory(names), connect_timeout=spec.connect_timeout, fanout=spec.fanout,
+                 accept_new_host_keys=spec.accept_new_host_keys) as cluster:
+        got = agent.run(cluster, lambda n: agent.snapshot(n, a.key, request, wait))
+        unreachable = {name: r.error for name, r in cluster.unreachable.items()}
+    snaps, docs = [], {}
+    for name, sn in sorted(got.items()):
+        if sn.error is not None:
+            unreachable[name] = sn.error
+            continue
+        keep = [d for d in sn.ranks if not ranks or d.get("rank") in ranks]
+        docs[name] = keep
+        snaps.extend(RankSnap.from_agent(name, d) for d in keep)
+    return snaps, docs, unreachable
 
 
 @click.command("stack")
@@ -47,20 +69,7 @@ def stack_command(run_id, nodes, ranks, wait, as_json):
         raise click.UsageError(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not in attempt "
                                f"{a.attempt} of run {run.id} ({', '.join(a.nodes)})")
     names = [n for n in a.nodes if not nodes or n in nodes]
-    spec = run.spec
-    request = time.time_ns() // 1_000_000  # unique per ask: the hang watch asks the same hooks
-    with Cluster(spec.load_inventory(names), connect_timeout=spec.connect_timeout, fanout=spec.fanout,
-                 accept_new_host_keys=spec.accept_new_host_keys) as cluster:
-        got = agent.run(cluster, lambda n: agent.snapshot(n, a.key, request, wait))
-        unreachable = {name: r.error for name, r in cluster.unreachable.items()}
-    snaps, docs = [], {}
-    for name, sn in sorted(got.items()):
-        if sn.error is not None:
-            unreachable[name] = sn.error
-            continue
-        keep = [d for d in sn.ranks if not ranks or d.get("rank") in ranks]
-        docs[name] = keep
-        snaps.extend(RankSnap.from_agent(name, d) for d in keep)
+    snaps, docs, unreachable = take_stacks(run, a, names, ranks, wait)
     for name, why in sorted(unreachable.items()):
         _err(f"clusterctl: {name}: {why}")
     if as_json:
@@ -76,4 +85,4 @@ def stack_command(run_id, nodes, ranks, wait, as_json):
     sys.exit(with_unreachable(unreachable, EXIT_FAILED if silent or not snaps else EXIT_OK))
 
 
-__all__ = ["stack_command"]
+__all__ = ["stack_command", "take_stacks"]

@@ -1,0 +1,264 @@
+"""`clusterctl watch [RUN]`: a run live, one row per node (or per rank with --ranks).
+
+Every row says the node's state, its newest step, the step time, tokens/s where the log says,
+how long since it was last heard, and the stall, hang and straggler flags (runs/liveview.py).
+Everything shown is read on this machine (the run record, the per-rank log files), so a frozen
+node never freezes the view; only a rank's stack is asked of its node, on a thread of its own
+(`clusterctl stack`'s machinery). Keys: q quits (the run goes on), r switches nodes and ranks,
+a rank's number then Enter shows its stack and last lines, Esc closes them. Not on a terminal
+(or with --once) it prints the table once, and with --rank R that rank's stack and last lines.
+The view ends with the run, with its summary line, and exits with the run's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import click
+
+from orchestrator.cli import tables
+from orchestrator.cli.runs import _summary, complete_run_ids, ensure_supervisor
+from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
+from orchestrator.runs.liveview import LiveView, Row
+from orchestrator.runs.record import load as load_record, story
+from orchestrator.runs.store import Run
+
+STACK_WAIT_S = 10.0  # how long the rank's hook has to answer
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1e3:.0f}ms"
+    return f"{s:.2f}s" if s < 60 else f"{s / 60:.1f}m"
+
+
+def _ago(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.0f}s" if s < 90 else f"{s / 60:.0f}m" if s < 5400 else f"{s / 3600:.0f}h"
+
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x < 1e5 else f"{x / 1e3:,.0f}k" if x < 1e8 else f"{x / 1e6:,.0f}M"
+
+
+def fit(rows: list[Row], room: int) -> tuple[list[Row], int]:
+    """The rows that fit `room` lines: every flagged row, then the others in order; and how many
+    were left out."""
+    if len(rows) <= room:
+        return rows, 0
+    room = max(room, 1)
+    flagged = {i for i, r in enumerate(rows) if r.flags}
+    keep = set(sorted(flagged)[:room])
+    keep |= set([i for i in range(len(rows)) if i not in keep][: room - len(keep)])
+    return [r for i, r in enumerate(rows) if i in keep], len(rows) - len(keep)
+
+
+def table(rows: list[Row], by_rank: bool):
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False, padding=(0, 1), show_edge=False, header_style="bold")
+    t.add_column("rank" if by_rank else "node", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    for name in ("step", "s/step", "tok/s", "heard"):
+        t.add_column(name, no_wrap=True, justify="right")
+    t.add_column("flags", no_wrap=True, overflow="ellipsis", ratio=1)
+    for r in rows:
+        flags = ", ".join(r.flags)
+        t.add_row(r.name, r.state, "-" if r.step is None else str(r.step), _secs(r.step_s), _rate(r.tokens_s),
+                  _ago(r.heard_s), f"[bold red]{flags}[/]" if flags else "")
+    return t
+
+
+class StackAsk:
+    """One rank's stack, asked of its node on a thread: `text` is what to show meanwhile and after."""
+
+    def __init__(self, run: Run, rank: int, node: str | None):
+        self.rank, self.node = rank, node
+        self.done = threading.Event()
+        self.text = f"asking {node} for rank {rank}'s stack…" if node else f"rank {rank} is not in this attempt"
+        if node is None:
+            self.done.set()
+        else:
+            threading.Thread(target=self._ask, args=(run,), daemon=True, name="stack").start()
+
+    def _ask(self, run: Run) -> None:
+        from orchestrator.cli.stack import take_stacks
+        from orchestrator.runs.hang import stacks_text
+
+        try:
+            a = load_record(run).current
+            if a is None or load_record(run).state.terminal:
+                self.text = f"the run has ended: {self.node} has no rank {self.rank} to ask"
+                return
+            snaps, _, unreachable = take_stacks(run, a, [self.node], [self.rank], STACK_WAIT_S)
+            self.text = (stacks_text(snaps).rstrip() if snaps else
+                         f"{self.node}: {unreachable.get(self.node) or f'no rank {self.rank} there now'}")
+        except (ClusterctlError, OSError) as e:
+            self.text = f"{self.node}: {e}"
+        finally:
+            self.done.set()
+
+
+class Screen:
+    """What the view holds between frames: the mode, the rank asked about, the story's last lines."""
+
+    def __init__(self, run: Run, by_rank: bool):
+        self.run, self.by_rank = run, by_rank
+        self.view = LiveView(run.dir, run.spec.hang_timeout)
+        self.typed = ""
+        self.detail: StackAsk | None = None
+        self.told: list[str] = []
+        self.story_at = 0
+
+    def look(self, rec: dict) -> None:
+        attempts = rec.get("attempts") or []
+        self.view.look(self.run.nodes(rec), attempts[-1] if attempts else None)
+        lines, self.story_at = story(self.run, self.story_at)
+        self.told = (self.told + lines)[-2:]
+
+    def ask(self, rank: int) -> None:
+        self.detail = StackAsk(self.run, rank, self.view.node_of(rank))
+
+    def key(self, ch: str) -> bool:
+        """One key; False to quit."""
+        if ch in ("q", "Q"):
+            return False
+        if ch == "r":
+            self.by_rank = not self.by_rank
+        elif ch.isdigit():
+            self.typed += ch
+        elif ch in ("\r", "\n", "s") and self.typed:
+            self.ask(int(self.typed))
+            self.typed = ""
+        elif ch in ("\x1b", "\x7f"):
+            self.typed, self.detail = "", None if ch == "\x1b" else self.detail
+        return True
+
+    def render(self, rec: dict, width: int, height: int, live: bool = True):
+        from rich.console import Group
+        from rich.text import Text
+
+        a = (rec.get("attempts") or [{}])[-1]
+        head = Text(f"{self.run.id}: {rec.get('state')}" + (f", attempt {a.get('attempt')} of at most "
+                    f"{self.run.spec.max_restarts + 1}" if a else ""), style="bold", overflow="ellipsis", no_wrap=True)
+        parts = [head]
+        detail = self._detail(width) if self.detail else []
+        told = [Text(f"clusterctl: {t}", overflow="ellipsis", no_wrap=True) for t in self.told]
+        room = height - 4 - len(detail) - len(told) if live else 10**6
+        rows, left = fit(self.view.rows(self.by_rank, lambda s: tables.shown_state(s, rec)), room)
+        parts.append(table(rows, self.by_rank))
+        if left:
+            parts.append(Text(f"… {left} more {'ranks' if self.by_rank else 'nodes'} (the flagged ones are shown)"))
+        parts += told + detail
+        if live:
+            keys = "q quit · r " + ("nodes" if self.by_rank else "ranks") + " · a rank's number+Enter: its stack"
+            parts.append(Text(keys + (f" · rank {self.typed}_" if self.typed else ""), style="dim",
+                              overflow="ellipsis", no_wrap=True))
+        return Group(*parts)
+
+    def _detail(self, width: int) -> list:
+        from rich.text import Text
+
+        d = self.detail
+        lines = [f"rank {d.rank}" + (f" on {d.node}" if d.node else "") + ": last lines"]
+        lines += [f"  {ln}" for ln in self.view.last_lines(d.rank)[-5:]] + ["stack:"]
+        lines += [f"  {ln}" for ln in d.text.splitlines()[:12]]
+        return [Text(ln[:width], no_wrap=True) for ln in lines]
+
+
+@contextmanager
+def _keys():
+    """A function that waits up to `timeout` s for keys typed (cbreak: Ctrl-C still interrupts);
+    one that only sleeps when stdin is not a terminal."""
+    if not sys.stdin.isatty():
+        yield lambda timeout: (time.sleep(timeout), "")[1]
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    old = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield lambda timeout: os.read(fd, 64).decode(errors="replace") if select.select([fd], [], [], timeout)[0] \
+            else ""
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, old)
+
+
+def _live(screen: Screen, console, interval: float) -> bool:
+    """Redraw until the run ends (True) or q (False)."""
+    from rich.live import Live
+
+    with _keys() as keys, Live(console=console, auto_refresh=False, screen=True, transient=True) as live:
+        while True:
+            rec = screen.run.record
+            screen.look(rec)
+            live.update(screen.render(rec, console.width, console.height), refresh=True)
+            if screen.run.state(rec).terminal:
+                return True
+            deadline = time.monotonic() + interval
+            while (left := deadline - time.monotonic()) > 0:
+                typed = keys(left)
+                if typed and not all(screen.key(ch) for ch in typed):
+                    return False
+                if typed:
+                    break
+
+
+@click.command("watch")
+@click.argument("run_id", required=False, shell_complete=complete_run_ids)
+@click.option("--ranks", "by_rank", is_flag=True, help="One row per rank instead of one per node (key r).")
+@click.option("--rank", type=click.IntRange(0), default=None,
+              help="Show this rank's stack and last lines (asked of its node; interactively: its number, Enter).")
+@click.option("--once", is_flag=True, help="Print the view once and return (what happens off a terminal).")
+@click.option("--interval", type=click.FloatRange(0.2, 60), default=1.0, show_default=True,
+              help="Seconds between redraws.")
+def watch_command(run_id, by_rank, rank, once, interval):
+    """A run live (the latest by default): per node (or --ranks, per rank) its state, step, step
+    time, tokens/s, when last heard, and stall, hang and straggler flags.
+
+    q or Ctrl-C leaves the view; the run goes on. Ends with the run, with its summary line, and
+    exits with the run's exit code (like tail)."""
+    from rich.console import Console
+
+    run = Run.find(run_id)
+    ensure_supervisor(run)
+    console = Console()
+    screen = Screen(run, by_rank)
+    screen.look(run.record)
+    live = console.is_terminal and not once
+    if rank is not None:
+        screen.ask(rank)
+    if live:
+        try:
+            ended = _live(screen, console, interval)
+        except KeyboardInterrupt:
+            ended = None
+        if not ended:
+            click.echo(f"clusterctl: stopped watching {run.id}; it keeps running (clusterctl tail {run.id} "
+                       "follows its lines)", err=True)
+            sys.exit(EXIT_INTERRUPTED if ended is None else 0)
+    rec = run.record
+    screen.look(rec)
+    if rank is not None and not live:
+        screen.ask(rank)  # now that the rank's node is known
+        screen.detail.done.wait(STACK_WAIT_S + 60)
+    console.print(screen.render(rec, console.width, console.height, live=False))
+    if run.state(rec).terminal or live:
+        _summary(rec)
+        code = rec.get("exit_code")
+        sys.exit(1 if code is None else int(code))
+
+
+__all__ = ["watch_command"]
