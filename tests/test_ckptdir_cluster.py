@@ -4,8 +4,6 @@ put back on every node of a restart, so a script that knows nothing of clusterct
 
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,8 +11,7 @@ import pytest
 import torch
 
 from orchestrator.runs import ckptdir
-from tests.conftest import wait_for
-from tests.test_restarts_cluster import run_dir_of, sync_code
+from tests.test_restarts_cluster import cut_mid_run, sync_code
 
 pytestmark = pytest.mark.cluster
 
@@ -51,28 +48,24 @@ def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_
     names = [n.name for n in cluster.nodes]
     inv = inventory(cluster, tmp_path, {"max_restarts": 1})
     sync_code(inv, tmp_path, names[:2])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--lost-timeout", "5",
-         "--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT,
-         "--max_iters=100", "--iter_s=0.5", "--slow_save_at=60", "--slow_save_s=120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        run_dir = run_dir_of(home)
-        wait_for(lambda: snapshots(run_dir) or (proc.poll() is not None and pytest.fail(proc.stderr.read()[-3000:])),
-                 180, "the first checkpoint copied home")
-        wait_for(lambda: cluster.nodes[0].run("test -e ~/gpt_train/slow-save-started", check=False).returncode == 0,
-                 120, "the slow save")
-        # long enough for a half-written file that is merely unchanged to look complete and be
-        # looked at twice: only its open file keeps it from being taken
-        time.sleep(ckptdir.QUIET_S + 2 * ckptdir.POLL_S)
-        before_cut = snapshots(run_dir)
-        cluster.nodes[0].link_down()
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert proc.returncode == 0, err[-4000:]
+    seen = {}
+
+    def mid_save(run_dir):
+        """A snapshot is home, node1 is in its slow save, and long enough has passed since for a
+        half-written file that is merely unchanged to look complete and be looked at twice: only
+        its open file keeps it from being taken. -> the snapshots taken so far."""
+        if "t" not in seen:
+            if not snapshots(run_dir) or cluster.nodes[0].run("test -e ~/gpt_train/slow-save-started",
+                                                              check=False).returncode:
+                return None
+            seen["t"] = time.monotonic()
+        return time.monotonic() - seen["t"] >= ckptdir.QUIET_S + 2 * ckptdir.POLL_S and snapshots(run_dir)
+
+    run_dir, before_cut, out, err, code, rec = cut_mid_run(
+        inv, home, cluster.nodes[0], mid_save, "node1 in its slow save after a first checkpoint home",
+        flags=("--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT, "--max_iters=100",
+               "--iter_s=0.5", "--slow_save_at=60", "--slow_save_s=120"))
+    assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])
     assert attempts[0]["verdict"] == "node lost" and attempts[1]["verdict"] == "finished"
@@ -124,21 +117,10 @@ def test_a_trainer_checkpoint_written_by_every_node_is_gathered_and_restored_who
     names = [n.name for n in cluster.nodes]
     inv = inventory(cluster, tmp_path, {"max_restarts": 1, "checkpoint_dir": "out", "resume_args": ["--resume"]})
     sync_code(inv, tmp_path, names[:2])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--lost-timeout", "5", "--", HF,
-         "--max_steps", "150", "--save_steps", "30", "--step_s", "0.3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        run_dir = run_dir_of(home)
-        snap, step = wait_for(lambda: gathered(run_dir) or (proc.poll() is not None and pytest.fail(
-            proc.stderr.read()[-3000:])), 240, "a checkpoint with node2's rng state copied home")
-        cluster.nodes[1].link_down()
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    rec = json.loads((run_dir / "run.json").read_text())
-    assert proc.returncode == 0, err[-4000:]
+    run_dir, (snap, step), out, err, code, rec = cut_mid_run(
+        inv, home, cluster.nodes[1], gathered, "a checkpoint with node2's rng state copied home",
+        flags=("--", HF, "--max_steps", "150", "--save_steps", "30", "--step_s", "0.3"))
+    assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:2], [names[0], names[2]]], attempts
     assert attempts[1]["verdict"] == "finished" and attempts[1]["resume_args"] == ["--resume"]

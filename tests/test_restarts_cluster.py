@@ -77,11 +77,11 @@ def start_steps(text):
     return [int(s) for s in re.findall(r"start step (\d+)", text)]
 
 
-def cut_mid_run(inv, home, node, ready, what, after_cut=None):
-    """Start the run, wait until `ready(run_dir)` holds, cut `node`'s link for good (never brought
-    back during the run), call `after_cut(run_dir, ready's value)`, wait for the end.
-    -> (run_dir, ready's value, stdout, stderr, exit code, run.json)."""
-    proc = start(inv)
+def cut_mid_run(inv, home, node, ready, what, after_cut=None, flags=()):
+    """Start the run (train with `flags`), wait until `ready(run_dir)` holds, cut `node`'s link for
+    good (never brought back during the run), call `after_cut(run_dir, ready's value)`, wait for
+    the end. -> (run_dir, ready's value, stdout, stderr, exit code, run.json)."""
+    proc = start(inv, *flags)
     try:
         run_dir = run_dir_of(home)
         got = wait_for(lambda: ready(run_dir) or (proc.poll() is not None and pytest.fail(
