@@ -39,7 +39,8 @@ def setup_command(opts: ClusterOptions, force: bool, refresh: bool, online: bool
     The requirements are resolved once here (pip, with this machine's pip configuration) into a
     wheelhouse, shipped with sync's relay to the nodes that need it, and installed with no index
     into a new directory that replaces the venv only once it imports. Nodes whose venv records
-    the same resolved set are skipped. Then preflight's python_env runs."""
+    the same resolved set are skipped. Then preflight's python_env runs. With `clusterctl: true` in
+    setup:, clusterctl's node side goes into the venv too (`render slurm|k8s` run it there)."""
     from rich.console import Console
 
     from orchestrator.checks.preflight import run_preflight

@@ -138,6 +138,8 @@ class SetupSection(_Model):
     venv: str
     python_version: str | None = None  # "3.11": the nodes must run it (and it names the interpreter)
     interpreter: str | None = None  # the node's interpreter that creates the venv
+    # clusterctl's node side in the venv too: `launch --from-env`, which the SLURM/k8s renders run
+    clusterctl: bool = False
 
     @field_validator("python_version", mode="before")
     @classmethod

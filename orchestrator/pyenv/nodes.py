@@ -18,6 +18,7 @@ from orchestrator.inventory import Inventory, Node, SetupSection
 from orchestrator.probe import program
 from orchestrator.pyenv import SHIP, UNCHANGED, SetupReport, SetupResult, plan, target_of
 from orchestrator.pyenv.resolve import Lock, resolve
+from orchestrator.pyenv.selfwheel import addition
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
 from orchestrator.transfer.progress import SyncEvents
@@ -144,7 +145,7 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
         return SetupReport([results[n.name] for n in inv.nodes], time.monotonic() - t0, None)
     target = target_of(good, s.python_version)
     t1 = time.monotonic()
-    lock = resolve(requirements, target, refresh=refresh)
+    lock = resolve(requirements, target, refresh=refresh, add=addition() if s.clusterctl else None)
     resolved = "cached" if lock.cached else f"resolved in {time.monotonic() - t1:.1f}s"
     steps = plan(good, lock.hash, force=force, online=online)
     for name in (k for k, v in steps.items() if v == UNCHANGED):
@@ -158,7 +159,8 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
     todo = [name for name in steps if name not in results]
     if todo:
         cmds = {shipped: _install_command(s, lock, shipped, online) for shipped in (True, False)}
-        res = cluster.run(lambda n: cmds[n.name in got](n), nodes=todo, timeout=INSTALL_TIMEOUT)
+        res = cluster.run(lambda n: cmds[n.name in got](n), nodes=todo, timeout=INSTALL_TIMEOUT,
+                          on_line=events.node_line)  # each node's steps, shown as they start
         for name, r in res.items():
             results[name] = _installed(name, r, probes, lock, got.get(name, 0))
     _same_machine(results, local)

@@ -91,16 +91,30 @@ class Lock:
         return sum(w["size"] for w in self.wheels)
 
     def files(self, online: bool = False) -> list[str]:
-        """What is shipped to the nodes: the wheels (not when they install from an index), the
-        lock, the pins, and uv where it is here."""
+        """What is shipped to the nodes: the wheels (when they install from an index, only those
+        made here, which no index has), the lock, the pins, and uv where it is here."""
         extra = ["tools/uv"] if (self.dir / "tools" / "uv").exists() else []
-        wheels = [] if online else sorted(w["file"] for w in self.wheels)
+        wheels = sorted(w["file"] for w in self.wheels if not online or w.get("local"))
         return wheels + ["lock.json", "pins.txt"] + extra
 
     @classmethod
     def load(cls, d: Path, cached: bool = True) -> "Lock":
         doc = json.loads((d / "lock.json").read_text())
         return cls(d, doc["hash"], doc["python"], doc["pins"], doc["wheels"], doc["imports"], cached)
+
+
+@dataclass(frozen=True)
+class Addition:
+    """A wheel made on this machine that joins the resolved set (clusterctl's node side), the
+    requirements it brings (resolved with the file's) and the modules a node imports to check it."""
+
+    file: str
+    data: bytes
+    requirements: tuple[str, ...]
+    imports: tuple[str, ...]
+
+    def key(self) -> bytes:
+        return hashlib.sha256(self.data).digest() + "\0".join(self.requirements).encode()
 
 
 # ------------------------------------------------------------------ pure parts
@@ -181,9 +195,10 @@ def platforms(target: Target) -> list[str]:
     return out + [f"manylinux2014_{target.arch}", f"linux_{target.arch}"]
 
 
-def pip_argv(req: Path, dest: Path, target: Target) -> list[str]:
+def pip_argv(req: Path, dest: Path, target: Target, extra: tuple[str, ...] = ()) -> list[str]:
+    """pip's command line; `extra`: requirements resolved together with the file's."""
     base = [sys.executable, "-m", "pip"]
-    common = ["-r", str(req), "--progress-bar", "off", "--disable-pip-version-check", "--no-input"]
+    common = ["-r", str(req), *extra, "--progress-bar", "off", "--disable-pip-version-check", "--no-input"]
     if target.is_here():
         return base + ["wheel", "-w", str(dest)] + common
     cp = "cp" + target.xy.replace(".", "")
@@ -229,19 +244,31 @@ def cache_root() -> Path:
     return home() / "wheelhouse"
 
 
-def _build_lock(tmp: Path, req_text: str, target: Target) -> dict:
+def _build_lock(tmp: Path, req_text: str, target: Target, add: Addition | None = None) -> dict:
     wheels = []
     for f in sorted(tmp.glob("*.whl")):
         name, version, _ = wheel_name(f.name)
         wheels.append({"file": f.name, "name": name, "version": version, "size": f.stat().st_size,
-                       "sha256": sha256_file(f)})
+                       "sha256": sha256_file(f), **({"local": True} if add and f.name == add.file else {})})
     by_name = {canonical(w["name"]): w for w in wheels}
     imports = [m for n in requirement_names(req_text) if n in by_name
                for m in [import_name(tmp / by_name[n]["file"], n)] if m]
     pins = [f"{w['name']}=={w['version']}" for w in wheels]
+    asked = [ln for ln in req_text.splitlines() if ln.strip()]
+    if add:
+        imports += add.imports
+        asked += [*add.requirements, f"{add.file} (made here)"]
     return {"format": LOCK_FORMAT, "hash": lock_hash(target.xy, wheels), "python": target.xy,
-            "target": target.key, "requirements": [ln for ln in req_text.splitlines() if ln.strip()],
-            "pins": pins, "imports": sorted(set(imports)), "wheels": wheels}
+            "target": target.key, "requirements": asked, "pins": pins, "imports": sorted(set(imports)),
+            "wheels": wheels}
+
+
+def _with_addition(err: ClusterctlError, add: Addition | None) -> ClusterctlError:
+    """A conflict may come from what was added to the user's file: say what that was."""
+    if add is None or not isinstance(err, RequirementError):
+        return err
+    return RequirementError(f"{err} (setup.clusterctl: true adds clusterctl's node side, which needs "
+                            f"{', '.join(add.requirements)})")
 
 
 def inputs(req: Path, seen: set | None = None) -> bytes:
@@ -263,9 +290,12 @@ def inputs(req: Path, seen: set | None = None) -> bytes:
     return out
 
 
-def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | None = None) -> Lock:
-    """The wheelhouse for `req` on `target`, resolved now or found in the cache."""
-    key = hashlib.sha256(inputs(req) + f"\0{target.key}\0{LOCK_FORMAT}".encode()).hexdigest()[:16]
+def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | None = None,
+            add: Addition | None = None) -> Lock:
+    """The wheelhouse for `req` on `target` (with `add`'s wheel and requirements), resolved now
+    or found in the cache."""
+    seed = inputs(req) + f"\0{target.key}\0{LOCK_FORMAT}".encode() + (b"\0" + add.key() if add else b"")
+    key = hashlib.sha256(seed).hexdigest()[:16]
     req_bytes = req.read_bytes()
     root = root or cache_root()
     final = root / key
@@ -276,13 +306,16 @@ def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | No
     tmp.mkdir()
     try:
         try:
-            p = subprocess.run(pip_argv(req, tmp, target), capture_output=True, text=True,
+            p = subprocess.run(pip_argv(req, tmp, target, add.requirements if add else ()),
+                               capture_output=True, text=True,
                                timeout=PIP_TIMEOUT, cwd=req.parent, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise ResolveError(f"resolving {req} with pip took longer than {PIP_TIMEOUT:g}s") from None
         if p.returncode != 0:
-            raise explain_pip_failure(req, p.stderr + p.stdout)
-        doc = _build_lock(tmp, req_bytes.decode(errors="replace"), target)
+            raise _with_addition(explain_pip_failure(req, p.stderr + p.stdout), add)
+        if add:
+            (tmp / add.file).write_bytes(add.data)
+        doc = _build_lock(tmp, req_bytes.decode(errors="replace"), target, add)
         misfits = [w["file"] for w in doc["wheels"] if not wheel_fits(w["file"], target.arch, target.glibc)]
         if misfits:
             raise ResolveError(f"{req}: {', '.join(misfits[:5])} will not run on the nodes ({target.arch}, "

@@ -115,7 +115,8 @@ def tail(text, lines=3):
     return " ".join(heads + last)
 
 
-def step(what, argv, env=None, timings=None):
+def step(what, argv, env=None, timings=None, nbytes=None):
+    progress(what, nbytes)  # shown per node while this runs (clusterctl setup)
     t0 = time.monotonic()
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=STEP_TIMEOUT,
@@ -146,18 +147,21 @@ def build(new, wheelhouse, lock, timings, online=False):
     py = os.path.join(new, "bin", "python")
     uv = find_uv(wheelhouse)
     if online:
-        source = ["--require-hashes", "-r", hashed(wheelhouse, lock)]
+        # the index serves the lock's files; a wheel made on the control machine (clusterctl's
+        # node side) came with the lock, from the wheelhouse
+        source = ["--require-hashes", "--find-links", wheelhouse, "-r", hashed(wheelhouse, lock)]
     else:
         source = ["--no-index", "--find-links", wheelhouse, "-r", os.path.join(wheelhouse, "pins.txt")]
+    size = sum(w.get("size", 0) for w in lock["wheels"])
     if uv:
         env = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1", "NO_COLOR": "1"}
         step("creating the venv", [uv, "venv", "--offline", "--python", sys.executable, new], env, timings)
         step("installing the wheels", [uv, "pip", "install", "--python", py, *([] if online else ["--offline"]),
-                                       *source], env, timings)
+                                       *source], env, timings, size)
     else:
         step("creating the venv", [sys.executable, "-m", "venv", new], None, timings)
         step("installing the wheels", [py, "-m", "pip", "install", *([] if online else ["--isolated"]),
-                                       "--disable-pip-version-check", "--no-input", *source], None, timings)
+                                       "--disable-pip-version-check", "--no-input", *source], None, timings, size)
     if lock.get("imports"):
         step("importing " + ", ".join(lock["imports"]), [py, "-c", "import " + ", ".join(lock["imports"])],
              None, timings)
@@ -203,6 +207,7 @@ def install(venv, wheelhouse, mode=None):
                      "(or name another setup.venv): it is never replaced")
     lock = read_lock(wheelhouse)
     if mode is None:
+        progress("verifying the wheels", sum(w.get("size", 0) for w in lock["wheels"]))
         verify(wheelhouse, lock)
         timings["verifying"] = round(time.monotonic() - t0, 2)
     parent = venv + ".d"
@@ -224,6 +229,7 @@ def install(venv, wheelhouse, mode=None):
         shutil.rmtree(new, ignore_errors=True)
         raise
     prune(parent, {new, old}, wheelhouse)
+    progress("done")
     print(json.dumps({"installed": lock["hash"], "dir": new, "installer": installer,
                       "previous": old, "seconds": round(time.monotonic() - t0, 2), "steps": timings}))
 

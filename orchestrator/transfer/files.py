@@ -34,9 +34,16 @@ def select_files(src: str, include=(), exclude=(), outputs=()) -> list[str]:
     return load_nodeinfo().select(src, tuple(include), tuple(exclude), set(outputs))
 
 
-def _trainer_output_dir() -> str:
-    from trainer.config import TrainConfig
-
+def _trainer_output_dir() -> str | None:
+    """The bundled trainer's default output directory; None where there is no trainer to import
+    (a setup venv holds clusterctl's node side only, and a workdir without trainer/ runs another
+    script: `launch --from-env` of a render)."""
+    try:
+        from trainer.config import TrainConfig
+    except ModuleNotFoundError as e:
+        if e.name not in ("trainer", "trainer.config"):
+            raise
+        return None
     return TrainConfig.__dataclass_fields__["output_dir"].default
 
 
