@@ -378,3 +378,59 @@ def test_k8s_checkpoint_pvc_refusals(args, says, capsys):
     assert main(["render", "k8s", "-i", str(INV), "--image", "img", *args]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ setup: the venv runs the job
+
+def setup_inventory(tmp_path, venv="~/venvs/train", clusterctl=True):
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump({
+        "nodes": [{"name": "a", "host": "10.0.0.1", "gpus": 2}, {"name": "b", "host": "10.0.0.2", "gpus": 2}],
+        "setup": {"requirements": "reqs.txt", "venv": venv, "clusterctl": clusterctl}}))
+    return path
+
+
+def fake_python(home: Path, venv: str) -> None:
+    """A venv python that prints its argv, one per line."""
+    py = home / venv / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    py.chmod(0o755)
+
+
+def test_renders_run_launch_with_the_setup_venvs_python(tmp_path, capsys):
+    """With `setup:` the nodes' only Python is the venv setup builds (clusterctl in it with
+    `clusterctl: true`): the sbatch script and the pods run `launch --from-env` with its python,
+    `~/` being each node's (or pod's) home."""
+    inv = setup_inventory(tmp_path)
+    text = rendered(["render", "slurm", "-i", str(inv)], capsys)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    srun = text.splitlines()[-1]
+    assert srun == ('srun --kill-on-bad-exit=1 "$HOME"/venvs/train/bin/python -m orchestrator.cli launch '
+                    "--from-env --nproc-per-node 2 -- -m trainer"), srun
+    home = tmp_path / "home"
+    fake_python(home, "venvs/train")
+    argv = subprocess.run(["bash", "-c", srun.replace("srun --kill-on-bad-exit=1 ", "", 1)], capture_output=True,
+                          text=True, env={"HOME": str(home), "PATH": os.environ["PATH"]}, check=True).stdout
+    assert argv.splitlines()[:4] == ["-m", "orchestrator.cli", "launch", "--from-env"]
+
+    job = render_k8s_objects(load_inventory(str(inv)), image="img:1")[1]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    cmd = container["command"]
+    assert cmd[:2] == ["/bin/sh", "-c"] and container["args"] == ["-m", "trainer"]
+    argv = subprocess.run([*cmd, *container["args"]], capture_output=True, text=True, check=True,
+                          env={"HOME": str(home), "PATH": os.environ["PATH"]}).stdout.splitlines()
+    assert argv == ["-m", "orchestrator.cli", "launch", "--from-env", "--nproc-per-node", "2", "--", "-m", "trainer"]
+    kubernetes_validate.validate(job, "1.30.0", strict=True)
+    absolute = render_k8s_objects(load_inventory(str(setup_inventory(tmp_path, venv="/opt/train"))), image="img:1")
+    assert absolute[1]["spec"]["template"]["spec"]["containers"][0]["command"] == \
+        ["/opt/train/bin/python", "-m", "orchestrator.cli", "launch", "--from-env", "--nproc-per-node", "2", "--"]
+
+
+@pytest.mark.parametrize("target", ["slurm", "k8s"])
+def test_a_setup_venv_without_clusterctl_is_refused_with_the_fix(tmp_path, capsys, target):
+    inv = setup_inventory(tmp_path, clusterctl=False)
+    code = main(["render", target, "-i", str(inv), *(["--image", "img:1"] if target == "k8s" else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "add `clusterctl: true` to setup:" in err and f"`clusterctl setup -i {inv}`" in err, err

@@ -4,7 +4,8 @@ Kubernetes Indexed Job + headless Service.
 Both call exactly `clusterctl launch --from-env` on every node, which reads the scheduler's
 variables and execs torchrun through orchestrator.torchrun, so the flags, the environment
 (scaled timeouts, inventory env, interface pins, train.env) and the trainer arguments are the
-ones `train` uses. Nothing is left for the user to keep in step by hand.
+ones `train` uses. Nothing is left for the user to keep in step by hand. With a `setup:` section
+they run it with the venv's python (`node_python`), which `setup.clusterctl: true` gives clusterctl.
 """
 
 from __future__ import annotations
@@ -59,6 +60,22 @@ def gpus_per_node(inv: Inventory, override: int | None) -> tuple[int, bool]:
     return next(iter(counts.values())), not cpu_only
 
 
+def node_python(inv: Inventory) -> str | None:
+    """The interpreter that runs `launch --from-env` on every node: the setup venv's when the
+    inventory has `setup:` (the nodes' only Python then, so clusterctl must be in it), else None
+    (the inventory's python, or the image's `clusterctl`)."""
+    if inv.setup is None:
+        return None
+    if not inv.setup.clusterctl:
+        src = inv.source if inv.source and not inv.source.startswith("<") else "<inventory>"
+        raise UsageError(f"{inv.source} has a setup: section, so the job would run "
+                         f"`{inv.setup.python} -m orchestrator.cli launch --from-env` on every node, but "
+                         "setup builds that venv without clusterctl in it: add `clusterctl: true` to "
+                         f"setup:, run `clusterctl setup -i {src}` (it installs clusterctl's node side in "
+                         "the venv) and render again")
+    return inv.setup.python
+
+
 def launch_argv(nproc: int) -> list[str]:
     """The arguments after `clusterctl`: the in-pod launcher with the trainer to run."""
     return ["launch", "--from-env", "--nproc-per-node", str(nproc), "--"]
@@ -89,6 +106,7 @@ def render_slurm(inv: Inventory, user_args=(), *, job_name: str = "clusterctl",
             raise UsageError(f"{flag} {value!r}: #SBATCH lines are read by sbatch without a shell, "
                              "so use only letters, digits and _.%/:,=+@-")
     nproc, want_gpus = gpus_per_node(inv, gpus)
+    venv_python = node_python(inv)
     env, dropped = common_env(inv)
     _warn_dropped(dropped)
     target = target_argv(inv, user_args)
@@ -127,8 +145,12 @@ def render_slurm(inv: Inventory, user_args=(), *, job_name: str = "clusterctl",
         "# One task per node. Each runs `launch --from-env`: it reads SLURM_NNODES, SLURM_NODEID and",
         "# SLURM_JOB_ID, checks the node, prints the checklist and execs torchrun. A node that fails",
         "# ends the whole step (--kill-on-bad-exit), as `train` tears every node down.",
-        "srun --kill-on-bad-exit=1 " + shell.join([inv.python, "-m", "orchestrator.cli",
-                                                    *launch_argv(nproc), *target]),
+    ]
+    if venv_python:
+        lines.append(f"# {venv_python}: the venv `clusterctl setup` builds on every node, clusterctl in it.")
+    lines += [
+        "srun --kill-on-bad-exit=1 " + shell.path(venv_python or inv.python) + " "
+        + shell.join(["-m", "orchestrator.cli", *launch_argv(nproc), *target]),
         "",
     ]
     return "\n".join(lines)
@@ -190,6 +212,17 @@ def _resume_args(target: list[str], checkpoint_pvc: str | None) -> list[str]:
     return target if given else [*target, "--resume", "auto"]
 
 
+def _k8s_command(venv_python: str | None, nproc: int) -> list[str]:
+    """The image's `clusterctl`, or with `setup:` the venv's python (a `~/` venv through sh, since
+    a container's command is not run by a shell: "$HOME" is the pod's)."""
+    if venv_python is None:
+        return ["clusterctl", *launch_argv(nproc)]
+    if not venv_python.startswith("~"):
+        return [venv_python, "-m", "orchestrator.cli", *launch_argv(nproc)]
+    run = f'exec {shell.path(venv_python)} -m orchestrator.cli "$@"'
+    return ["/bin/sh", "-c", run, "clusterctl", *launch_argv(nproc)]
+
+
 def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: int, want_gpus: bool,
                    gpu_resource: str, checkpoint_pvc: str | None = None) -> dict:
     env, dropped = common_env(inv)
@@ -206,7 +239,7 @@ def _k8s_container(inv: Inventory, user_args, *, image: str, name: str, nproc: i
         "name": "trainer",
         "image": image,
         # node rank: JOB_COMPLETION_INDEX, which the Job controller sets in every Indexed pod
-        "command": ["clusterctl", *launch_argv(nproc)],
+        "command": _k8s_command(node_python(inv), nproc),
         "args": _resume_args(target_argv(inv, user_args), checkpoint_pvc),
         "env": pod_env,
         "ports": [{"name": "rendezvous", "containerPort": port}],
