@@ -14,6 +14,8 @@ define these names again (tests/test_remote_common.py looks).
   file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
   processes          marked_pids: this user's processes found by an environment marker;
                      proc_environ: chosen variables of one process's environment
+  progress           PROGRESS, progress: a long step's name (and bytes) on stderr, as it starts
+                     (setup's install), read back by transfer/progress.py `progress_of`
 """
 import os
 
@@ -287,3 +289,16 @@ def marked_pids(var, want):
             continue  # gone meanwhile (or not ours to read)
         out.append(int(name))
     return out
+
+
+# ------------------------------------------------------------------ progress
+PROGRESS = "clusterctl-progress: "  # a stderr line: this, then {"step": what, "bytes": N or null}
+
+
+def progress(step, nbytes=None):
+    """Say on stderr that `step` starts (the control side shows it while the command runs)."""
+    import json
+    import sys
+
+    sys.stderr.write(PROGRESS + json.dumps({"step": step, "bytes": nbytes}) + "\n")
+    sys.stderr.flush()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+
+from orchestrator.probe import common
 from orchestrator.transfer import SyncReport, SyncResult
 
 
@@ -18,19 +21,58 @@ class SyncEvents:
     def finished(self, result: SyncResult) -> None:
         pass
 
+    def step(self, node: str, what: str, nbytes: int | None) -> None:
+        """A long step started on `node` (setup's install: its name and the bytes it handles);
+        "done" when the node's command finished its steps."""
+
+    def node_line(self, node: str, stream: str, line: str) -> None:
+        """A line a node-side command wrote (the engine's on_line): its progress lines are steps."""
+        got = progress_of(line) if stream == "stderr" else None
+        if got is not None:
+            self.step(node, *got)
+
+
+def progress_of(line: str) -> tuple[str, int | None] | None:
+    """A node-side program's progress line (remote/common.py `progress`) -> (step, bytes)."""
+    mark = common().PROGRESS
+    if not line.startswith(mark):
+        return None
+    try:
+        doc = json.loads(line[len(mark):])
+        return str(doc["step"]), doc.get("bytes") if isinstance(doc.get("bytes"), int) else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
 
 class RichEvents(SyncEvents):
     """One bar per node: bytes received / expected, rate, time left."""
 
     def __init__(self, console):
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                    TimeRemainingColumn, TransferSpeedColumn)
 
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[state]}"), console=console,
+        from rich.progress import ProgressColumn
+        from rich.table import Column
+        from rich.text import Text
+
+        class Bytes(ProgressColumn):  # a transfer's bytes, rate, time left; a step's bytes
+            def __init__(self, *cols):
+                super().__init__(table_column=Column(no_wrap=True))
+                self.cols = cols
+
+            def render(self, task):
+                if task.fields.get("step"):
+                    n = task.fields.get("nbytes")
+                    return Text(f"{n / 1e6:,.1f} MB" if n else "")
+                return Text(" ").join(c.render(task) for c in self.cols)
+
+        self.progress = Progress(TextColumn("{task.description}", table_column=Column(
+                                     no_wrap=True, overflow="ellipsis", max_width=30)), BarColumn(bar_width=10),
+                                 Bytes(DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[state]}"), console=console,
                                  transient=not console.is_terminal)
         self.tasks: dict[str, int] = {}
+        self.steps: dict[str, int] = {}  # node -> its line for the install's steps
 
     def __enter__(self):
         self.progress.start()
@@ -55,6 +97,17 @@ class RichEvents(SyncEvents):
         done = total if result.ok and total else result.bytes
         self.progress.update(task, completed=done, total=total or max(done, 1),
                              state="ok" if result.ok else "failed")
+
+    def step(self, node, what, nbytes):
+        """One line per node: the step now (its bytes, its time so far); each step restarts the clock."""
+        task = self.steps.get(node)
+        if task is None:
+            task = self.steps[node] = self.progress.add_task(f"{node} {what}", total=None, state="", step=True)
+        if what == "done":
+            self.progress.update(task, description=f"{node} installed", total=1, completed=1, nbytes=None,
+                                 state="ok")
+        else:
+            self.progress.reset(task, total=None, description=f"{node} {what}", nbytes=nbytes, state="", step=True)
 
 
 def _mb(n: int) -> str:
