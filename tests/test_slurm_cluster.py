@@ -5,6 +5,8 @@ user, in a clean environment, so every SLURM_* variable a job sees was set by SL
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,63 @@ set -eu
     assert "preflight: 2 nodes, master 10.213." in out and "check(s) failed" not in out, out
     top = json.loads((cluster.nodes[0].home / "top.json").read_text())
     assert [(n["name"], n["error"], len(n["gpus"])) for n in top["nodes"]] == [("node1", None, 2), ("node2", None, 2)]
+
+
+# ------------------------------------------------------------------ render slurm with setup:
+
+DDP_CHECK = """import sys, torch, torch.distributed as dist
+import orchestrator
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"ddp-check rank {dist.get_rank()}/{dist.get_world_size()} sum {int(t.item())} "
+      f"python {sys.executable} clusterctl {orchestrator.__file__}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_render_with_setup_runs_in_the_setup_venv_where_the_nodes_have_nothing_else(slurm, tmp_path):
+    """`setup: {clusterctl: true}`: setup builds the venv from a requirements file of torch alone,
+    with clusterctl's node side added, and the rendered job runs `launch --from-env` and the ranks
+    in that venv. The nodes' python3 has no clusterctl, no click and no torch, and the inventory
+    sets no PYTHONPATH: a render that ran python3 (or a venv without clusterctl) fails the job."""
+    cluster = slurm.cluster
+    venv = "~/venvs/slurmsetup"
+    for nd in cluster.nodes:
+        r = nd.run("python3 -c 'import click'", check=False)
+        assert r.returncode != 0 and "No module named 'click'" in r.stderr, r.stderr
+        nd.run(f"cat > ~/gpt_train/ddp_check.py <<'EOF'\n{DDP_CHECK}EOF")
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("torch==2.13.0\n")
+    raw = cluster.inventory(master_port=29630, setup={"requirements": str(reqs), "venv": venv, "clusterctl": True},
+                            train={"script": "ddp_check.py"})
+    del raw["python"]  # with setup: every node runs the venv's python
+    for n in raw["nodes"]:
+        n["gpus"] = 0  # a CPU torch: python_env passes on CPU nodes
+    inv = tmp_path / "nodes.yaml"
+    inv.write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = dict(os.environ, CLUSTERCTL_HOME=str(tmp_path / "home"))
+    setup = subprocess.run([sys.executable, "-m", "orchestrator.cli", "setup", "-i", str(inv), "--json"],
+                           capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert setup.returncode == 0, setup.stderr[-3000:] + setup.stdout[-3000:]
+    doc = json.loads(setup.stdout)
+    assert [n["action"] for n in doc["nodes"]] == ["created", "created"], doc
+
+    script = cluster.nodes[0].home / "setupjob.sbatch"
+    assert main(["render", "slurm", "-i", str(inv), "--gpus-per-node", "1", "--job-name", "setupjob",
+                 "-o", str(script)]) == 0
+    chown(cluster, script)
+    text = script.read_text()
+    assert "srun --kill-on-bad-exit=1 \"$HOME\"/venvs/slurmsetup/bin/python -m orchestrator.cli launch" in text
+    job = slurm.sbatch(script.name)
+    info = slurm.wait_job(job, JOB_TIMEOUT)
+    out = job_output(cluster, "setupjob", job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
+    assert out.count("clusterctl launch --from-env (SLURM)") == 2, out[-4000:]
+    home = cluster.pw.pw_dir  # the test user's home as the nodes see it
+    ranks = sorted(ln for ln in out.splitlines() if "ddp-check rank" in ln)
+    assert len(ranks) == 2 and all(" sum 3 " in ln for ln in ranks), out[-4000:]
+    for ln in ranks:  # the ranks' python and the clusterctl they imported are the setup venv's
+        assert f" python {home}/venvs/slurmsetup/bin/python " in ln, ln
+        assert f" clusterctl {home}/venvs/slurmsetup" in ln and "/site-packages/orchestrator/" in ln, ln
+    assert_job_gone(cluster)
