@@ -60,7 +60,9 @@ def render_slurm_command(opts: ClusterOptions, gpus, output, job_name, log, part
 @cluster_options
 @_gpus_opt
 @_out_opt
-@click.option("--image", required=True, help="Container image with clusterctl, torch and the trainer.")
+@click.option("--image", required=True,
+              help="Container image with clusterctl, torch and the trainer (with a setup: section: "
+                   "the setup venv at its path, clusterctl in it).")
 @click.option("--name", default="clusterctl", show_default=True, help="Job and Service name.")
 @click.option("--namespace", default=None, help="metadata.namespace (default: kubectl's).")
 @click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
