@@ -94,3 +94,24 @@ def test_the_node_wheel_joins_the_lock_and_travels_even_online(tmp_path):
     lock = Lock.load(tmp_path)
     assert lock.files(online=True) == [add.file, "lock.json", "pins.txt"]  # no index has it
     assert lock.files() == sorted([add.file, "click-8.1.7-py3-none-any.whl"]) + ["lock.json", "pins.txt"]
+
+
+def test_an_online_node_takes_the_wheel_made_here_from_the_wheelhouse(tmp_path):
+    """--online: the node's index serves the locked files, but no index has the wheel made here;
+    it came with the lock and is installed from the wheelhouse, both checked by sha256."""
+    from tests.test_setup import make_wheel, node
+
+    index = tmp_path / "index"
+    (index / "simple" / "ccalpha").mkdir(parents=True)
+    served = make_wheel(index, "ccalpha", "1.0")
+    (index / "simple" / "ccalpha" / "index.html").write_text(f'<a href="../../{served["file"]}">{served["file"]}</a>\n')
+    wh = tmp_path / "wh" / ("0" * 16)
+    wh.mkdir(parents=True)
+    local = make_wheel(wh, "ccnodeside", "1.0+g0123456789ab") | {"local": True}
+    doc = {"hash": "1" * 64, "python": "3.11", "pins": ["ccalpha==1.0", "ccnodeside==1.0+g0123456789ab"],
+           "imports": ["ccalpha", "ccnodeside"], "wheels": [served, local]}
+    (wh / "lock.json").write_text(json.dumps(doc))
+    env = dict(os.environ, UV_DEFAULT_INDEX=f"file://{index}/simple", PIP_INDEX_URL=f"file://{index}/simple")
+    r = node("install", str(tmp_path / "venv"), str(wh), "--online", env=env)
+    assert r.returncode == 0, r.stderr
+    assert subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", "import ccalpha, ccnodeside"]).returncode == 0
