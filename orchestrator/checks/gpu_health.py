@@ -315,4 +315,4 @@ def verdict(found: list[Finding], notes: list[str], node: str) -> CheckResult:
 GPU_HEALTH = Check(
     "gpu_health", "the GPUs report no memory errors, slowdowns, bad links or new Xids",
     "reset or service the GPU the finding names (or the node), then check again",
-    probes=(HEALTH,), parse=parse_gpu_health)
+    probes=(HEALTH,), parse=parse_gpu_health, fast=True)  # before every launch and restart: sick nodes are quarantined

@@ -47,6 +47,7 @@ LAZY_COMMANDS = {
     "watch": "orchestrator.cli.watch:watch_command",
     "fetch": "orchestrator.cli.fetch:fetch_command",
     "cp": "orchestrator.cli.cp:cp_command",
+    "health": "orchestrator.cli.health:health_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.

@@ -189,6 +189,9 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "out, a Trainer's output_dir): whatever the job writes there, any names, is copied to this "
                    "machine once complete on every node and put back on every node before a restart "
                    "[default: the inventory's train.checkpoint_dir].")
+@click.option("--allow-unhealthy", is_flag=True,
+              help="Use quarantined nodes for this run (`clusterctl health` lists them), and quarantine none "
+                   "whose health check fails.")
 @click.option("--hang-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
               help="No rank wrote a line or entered a collective for this long: snapshot every rank's stacks "
                    "and collectives, name the rank holding the others up, and apply --on-hang; 0 turns it off "
@@ -211,7 +214,7 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, checkpoint_dir, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
+                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -227,6 +230,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         inventory=path, inventory_text=decode_inventory(read_inventory_bytes(path), path) if path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
+        allow_unhealthy=allow_unhealthy,
         accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
         max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),

@@ -36,11 +36,12 @@ from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 
 class PreflightFailed(LaunchError):
-    """The attempt's preflight failed on `nodes` (the table is in the run directory)."""
+    """The attempt's preflight failed on `nodes` (the table is in the run directory); `checks`:
+    {node: {failed check: its detail}}."""
 
-    def __init__(self, message: str, nodes: list[str], table: str):
+    def __init__(self, message: str, nodes: list[str], table: str, checks: dict[str, dict[str, str]] | None = None):
         super().__init__(message)
-        self.nodes, self.table = nodes, table
+        self.nodes, self.table, self.checks = nodes, table, checks or {}
 
 
 class AttemptRunner:
@@ -242,8 +243,11 @@ class AttemptRunner:
         if not report.ok and not self.spec.force:
             failing = sorted({node for node, _ in report.failures})
             what = "; ".join(f"{node} {r.check}: {r.detail}" for node, r in report.failures[:4])
+            checks: dict[str, dict[str, str]] = {}
+            for node, r in report.failures:
+                checks.setdefault(node, {})[r.check] = r.detail
             raise PreflightFailed(f"preflight failed on {', '.join(failing)} ({what}); nothing was started. "
-                                  "--force launches anyway", failing, table)
+                                  "--force launches anyway", failing, table, checks)
         return dict(report.gpus_found)
 
     def assign_ranks(self, gpus_found: dict[str, int | None]) -> None:

@@ -26,7 +26,7 @@ import psutil
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
-from orchestrator.runs import ckptdir
+from orchestrator.runs import ckptdir, quarantine
 from orchestrator.runs.checkpoints import ArtifactCopier
 from orchestrator.runs.ckptdir import DirCopier, DirStore
 from orchestrator.runs import agent
@@ -169,12 +169,33 @@ class Controller:
             self.book.released(names)
 
     # ---------------------------------------------------------------- the loop
+    def quarantined(self) -> dict[str, quarantine.Entry]:
+        return {} if self.spec.allow_unhealthy else quarantine.of(self.full_inv.nodes)
+
     def first_nodes(self) -> list[str]:
-        return [n.name for n in self.full_inv.nodes if not n.spare]
+        """The ranked nodes, a quarantined one's place taken by a spare (runs/quarantine.py)."""
+        wanted = [n.name for n in self.full_inv.nodes if not n.spare]
+        held = self.quarantined()
+        if not any(n in held for n in wanted):
+            return wanted
+        nodes, short = quarantine.first_nodes(wanted, [n.name for n in self.full_inv.nodes if n.spare], held)
+        if short and len(nodes) < (self.spec.min_nodes or len(wanted)):
+            raise LaunchError(f"{'; '.join(short.values())}. No spare is left to take "
+                              f"{'its' if len(short) == 1 else 'their'} place: release a repaired node with "
+                              f"`clusterctl health --release {','.join(short)}`, or use it for this run with "
+                              "`train --allow-unhealthy`; nothing was started.")
+        for name in wanted:
+            if name in held:
+                self.book.tell(f"{held[name].line()}; "
+                               + (f"{nodes[wanted.index(name)]} takes its place" if name not in short else
+                                  "left out (--min-nodes)"))
+        self.book.leave_out({n: f"quarantined: {held[n].reason}" for n in wanted if n in held})
+        return nodes
 
     def spares_left(self) -> list[str]:
         used = {n for a in self.book.rec.attempts for n in a.nodes} | set(self.book.rec.left_out)
-        return [n.name for n in self.full_inv.nodes if n.spare and n.name not in used
+        held = self.quarantined()
+        return [n.name for n in self.full_inv.nodes if n.spare and n.name not in used and n.name not in held
                 and n.name in self.cluster.connections]
 
     def loop(self) -> int:
@@ -309,7 +330,10 @@ class Controller:
                                                                        if self.copier.dirsnap else 0.0), 3))
             return result, self.verdict(runner, result)
         except (PreflightFailed, NodesNotReady) as e:
-            if k == 1 or self.stop_requests:  # the first launch: the user's to fix
+            sick = self.quarantine_sick(e)
+            # the first launch: the user's to fix, unless only sick nodes failed and spares can take their places
+            if (k == 1 and not (sick and set(e.nodes) <= set(sick) and len(self.spares_left()) >= len(sick))) \
+                    or self.stop_requests:
                 raise
             bad = tuple(e.nodes) if isinstance(e, PreflightFailed) else tuple(e.why)
             cause = "preflight failed" if isinstance(e, PreflightFailed) else "nodes not ready"
@@ -320,6 +344,17 @@ class Controller:
         finally:
             runner.close()
             self.current = None
+
+    def quarantine_sick(self, e: LaunchError) -> dict[str, str]:
+        """Nodes whose preflight failed a health check are quarantined (not with --allow-unhealthy).
+        -> {node: why} of those."""
+        sick = quarantine.health_failures(e.checks) if isinstance(e, PreflightFailed) else {}
+        if not sick or self.spec.allow_unhealthy:
+            return {}
+        for entry in quarantine.add([self.full_inv.node(n) for n in sick], sick, self.run.id):
+            self.book.tell(f"{entry.node} quarantined: {entry.reason} (no run from this machine uses it until "
+                           f"`clusterctl health --release {entry.node}`)")
+        return sick
 
     def prepare_dirs(self, names: list[str]) -> dict[str, dict]:
         """Each node's artifact directories, and with --checkpoint-dir the job's own ("ckptdir")."""

@@ -98,6 +98,7 @@ class RunSpec:
     on_straggler: str = _TRAIN["on_straggler"].default  # --on-straggler, else train.on_straggler: warn | replace
     resume_args: tuple[str, ...] = ()  # --resume-args, else train.resume_args: added when a checkpoint was restored
     checkpoint_dir: str | None = None  # --checkpoint-dir, else train.checkpoint_dir: the job's own (runs/ckptdir.py)
+    allow_unhealthy: bool = False  # --allow-unhealthy: quarantined nodes are used, and none is quarantined
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":

@@ -1,0 +1,123 @@
+"""Nodes kept out of launches and restarts because their health failed: ~/.clusterctl/quarantine.json.
+
+A node whose preflight fails a health check (HEALTH_CHECKS: gpu_health, the GPUs' ECC, row remaps,
+Xids, throttling, dcgmi) when `train` launches or relaunches is recorded here with the reason, the
+time and the run. From then on no launch or restart of any run from this control machine uses it:
+a spare takes its place (runs/controller.py), and with none left the launch says why and how to
+release it. It stays out until the user releases it (`clusterctl health --release NODE`);
+`train --allow-unhealthy` uses quarantined nodes for one run. `clusterctl health` lists every
+node's health and quarantine.
+
+A node is known by its inventory name and host together (two `connection: local` demo nodes share
+a host; one machine under another name is another node). The file is replaced atomically under a
+lock, so runs ending at once never lose each other's entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.home import home
+from orchestrator.inventory import Node
+
+HEALTH_CHECKS = frozenset({"gpu_health"})  # a failure of these quarantines the node
+
+
+@dataclass(frozen=True)
+class Entry:
+    node: str
+    host: str
+    reason: str  # the check and its detail, as preflight said it
+    since: float
+    run: str | None = None
+
+    def line(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.since))
+        return f"{self.node} ({self.host}) quarantined since {when}" + (f" by run {self.run}" if self.run else "") + \
+            f": {self.reason}"
+
+
+def key(node: Node) -> str:
+    return f"{node.name}@{node.host}"
+
+
+def path() -> Path:
+    return home() / "quarantine.json"
+
+
+def load() -> dict[str, Entry]:
+    try:
+        doc = json.loads(path().read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        return {}  # a damaged file quarantines nothing rather than stopping every launch
+    return {k: Entry(**{f: v for f, v in e.items() if f in Entry.__dataclass_fields__}) for k, e in doc.items()}
+
+
+@contextlib.contextmanager
+def _locked():
+    p = path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = load()
+        yield entries
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: asdict(e) for k, e in sorted(entries.items())}, indent=1))
+        os.replace(tmp, p)
+
+
+def add(nodes: list[Node], reasons: dict[str, str], run: str | None) -> list[Entry]:
+    """Quarantine `nodes` ({name: reason}); a node already in keeps its first reason and time."""
+    added = []
+    with _locked() as entries:
+        for n in nodes:
+            if key(n) not in entries:
+                entries[key(n)] = Entry(n.name, n.host, reasons[n.name], time.time(), run)
+                added.append(entries[key(n)])
+    return added
+
+
+def release(nodes: list[Node]) -> list[Entry]:
+    """Let `nodes` be used again. -> the entries removed."""
+    with _locked() as entries:
+        return [entries.pop(key(n)) for n in nodes if key(n) in entries]
+
+
+def of(nodes) -> dict[str, Entry]:
+    """{node name: its entry} for the quarantined ones among `nodes`."""
+    entries = load()
+    return {n.name: entries[key(n)] for n in nodes if key(n) in entries}
+
+
+def health_failures(checks: dict[str, dict[str, str]]) -> dict[str, str]:
+    """{node: reason} for the nodes whose failed checks ({node: {check: detail}}) include a health
+    check: the reason names each failed health check with its detail."""
+    out = {}
+    for node, failed in checks.items():
+        health = {c: d for c, d in failed.items() if c in HEALTH_CHECKS}
+        if health:
+            out[node] = "; ".join(f"{c}: {d}" for c, d in sorted(health.items()))
+    return out
+
+
+def first_nodes(wanted: list[str], spares: list[str], quarantined: dict[str, Entry]) -> tuple[list[str], dict[str, str]]:
+    """The first attempt's nodes in rank order, each quarantined one replaced by the next spare
+    that is not quarantined. -> (nodes, {quarantined node left without a replacement: why})."""
+    spares = [s for s in spares if s not in quarantined]
+    out, short = [], {}
+    for name in wanted:
+        if name not in quarantined:
+            out.append(name)
+        elif spares:
+            out.append(spares.pop(0))
+        else:
+            short[name] = quarantined[name].line()
+    return out, short
