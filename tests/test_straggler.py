@@ -176,3 +176,13 @@ def test_the_trainers_compute_clock_leaves_out_the_wait_for_the_other_ranks(monk
         fake.now += 0.01  # the optimizer
         clock.end(step)
     assert told == [(1, 0.06), (2, 0.06)]  # 0.7 s waited in step 2 is not compute
+
+
+def test_ranks_reporting_no_compute_at_all_are_judged_without_dividing_by_zero():
+    told, acted = [], []
+    w = watch(told, acted)
+    said = []
+    w.say = said.append
+    w.check(docs({0: 0.0, 1: 0.0}, 0, 5))
+    assert told == [] and said == ["straggler watch: 2 ranks judged over their last 5 steps: median compute 0.0 ms "
+                                   "per step, the slowest rank 0 at 1.00x"]

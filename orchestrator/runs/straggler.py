@@ -175,7 +175,7 @@ class StragglerWatch:
             mid = statistics.median(med.values())
             worst = max(med, key=med.get)
             self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} steps: median "
-                     f"compute {_ms(mid)} per step, the slowest rank {worst} at {med[worst] / mid:.2f}x")
+                     f"compute {_ms(mid)} per step, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
         for r in judged:
             was = self.streak.get(r, 0)
             self.streak[r] = (max(was, 0) + 1) if r in slow else (min(was, 0) - 1)
