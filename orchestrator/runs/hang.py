@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from orchestrator.runs.logs import rank_ranges
+
 DEFAULT_HANG_TIMEOUT = 300.0
 ON_HANG = ("fail", "restart", "observe")
 SNAPSHOT_WAIT_S = 10.0  # how long a node's agent waits for its ranks' hooks to answer (a loaded
@@ -141,22 +143,9 @@ class HangVerdict:
                 "culprits": [{"rank": c.rank, "node": c.node, "pid": c.pid, "why": c.why} for c in self.culprits]}
 
 
-def _ranks(rs: Iterable[int]) -> str:
-    """0,2,5-7 style."""
-    rs = sorted(set(rs))
-    out, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def _word(rs: Iterable[int]) -> str:
     rs = sorted(set(rs))
-    return f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+    return f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}"
 
 
 def _unanswered_why(s: RankSnap) -> str:
