@@ -1,5 +1,6 @@
 """`clusterctl watch` in a real terminal (tmux, 80 x 24) on the test cluster: every node's step
-advances on screen, a rank's number and Enter shows its stack, a SIGSTOPped worker is flagged
+advances on screen, a rank's number and Enter shows its stack (and `--rank 1` off a terminal,
+with a table of now, not of when it asked), a SIGSTOPped worker is flagged
 (stall, then the hang watch's verdict names it), q leaves the view with the run still going.
 tmux is installed by scripts/test (CI); without it, and without a way to install it, this skips."""
 
@@ -95,10 +96,16 @@ def test_watch_shows_every_nodes_step_advancing_a_stack_and_a_stopped_worker(clu
         assert re.search(r"^node\s+state\s+step\s+s/step\s+tok/s\s+heard\s+flags", screen, re.M), screen
         assert all(term.rows()[n][0] == "running" for n in later)
         term.keys("0", "Enter")  # rank 0's stack, asked of node1 without stopping anything
-        wait_for(lambda: "hang_ddp.py" in term.screen().split("stack:", 1)[-1] if "stack:" in term.screen()
-                 else None, 60, "rank 0's stack on screen")
-        assert "rank 0 on node1: last lines" in term.screen()
+        wait_for(lambda: "---- rank 0 (node1 r0 pid " in term.screen().split("stack:", 1)[-1]
+                 if "stack:" in term.screen() else None, 60, "rank 0's stack on screen")
+        assert "rank 0 on node1: last lines" in term.screen() and "rank 0 step" in term.screen()
         term.keys("Escape")
+        once = cli("watch", run_id, "--rank", "1")  # off a terminal: the table once, rank 1's stack and lines
+        assert once.returncode == 0, once.stderr
+        assert re.search(r"^node2\s+running\s+\d+", once.stdout, re.M), once.stdout
+        detail = once.stdout.split("rank 1 on node2: last lines", 1)[1]
+        # what `clusterctl stack` says of rank 1: its frames, or why its hook did not answer
+        assert "rank 1 step" in detail and "---- rank 1 (node2 r1 pid " in detail.split("stack:", 1)[1], once.stdout
         stopped = worker(cluster4, 2)  # node3's rank 2
         stopped.send_signal(signal.SIGSTOP)
         rows = wait_for(lambda: (lambda rs: rs if "HANG r2 stopped" in rs.get("node3", ("",) * 6)[5] else None)(

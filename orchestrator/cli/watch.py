@@ -249,11 +249,11 @@ def watch_command(run_id, by_rank, rank, once, interval):
             click.echo(f"clusterctl: stopped watching {run.id}; it keeps running (clusterctl tail {run.id} "
                        "follows its lines)", err=True)
             sys.exit(EXIT_INTERRUPTED if ended is None else 0)
-    rec = run.record
-    screen.look(rec)
     if rank is not None and not live:
         screen.ask(rank)  # now that the rank's node is known
         screen.detail.done.wait(STACK_WAIT_S + 60)
+    rec = run.record
+    screen.look(rec)  # after the stack's wait: the table says now, not when it was asked
     console.print(screen.render(rec, console.width, console.height, live=False))
     if run.state(rec).terminal or live:
         _summary(rec)

@@ -554,6 +554,19 @@ def rank_procs(run_id, torchrun_pid, hook=None):
     return out
 
 
+def open_fifo(path, until):
+    """(fd, "") of a rank's request FIFO opened for writing, else (None, why). While the hook
+    answers another request (the straggler watch's, the hang watch's) nobody reads it (ENXIO):
+    it reads again within moments, so that is waited for, until `until` (time.time())."""
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK), ""
+        except OSError as e:
+            if e.errno != 6 or time.time() > until:
+                return None, "" if e.errno in (2, 6) else f" ({e.strerror})"
+        time.sleep(0.05)
+
+
 def snapshot(run_id, request, wait, what="stacks"):
     """Every rank of the run on this node: its /proc state, and what its hook answers to request
     N within `wait` s (its threads' Python stacks, its Flight Recorder). A stopped (T) or dead
@@ -563,18 +576,18 @@ def snapshot(run_id, request, wait, what="stacks"):
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     ranks = rank_procs(run_id, info.get("pid"), hook)
     asked = {}
+    busy_until = time.time() + 3.0  # how long a busy hook (another asker's request) is waited for
     for pid, p in ranks.items():
         if p["state"] in "TtZX":
             p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"
             continue
-        try:
-            fd = os.open(os.path.join(hook, f"{pid}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            p["error"] = "no hook answers in it" + ("" if e.errno in (2, 6) else f" ({e.strerror})")
+        fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until)
+        if fd is None:
+            p["error"] = "no hook answers in it" + why
             continue
         tag = ("p" if what == "progress" else "") + str(int(request))
         try:
-            os.write(fd, tag.encode())
+            os.write(fd, tag.encode() + b"\n")  # a line: another asker's may arrive in the same read
         finally:
             os.close(fd)
         asked[pid] = os.path.join(hook, f"{pid}.{tag}.json")

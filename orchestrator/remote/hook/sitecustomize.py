@@ -133,14 +133,15 @@ def _serve(d, fifo):
     while True:
         try:
             with open(fifo, "rb") as f:  # blocks (GIL released) until the node agent writes
-                request = f.read().decode(errors="replace").strip()
+                requests = f.read().decode(errors="replace").split()  # one a line: two askers at once
         except OSError:
             return
-        if request.isdigit() or (request[:1] == "p" and request[1:].isdigit()):
-            try:
-                (_progress if request[0] == "p" else _answer)(d, request)
-            except Exception:  # noqa: BLE001 - never disturb the job; the agent sees no answer
-                pass
+        for request in requests:
+            if request.isdigit() or (request[:1] == "p" and request[1:].isdigit()):
+                try:
+                    (_progress if request[0] == "p" else _answer)(d, request)
+                except Exception:  # noqa: BLE001 - never disturb the job; the agent sees no answer
+                    pass
 
 
 def _install():
