@@ -199,7 +199,8 @@ def _group(pg: str, snaps: list[RankSnap], by_rank: Mapping[int, RankSnap], culp
                 s = by_rank[r]
                 culprits.setdefault(r, Culprit(r, s.node, s.pid, f"called {s.names[(pg, top)][0]} as #{top} where "
                                                                  f"{_word(biggest)} called {called}"))
-        return what, f"collective mismatch at #{top}{group}: " + "; ".join(parts), False
+        # the collective is the one most ranks entered (a set's order would pick either at random)
+        return f"{called} #{top}{group}", f"collective mismatch at #{top}{group}: " + "; ".join(parts), False
     wait_ranks = [s.rank for s in waiting]
     they_wait = f"that {_word(wait_ranks)} wait{'s' if len(wait_ranks) == 1 else ''} in"
     for s in behind:
