@@ -243,7 +243,9 @@ def test_gitignored_data_ships_when_the_inventory_includes_it(cl, clean, tmp_pat
 
 
 @pytest.mark.cluster
-def test_a_corrupted_relay_stream_fails_the_nodes_behind_it(cl, clean, tmp_path):
+def test_a_corrupted_relay_stream_is_pushed_again_from_here_to_the_nodes_behind_it(cl, clean, tmp_path):
+    """node1 flips one byte of what it forwards: node2 and node3 refuse the relayed stream (nothing
+    written), and each gets it once more straight from the control machine, whole."""
     src = data_tree(tmp_path / "src")
     cl.nodes[0].run(f"printf '#!/bin/sh\\nCLUSTERCTL_RELAY_CORRUPT_AT=2000000 exec {cl.python} \"$@\"\\n' "
                     "> ~/py-corrupt && chmod +x ~/py-corrupt")
@@ -251,13 +253,16 @@ def test_a_corrupted_relay_stream_fails_the_nodes_behind_it(cl, clean, tmp_path)
     raw["nodes"][0]["python"] = "~/py-corrupt"  # node1 flips one byte of what it forwards
     inv = parse_inventory(yaml.safe_dump(raw), "<t>")
     with Cluster(inv) as c:
-        res = sync(c, inv, str(src), method="relay").results
-    assert [r.ok for r in res] == [True, False, False], res
-    for r in res[1:]:
-        assert r.method == "relay" and "corrupted on the way; nothing was written" in r.detail
-    assert _digest(cl.nodes[0], "data/shakespeare/train0.bin")
-    for nd in cl.nodes[1:]:  # nothing landed, no staging dir, no relay left running
-        assert nd.run("ls -A ~/gpt_train").stdout == ""
+        rep = sync(c, inv, str(src), method="relay")
+    res = rep.results
+    assert [(r.ok, r.method) for r in res] == [(True, "relay"), (True, "tar"), (True, "tar")], res
+    again = [n for n in rep.notes if "pushed again from this machine" in n]
+    assert again and again[0].startswith("node2, node3: the relayed stream failed (") and \
+        "corrupted on the way; nothing was written" in again[0], rep.notes
+    want = hashlib.sha256((src / "data/shakespeare/train0.bin").read_bytes()).hexdigest()
+    assert [_digest(nd, "data/shakespeare/train0.bin") for nd in cl.nodes] == [want] * 3
+    for nd in cl.nodes[1:]:  # no staging dir, no relay left running
+        assert not [p for p in nd.run("ls -A ~/gpt_train").stdout.split() if p.startswith(".")], nd.name
         assert not [p for p, env in scan(nd.processes(), lambda p: p.environ()) if "CLUSTERCTL_XFER" in env]
 
 

@@ -8,7 +8,9 @@ Each node's relay binds an ephemeral port (the kernel picks it; nothing fixed mu
 reports it on its SSH channel. The control machine then hands each node, over that node's own
 channel, the token its upstream must present and the address, port and token of its downstream.
 A node that cannot reach its downstream (refused, timed out) says so; the stream is then pushed
-directly from the control machine to the node after the break, which heads its own segment.
+directly from the control machine to the node after the break, which heads its own segment. A
+node whose relayed stream fails later (its upstream died or stalled past the idle timeout, the
+bytes did not match) and which is still connected gets the stream once more, straight from here.
 Every node checks the sha256 of what it received against the one the control machine announces
 over its channel at the end. With `chain=False` every node is its own segment: direct pushes.
 """
@@ -210,13 +212,30 @@ def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, cha
          ) -> tuple[list[SyncResult], int, list[str]]:
     """Relay (chain=True) or direct tar pushes to `nodes`, in groups of at most the fan-out (a
     relay needs all its nodes running at once). Returns (results, bytes sent from here, notes)."""
-    results, sent, notes = [], 0, []
+    results: dict[str, SyncResult] = {}
+    sent, notes = 0, []
     t0 = time.monotonic()
     for i in range(0, len(nodes), cluster.fanout):
-        c = Chain(cluster, nodes[i:i + cluster.fanout], src, files, chain=chain, on_bytes=on_bytes,
-                  timeout=max(1.0, timeout - (time.monotonic() - t0)), dest=dest, python=python,
-                  stream=stream)
-        results += c.run()
-        sent += c.bytes_sent
-        notes += c.notes
-    return results, sent, notes
+        group = nodes[i:i + cluster.fanout]
+        for relayed in ((chain, False) if chain else (False,)):
+            c = Chain(cluster, group, src, files, chain=relayed, on_bytes=on_bytes,
+                      timeout=max(1.0, timeout - (time.monotonic() - t0)), dest=dest, python=python,
+                      stream=stream)
+            got = {r.node: r for r in c.run()}
+            sent += c.bytes_sent
+            notes += c.notes
+            done = [got[n.name] for n in group if got[n.name].ok or not _connected(cluster, n.name) or not relayed]
+            results.update({r.node: r for r in done})
+            # a relayed stream that stalled or broke (its upstream died or was cut, the bytes did not
+            # match) is retried once for those nodes straight from here, the next source there is
+            group = [n for n in group if n.name not in {r.node for r in done}]
+            if not group:
+                break
+            notes.append(f"{', '.join(n.name for n in group)}: the relayed stream failed "
+                         f"({got[group[0].name].detail}); pushed again from this machine")
+    return [results[n.name] for n in nodes], sent, notes
+
+
+def _connected(cluster: Cluster, name: str) -> bool:
+    c = cluster.connections.get(name)
+    return c is not None and c.alive
