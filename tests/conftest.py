@@ -34,6 +34,15 @@ def pytest_configure(config):
         os.environ[FUZZ_SEED] = str(random.SystemRandom().randrange(1 << 32))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The test-cluster files first, the quick unit files last (a stable sort: each file's tests
+    stay together and in order). With --dist loadfile xdist hands files out in this order, so the
+    many short files fill the end of the run on both workers instead of one long cluster file
+    running alone at the end while the other worker idles (a full run spent its last 14 minutes
+    on its last 5 % of tests that way)."""
+    items.sort(key=lambda item: 0 if item.path.name.endswith("_cluster.py") else 1)
+
+
 def pytest_sessionstart(session):
     """The seed on the terminal, -q or not (the fuzz test also adds it to a failure's message)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
