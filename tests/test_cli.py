@@ -79,3 +79,17 @@ def test_a_port_that_is_not_sshd_is_one_line_per_node_not_a_traceback(tmp_path):
     assert "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("clusterctl: a: "), r.stderr
+
+
+@pytest.mark.parametrize("flags, fold", [((), True), (("--no-fold",), False)])
+def test_train_no_fold_prints_every_line_as_tail_does(monkeypatch, home, flags, fold):
+    """train's foreground folds identical lines of many ranks like tail, and --no-fold turns it off
+    (the supervisor and the follower are stood in for: only what train asks of them is checked)."""
+    import orchestrator.cli.train as train
+
+    asked = {}
+    monkeypatch.setattr(train, "start_supervisor", lambda run: None)
+    monkeypatch.setattr(train, "follow", lambda run, **kw: asked.update(kw) or 0)
+    with pytest.raises(SystemExit) as e:
+        train.train_command.main(["--skip-preflight", *flags, "--", "t.py"], standalone_mode=False)
+    assert e.value.code == 0 and asked["fold"] is fold

@@ -211,10 +211,13 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--straggler-window", type=click.IntRange(3, 100000), default=None, metavar="STEPS",
               help="The steps each rank's median compute is taken over [default: the inventory's "
                    "train.straggler_window, else 50].")
+@click.option("--no-fold", is_flag=True, help="Print every line: identical lines of many ranks are not folded "
+                                            "into one under their ranks (the logs on disk keep every line).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor, straggler_window, script):
+                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor,
+                  straggler_window, no_fold, script):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -265,7 +268,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         else:
             _err(f"clusterctl: killing run {run.id} on every node now")
 
-    code = follow(run, on_interrupt=interrupt, supervisor=sup, sink=json_lines if as_json else None)
+    code = follow(run, on_interrupt=interrupt, supervisor=sup, sink=json_lines if as_json else None, fold=not no_fold)
     if presses and code == 0:
         code = EXIT_INTERRUPTED
     if as_json:
