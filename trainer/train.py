@@ -243,9 +243,12 @@ class Run:
                 f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} | step {dt * 1e3:.0f} ms")
         sync = self.trainer.sync_module
         comm = ddp_comm_stats(sync) if sync is not None and not self.fsdp else None
-        if comm:  # DDP's own timers, from the last iteration its reducer sampled
-            line += (f" | allreduce {comm['comm'] * 1e3:.0f} ms vs compute {comm['compute'] * 1e3:.0f} ms "
-                     f"(overlap {comm['overlap'] * 1e3:.0f} ms)")
+        if comm and comm.get("iteration") == getattr(self, "_ddp_sampled", None):
+            comm = None  # the reducer samples iterations 1-10, then every 100th: a figure once, when new
+        if comm:  # DDP's own timers of the iteration its reducer sampled last (its forward to its backward's end)
+            self._ddp_sampled = comm.get("iteration")
+            line += (f" | DDP iteration {comm.get('iteration')}: allreduce {comm['comm'] * 1e3:.0f} ms vs "
+                     f"compute {comm['compute'] * 1e3:.0f} ms (overlap {comm['overlap'] * 1e3:.0f} ms)")
         print(line, flush=True)
         scalars = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tps, "perf/mfu": mfu}
         if comm:
