@@ -262,7 +262,8 @@ def test_a_corrupted_relay_stream_is_pushed_again_from_here_to_the_nodes_behind_
     want = hashlib.sha256((src / "data/shakespeare/train0.bin").read_bytes()).hexdigest()
     assert [_digest(nd, "data/shakespeare/train0.bin") for nd in cl.nodes] == [want] * 3
     for nd in cl.nodes[1:]:  # no staging dir, no relay left running
-        assert not [p for p in nd.run("ls -A ~/gpt_train").stdout.split() if p.startswith(".")], nd.name
+        assert not [p for p in nd.run("ls -A ~/gpt_train").stdout.split() if p.startswith(".clusterctl-relay-")], \
+            nd.name
         assert not [p for p, env in scan(nd.processes(), lambda p: p.environ()) if "CLUSTERCTL_XFER" in env]
 
 
