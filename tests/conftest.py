@@ -36,7 +36,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     """The test-cluster files first, the quick unit files last (a stable sort: each file's tests
-    stay together and in order). With --dist loadfile xdist hands files out in this order, so the
+    stay together and in order). With --dist loadfile --no-loadscope-reorder (scripts/test; by
+    default xdist reorders files by their number of tests) xdist hands files out in this order, so the
     many short files fill the end of the run on both workers instead of one long cluster file
     running alone at the end while the other worker idles (a full run spent its last 14 minutes
     on its last 5 % of tests that way)."""
