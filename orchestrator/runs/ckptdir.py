@@ -36,6 +36,7 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.probe import program
+from orchestrator.runs.checkpoints import LOADER  # the program on stdin, length-prefixed, its data after it
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
 from orchestrator.transfer.unpack import Unpacker
@@ -47,7 +48,6 @@ POLL_S = 3.0  # how often the nodes' DIR is looked at while an attempt runs
 KEEP = 3  # snapshots kept on the control machine
 TIMEOUT = 600.0  # one node's part of one snapshot, or one node's restore
 CHANGED = 6  # remote/ckptdir.py send: a file changed while it was read
-LOADER = "import sys;exec(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))"
 STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_]?(\d+)", re.I)
 
 

@@ -178,7 +178,7 @@ class Controller:
         held = self.quarantined()
         if not any(n in held for n in wanted):
             return wanted
-        nodes, short = quarantine.first_nodes(wanted, [n.name for n in self.full_inv.nodes if n.spare], held)
+        nodes, short, instead = quarantine.first_nodes(wanted, [n.name for n in self.full_inv.nodes if n.spare], held)
         if short and len(nodes) < (self.spec.min_nodes or len(wanted)):
             raise LaunchError(f"{'; '.join(short.values())}. No spare is left to take "
                               f"{'its' if len(short) == 1 else 'their'} place: release a repaired node with "
@@ -186,9 +186,8 @@ class Controller:
                               "`train --allow-unhealthy`; nothing was started.")
         for name in wanted:
             if name in held:
-                self.book.tell(f"{held[name].line()}; "
-                               + (f"{nodes[wanted.index(name)]} takes its place" if name not in short else
-                                  "left out (--min-nodes)"))
+                self.book.tell(f"{held[name].line()}; " + (f"{instead[name]} takes its place" if name in instead
+                                                           else "left out (--min-nodes)"))
         self.book.leave_out({n: f"quarantined: {held[n].reason}" for n in wanted if n in held})
         return nodes
 
