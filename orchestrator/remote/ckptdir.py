@@ -23,6 +23,26 @@ the script is needed. Regular files are carried; links, empty directories and sp
                             the checkpoint never had) is moved into ASIDE, kept, out of the job's
                             way. Prints {"files": [[rel, size, mtime_ns]] (as written),
                             "aside": [NAME, ...]}
+
+With train.copy_checkpoints false and train.checkpoint_replica true the snapshots stay on the nodes
+(runs/dirreplicas.py): each node freezes its part of a snapshot beside its run's artifacts, a
+neighbour holds a replica, and a restore puts the parts together on every node:
+
+  freeze PATH ROOT NAME     stdin after the program: one JSON line {"files": [[rel, size, mtime_ns]],
+                            "prev": {rel: [size, mtime_ns, SNAP, sha256]}}. Copies those files of PATH
+                            into ROOT/NAME/ (a file as it was in ROOT/SNAP, same size and mtime, is
+                            hard-linked instead), renamed into place once whole; exits CHANGED when one
+                            changed while read. Prints {rel: sha256}
+  link ROOT NAME SNAP       stdin: a JSON list of rel: hard-links ROOT/SNAP/rel into ROOT/NAME/rel
+                            where it exists (a replica's unchanged files). Prints the rels linked
+  check ROOT NAME           stdin: JSON {rel: sha256}. Prints {"ok": bool, "why": str}: every file
+                            of ROOT/NAME is there with its sha256
+  keep ROOT NAMES           NAMES: JSON list. Removes every ROOT/*/snap-* not named (old snapshots)
+  place PATH ASIDE STAGED   stdin: JSON {"files": {rel: sha256}, "from": {rel: ABS}}: the files
+                            named in "from" (parts this node holds) are copied into STAGED beside
+                            those other nodes sent there; every file is checked against its
+                            sha256; then STAGED's entries go into PATH as `restore` does. Prints
+                            what `restore` prints
 """
 import json
 import os
@@ -153,39 +173,161 @@ def restore(path, aside):
     os.makedirs(root, exist_ok=True)
     stage = os.path.join(root, "%s.%d" % (STAGE, os.getpid()))
     os.makedirs(stage)
-    moved = []
     try:
         with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
             for member in tar:
                 if not tar_member_ok(member, stage) or member.isdir():
                     sys.exit("refusing tar member " + member.name)
                 extract_member(tar, member, stage)
-        aside = _abs(aside)
-        new = set(os.listdir(stage))
-        for name in sorted(os.listdir(root)):
-            if name.startswith(STAGE):
-                continue
-            p = os.path.join(root, name)
-            if name in new:
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-            else:
-                own_dir(aside)
-                shutil.move(p, os.path.join(aside, name))
-                moved.append(name)
-        written = []
-        for name in sorted(new):
-            os.replace(os.path.join(stage, name), os.path.join(root, name))
-            written += _entry(root, name, 0, 0)["files"]
+        print(json.dumps(_swap(root, stage, aside)))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    print(json.dumps({"files": written, "aside": moved}))
+
+
+def _swap(root, stage, aside):
+    """stage's entries into root: an entry root has too is replaced, root's others set aside."""
+    aside = _abs(aside)
+    new = set(os.listdir(stage))
+    moved = []
+    for name in sorted(os.listdir(root)):
+        if name.startswith(STAGE):
+            continue
+        p = os.path.join(root, name)
+        if name in new:
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+        else:
+            own_dir(aside)
+            shutil.move(p, os.path.join(aside, name))
+            moved.append(name)
+    written = []
+    for name in sorted(new):
+        os.replace(os.path.join(stage, name), os.path.join(root, name))
+        written += _entry(root, name, 0, 0)["files"]
+    return {"files": written, "aside": moved}
+
+
+def _rel_ok(rel):
+    return bool(rel) and not rel.startswith("/") and ".." not in rel.split("/")
+
+
+def _copy_hashed(src, dst):
+    """src to dst, hashed as it is written; dst gets src's mtime. -> sha256 hex."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        h = Hashed(out.write)
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.write(block)
+    st = os.stat(src)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return h.hexdigest()
+
+
+def freeze(path, root, name):
+    src_root, root = _abs(path), _abs(root)
+    want = json.loads(sys.stdin.buffer.readline())
+    own_dir(root)
+    stage = os.path.join(root, ".%s.partial" % name)
+    shutil.rmtree(stage, ignore_errors=True)
+    digests = {}
+    try:
+        for rel, size, mtime_ns in want["files"]:
+            if not _rel_ok(rel):
+                sys.exit("refusing path " + rel)
+            src, dst = os.path.join(src_root, rel), os.path.join(stage, rel)
+            prev = want.get("prev", {}).get(rel)
+            old = os.path.join(root, prev[2], rel) if prev and safe_name(prev[2]) else None
+            if old and len(prev) == 4 and prev[:2] == [size, mtime_ns] and _same(old, size, mtime_ns) \
+                    and _same(src, size, mtime_ns):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.link(old, dst)  # frozen copies are never written again: linking shares their bytes
+                digests[rel] = prev[3]
+                continue
+            if not _same(src, size, mtime_ns):
+                sys.stderr.write("changed: %s\n" % rel)
+                sys.exit(CHANGED)
+            digests[rel] = _copy_hashed(src, dst)
+            if not _same(src, size, mtime_ns):
+                sys.stderr.write("changed while read: %s\n" % rel)
+                sys.exit(CHANGED)
+        final = os.path.join(root, name)
+        if not safe_name(name):
+            sys.exit("refusing name " + name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.makedirs(stage, exist_ok=True)
+        os.replace(stage, final)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print(json.dumps(digests))
+
+
+def link(root, name, snap):
+    root = _abs(root)
+    done = []
+    for rel in json.loads(sys.stdin.buffer.read() or b"[]"):
+        if not (_rel_ok(rel) and safe_name(name) and safe_name(snap)):
+            sys.exit("refusing path " + rel)
+        old, dst = os.path.join(root, snap, rel), os.path.join(root, name, rel)
+        if os.path.isfile(old) and not os.path.islink(old) and not os.path.exists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.link(old, dst)
+            done.append(rel)
+    print(json.dumps(done))
+
+
+def _verify(root, files):
+    """Why the files {rel: sha256} under root are not all there as recorded; None: they are."""
+    for rel, digest in sorted(files.items()):
+        p = os.path.join(root, rel)
+        if not _rel_ok(rel) or not os.path.isfile(p) or os.path.islink(p):
+            return "%s is missing" % rel
+        if sha256_file(p) != digest:
+            return "%s does not match its sha256" % rel
+    return None
+
+
+def check(root, name):
+    why = _verify(os.path.join(_abs(root), name), json.loads(sys.stdin.buffer.read()))
+    print(json.dumps({"ok": why is None, "why": why or ""}))
+
+
+def keep(root, names):
+    root, names = _abs(root), set(json.loads(names))
+    if not os.path.isdir(root):
+        return
+    for origin in os.listdir(root):
+        d = os.path.join(root, origin)
+        for snap in os.listdir(d) if os.path.isdir(d) else ():
+            if snap.lstrip(".").startswith("snap-") and snap not in names:
+                shutil.rmtree(os.path.join(d, snap), ignore_errors=True)
+
+
+def place(path, aside, staged):
+    root, staged = _abs(path), _abs(staged)
+    if os.path.dirname(staged) != root or not os.path.basename(staged).startswith(STAGE):
+        sys.exit("refusing staging directory " + staged)
+    want = json.loads(sys.stdin.buffer.read())
+    try:
+        os.makedirs(staged, exist_ok=True)
+        for rel, src in sorted(want.get("from", {}).items()):
+            if not _rel_ok(rel):
+                sys.exit("refusing path " + rel)
+            _copy_hashed(src, os.path.join(staged, rel))
+        why = _verify(staged, want["files"])
+        if why is not None:
+            sys.exit("not placed: " + why)
+        print(json.dumps(_swap(root, staged, aside)))
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def main(argv):
     private_files()
-    verbs = {"prepare": (prepare, 1), "state": (state, 2), "send": (send, 1), "restore": (restore, 2)}
+    verbs = {"prepare": (prepare, 1), "state": (state, 2), "send": (send, 1), "restore": (restore, 2),
+             "freeze": (freeze, 3), "link": (link, 3), "check": (check, 2), "keep": (keep, 2), "place": (place, 3)}
     if not argv or argv[0] not in verbs or len(argv) - 1 != verbs[argv[0]][1]:
-        sys.exit("usage: ckptdir.py prepare PATH | state PATH QUIET_S | send PATH | restore PATH ASIDE")
+        sys.exit("usage: ckptdir.py prepare PATH | state PATH QUIET_S | send PATH | restore PATH ASIDE | "
+                 "freeze PATH ROOT NAME | link ROOT NAME SNAP | check ROOT NAME | keep ROOT NAMES | "
+                 "place PATH ASIDE STAGED")
     verbs[argv[0]][0](*argv[1:])
 
 

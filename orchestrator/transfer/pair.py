@@ -130,11 +130,13 @@ class Pair:
 
 
 class CodePair(Pair):
-    """The code files `files` of src's workdir into dst's workdir: the sender is nodeinfo's
-    `send`, which takes the file list on stdin after the receiver's address."""
+    """The files `files` (relative paths) of src:src_dir into dst:dst_dir, a workdir's code by
+    default: the sender is nodeinfo's `send`, which takes the file list on stdin after the
+    receiver's address."""
 
-    def __init__(self, cluster: Cluster, src: Node, dst: Node, files: list[str], timeout: float = 600.0):
-        super().__init__(cluster, src, src.workdir, [], dst, dst.workdir, timeout)
+    def __init__(self, cluster: Cluster, src: Node, dst: Node, files: list[str], timeout: float = 600.0,
+                 src_dir: str | None = None, dst_dir: str | None = None):
+        super().__init__(cluster, src, src_dir or src.workdir, [], dst, dst_dir or dst.workdir, timeout)
         self.manifest = "\0".join(files).encode("utf-8", "surrogateescape")
 
     def send_feed(self, node: Node):
@@ -156,3 +158,11 @@ def copy_code(cluster: Cluster, src: Node, dst: Node, files: list[str], timeout:
     """src's workdir files `files` into dst's workdir (installed only when the stream's sha256
     matches; nothing else in dst's workdir changes)."""
     return CodePair(cluster, src, dst, files, timeout).run()
+
+
+def copy_files(cluster: Cluster, src: Node, src_dir: str, dst: Node, dst_dir: str, files: list[str],
+               timeout: float = 600.0) -> PairResult:
+    """The regular files `files` (paths relative to src_dir) into dst_dir on dst, at the same
+    relative paths, node to node, installed only when the stream's sha256 matches (runs/dirreplicas.py:
+    a snapshot's part to its replica holder, or to a node it is restored on)."""
+    return CodePair(cluster, src, dst, files, timeout, src_dir=src_dir, dst_dir=dst_dir).run()
