@@ -227,15 +227,6 @@ def test_a_checkpoint_dir_that_restoring_would_wreck_is_refused(tmp_path, home, 
     assert "Traceback" not in r.stderr and not (home / "runs").exists() or not list((home / "runs").iterdir())
 
 
-def test_a_checkpoint_dir_with_node_to_node_replicas_is_refused_until_they_carry_it(tmp_path, home):
-    inv = tmp_path / "nodes.yaml"
-    inv.write_text("nodes:\n  - {name: n0, connection: local, gpus: 0}\ntrain:\n  checkpoint_replica: true\n"
-                   "  checkpoint_dir: out\n")
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--", "t.py"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "checkpoint_replica" in r.stderr and "Traceback" not in r.stderr, r.stderr
-
-
 def test_the_checkpoint_dir_is_a_run_output_never_code(tmp_path):
     """sync never ships, prunes or hashes it (a spare's copy comes from the restore, not from sync)."""
     from orchestrator.transfer.files import run_outputs
@@ -257,7 +248,7 @@ def test_resume_from_restores_another_runs_snapshot_and_a_damaged_one_changes_no
     DIR is touched."""
     from orchestrator.errors import LaunchError
     from orchestrator.runs.checkpoints import CheckpointStore
-    from orchestrator.runs.ckptdir import newest_copied
+    from orchestrator.runs.dirreplicas import newest_copied
     from orchestrator.runs.restart import Restorer
     from orchestrator.runs.spec import RunSpec
     from orchestrator.runs.store import Run

@@ -28,25 +28,38 @@ def inventory(cluster, tmp_path, train):
                                        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
 
 
-def snapshots(run_dir):
+def home_snapshots(run_dir):
     d = run_dir / "checkpoints"
     return sorted(p.stem for p in d.glob("snap-*.json")) if d.is_dir() else []
+
+
+def node_snapshots(run_dir):
+    d = run_dir / "checkpoints" / "nodes"
+    return sorted(p.stem for p in d.glob("snap-*.json")) if d.is_dir() else []
+
+
+snapshots = home_snapshots
 
 
 def iter_of(run_dir, snap):
     return torch.load(run_dir / "checkpoints" / snap / "ckpt.pt", map_location="cpu")["iter_num"]
 
 
+@pytest.mark.parametrize("kept", ["home", "nodes"])
 def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_restored(
-        make_cluster, tmp_path, home, monkeypatch):
+        make_cluster, tmp_path, home, monkeypatch, kept):
     """nanoGPT's habits (rank 0 saves out/ckpt.pt in place; --init_from=resume loads it on every
-    rank). The master checkpoints at iteration 30 (copied home), then starts writing iteration 60's
-    and is cut off mid-write, for good, holding the file open: that half file must never be
-    copied, and the spare and node2 both resume from iteration 30 through --resume-args."""
+    rank). The master checkpoints at iteration 30 (copied home; or, `nodes`, with copy_checkpoints
+    false and checkpoint_replica, kept on node1 and replicated to node2, never crossing this
+    machine), then starts writing iteration 60's and is cut off mid-write, for good, holding the
+    file open: that half file must never be taken, and the spare and node2 both resume from
+    iteration 30 through --resume-args."""
     monkeypatch.chdir(tmp_path)
     cluster = make_cluster(3, gpus=0)
     names = [n.name for n in cluster.nodes]
-    inv = inventory(cluster, tmp_path, {"max_restarts": 1})
+    train = {"max_restarts": 1} | ({"copy_checkpoints": False, "checkpoint_replica": True} if kept == "nodes" else {})
+    inv = inventory(cluster, tmp_path, train)
+    snapshots = home_snapshots if kept == "home" else node_snapshots
     sync_code(inv, tmp_path, names[:2])
     seen = {}
 
@@ -70,8 +83,17 @@ def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_
     assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])
     assert attempts[0]["verdict"] == "node lost" and attempts[1]["verdict"] == "finished"
     snap = attempts[1]["checkpoint"]
-    assert iter_of(run_dir, snap) == 30, (snap, snapshots(run_dir))
-    assert all(iter_of(run_dir, s) == 30 for s in before_cut), before_cut  # the torn save never came home
+    if kept == "home":
+        assert iter_of(run_dir, snap) == 30, (snap, snapshots(run_dir))
+        assert all(iter_of(run_dir, s) == 30 for s in before_cut), before_cut  # the torn save never came home
+    else:  # node2's replica of node1's part, put on the spare node to node; only manifests here
+        assert attempts[1]["restored_from"] == "nodes"
+        assert not [p for p in (run_dir / "checkpoints").rglob("*") if p.is_file() and p.suffix != ".json"]
+        doc = json.loads((run_dir / "checkpoints" / "nodes" / f"{snap}.json").read_text())
+        assert doc["holders"] == {names[0]: [names[0], names[1]]}, doc
+        sup = (run_dir / "supervisor.log").read_text()
+        assert re.search(rf"checkpoint {snap}: {names[0]}'s part, a replica on {names[1]}, copied from "
+                         rf"{names[1]} to {names[2]}, node to node", sup), sup
     assert attempts[1]["resume_args"] == ["--init_from=resume"]
     # attempt 2 starts from the checkpoint's iteration on every rank, the spare included
     for node in (names[2], names[1]):
@@ -80,11 +102,12 @@ def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_
         assert all(it == "30" for _r, it in re.findall(r"rank (\d) init_from resume at iter (\d+)", text))
     assert "done at iter 70" in (run_dir / "nodes" / f"{names[2]}.log").read_text()
     told = [ln for ln in err.splitlines() if ln.startswith("clusterctl: ")]
-    assert f"clusterctl: attempt 2 on {names[2]}, {names[1]} starts from checkpoint {snap} (this machine: " \
+    where = {"home": "this machine", "nodes": "the nodes"}[kept]
+    assert f"clusterctl: attempt 2 on {names[2]}, {names[1]} starts from checkpoint {snap} ({where}: " \
            "ckpt.pt; 1 file, 0.0 MB in out) with --init_from=resume" in told, told
     # node2 never wrote a ckpt.pt (rank 1 does not save): it holds the restored bytes
     r = cluster.nodes[1].run("sha256sum ~/gpt_train/out/ckpt.pt")
-    doc = json.loads((run_dir / "checkpoints" / f"{snap}.json").read_text())
+    doc = json.loads((run_dir / "checkpoints" / ("nodes" if kept == "nodes" else "") / f"{snap}.json").read_text())
     assert r.stdout.split()[0] == doc["files"]["ckpt.pt"]["sha256"]
 
 

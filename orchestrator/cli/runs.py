@@ -20,7 +20,7 @@ import click
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
-from orchestrator.runs.ckptdir import newest_copied
+from orchestrator.runs.dirreplicas import NodeSnaps, newest_copied
 from orchestrator.runs.record import story
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
 from orchestrator.runs.store import Run
@@ -206,7 +206,11 @@ def _results(run: Run) -> None:
     """Where a run's results are on this machine: its checkpoints, its TensorBoard events (with the
     command that shows them) and its logs."""
     newest = newest_copied(run.dir)
-    if newest is not None:
+    on_nodes = NodeSnaps(run.dir)
+    if newest is not None and (n := on_nodes.newest()) is not None and newest == on_nodes.describe(n):
+        _err(f"clusterctl: checkpoints: kept on the nodes (newest {newest}); their manifests: {on_nodes.dir}")
+        _err(f"clusterctl:   a new run from it: clusterctl train --resume-from {run.id} (while those nodes hold it)")
+    elif newest is not None:
         _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest})")
         _err(f"clusterctl:   a new run from it: clusterctl train --resume-from {run.id}")
     tb = run.dir / "tensorboard"

@@ -18,9 +18,9 @@ from orchestrator.errors import UnreachableError
 from orchestrator.home import runs_dir
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.ckptdir import newest_copied
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
+from orchestrator.runs.dirreplicas import newest_copied
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 

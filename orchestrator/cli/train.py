@@ -26,6 +26,7 @@ from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.inventory.sections import check_checkpoint_dir
+from orchestrator.runs.dirreplicas import NodeSnaps
 from orchestrator.runs.checkpoints import CheckpointStore
 from orchestrator.runs.ckptdir import DirStore
 from orchestrator.runs.curves import carry_over
@@ -94,6 +95,8 @@ def _checkpointed_run(run_id: str, checkpoint_dir: str | None) -> str:
     run = Run.find(run_id)  # no such run: UsageError
     store = run.dir / "checkpoints"
     checkpoints = DirStore(run.dir) if checkpoint_dir else CheckpointStore(run.dir)
+    if checkpoint_dir and checkpoints.newest() is None and NodeSnaps(run.dir).newest() is not None:
+        return run.id  # kept on the nodes (train.checkpoint_replica): checked there, before the launch
     if not store.is_dir() or checkpoints.newest() is None:
         what = ("no snapshot of a checkpoint directory (--checkpoint-dir)" if checkpoint_dir else
                 "no complete checkpoint (a run's checkpoints are copied there while it trains, from "
@@ -109,16 +112,11 @@ def _checkpointed_run(run_id: str, checkpoint_dir: str | None) -> str:
 
 
 def _checkpoint_dir(inv, flag: str | None) -> str | None:
-    """--checkpoint-dir, else train.checkpoint_dir; exit 2 for a path that cannot be one, or with a
-    setting that does not carry it yet."""
+    """--checkpoint-dir, else train.checkpoint_dir; exit 2 for a path that cannot be one."""
     try:
         found = check_checkpoint_dir(flag) if flag is not None else inv.train.checkpoint_dir
     except ValueError as e:
         raise click.UsageError(f"--checkpoint-dir: {e}") from None
-    if found is not None and inv.train.checkpoint_replica:
-        raise click.UsageError("train.checkpoint_replica copies the trainer's ckpt_N.pt checkpoints node to node; "
-                               "it does not carry a --checkpoint-dir directory yet. Turn one of the two off "
-                               "(the checkpoint directory is copied to this machine).")
     return found
 
 

@@ -176,6 +176,7 @@ class ArtifactCopier:
         self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
         self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
         self.dirsnap = None  # a runs/ckptdir.py DirCopier (--checkpoint-dir): the job's own directory
+        self.dirreplica = None  # a runs/dirreplicas.py DirReplicas (--checkpoint-dir, checkpoint_replica)
         self.store = CheckpointStore(run_dir)
         self.curves = Curves(run_dir)  # one TensorBoard run: every node's, every attempt's files
         self.fetched: set[tuple[str, str]] = set()  # (node, checkpoint) pieces already taken
@@ -277,6 +278,12 @@ class ArtifactCopier:
                 self.store.discard(name)
             self.copy_s += time.monotonic() - t0
 
+    @property
+    def snaps(self) -> list:
+        """What takes snapshots of the job's checkpoint directory (--checkpoint-dir): to this
+        machine (dirsnap), kept on the nodes (dirreplica)."""
+        return [s for s in (self.dirsnap, self.dirreplica) if s is not None]
+
     # ------------------------------------------------------------ the loop
     def sweep(self, nodes: list[str], finished: bool = False) -> None:
         """Once more at an attempt's end; `finished`: it ended well (the checkpoint directory is
@@ -287,8 +294,8 @@ class ArtifactCopier:
                 self.fetch_new(found)
             if self.replicator is not None:
                 self.replicator.poll(nodes, found)
-            if self.dirsnap is not None and finished:
-                self.dirsnap.tick(nodes, final=True)
+            for snaps in self.snaps if finished else ():
+                snaps.tick(nodes, final=True)
 
     def copy_new(self, nodes: list[str], which: list[str]) -> None:
         """What the streams reported for the nodes `which`: their new checkpoints copied here, and
@@ -299,8 +306,8 @@ class ArtifactCopier:
                 self.fetch_new({n: latest[n] for n in which if n in latest})
             if self.replicator is not None:
                 self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
-            if self.dirsnap is not None:  # at most every ckptdir.POLL_S
-                self.dirsnap.tick(nodes)
+            for snaps in self.snaps:  # at most every ckptdir.POLL_S
+                snaps.tick(nodes)
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
         """The copying thread: each node's news as its stream brings it; every POLL_S s without

@@ -20,6 +20,8 @@ a torn file that soon looks quiet): the last snapshot taken while the job ran is
 replace the node's, and the node's other entries (a half-written checkpoint, a newer one that was
 never complete everywhere) are moved to ~/.clusterctl/artifacts/RUN/set-aside/KEY/, kept but out of
 the job's way.
+
+With train.checkpoint_replica the snapshots are (also) kept on the nodes instead: runs/dirreplicas.py.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Callable
 
 from orchestrator import shell
 from orchestrator.inventory import Node
-from orchestrator.probe import program
+from orchestrator.probe import load, program
 from orchestrator.runs.checkpoints import LOADER  # the program on stdin, length-prefixed, its data after it
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
@@ -47,7 +49,7 @@ QUIET_S = 5.0  # an entry unchanged this long, and open for writing nowhere, is 
 POLL_S = 3.0  # how often the nodes' DIR is looked at while an attempt runs
 KEEP = 3  # snapshots kept on the control machine
 TIMEOUT = 600.0  # one node's part of one snapshot, or one node's restore
-CHANGED = 6  # remote/ckptdir.py send: a file changed while it was read
+CHANGED: int = load("ckptdir").CHANGED  # remote/ckptdir.py send/freeze: a file changed while read
 STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_]?(\d+)", re.I)
 
 
@@ -157,19 +159,6 @@ class DirStore:
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def newest_copied(run_dir: Path) -> str | None:
-    """The newest checkpoint copied home for a run, in words: a snapshot of its checkpoint directory
-    ('snap-000003 (ckpt.pt; 1 file, 0.4 MB)'), else the trainer's newest ckpt_N.pt; None: none."""
-    if not (run_dir / "checkpoints").is_dir():
-        return None
-    snaps = DirStore(run_dir)
-    if (name := snaps.newest()) is not None:
-        return snaps.describe(name)
-    from orchestrator.runs.checkpoints import CheckpointStore
-
-    return CheckpointStore(run_dir).newest()
-
-
 def plan(states: dict[str, dict], order: list[str], prev: dict | None) -> dict:
     """The next snapshot's files {rel: {node, size, mtime_ns}} from every node's `state`. An entry
     complete on every node that has it is taken as the nodes have it now (a file on several nodes
@@ -205,6 +194,10 @@ class DirCopier:
         self.last = 0.0
         self.copy_s = 0.0
         self.events: list[tuple[float, str]] = []  # (time, snapshot) as each was taken
+
+    def for_attempt(self, paths: dict[str, str], dirs: dict[str, dict]) -> None:
+        """An attempt's nodes: DIR on each (`prepare`), and their artifact directories."""
+        self.paths = paths
 
     def tick(self, nodes: list[str], final: bool = False) -> str | None:
         """Look at the nodes' DIR (every POLL_S s; `final`: now, the job having ended well, so

@@ -28,12 +28,11 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs import ckptdir, quarantine
 from orchestrator.runs.checkpoints import ArtifactCopier
-from orchestrator.runs.ckptdir import DirCopier, DirStore
+from orchestrator.runs.dirreplicas import artifact_copier
 from orchestrator.runs import agent
 from orchestrator.runs.launch import claim_nodes
 from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book
-from orchestrator.runs.replicas import Replicator
 from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
 from orchestrator.runs.spec import RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
@@ -206,11 +205,7 @@ class Controller:
         self.stopper.resume(rec.pending_stops)
         if rec.state.terminal:  # adopted only to carry out stops still pending
             return int(rec.exit_code or 0)
-        self.copier = ArtifactCopier(cluster, self.run.dir, {}, say=say, checkpoints=self.spec.copy_checkpoints)
-        if self.spec.checkpoint_replica:
-            self.copier.replicator = Replicator(cluster, self.copier.dirs, say=say)
-        if self.spec.checkpoint_dir and self.spec.copy_checkpoints:
-            self.copier.dirsnap = DirCopier(cluster, DirStore(self.run.dir), say=say)
+        self.copier = artifact_copier(cluster, self.run.dir, self.spec, say)
         k, nodes, ended = self.entry()
         while True:
             result, verdict = ended if ended is not None else self.attempt(k, nodes)
@@ -310,7 +305,8 @@ class Controller:
             if k > 1 or self.spec.resume_from:
                 self.book.attempt_changed(**Restorer(self.cluster, self.full_inv, self.copier.store,
                                                      self.spec.resume_from, say, self.copier.dirsnap,
-                                                     self.spec.checkpoint_dir).restore(dirs, nodes, relaunch=k > 1))
+                                                     self.spec.checkpoint_dir, self.copier.dirreplica
+                                                     ).restore(dirs, nodes, relaunch=k > 1))
                 if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
                     self.book.attempt_changed(resume_args=list(self.spec.resume_args))
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
@@ -325,8 +321,7 @@ class Controller:
             # a checkpoint written just before the end (a checkpoint directory only after a good end:
             # a worker killed mid-write leaves a torn file that soon looks complete)
             self.copier.sweep(list(nodes), finished=result.state is RunState.FINISHED)
-            self.book.attempt_changed(copy_s=round(self.copier.copy_s + (self.copier.dirsnap.copy_s
-                                                                       if self.copier.dirsnap else 0.0), 3))
+            self.book.attempt_changed(copy_s=round(self.copier.copy_s + sum(d.copy_s for d in self.copier.snaps), 3))
             return result, self.verdict(runner, result)
         except (PreflightFailed, NodesNotReady) as e:
             sick = self.quarantine_sick(e)
@@ -364,8 +359,8 @@ class Controller:
             paths = ckptdir.prepare(self.cluster, [self.full_inv.node(n) for n in names], self.spec.checkpoint_dir)
             for n, p in paths.items():
                 dirs[n]["ckptdir"] = p
-            if self.copier is not None and self.copier.dirsnap is not None:
-                self.copier.dirsnap.paths = paths  # this attempt's nodes only
+            for snaps in self.copier.snaps if self.copier is not None else ():
+                snaps.for_attempt(paths, dirs)  # this attempt's nodes only
         return dirs
 
     def prepare_fresh(self, fresh: list[str], donors: list[str]) -> None:

@@ -34,6 +34,8 @@ from orchestrator.runs.checkpoints import (
     step_of,
 )
 from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
+from orchestrator.runs.dirreplicas import NodeRestoreDirError, NodeSnaps
+from orchestrator.runs.dirreplicas import restore_from_nodes as restore_dir_from_nodes
 from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
@@ -42,6 +44,7 @@ from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
     from orchestrator.runs.ckptdir import DirCopier
+    from orchestrator.runs.dirreplicas import DirReplicas
     from orchestrator.transport import Cluster
 
 # a worker's error that says a peer or the network went away, not that the script is wrong
@@ -160,11 +163,12 @@ class Restorer:
     --resume-from's (`origin`)."""
 
     def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say,
-                 dirsnap: "DirCopier | None" = None, checkpoint_dir: str | None = None):
+                 dirsnap: "DirCopier | None" = None, checkpoint_dir: str | None = None,
+                 dirreplica: "DirReplicas | None" = None):
         self.cluster, self.inv, self.store, self.say = cluster, inv, store, say
         self.origin_id = origin
         self.origin = CheckpointStore(Run(origin).dir) if origin else None
-        self.dirsnap, self.checkpoint_dir = dirsnap, checkpoint_dir
+        self.dirsnap, self.checkpoint_dir, self.dirreplica = dirsnap, checkpoint_dir, dirreplica
 
     def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
         """The attempt record's fields for what was restored (empty: nothing to restore). Every
@@ -206,36 +210,57 @@ class Restorer:
 
     def restore_dir(self, dirs: dict[str, dict], nodes: list[str]) -> dict:
         """--checkpoint-dir: the newest intact snapshot of the job's directory (this run's, else
-        --resume-from's) into that directory on every node (runs/ckptdir.py restore_dir)."""
+        --resume-from's) into that directory on every node: one kept on the nodes
+        (runs/dirreplicas.py, node to node) when it is newer than this machine's newest intact copy
+        (runs/ckptdir.py restore_dir), else that copy."""
         t0 = time.monotonic()
-        own = DirStore(self.store.dir.parent)
-        store = own if own.names() or self.origin is None else DirStore(self.origin.dir.parent)
+        run_dir = self.store.dir.parent
+        own, own_nodes = DirStore(run_dir), NodeSnaps(run_dir)
+        if not own.names() and not own_nodes.names() and self.origin is not None:
+            run_dir = self.origin.dir.parent
+        store, on_nodes = DirStore(run_dir), NodeSnaps(run_dir)
         name, skipped = store.newest_intact(self.say)
-        if name is None and skipped:
-            raise LaunchError(f"no intact checkpoint to restore: {', '.join(skipped)} in {store.dir} "
-                              f"{'is' if len(skipped) == 1 else 'are'} damaged (the bytes no longer match their "
-                              f"checksums); not restarting from scratch. Nothing was changed on the nodes.")
-        if name is None:
-            self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied")
-            return {}
         stamp = time.strftime("%Y%m%d-%H%M%S")
         aside = {n: posixpath.join(posixpath.dirname(dirs[n]["checkpoints"]), "set-aside", stamp) for n in nodes}
-        try:
-            replies = restore_dir(self.cluster, store, name, {n: dirs[n]["ckptdir"] for n in nodes},
-                                  [self.inv.node(n) for n in nodes], aside)
-        except RestoreDirError as e:
-            raise LaunchError(str(e)) from e
+        paths = {n: dirs[n]["ckptdir"] for n in nodes}
+        placed = None
+        if on_nodes.names():
+            try:
+                placed = restore_dir_from_nodes(self.cluster, on_nodes, paths, aside, self.say,
+                                            newer_than=store.doc(name)["taken"] if name else 0.0)
+            except NodeRestoreDirError as e:
+                if name is None:
+                    raise LaunchError(f"{e}; no copy of the checkpoint directory is on this machine either") from e
+                self.say(f"{e}; restoring from this machine's copy instead")
+        if placed is not None:
+            name, replies, older = placed
+            store, skipped = on_nodes, skipped + older
+        elif name is None:
+            if skipped or on_nodes.names():
+                raise LaunchError(f"no intact checkpoint to restore: {', '.join(skipped + on_nodes.names())} "
+                                  "could not be put together from intact copies (see above); not restarting from "
+                                  "scratch. Nothing was changed on the nodes.")
+            self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied")
+            return {}
+        else:
+            try:
+                replies = restore_dir(self.cluster, store, name, paths, [self.inv.node(n) for n in nodes], aside)
+            except RestoreDirError as e:
+                raise LaunchError(str(e)) from e
         self.say(f"restored checkpoint {store.describe(name)} into {self.checkpoint_dir} on {', '.join(nodes)}")
-        for n, r in replies.items():
+        for n, r in sorted(replies.items()):
             if r["aside"]:
                 self.say(f"{n}: {', '.join(r['aside'])} in {self.checkpoint_dir} set aside (not in the restored "
                          f"checkpoint; kept in {aside[n]})")
-        if self.dirsnap is not None:
-            self.dirsnap.restored(name, {n: r["files"] for n, r in replies.items()}, store)
+        for snaps in (self.dirsnap, self.dirreplica):
+            if snaps is not None:
+                snaps.restored(name, {n: r["files"] for n, r in replies.items()}, store)
         out = {"checkpoint": name, "restored": list(nodes), "restore_s": round(time.monotonic() - t0, 3),
                "skipped": skipped, "checkpoint_about": f"{store.about(name)} in {self.checkpoint_dir}",
                "set_aside": {n: r["aside"] for n, r in replies.items() if r["aside"]}}
-        if store is not own:
+        if store is on_nodes:
+            out["restored_from"] = "nodes"
+        if run_dir != own.dir.parent:
             out["resumed_from"] = self.origin_id
         return out
 

@@ -1,0 +1,298 @@
+"""A job's checkpoint directory carried node to node (`--checkpoint-dir` with train.copy_checkpoints
+false and train.checkpoint_replica true): no byte of it crosses the control machine.
+
+The snapshots are the ones runs/ckptdir.py takes (the same completeness rule, the same union of the
+nodes' entries), but they are kept on the nodes. When there is something new, every node that
+wrote part of it freezes its part (remote/ckptdir.py `freeze`): its files are copied beside its
+run's artifacts, ~/.clusterctl/artifacts/RUN/dirsnaps/NODE/snap-N/, out of the job's reach (nanoGPT
+rewrites ckpt.pt in place; a frozen copy is never written again, and a file unchanged since the
+previous snapshot is hard-linked to it). Then the part is copied to the node after it in the
+attempt's rank order (`replicas.ring`), into the same place there, node to node
+(transfer/pair.py `copy_files`), files the neighbour already holds linked there instead. The
+control machine keeps only each snapshot's manifest, runs/RUN/checkpoints/nodes/snap-N.json:
+every file's sha256 and which nodes hold which part, written once both copies are made.
+
+`restore_from_nodes` puts the newest snapshot whose every part is still held intact somewhere
+(each holder checks its copy against the manifest's sha256) into DIR on every node of the next
+attempt: a part this node holds is copied locally, the others node to node from a holder, into a
+staging directory beside DIR's entries; then every file is checked again and DIR is swapped as
+runs/ckptdir.py's restore does (other entries set aside). So the cut of any one node loses no
+snapshot: what it wrote is on its neighbour too.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from orchestrator import shell
+from orchestrator.runs.checkpoints import ArtifactCopier, CheckpointStore
+from orchestrator.runs.ckptdir import CHANGED, TIMEOUT, DirCopier, DirStore, _cmd, _then, step_of_names
+from orchestrator.runs.replicas import Replicator, ring
+from orchestrator.transfer import pair
+from orchestrator.transport import Cluster
+
+STAGED = ".clusterctl-restore-in"  # a restore's staging directory inside DIR (ckptdir `state` skips it)
+
+
+def roots_of(dirs: dict[str, dict]) -> dict[str, str]:
+    """Each node's dirsnaps root, beside its run's other artifacts (runs/restart.py prepare_artifacts)."""
+    return {n: posixpath.join(posixpath.dirname(d["replicas"]), "dirsnaps") for n, d in dirs.items()}
+
+
+class NodeSnaps(DirStore):
+    """The manifests of snapshots kept on the nodes: runs/RUN/checkpoints/nodes/snap-N.json."""
+
+    def __init__(self, run_dir: Path, keep: int = 3):
+        super().__init__(run_dir, keep)
+        self.dir = run_dir / "checkpoints" / "nodes"
+
+    def names(self) -> list[str]:
+        return sorted((p.stem for p in self.dir.glob("snap-*.json")), reverse=True) if self.dir.is_dir() else []
+
+    def describe(self, name: str) -> str:
+        holders = sorted({h for hs in self.doc(name)["holders"].values() for h in hs})
+        return f"{name} ({self.about(name)}; on {', '.join(holders)})"
+
+    def prune(self) -> None:
+        for old in self.names()[self.keep:]:
+            (self.dir / f"{old}.json").unlink(missing_ok=True)
+
+
+def newest_copied(run_dir: Path) -> str | None:
+    """The newest checkpoint copied home for a run, in words: a snapshot of its checkpoint directory
+    ('snap-000003 (ckpt.pt; 1 file, 0.4 MB)'), one kept on the nodes ('snap-000004 (...; on node1,
+    node2)', here), else the trainer's newest ckpt_N.pt; None: none."""
+    if not (run_dir / "checkpoints").is_dir():
+        return None
+    found = [(s.doc(name)["taken"], s.describe(name)) for s in (DirStore(run_dir), NodeSnaps(run_dir))
+             if (name := s.newest()) is not None]
+    if found:
+        return max(found)[1]
+    return CheckpointStore(run_dir).newest()
+
+
+class DirReplicas(DirCopier):
+    """DirCopier's looks and snapshots, each snapshot kept on the node that wrote it and on its
+    neighbour (see the module's docstring). `roots`: node -> its dirsnaps root (set with `paths`
+    before each attempt)."""
+
+    def __init__(self, cluster: Cluster, store: NodeSnaps, say: Callable[[str], None] = print):
+        super().__init__(cluster, store, say)
+        self.roots: dict[str, str] = {}
+        self.order: list[str] = []  # the attempt's nodes in rank order (the ring)
+
+    def for_attempt(self, paths: dict[str, str], dirs: dict[str, dict]) -> None:
+        super().for_attempt(paths, dirs)
+        self.roots = roots_of(dirs)
+
+    def tick(self, nodes: list[str], final: bool = False) -> str | None:
+        self.order = [n for n in nodes if n in self.paths]
+        return super().tick(nodes, final)
+
+    def learn(self, name: str, doc: dict) -> None:
+        for rel, m in doc["files"].items():
+            self.known.setdefault((m["node"], rel), (m["size"], m["mtime_ns"], m["sha256"], Path()))
+
+    def take(self, files: dict) -> str | None:
+        t0 = time.monotonic()
+        name = self.store.next_name()
+        prev_name = self.store.newest()
+        prev = self.store.doc(prev_name) if prev_name else {"files": {}, "holders": {}}
+        try:
+            origins = sorted({m["node"] for m in files.values()})
+            for origin in origins:
+                if not self._freeze(origin, name, {r: m for r, m in files.items() if m["node"] == origin},
+                                    prev_name, prev):
+                    return None
+            holders = {o: [o] for o in origins}
+            nxt = ring(self.order)
+            for origin in origins:
+                h = nxt.get(origin)
+                if h is not None and self._replicate(origin, h, name, files, prev_name, prev):
+                    holders[origin].append(h)
+        finally:
+            self.copy_s += time.monotonic() - t0
+        doc = {"files": files, "taken": time.time(), "step": step_of_names(files), "nodes": origins,
+               "holders": holders, "roots": {n: self.roots[n] for n in {h for hs in holders.values() for h in hs}}}
+        self.store.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.store.dir / f".{name}.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        tmp.replace(self.store.dir / f"{name}.json")
+        self.known = {}
+        self.learn(name, doc)
+        self.store.prune()
+        self._prune_nodes()
+        self.events.append((time.time(), name))
+        alone = [o for o, hs in holders.items() if len(hs) < 2]
+        self.say(f"checkpoint {self.store.describe(name)} kept on the nodes" +
+                 (f" (no replica of {', '.join(alone)}'s part: it is lost with that node)" if alone else ""))
+        return name
+
+    def _freeze(self, origin: str, name: str, mine: dict, prev_name: str | None, prev: dict) -> bool:
+        """origin's files of the snapshot frozen on origin; their sha256 into `mine` (and so `files`)."""
+        old = prev["files"]
+        kept = origin in prev["holders"].get(origin, [])
+        line = {"files": [[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(mine.items())],
+                "prev": {rel: [m["size"], m["mtime_ns"], prev_name, old[rel]["sha256"]] for rel, m in mine.items()
+                         if kept and rel in old and old[rel]["node"] == origin}}
+        root = posixpath.join(self.roots[origin], origin)
+        r = self.cluster.run(lambda n: _cmd(n, "freeze", self.paths[origin], root, name),
+                             stdin=lambda n: _then(json.dumps(line).encode() + b"\n"), nodes=[origin],
+                             timeout=TIMEOUT)[origin]
+        if r.exit_code == CHANGED:
+            return False  # being written again: the next look takes it once it is complete
+        try:
+            digests = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else None
+        except (ValueError, IndexError):
+            digests = None
+        if digests is None or set(digests) != set(mine):
+            self.say(f"could not keep {origin}'s part of checkpoint {name} on {origin}: "
+                     f"{r.describe()} {r.stderr.strip()[-300:]}")
+            return False
+        for rel, d in digests.items():
+            mine[rel]["sha256"] = d
+        return True
+
+    def _replicate(self, origin: str, holder: str, name: str, files: dict, prev_name: str | None, prev: dict) -> bool:
+        """origin's part of snapshot `name` copied to `holder`: what holder has of the previous
+        snapshot's part, unchanged, linked there; the rest node to node."""
+        mine = {rel: m for rel, m in files.items() if m["node"] == origin}
+        root = posixpath.join(self.roots[holder], origin)
+        same = [rel for rel, m in mine.items() if prev_name and holder in prev["holders"].get(origin, [])
+                and prev["files"].get(rel, {}).get("sha256") == m["sha256"] and prev["files"][rel]["node"] == origin]
+        linked: list[str] = []
+        if same:
+            r = self.cluster.run(lambda n: _cmd(n, "link", root, name, prev_name),
+                                 stdin=lambda n: _then(json.dumps(same).encode()), nodes=[holder], timeout=60)[holder]
+            try:
+                linked = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else []
+            except (ValueError, IndexError):
+                linked = []
+        rest = sorted(set(mine) - set(linked))
+        if rest:
+            inv = self.cluster.inventory
+            src = posixpath.join(self.roots[origin], origin, name)
+            res = pair.copy_files(self.cluster, inv.node(origin), src, inv.node(holder), posixpath.join(root, name),
+                                  rest, timeout=TIMEOUT)
+            if not res.ok:
+                self.say(f"could not copy {origin}'s part of checkpoint {name} to {holder}: {res.detail}")
+                return False
+        return True
+
+    def _prune_nodes(self) -> None:
+        """The snapshots no manifest here names any more, removed on every node that has them."""
+        keep = json.dumps(self.store.names())
+        docs = [self.store.doc(n) for n in self.store.names()]
+        where = {h: r for d in docs for h, r in d.get("roots", {}).items()} | self.roots
+        nodes = [n for n in where if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        if nodes:
+            self.cluster.run(lambda n: _cmd(n, "keep", where[n.name], keep), stdin=lambda n: _then(), nodes=nodes,
+                             timeout=60)
+
+
+class NodeRestoreDirError(Exception):
+    pass
+
+
+def restore_from_nodes(cluster: Cluster, store: NodeSnaps, paths: dict[str, str], aside: dict[str, str],
+                       say: Callable[[str], None] = print, newer_than: float = 0.0
+                       ) -> tuple[str, dict[str, dict], list[str]] | None:
+    """The newest snapshot `store` knows, taken after `newer_than` (this machine's newest copy),
+    whose every part a reachable node holds intact, put into DIR (`paths`: node -> DIR there) on
+    every node of `paths`. -> (its name, each node's reply as ckptdir.restore_dir gives it, the
+    newer snapshots skipped); None: no snapshot can be put together. Raises NodeRestoreDirError
+    when one could, and placing it failed."""
+    skipped = []
+    for name in store.names():
+        doc = store.doc(name)
+        if doc["taken"] <= newer_than:
+            break
+        found = _holders(cluster, doc, name, say)
+        missing = [o for o in doc["holders"] if not found.get(o)]
+        if missing:
+            say(f"skipping checkpoint {name}: no reachable node holds an intact copy of "
+                f"{', '.join(missing)}'s part (held on {', '.join(h for o in missing for h in doc['holders'][o])})")
+            skipped.append(name)
+            continue
+        return name, _place(cluster, doc, name, found, paths, aside, say), skipped
+    return None
+
+
+def _holders(cluster: Cluster, doc: dict, name: str, say) -> dict[str, list[str]]:
+    """origin -> the reachable nodes whose copy of origin's part checks out against the manifest."""
+    asks = [(o, h) for o, hs in doc["holders"].items() for h in hs
+            if (c := cluster.connections.get(h)) is not None and c.alive]
+    out: dict[str, list[str]] = {o: [] for o in doc["holders"]}
+
+    def ask(oh):
+        o, h = oh
+        part = {rel: m["sha256"] for rel, m in doc["files"].items() if m["node"] == o}
+        r = cluster.run(lambda n: _cmd(n, "check", posixpath.join(doc["roots"][h], o), name),
+                        stdin=lambda n: _then(json.dumps(part).encode()), nodes=[h], timeout=TIMEOUT)[h]
+        try:
+            verdict = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else {"ok": False, "why": r.describe()}
+        except (ValueError, IndexError):
+            verdict = {"ok": False, "why": r.describe()}
+        if not verdict["ok"]:
+            say(f"{h}: its copy of {o}'s part of checkpoint {name} is not usable: {verdict['why']}")
+        return o, h, verdict["ok"]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(asks)))) as pool:
+        for o, h, ok in pool.map(ask, asks):
+            if ok:
+                out[o].append(h)
+    return out
+
+
+def _place(cluster: Cluster, doc: dict, name: str, found: dict[str, list[str]], paths: dict[str, str],
+           aside: dict[str, str], say) -> dict[str, dict]:
+    inv = cluster.inventory
+
+    def one(target: str) -> tuple[str, dict]:
+        staged = posixpath.join(paths[target], STAGED)
+        cluster.run(lambda n: f"rm -rf {shell.quote(staged)}", nodes=[target], timeout=60)  # a failed one's
+        local: dict[str, str] = {}
+        for origin, holders in sorted(found.items()):
+            part = sorted(rel for rel, m in doc["files"].items() if m["node"] == origin)
+            if target in holders:
+                src = posixpath.join(doc["roots"][target], origin, name)
+                local.update({rel: posixpath.join(src, rel) for rel in part})
+                continue
+            h = holders[0]
+            src = posixpath.join(doc["roots"][h], origin, name)
+            r = pair.copy_files(cluster, inv.node(h), src, inv.node(target), staged, part, timeout=TIMEOUT)
+            if not r.ok:
+                raise NodeRestoreDirError(f"could not copy {origin}'s part of checkpoint {name} from {h} to "
+                                          f"{target}: {r.detail}")
+            whose = f"{origin}'s part" + (f", a replica on {h}," if h != origin else "")
+            say(f"checkpoint {name}: {whose} copied from {h} to {target}, node to node")
+        want = {"files": {rel: m["sha256"] for rel, m in doc["files"].items()}, "from": local}
+        r = cluster.run(lambda n: _cmd(n, "place", paths[target], aside[target], staged),
+                        stdin=lambda n: _then(json.dumps(want).encode()), nodes=[target], timeout=TIMEOUT)[target]
+        if not r.ok:
+            raise NodeRestoreDirError(f"could not restore checkpoint {name} on {target}: {r.describe()} "
+                                      f"{r.stderr.strip()[-300:]}")
+        return target, json.loads(r.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(paths)))) as pool:
+        return dict(pool.map(one, sorted(paths)))
+
+
+def artifact_copier(cluster: Cluster, run_dir: Path, spec, say: Callable[[str], None]) -> ArtifactCopier:
+    """What a run's spec (runs/spec.py RunSpec) asks to carry while it trains: the trainer's
+    checkpoints and TensorBoard files to this machine (train.copy_checkpoints), its checkpoints node
+    to node (train.checkpoint_replica), and with --checkpoint-dir the job's own directory to this
+    machine, or kept on the nodes (checkpoint_replica), or both."""
+    copier = ArtifactCopier(cluster, run_dir, {}, say=say, checkpoints=spec.copy_checkpoints)
+    if spec.checkpoint_replica:
+        copier.replicator = Replicator(cluster, copier.dirs, say=say)
+    if spec.checkpoint_dir and spec.copy_checkpoints:
+        copier.dirsnap = DirCopier(cluster, DirStore(run_dir), say=say)
+    if spec.checkpoint_dir and spec.checkpoint_replica:
+        copier.dirreplica = DirReplicas(cluster, NodeSnaps(run_dir), say=say)
+    return copier
