@@ -27,7 +27,7 @@ from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
-from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, grace_for
+from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.runs.straggler import Slow, StragglerWatch, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
@@ -275,8 +275,8 @@ class AttemptRunner:
         a checkpoint its grace."""
         peer_failed = peer_failed and not self.policy.stop_requests
         with self.tlock:
-            grace = self._asked_grace() if peer_failed else \
-                grace_for(self.cluster, self.key, self._asked_grace(), self.policy.stop_requests >= 2)
+            grace = asked_grace(self.run) if peer_failed else \
+                grace_for(self.cluster, self.key, asked_grace(self.run), self.policy.stop_requests >= 2)
             self.book.tearing_down(why, grace)
             if self.drain_timer is None:  # the logs may take the grace, then LOG_DRAIN_S, to close
                 self.drain_timer = threading.Timer(grace + LOG_DRAIN_S, self.drained.set)
@@ -287,10 +287,6 @@ class AttemptRunner:
                     or st.state in (NodeState.FINISHED, NodeState.FAILED, NodeState.GONE)}
         # outside the lock: a second stop request (grace 0) must not wait for the first one's grace
         self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done, peer_failed=peer_failed)
-
-    def _asked_grace(self) -> float:
-        req = self.run.stop_request or {}
-        return req.get("grace") if req.get("grace") is not None else self.spec.grace
 
     def close(self) -> None:
         if self.drain_timer is not None:
