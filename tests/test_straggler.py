@@ -3,6 +3,8 @@ recovery, the rank's side (the hook's progress answer through the node agent as 
 trainer's compute clock, which leaves the waits out."""
 
 import json
+import os
+import statistics
 import sys
 import time
 
@@ -186,3 +188,98 @@ def test_ranks_reporting_no_compute_at_all_are_judged_without_dividing_by_zero()
     w.check(docs({0: 0.0, 1: 0.0}, 0, 5))
     assert told == [] and said == ["straggler watch: 2 ranks judged over their last 5 steps: median compute 0.0 ms "
                                    "per step, the slowest rank 0 at 1.00x"]
+
+
+# ------------------------------------------------------------ any script: the Flight Recorder's entry times
+def entries(compute: dict[int, float], n: int, first: int = 1, skew: dict[int, float] | None = None,
+            comm: float = 0.002):
+    """A synchronous job's collectives as each rank's Flight Recorder has them: rank r computes
+    compute[r] s, then enters collective k; nobody leaves k before the last rank entered it. Each
+    rank's clock is off by skew[r] s. -> the docs a progress snapshot gives ([[pg, seq, ns]])."""
+    skew = skew or {}
+    t = {r: 1_000.0 for r in compute}
+    out = {r: [] for r in compute}
+    for k in range(first, first + n):
+        for r, c in compute.items():
+            t[r] += c
+            out[r].append(["0", k, int((t[r] + skew.get(r, 0.0)) * 1e9)])
+        done = max(t.values()) + comm
+        t = {r: done for r in t}
+    return [{"rank": r, "answer": {"steps": [], "entered": e}} for r, e in out.items()]
+
+
+def test_a_script_reporting_no_compute_is_judged_from_when_its_ranks_enter_each_collective():
+    from orchestrator.runs.straggler import fr_compute, merge_entered
+
+    into = {}
+    merge_entered(into, entries({0: 0.1, 1: 0.1, 2: 0.26, 3: 0.1}, 60), {}, NODES, keep=1000)
+    samples = fr_compute(into)
+    assert len(samples[2]) == 59
+    assert [s.rank for s in judge(samples, NODES, window=50, unit="collectives")] == [2]
+    [s] = judge(samples, NODES, window=50, unit="collectives")
+    assert describe([s]).endswith("over the last 50 collectives)") and 2.4 < s.ratio < 2.7, describe([s])
+    # the waits are left out: a fast rank computes its own 100 ms (+ the collective's 2 ms), not the 260
+    assert abs(statistics.median(samples[0]) - 0.102) < 1e-3
+
+
+def test_the_nodes_clock_offsets_are_taken_off_before_ranks_are_compared():
+    """Rank 2's node runs 0.5 s ahead: uncorrected, it looks like it enters every collective last
+    by far; with the measured offset it is as fast as the others."""
+    from orchestrator.runs.straggler import fr_compute, merge_entered
+
+    even = {r: 0.1 for r in range(4)}
+    raw, fixed = {}, {}
+    docs_ = entries(even, 60, skew={2: 0.5})
+    merge_entered(raw, docs_, {}, NODES, keep=1000)
+    merge_entered(fixed, docs_, {NODES[2]: 0.5}, NODES, keep=1000)
+    assert [s.rank for s in judge(fr_compute(raw), NODES, window=50)] == [2]
+    assert judge(fr_compute(fixed), NODES, window=50) == []
+
+
+def test_the_watch_judges_a_script_without_compute_per_collective_and_measures_the_clocks_again_only_when_due():
+    told, acted, measured = [], [], []
+    w = watch(told, acted, window=20)
+    w.offsets = lambda: measured.append(1) or {"n1": (0.004, 0.01), "n3": (0.3, 0.01)}
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    for k in range(CONFIRM):
+        w.check(entries(slow, 30, first=1 + 30 * k, skew={2: 0.3}))  # n3 runs 0.3 s ahead
+    assert told == ["straggler: n3 rank 2 computes 3.0x the median (302 ms vs 102 ms over the last 20 collectives)"]
+    assert measured == [1]  # once per OFFSETS_S, not every check
+    assert w.clock[1] == {"n1": 0.0, "n3": 0.3}  # within its uncertainty: not taken off
+    # a healthy script with jitter: nobody
+    told2 = []
+    w2 = watch(told2, [], window=50)
+    w2.offsets = dict
+    samples = healthy(steps=300, base=0.1)
+    for k in range(5):
+        w2.check(entries({r: statistics.median(v[50 * k:50 * k + 50]) for r, v in samples.items()}, 60,
+                         first=1 + 60 * k))
+    assert told2 == []
+
+
+def test_a_rank_reporting_no_compute_answers_with_its_flight_recorder_entry_times(tmp_path):
+    """The hook's `_entered` over a real gloo process group (one rank): its newest collectives,
+    with their sequence numbers and creation times, no stack traces."""
+    (tmp_path / "sitecustomize.py").write_text(HOOK)
+    code = f"""
+import importlib.util, os, sys, time
+import torch, torch.distributed as dist
+spec = importlib.util.spec_from_file_location("hook", {str(tmp_path / "sitecustomize.py")!r})
+sitecustomize = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sitecustomize)
+store = dist.HashStore()
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+t0 = time.time_ns()
+for _ in range(3):
+    dist.all_reduce(torch.ones(4))
+import json
+print(json.dumps([t0, sitecustomize._entered()]))
+"""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    t0, got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [e[1] for e in got] == [1, 2, 3] and all(e[0] == "0" for e in got), got
+    assert all(t0 <= e[2] <= time.time_ns() for e in got)

@@ -132,6 +132,54 @@ def test_a_worker_held_to_15_percent_of_a_core_is_named_a_straggler(cluster4, tm
                     "the run's processes to go")
 
 
+DDP_COMPUTE = str(Path(REPO) / "tests" / "scripts" / "ddp_compute.py")
+
+
+def script_worker(cluster, node, rank):
+    """The plain DDP script's process of global `rank` on `node`."""
+    for p in cluster.processes(node):
+        try:
+            env, argv = p.environ(), p.cmdline()
+        except psutil.Error:
+            continue
+        if env.get("RANK") == str(rank) and any(a.endswith("ddp_compute.py") for a in argv) \
+                and not any(a.endswith("rank_lines.py") for a in argv):
+            return p
+    return None
+
+
+def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(cluster4, tmp_path, home):
+    """Any script: no clusterctl_step reports, so the watch reads when each rank entered each
+    collective (its Flight Recorder, through the hook) on clocks it measured. node3's rank held to
+    15 % of a core is named, per collective, and nobody else."""
+    for n in cluster4.nodes:
+        n.run("mkdir -p ~/gpt_train")
+    inv = str(cluster4.write_inventory(tmp_path / "nodes.yaml", env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}))
+    p, err = start(inv, "--straggler-window", "20", "--", DDP_COMPUTE, "--size", "256")
+    quota = Quota(QUOTA)
+    try:
+        w = wait_for(lambda: script_worker(cluster4, cluster4.nodes[2], 2), 120, "rank 2's process on node3")
+        sup = lambda: next((home / "runs").glob("*/supervisor.log")).read_text()  # noqa: E731
+        judged = wait_for(lambda: re.search(r"straggler watch: 4 ranks judged over their last 20 collectives: "
+                                            r"median compute ([\d.]+) ms per collective", sup()), 180,
+                          "every rank judged from the Flight Recorder")
+        print(judged[0])
+        quota.add(w.pid)
+        line = wait_for(lambda: next((ln for ln in err if "straggler:" in ln), None), 240, "the straggler named")
+        m = re.search(r"clusterctl: straggler: node3 rank 2 computes (\d+\.\d)x the median \((\d+) ms vs ([\d.]+) "
+                      r"ms over the last 20 collectives\)$", line.rstrip())
+        assert m and float(m[1]) >= 1.3, line
+        print(line)
+        assert not [ln for ln in err if "straggler:" in ln and "node3 rank 2" not in ln], err
+    finally:
+        quota.close()
+        if run_id_of(err):
+            cli("stop", run_id_of(err))
+        p.wait(timeout=120)
+    assert wait_for(lambda: not [q for q in cluster4.processes() if not q.name().startswith("sshd")], 60,
+                    "the run's processes to go")
+
+
 def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path, 2500, spare=True, ckpt_every=50)
     p, err = start(inv, "--straggler-window", "20", "--on-straggler", "replace", "--max-restarts", "1")

@@ -28,7 +28,7 @@ from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
-from orchestrator.runs.straggler import Slow, StragglerWatch, progress
+from orchestrator.runs.straggler import Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import Artifacts, copy_logs
@@ -189,7 +189,8 @@ class AttemptRunner:
 
         sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
-                            factor=self.spec.straggler_factor, say=self.say)
+                            factor=self.spec.straggler_factor, say=self.say,
+                            offsets=lambda: clock_offsets(self.cluster, live()))
         sw.start()
         return sw
 

@@ -12,12 +12,22 @@ connections.
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
 is slow. A rank found slow on CONFIRM checks in a row is named a straggler, with its node:
 `straggler: node3 rank 2 computes 2.6x the median (480 ms vs 185 ms over the last 50 steps)`;
-one that stays below the factor for CONFIRM checks is told to have recovered. A rank whose script
-reports no compute is never judged (a script other than the trainer: nothing is said).
+one that stays below the factor for CONFIRM checks is told to have recovered.
 
-The Flight Recorder cannot serve here on gloo: torch 2.13 records, per collective, only when it was
-created on that rank (time_discovered_started_ns, time_discovered_completed_ns and duration_ms
-stay empty), and creation times alone only tell the waits apart by comparing clocks across nodes.
+A script that reports no compute (any script but the trainer) is judged from the Flight Recorder:
+the hook answers with when the rank entered each of its newest collectives (time_created_ns; on
+gloo torch 2.13 records nothing else per collective: time_discovered_*_ns and duration_ms stay
+empty). Those are read on each node's own clock, so the clocks are compared: `clock_offsets`
+measures every node's offset from this machine's clock as preflight's clock_skew does (the best of
+3 `date` round trips, within half the round trip), again every OFFSETS_S, and takes off those
+larger than their uncertainty. Then `fr_compute`: in a
+synchronous job nobody leaves collective k before the last rank entered it, so rank r's compute
+between k and k+1 is when it entered k+1 minus when the last rank entered k (clipped at 0, in the
+process group every rank shares). A straggler enters every collective last and computes the whole
+interval; the others' waits are left out. The rule and the words are the same, per collective
+(`... over the last 50 collectives`). With a DDP whose gradients go out in several buckets during
+the backward pass the intervals inside one step overlap the communication, so the figure is a
+lower bound for the fast ranks; the factor still separates a rank that is persistently last.
 
 --on-straggler warn (default) names it in the foreground, the run's story and `status`;
 replace ends the attempt and restarts it from the newest checkpoint without the straggler's node
@@ -43,6 +53,7 @@ CONFIRM = 2  # checks in a row before a rank is named (or named recovered)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
 ANSWER_S = 5.0  # how long a node's agent waits for its ranks' progress answers
+OFFSETS_S = 300.0  # how often the nodes' clock offsets are measured again (Flight Recorder judging)
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class Slow:
     compute_s: float  # this rank's median compute per step
     median_s: float  # the median of every rank's median
     steps: int
+    unit: str = "steps"  # or "collectives": judged from the Flight Recorder (`fr_compute`)
 
     @property
     def ratio(self) -> float:
@@ -61,7 +73,7 @@ class Slow:
 
 
 def judge(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window: int = DEFAULT_WINDOW,
-          factor: float = DEFAULT_FACTOR) -> list[Slow]:
+          factor: float = DEFAULT_FACTOR, unit: str = "steps") -> list[Slow]:
     """The ranks slower than `factor` times the median, by their median compute over their last
     `window` steps (`samples`: rank -> compute seconds per step, oldest first). Nothing is judged
     until at least MIN_RANKS ranks have `window` steps each."""
@@ -69,7 +81,7 @@ def judge(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window
     if len(full) < MIN_RANKS or factor <= 0:
         return []
     med = statistics.median(full.values())
-    return [Slow(r, node_of.get(r, "?"), c, med, window) for r, c in sorted(full.items())
+    return [Slow(r, node_of.get(r, "?"), c, med, window, unit) for r, c in sorted(full.items())
             if c >= factor * med and c - med >= MIN_GAP_S]
 
 
@@ -88,7 +100,7 @@ def describe(slow: Iterable[Slow]) -> str:
         ranks = ",".join(str(s.rank) for s in ss)
         verb = "computes" if len(ss) == 1 else "compute"
         parts.append(f"{node} rank{'s' if len(ss) > 1 else ''} {ranks} {verb} {worst.ratio:.1f}x the median "
-                     f"({_ms(worst.compute_s)} vs {_ms(worst.median_s)} over the last {worst.steps} steps)")
+                     f"({_ms(worst.compute_s)} vs {_ms(worst.median_s)} over the last {worst.steps} {worst.unit})")
     return "straggler: " + "; ".join(parts)
 
 
@@ -105,6 +117,76 @@ def merge(into: dict[int, dict[int, float]], ranks: Iterable[Mapping], keep: int
             mine[int(step)] = float(seconds)
         for old in sorted(mine)[:-keep]:
             del mine[old]
+
+
+def merge_entered(into: dict[int, dict[tuple[str, int], float]], ranks: Iterable[Mapping],
+                  offsets: Mapping[str, float], node_of: Mapping[int, str], keep: int) -> None:
+    """Add one progress snapshot's Flight Recorder entries (answer.entered [[pg, seq, ns]]) into
+    rank -> {(pg, seq): seconds on this machine's clock}, the node's offset taken off."""
+    for doc in ranks:
+        rank = doc.get("rank")
+        entered = (doc.get("answer") or {}).get("entered") or []
+        if not str(rank).isdigit() or not entered:
+            continue
+        off = offsets.get(node_of.get(int(rank), ""), 0.0)
+        mine = into.setdefault(int(rank), {})
+        for pg, seq, ns in entered:
+            mine[(str(pg), int(seq))] = int(ns) / 1e9 - off
+        for old in sorted(mine, key=lambda k: k[1])[:-keep]:
+            del mine[old]
+
+
+def fr_compute(entered: Mapping[int, Mapping[tuple[str, int], float]]) -> dict[int, list[float]]:
+    """Each rank's compute between consecutive collectives, oldest first, from when every rank
+    entered them (this machine's clock): for collective k and k+1 of the process group the ranks
+    share most, rank r's compute is its entry into k+1 minus the last rank's entry into k."""
+    ranks = sorted(entered)
+    if len(ranks) < MIN_RANKS:
+        return {}
+    common = set.intersection(*(set(entered[r]) for r in ranks))
+    by_pg: dict[str, list[int]] = {}
+    for pg, seq in common:
+        by_pg.setdefault(pg, []).append(seq)
+    if not by_pg:
+        return {}
+    pg, seqs = max(by_pg.items(), key=lambda kv: len(kv[1]))
+    seqs.sort()
+    out: dict[int, list[float]] = {r: [] for r in ranks}
+    for a, b in zip(seqs, seqs[1:]):
+        if b != a + 1:
+            continue
+        last_in = max(entered[r][(pg, a)] for r in ranks)
+        for r in ranks:
+            out[r].append(max(0.0, entered[r][(pg, b)] - last_in))
+    return out
+
+
+def clock_offsets(cluster, names: list[str], tries: int = 3) -> dict[str, tuple[float, float]]:
+    """Every node's clock minus this machine's, in seconds, and the measure's uncertainty
+    (checks/system.py `skew`, the round trip with the smallest uncertainty of `tries`); a node that
+    does not answer is left out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.checks.system import skew
+
+    def one(name: str) -> tuple[str, float | None]:
+        best = None
+        for _ in range(tries):
+            t0 = time.time()
+            r = cluster.run(lambda n: "date +%s.%N", nodes=[name], timeout=10)[name]
+            t1 = time.time()
+            try:
+                found = skew(float(r.stdout.split()[0]), t0, t1) if r.ok else None
+            except (ValueError, IndexError):
+                found = None
+            if found is not None and (best is None or found[1] < best[1]):
+                best = found
+        return name, best
+
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
+        return {n: off for n, off in pool.map(one, names) if off is not None}
 
 
 def progress(cluster, key: str, names: list[str], say: Callable[[str], None]) -> list[Mapping]:
@@ -134,7 +216,10 @@ class StragglerWatch:
     factor: float = DEFAULT_FACTOR
     period: float = PERIOD_S
     say: Callable[[str], None] = print
+    offsets: Callable[[], Mapping[str, tuple[float, float]]] | None = None  # `clock_offsets`: the nodes
     steps: dict[int, dict[int, float]] = field(default_factory=dict)
+    entered: dict[int, dict[tuple[str, int], float]] = field(default_factory=dict)  # `merge_entered`
+    clock: tuple[float, Mapping[str, float]] | None = None  # (when measured, the offsets)
     streak: dict[int, int] = field(default_factory=dict)  # rank -> checks in a row slow (>0) or not (<0)
     named: dict[int, Slow] = field(default_factory=dict)  # the ranks named a straggler now
     judged: bool = False  # every rank had a window of steps once
@@ -166,7 +251,13 @@ class StragglerWatch:
         """One round: the snapshot merged, every rank judged, the changes told."""
         merge(self.steps, ranks, 4 * self.window)
         samples = {r: [v[s] for s in sorted(v)] for r, v in self.steps.items()}
-        slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor)}
+        unit = "steps"
+        if not samples and self.offsets is not None and any((d.get("answer") or {}).get("entered") for d in ranks):
+            if self.clock is None or time.monotonic() - self.clock[0] > OFFSETS_S:
+                self.clock = (time.monotonic(), self.measure())
+            merge_entered(self.entered, ranks, self.clock[1], self.node_of, 4 * self.window + 1)
+            samples, unit = fr_compute(self.entered), "collectives"
+        slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor, unit)}
         judged = {r for r, v in samples.items() if len(v) >= self.window}
         self.rounds += len(judged) >= MIN_RANKS
         if len(judged) >= MIN_RANKS and not self.judged:  # once, in the supervisor's log: the watch sees every rank
@@ -174,8 +265,9 @@ class StragglerWatch:
             med = {r: statistics.median(samples[r][-self.window:]) for r in judged}
             mid = statistics.median(med.values())
             worst = max(med, key=med.get)
-            self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} steps: median "
-                     f"compute {_ms(mid)} per step, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
+            per = unit[:-1]
+            self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} {unit}: median "
+                     f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
         for r in judged:
             was = self.streak.get(r, 0)
             self.streak[r] = (max(was, 0) + 1) if r in slow else (min(was, 0) - 1)
@@ -190,6 +282,14 @@ class StragglerWatch:
             self.tell(describe(new))
         if new or gone:
             self.on_straggler(new, self.current)
+
+    def measure(self) -> dict[str, float]:
+        """The nodes' clock offsets to take off (an offset within its own uncertainty is taken as
+        0: a clock kept by NTP is closer than a round trip over SSH can tell), said once."""
+        found = self.offsets()
+        self.say("straggler watch: judging from the Flight Recorder (the script reports no compute); clock offsets "
+                 + ", ".join(f"{n} {o * 1e3:+.1f} ms ± {u * 1e3:.1f}" for n, (o, u) in sorted(found.items())))
+        return {n: o if abs(o) > u else 0.0 for n, (o, u) in found.items()}
 
     @property
     def current(self) -> str | None:

@@ -15,8 +15,10 @@ reports its /proc state instead.
 
 A request pN (the straggler watch's, runs/straggler.py, every few seconds) is answered with the
 rank's progress only, PID.pN.json: the compute time of its newest steps, as the script reported
-them through `clusterctl_step(step, compute_s)` (the shipped trainer does: trainer/progress.py).
-No stacks, no Flight Recorder: a list of up to 512 steps written as JSON, about 1 ms of the rank's CPU.
+them through `clusterctl_step(step, compute_s)` (the shipped trainer does: trainer/progress.py),
+about 1 ms of the rank's CPU. A script that reports nothing gets, instead, when each of its newest
+collectives was entered on this rank (the Flight Recorder's [pg_id, collective_seq_id,
+time_created_ns], without stack traces: about 3 ms for 300 entries); no stacks either way.
 
 Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
 Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
@@ -117,12 +119,32 @@ def _answer(d, request):
     os.replace(path + ".tmp", path)
 
 
+def _entered():
+    """[[pg_id, collective_seq_id, time_created_ns]] of the newest collectives (no p2p)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    doc = pickle.loads(c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=False))
+    out = [[str(e.get("pg_id")), e["collective_seq_id"], e["time_created_ns"]] for e in doc.get("entries") or ()
+           if not e.get("is_p2p") and e.get("collective_seq_id") and e.get("time_created_ns")]
+    return out[-STEPS_KEPT:]
+
+
 def _progress(d, request):
     import json
     import time
 
     doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "request": request, "time": time.time(),
            "steps": _steps[-STEPS_KEPT:]}
+    if not _steps:
+        try:
+            doc["entered"] = _entered()
+        except Exception as e:  # noqa: BLE001 - the answer says what could not be read
+            doc["entered_error"] = f"{type(e).__name__}: {e}"
     path = os.path.join(d, f"{os.getpid()}.{request}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
