@@ -123,3 +123,22 @@ def test_a_file_rewritten_while_it_is_frozen_voids_the_snapshot(reps, tmp_path, 
     assert reps.tick(["n0", "n1"], final=True) is None
     assert reps.store.names() == []
     assert not (tmp_path / "art-n0" / "dirsnaps" / "n0" / "snap-000001").exists()
+
+
+def test_with_both_kept_home_and_on_the_nodes_one_look_at_the_nodes_serves_both(reps, tmp_path):
+    from orchestrator.runs.ckptdir import DirCopier, DirStore
+
+    home = DirCopier(reps.cluster, DirStore(tmp_path / "run"), say=reps.told.append)
+    home.paths = reps.paths
+    w0 = tmp_path / "w0" / "out"
+    (w0 / "ckpt.pt").write_bytes(b"one")
+    old(w0)
+    looks = []
+    for taker in (home, reps):
+        real = taker.states
+        taker.states = lambda nodes, quiet, real=real, who=taker: looks.append(who) or real(nodes, quiet)
+    assert home.tick(["n0", "n1"], final=True) == "snap-000001"
+    assert reps.tick(["n0", "n1"], final=True, looked=home.looked) == "snap-000001"
+    assert looks == [home]  # the replicas' tick read the nodes' DIR through the copier's look
+    assert (tmp_path / "run" / "checkpoints" / "snap-000001" / "ckpt.pt").read_bytes() == b"one"
+    assert frozen(tmp_path, "n1", "n0", "snap-000001", "ckpt.pt").read_bytes() == b"one"

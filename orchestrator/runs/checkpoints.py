@@ -294,8 +294,10 @@ class ArtifactCopier:
                 self.fetch_new(found)
             if self.replicator is not None:
                 self.replicator.poll(nodes, found)
+            looked = None
             for snaps in self.snaps if finished else ():
-                snaps.tick(nodes, final=True)
+                snaps.tick(nodes, final=True, looked=looked)
+                looked = snaps.looked  # one look at the nodes serves both
 
     def copy_new(self, nodes: list[str], which: list[str]) -> None:
         """What the streams reported for the nodes `which`: their new checkpoints copied here, and
@@ -306,8 +308,10 @@ class ArtifactCopier:
                 self.fetch_new({n: latest[n] for n in which if n in latest})
             if self.replicator is not None:
                 self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
-            for snaps in self.snaps:  # at most every ckptdir.POLL_S
-                snaps.tick(nodes)
+            looked = None
+            for snaps in self.snaps:  # at most every ckptdir.POLL_S; one look at the nodes serves both
+                snaps.tick(nodes, looked=looked)
+                looked = snaps.looked
 
     def start(self, nodes: Callable[[], list[str]]) -> None:
         """The copying thread: each node's news as its stream brings it; every POLL_S s without

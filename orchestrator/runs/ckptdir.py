@@ -194,21 +194,27 @@ class DirCopier:
         self.last = 0.0
         self.copy_s = 0.0
         self.events: list[tuple[float, str]] = []  # (time, snapshot) as each was taken
+        self.looked: dict[str, dict] | None = None  # the states the last tick read
 
     def for_attempt(self, paths: dict[str, str], dirs: dict[str, dict]) -> None:
         """An attempt's nodes: DIR on each (`prepare`), and their artifact directories."""
         self.paths = paths
 
-    def tick(self, nodes: list[str], final: bool = False) -> str | None:
+    def tick(self, nodes: list[str], final: bool = False, looked: dict[str, dict] | None = None) -> str | None:
         """Look at the nodes' DIR (every POLL_S s; `final`: now, the job having ended well, so
-        nothing is being written) and take a snapshot when there is something new. -> its name."""
+        nothing is being written) and take a snapshot when there is something new. -> its name.
+        `looked`: the states another snapshot taker just read of the same nodes (one look at the
+        nodes serves both); `self.looked` is this tick's, None when it did not look."""
+        self.looked = None
         if not final and time.monotonic() - self.last < POLL_S:
             return None
         self.last = time.monotonic()
         nodes = [n for n in nodes if n in self.paths]
-        states = self.states(nodes, 0.0 if final else QUIET_S)
+        states = looked if looked is not None and set(looked) == set(nodes) else \
+            self.states(nodes, 0.0 if final else QUIET_S)
         if states is None:
             return None
+        self.looked = states
         prev_name = self.store.newest()
         prev = self.store.doc(prev_name) if prev_name else None
         if prev_name:

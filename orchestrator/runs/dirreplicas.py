@@ -90,9 +90,9 @@ class DirReplicas(DirCopier):
         super().for_attempt(paths, dirs)
         self.roots = roots_of(dirs)
 
-    def tick(self, nodes: list[str], final: bool = False) -> str | None:
+    def tick(self, nodes: list[str], final: bool = False, looked: dict[str, dict] | None = None) -> str | None:
         self.order = [n for n in nodes if n in self.paths]
-        return super().tick(nodes, final)
+        return super().tick(nodes, final, looked)
 
     def learn(self, name: str, doc: dict) -> None:
         for rel, m in doc["files"].items():
