@@ -277,6 +277,14 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         try:
             stopped = json.loads(agent("snapshot", "h1@n1", 2, 5).stdout)["ranks"][0]
             assert stopped["state"] == "T" and stopped["error"] == "not asked: the process is stopped"
+            # the second source: py-spy (a test dependency, next to this python) reads its stack from
+            # outside without waking it; it still counts as not answered, and is named as stopped
+            s = RankSnap.from_agent("n1", stopped)
+            assert s.from_outside and not s.answered and s.where.endswith(" stuck_here"), stopped.get("pyspy")
+            v = analyze([s], [0], {0: "n1"})
+            assert "is stopped (state T: SIGSTOP, or a debugger holds it); its stack (py-spy): " in v.text, v.text
+            assert "stuck_here" in v.text and "read from outside by py-spy:" in stacks_text([s])
+            assert json.loads(agent("snapshot", "h1@n1", 3, 5).stdout)["ranks"][0]["state"] == "T"  # not woken
         finally:
             os.kill(rank["pid"], signal.SIGCONT)
     finally:

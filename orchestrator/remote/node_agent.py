@@ -602,7 +602,54 @@ def snapshot(run_id, request, wait, what="stacks"):
         st = proc_stat(pid)  # after the wait: a process stopped meanwhile says so
         if st is not None:
             ranks[pid]["state"], ranks[pid]["cpu_s"] = st[0], st[2]
+    silent = [pid for pid, p in ranks.items() if "answer" not in p and p["state"] not in "ZX"]
+    if what != "progress" and silent:  # ranks whose hook did not answer (stopped, holding the GIL): py-spy
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, len(silent))) as pool:  # at once: each may take PY_SPY_S
+            for pid, (found, why) in zip(silent, pool.map(py_spy_stacks, silent)):
+                ranks[pid]["pyspy"] = found if found is not None else why
     print(json.dumps({"ranks": sorted(ranks.values(), key=lambda p: str(p["rank"])), "time": time.time()}))
+
+
+PY_SPY_S = 10.0  # one py-spy dump's limit
+
+
+def py_spy_stacks(pid):
+    """The process's Python stacks read from outside by py-spy (`dump --nonblocking`: the process
+    is not paused, so a stopped one stays stopped), in the hook's shape (outermost frame first,
+    the main thread first) -> (stacks, None), or (None, why not): py-spy not installed (next to
+    this python or on PATH), or ptrace not allowed (Ubuntu's kernel.yama.ptrace_scope=1 forbids
+    it on a process that is not this one's descendant, unless root)."""
+    import shutil
+    import subprocess
+
+    exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    exe = exe if os.access(exe, os.X_OK) else shutil.which("py-spy")
+    if exe is None:
+        return None, "py-spy is not installed"
+    try:
+        r = subprocess.run([exe, "dump", "--pid", str(pid), "--json", "--nonblocking"], capture_output=True,
+                           timeout=PY_SPY_S, stdin=subprocess.DEVNULL)
+        doc = json.loads(r.stdout) if r.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        return None, "py-spy: %s" % (type(e).__name__,)
+    if not isinstance(doc, list):
+        err = r.stderr.decode(errors="replace").strip().splitlines()
+        return None, "py-spy: " + (err[-1][:200] if err else "exit %d" % r.returncode)
+    import sysconfig
+
+    libs = tuple({os.path.realpath(v) + os.sep for k, v in sysconfig.get_paths().items()
+                  if k in ("stdlib", "platstdlib", "purelib", "platlib")})  # as the hook marks library frames
+    threads = []
+    for t in doc:
+        frames = [{"file": f.get("filename"), "line": f.get("line"), "func": f.get("name"), "code": "",
+                   "lib": os.path.realpath(f.get("filename") or "").startswith(libs)}
+                  for f in reversed(t.get("frames") or [])]
+        threads.append({"thread": t.get("thread_name") or str(t.get("thread_id")),
+                        "main": t.get("thread_name") == "MainThread", "frames": frames})
+    threads.sort(key=lambda t: not t["main"])
+    return threads, None
 
 
 def reach(timeout, *targets):

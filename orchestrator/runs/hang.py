@@ -65,10 +65,12 @@ class RankSnap:
     threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (name, frames outermost first), main first
     pgs: Mapping[str, int] = field(default_factory=dict)  # pg id -> last collective entered
     names: Mapping[tuple[str, int], tuple[str, str]] = field(default_factory=dict)  # (pg, seq) -> (name, sizes)
+    from_outside: bool = False  # the threads were read by py-spy: the hook did not answer
 
     @property
     def answered(self) -> bool:
-        return bool(self.threads) or bool(self.pgs)
+        """The rank's hook answered (py-spy's stacks of a silent rank do not count)."""
+        return (bool(self.threads) and not self.from_outside) or bool(self.pgs)
 
     @property
     def main(self) -> tuple[Frame, ...]:
@@ -90,8 +92,9 @@ class RankSnap:
     @classmethod
     def from_agent(cls, node: str, doc: Mapping) -> RankSnap:
         ans = doc.get("answer") or {}
+        outside = not ans.get("stacks") and isinstance(doc.get("pyspy"), list)  # node_agent.py py_spy_stacks
         threads = []
-        for t in ans.get("stacks") or []:
+        for t in (doc["pyspy"] if outside else ans.get("stacks") or []):
             frames = tuple(Frame(str(f.get("file") or "?"), f.get("line"), str(f.get("func") or "?"),
                                  str(f.get("code") or ""), bool(f.get("lib"))) for f in t.get("frames") or [])
             threads.append((str(t.get("thread") or "?"), frames))
@@ -106,7 +109,7 @@ class RankSnap:
         rank = doc.get("rank")
         return cls(node, int(rank) if str(rank).isdigit() else -1, doc.get("pid"), str(doc.get("state") or "?"),
                    str(doc.get("wchan") or ""), doc.get("cpu_s"), doc.get("error") or ans.get("fr_error"),
-                   tuple(threads), pgs, names)
+                   tuple(threads), pgs, names, outside)
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,14 @@ def _word(rs: Iterable[int]) -> str:
 
 
 def _unanswered_why(s: RankSnap) -> str:
+    seen = f"; its stack (py-spy): {s.where}" if s.from_outside and s.where else ""
     if s.state in ("T", "t"):
-        return "is stopped (state T: SIGSTOP, or a debugger holds it)"
+        return "is stopped (state T: SIGSTOP, or a debugger holds it)" + seen
     if s.state == "D":
-        return f"is in uninterruptible sleep (state D{', in ' + s.wchan if s.wchan and s.wchan != '0' else ''})"
+        return f"is in uninterruptible sleep (state D{', in ' + s.wchan if s.wchan and s.wchan != '0' else ''})" + seen
     if s.state in ("Z", "X"):
         return "has exited (its process is a zombie)"
-    return f"did not answer ({s.error or 'no hook'}; state {s.state})"
+    return f"did not answer ({s.error or 'no hook'}; state {s.state})" + seen
 
 
 def stack_groups(snaps: Iterable[RankSnap]) -> list[tuple[str, list[int]]]:
@@ -296,7 +300,8 @@ def stacks_text(snaps: list[RankSnap]) -> str:
     groups: dict[tuple, list[RankSnap]] = {}
     for s in sorted(snaps, key=lambda s: s.rank):
         key = (tuple((name, tuple((f.file, f.line, f.func) for f in frames)) for name, frames in s.threads),
-               tuple(sorted(s.pgs.items()))) if s.answered else ("state", s.state, s.error)
+               tuple(sorted(s.pgs.items()))) if s.answered else \
+            ("state", s.state, s.error, tuple((f.file, f.line, f.func) for f in s.main))
         groups.setdefault(key, []).append(s)
     out = []
     for key, members in groups.items():
@@ -305,7 +310,9 @@ def stacks_text(snaps: list[RankSnap]) -> str:
         s = members[0]
         if not s.answered:
             out.append(f"  no answer: {_unanswered_why(s)}")
-            continue
+            if not s.threads:
+                continue
+            out.append("  read from outside by py-spy:")
         for name, frames in s.threads:
             out.append(f"  thread {name}:")
             for f in frames:
