@@ -129,3 +129,28 @@ def test_sync_outside_a_checkout_is_one_usage_paragraph(cl, inv, tmp_path):
     r = cli("sync", "-i", inv, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "not inside a git checkout" in r.stderr and "--src" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_train_refuses_nodes_behind_the_directory_they_were_synced_from(cl, inv, tmp_path, home):
+    """`train` from anywhere: the nodes were last synced from the checkout, which was edited since
+    and not synced, so the launch fails naming the file and starts nothing; after a sync it runs
+    the edited code. (Nodes never synced by clusterctl are compared with each other only.)"""
+    root = checkout(tmp_path)
+    assert cli("sync", "-i", inv, cwd=root).returncode == 0
+    (root / "train.py").write_text("print('v2')\n")  # edited, not synced
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = cli("train", "-i", inv, "--nproc-per-node", "1", "--", "train.py", cwd=elsewhere)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "code_sync" in r.stderr and "changed: train.py" in r.stderr and "nothing was started" in r.stderr, \
+        r.stderr[-3000:]
+    for nd in cl.nodes:
+        assert nd.run("cat ~/gpt_train/train.py").stdout == "print('v1')\n"
+    assert cli("sync", "-i", inv, cwd=root).returncode == 0
+    r = cli("train", "-i", inv, "--nproc-per-node", "1", "--", "train.py", cwd=elsewhere)
+    assert r.returncode == 0 and "node[1-2]/r[0-1] | v2" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    # the nodes updated another way since (a git pull there), the checkout untouched: no false alarm
+    for nd in cl.nodes:
+        nd.run("echo \"print('v3')\" > ~/gpt_train/train.py")
+    r = cli("train", "-i", inv, "--nproc-per-node", "1", "--", "train.py", cwd=elsewhere)
+    assert r.returncode == 0 and "node[1-2]/r[0-1] | v3" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])

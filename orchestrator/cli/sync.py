@@ -9,6 +9,7 @@ import click
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, UsageError, with_unreachable
 from orchestrator.sync import sync
+from orchestrator.transfer import synced
 
 
 @click.command("sync")
@@ -36,7 +37,7 @@ def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tu
     from rich.console import Console
 
     from orchestrator.checks.preflight import run_preflight
-    from orchestrator.transfer.files import require_code_source
+    from orchestrator.transfer.files import control_code, require_code_source
     from orchestrator.transfer.progress import RichEvents, SyncEvents, summary
 
     inv = opts.load()
@@ -58,6 +59,10 @@ def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tu
         unreachable = list(cluster.unreachable)
     bad_code = {n.node.name: r.detail for n in code.nodes
                 if (r := n.results.get("code_sync")) is not None and r.status != "ok"}
+    pushed = {r.node for r in report.results if r.ok}
+    # train's preflight compares these nodes with `src` from now on (transfer/synced.py)
+    synced.record([inv.node(n) for n in sorted(pushed - set(bad_code) - set(unreachable))], src,
+                  list(inv.sync.include), list(inv.sync.exclude), control_code(inv, src)["digest"])
     ok = report.ok and code.ok
     if as_json:
         doc = report.to_json() | {"ok": ok, "code_sync": bad_code or "ok"}

@@ -9,6 +9,7 @@ and nodes, so a node that cannot be reached keeps a pending stop for exactly wha
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -28,6 +29,8 @@ from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
+from orchestrator.transfer import synced
+from orchestrator.transfer.files import control_code
 from orchestrator.runs.straggler import Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
@@ -232,7 +235,15 @@ class AttemptRunner:
 
         from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
 
-        report = run_preflight(self.cluster, self.inv, FAST_CHECKS)
+        inv, src = self.inv, None
+        if self.record.attempt == 1 and (rec := synced.source_of(list(self.inv.nodes))) is not None:
+            # the nodes were last synced from rec["src"], changed since: compared with it as it is
+            # now, so an edit there that was not synced fails the launch naming the files
+            there = dataclasses.replace(inv, sync=inv.sync.model_copy(update={"include": rec["include"],
+                                                                               "exclude": rec["exclude"]}))
+            if control_code(there, rec["src"])["digest"] != rec["digest"]:
+                inv, src = there, rec["src"]
+        report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
         report.render(console)
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
