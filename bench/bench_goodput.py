@@ -17,7 +17,7 @@ batch 2, block 32, a progress line every step, a checkpoint every --ckpt-every s
                 hang       SIGSTOP to the node's trainer process
                 straggler  the node's trainer process held to 15 % of a core (a CFS quota: cgroup v2
                            cpu.max, else v1 cpu.cfs_quota_us, as tests/test_straggler_cluster.py,
-                           with a 10 ms period: see Quota)
+                           with a 10 ms period: see `quota`)
               The trainer process is found as the tests find it: by the attempt's run key in its
               environment (CLUSTERCTL_RUN_KEY) with RANK set, not torchrun's rank_lines.py wrapper.
 
@@ -57,7 +57,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import psutil
@@ -155,43 +154,22 @@ def stop_run(home: Path, run_dir: Path, train: Train) -> None:
 
 
 # ---------------------------------------------------------------- faults
-class Quota:
-    """A CPU quota on a process: a fresh cgroup (v2 cpu.max where the cpu controller is on the
-    unified hierarchy, else v1 cpu.cfs_quota_us), as tests/test_straggler_cluster.py, but with a
-    10 ms CFS period instead of the default 100 ms: nano's step computes for ~13 ms here, so with
-    100 ms the rank gets its 15 ms in one go and is then parked for 85 ms, mostly where it waits in
-    the all-reduce anyway (a bursty pause, not a slow CPU: in a trial it halved the whole run for
-    133 s and the straggler watch, which times compute, named nobody). 1.5 ms every 10 ms
-    stretches every compute window, as a slow or throttled node does."""
+PERIOD_US = 10000  # the straggler's CFS period (tests/test_straggler_cluster.py Quota's default: 100 ms)
 
-    PERIOD_US = 10000
 
-    def __init__(self, share: float):
-        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
-        name = f"ccgp-straggler-{uuid.uuid4().hex[:8]}"
-        ctl = v2 / "cgroup.controllers"
-        if ctl.exists() and "cpu" in ctl.read_text().split():
-            self.dir = v2 / name
-            self.dir.mkdir()
-            (self.dir / "cpu.max").write_text(f"{int(share * self.PERIOD_US)} {self.PERIOD_US}")
-        elif (v1 / "cpu.cfs_quota_us").exists():
-            self.dir = v1 / name
-            self.dir.mkdir()
-            (self.dir / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-            (self.dir / "cpu.cfs_quota_us").write_text(str(int(share * self.PERIOD_US)))
-        else:
-            raise SystemExit("bench: no writable cgroup cpu controller for the straggler")
+def quota(share: float):
+    """A CPU quota on a process (tests/test_straggler_cluster.py Quota), but with a 10 ms CFS
+    period instead of the default 100 ms: nano's step computes for ~13 ms here, so with 100 ms the
+    rank gets its 15 ms in one go and is then parked for 85 ms, mostly where it waits in the
+    all-reduce anyway (a bursty pause, not a slow CPU: in a trial it halved the whole run for 133 s
+    and the straggler watch, which times compute, named nobody). 1.5 ms every 10 ms stretches every
+    compute window, as a slow or throttled node does."""
+    from tests.test_straggler_cluster import Quota
 
-    def add(self, pid: int) -> None:
-        (self.dir / "cgroup.procs").write_text(str(pid))
+    def missing(why: str):
+        raise SystemExit(f"bench: {why} for the straggler")
 
-    def close(self) -> None:
-        for pid in (self.dir / "cgroup.procs").read_text().split():
-            try:
-                (self.dir.parent / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass  # it exited meanwhile
-        self.dir.rmdir()
+    return Quota(share, PERIOD_US, missing)
 
 
 def worker(cluster, node, key: str):
@@ -257,7 +235,7 @@ def inject_all(cluster, run_dir: Path, clock: LogClock, train: Train, rng: rando
             elif kind == "hang":
                 os.kill(p.pid, signal.SIGSTOP)
             else:
-                quota_box.append(Quota(QUOTA))
+                quota_box.append(quota(QUOTA))
                 quota_box[-1].add(p.pid)
         print(f"    +{f['injected'] - train.t0:6.1f} s  {kind} on {node}" +
               (f" (rank {f['rank']}, pid {f['pid']})" if "pid" in f else "") +
@@ -320,20 +298,20 @@ def one_run(label: str, faulted: bool, steps: int, ckpt_every: int, rng: random.
             print(f"  {label}: faults in the order {', '.join(order)}", flush=True)
         train = Train(home, td / "stdout.txt", "-i", inv, *FLAGS)
         deadline = train.t0 + 3 * expect_s + 600
-        quota: list[Quota] = []
+        quotas: list = []  # tests/test_straggler_cluster.py Quota
         faults: list[dict] = []
         try:
             run_dir = run_dir_of(home)
             clock = LogClock(run_dir / "nodes")
             if faulted:
-                faults = inject_all(cluster, run_dir, clock, train, rng, order, span, deadline, quota)
+                faults = inject_all(cluster, run_dir, clock, train, rng, order, span, deadline, quotas)
             if not train.wait(max(1.0, deadline - time.time())):
                 print(f"  {label}: still running at the bench's deadline ({deadline - train.t0:.0f} s): stopped",
                       flush=True)
                 stop_run(home, run_dir, train)
         finally:
             train.kill()
-            for q in quota:
+            for q in quotas:
                 q.close()
         clock.stop()
         rec = rec_of(run_dir)

@@ -44,22 +44,26 @@ def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
 
 
 class Quota:
-    """A CPU quota on some processes: a fresh cgroup (v2 cpu.max, else v1 cpu.cfs_quota_us)."""
+    """A CPU quota on some processes: a fresh cgroup (v2 cpu.max, else v1 cpu.cfs_quota_us) with
+    `share` of a core every `period_us` (bench/bench_goodput.py uses a shorter period than the
+    kernel's default 100 ms). Without a writable cpu controller, `missing(why)` (a test is skipped
+    rather than faked)."""
 
-    def __init__(self, share: float):
+    def __init__(self, share: float, period_us: int = 100000, missing=pytest.skip):
         v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
         name = f"cct-straggler-{uuid.uuid4().hex[:8]}"
+        quota = int(share * period_us)
         if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").exists() else False:
             self.dir = v2 / name
             self.dir.mkdir()
-            (self.dir / "cpu.max").write_text(f"{int(share * 100000)} 100000")
+            (self.dir / "cpu.max").write_text(f"{quota} {period_us}")
         elif (v1 / "cpu.cfs_quota_us").exists():
             self.dir = v1 / name
             self.dir.mkdir()
-            (self.dir / "cpu.cfs_period_us").write_text("100000")
-            (self.dir / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+            (self.dir / "cpu.cfs_period_us").write_text(str(period_us))
+            (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            pytest.skip("no writable cgroup cpu controller")
+            missing("no writable cgroup cpu controller")
 
     def add(self, pid: int) -> None:
         (self.dir / "cgroup.procs").write_text(str(pid))
@@ -74,14 +78,15 @@ class Quota:
         self.dir.rmdir()
 
 
-def worker(cluster, node, rank):
-    """The trainer process of global `rank` on `node` (not torchrun, not its line writer)."""
+def worker(cluster, node, rank, is_job=lambda argv: "trainer" in argv):
+    """The job's process of global `rank` on `node` (the trainer by default; not torchrun, not its
+    line writer)."""
     for p in cluster.processes(node):
         try:
             env, argv = p.environ(), p.cmdline()
         except psutil.Error:
             continue
-        if env.get("RANK") == str(rank) and "trainer" in argv and not any(a.endswith("rank_lines.py") for a in argv):
+        if env.get("RANK") == str(rank) and is_job(argv) and not any(a.endswith("rank_lines.py") for a in argv):
             return p
     return None
 
@@ -135,19 +140,6 @@ def test_a_worker_held_to_15_percent_of_a_core_is_named_a_straggler(cluster4, tm
 DDP_COMPUTE = str(Path(REPO) / "tests" / "scripts" / "ddp_compute.py")
 
 
-def script_worker(cluster, node, rank):
-    """The plain DDP script's process of global `rank` on `node`."""
-    for p in cluster.processes(node):
-        try:
-            env, argv = p.environ(), p.cmdline()
-        except psutil.Error:
-            continue
-        if env.get("RANK") == str(rank) and any(a.endswith("ddp_compute.py") for a in argv) \
-                and not any(a.endswith("rank_lines.py") for a in argv):
-            return p
-    return None
-
-
 def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(cluster4, tmp_path, home):
     """Any script: no clusterctl_step reports, so the watch reads when each rank entered each
     collective (its Flight Recorder, through the hook) on clocks it measured. node3's rank held to
@@ -158,7 +150,9 @@ def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(clu
     p, err = start(inv, "--straggler-window", "20", "--", DDP_COMPUTE, "--size", "256")
     quota = Quota(QUOTA)
     try:
-        w = wait_for(lambda: script_worker(cluster4, cluster4.nodes[2], 2), 120, "rank 2's process on node3")
+        w = wait_for(lambda: worker(cluster4, cluster4.nodes[2], 2, lambda argv: any(a.endswith("ddp_compute.py")
+                                                                                   for a in argv)),
+                     120, "rank 2's process on node3")
         sup = lambda: next((home / "runs").glob("*/supervisor.log")).read_text()  # noqa: E731
         judged = wait_for(lambda: re.search(r"straggler watch: 4 ranks judged over their last 20 collectives: "
                                             r"median compute ([\d.]+) ms per collective", sup()), 180,

@@ -244,9 +244,10 @@ def _gpus_found(nodes: list[Node], done: dict[str, str], probed_gpus: bool) -> d
 
 def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | None = None, *,
                   connect_timeout: float = 3.0, control_dir: str | None = None,
-                  code_required: bool = False) -> PreflightReport:
+                  code_required: bool = False, control: dict | None = None) -> PreflightReport:
     """control_dir: the directory here whose sync selection code_sync compares every node with
-    (transfer/files.py code_source; None: the nodes are compared with each other).
+    (transfer/files.py code_source; None: the nodes are compared with each other); `control`:
+    its transfer/files.py control_code when the caller has it already (it hashes the tree).
     code_required: an empty workdir fails code_sync even with no control_dir. Nodes whose probe
     could not answer are probed again (a few rounds within a few seconds, checks/retry.py);
     report.asked_again lists them per round."""
@@ -269,7 +270,7 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
     probes = _Probes(inv, probe_checks, connect_timeout)
     extra: dict = {"code_required": code_required}
     if "code_sync" in probe_checks and control_dir is not None:
-        extra["control_code"] = control_code(inv, control_dir)
+        extra["control_code"] = control if control is not None else control_code(inv, control_dir)
     if probe_checks and connected:
         probes.run(cluster, connected)
     _verdicts(cluster, nodes, reports, probes, extra)

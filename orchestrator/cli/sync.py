@@ -55,14 +55,15 @@ def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tu
         else:
             with RichEvents(console) as events:
                 report = sync(cluster, inv, src, method=method, events=events)
-        code = run_preflight(cluster, inv, ["code_sync"], control_dir=src, code_required=True)
+        shipped = control_code(inv, src)  # what this sync ships: code_sync's and the record's
+        code = run_preflight(cluster, inv, ["code_sync"], control_dir=src, code_required=True, control=shipped)
         unreachable = list(cluster.unreachable)
     bad_code = {n.node.name: r.detail for n in code.nodes
                 if (r := n.results.get("code_sync")) is not None and r.status != "ok"}
     pushed = {r.node for r in report.results if r.ok}
     # train's preflight compares these nodes with `src` from now on (transfer/synced.py)
     synced.record([inv.node(n) for n in sorted(pushed - set(bad_code) - set(unreachable))], src,
-                  list(inv.sync.include), list(inv.sync.exclude), control_code(inv, src)["digest"])
+                  list(inv.sync.include), list(inv.sync.exclude), shipped["digest"])
     ok = report.ok and code.ok
     if as_json:
         doc = report.to_json() | {"ok": ok, "code_sync": bad_code or "ok"}

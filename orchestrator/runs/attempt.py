@@ -137,8 +137,7 @@ class AttemptRunner:
 
     def snapshot(self, names: list[str], request: int) -> list[RankSnap]:
         """Every rank of the attempt on the nodes still running it (node agent `snapshot`)."""
-        live = [n for n in names if self.statuses[n].state is NodeState.RUNNING
-                and (c := self.cluster.connections.get(n)) is not None and c.alive]
+        live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
         ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
         got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
         out: list[RankSnap] = []
@@ -187,8 +186,7 @@ class AttemptRunner:
                    and st.last_rank is not None for r in range(st.first_rank, st.last_rank + 1)}
 
         def live() -> list[str]:
-            return [n for n in names if self.statuses[n].state is NodeState.RUNNING
-                    and (c := self.cluster.connections.get(n)) is not None and c.alive]
+            return self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
 
         sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
@@ -235,15 +233,15 @@ class AttemptRunner:
 
         from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
 
-        inv, src = self.inv, None
+        inv, src, code = self.inv, None, None
         if self.record.attempt == 1 and (rec := synced.source_of(list(self.inv.nodes))) is not None:
             # the nodes were last synced from rec["src"], changed since: compared with it as it is
             # now, so an edit there that was not synced fails the launch naming the files
             there = dataclasses.replace(inv, sync=inv.sync.model_copy(update={"include": rec["include"],
                                                                                "exclude": rec["exclude"]}))
-            if control_code(there, rec["src"])["digest"] != rec["digest"]:
-                inv, src = there, rec["src"]
-        report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src)
+            if (now := control_code(there, rec["src"]))["digest"] != rec["digest"]:
+                inv, src, code = there, rec["src"], now
+        report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src, control=code)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
         report.render(console)
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"

@@ -215,7 +215,7 @@ class ArtifactCopier:
         """Every node at once, one process each: its complete checkpoints (when they are copied or
         replicated; newest first, as remote/artifacts.py `poll` prints them) and the bytes its
         TensorBoard event files gained since the last poll, which are appended here."""
-        names = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        names = self.cluster.live(nodes)
         want = self.checkpoints or self.replicator is not None
         have, bufs = {n: self.tb_have(n) for n in names}, {n: bytearray() for n in names}
         if not names:

@@ -161,8 +161,8 @@ class Controller:
         """Drop this run's claims on the connected nodes (a node with a stop pending keeps it)."""
         if self.cluster is None or self.spec.force:
             return
-        names = [n for n in self.book.rec.claimed if n in self.cluster.connections
-                 and self.cluster.connections[n].alive and not (self.stopper and self.stopper.is_pending(n))]
+        names = [n for n in self.cluster.live(self.book.rec.claimed)
+                 if not (self.stopper and self.stopper.is_pending(n))]
         if names:
             agent.run(self.cluster, lambda n: agent.release(n, self.run.id), names)
             self.book.released(names)

@@ -189,7 +189,7 @@ class DirReplicas(DirCopier):
         keep = json.dumps(self.store.names())
         docs = [self.store.doc(n) for n in self.store.names()]
         where = {h: r for d in docs for h, r in d.get("roots", {}).items()} | self.roots
-        nodes = [n for n in where if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        nodes = self.cluster.live(where)
         if nodes:
             self.cluster.run(lambda n: _cmd(n, "keep", where[n.name], keep), stdin=lambda n: _then(), nodes=nodes,
                              timeout=60)
@@ -225,8 +225,8 @@ def restore_from_nodes(cluster: Cluster, store: NodeSnaps, paths: dict[str, str]
 
 def _holders(cluster: Cluster, doc: dict, name: str, say) -> dict[str, list[str]]:
     """origin -> the reachable nodes whose copy of origin's part checks out against the manifest."""
-    asks = [(o, h) for o, hs in doc["holders"].items() for h in hs
-            if (c := cluster.connections.get(h)) is not None and c.alive]
+    live = set(cluster.live({h for hs in doc["holders"].values() for h in hs}))
+    asks = [(o, h) for o, hs in doc["holders"].items() for h in hs if h in live]
     out: dict[str, list[str]] = {o: [] for o in doc["holders"]}
 
     def ask(oh):

@@ -120,7 +120,7 @@ class Replicator:
     def poll(self, nodes: list[str], found: dict[str, list[dict]]) -> None:
         """`found`: each node's complete checkpoints, newest first (as the node's stream or the
         sweep's poll reported them)."""
-        alive = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        alive = self.cluster.live(nodes)
         holders = {s: h for s, h in ring(nodes).items() if s in alive and h in alive}
         for src, holder in holders.items():
             ckpts = found.get(src) or []

@@ -214,10 +214,9 @@ class Restorer:
         (runs/dirreplicas.py, node to node) when it is newer than this machine's newest intact copy
         (runs/ckptdir.py restore_dir), else that copy."""
         t0 = time.monotonic()
-        run_dir = self.store.dir.parent
-        own, own_nodes = DirStore(run_dir), NodeSnaps(run_dir)
-        if not own.names() and not own_nodes.names() and self.origin is not None:
-            run_dir = self.origin.dir.parent
+        own = run_dir = self.store.dir.parent
+        if self.origin is not None and not DirStore(own).names() and not NodeSnaps(own).names():
+            run_dir = self.origin.dir.parent  # nothing of this run's yet: --resume-from's
         store, on_nodes = DirStore(run_dir), NodeSnaps(run_dir)
         name, skipped = store.newest_intact(self.say)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -260,7 +259,7 @@ class Restorer:
                "set_aside": {n: r["aside"] for n, r in replies.items() if r["aside"]}}
         if store is on_nodes:
             out["restored_from"] = "nodes"
-        if run_dir != own.dir.parent:
+        if run_dir != own:
             out["resumed_from"] = self.origin_id
         return out
 

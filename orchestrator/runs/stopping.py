@@ -42,7 +42,7 @@ def grace_for(cluster: Cluster | None, key: str, asked: float, kill: bool) -> fl
     checkpoint save on any live node of the attempt `key`."""
     if kill:
         return 0.0
-    live = [n for n, c in cluster.connections.items() if c.alive] if cluster else []
+    live = cluster.live(list(cluster.connections)) if cluster else []
     saves = [s.save_seconds for s in agent.run(cluster, lambda n: agent.status(n, key, timeout=10), live).values()] \
         if live else []
     return stop_grace(asked, max(saves, default=0))
@@ -66,7 +66,7 @@ class Stopper:
         """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
         in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
         failed (agent.stop). Returns the nodes left pending."""
-        live = [n for n in nodes if (c := self.cluster.connections.get(n)) is not None and c.alive]
+        live = self.cluster.live(nodes)
         res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), live)
         left = []
         for name in nodes:

@@ -224,7 +224,8 @@ def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, cha
             got = {r.node: r for r in c.run()}
             sent += c.bytes_sent
             notes += c.notes
-            done = [got[n.name] for n in group if got[n.name].ok or not _connected(cluster, n.name) or not relayed]
+            live = set(cluster.live(n.name for n in group))
+            done = [got[n.name] for n in group if got[n.name].ok or n.name not in live or not relayed]
             results.update({r.node: r for r in done})
             # a relayed stream that stalled or broke (its upstream died or was cut, the bytes did not
             # match) is retried once for those nodes straight from here, the next source there is
@@ -235,7 +236,3 @@ def push(cluster: Cluster, nodes: list[Node], src: str, files: list[str], *, cha
                          f"({got[group[0].name].detail}); pushed again from this machine")
     return [results[n.name] for n in nodes], sent, notes
 
-
-def _connected(cluster: Cluster, name: str) -> bool:
-    c = cluster.connections.get(name)
-    return c is not None and c.alive

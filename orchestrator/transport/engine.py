@@ -270,6 +270,10 @@ class Cluster:
     def nodes(self) -> tuple[Node, ...]:
         return self.inventory.nodes
 
+    def live(self, names) -> list[str]:
+        """Those of `names` whose connection is open and alive now, in the order given."""
+        return [n for n in names if (c := self.connections.get(n)) is not None and c.alive]
+
     def connection_for(self, node: Node, *, connect_timeout: float | None = None) -> Connection:
         """A new, unopened connection to `node` with this cluster's settings."""
         return connection_for(node, accept_new_host_keys=self.accept_new_host_keys,
