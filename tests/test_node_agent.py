@@ -57,17 +57,17 @@ def pids_with(key):
 
 
 def test_start_records_the_run_and_its_exit_code(agent):
-    info = start(agent, "r1@n1", "import os,sys; print('out', os.environ['CLUSTERCTL_RUN_ID'], "
+    info = start(agent, "a1@n1", "import os,sys; print('out', os.environ['CLUSTERCTL_RUN_ID'], "
                                  "os.environ['X']); print('err', file=sys.stderr); sys.exit(3)", env={"X": "y"})
-    d = rundir(agent, "r1@n1")
+    d = rundir(agent, "a1@n1")
     assert info["pid"] == info["pgid"] and info["waiter"] != info["pid"]
     assert wait_for(lambda: (d / "exit_code").exists())
     assert (d / "exit_code").read_text() == "3"
-    assert sorted((d / "log").read_bytes().splitlines()) == [b"err", b"out r1 y"]
-    st = json.loads(agent("status", "r1@n1").stdout)
+    assert sorted((d / "log").read_bytes().splitlines()) == [b"err", b"out a1 y"]
+    st = json.loads(agent("status", "a1@n1").stdout)
     assert st["exit_code"] == 3 and st["alive"] == 0 and st["pid"] == info["pid"] and st["exists"]
     assert json.loads(agent("live").stdout) == []
-    assert agent("start", "r1@n1", "7b7d").returncode != 0  # one run per key, never reused
+    assert agent("start", "a1@n1", "7b7d").returncode != 0  # one run per key, never reused
 
 
 def test_a_command_that_cannot_start_exits_127(agent):

@@ -73,7 +73,7 @@ def records(proc, stop_after=None):
 
 
 def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_copy_ends(tmp_path):
-    key = "s1@n1"
+    key = "ns1@n1"
     start_job(tmp_path, key)
     # the first stream is cut once it announced a checkpoint and sent some TensorBoard bytes
     first = records(stream(tmp_path, key, 0, {}), lambda rs: any(h["t"] == "ckpts" and json.loads(b) for h, b in rs)
@@ -112,7 +112,7 @@ def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_
 
 
 def test_without_a_checkpoint_directory_only_log_tensorboard_and_status(tmp_path):
-    key = "s2@n1"
+    key = "ns2@n1"
     start_job(tmp_path, key)
     rs = records(stream(tmp_path, key, 0, {}, ckdir="-"))
     assert {h["t"] for h, _ in rs} == {"log", "tb", "end"}

@@ -191,8 +191,8 @@ def test_node_agent_records_are_private_and_the_job_keeps_the_users_umask(tmp_pa
     job = "open('job-out.txt', 'w').write('mine')"  # the job's own output, in its cwd
     spec = {"argv": [sys.executable, "{rundir}/helper.py"], "cwd": str(tmp_path), "env": {},
             "files": {"helper.py": job}}
-    shipped("node_agent", "start", "r1@n1", json.dumps(spec).encode().hex(), home=tmp_path, share=share)
-    d = tmp_path / ".clusterctl" / "node-runs" / "r1@n1"
+    shipped("node_agent", "start", "pf1@n1", json.dumps(spec).encode().hex(), home=tmp_path, share=share)
+    d = tmp_path / ".clusterctl" / "node-runs" / "pf1@n1"
     wait_for(lambda: (d / "exit_code").exists(), 30, "the run's exit code")
     dm, fm = (0o750, 0o640) if share else (0o700, 0o600)
     assert mode(d.parent.parent) == dm and mode(d.parent) == dm and mode(d) == dm

@@ -35,14 +35,14 @@ def test_a_killed_torchrun_leaves_no_worker_behind(agent):
 
 
 def test_a_stop_request_left_on_the_node_is_carried_out_by_the_waiter(agent):
-    start(agent, "m1@n1", ORPHANING)
-    d = rundir(agent, "m1@n1")
-    assert wait_for(lambda: b"ready" in (d / "log").read_bytes() and len(pids_with("m1@n1")) == 2)
+    start(agent, "rm1@n1", ORPHANING)
+    d = rundir(agent, "rm1@n1")
+    assert wait_for(lambda: b"ready" in (d / "log").read_bytes() and len(pids_with("rm1@n1")) == 2)
     # what a `stop` writes first; here its connection "dropped" before it signalled anything
     (d / "stop").write_text(json.dumps({"grace": 0.5, "at": time.time()}))
-    assert wait_for(lambda: pids_with("m1@n1") == [], 15)
+    assert wait_for(lambda: pids_with("rm1@n1") == [], 15)
     assert wait_for(lambda: (d / "exit_code").exists())
-    st = json.loads(agent("status", "m1@n1").stdout)
+    st = json.loads(agent("status", "rm1@n1").stdout)
     assert st["stop_requested"] and st["alive"] == 0 and st["exit_code"] is not None
 
 
@@ -79,7 +79,7 @@ def test_a_restarted_attempt_keeps_its_runs_claim(agent):
     start(agent, "r.a2@n1", "import time; print('up', flush=True); time.sleep(60)")
     assert wait_for(lambda: len(pids_with("r.a2@n1")) >= 1)
     try:
-        refused = json.loads(agent("claim", "n1", "other@n1", "u@ctl").stdout)
+        refused = json.loads(agent("claim", "n1", "rother@n1", "u@ctl").stdout)
         assert not refused["ok"] and refused["run"] == "r", refused
     finally:
         agent("stop", "r.a2@n1", "0")

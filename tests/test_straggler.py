@@ -117,19 +117,19 @@ LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.
 
 def test_a_rank_answers_a_progress_request_with_its_newest_steps_and_no_stacks(agent):  # noqa: F811
     spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": RANK}, "hook": HOOK}
-    r = agent("start", "p1@n1", json.dumps(spec).encode().hex())
+    r = agent("start", "sp1@n1", json.dumps(spec).encode().hex())
     assert r.returncode == 0, r.stderr
-    d = rundir(agent, "p1@n1")
+    d = rundir(agent, "sp1@n1")
     try:
         assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
-        doc = json.loads(agent("snapshot", "p1@n1", 7, 20, "progress").stdout)
+        doc = json.loads(agent("snapshot", "sp1@n1", 7, 20, "progress").stdout)
         [rank] = doc["ranks"]
         assert rank["rank"] == 0 and "error" not in rank, rank
         assert rank["answer"]["steps"] == [[s, s / 100] for s in range(1, 8)]
         assert "stacks" not in rank["answer"] and "fr" not in rank["answer"]
         assert not list((d / "hook").glob("*.json"))
     finally:
-        agent("stop", "p1@n1", 1)
+        agent("stop", "sp1@n1", 1)
 
 
 class FakeClock:

@@ -337,3 +337,20 @@ def test_document_check_is_not_vacuous():
     text = "see `runs/store.py` and orchestrator/torchrun.py,\nnot runs/RUN/nodes/NODE.log; trainer/train.py"
     assert named_paths(text) == [(1, "orchestrator/runs/store.py"), (1, "orchestrator/torchrun.py"),
                                  (2, "trainer/train.py")]
+
+
+# A node run's processes are found by the key in their environment, across the whole user, so two
+# test files that start runs under the same literal key can stop each other's processes when xdist
+# runs them side by side (CI at 1bb413a: test_node_agent's `stop s2@n1` ended test_node_stream's
+# job before it wrote a line). Each literal key belongs to one test file.
+_RUN_KEY = re.compile(r"""["']([\w.-]+@n\d+)["']""")
+
+
+def test_literal_run_keys_belong_to_one_test_file():
+    files = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for key in set(_RUN_KEY.findall(path.read_text())):
+            files.setdefault(key, []).append(path.name)
+    assert len(files) > 20  # the pattern still finds the tests' keys
+    shared = {key: names for key, names in files.items() if len(names) > 1}
+    assert not shared, f"run keys used by more than one test file: {shared}"
