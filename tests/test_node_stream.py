@@ -51,9 +51,9 @@ def start_job(tmp_path, key):
     assert r.returncode == 0, r.stderr
 
 
-def stream(tmp_path, key, offset, tb_have, ckdir=None):
+def stream(tmp_path, key, offset, tb_have, ckdir=None, progress_s=None):
     args = ["tail", key, str(offset), "stream", ckdir or str(tmp_path / "ck"), str(tmp_path / "tb"),
-            json.dumps(tb_have).encode().hex()]
+            json.dumps(tb_have).encode().hex(), *([str(progress_s)] if progress_s is not None else [])]
     return subprocess.Popen([sys.executable, "-", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=agent_env(tmp_path))
 
@@ -118,6 +118,47 @@ def test_without_a_checkpoint_directory_only_log_tensorboard_and_status(tmp_path
     assert {h["t"] for h, _ in rs} == {"log", "tb", "end"}
 
 
+HOOK = (REMOTE / "hook" / "sitecustomize.py").read_text()
+RANK = """
+import time
+import sitecustomize
+for step in range(1, 6):
+    sitecustomize.clusterctl_step(step, step / 100)
+print("ready", flush=True)
+time.sleep(4)
+"""
+# the rank runs under the process the waiter starts (as under torchrun), which rank_procs leaves out
+LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CHILD']], "
+          "env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
+
+
+def test_with_progress_s_the_stream_carries_the_ranks_progress_and_without_it_none(tmp_path):
+    """The straggler watch's source: every PROGRESS_S s the stream asks the ranks' hooks, in its own
+    process, and sends the answers (`snapshot ... progress`'s document) as records; a stream asked
+    for none (an older control side) sends none."""
+    key = "nsp1@n1"
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(tmp_path), "env": {"CHILD": RANK}, "hook": HOOK}
+    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=agent.program(),
+                       env=agent_env(tmp_path), capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    with_progress, without = stream(tmp_path, key, 0, {}, "-", 0.5), stream(tmp_path, key, 0, {}, "-")
+    got = {}
+    threads = [threading.Thread(target=lambda n, p: got.__setitem__(n, records(p)), args=a)
+               for a in (("with", with_progress), ("without", without))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [h["t"] for h, _ in got["with"]][-1] == "end" and [h["t"] for h, _ in got["without"]][-1] == "end"
+    docs = [json.loads(b) for h, b in got["with"] if h["t"] == "progress"]
+    assert len(docs) >= 3, [h for h, _ in got["with"]]  # ~4 s of run, a request every 0.5 s
+    answered = [rank for doc in docs for rank in doc["ranks"] if "answer" in rank]
+    assert answered and all(rank["rank"] == 0 for rank in answered), docs
+    assert answered[-1]["answer"]["steps"] == [[s, s / 100] for s in range(1, 6)]
+    assert not [h for h, _ in got["without"] if h["t"] == "progress"]
+    assert b"ready" in b"".join(b for h, b in got["without"] if h["t"] == "log")
+
+
 class Copier:
     def __init__(self, tmp_path):
         self.tb_dir, self.found = tmp_path / "tb-here", []
@@ -173,8 +214,9 @@ def frame(head, body):
 
 def test_the_record_kinds_are_the_node_sides():
     text = (REMOTE / "artifacts.py").read_text()
-    node = re.search(r"^FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = (.*)$", text, re.M).group(1)
-    assert eval(node) == (watch.FRAME_LOG, watch.FRAME_TB, watch.FRAME_CKPTS, watch.FRAME_END)  # noqa: S307
+    node = re.search(r"^FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = (.*)$", text, re.M).group(1)
+    assert eval(node) == (watch.FRAME_LOG, watch.FRAME_TB, watch.FRAME_CKPTS, watch.FRAME_PROGRESS,  # noqa: S307
+                          watch.FRAME_END)
 
 
 def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):

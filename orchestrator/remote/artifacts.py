@@ -25,7 +25,9 @@ level 0700 (0750 under share_with_group: common.py private_files, own_dir).
                             {"rel", "offset", "size"} then `size` bytes
   (no command)              shipped inside node_agent.py as ARTIFACTS_SRC: `tail KEY OFFSET stream`
                             runs `stream_records` every SCAN_S s in its one process (records: see
-                            `frame`; kinds FRAME_*), so no poll process is started while a run trains
+                            `frame`; kinds FRAME_*), so no poll process is started while a run trains;
+                            the same stream carries the ranks' progress for the straggler watch
+                            (FRAME_PROGRESS, node_agent.py Stream), so no snapshot process either
   pack RUN_ID REL KEY...    an uncompressed tar on stdout of the run's artifacts (REL: one relative
                             path inside them, - for all) as artifacts/..., and of each node-runs
                             directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;
@@ -51,7 +53,7 @@ NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
 # the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)
-FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
+FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads this file for them)
 
 

@@ -36,11 +36,13 @@ processes), never by name pattern.
   status KEY                   print the run's state as JSON
   tail KEY OFFSET [status]     stream the log from OFFSET until the run ended and all is sent;
                                with status, then `status`'s JSON on stderr after STATUS_MARK
-  tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX
+  tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX [PROGRESS_S]
                                the same as framed records on stdout, with the node's new
                                checkpoints and TensorBoard bytes and, last, the status (Stream);
-                               needs ARTIFACTS_SRC (probe.py `program("artifacts")`, text)
-                               prepended to this script
+                               with PROGRESS_S > 0, also every rank's progress (`snapshot ...
+                               progress`'s document) asked every PROGRESS_S s in this process,
+                               for the straggler watch (absent or 0: none); needs ARTIFACTS_SRC
+                               (probe.py `program("artifacts")`, text) prepended to this script
   live                         print the keys of runs still alive on this node
   claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
                                the holder's record}; a claim whose run has ended is replaced
@@ -51,7 +53,9 @@ processes), never by name pattern.
   snapshot KEY N WAIT [progress] each rank's /proc state and what its hook (remote/hook/
                                sitecustomize.py, in RUNDIR/py on the job's PYTHONPATH) answers
                                to request N within WAIT s: its Python stacks and Flight Recorder
-                               (with `progress`: only the compute time of its newest steps)
+                               (with `progress`: only the compute time of its newest steps;
+                               the straggler watch has these from `tail ... stream PROGRESS_S`
+                               instead, and asks this way only of a node with no stream)
   reach S HOST:PORT...         whether each HOST:PORT takes a TCP connection within S s
 """
 import json
@@ -68,6 +72,7 @@ TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
 RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
+PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
 HOOK = "hook"  # RUNDIR/hook: the ranks' snapshot FIFOs (PID.fifo) and answers (PID.N.json)
 # the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective
 # timeout dumps them into RUNDIR/hook (TORCH_FR_BUFFER_SIZE is torch >= 2.5's name; the older
@@ -415,11 +420,12 @@ def tail(run_id, offset, report="", *watch):
     """The log from `offset` until the run ended and every byte is out; with report=status,
     then `status`'s JSON as the last stderr line, after STATUS_MARK (saves asking again); with
     report=stream, framed records instead (see Stream)."""
-    if report not in ("", "status", "stream") or len(watch) != (3 if report == "stream" else 0):
-        sys.exit(f"unknown tail report {report!r}: expected status, or stream CKPTDIR|- TBDIR OFFSETS_HEX")
+    if report not in ("", "status", "stream") or len(watch) not in ((3, 4) if report == "stream" else (0,)):
+        sys.exit(f"unknown tail report {report!r}: expected status, or stream CKPTDIR|- TBDIR OFFSETS_HEX "
+                 "[PROGRESS_S]")
     d = rundir(run_id)
     path = os.path.join(d, "log")
-    sink = Stream(*watch) if report == "stream" else Plain(report)
+    sink = Stream(run_id, *watch) if report == "stream" else Plain(report)
     pos = int(offset)
     deadline = time.time() + 30
     while not os.path.exists(path):  # the run may be a moment from starting
@@ -470,14 +476,15 @@ class Plain:
 
 
 class Stream(Plain):
-    """`tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX`: one stream for everything the control
-    machine takes from a running node. Records (artifacts.py `frame`): the log's bytes by offset,
-    the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past OFFSETS_HEX
-    (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process, and last the
+    """`tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX [PROGRESS_S]`: one stream for everything
+    the control machine takes from a running node. Records (artifacts.py `frame`): the log's bytes
+    by offset, the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past
+    OFFSETS_HEX (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process,
+    with PROGRESS_S every rank's progress (`snapshot_doc`, asked every PROGRESS_S s), and last the
     run's status. artifacts.py as shipped (common.py in front) comes prepended as ARTIFACTS_SRC:
     its rules, run in their own namespace, are the ones its `poll` applies."""
 
-    def __init__(self, ckpt_dir, tb_dir, offsets_hex):
+    def __init__(self, run_id, ckpt_dir, tb_dir, offsets_hex, progress_s="0"):
         super().__init__("stream")
         src = globals().get("ARTIFACTS_SRC") or sys.exit("stream: expected ARTIFACTS_SRC before the script")
         self.art = {"__name__": "clusterctl_artifacts"}
@@ -485,6 +492,10 @@ class Stream(Plain):
         self.ckpt_dir, self.tb_dir, self.last = ckpt_dir, tb_dir, {}
         self.have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
         self.next_scan = 0.0
+        self.run_id, self.progress_s = run_id, float(progress_s)
+        self.next_ask = time.time() + self.progress_s  # the ranks' hooks are made as they start: not at once
+        self.asking = None  # the thread asking the ranks now
+        self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
 
     def log(self, pos, chunk):
         self.out.write(self.art["frame"]({"t": self.art["FRAME_LOG"], "offset": pos}, chunk))
@@ -493,12 +504,34 @@ class Stream(Plain):
         return pos + len(chunk)
 
     def tick(self, now=False):
+        self.progress()
         if not now and time.time() < self.next_scan:
             return
         self.next_scan = time.time() + self.art["SCAN_S"]
         for rec in self.art["stream_records"](self.ckpt_dir, self.tb_dir, self.have, self.last):
             self.out.write(rec)
         self.out.flush()
+
+    def progress(self):
+        """Write the progress answers that came in; every PROGRESS_S s, ask again on a thread of
+        its own (a hook waited for must not hold up the log), never two requests at once."""
+        if self.progress_s <= 0:
+            return
+        while self.answers:
+            doc = self.answers.pop(0)
+            self.out.write(self.art["frame"]({"t": self.art["FRAME_PROGRESS"]}, json.dumps(doc).encode()))
+            self.out.flush()
+        if (self.asking is not None and self.asking.is_alive()) or time.time() < self.next_ask:
+            return
+        self.next_ask = time.time() + self.progress_s
+        self.asking = threading_start(self.ask, time.time_ns() // 1_000_000)  # unique on the node, as elsewhere
+
+    def ask(self, request):
+        try:
+            doc = snapshot_doc(self.run_id, request, PROGRESS_WAIT_S, "progress")
+        except Exception as e:  # noqa: BLE001 - said in the record; the stream goes on
+            doc = {"ranks": [], "time": time.time(), "error": f"{type(e).__name__}: {e}"}
+        self.answers.append(doc)
 
     def end(self, doc):
         self.tick(now=True)  # what the run wrote last
@@ -568,9 +601,14 @@ def open_fifo(path, until):
 
 
 def snapshot(run_id, request, wait, what="stacks"):
+    """Prints `snapshot_doc`."""
+    print(json.dumps(snapshot_doc(run_id, request, wait, what)))
+
+
+def snapshot_doc(run_id, request, wait, what="stacks"):
     """Every rank of the run on this node: its /proc state, and what its hook answers to request
-    N within `wait` s (its threads' Python stacks, its Flight Recorder). A stopped (T) or dead
-    process is not asked. Prints {"ranks": [...], "time"}."""
+    N within `wait` s (its threads' Python stacks, its Flight Recorder; with what=progress, its
+    newest steps only). A stopped (T) or dead process is not asked. {"ranks": [...], "time"}."""
     d = rundir(run_id)
     hook = os.path.join(d, HOOK)
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
@@ -609,7 +647,7 @@ def snapshot(run_id, request, wait, what="stacks"):
         with ThreadPoolExecutor(max_workers=min(8, len(silent))) as pool:  # at once: each may take PY_SPY_S
             for pid, (found, why) in zip(silent, pool.map(py_spy_stacks, silent)):
                 ranks[pid]["pyspy"] = found if found is not None else why
-    print(json.dumps({"ranks": sorted(ranks.values(), key=lambda p: str(p["rank"])), "time": time.time()}))
+    return {"ranks": sorted(ranks.values(), key=lambda p: str(p["rank"])), "time": time.time()}
 
 
 PY_SPY_S = 10.0  # one py-spy dump's limit

@@ -37,7 +37,7 @@ from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_w
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
 # the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
-FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_END = "log", "tb", "ckpts", "end"
+FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 
 
 class Artifacts(Protocol):
