@@ -206,6 +206,32 @@ def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
     assert lc.final["n1"] == AgentStatus(exit_code=0)
 
 
+def test_a_progress_sink_asks_the_streams_for_progress_and_gets_their_records(tmp_path):
+    (tmp_path / "nodes").mkdir()
+
+    class Run:
+        dir, record = tmp_path, {"nodes": [{"name": "n1", "first_rank": 0}]}
+
+        def node_log(self, name):
+            return tmp_path / "nodes" / f"{name}.log"
+
+    fed = []
+    lc = LogCopier(Run(), ["n1"], echo=print, artifacts=Copier(tmp_path), progress=lambda n, d: fed.append((n, d)),
+                   progress_s=10.0)
+    assert lc.tail_stream("n1") == StreamFrom(None, "-", progress_s=10.0)
+    doc = {"ranks": [{"rank": 0, "answer": {"steps": [[1, 0.5]]}}], "time": 1.0}
+    lc.on_bytes("n1", "stdout", frame({"t": "progress"}, json.dumps(doc).encode()))
+    lc.close()
+    assert fed == [("n1", doc)]
+    node = SimpleNamespace(name="n1", python="python3", program_env="")
+    assert agent.tail(node, "r", 0, StreamFrom(None, "-", progress_s=10.0)).command.split()[-1] == "10"
+    assert agent.tail(node, "r", 0, StreamFrom(None, "-")).command.split()[-1] == json.dumps({}).encode().hex()
+    # without a sink, the streams are not asked for progress
+    plain = LogCopier(Run(), ["n1"], echo=print, artifacts=Copier(tmp_path))
+    assert plain.tail_stream("n1").progress_s == 0.0
+    plain.close()
+
+
 def frame(head, body):
     ns = {"__name__": "x"}
     exec((REMOTE / "artifacts.py").read_text(), ns)

@@ -103,6 +103,59 @@ def test_the_watch_names_nobody_on_a_healthy_run():
     assert told == [] and acted == []
 
 
+def by_node(rank_docs):
+    """A progress snapshot's ranks as each node's stream sends them: node -> its document."""
+    out = {}
+    for d in rank_docs:
+        out.setdefault(NODES[d["rank"]], {"ranks": [], "time": 0.0})["ranks"].append(d)
+    return out
+
+
+def test_a_streamed_watch_judges_what_the_nodes_streams_fed_and_asks_nobody():
+    told, acted, asked, said = [], [], [], []
+    w = StragglerWatch(snap=lambda: asked.append(1) or [], node_of=NODES, tell=told.append, window=5, factor=1.3,
+                       on_straggler=lambda new, cur: acted.append(([s.rank for s in new], cur)), say=said.append,
+                       streamed=True)
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    w.feed("n1", {"ranks": [{"rank": 0, "answer": {"steps": [[99, 5.0]]}}]})  # replaced by n1's newer one
+    for k in range(CONFIRM):
+        for node, doc in by_node(docs(slow, 5 * k, 5)).items():
+            w.feed(node, doc)
+        w.round()
+    assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
+    assert acted == [([2], told[0])] and w.steps[0] == {s: 0.1 for s in range(5 * CONFIRM)}
+    rounds = w.rounds
+    w.round()  # nothing fed since: not judged again
+    assert w.rounds == rounds and len(told) == 1
+    w.feed("n2", {"ranks": [], "time": 0.0, "error": "OSError: no such run"})
+    w.round()
+    assert said[-1] == "n2: no progress: OSError: no such run"
+    w.period = 0.01
+    w.start()
+    source = lambda: [x for x in said if x.startswith("straggler watch: progress")]  # noqa: E731
+    assert wait_for(source, 10, "the source said") == ["straggler watch: progress from the nodes' log streams "
+                                                       "every 0.01 s"]
+    w.close()
+    assert asked == []
+
+
+def test_a_watch_without_streams_asks_every_node_each_round():
+    told, asked, said = [], [], []
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    w = StragglerWatch(snap=lambda: asked.append(1) or docs(slow, 5 * len(asked), 5), node_of=NODES,
+                       tell=told.append, window=5, factor=1.3, on_straggler=lambda new, cur: None, say=said.append)
+    w.feed("n1", {"ranks": [{"rank": 0, "answer": {"steps": [[s, 9.0] for s in range(100, 105)]}}]})  # not read
+    for _ in range(CONFIRM):
+        w.round()
+    assert len(asked) == CONFIRM and told[0].startswith("straggler: n3 rank 2 computes 3.0x")
+    w.period = 0.01
+    w.start()
+    source = lambda: [x for x in said if x.startswith("straggler watch: progress")]  # noqa: E731
+    assert wait_for(source, 10, "the source said") == ["straggler watch: progress asked of every node every 0.01 s"]
+    assert wait_for(lambda: len(asked) > CONFIRM, 10, "a round of the watch's own to ask")
+    w.close()
+
+
 RANK = """
 import os, sys, time
 import sitecustomize

@@ -381,22 +381,27 @@ def wait_listening(node: Node, key: str, port: int, seconds: float) -> Call[Port
 @dataclass(frozen=True)
 class StreamFrom:
     """What a node's `tail ... stream` carries besides the log: its checkpoint directory (None: not
-    watched), its TensorBoard directory and, per file, the bytes the control copy already has."""
+    watched), its TensorBoard directory and, per file, the bytes the control copy already has;
+    with progress_s > 0, every rank's progress asked every progress_s s (the straggler watch's)."""
 
     checkpoints: str | None
     tensorboard: str
     have: Mapping[str, int] = field(default_factory=dict)
+    progress_s: float = 0.0
 
 
 def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) -> Exec:
     """`tail RUN_KEY OFFSET status`: the log from `offset` as raw bytes, closed by the status on
-    stderr (end_status); with `stream`, `tail RUN_KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX`:
-    framed records (log bytes, checkpoints, TensorBoard bytes, the status last: AgentStatus.from_json)."""
+    stderr (end_status); with `stream`, `tail RUN_KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX
+    [PROGRESS_S]`: framed records (log bytes, checkpoints, TensorBoard bytes, the ranks' progress,
+    the status last: AgentStatus.from_json). PROGRESS_S is left out when no progress is asked for:
+    the line is then the one it always was."""
     if stream is None:
         return Exec(_line(node, "tail", _key(key, node), offset, "status"), program())
     have = json.dumps(dict(stream.have)).encode().hex()
+    progress = [f"{stream.progress_s:g}"] if stream.progress_s > 0 else []
     return Exec(_line(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
-                      have), stream_program())
+                      have, *progress), stream_program())
 
 
 # ------------------------------------------------------------------ snapshots and links (runs/hang.py)

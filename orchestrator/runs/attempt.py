@@ -31,7 +31,7 @@ from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResul
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.transfer import synced
 from orchestrator.transfer.files import control_code
-from orchestrator.runs.straggler import Slow, StragglerWatch, clock_offsets, progress
+from orchestrator.runs.straggler import PERIOD_S, Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import Artifacts, copy_logs
@@ -102,7 +102,8 @@ class AttemptRunner:
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
                       start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
-                      tell=self.book.tell)
+                      tell=self.book.tell, progress=sw.feed if sw is not None and sw.streamed else None,
+                      progress_s=PERIOD_S)
         finally:
             for w in (hw, sw):
                 if w is not None:
@@ -179,7 +180,9 @@ class AttemptRunner:
 
     # ---------------------------------------------------------------- stragglers (runs/straggler.py)
     def watch_stragglers(self, names: list[str]) -> StragglerWatch | None:
-        """The straggler watch over this attempt's ranks, started (None when the factor is 0)."""
+        """The straggler watch over this attempt's ranks, started (None when the factor is 0). With
+        the artifact copier the nodes' log streams carry the ranks' progress (`watch` hands them
+        `feed`); without, every round asks every node's agent (`progress`)."""
         if self.spec.straggler_factor <= 0:
             return None
         node_of = {r: st.name for st in self.statuses.values() if st.first_rank is not None
@@ -191,7 +194,7 @@ class AttemptRunner:
         sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
                             factor=self.spec.straggler_factor, say=self.say,
-                            offsets=lambda: clock_offsets(self.cluster, live()))
+                            offsets=lambda: clock_offsets(self.cluster, live()), streamed=self.artifacts is not None)
         sw.start()
         return sw
 

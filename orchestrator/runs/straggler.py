@@ -4,9 +4,12 @@ In a synchronous job every rank's step takes the time of the slowest: the others
 gradients' all-reduce. So the straggler is found by each rank's *compute* per step, measured on its
 own clock (no clock is compared across nodes): the shipped trainer times it (trainer/progress.py)
 and tells the hook clusterctl puts in every rank (remote/hook/sitecustomize.py `clusterctl_step`).
-Every PERIOD_S the watch asks every node's agent for each rank's newest steps (`snapshot ...
-progress`: a request the hook answers from memory, no stacks, no Flight Recorder) over the open
-connections.
+Each rank's newest steps (a request the hook answers from memory, no stacks, no Flight Recorder)
+come every PERIOD_S on each node's long-lived log stream (runs/watch.py: the stream process asks
+the hooks itself, `tail ... stream ... PROGRESS_S`, and sends the answers as records, which `feed`
+takes): no process is started on a node for them. A run without that stream (no artifact
+directories) has them asked of every node's agent instead (`snapshot ... progress`, a fresh
+process per node per round, over the open connections). The supervisor's log says which.
 
 `judge` is the rule, pure: each rank's median compute over its last `window` steps; a rank whose
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
@@ -48,7 +51,7 @@ from orchestrator.runs import agent
 DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
-PERIOD_S = 10.0  # how often the watch asks every rank for its newest steps
+PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
 CONFIRM = 2  # checks in a row before a rank is named (or named recovered)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
@@ -203,10 +206,11 @@ def progress(cluster, key: str, names: list[str], say: Callable[[str], None]) ->
 
 @dataclass
 class StragglerWatch:
-    """Asks every rank for its newest steps every `period` s (`snap()` -> every rank's document),
-    judges them, and tells (`tell`) a straggler once it is confirmed and once it recovered;
-    `on_straggler(new, current)` is called on every change: the newly confirmed, and the line
-    naming every straggler now (None: none is left)."""
+    """Every `period` s, judges every rank's newest steps and tells (`tell`) a straggler once it is
+    confirmed and once it recovered; `on_straggler(new, current)` is called on every change: the
+    newly confirmed, and the line naming every straggler now (None: none is left). `streamed`:
+    the steps come from the nodes' log streams (`feed(node, doc)`, each node's newest document
+    judged once); else each round asks for them (`snap()` -> every rank's document)."""
 
     snap: Callable[[], list[Mapping]]
     node_of: Mapping[int, str]
@@ -227,6 +231,9 @@ class StragglerWatch:
     ever: dict[int, Slow] = field(default_factory=dict)  # every rank named during the attempt
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    streamed: bool = False
+    fed: dict[str, Mapping] = field(default_factory=dict)  # node -> its stream's newest document, not yet judged
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         if self.factor > 0:
@@ -240,12 +247,36 @@ class StragglerWatch:
                      f"{', '.join(f'{s.node} rank {r}' for r, s in sorted(self.ever.items())) or 'nobody'}")
         self.stop.set()
 
+    def feed(self, node: str, doc: Mapping) -> None:
+        """A node's stream brought its ranks' progress (node agent `snapshot_doc`): kept, the newest
+        per node, for the next round (called on the log copy's thread)."""
+        with self.lock:
+            self.fed[node] = doc
+
+    def take(self) -> list[Mapping]:
+        """Every rank's document the streams brought since the last round."""
+        with self.lock:
+            docs, self.fed = self.fed, {}
+        for node, doc in sorted(docs.items()):
+            if doc.get("error"):
+                self.say(f"{node}: no progress: {doc['error']}")
+        return [rank for _, doc in sorted(docs.items()) for rank in doc.get("ranks") or ()]
+
     def loop(self) -> None:
+        how = "from the nodes' log streams" if self.streamed else "asked of every node"
+        self.say(f"straggler watch: progress {how} every {self.period:g} s")
         while not self.stop.wait(self.period):
             try:
-                self.check(self.snap())
+                self.round()
             except Exception as e:  # noqa: BLE001 - the watch must never take the run down itself
                 self.say(f"straggler watch: {type(e).__name__}: {e}")
+
+    def round(self) -> None:
+        """One round: what the streams fed since the last one (nothing new: the last judgement
+        stands, not counted again), or, not streamed, every node asked now; judged."""
+        ranks = self.take() if self.streamed else self.snap()
+        if ranks or not self.streamed:
+            self.check(ranks)
 
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""

@@ -11,7 +11,9 @@ everything else the control machine takes from the node while it trains: `tail K
 stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read here
 by `Frames`): log bytes by offset, the node's complete checkpoints whenever they change (the
 copier fetches and replicates them on its own thread), TensorBoard bytes (appended here at
-once) and last the status. No poll process is started on the nodes while the run trains.
+once), with a `progress` sink every rank's progress every `progress_s` s (the straggler
+watch's, runs/straggler.py: asked by the node's stream process, not a process started per
+request) and last the status. No poll process is started on the nodes while the run trains.
 
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
 resumes at the size of the control copy, so every byte lands exactly once. The node is reported
@@ -20,6 +22,7 @@ lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -74,9 +77,11 @@ class LogCopier:
 
     def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = say,
                  after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None,
-                 artifacts: Artifacts | None = None):
+                 artifacts: Artifacts | None = None, progress: Callable[[str, dict], None] | None = None,
+                 progress_s: float = 0.0):
         self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
         self.echo, self.after_write, self.artifacts = echo, after_write, artifacts
+        self.progress, self.progress_s = progress, progress_s  # (node, the ranks' progress document)
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
         self.final: dict[str, AgentStatus] = {}  # node -> the agent's status that closed its tail
         self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
@@ -92,14 +97,15 @@ class LogCopier:
 
     def tail_stream(self, name: str) -> StreamFrom | None:
         """What the node's next `tail` streams besides the log: the copier's directories for the
-        node, when it knows them (the reader starts afresh: a dropped stream's half record is sent
-        again); None: the plain log, closed by the status line."""
+        node, when it knows them, and the ranks' progress when a sink takes it (the reader starts
+        afresh: a dropped stream's half record is sent again); None: the plain log, closed by the
+        status line."""
         more = self.artifacts.stream_from(name) if self.artifacts is not None else None
         if more is None:
             self.frames.pop(name, None)
-        else:
-            self.frames[name] = Frames()
-        return more
+            return None
+        self.frames[name] = Frames()
+        return dataclasses.replace(more, progress_s=self.progress_s) if self.progress is not None else more
 
     def on_bytes(self, name: str, stream: str, data: bytes) -> None:
         if stream != "stdout":
@@ -135,6 +141,8 @@ class LogCopier:
                 self.echo(f"{name}: TensorBoard bytes of {head.get('rel')!r} not written: {e}")
         elif self.artifacts is not None and kind == FRAME_CKPTS:
             self.artifacts.on_checkpoints(name, json.loads(body))
+        elif self.progress is not None and kind == FRAME_PROGRESS:
+            self.progress(name, json.loads(body))
 
     def write_log(self, name: str, data: bytes) -> None:
         f = self.files[name]
@@ -271,18 +279,21 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               *, echo: Callable[[str], None] = say, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
-              tell: Callable[[str], None] | None = None) -> None:
+              tell: Callable[[str], None] | None = None, progress: Callable[[str, dict], None] | None = None,
+              progress_s: float = 0.0) -> None:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
     `after_write` runs after each chunk lands in a log copy (`tail` prints the new lines). `key`:
     the run's id on the nodes when it is not run.id (a restart's RUN_ID.aK); `start_at`: where
     each node's log begins in its copy; `artifacts`: where the nodes' checkpoint and TensorBoard
-    records go (their tails then stream them); `tell`: where a node's silence, reconnection and
-    loss are told (the run's story, record.py Book.tell; else echoed)."""
+    records go (their tails then stream them); `progress`: where each node's progress document
+    goes (node, doc), asked every `progress_s` s on those streams (the straggler watch's feed);
+    `tell`: where a node's silence, reconnection and loss are told (the run's story, record.py
+    Book.tell; else echoed)."""
     if not nodes:
         return
-    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts)
+    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s)
     try:
         copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id)
         if tell is not None:
