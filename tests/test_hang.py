@@ -230,7 +230,7 @@ def test_the_watch_thread_fires_after_the_timeout_and_stops_on_close(tmp_path):
 def test_a_verdict_serialises_what_the_record_and_json_report():
     v = HangVerdict("hang: x", ("d",), collective="gloo:all_reduce #1")
     assert v.to_json() == {"text": "hang: x", "details": ["d"], "collective": "gloo:all_reduce #1",
-                           "mismatch": False, "links": [], "culprits": []}
+                           "mismatch": False, "deadlock": False, "links": [], "culprits": []}
 
 
 # ------------------------------------------------------------------ the node side, as shipped
@@ -335,3 +335,32 @@ def test_the_watch_never_runs_with_a_zero_timeout(tmp_path):
     assert w.thread is None
     time.sleep(0.1)
     assert calls == [] and threading.active_count() >= 1
+
+
+def test_two_ranks_waiting_for_each_other_in_two_groups_are_a_deadlock_and_no_node_is_blamed():
+    """Ranks 0 and 1 share groups 1 and 2: rank 0 waits in group 1's #6, which rank 1 never
+    entered; rank 1 in group 2's #6, which rank 0 never entered; ranks 2-3 wait for both in the
+    default group. Without the cycle the verdict named ranks 0 and 1 as merely behind."""
+    lib = ("distributed_c10d.py", 1, "all_reduce", True)
+    snaps = [snap("n1", 0, {"0": 9, "1": 6, "2": 5}, {("0", 9): AR, ("1", 6): AR, ("2", 5): AR}, where=lib),
+             snap("n2", 1, {"0": 9, "1": 5, "2": 6}, {("0", 9): AR, ("1", 5): AR, ("2", 6): AR}, where=lib),
+             snap("n3", 2, {"0": 10}, {("0", 10): AR}, where=lib),
+             snap("n4", 3, {"0": 10}, {("0", 10): AR}, where=lib)]
+    v = analyze(snaps, range(4))
+    assert v.text == ("hang: deadlock: rank 0 (n1) waits in gloo:all_reduce #6 of process group 1, which rank 1 (n2) "
+                      "never entered; rank 1 (n2) waits in gloo:all_reduce #6 of process group 2, which rank 0 (n1) "
+                      "never entered")
+    assert v.deadlock and not v.mismatch and v.nodes == ()  # the script's own bug: it deadlocks again elsewhere
+    assert v.details[0] == ("so: rank 0 (n1, pid 100) never entered gloo:all_reduce #10 that ranks 2-3 wait in; its "
+                            "stack: distributed_c10d.py:1 all_reduce; rank 1 (n2, pid 101) never entered "
+                            "gloo:all_reduce #10 that ranks 2-3 wait in; its stack: distributed_c10d.py:1 all_reduce")
+    assert v.to_json()["deadlock"] is True
+
+
+def test_a_rank_behind_with_nobody_waiting_on_the_waiters_is_no_deadlock():
+    lib = ("distributed_c10d.py", 1, "all_reduce", True)
+    snaps = [snap("n1", 0, {"0": 9, "1": 6}, {("1", 6): AR}, where=lib),
+             snap("n2", 1, {"0": 9, "1": 5}, {("1", 5): AR}, where=("t.py", 7, "own", False))]
+    v = analyze(snaps, range(2))
+    assert not v.deadlock and v.text.startswith("hang: rank 1 (n2, pid 101) never entered gloo:all_reduce #6")
+    assert v.nodes == ("n2",)

@@ -1,6 +1,7 @@
 """Hangs on the real test cluster (gloo on CPU): a rank stuck in its data loader, a stopped
-worker, a rank that skips an all_reduce (a mismatch) and two nodes partitioned from each other are named, with the node, the rank and the
-collective, and the run ends; --on-hang restart goes on without the culprit's node; a quiet run
+worker, a rank that skips an all_reduce (a mismatch), ranks deadlocked in different collectives
+(a barrier against an all_reduce; two process groups taken in opposite orders) and two nodes
+partitioned from each other are named, with the node, the rank and the collective, and the run ends; --on-hang restart goes on without the culprit's node; a quiet run
 that still enters collectives is left alone. tests/scripts/hang_ddp.py makes each hang."""
 
 import functools
@@ -100,6 +101,34 @@ def test_a_rank_that_skips_an_all_reduce_is_named_as_a_mismatch(cluster4, tmp_pa
     # the script's own bug: not retried (it would hang again), whatever --on-hang says
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["verdict"] == "hang" and not rec["attempts"][0]["retry"]
     assert "collective mismatch" in cli("status", rec["id"]).stderr
+    assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
+
+
+def test_ranks_deadlocked_in_different_collectives_are_named_with_each_collective(cluster4, tmp_path, home):
+    """Two cases: rank 2 calls barrier where the others all-reduce (the same sequence number,
+    different collectives), and ranks 0 and 1 each wait in a process group's all_reduce the other
+    never entered (a cycle across groups) while ranks 2-3 wait for both. Neither is retried."""
+    inv = inventory(cluster4, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--json", "--",
+            HANG, "--mode", "deadlock", "--rank", "2", "--at", "3")
+    assert r.returncode == 1, r.stderr
+    text = end_event(r)["hang"]["text"]
+    assert re.fullmatch(r"hang: collective mismatch at #\d+: ranks 0-1,3 \(node1, node2, node4\) in gloo:all_reduce; "
+                        r"rank 2 \(node3\) in gloo:barrier", text), text
+    assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
+    r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "4", "--on-hang",
+            "restart", "--max-restarts", "1", "--json", "--", HANG, "--mode", "crossed", "--at", "3")
+    assert r.returncode == 1, r.stderr
+    hang = end_event(r)["hang"]
+    assert re.fullmatch(r"hang: deadlock: rank 0 \(node1\) waits in gloo:all_reduce #(\d+) of process group (\d+), "
+                        r"which rank 1 \(node2\) never entered; rank 1 \(node2\) waits in gloo:all_reduce #\1 of "
+                        r"process group (?!\2)\d+, which rank 0 \(node1\) never entered", hang["text"]), hang["text"]
+    runs = sorted((home / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    rec = json.loads((runs[-1] / "run.json").read_text())
+    verdict = json.loads((runs[-1] / hang["snapshots"] / "verdict.json").read_text())
+    assert verdict["deadlock"] and [c["rank"] for c in verdict["culprits"]] == [0, 1]
+    assert any(d.startswith("so: rank 0 (node1, pid ") and "that ranks 2-3 wait in" in d for d in verdict["details"])
+    assert len(rec["attempts"]) == 1 and not rec["attempts"][0]["retry"]  # it would deadlock again anywhere
     assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
 
 

@@ -18,8 +18,12 @@ the group's collective_seq_id) is the one they wait in; a member that has not en
 culprit, named with its innermost frame outside the Python and site-packages libraries. A member
 that cannot answer is named by its /proc state: stopped (T), uninterruptible (D), gone. Ranks
 that entered the same sequence number with different collectives (or different sizes) are a
-mismatch. When every rank waits in the same collective and none is behind, the ranks cannot
-reach each other: `probe_links` names the node pairs that cannot open a TCP connection.
+mismatch. Ranks that wait for each other across process groups (rank 0 in group 1's collective
+that rank 1 never entered, rank 1 in group 2's that rank 0 never entered: each group's members
+at its newest collective wait for those behind it) are a deadlock, found as a cycle of those
+waits. A mismatch and a deadlock are the script's own bug: a restart on other nodes hangs again,
+so no node is blamed. When every rank waits in the same collective and none is behind, the ranks
+cannot reach each other: `probe_links` names the node pairs that cannot open a TCP connection.
 """
 
 from __future__ import annotations
@@ -131,18 +135,19 @@ class HangVerdict:
     collective: str | None = None  # "gloo:all_reduce #41" the others wait in
     mismatch: bool = False  # the script's own bug: restarting elsewhere would not help
     links: tuple[tuple[str, str], ...] = ()  # node pairs that cannot reach each other
+    deadlock: bool = False  # ranks wait for each other in different process groups: the script's own bug too
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        """The nodes a restart should leave out: the culprits' (none for a mismatch or a partition
-        whose side cannot be told)."""
-        if self.mismatch:
+        """The nodes a restart should leave out: the culprits' (none for a mismatch, a deadlock or a
+        partition whose side cannot be told)."""
+        if self.mismatch or self.deadlock:
             return ()
         return tuple(dict.fromkeys(c.node for c in self.culprits))
 
     def to_json(self) -> dict:
         return {"text": self.text, "details": list(self.details), "collective": self.collective,
-                "mismatch": self.mismatch, "links": [list(p) for p in self.links],
+                "mismatch": self.mismatch, "deadlock": self.deadlock, "links": [list(p) for p in self.links],
                 "culprits": [{"rank": c.rank, "node": c.node, "pid": c.pid, "why": c.why} for c in self.culprits]}
 
 
@@ -216,6 +221,40 @@ def _group(pg: str, snaps: list[RankSnap], by_rank: Mapping[int, RankSnap], culp
     return what, "", bool(behind_ranks)
 
 
+def waits(snaps: list[RankSnap]) -> dict[int, list[tuple[int, str]]]:
+    """rank -> [(a rank it waits for, the collective it waits in)], over every process group: a
+    member at the group's newest collective waits for each member that has not entered it."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for pg in sorted({pg for s in snaps for pg in s.pgs}, key=lambda p: (p != DEFAULT_PG, p)):
+        members = [s for s in snaps if pg in s.pgs]
+        top = max((s.pgs[pg] for s in members), default=-1)
+        behind = sorted(s.rank for s in members if s.pgs[pg] < top)
+        group = "" if pg == DEFAULT_PG else f" of process group {pg}"
+        for s in sorted((s for s in members if s.pgs[pg] == top), key=lambda s: s.rank):
+            what = f"{s.names.get((pg, top), ('a collective',))[0]} #{top}{group}"
+            out.setdefault(s.rank, []).extend((b, what) for b in behind)
+    return out
+
+
+def cycle(edges: Mapping[int, list[tuple[int, str]]]) -> list[tuple[int, int, str]]:
+    """A cycle of waits [(rank, the rank it waits for, in what)], from the lowest rank on it, or []."""
+    for start in sorted(edges):
+        path: list[tuple[int, int, str]] = []
+        seen = {start}
+
+        def walk(r: int) -> bool:
+            for nxt, what in edges.get(r, ()):
+                path.append((r, nxt, what))
+                if nxt == start or (nxt not in seen and (seen.add(nxt) or walk(nxt))):
+                    return True
+                path.pop()
+            return False
+
+        if walk(start):
+            return path
+    return []
+
+
 def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, str] | None = None) -> HangVerdict:
     """One verdict from every rank's snapshot; `world` is every global rank of the attempt and
     `ranks_of` their nodes (for a rank that has no process left)."""
@@ -242,6 +281,14 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
             collective = what
             break  # the first group with a rank behind explains the others' wait
 
+    loop = [] if mismatch else cycle(waits([s for s in snaps if s.answered]))
+    if loop:
+        node = {s.rank: s.node for s in snaps}
+        found = [culprits[r] for r in sorted(culprits)]  # behind in a group: what the others wait for
+        culprits.update({r: Culprit(r, node[r], by_rank[r].pid, f"waits in {what}, which rank {w} ({node[w]}) "
+                                                               "never entered") for r, w, what in loop})
+        if found:
+            details.append("so: " + "; ".join(c.text() for c in found))
     groups = stack_groups(snaps)
     if len(groups) > 1:
         details.append("stacks: " + "; ".join(f"{_word(rs)} at {where}" for where, rs in groups))
@@ -250,6 +297,10 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
     ordered = [culprits[r] for r in sorted(culprits)]
     if mismatch:
         text = "hang: " + mismatch_text
+    elif loop:
+        ring = [r for r, _, _ in loop]
+        text = "hang: deadlock: " + "; ".join(f"rank {c.rank} ({c.node}) {c.why}" for c in
+                                              [culprits[r] for r in ring] + [c for c in ordered if c.rank not in ring])
     elif ordered:
         text = "hang: " + "; ".join(c.text() for c in ordered[:4]) + (f"; and {len(ordered) - 4} more"
                                                                        if len(ordered) > 4 else "")
@@ -260,7 +311,7 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
         text = f"hang: no rank made progress for the hang timeout; the last collective entered is {collective}"
     else:
         text = "hang: no rank made progress for the hang timeout and none is in a collective"
-    return HangVerdict(text, tuple(details), tuple(ordered), collective, mismatch)
+    return HangVerdict(text, tuple(details), tuple(ordered), collective, mismatch, deadlock=bool(loop))
 
 
 BUSY = 0.5  # a rank that used this share of a core between the snapshots is working, not hung
@@ -292,7 +343,7 @@ def with_links(v: HangVerdict, down: list[tuple[str, str]]) -> HangVerdict:
     pairs = ", ".join(f"{a} ↔ {b}" for a, b in down)
     text = (f"hang: every rank waits in {v.collective or 'a collective'} and the nodes {pairs} cannot reach "
             "each other (TCP to the node's SSH port times out); each still answers this machine")
-    return HangVerdict(text, v.details, v.culprits, v.collective, v.mismatch, tuple(down))
+    return HangVerdict(text, v.details, v.culprits, v.collective, v.mismatch, tuple(down), v.deadlock)
 
 
 def stacks_text(snaps: list[RankSnap]) -> str:

@@ -4,6 +4,10 @@
 --mode stop      rank --rank SIGSTOPs itself at step --at
 --mode skip      rank --rank skips one all_reduce at step --at and goes on to the next collective
 --mode deadlock  at step --at rank --rank calls barrier() while the others call all_reduce
+--mode crossed   ranks 0 and 1 share two process groups and all-reduce in the first, then the
+                 second, every step; at step --at rank 1 takes them the other way round: rank 0
+                 waits in group 1 for rank 1, rank 1 in group 2 for rank 0 (a deadlock across
+                 groups); the other ranks wait for both in the next all_reduce of every rank
 --mode quiet     no hang: every rank prints nothing for --quiet S seconds while it keeps all-reducing
 --mode none      no hang
 --host NAME      only the rank(s) on the machine named NAME act (instead of --rank)
@@ -35,7 +39,12 @@ def slow_data_loader():
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 grad, loss = torch.ones(1000), torch.ones(1)
+pair = [dist.new_group([0, 1]), dist.new_group([0, 1])] if a.mode == "crossed" else []  # every rank creates them
 for step in range(a.steps):
+    if pair and rank in (0, 1):
+        first, second = pair[::-1] if rank == 1 and step == a.at else pair
+        dist.all_reduce(loss, group=first)
+        dist.all_reduce(loss, group=second)
     if step == a.at and (rank == a.rank if a.host is None else os.uname().nodename == a.host):
         if a.mode == "loader":
             slow_data_loader()
