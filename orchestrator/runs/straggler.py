@@ -52,7 +52,8 @@ DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
 PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
-CONFIRM = 2  # checks in a row before a rank is named (or named recovered)
+CONFIRM = 3  # checks in a row before a rank is named (or named recovered): 20-30 s of persistence at PERIOD_S
+# (with 2, a healthy run on a loaded machine once had a rank named for 1.4x over two 50-step windows)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
 ANSWER_S = 5.0  # how long a node's agent waits for its ranks' progress answers
