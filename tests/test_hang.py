@@ -364,3 +364,41 @@ def test_a_rank_behind_with_nobody_waiting_on_the_waiters_is_no_deadlock():
     v = analyze(snaps, range(2))
     assert not v.deadlock and v.text.startswith("hang: rank 1 (n2, pid 101) never entered gloo:all_reduce #6")
     assert v.nodes == ("n2",)
+
+
+LEAVER = """
+import atexit, os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+real = dist.destroy_process_group
+def destroy(*a, **k):
+    real(*a, **k)
+    print("destroyed at exit, after the script's own handler" if said else "destroyed too early", flush=True)
+said = []
+dist.destroy_process_group = destroy
+atexit.register(lambda: said.append(print("the script's exit handler", flush=True)))
+dist.all_reduce(torch.ones(10))
+sys.exit(3)  # without destroy_process_group()
+"""
+
+
+def test_a_rank_that_exits_with_a_code_and_its_process_group_up_has_it_destroyed_after_its_own_handlers(tmp_path):
+    """A rank that left with sys.exit(3) while a peer waited in all_reduce aborted at exit on the
+    test cluster ('terminate called without an active exception', -6: the run read 'killed by
+    signal 6' and retried what the script ended with 3; about half the runs of a bare torchrun here,
+    with or without the Flight Recorder, none with destroy_process_group at exit). The hook's last
+    exit handler (`_leave`) destroys a gloo group the script left up, after the script's own
+    handlers, and the exit code stays 3. A process that is not a rank is left alone."""
+    (tmp_path / "py").mkdir()
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK)
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVER)
+    base = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path / "py"))
+    port = 29650 + os.getpid() % 300
+    rank = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120,
+                          env=dict(base, RANK="0", CLUSTERCTL_HOOK_DIR=str(tmp_path / "hook")))
+    assert rank.returncode == 3, rank.stderr[-2000:]
+    assert rank.stdout.splitlines() == ["the script's exit handler", "destroyed at exit, after the script's own handler"]
+    other = subprocess.run([sys.executable, str(script), str(port + 1)], capture_output=True, text=True, timeout=120,
+                           env=base)
+    assert other.returncode == 3 and "destroyed" not in other.stdout
