@@ -22,6 +22,8 @@ from tests.test_train_cluster import cli as train_cli
 pytestmark = pytest.mark.cluster
 
 HANG = str(Path(__file__).parent / "scripts" / "hang_ddp.py")
+# where slow_data_loader waits: the line a verdict names
+LOADER_LINE = next(i for i, ln in enumerate(Path(HANG).read_text().splitlines(), 1) if ln.strip() == "time.sleep(1)")
 SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
 
 
@@ -61,7 +63,7 @@ def test_a_rank_stuck_in_its_data_loader_is_named_and_the_run_ends(cluster4, tmp
     hang = end_event(r)["hang"]
     assert hang["text"].startswith("hang: rank 1 (node2, pid "), hang
     assert "never entered gloo:all_reduce #" in hang["text"] and "that ranks 0,2-3 wait in" in hang["text"]
-    assert hang["text"].endswith("its stack: hang_ddp.py:32 slow_data_loader"), hang["text"]
+    assert hang["text"].endswith(f"its stack: hang_ddp.py:{LOADER_LINE} slow_data_loader"), hang["text"]
     assert "clusterctl: hang: rank 1 (node2" in r.stderr  # told while the run is torn down
     d, rec = record(home)
     assert rec["state"] == "failed" and rec["summary"].startswith(hang["text"])
