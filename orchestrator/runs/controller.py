@@ -114,7 +114,9 @@ class Controller:
 
     def end_with_error(self, error: str, code: int) -> int:
         self.release_claims()
-        stopped = self.stop_requests and code == EXIT_INTERRUPTED
+        # a stop is the request file as well as the signal: `clusterctl stop` writes the file first,
+        # and a queued run that saw it ended before the signal arrived (it was recorded 'failed')
+        stopped = (self.stop_requests or self.run.stop_request) and code == EXIT_INTERRUPTED
         if not self.book.rec.state.terminal:
             self.book.ended(RunResult(RunState.STOPPED if stopped else RunState.FAILED, code, error), error=error)
         return code
