@@ -350,14 +350,3 @@ def peer_only(log: str) -> bool:
     """The node's failure is a collective broken by a peer or the network, with no exception of
     the script's own: a consequence of another node's failure, not a cause."""
     return own_exception(log) is None and bool(COMM_ERROR.search(log))
-
-
-STOP_CODES = (-15, 143)  # SIGTERM, as torchrun reports it and as a shell does: what a teardown's stop ends with
-
-
-def own_cause(log: str) -> bool:
-    """The node failed of its own: its worker ended with a code that is not the SIGTERM a
-    teardown sends (torchrun's root cause block), and its log is not only a broken collective.
-    A node the teardown stopped is not one."""
-    wf = worker_failure(log.encode())
-    return (wf is None or wf["exitcode"] not in STOP_CODES) and not peer_only(log)

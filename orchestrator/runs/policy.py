@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.probe import common
-from orchestrator.runs.logs import STOP_CODES, own_cause, peer_only, rank_tail, worker_failure
+from orchestrator.runs.logs import peer_only, rank_tail, worker_failure
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import exit_hint, exit_meaning
 
@@ -100,9 +100,9 @@ def own_failure_first(ff: FirstFailure, statuses: list[NodeStatus], log_of: Call
     if ff.ended is None or not peer_only(log_tail(log_of(ff.node)).decode("utf-8", "replace")):
         return ff
     for st in sorted(statuses, key=lambda s: s.node_ended or 0.0):
-        if (st.name != ff.node and st.exit_code not in (None, 0, *STOP_CODES) and st.node_ended is not None
+        if (st.name != ff.node and st.exit_code not in (None, 0) and st.node_ended is not None
                 and abs(st.node_ended - ff.ended) < CAUSE_WINDOW
-                and own_cause(log_tail(log_of(st.name)).decode("utf-8", "replace"))):
+                and not peer_only(log_tail(log_of(st.name)).decode("utf-8", "replace"))):
             return FirstFailure(st.name, st.exit_code, exit_meaning(st.exit_code), ended=st.node_ended)
     return ff
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,7 +36,7 @@ from orchestrator.runs.checkpoints import (
 from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
 from orchestrator.runs.dirreplicas import NodeRestoreDirError, NodeSnaps
 from orchestrator.runs.dirreplicas import restore_from_nodes as restore_dir_from_nodes
-from orchestrator.runs.logs import COMM_ERROR, STOP_CODES, own_cause, own_exception, worker_failure
+from orchestrator.runs.logs import COMM_ERROR, own_exception, worker_failure
 from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
 from orchestrator.runs.spec import NodeState, RunResult
@@ -88,8 +89,8 @@ def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, 
     # the node seen first only lost its peer: a node that failed of its own cause is the root (a
     # rank that left with sys.exit(3) can be seen after the peer it left stranded)
     for o in outcomes:
-        if o is not root and o.exit_code not in (0, None, *STOP_CODES) and own_cause(o.log):
-            return _cause(o, exit_codes)
+        if o is not root and o.exit_code not in (0, None) and (own := _cause(o, exit_codes)).cause != "peer failure":
+            return own
     return v
 
 
