@@ -89,26 +89,6 @@ def test_the_first_failure_is_the_root_cause_and_stops_once():
     assert CAUSE_WINDOW > 0
 
 
-def test_a_node_that_ended_first_only_losing_its_peer_is_not_the_root_cause(tmp_path):
-    """node4's rank failed in all_reduce because node3's rank raised and tore its group down; node4's
-    torchrun ended 0.4 s before node3's. The root cause is node3's exception, not node4's error."""
-    (tmp_path / "node3.log").write_text("[default1]:Traceback (most recent call last):\n"
-                                        "[default1]:ValueError: rank 5 fails on purpose\n")
-    (tmp_path / "node4.log").write_text("[default0]:RuntimeError: [../gloo/transport/tcp/pair.cc:534] "
-                                        "Connection closed by peer [10.0.0.3]:5000\n")
-    p = FailurePolicy(lambda ff: None)
-    p.failed("node4", 1, "the training script failed", ended=100.0)
-    p.failed("node3", 1, "the training script failed", ended=100.4)
-    statuses = [NodeStatus("node3", 2, "", exit_code=1, node_ended=100.4, first_rank=4, last_rank=5),
-                NodeStatus("node4", 3, "", exit_code=1, node_ended=100.0, first_rank=6, last_rank=7)]
-    by = {st.name: st for st in statuses}
-    r = p.result(by.__getitem__, lambda n: tmp_path / f"{n}.log", statuses)
-    assert r.first_failure.node == "node3" and r.summary.startswith("node3 (ranks 4-5) failed first"), r.summary
-    # two nodes that both only lost a peer: the earliest stays
-    (tmp_path / "node3.log").write_text("[default1]:RuntimeError: Connection reset by peer\n")
-    assert p.result(by.__getitem__, lambda n: tmp_path / f"{n}.log", statuses).first_failure.node == "node4"
-
-
 def test_failures_after_a_stop_request_are_not_blamed(tmp_path):
     p = FailurePolicy(lambda ff: pytest.fail("a stop is not a failure"))
     p.stop_requests = 1

@@ -314,39 +314,3 @@ def rank_tail(log: bytes, local_rank: int, n: int) -> list[str]:
     tag = b"[default%d]:" % local_rank
     lines = [ln[len(tag):] for ln in log.split(b"\n") if ln.startswith(tag)]
     return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines[-n:]]
-
-
-# a worker's error that says a peer or the network went away, not that the script is wrong
-COMM_ERROR = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|DistBackendError|"
-    r"RendezvousConnectionError|NCCL (?:error|communicator was aborted)|remote process exited|"
-    r"ProcessGroupGloo.*(?:Read|Write|Timed out)|Gloo connectFullMesh failed|Socket Timeout|"
-    r"Timed out waiting|watchdog caught collective operation timeout|TCPStore|ECONNREFUSED|"
-    r"Connection refused", re.I)
-EXCEPTION_LINE = re.compile(r"^(?:\[[A-Za-z_]*\d+\]:)*\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", re.M)
-
-
-# torchrun's own exceptions, raised because a worker failed: never the root cause when a worker's is there
-LAUNCHER_EXCEPTION = re.compile(r"^torch\.distributed\.elastic\.|^(?:ChildFailedError|SignalException)\b")
-
-
-def _last_exception(log: str) -> str | None:
-    """The last exception a worker raised (torchrun's ChildFailedError wrapping it is passed over)."""
-    found = [e.strip() for e in EXCEPTION_LINE.findall(log)]
-    own = [e for e in found if not LAUNCHER_EXCEPTION.match(e)]
-    return (own or found)[-1] if found else None
-
-
-def own_exception(log: str) -> str | None:
-    """The last exception the script raised itself (not a collective broken by a peer or the
-    network, COMM_ERROR; a RuntimeError beside such an error is gloo's), or None."""
-    exc = _last_exception(log)
-    if exc is None or COMM_ERROR.search(exc) or (COMM_ERROR.search(log) and "RuntimeError" in exc.split(":")[0]):
-        return None
-    return exc
-
-
-def peer_only(log: str) -> bool:
-    """The node's failure is a collective broken by a peer or the network, with no exception of
-    the script's own: a consequence of another node's failure, not a cause."""
-    return own_exception(log) is None and bool(COMM_ERROR.search(log))

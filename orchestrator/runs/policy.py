@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.probe import common
-from orchestrator.runs.logs import peer_only, rank_tail, worker_failure
+from orchestrator.runs.logs import rank_tail, worker_failure
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import exit_hint, exit_meaning
 
@@ -92,21 +92,6 @@ def earliest_failure(first: FirstFailure | None, statuses: list[NodeStatus]) -> 
     return first
 
 
-def own_failure_first(ff: FirstFailure, statuses: list[NodeStatus], log_of: Callable[[str], Path]) -> FirstFailure:
-    """A root cause whose node only lost its peer (its log: a collective broken, no exception of
-    its own) gives way to a node that failed of its own cause within CAUSE_WINDOW of it by the
-    nodes' clocks: a rank that raised or left with sys.exit(3) tears its process group down as it
-    exits, and its peers' torchruns can end before its own."""
-    if ff.ended is None or not peer_only(log_tail(log_of(ff.node)).decode("utf-8", "replace")):
-        return ff
-    for st in sorted(statuses, key=lambda s: s.node_ended or 0.0):
-        if (st.name != ff.node and st.exit_code not in (None, 0) and st.node_ended is not None
-                and abs(st.node_ended - ff.ended) < CAUSE_WINDOW
-                and not peer_only(log_tail(log_of(st.name)).decode("utf-8", "replace"))):
-            return FirstFailure(st.name, st.exit_code, exit_meaning(st.exit_code), ended=st.node_ended)
-    return ff
-
-
 class FailurePolicy:
     """Records the root cause and calls `on_first` once, when the first failure is seen."""
 
@@ -139,7 +124,7 @@ class FailurePolicy:
         earliest by the nodes' own clocks)."""
         ff = self.first
         if ff is not None:
-            ff = own_failure_first(earliest_failure(ff, list(statuses)), list(statuses), log_of)
+            ff = earliest_failure(ff, list(statuses))
         if ff is None and self.stop_requests:
             killed = " (killed)" if self.stop_requests > 1 else ""
             return RunResult(RunState.STOPPED, EXIT_INTERRUPTED, f"stopped on request{killed}")

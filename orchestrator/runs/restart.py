@@ -36,7 +36,7 @@ from orchestrator.runs.checkpoints import (
 from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
 from orchestrator.runs.dirreplicas import NodeRestoreDirError, NodeSnaps
 from orchestrator.runs.dirreplicas import restore_from_nodes as restore_dir_from_nodes
-from orchestrator.runs.logs import COMM_ERROR, own_exception, worker_failure
+from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
 from orchestrator.runs.spec import NodeState, RunResult
@@ -47,6 +47,14 @@ if TYPE_CHECKING:
     from orchestrator.runs.dirreplicas import DirReplicas
     from orchestrator.transport import Cluster
 
+# a worker's error that says a peer or the network went away, not that the script is wrong
+COMM_ERROR = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|DistBackendError|"
+    r"RendezvousConnectionError|NCCL (?:error|communicator was aborted)|remote process exited|"
+    r"ProcessGroupGloo.*(?:Read|Write|Timed out)|Gloo connectFullMesh failed|Socket Timeout|"
+    r"Timed out waiting|watchdog caught collective operation timeout|TCPStore|ECONNREFUSED|"
+    r"Connection refused", re.I)
+EXCEPTION_LINE = re.compile(r"^(?:\[[A-Za-z_]*\d+\]:)*\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,17 @@ class Verdict:
     cause: str  # finished | stopped | node lost | killed by signal | peer failure | script error
     detail: str
     bad_nodes: tuple[str, ...] = ()  # not to be used again this run
+
+
+# torchrun's own exceptions, raised because a worker failed: never the root cause when a worker's is there
+LAUNCHER_EXCEPTION = re.compile(r"^torch\.distributed\.elastic\.|^(?:ChildFailedError|SignalException)\b")
+
+
+def _last_exception(log: str) -> str | None:
+    """The last exception a worker raised (torchrun's ChildFailedError wrapping it is passed over)."""
+    found = [e.strip() for e in EXCEPTION_LINE.findall(log)]
+    own = [e for e in found if not LAUNCHER_EXCEPTION.match(e)]
+    return (own or found)[-1] if found else None
 
 
 def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, exit_codes: tuple[int, ...] = ()
@@ -105,8 +124,9 @@ def _cause(root: Outcome, exit_codes: tuple[int, ...]) -> Verdict:
         sig = -code if code < 0 else code - 128
         what = "killed by SIGKILL (the OOM killer, or a kill -9)" if sig == 9 else f"killed by signal {sig}"
         return Verdict(True, "killed by signal", f"{root.name}: a worker was {what}")
-    exc = own_exception(root.log)
-    if exc is not None:
+    exc = _last_exception(root.log)
+    if exc is not None and not COMM_ERROR.search(exc) and not (COMM_ERROR.search(root.log) and
+                                                                 "RuntimeError" in exc.split(":")[0]):
         return Verdict(False, "script error", f"{root.name}: {exc}")
     if COMM_ERROR.search(root.log):
         return Verdict(True, "peer failure", f"{root.name}: a collective failed after a peer went away")
