@@ -42,16 +42,6 @@ def test_a_peers_collective_error_is_retried():
     assert (v.cause, v.retry) == ("peer failure", True) and RULE[v.cause].retried == "yes"
 
 
-def test_a_node_seen_first_that_only_lost_its_peer_is_not_the_root_cause():
-    """The rank that left with sys.exit(3) ended after the peer it left stranded in all_reduce
-    (the peer's torchrun was seen first): the run's cause is the exit code, not a peer failure."""
-    outs = [Outcome("n1", "failed", 1, PEER_DIED), Outcome("n2", "failed", 1, exited(3))]
-    v = classify(outs, "n1")
-    assert (v.cause, v.retry) == ("script error", False) and v.detail.startswith("n2: "), v
-    assert classify(outs, "n1", exit_codes=(3,)).cause == "exit code"
-    assert classify([outs[0], Outcome("n2", "failed", 1, PEER_DIED)], "n1").detail.startswith("n1: ")  # both peers
-
-
 def test_the_scripts_own_exit_code_is_retried_only_when_listed():
     outs = [Outcome("n3", "failed", 1, exited(3))]
     assert classify(outs, "n3").cause == "script error" and not classify(outs, "n3").retry

@@ -102,19 +102,6 @@ def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, 
     root = by_name.get(first) if first else next((o for o in outcomes if o.exit_code not in (0, None)), None)
     if root is None:
         return Verdict(False, "script error", "no node reported a failure")
-    v = _cause(root, exit_codes)
-    if v.cause != "peer failure":
-        return v
-    # the node seen first only lost its peer: a node that failed of its own cause is the root (a
-    # rank that left with sys.exit(3) can be seen after the peer it left stranded)
-    for o in outcomes:
-        if o is not root and o.exit_code not in (0, None) and (own := _cause(o, exit_codes)).cause != "peer failure":
-            return own
-    return v
-
-
-def _cause(root: Outcome, exit_codes: tuple[int, ...]) -> Verdict:
-    """One failed node's own cause, read from its exit code and its log."""
     wf = worker_failure(root.log.encode())
     code = wf["exitcode"] if wf else root.exit_code
     if exit_code_retried(code, exit_codes):
