@@ -20,14 +20,6 @@ about 1 ms of the rank's CPU. A script that reports nothing gets, instead, when 
 collectives was entered on this rank (the Flight Recorder's [pg_id, collective_seq_id,
 time_created_ns], without stack traces: about 3 ms for 300 entries); no stacks either way.
 
-At exit a rank still in a gloo process group has it destroyed (`_leave`, the last exit handler,
-bounded by LEAVE_S): a rank that leaves with `sys.exit(3)` while a peer waits in a collective
-otherwise aborts at exit about half the time on torch 2.13 ('terminate called without an active
-exception', SIGABRT), and its exit code is lost: the run read 'killed by signal 6' and retried it
-on the same nodes instead of ending on the script's code 3 (train.restart_on_exit_codes). Seen
-with and without the Flight Recorder; destroy_process_group() at exit is what torch asks of every
-script, and for NCCL it is left to the script (its teardown with a collective in flight can block).
-
 Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
 Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
 """
@@ -39,7 +31,6 @@ FR_ENTRIES = 64  # the newest Flight Recorder entries sent per rank
 FRAMES = 40  # innermost frames sent per thread
 STEPS_KEPT = 512  # the newest steps a rank keeps for a progress answer
 _steps = []  # [(step, compute_s)], newest last: what clusterctl_step was told
-LEAVE_S = 5.0  # the longest `_leave` waits for the process group's teardown at exit
 
 
 def clusterctl_step(step, compute_s):
@@ -175,23 +166,6 @@ def _serve(d, fifo):
                     pass
 
 
-def _leave():
-    """At exit: a gloo process group the script left initialised is destroyed (see the module's
-    docstring), on a thread waited for LEAVE_S at most, so a teardown that blocks never keeps the
-    rank from exiting."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_backend() != "gloo":
-            return
-    except Exception:  # noqa: BLE001 - a half-torn-down torch: leave it as it is
-        return
-    import threading
-
-    t = threading.Thread(target=dist.destroy_process_group, name="clusterctl-leave", daemon=True)
-    t.start()
-    t.join(LEAVE_S)
-
-
 def _install():
     d = os.environ.get(HOOK_ENV)
     if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
@@ -208,7 +182,6 @@ def _install():
     import threading
 
     atexit.register(lambda: os.path.exists(fifo) and os.unlink(fifo))
-    atexit.register(_leave)  # registered before the script's own handlers: runs after them
     threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
 
 
