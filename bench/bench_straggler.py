@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.probe import program  # noqa: E402
 from orchestrator.runs import agent as agent_client  # noqa: E402
+from orchestrator.runs.straggler import PERIOD_S  # noqa: E402
 from orchestrator.runs.watch import FRAME_PROGRESS, Frames  # noqa: E402
 
 AGENT = program("node_agent")
@@ -170,10 +171,10 @@ def request_cost(home: Path, seconds: float, snapshots: int = 20) -> None:
     print(f"  the log stream asks (what ships): stream process {on['stream']:.2f} s with PROGRESS_S=1 "
           f"({on['requests']} requests) vs {off['stream']:.2f} s with 0: {stream * 1e3:.1f} ms per request, "
           f"+ the ranks' answers {ranks * 1e3:.1f} ms = {(stream + ranks) * 1e3:.1f} ms: "
-          f"{(stream + ranks) / 10:.3%} of one core at the watch's 10 s period")
+          f"{(stream + ranks) / PERIOD_S:.3%} of one core at the watch's {PERIOD_S:g} s period")
     print(f"  a fresh agent per request (the old way; {len(off['agent'])} of them): {old * 1e3:.0f} ms (median) "
           f"+ the ranks' answers {old_ranks * 1e3:.1f} ms (mean) = {(old + old_ranks) * 1e3:.0f} ms: "
-          f"{(old + old_ranks) / 10:.2%} of one core at the 10 s period")
+          f"{(old + old_ranks) / PERIOD_S:.2%} of one core at the {PERIOD_S:g} s period")
 
 
 def one_run(home: Path, key: str, steps: int, arm: tuple[str, float], port: int) -> tuple[float, list[float]]:

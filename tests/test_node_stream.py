@@ -16,6 +16,7 @@ from orchestrator.runs import agent, watch
 from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier
 from orchestrator.runs.watch import Frames, LogCopier
+from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 
 REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
 JOB = r"""
@@ -127,9 +128,6 @@ for step in range(1, 6):
 print("ready", flush=True)
 time.sleep(6)
 """
-# the rank runs under the process the waiter starts (as under torchrun), which rank_procs leaves out
-LAUNCH = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CHILD']], "
-          "env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
 
 
 def test_with_progress_s_the_stream_carries_the_ranks_progress_and_without_it_none(tmp_path):

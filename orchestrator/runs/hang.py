@@ -176,22 +176,32 @@ def stack_groups(snaps: Iterable[RankSnap]) -> list[tuple[str, list[int]]]:
     return sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
 
 
+def _standing(pg: str, snaps: list[RankSnap]) -> tuple[int, list[RankSnap], list[RankSnap], str]:
+    """A process group's newest collective (its sequence number), the members that entered it,
+    those behind, and the group's words in a verdict ("" for the default group)."""
+    members = [s for s in snaps if pg in s.pgs]
+    top = max((s.pgs[pg] for s in members), default=-1)
+    return (top, [s for s in members if s.pgs[pg] == top], [s for s in members if s.pgs[pg] < top],
+            "" if pg == DEFAULT_PG else f" of process group {pg}")
+
+
+def _pg_ids(snaps: list[RankSnap]) -> list[str]:
+    """Every process group the ranks entered a collective of, the default group first."""
+    return sorted({pg for s in snaps for pg in s.pgs}, key=lambda p: (p != DEFAULT_PG, p))
+
+
 def _group(pg: str, snaps: list[RankSnap], by_rank: Mapping[int, RankSnap], culprits: dict[int, Culprit]
            ) -> tuple[str | None, str, bool]:
     """One process group: the collective its most advanced members entered last ("name #seq"),
     a mismatch's text when they entered different ones there, and whether a member is behind
     (each one behind, or diverging, is added to `culprits`)."""
-    members = [s for s in snaps if pg in s.pgs]
-    if not members:
+    top, waiting, behind, group = _standing(pg, snaps)
+    if not waiting:
         return None, "", False
-    top = max(s.pgs[pg] for s in members)
-    waiting = [s for s in members if s.pgs[pg] == top]
-    behind = [s for s in members if s.pgs[pg] < top]
     behind_ranks = {s.rank for s in behind}
     if pg == DEFAULT_PG:  # every rank is a member: one that did not answer has not entered it either
         behind_ranks |= set(culprits)
     seen = {s.names.get((pg, top)) for s in waiting} - {None}
-    group = "" if pg == DEFAULT_PG else f" of process group {pg}"
     what = f"{next(iter(seen))[0] if seen else 'a collective'} #{top}{group}"
     if len(seen) > 1:  # the same sequence number, different collectives: the ranks diverged
         kinds: dict[tuple[str, str], list[int]] = {}
@@ -225,14 +235,11 @@ def waits(snaps: list[RankSnap]) -> dict[int, list[tuple[int, str]]]:
     """rank -> [(a rank it waits for, the collective it waits in)], over every process group: a
     member at the group's newest collective waits for each member that has not entered it."""
     out: dict[int, list[tuple[int, str]]] = {}
-    for pg in sorted({pg for s in snaps for pg in s.pgs}, key=lambda p: (p != DEFAULT_PG, p)):
-        members = [s for s in snaps if pg in s.pgs]
-        top = max((s.pgs[pg] for s in members), default=-1)
-        behind = sorted(s.rank for s in members if s.pgs[pg] < top)
-        group = "" if pg == DEFAULT_PG else f" of process group {pg}"
-        for s in sorted((s for s in members if s.pgs[pg] == top), key=lambda s: s.rank):
+    for pg in _pg_ids(snaps):
+        top, waiting, behind, group = _standing(pg, snaps)
+        for s in sorted(waiting, key=lambda s: s.rank):
             what = f"{s.names.get((pg, top), ('a collective',))[0]} #{top}{group}"
-            out.setdefault(s.rank, []).extend((b, what) for b in behind)
+            out.setdefault(s.rank, []).extend((b.rank, what) for b in sorted(behind, key=lambda b: b.rank))
     return out
 
 
@@ -271,8 +278,7 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
             culprits[s.rank] = Culprit(s.rank, s.node, s.pid, _unanswered_why(s))
 
     collective, mismatch, mismatch_text = None, False, ""
-    pg_ids = sorted({pg for s in snaps for pg in s.pgs}, key=lambda p: (p != DEFAULT_PG, p))
-    for pg in pg_ids:
+    for pg in _pg_ids(snaps):
         what, mismatched, behind = _group(pg, snaps, by_rank, culprits)
         collective = collective or what
         if mismatched:
@@ -283,10 +289,9 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
 
     loop = [] if mismatch else cycle(waits([s for s in snaps if s.answered]))
     if loop:
-        node = {s.rank: s.node for s in snaps}
         found = [culprits[r] for r in sorted(culprits)]  # behind in a group: what the others wait for
-        culprits.update({r: Culprit(r, node[r], by_rank[r].pid, f"waits in {what}, which rank {w} ({node[w]}) "
-                                                               "never entered") for r, w, what in loop})
+        culprits.update({r: Culprit(r, by_rank[r].node, by_rank[r].pid, f"waits in {what}, which rank {w} "
+                                    f"({by_rank[w].node}) never entered") for r, w, what in loop})
         if found:
             details.append("so: " + "; ".join(c.text() for c in found))
     groups = stack_groups(snaps)
