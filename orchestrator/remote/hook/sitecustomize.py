@@ -20,6 +20,11 @@ about 1 ms of the rank's CPU. A script that reports nothing gets, instead, when 
 collectives was entered on this rank (the Flight Recorder's [pg_id, collective_seq_id,
 time_created_ns], without stack traces: about 3 ms for 300 entries); no stacks either way.
 
+At exit, after the script's own atexit handlers, a rank with torch.distributed initialised waits
+while another of its threads is still runnable (about 20 ms, at most SETTLE_S): gloo's worker
+freeing a collective's tensors after the script moved on would otherwise meet Python's
+finalization and abort the rank, its exit code lost (_settle).
+
 Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
 Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
 """
@@ -30,6 +35,7 @@ HOOK_ENV = "CLUSTERCTL_HOOK_DIR"
 FR_ENTRIES = 64  # the newest Flight Recorder entries sent per rank
 FRAMES = 40  # innermost frames sent per thread
 STEPS_KEPT = 512  # the newest steps a rank keeps for a progress answer
+SETTLE_S = 0.5  # the most a rank's exit waits for its other threads to stop running (_settle)
 _steps = []  # [(step, compute_s)], newest last: what clusterctl_step was told
 
 
@@ -166,6 +172,44 @@ def _serve(d, fifo):
                     pass
 
 
+def _runnable(me):
+    """How many of this process's threads other than `me` (a native thread id) are runnable."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                n += f.read().rsplit(b")", 1)[1].split()[:1] == [b"R"]
+        except OSError:  # the thread ended
+            continue
+    return n
+
+
+def _settle():
+    """At exit, after the script's own atexit handlers and before Python's finalization: while
+    another thread of the rank is runnable, hand it the GIL (sleep), at most SETTLE_S.
+
+    gloo's worker thread frees a finished collective's work after the collective's wait() has
+    returned, and that drops the last reference to the tensors' Python objects, which takes the
+    GIL. A rank that exits right after a collective (`sys.exit(3)` mid-run) could reach
+    finalization first: the worker's GIL take then ends the thread inside a noexcept destructor,
+    std::terminate, SIGABRT, and the script's exit code 3 is reported as signal 6 (torch 2.13,
+    gloo; about 1 exit in 3 on this 2-core machine, bench/bench_exit_abort.py)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import threading
+    import time
+
+    me = str(threading.get_native_id())
+    end = time.monotonic() + SETTLE_S
+    quiet = 0
+    while quiet < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+        quiet = 0 if _runnable(me) else quiet + 1
+
+
 def _install():
     d = os.environ.get(HOOK_ENV)
     if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
@@ -181,6 +225,7 @@ def _install():
     import atexit
     import threading
 
+    atexit.register(_settle)  # registered first, run last
     atexit.register(lambda: os.path.exists(fifo) and os.unlink(fifo))
     threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
 
