@@ -175,7 +175,11 @@ def _serve(d, fifo):
 def _runnable(me):
     """How many of this process's threads other than `me` (a native thread id) are runnable."""
     n = 0
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # no /proc: nothing to wait for that we could see
+        return 0
+    for tid in tids:
         if tid == me:
             continue
         try:
