@@ -182,12 +182,13 @@ def ok(stdout: str, node: str = "n0") -> NodeResult:
 # `status r1@n1` after the job above ended (recorded)
 STATUS = ('{"exists": true, "pid": 4242, "started": 1764000000.5, "exit_code": 143, "alive": 0, "log_size": 3, '
           '"last_line": "up", "error_file": null, "ended": 1764000003.25, "save_seconds": 1.5, '
-          '"stop_requested": true}\n')
+          '"stop_requested": true, "rank_failed": 1764000002.125}\n')
 
 
 def test_status_reads_every_field_and_writes_them_back_as_the_agent_printed_them():
     st = agent.read_status(ok(STATUS))
-    assert st == AgentStatus(True, 4242, 1764000000.5, 143, 0, 3, "up", None, 1764000003.25, 1.5, True)
+    assert st == AgentStatus(True, 4242, 1764000000.5, 143, 0, 3, "up", None, 1764000003.25, 1.5, True,
+                             rank_failed=1764000002.125)
     assert st.as_json() == json.loads(STATUS)
     assert AgentStatus(error="down").as_json() == {"error": "down"}
 

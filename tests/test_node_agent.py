@@ -193,6 +193,33 @@ def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp
     assert lines[-1] == b"[default3]:no newline at the end" and len(lines) == 101
 
 
+def test_rank_lines_notes_when_its_script_failed_beside_itself(tmp_path):
+    """The rank whose script fails notes the moment, by the node's clock, in failed.LOCAL_RANK in
+    its own directory (the run directory); a script that succeeds notes nothing."""
+    wrapper = tmp_path / "rank_lines.py"
+    wrapper.write_bytes(program("rank_lines"))
+    env = dict(os.environ, LOCAL_RANK="2")
+    assert subprocess.run([sys.executable, str(wrapper), "-c", "pass"], env=env, timeout=60).returncode == 0
+    assert not list(tmp_path.glob("failed.*"))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(wrapper), "-c", "import sys; sys.exit(5)"], env=env, timeout=60)
+    at, code = (tmp_path / "failed.2").read_text().split()
+    assert r.returncode == 5 and code == "5" and t0 <= float(at) <= time.time()
+    assert sorted(p.name for p in tmp_path.glob("failed.*")) == ["failed.2"]  # nothing half-written left
+
+
+def test_status_reports_when_a_rank_first_failed(agent):
+    start(agent, "f1@n1", "import sys; sys.exit(5)")
+    d = rundir(agent, "f1@n1")
+    assert wait_for(lambda: (d / "exit_code").exists())
+    assert json.loads(agent("status", "f1@n1").stdout)["rank_failed"] is None  # no rank_lines.py: unknown
+    (d / "failed.1").write_text("1000.250000 1\n")
+    (d / "failed.0").write_text("1000.125000 -15\n")
+    (d / "failed.3.tmp").write_text("999.0 1\n")  # a note being written is not read
+    (d / "failed.2").write_text("garbage")
+    assert json.loads(agent("status", "f1@n1").stdout)["rank_failed"] == 1000.125
+
+
 def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path, rank_lines):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator import errors
 from orchestrator.inventory import parse_inventory
-from orchestrator.runs.policy import CAUSE_WINDOW, FailurePolicy, log_tail
+from orchestrator.runs.policy import CAUSE_WINDOW, FailurePolicy, earliest_failure, log_tail
 from orchestrator.runs.spec import DEFAULTS, FirstFailure, NodeState, NodeStatus, RunSpec, RunState
 from orchestrator.runs.store import Run, write_json
 from orchestrator.transport import (
@@ -87,6 +87,23 @@ def test_the_first_failure_is_the_root_cause_and_stops_once():
     p.failed("node1", 137, "killed", ended=99.0)
     assert p.first.node == "node1" and len(calls) == 1
     assert CAUSE_WINDOW > 0
+
+
+def test_the_node_whose_rank_failed_first_is_the_root_cause_though_a_peer_node_ended_first():
+    """node3's rank 5 fails; node4's ranks fail only after its sockets close, but node4's torchrun
+    ends first (node3's still stops rank 4). The ranks' own exits decide, on the nodes' clocks."""
+    node3 = NodeStatus("node3", 1, "", exit_code=1, node_ended=100.40, rank_failed=100.00)
+    node4 = NodeStatus("node4", 2, "", exit_code=1, node_ended=100.30, rank_failed=100.15)
+    seen_first = FirstFailure("node4", 1, "the training script failed", ended=node4.failed_at)
+    assert earliest_failure(seen_first, [node4, node3]).node == "node3"
+    p = FailurePolicy(lambda ff: None)
+    p.failed("node4", 1, "the training script failed", ended=node4.failed_at)
+    p.failed("node3", 1, "the training script failed", ended=node3.failed_at)
+    assert p.first.node == "node3"
+    # a node without its ranks' notes (an older agent, torchrun itself failed): torchrun's end
+    old = NodeStatus("node2", 0, "", exit_code=1, node_ended=99.0)
+    assert old.failed_at == 99.0 and earliest_failure(seen_first, [node3, old]).node == "node2"
+    assert NodeStatus.from_json(json.loads(json.dumps(node3.to_json()))) == node3
 
 
 def test_failures_after_a_stop_request_are_not_blamed(tmp_path):

@@ -111,6 +111,13 @@ def test_a_failing_rank_is_the_root_cause_not_its_peers_errors(cluster4, tmp_pat
             "--fail-rank", "5")
     assert r.returncode == 1, r.stderr
     _, rec = record(home)
+    # each node's first failing rank, by its wrapper's note (a node the teardown killed has none):
+    # rank 5's own failure comes before every peer's "connection closed", whichever node's
+    # torchrun ended first
+    when = {n["name"]: n["rank_failed"] for n in rec["nodes"] if n.get("rank_failed")}
+    assert "node3" in when and min(when, key=when.get) == "node3", when
+    print({n: round(t - when["node3"], 3) for n, t in when.items()},  # s after rank 5 failed: ranks failed,
+          {n["name"]: round(n["node_ended"] - when["node3"], 3) for n in rec["nodes"]})  # torchruns ended
     assert rec["first_failure"]["node"] == "node3", rec["first_failure"]
     assert rec["summary"].startswith("node3 (ranks 4-5) failed first: exit code 1")
     assert "rank 5 failing on purpose" in rec["summary"]  # the failing node's own log, not a peer's

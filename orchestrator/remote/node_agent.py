@@ -401,7 +401,25 @@ def status_doc(run_id):
     return {"exists": os.path.isdir(d), "pid": info.get("pid"), "started": info.get("started"),
             "exit_code": None if code is None else int(code), "alive": len(run_pids(run_id)),
             "log_size": size, "last_line": last, "error_file": err, "ended": ended,
+            "rank_failed": first_rank_failure(d),
             "save_seconds": save_seconds(d), "stop_requested": read(os.path.join(d, "stop")) is not None}
+
+
+def first_rank_failure(d):
+    """When a rank of this run first ended with a non-zero exit code, by this node's clock (the
+    failed.LOCAL_RANK files rank_lines.py writes), or None."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return None
+    times = []
+    for name in names:
+        if name.startswith("failed.") and not name.endswith(".tmp"):
+            try:
+                times.append(float((read(os.path.join(d, name), "") or "").split()[0]))
+            except (ValueError, IndexError):
+                continue
+    return min(times, default=None)
 
 
 def vanished(d, run_id):

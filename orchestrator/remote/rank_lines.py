@@ -12,13 +12,16 @@ promise that: it re-reads worker files with readline() and prints a partial line
 
 Signals torchrun or clusterctl send (TERM, INT, HUP, USR1, USR2) are passed on to the script;
 the wrapper dies with torchrun and the script with the wrapper (PR_SET_PDEATHSIG, SIGKILL), so a
-killed torchrun leaves no worker behind; the wrapper exits as the script did.
+killed torchrun leaves no worker behind; the wrapper exits as the script did. A script that ends
+with a non-zero exit code has its end time written beside this file (note_failure): the root
+cause of a failed run is the node whose rank failed first.
 """
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 MAX_LINE = 1 << 16  # a "line" longer than this without a newline is cut, never held forever
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -68,6 +71,19 @@ def pump(src, dst, prefix):
         write_all(dst, prefix + pending + b"\n")
 
 
+def note_failure(rc):
+    """When this rank's script ended with rc != 0, by this node's clock, in failed.LOCAL_RANK
+    beside this file (the node's run directory): taken at once, before the output is drained,
+    so the rank that failed of its own is ahead of the peers that only lost it, whose errors
+    come after its sockets closed (the node agent's status reports the earliest)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed." + os.environ.get("LOCAL_RANK", "0"))
+    at = time.time()
+    try:
+        write_atomic(path, f"{at:.6f} {rc}\n")  # common.py's, shipped in front of this program
+    except OSError:  # best effort: the node's end time still orders the failure
+        pass
+
+
 def main(argv):
     parent = os.getppid()
     set_pdeathsig()
@@ -90,6 +106,8 @@ def main(argv):
     for t in readers:
         t.start()
     rc = child.wait()
+    if rc != 0:
+        note_failure(rc)
     for t in readers:
         t.join()
     if rc < 0:  # die of the same signal, so torchrun reports what really happened

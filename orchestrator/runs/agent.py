@@ -155,6 +155,7 @@ class AgentStatus:
     save_seconds: float = 0.0  # how long the job's last checkpoint took
     stop_requested: bool = False
     error: str | None = None  # the node could not be asked, or its answer not read
+    rank_failed: float | None = None  # when a rank first exited non-zero, node clock (rank_lines.py)
 
     @classmethod
     def from_doc(cls, doc: dict) -> AgentStatus:
@@ -162,7 +163,7 @@ class AgentStatus:
         return cls(bool(doc.get("exists")), doc.get("pid"), doc.get("started"), None if code is None else int(code),
                    int(doc.get("alive") or 0), int(doc.get("log_size") or 0), str(doc.get("last_line") or ""),
                    doc.get("error_file"), doc.get("ended"), float(doc.get("save_seconds") or 0),
-                   bool(doc.get("stop_requested")))
+                   bool(doc.get("stop_requested")), rank_failed=doc.get("rank_failed"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> AgentStatus:

@@ -346,8 +346,9 @@ class AttemptRunner:
         code = now.exit_code
         st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
         st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.ended, now.error_file
+        st.rank_failed = now.rank_failed
         if code != 0:
-            self.policy.failed(name, code, exit_meaning(code), ended=now.ended)
+            self.policy.failed(name, code, exit_meaning(code), ended=st.failed_at)
         self.save()
 
     def _first_failure(self, ff: FirstFailure) -> None:

@@ -81,14 +81,15 @@ def stop_grace(grace: float, save_seconds: float = 0.0) -> float:
 
 
 def earliest_failure(first: FirstFailure | None, statuses: list[NodeStatus]) -> FirstFailure | None:
-    """The root cause by the nodes' own clocks: a node whose torchrun failed before the one seen
-    first takes its place (a peer seen first may only have died of the real failure)."""
-    failed = [st for st in statuses if st.exit_code not in (None, 0) and st.node_ended is not None]
+    """The root cause by the nodes' own clocks: a node that failed before the one seen first takes
+    its place (a peer seen first may only have died of the real failure). When a node failed is
+    when its first rank exited non-zero, else when its torchrun ended (NodeStatus.failed_at)."""
+    failed = [st for st in statuses if st.exit_code not in (None, 0) and st.failed_at is not None]
     if not failed:
         return first
-    st = min(failed, key=lambda s: s.node_ended)
-    if first is None or (first.ended is not None and st.node_ended < first.ended):
-        return FirstFailure(st.name, st.exit_code, exit_meaning(st.exit_code), ended=st.node_ended)
+    st = min(failed, key=lambda s: s.failed_at)
+    if first is None or (first.ended is not None and st.failed_at < first.ended):
+        return FirstFailure(st.name, st.exit_code, exit_meaning(st.exit_code), ended=st.failed_at)
     return first
 
 
@@ -102,8 +103,8 @@ class FailurePolicy:
         self._lock = threading.Lock()
 
     def failed(self, name: str, code: int | None, reason: str, ended: float | None = None) -> None:
-        """Nodes seen within CAUSE_WINDOW s are ordered by when their torchrun ended (node
-        clocks), so a peer's secondary 'connection closed' failure does not take the blame for
+        """Nodes seen within CAUSE_WINDOW s are ordered by when they failed (node clocks: the
+        first rank's non-zero exit, else torchrun's end), so a peer's secondary 'connection closed' failure does not take the blame for
         the node that died first."""
         ff = FirstFailure(name, code, reason, time.time(), ended)
         with self._lock:

@@ -143,6 +143,7 @@ class NodeStatus:
     exit_code: int | None = None
     ended: float | None = None  # when the supervisor saw the end (control clock)
     node_ended: float | None = None  # when torchrun ended, by the node's own clock
+    rank_failed: float | None = None  # when one of its ranks first exited non-zero (node clock)
     error: str | None = None
     error_file: str | None = None  # torchrun's error file (JSON text), when it wrote one
     stopped_after_loss: bool = False
@@ -159,6 +160,12 @@ class NodeStatus:
     def to_json(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items()
                 if v is not None and not (k == "stopped_after_loss" and not v)}
+
+    @property
+    def failed_at(self) -> float | None:
+        """When the node failed, by its own clock: its first rank's non-zero exit, else torchrun's
+        end. A rank that failed of its own ends before the peers that only lost it."""
+        return self.rank_failed if self.rank_failed is not None else self.node_ended
 
     @property
     def ranks(self) -> str:
@@ -182,7 +189,7 @@ class FirstFailure:
     exit_code: int | None  # None: the node was lost
     reason: str
     at: float = field(default_factory=time.time)  # when the supervisor saw it (control clock)
-    ended: float | None = None  # when the node's torchrun ended (node clock), when known
+    ended: float | None = None  # when the node failed (node clock: NodeStatus.failed_at), when known
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
