@@ -19,6 +19,7 @@ It prints, per way, how many runs ended with rank 1's exit code 3, with -6, and 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -42,8 +43,6 @@ SCRIPT = textwrap.dedent("""
 
 
 def one(script: Path, hook: Path | None, port: int, scratch: Path) -> str:
-    import os
-
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     if hook is not None:
         fifos = Path(tempfile.mkdtemp(dir=scratch))

@@ -67,7 +67,10 @@ def test_runnable_counts_a_running_thread_and_not_a_waiting_one(tmp_path):
             while not stop.is_set():
                 pass
         threading.Thread(target=spin, daemon=True).start()
-        busy = max(hook._runnable(me) for _ in range(50) if time.sleep(0.002) is None)
+        busy = 0
+        for _ in range(50):  # the spinner runs while this thread reads /proc or sleeps
+            busy = max(busy, hook._runnable(me))
+            time.sleep(0.002)
         stop.set()
         print(idle, busy)
     """)

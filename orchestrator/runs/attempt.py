@@ -345,8 +345,8 @@ class AttemptRunner:
             return
         code = now.exit_code
         st.state = NodeState.FINISHED if code == 0 else NodeState.FAILED
-        st.exit_code, st.ended, st.node_ended, st.error_file = code, time.time(), now.ended, now.error_file
-        st.rank_failed = now.rank_failed
+        st.exit_code, st.ended, st.node_ended, st.rank_failed, st.error_file = (
+            code, time.time(), now.ended, now.rank_failed, now.error_file)
         if code != 0:
             self.policy.failed(name, code, exit_meaning(code), ended=st.failed_at)
         self.save()

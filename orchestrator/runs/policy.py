@@ -104,8 +104,8 @@ class FailurePolicy:
 
     def failed(self, name: str, code: int | None, reason: str, ended: float | None = None) -> None:
         """Nodes seen within CAUSE_WINDOW s are ordered by when they failed (node clocks: the
-        first rank's non-zero exit, else torchrun's end), so a peer's secondary 'connection closed' failure does not take the blame for
-        the node that died first."""
+        first rank's non-zero exit, else torchrun's end), so a peer's secondary 'connection
+        closed' failure does not take the blame for the node that died first."""
         ff = FirstFailure(name, code, reason, time.time(), ended)
         with self._lock:
             cur = self.first
