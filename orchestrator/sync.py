@@ -20,6 +20,8 @@ Methods (`auto` picks per push, after one probe round trip that also creates the
   auto   rsync where every candidate has it and the bytes rsync would send (each node's changed
          files, by size and mtime, summed over nodes) are at most one stream's worth, i.e. small
          updates of a synced tree; otherwise the relay.
+Every method compares and carries mtimes in whole seconds, so a push first waits out the second
+in which the newest file was written (under a second, only right after an edit).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from orchestrator.transfer.files import git_list, run_outputs, select_files
 from orchestrator.transfer.progress import SyncEvents
 from orchestrator.transport import Cluster
 
-__all__ = ["SyncReport", "SyncResult", "choose_methods", "file_list", "rsync_argv", "sync"]
+__all__ = ["SyncReport", "SyncResult", "choose_methods", "file_list", "rsync_argv", "sync",
+           "wait_out_the_newest_second"]
 
 
 def file_list(src: str) -> list[str]:
@@ -183,6 +186,30 @@ def _rsync_one(src: str, n: Node, manifest: bytes) -> tuple[SyncResult | None, i
     return None, sent
 
 
+def wait_out_the_newest_second(src: str, files: list[str], clock=time.time, sleep=time.sleep) -> float:
+    """Before any copy is taken, wait (under a second) until the clock has left the second in
+    which the newest file was written; returns the seconds waited.
+
+    The push and the next sync's quick check (the probe below, rsync's default --modify-window 0)
+    compare size and mtime in whole seconds, and the tar stream carries whole seconds. A copy taken
+    within the second its file was written carries that second, so a same-size edit later in the
+    same second looked unchanged to the next sync: rsync skipped it and code_sync failed after a
+    "successful" push. Git's index has the same racy window. Once the second is over, any later
+    write has a later second and is seen."""
+    now, newest = clock(), None
+    for rel in files:
+        try:
+            m = os.lstat(os.path.join(src, rel)).st_mtime
+        except OSError:
+            continue
+        newest = m if newest is None else max(newest, m)
+    if newest is None or int(newest) != int(now):  # older, or from the future (no wait helps)
+        return 0.0
+    wait = int(now) + 1 - now
+    sleep(wait)
+    return wait
+
+
 def _probe(cluster: Cluster, todo: list[Node], src: str, files: list[str]) -> dict:
     """One round trip per node: create the workdir, count the bytes that differ there (size or
     mtime), say whether rsync is installed. node -> (changed bytes, has rsync) or an error."""
@@ -318,6 +345,7 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", in
     tree_bytes, stream_bytes = estimate(src, files)
     sent, notes = 0, []
     if todo:
+        wait_out_the_newest_second(src, files)
         probes = _probe(cluster, todo, src, files)
         for name, p in probes.items():
             if isinstance(p, str):

@@ -259,6 +259,50 @@ def test_sync_refuses_to_mirror_into_the_directory_it_runs_in(tmp_path, monkeypa
     assert (here / "precious.txt").read_text() == "keep me\n" and not (here / "train.py").exists()
 
 
+def test_a_push_waits_out_the_second_its_newest_file_was_written_in(tmp_path):
+    from orchestrator.sync import wait_out_the_newest_second
+
+    (tmp_path / "a.py").write_text("a")
+    (tmp_path / "b.py").write_text("b")
+    os.utime(tmp_path / "a.py", (1000.2, 1000.2))
+    os.utime(tmp_path / "b.py", (1000.7, 1000.7))
+    slept = []
+    # written earlier in the current second: wait until it is over
+    assert wait_out_the_newest_second(str(tmp_path), ["a.py", "b.py", "gone.py"], clock=lambda: 1000.75,
+                                      sleep=slept.append) == pytest.approx(0.25)
+    assert slept == [pytest.approx(0.25)]
+    # written in an earlier second, or stamped in the future: nothing to wait for
+    assert wait_out_the_newest_second(str(tmp_path), ["a.py", "b.py"], clock=lambda: 1001.0,
+                                      sleep=slept.append) == 0.0
+    assert wait_out_the_newest_second(str(tmp_path), ["a.py", "b.py"], clock=lambda: 999.9,
+                                      sleep=slept.append) == 0.0
+    assert wait_out_the_newest_second(str(tmp_path), [], clock=lambda: 1000.5, sleep=slept.append) == 0.0
+    assert len(slept) == 1
+
+
+def test_a_same_size_edit_in_the_second_of_the_last_sync_is_pushed(tmp_path, monkeypatch):
+    """CI's failure at 77c278d: write, sync, edit to the same size, all in one second. The copy
+    carried that second's mtime, the second sync's quick check (size and whole-second mtime, like
+    rsync's) saw nothing changed, and code_sync failed after a push that said ok. Starting just past
+    a second boundary puts all three in one second unless the push waits the second out."""
+    import time
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    src = tmp_path / "src"
+    src.mkdir()
+    inv = parse_inventory(f"nodes:\n  - {{name: n0, connection: local, gpus: 0, workdir: '{tmp_path}/w0'}}\n")
+    time.sleep(1.02 - time.time() % 1)
+    (src / "train.py").write_text("print('v1')\n")
+    with Cluster(inv) as c:
+        first = sync(c, inv, str(src))
+        (src / "train.py").write_text("print('v2')\n")
+        second = sync(c, inv, str(src))
+        code = run_preflight(c, inv, ["code_sync"], control_dir=str(src))
+    assert first.ok and second.ok, (first, second)
+    assert (tmp_path / "w0" / "train.py").read_text() == "print('v2')\n"
+    assert code.ok, code.to_json()
+
+
 def test_preflights_probe_leaves_its_output_directory_out_of_the_digest(tmp_path):
     """code_sync's probe hands nodeinfo preflight's output directory (`output_dir:`): not code
     even before anything marked it."""
