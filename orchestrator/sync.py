@@ -196,13 +196,14 @@ def wait_out_the_newest_second(src: str, files: list[str], clock=time.time, slee
     same second looked unchanged to the next sync: rsync skipped it and code_sync failed after a
     "successful" push. Git's index has the same racy window. Once the second is over, any later
     write has a later second and is seen."""
-    now, newest = clock(), None
+    newest = None
     for rel in files:
         try:
             m = os.lstat(os.path.join(src, rel)).st_mtime
         except OSError:
             continue
         newest = m if newest is None else max(newest, m)
+    now = clock()  # after the stats: a write during them is older than now, not "from the future"
     if newest is None or int(newest) != int(now):  # older, or from the future (no wait helps)
         return 0.0
     wait = int(now) + 1 - now
