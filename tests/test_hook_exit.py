@@ -15,8 +15,8 @@ from pathlib import Path
 HOOK = Path(__file__).parent.parent / "orchestrator" / "remote" / "hook"
 
 RANK = textwrap.dedent("""
-    import sys, threading, time
-    distributed = sys.argv[1] == "1"
+    import atexit, sys, threading, time
+    distributed = sys.argv[1] != "0"
     if distributed:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="file://" + sys.argv[2] + ".pg", rank=0, world_size=1)
@@ -27,29 +27,43 @@ RANK = textwrap.dedent("""
             pass
         open(sys.argv[2], "w").write("done")
 
-    threading.Thread(target=work, daemon=True).start()
+    start = lambda: threading.Thread(target=work, daemon=True).start()
+    if sys.argv[1] == "atexit":  # the script's own exit handler starts it
+        atexit.register(start)
+    else:
+        start()
     sys.exit(3)
 """)
 
 
-def run_rank(tmp_path, distributed: bool):
+def run_rank(tmp_path, mode: str):
+    """mode: "1" torch.distributed initialised, "0" not, "atexit" initialised and the thread
+    started by the script's own atexit handler."""
     fifos = tmp_path / "hook"
     fifos.mkdir(exist_ok=True)
-    mark = tmp_path / f"mark{int(distributed)}"
+    mark = tmp_path / f"mark-{mode}"
     env = dict(os.environ, PYTHONPATH=str(HOOK), CLUSTERCTL_HOOK_DIR=str(fifos), RANK="0")
-    p = subprocess.run([sys.executable, "-c", RANK, str(int(distributed)), str(mark)], env=env,
+    p = subprocess.run([sys.executable, "-c", RANK, mode, str(mark)], env=env,
                        capture_output=True, text=True, timeout=120)
     return p, mark
 
 
 def test_a_ranks_exit_waits_for_its_running_thread_and_keeps_its_exit_code(tmp_path):
-    p, mark = run_rank(tmp_path, distributed=True)
+    p, mark = run_rank(tmp_path, "1")
     assert p.returncode == 3, p.stderr
     assert mark.exists(), "the rank ended while its other thread was still running"
 
 
+def test_the_wait_comes_after_the_scripts_own_exit_handlers(tmp_path):
+    """The hook registers its wait before the script runs, so atexit runs it last: a thread the
+    script's handler starts (a checkpoint flush, a logger) is waited for too."""
+    p, mark = run_rank(tmp_path, "atexit")
+    assert p.returncode == 3, p.stderr
+    assert mark.exists(), "the wait ran before the script's exit handler started its thread"
+
+
 def test_a_process_without_a_process_group_exits_at_once(tmp_path):
-    p, mark = run_rank(tmp_path, distributed=False)
+    p, mark = run_rank(tmp_path, "0")
     assert p.returncode == 3, p.stderr
     assert not mark.exists(), "the exit waited though torch.distributed was never initialised"
 

@@ -11,6 +11,8 @@ define these names again (tests/test_remote_common.py looks).
   sha256             sha256_file, Hashed (a stream hashed and counted as it passes)
   tar                tar_member_ok (the one member rule), extract_member, send_tar (to a relay)
   files              write_atomic, safe_name
+  rank failures      RANK_FAILED, note_rank_failure (rank_lines.py), first_rank_failure (the
+                     node agent's status): when a rank first exited non-zero, by the node's clock
   file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
   processes          marked_pids: this user's processes found by an environment marker;
                      proc_environ: chosen variables of one process's environment
@@ -194,6 +196,34 @@ def safe_name(name):
     """A run id, run key or node name usable as one path component: not empty, no "/", no
     leading "."."""
     return bool(name) and "/" not in name and not name.startswith(".")
+
+
+# ------------------------------------------------------------------ rank failures
+
+RANK_FAILED = "failed."  # + LOCAL_RANK, in the node's run directory: "TIME RC" (node clock)
+
+
+def note_rank_failure(rundir, local_rank, rc, at):
+    """rank_lines.py's note that the rank's script ended with rc != 0 at `at` (time.time())."""
+    write_atomic(os.path.join(rundir, RANK_FAILED + str(local_rank)), f"{at:.6f} {rc}\n")
+
+
+def first_rank_failure(rundir):
+    """When a rank of the run first ended with a non-zero exit code (the earliest note of
+    note_rank_failure in rundir; notes being written or unreadable are skipped), or None."""
+    try:
+        names = os.listdir(rundir)
+    except OSError:
+        return None
+    times = []
+    for name in names:
+        if name.startswith(RANK_FAILED) and not name.endswith(".tmp"):
+            try:
+                with open(os.path.join(rundir, name)) as f:
+                    times.append(float(f.read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                continue
+    return min(times, default=None)
 
 
 # ------------------------------------------------------------------ file modes

@@ -405,23 +405,6 @@ def status_doc(run_id):
             "save_seconds": save_seconds(d), "stop_requested": read(os.path.join(d, "stop")) is not None}
 
 
-def first_rank_failure(d):
-    """When a rank of this run first ended with a non-zero exit code, by this node's clock (the
-    failed.LOCAL_RANK files rank_lines.py writes), or None."""
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return None
-    times = []
-    for name in names:
-        if name.startswith("failed.") and not name.endswith(".tmp"):
-            try:
-                times.append(float((read(os.path.join(d, name), "") or "").split()[0]))
-            except (ValueError, IndexError):
-                continue
-    return min(times, default=None)
-
-
 def vanished(d, run_id):
     """The waiter was killed before it could record an exit code, and nothing of the run is left."""
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")

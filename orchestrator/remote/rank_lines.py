@@ -72,14 +72,13 @@ def pump(src, dst, prefix):
 
 
 def note_failure(rc):
-    """When this rank's script ended with rc != 0, by this node's clock, in failed.LOCAL_RANK
-    beside this file (the node's run directory): taken at once, before the output is drained,
-    so the rank that failed of its own is ahead of the peers that only lost it, whose errors
-    come after its sockets closed (the node agent's status reports the earliest)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed." + os.environ.get("LOCAL_RANK", "0"))
+    """When this rank's script ended with rc != 0, by this node's clock, noted beside this file
+    (the node's run directory; common.py's note_rank_failure): taken at once, before the output
+    is drained, so the rank that failed of its own is ahead of the peers that only lost it, whose
+    errors come after its sockets closed (the node agent's status reports the earliest)."""
     at = time.time()
     try:
-        write_atomic(path, f"{at:.6f} {rc}\n")  # common.py's, shipped in front of this program
+        note_rank_failure(os.path.dirname(os.path.abspath(__file__)), os.environ.get("LOCAL_RANK", "0"), rc, at)
     except OSError:  # best effort: the node's end time still orders the failure
         pass
 
