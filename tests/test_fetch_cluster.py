@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import yaml
 
 pytestmark = pytest.mark.cluster
 
@@ -93,3 +94,24 @@ def test_an_unreachable_node_exits_3_naming_it_and_the_other_is_fetched(finished
     fetched = home / "runs" / run_id / "fetched"
     assert tree(fetched / first.name / "artifacts") == tree(first.home / ".clusterctl" / "artifacts" / run_id)
     assert not (fetched / second.name / "artifacts").exists()
+
+
+def test_fetch_takes_an_inventory_to_reach_the_runs_nodes_and_refuses_one_without_them(finished_run, home, tmp_path):
+    """-i, as every node-facing command takes it: the run's nodes are reached as that inventory says
+    (here node2's port is wrong in it, so node2 is unreachable where the recorded inventory reaches
+    it); an inventory without one of the run's nodes is refused before anything is copied."""
+    cluster, run_id = finished_run
+    first, second = cluster.nodes
+    doc = cluster.inventory()
+    doc["nodes"][1]["ssh"] = {"port": 2}  # nothing listens there
+    wrong = tmp_path / "moved.yaml"
+    wrong.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = cli("fetch", run_id, "-i", str(wrong), "--connect-timeout", "3")
+    assert r.returncode == 3, r.stderr
+    assert f"could not reach {second.name}" in r.stderr and "Traceback" not in r.stderr
+    assert cli("fetch", run_id, "-i", str(cluster.write_inventory(tmp_path / "same.yaml"))).returncode == 0
+    doc["nodes"] = doc["nodes"][:1]
+    wrong.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = cli("fetch", run_id, "-i", str(wrong))
+    assert r.returncode == 2, r.stderr
+    assert f"has no node named {second.name}, which run {run_id} used" in r.stderr and "Traceback" not in r.stderr

@@ -10,6 +10,7 @@ import click
 from orchestrator.cli.jsonout import emit
 from orchestrator.cli.runs import complete_run_ids
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, with_unreachable
+from orchestrator.inventory import load_inventory
 from orchestrator.runs.fetch import TIMEOUT, check_path, fetch
 from orchestrator.runs.store import Run
 
@@ -31,7 +32,12 @@ def size_text(n: float) -> str:
 @click.option("--timeout", type=click.FloatRange(1), default=TIMEOUT, show_default=True,
               help="Seconds one node's copy may take.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (orchestrator/schemas/fetch.json).")
-def fetch_command(run_id, path, nodes, output, timeout, as_json):
+@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False), default=None,
+              help="Reach the run's nodes as this inventory says (an address or key changed since the run "
+                   "started); default: as the run recorded them.")
+@click.option("--connect-timeout", type=click.FloatRange(0.1, 600), default=None,
+              help="Seconds to wait for each node's SSH handshake (default: the run's).")
+def fetch_command(run_id, path, nodes, output, timeout, as_json, inventory_path, connect_timeout):
     """Copy a run's files from every node it used: its artifacts (checkpoints/, tensorboard/) into
     NODE/artifacts/ and each attempt's node-side log, spec and exit code into NODE/node-runs/.
 
@@ -42,7 +48,8 @@ def fetch_command(run_id, path, nodes, output, timeout, as_json):
     every node that could not be reached; the others are still copied."""
     rel = check_path(path)
     run = Run.find(run_id)
-    results = fetch(run, rel, nodes, Path(output) if output else None, timeout)
+    inv = load_inventory(inventory_path) if inventory_path else None
+    results = fetch(run, rel, nodes, Path(output) if output else None, timeout, inv, connect_timeout)
     for f in results:
         if f.ok:
             head = f"{f.name}: {f.top}: " if f.top else f"{f.name}: "

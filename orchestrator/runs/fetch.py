@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
+from orchestrator.inventory import Inventory
 from orchestrator.runs.checkpoints import artifacts_cmd
 from orchestrator.runs.store import Run
 from orchestrator.transfer.copy import Copied, pull, tree_cmd
@@ -59,12 +60,26 @@ def nodes_of(run: Run, only: tuple[str, ...] | list[str] = ()) -> dict[str, list
     return {n: k for n, k in keys.items() if not only or n in only}
 
 
+def reach(run: Run, names: list[str], inventory: Inventory | None) -> Inventory:
+    """How the run's nodes `names` are reached: as its record says, or (-i) as `inventory` says (an
+    address or key that changed since the run started). Every node must be in it, by name."""
+    if inventory is None:
+        return run.spec.load_inventory(names)
+    missing = [n for n in names if n not in {nd.name for nd in inventory.nodes}]
+    if missing:
+        raise UsageError(f"{inventory.source} has no node named {', '.join(missing)}, which run {run.id} used: "
+                         f"give the inventory the run was started with (or none: the run's recorded one is used)")
+    return inventory.select(names)
+
+
 def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] = (), out: Path | None = None,
-          timeout: float = TIMEOUT) -> list[Copied]:
+          timeout: float = TIMEOUT, inventory: Inventory | None = None, connect_timeout: float | None = None
+          ) -> list[Copied]:
     """Copy the run's files (or PATH) from each of its nodes (or `only` those) into OUT/NODE/
     (default runs/RUN/fetched/NODE/). One Copied per node (`top`: with PATH, what it was found as on
     the node: artifacts/..., workdir/..., home/...); a node that failed, lacks PATH or could not be
-    reached is reported in its Copied, the others are still fetched."""
+    reached is reported in its Copied, the others are still fetched. `inventory` (-i): the nodes
+    are reached as it says instead of as the run recorded them."""
     rel = check_path(path)
     keys = nodes_of(run, only)
     root = out if out is not None else run.dir / "fetched"
@@ -75,7 +90,7 @@ def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] =
             return artifacts_cmd(n, "pack", run.id, "-", *keys[n.name])
         return tree_cmd(n, {"path": rel, "run": run.id, "workdir": n.workdir})
 
-    with Cluster(spec.load_inventory(list(keys)), connect_timeout=spec.connect_timeout,
+    with Cluster(reach(run, list(keys), inventory), connect_timeout=connect_timeout or spec.connect_timeout,
                  fanout=spec.fanout) as cluster:
         got = pull(cluster, command, {n: root / n for n in keys}, path=rel or "", tree=rel is not None,
                    timeout=timeout)
