@@ -118,17 +118,21 @@ def inventory_check(opts: ClusterOptions, as_json: bool):
     from rich.table import Table
 
     inv = opts.load()
+    ranks = {n.name: r for r, n in enumerate(n for n in inv.nodes if not n.spare)}  # spares: none until a restart
     if as_json:
         click.echo(json.dumps({"source": inv.source, "master_port": inv.master_port, "nodes": [
-            {"name": n.name, "rank": n.rank, "host": n.host, "address": n.address, "gpus": n.gpus,
-             "iface": n.iface, "connection": n.connection, "user": n.ssh.user, "port": n.ssh.port,
+            {"name": n.name, "rank": ranks.get(n.name), "spare": n.spare, "host": n.host, "address": n.address,
+             "gpus": n.gpus, "iface": n.iface, "connection": n.connection, "user": n.ssh.user, "port": n.ssh.port,
              "python": n.python, "workdir": n.workdir, "env": n.env} for n in inv.nodes]}, indent=2))
         return
-    t = Table(title=f"{inv.source}: {len(inv.nodes)} nodes, master {inv.master.address}:{inv.master_port}")
+    spares = len(inv.nodes) - len(ranks)
+    t = Table(title=f"{inv.source}: {len(ranks)} nodes" + (f" + {spares} spare{'s' if spares > 1 else ''}" if spares else "")
+              + f", master {next((n for n in inv.nodes if not n.spare), inv.master).address}:{inv.master_port}")
     for col in ("rank", "name", "host", "gpus", "iface", "connection", "user", "workdir"):
         t.add_column(col)
     for n in inv.nodes:
-        t.add_row(str(n.rank), n.name, n.host, "?" if n.gpus is None else str(n.gpus), n.iface or "-",
+        t.add_row(str(ranks[n.name]) if n.name in ranks else "spare", n.name, n.host,
+                  "?" if n.gpus is None else str(n.gpus), n.iface or "-",
                   n.connection, n.ssh.user or "(ssh config/current)", n.workdir)
     Console().print(t)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import click
 
-from orchestrator.inventory import Inventory, load_inventory
+from orchestrator.inventory import Inventory, check_local_files, load_inventory
 from orchestrator.transport import DEFAULT_FANOUT, Cluster
 
 
@@ -25,7 +25,7 @@ class ClusterOptions:
         return inv.select(list(self.nodes)) if self.nodes else inv
 
     def cluster(self, inventory: Inventory | None = None) -> Cluster:
-        return Cluster(inventory or self.load(), fanout=self.fanout,
+        return Cluster(check_local_files(inventory or self.load()), fanout=self.fanout,
                        accept_new_host_keys=self.accept_new_host_keys,
                        connect_timeout=self.connect_timeout)
 

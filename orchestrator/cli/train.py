@@ -24,6 +24,7 @@ from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
+from orchestrator.inventory import check_local_files
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.inventory.sections import check_checkpoint_dir
 from orchestrator.runs.dirreplicas import NodeSnaps
@@ -222,7 +223,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     default); otherwise `-- train.py ARGS` or `-- -m package.module ARGS`. When any
     node fails, every node is stopped and the first failure is explained."""
     _check_script(script)
-    inv = opts.load()  # a bad inventory ends here, with exit code 2
+    inv = check_local_files(opts.load())  # a bad inventory ends here, with exit code 2
     if queue and force:
         raise click.UsageError("--queue waits for busy nodes and --force shares them: use one of the two")
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for

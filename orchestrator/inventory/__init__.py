@@ -9,7 +9,7 @@ already have. This file only names what the rest of clusterctl imports.
 from orchestrator.inventory.fields import excerpt
 from orchestrator.inventory.hostfile import hostfile_to_yaml, parse_hostfile
 from orchestrator.inventory.hosts import check_host
-from orchestrator.inventory.load import load_inventory, parse_inventory
+from orchestrator.inventory.load import check_local_files, load_inventory, parse_inventory
 from orchestrator.inventory.models import (
     DEFAULT_INVENTORY,
     MAX_NODES,
@@ -24,4 +24,5 @@ from orchestrator.inventory.sections import ChecksSection, SetupSection, SyncSec
 
 __all__ = ["DEFAULT_INVENTORY", "MAX_NODES", "NAME_RE", "ChecksSection", "Inventory", "InventoryModel",
            "Node", "NodeModel", "SSHSettings", "SetupSection", "SyncSection", "TrainSection", "check_host",
+           "check_local_files",
            "excerpt", "hostfile_to_yaml", "load_inventory", "parse_hostfile", "parse_inventory"]

@@ -227,7 +227,19 @@ def parse_inventory(text: str, source: str = "<string>") -> Inventory:
     nodes_node, _ = _node_at(root, ("nodes",))
     if isinstance(nodes_node, yaml.SequenceNode):
         lines = {i: n.start_mark.line + 1 for i, n in enumerate(nodes_node.value)}
-    return _resolve(model, source, lines)
+    return _resolve(model, source, lines, _key_lines(root, len(model.nodes)))
+
+
+def _key_lines(root, n: int) -> dict[int, int]:
+    """Node index -> the line of the ssh.identity_file it uses (its own, else the top level's)."""
+    out = {}
+    for i in range(n):
+        for loc in (("nodes", i, "ssh", "identity_file"), ("ssh", "identity_file")):
+            node, key = _node_at(root, loc)
+            if key is not None and key.value == "identity_file":
+                out[i] = key.start_mark.line + 1
+                break
+    return out
 
 
 def load_inventory(path: str | Path | None) -> Inventory:
@@ -237,3 +249,19 @@ def load_inventory(path: str | Path | None) -> Inventory:
         return parse_inventory(text, source=f"<embedded {DEFAULT_INVENTORY}>")
     data = read_inventory_bytes(path)
     return parse_inventory(decode_inventory(data, _show_path(path)), source=str(path))
+
+
+def check_local_files(inv: Inventory) -> Inventory:
+    """`inv`, once every ssh.identity_file it names exists on this machine: a missing key is the
+    inventory's error (file:line, exit 2), found before any node is tried, not one connection
+    error per node."""
+    for node in inv.nodes:
+        key = node.ssh.identity_file
+        if node.connection == "ssh" and key and not Path(key).expanduser().exists():
+            users = [n.name for n in inv.nodes if n.connection == "ssh" and n.ssh.identity_file == key]
+            raise InventoryError(
+                f"ssh.identity_file {key!r} does not exist on this machine (used by "
+                f"{', '.join(users[:4])}{' and more' if len(users) > 4 else ''}): give the path of a private key "
+                "here, or remove identity_file to use ssh-agent and ~/.ssh/config", path=inv.source,
+                line=node.key_line or node.line, key="ssh.identity_file")
+    return inv

@@ -176,6 +176,7 @@ class Node:
     python: str
     workdir: str
     line: int | None = None
+    key_line: int | None = None  # the line of the ssh.identity_file it uses, for an error about the key
     spare: bool = False  # held back for restarts (runs/restart.py)
     share_with_group: bool = False  # the inventory's: what clusterctl writes on the node, the group reads too
     cpu: bool = False  # `cpu: true`: a CPU node on purpose (gpus is 0): GPUs found there are no warning
@@ -258,7 +259,8 @@ def _gpus_of(model: InventoryModel, nm: NodeModel, source: str, line: int | None
     return 0 if cpu else nm.gpus
 
 
-def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inventory:
+def _resolve(model: InventoryModel, source: str, lines: dict[int, int], key_lines: dict[int, int] | None = None
+             ) -> Inventory:
     nodes = []
     seen_names: dict[str, int] = {}
     seen_hosts: dict[tuple, int] = {}
@@ -284,7 +286,7 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int]) -> Inven
         nodes.append(Node(
             name=nm.name, rank=i, host=host, address=address, gpus=_gpus_of(model, nm, source, line, i), iface=nm.iface,
             connection=nm.connection, ssh=ssh, env=env, python=python,
-            workdir=nm.workdir or model.workdir, line=line, spare=nm.spare,
+            workdir=nm.workdir or model.workdir, line=line, key_line=(key_lines or {}).get(i), spare=nm.spare,
             share_with_group=model.share_with_group, cpu=nm.cpu if nm.cpu is not None else model.cpu,
         ))
     return Inventory(tuple(nodes), model.master_port, model.workdir, model.output_dir, model.python,
