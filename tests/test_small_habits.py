@@ -49,3 +49,23 @@ def test_a_missing_identity_file_is_the_inventorys_error_with_its_line_before_an
                "gpu1, gpu2)" in " ".join(err.split()), (argv, err)
         assert "Traceback" not in err
     assert main(["inventory", "check", "-i", path]) == 0  # the document is valid; the key is this machine's
+
+
+def plan_doc(capsys, *args):
+    assert main(["plan", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_i_takes_the_precision_and_comm_hook_the_trainer_will_run_with(tmp_path, capsys):
+    nodes = [{"name": "a", "host": "10.0.0.1"}, {"name": "b", "host": "10.0.0.2"}]
+    bf16 = write(tmp_path, {"nodes": nodes, "train": {"args": ["--preset", "nano", "--precision=bf16",
+                                                              "--comm-hook", "bf16"]}}, "bf16.yaml")
+    got = plan_doc(capsys, "-i", bf16)
+    assert (got["precision"], got["hook"]) == ("bf16", "bf16")
+    assert got["sync_bytes"] == plan_doc(capsys, "--preset", "nano", "--comm-hook", "bf16")["sync_bytes"]
+    assert plan_doc(capsys, "-i", bf16, "--precision", "fp16")["precision"] == "fp16"  # the flag wins
+    plain = write(tmp_path, {"nodes": nodes, "train": {"args": ["--preset", "nano"]}}, "plain.yaml")
+    assert plan_doc(capsys, "-i", plain)["precision"] == "fp32"  # the trainer's own default, not fp16
+    script = write(tmp_path, {"nodes": nodes, "train": {"script": "train.py"}}, "script.yaml")
+    assert plan_doc(capsys, "-i", script)["precision"] == "fp16"  # not the trainer: plan's default
+    assert plan_doc(capsys)["precision"] == "fp16"

@@ -12,6 +12,8 @@ import click
 
 from orchestrator import plan as P
 
+PRECISIONS = ("fp32", "fp16", "bf16")
+
 
 def _csv_ints(ctx, param, value):
     if value is None:
@@ -59,12 +61,12 @@ def _load_link(path: str) -> P.Link:
     return P.Link(bw, lat, P.MEASURED_EFFICIENCY)
 
 
-def nodes_from_inventory(path: str) -> tuple[int, int, str | None]:
-    """The inventory hook: (nodes, GPUs per node, the trainer's preset) of an inventory file.
+def nodes_from_inventory(path: str) -> tuple[int, int, dict[str, str]]:
+    """The inventory hook: (nodes, GPUs per node, the trainer's settings) of an inventory file.
     Nodes with different GPU counts plan with the smallest (the slowest node sets a synchronous
     step); a node without a `gpus` entry counts as 1; spares are not counted (they sit out until a
-    restart). The preset is the `--preset` of the inventory's train.args when it runs the bundled
-    trainer, else None."""
+    restart). The settings ({"preset", "precision", "comm_hook"}) are what the bundled trainer will
+    run with: its train.args, else its own defaults; {} when the inventory runs another script."""
     from orchestrator.errors import InventoryError
     from orchestrator.inventory import load_inventory
 
@@ -75,19 +77,25 @@ def nodes_from_inventory(path: str) -> tuple[int, int, str | None]:
     ranked = [n for n in inv.nodes if not n.spare] or list(inv.nodes)
     if not ranked:
         raise click.BadParameter(f"{path} lists no nodes", param_hint="--inventory")
-    return len(ranked), min((n.gpus or 1) for n in ranked), _preset_of(inv.train)
+    return len(ranked), min((n.gpus or 1) for n in ranked), _trainer_settings(inv.train)
 
 
-def _preset_of(train) -> str | None:
+def _trainer_settings(train) -> dict[str, str]:
     if train.script or train.module != "trainer":
-        return None
+        return {}
+    from trainer.config import TrainConfig  # no torch: the trainer's defaults, read cheaply
+
+    defaults = TrainConfig()
+    out = {"precision": defaults.precision, "comm_hook": defaults.comm_hook}
     args = list(train.args)
-    for i, a in enumerate(args):
-        value = args[i + 1] if a == "--preset" and i + 1 < len(args) else a.partition("=")[2] \
-            if a.startswith("--preset=") else None
-        if value in P.PRESETS:
-            return value
-    return None
+    for flag, key, choices in (("--preset", "preset", P.PRESETS), ("--precision", "precision", PRECISIONS),
+                               ("--comm-hook", "comm_hook", P.HOOKS)):
+        for i, a in enumerate(args):
+            value = args[i + 1] if a == flag and i + 1 < len(args) else a.partition("=")[2] \
+                if a.startswith(flag + "=") else None
+            if value in choices:
+                out[key] = value
+    return out
 
 
 def _model(preset, config_file, overrides) -> P.ModelSpec:
@@ -130,10 +138,12 @@ def _bar(share: float, width: int = 20) -> str:
 @click.option("--gpus-per-node", type=click.IntRange(1), help="GPUs per node (default 1, or the inventory's).")
 @click.option("-i", "--inventory", type=click.Path(exists=True, dir_okay=False),
               help="Take nodes and GPUs per node from an inventory.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
-              help="Autocast precision (grads stay fp32: the bytes depend on --comm-hook).")
-@click.option("--comm-hook", type=click.Choice(P.HOOKS), default="none", show_default=True,
-              help="What DDP sends: none = fp32 grads (4 B/param), fp16/bf16 = 2 B/param, powersgd = rank-r factors.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Autocast precision (grads stay fp32: the bytes depend on --comm-hook) [default: the "
+                   "trainer's with -i, else fp16].")
+@click.option("--comm-hook", type=click.Choice(P.HOOKS), default=None,
+              help="What DDP sends: none = fp32 grads (4 B/param), fp16/bf16 = 2 B/param, powersgd = rank-r "
+                   "factors [default: the trainer's with -i, else none].")
 @click.option("--powersgd-rank", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--algo", type=click.Choice(["auto", "ring", "tree", "hierarchical"]), default="auto",
               show_default=True, help="auto: hierarchical when GPUs per node > 1, else ring.")
@@ -167,8 +177,10 @@ def plan_command(preset, n_layer, n_embd, n_head, n_positions, vocab_size, n_inn
                  mfu, micro_batch, seq_len, overlap, target_share, as_json):
     """Plan a data-parallel GPT-2 run's gradient sync: bytes, seconds, comm share, a recommendation."""
     if inventory:
-        inv_nodes, inv_gpus, inv_preset = nodes_from_inventory(inventory)
-        nodes, gpus_per_node, preset = nodes or inv_nodes, gpus_per_node or inv_gpus, preset or inv_preset
+        inv_nodes, inv_gpus, trainer = nodes_from_inventory(inventory)
+        nodes, gpus_per_node, preset = nodes or inv_nodes, gpus_per_node or inv_gpus, preset or trainer.get("preset")
+        precision, comm_hook = precision or trainer.get("precision"), comm_hook or trainer.get("comm_hook")
+    precision, comm_hook = precision or "fp16", comm_hook or "none"
     m = _model(preset or "tiny", config_file, dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
                                          vocab_size=vocab_size, n_inner=n_inner, pad_vocab_to=pad_vocab_to,
                                          tied=False if untied else None))
