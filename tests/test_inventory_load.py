@@ -233,3 +233,44 @@ def test_a_libyaml_that_caps_nesting_itself_gives_the_same_refusal(monkeypatch):
     monkeypatch.setattr(read.yaml, "parse", capped)
     e = _err("\n\nx: " + "[" * 2000 + "\n")
     assert f"nested more than {MAX_DEPTH} levels deep" in str(e) and ":3:" in str(e), str(e)
+
+
+def scalar_bomb(value_bytes: int, copies: int) -> str:
+    """One long scalar anchored under env, aliased `copies` times: a small file that expands to
+    value_bytes x copies of text (the models would hold every copy, a node's command line too)."""
+    head = f"nodes:\n  - {{name: n1, connection: local}}\nenv:\n  A: &a {'x' * value_bytes}\n"
+    return head + "".join(f"  K{i}: *a\n" for i in range(copies))
+
+
+@pytest.mark.parametrize("value_bytes,copies,needle", [
+    (500_000, 1_000, "a value of 500,000 bytes"),
+    (500_000, 10_000, "a value of 500,000 bytes"),
+    (100_000, 1_000, "alias *a expands the document past 4 MiB of text"),
+    (1_000, 10_000, "alias *a expands the document past 4 MiB of text"),
+])
+def test_a_long_scalar_aliased_many_times_is_refused_by_its_length(worker, tmp_path, value_bytes, copies, needle):
+    p = tmp_path / "bomb.yaml"
+    p.write_text(scalar_bomb(value_bytes, copies))
+    r = worker.check(p, timeout=2.0)  # the worker runs under its 256 MiB cap
+    assert r["rc"] == EXIT_USAGE, r
+    assert needle in r["err"] and r["err"].startswith(f"clusterctl: error: {p}:"), r["err"]
+    assert len(r["err"].encode()) < 1024, r["err"]
+
+
+@pytest.mark.parametrize("command", [["inventory", "check"], ["train", "--skip-preflight"]])
+def test_a_scalar_alias_bomb_ends_train_with_exit_2_in_a_small_process(tmp_path, command):
+    """The bomb of the issue (0.5 MB aliased 10,000 times: ~5 GB expanded) in a fresh process: exit 2,
+    and the process never grew past 100 MB (its peak RSS as the kernel counts it)."""
+    p = tmp_path / "inv.yaml"
+    p.write_text(scalar_bomb(500_000, 10_000))
+    # a fresh parent whose only child is the CLI: its RUSAGE_CHILDREN peak is the CLI's own
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print('peak-kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "sys.exit(r.returncode)")
+    r = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "orchestrator.cli", *command, "-i", str(p)],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, CLUSTERCTL_HOME=str(tmp_path / "home")))
+    assert r.returncode == EXIT_USAGE, r.stderr
+    assert "a value of 500,000 bytes" in r.stderr and "Traceback" not in r.stderr
+    peak_kib = int(r.stderr.split("peak-kib ")[1].split()[0])
+    assert peak_kib < 100 * 1024, f"the CLI's peak RSS was {peak_kib} KiB"

@@ -21,11 +21,14 @@ MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_YAML_NODES = 200_000
 MAX_ALIASES = 10_000
+MAX_EXPANDED_BYTES = 4 << 20  # the text of every value, aliases expanded: what the models would hold
+MAX_VALUE_BYTES = 128 << 10  # one value (Linux's MAX_ARG_STRLEN: no longer one reaches a node's command line)
 MAX_ERRORS_SHOWN = 10
 
 LIMITS = (f"an inventory is at most {MAX_BYTES >> 20} MiB, {MAX_DEPTH} levels deep and "
-          f"{MAX_YAML_NODES:,} YAML values with aliases expanded, with at most {MAX_ALIASES:,} "
-          f"aliases and {MAX_NODES:,} nodes")
+          f"{MAX_YAML_NODES:,} YAML values or {MAX_EXPANDED_BYTES >> 20} MiB of text with aliases expanded, "
+          f"with values of at most {MAX_VALUE_BYTES >> 10} KiB, at most {MAX_ALIASES:,} aliases and "
+          f"{MAX_NODES:,} nodes")
 
 # What YAML 1.1 refuses in a stream (PyYAML's Reader.NON_PRINTABLE).
 _NON_PRINTABLE = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]")
@@ -130,23 +133,32 @@ def _check_characters(text: str, source: str) -> None:
 
 class _EventBudget:
     """Counts libyaml's events against the limits; `fail` raises at the event that crosses one.
-    Each value counts as the number of values it expands to."""
+    Each value counts as the number of values it expands to, and as the bytes of text it expands
+    to (a scalar by its length: one long scalar aliased many times is as large as its copies)."""
 
     def __init__(self, source: str):
         self.source = source
-        self.anchors: dict[str, int] = {}
-        self.stack: list[list] = []  # [is_mapping, children seen, expanded size, anchor]
-        self.total = self.aliases = 0
+        self.anchors: dict[str, tuple[int, int]] = {}  # anchor -> (expanded values, expanded bytes)
+        self.stack: list[list] = []  # [is_mapping, children seen, expanded size, anchor, expanded bytes]
+        self.total = self.aliases = self.bytes = 0
+
+    def add_bytes(self, n: int, event, what: str) -> None:
+        self.bytes += n
+        if self.bytes > MAX_EXPANDED_BYTES:
+            self.fail(f"{what} expands the document past {MAX_EXPANDED_BYTES >> 20} MiB of text; {LIMITS}", event)
+        if self.stack:
+            self.stack[-1][4] += n
 
     def fail(self, msg: str, event) -> None:
         raise InventoryError(msg, path=self.source, line=_yaml_line(event.start_mark))
 
     def end(self) -> None:
-        _, _, size, anchor = self.stack.pop()
+        _, _, size, anchor, nbytes = self.stack.pop()
         if anchor is not None:
-            self.anchors[anchor] = size
+            self.anchors[anchor] = (size, nbytes)
         if self.stack:
             self.stack[-1][2] += size
+            self.stack[-1][4] += nbytes
 
     def alias(self, event, is_key: bool) -> None:
         self.aliases += 1
@@ -158,12 +170,13 @@ class _EventBudget:
                       f"(undefined, or an anchor that contains its own alias)", event)
         if self.aliases > MAX_ALIASES:
             self.fail(f"more than {MAX_ALIASES:,} aliases; {LIMITS}", event)
-        size = self.anchors[event.anchor]
+        size, nbytes = self.anchors[event.anchor]
         self.total += size
         if self.total > MAX_YAML_NODES:
             self.fail(f"alias *{name} expands the document past {MAX_YAML_NODES:,} values; {LIMITS}", event)
         if self.stack:
             self.stack[-1][2] += size
+        self.add_bytes(nbytes, event, f"alias *{name}")
 
     def value(self, event, is_key: bool) -> None:
         """A scalar, or the start of a list or mapping."""
@@ -177,16 +190,20 @@ class _EventBudget:
         if self.total > MAX_YAML_NODES:
             self.fail(f"more than {MAX_YAML_NODES:,} YAML values; {LIMITS}", event)
         if isinstance(event, yaml.ScalarEvent):
+            nbytes = len(event.value.encode("utf-8", "surrogatepass"))
+            if nbytes > MAX_VALUE_BYTES:
+                self.fail(f"a value of {nbytes:,} bytes ({excerpt(event.value, 40)}); {LIMITS}", event)
             if event.anchor is not None:
-                self.anchors[event.anchor] = 1
+                self.anchors[event.anchor] = (1, nbytes)
             if self.stack:
                 self.stack[-1][2] += 1
+            self.add_bytes(nbytes, event, "this value")
             return
         if is_key:
             self.fail("a key must be a plain string, not a list or a mapping", event)
         if len(self.stack) >= MAX_DEPTH:
             self.fail(f"nested more than {MAX_DEPTH} levels deep; {LIMITS}", event)
-        self.stack.append([isinstance(event, yaml.MappingStartEvent), 0, 1, event.anchor])
+        self.stack.append([isinstance(event, yaml.MappingStartEvent), 0, 1, event.anchor, 0])
 
 
 def _scan_events(text: str, source: str) -> None:
