@@ -3,6 +3,7 @@ ports. Each refusal exits 2 with one sentence that names file:line, the key and 
 valid form next to it still loads."""
 
 import pytest
+import yaml
 
 from orchestrator.cli import main
 from orchestrator.errors import EXIT_USAGE, InventoryError
@@ -138,6 +139,14 @@ assert len(LONG_NAME) == 253
     ("123", "not four decimal octets"),
     ("0x7f.1", "not four decimal octets"),
     ("0x0a000001", "not four decimal octets"),
+    # addresses that name no one host
+    ("0.0.0.0", "is the unspecified address"),
+    ("::", "is the unspecified address"),
+    ("[::]", "is the unspecified address"),
+    ("::ffff:0.0.0.0", "is the unspecified address"),
+    ("255.255.255.255", "is the broadcast address"),
+    ("224.0.0.1", "is a multicast address"),
+    ("ff02::1%eth0", "is a multicast address"),
 ])
 def test_bad_hosts_and_addresses_are_refused(key, value, needle):
     _refused(host(value, key), 2, f"nodes[0].{key}: ", "is not a valid host name or address", needle)
@@ -145,7 +154,7 @@ def test_bad_hosts_and_addresses_are_refused(key, value, needle):
 
 @pytest.mark.parametrize("value", [
     "h1", "gpu-01.cluster.local", "node_1", "_svc.example", "h1.", "GPU01", "a" * 63, LONG_NAME, "1a.example",
-    "10.0.0.1", "0.0.0.0", "255.255.255.255", "192.168.1.100",
+    "10.0.0.1", "192.168.1.100",
     "::1", "[::1]", "fe80::1%eth0", "[fe80::1%eth0]", "::ffff:10.0.0.1", "2001:db8::8a2e:370:7334",
 ])
 @pytest.mark.parametrize("key", ["host", "address"])
@@ -296,3 +305,33 @@ def test_the_cli_exits_2_with_one_line(tmp_path, capsys, text, needle):
     assert main(["inventory", "check", "-i", str(p)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and f"{p}:" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("first,second", [
+    ("n1", "n1."), ("gpu1.cluster", "GPU1.Cluster."), ("10.82.0.11", "::ffff:10.82.0.11"),
+    ("10.82.0.11", "[::ffff:10.82.0.11]"), ("fe80::1%eth0", "fe80:0:0:0:0:0:0:1%eth0"),
+    ("2001:db8::1", "[2001:0db8:0000::0001]"),
+])
+def test_one_host_spelled_two_ways_is_a_duplicate(first, second):
+    doc = {"nodes": [{"name": "a", "host": first}, {"name": "b", "host": second}]}
+    with pytest.raises(InventoryError) as e:
+        parse_inventory(yaml.safe_dump(doc), "inv.yaml")
+    assert f"duplicate host {second!r} (port 22) for node 'b': already used by node 'a' (written {first!r} " \
+           "there); one node per host" in str(e.value)
+    doc["nodes"][1]["ssh"] = {"port": 2222}  # another sshd on the same machine: two nodes
+    assert len(parse_inventory(yaml.safe_dump(doc), "inv.yaml").nodes) == 2
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("gpu[1-3]!gpu2", "'!' is a ClusterShell set operator"),
+    ("gpu[1-3]&gpu[2-5]", "'&' is a ClusterShell set operator"),
+    ("gpu[1-3]^gpu2", "'^' is a ClusterShell set operator"),
+    ("n[ 1-3 ]", "it holds white space"),
+    ("n[1 - 3]", "it holds white space"),
+    ("[1-3]", "a bracket needs a name in front of it"),
+    ("a[1-2],[3-4]", "a bracket needs a name in front of it"),
+])
+def test_ranges_that_nodeset_reads_but_an_inventory_refuses(name, needle):
+    with pytest.raises(InventoryError) as e:
+        parse_inventory(yaml.safe_dump({"nodes": [{"name": name, "host": "{name}.x"}]}), "inv.yaml")
+    assert "nodes[0].name" in str(e.value) and needle in str(e.value), str(e.value)

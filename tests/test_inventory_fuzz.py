@@ -25,6 +25,7 @@ set INVENTORY_FUZZ_SEED=N (with the same INVENTORY_FUZZ_CASES) to replay that ru
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import os
 import random
@@ -160,10 +161,11 @@ def base() -> Map:
 HUGE = "9" * 30
 LONG_HOST = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters, the longest name
 GOOD_HOSTS = ["h1", "gpu-01.cluster.local", "node_1", "h1.", "a" * 63 + ".x", LONG_HOST, "10.0.0.1",
-              "255.255.255.255", '"::1"', '"[::1]"', '"fe80::1%eth0"', '"[fe80::1%eth0]"', '"::ffff:10.0.0.1"']
+              '"::1"', '"[::1]"', '"fe80::1%eth0"', '"[fe80::1%eth0]"', '"::ffff:10.0.0.1"']
 BAD_HOSTS = ["010.0.0.1", "10.0.0.01", "10.0.0.256", "1.2.3", "1.2.3.4.5", "0x7f.1", "a..b", "a-", "-a",
              '"user@h1"', '"h1:22"', '"[10.0.0.1]"', '":::"', '"' + "a" * 64 + '.x"', '"' + LONG_HOST + 'c"',
-             '"bücher.example"', '"h1 && reboot"', '"-oProxyCommand=x"', '""']
+             '"bücher.example"', '"h1 && reboot"', '"-oProxyCommand=x"', '""',
+             "0.0.0.0", "255.255.255.255", '"::"', '"[::]"', "224.0.0.1", '"ff02::1%eth0"', '"::ffff:0.0.0.0"']
 # Ports YAML 1.1 reads as numbers although they are not written in decimal (0x50 is 80).
 YAML_NUMBER_PORTS = ["0x50", "0777", "022", "0b101", "1_000", "+22", "1:30", "0o777"]
 VALUES = {
@@ -373,7 +375,7 @@ def make_invalid(draw, doc: Map) -> str:
     op = draw(st.sampled_from(["wrong_value", "delete_required", "unknown_key", "duplicate_key", "tag",
                                "deep", "alias_bomb", "complex_key", "non_string_key", "undefined_alias",
                                "control_escape", "format_char", "bad_env", "empty_nodes", "two_documents",
-                               *["bad_range", "bad_port", "bad_host"] * 3]))  # the edges, drawn more often
+                               *["bad_range", "bad_port", "bad_host", "same_host"] * 3]))  # the edges, drawn more often
     if op == "wrong_value":
         where, m, key = draw(st.sampled_from(fields(doc)))
         kind = FIELDS[where][key]
@@ -452,7 +454,9 @@ def make_invalid(draw, doc: Map) -> str:
             ("x[-5-5/5]", "{name}.x"), ("n[1--3]", "{name}.x"), ("n[5-2]", "{name}.x"), ("n[08-02]", "{name}.x"),
             ("n[1-3/0]", "{name}.x"), ("n[1,3-2]", "{name}.x"), ("n[]", "{name}.x"), ("n[1-3]", "10.7.0.[-1-1]"),
             ("n[1-3]", "10.7.0.[3-1]"), ("n[1-3]", "10.7.0.[254-256]"), ("n[1-3]", "10.7.0.[08-10]"),
-            ("n[1-3]", "010.7.0.[1-3]")]))
+            ("n[1-3]", "010.7.0.[1-3]"), ("gpu[1-3]!gpu2", "{name}.x"), ("gpu[1-3]&gpu[2-5]", "{name}.x"),
+            ("gpu[1-3]^gpu2", "{name}.x"), ("n[ 1-3 ]", "{name}.x"), ("n[1 - 3]", "{name}.x"), ("[1-3]", "{name}.x"),
+            ("n[1-3]", "10.7.0.[ 1-3]")]))
         doc.get("nodes").items.append(Map([("name", Str(name)), ("host", Str(host))], flow=True))
     elif op == "bad_port":
         port = parse_value(draw(st.sampled_from(YAML_NUMBER_PORTS + ["0", "65536", "-22", '" 22"', "22.0", "true"])))
@@ -469,7 +473,27 @@ def make_invalid(draw, doc: Map) -> str:
         node = draw(st.sampled_from(ms["node"]))
         key = draw(st.sampled_from(["host", "address"]))
         node.pairs = [(k, v) for k, v in node.pairs if k != key] + [(key, parse_value(draw(st.sampled_from(BAD_HOSTS))))]
+    elif op == "same_host":  # another node on the same host and port, spelled another way
+        node = draw(st.sampled_from(ms["node"]))
+        twin = copy.deepcopy(node)
+        twin.pairs = [(k, v) for k, v in twin.pairs if k not in ("name", "host")] + \
+            [("name", Str("twin9")), ("host", Str(other_spelling(text_of(node.get("host")) or "127.0.0.1")))]
+        doc.get("nodes").items.append(twin)
     return op
+
+
+def other_spelling(host: str) -> str:
+    """The same host written another way: an IPv4 address IPv4-mapped, IPv6 in its long form (or an
+    IPv4-mapped one as IPv4), a name in capitals with a trailing dot."""
+    bare = host[1:-1] if host.startswith("[") else host
+    addr, pct, scope = bare.partition("%")
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return host.upper().rstrip(".") + "."
+    if ip.version == 4:
+        return f"::ffff:{ip}"
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped else ip.exploded + (pct + scope if pct else "")
 
 
 # ---------------------------------------------------------------- byte-level damage

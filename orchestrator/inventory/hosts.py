@@ -8,6 +8,10 @@ models (and the hostfile reader) refuse the same things in the same words:
   `%scope`, which a link-local fe80:: address must have), or a DNS name: at most 253 characters, labels of 1 to 63 letters, digits, '-' and
   '_' (ssh_config aliases often hold one) that do not start or end with '-'. A name that
   inet_aton would read as an address (`1.2.3`, `0x7f.1`, `1.2.3.4.5`) is refused as one;
+- an address that names no one host is refused: unspecified (`0.0.0.0`, `::`), broadcast
+  (`255.255.255.255`) and multicast;
+- `canonical_host` spells a host one way (a name in lower case without its trailing dot, an
+  IPv4-mapped IPv6 address as IPv4, IPv6 compressed), so two spellings of one host are seen as one;
 - a port is written in decimal digits, 1 to 65535, without a sign, a leading zero or '_';
 - a ProxyJump is `[user@]host[:port]`, comma-separated, each part checked as above (an IPv6
   hop in brackets: `[fe80::1]:22`).
@@ -60,15 +64,41 @@ def check_host(v: str) -> str:
         if inner is None or ":" not in inner:
             raise ValueError(f"{bad}: brackets hold only an IPv6 address, as in [fe80::1]")
         _check_ipv6(inner, bad)
-        return v
-    if ":" in v:
+    elif ":" in v:
         _check_ipv6(v, bad, hint=", and a port goes in ssh.port, not after ':'" if v.count(":") == 1 else "")
-        return v
-    if _ALL_DIGITS.fullmatch(v) or _INET_ATON.fullmatch(v):
+    elif _ALL_DIGITS.fullmatch(v) or _INET_ATON.fullmatch(v):
         _check_ipv4(v, bad)
+    else:
+        _check_name(v, bad)
         return v
-    _check_name(v, bad)
+    _check_one_host(canonical_host(v), bad)
     return v
+
+
+def canonical_host(v: str) -> str:
+    """One spelling per host, for telling whether two inventory entries are the same machine: a
+    name in lower case without a trailing dot; an IP literal without brackets, an IPv4-mapped
+    IPv6 address as its IPv4 address, IPv6 compressed with its %scope kept. Assumes check_host."""
+    v = unbracket(v)
+    if ":" in v:
+        addr, pct, scope = v.partition("%")
+        ip = ipaddress.IPv6Address(addr)
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip) + (pct + scope if pct else "")
+    if _ALL_DIGITS.fullmatch(v):
+        return str(ipaddress.IPv4Address(v))
+    return v.lower().rstrip(".")
+
+
+def _check_one_host(canonical: str, bad: str) -> None:
+    ip = ipaddress.ip_address(canonical.partition("%")[0])
+    if ip.is_unspecified:
+        raise ValueError(f"{bad}: {canonical} is the unspecified address (any host); give the node's own address")
+    if ip.version == 4 and ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ValueError(f"{bad}: it is the broadcast address; give the node's own address")
+    if ip.is_multicast:
+        raise ValueError(f"{bad}: it is a multicast address; give the node's own address")
 
 
 def _check_ipv6(text: str, bad: str, hint: str = "") -> None:

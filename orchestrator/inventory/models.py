@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from orchestrator.errors import InventoryError
 from orchestrator.inventory.fields import USER_RE, _check_env, _check_path, _Model, excerpt
-from orchestrator.inventory.hosts import check_host, check_proxy_jump
+from orchestrator.inventory.hosts import canonical_host, check_host, check_proxy_jump
 from orchestrator.inventory.sections import ChecksSection, SetupSection, SyncSection, TrainSection
 from orchestrator.inventory.sshconfig import config_hostname
 from orchestrator.probe import common
@@ -273,12 +273,13 @@ def _resolve(model: InventoryModel, source: str, lines: dict[int, int], key_line
                                  path=source, line=line, key=f"nodes[{i}].name")
         seen_names[nm.name] = i
         if nm.connection == "ssh":
-            hk = (host.lower(), ssh.port or 22)
+            hk = (canonical_host(host), ssh.port or 22)  # `n1.`, `::ffff:10.0.0.1`: one host, any spelling
             if hk in seen_hosts:
+                first = model.nodes[seen_hosts[hk]]
+                spelled = f" (written {first.host!r} there)" if (first.host or "127.0.0.1") != host else ""
                 raise InventoryError(
                     f"duplicate host {host!r} (port {hk[1]}) for node {nm.name!r}: already used by node "
-                    f"{model.nodes[seen_hosts[hk]].name!r}; one node per host", path=source, line=line,
-                    key=f"nodes[{i}].host")
+                    f"{first.name!r}{spelled}; one node per host", path=source, line=line, key=f"nodes[{i}].host")
             seen_hosts[hk] = i
         env = {**model.env, **nm.env}
         python = _python_of(model, nm, source, line, i)

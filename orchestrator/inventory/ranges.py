@@ -85,6 +85,24 @@ def check_brackets(pattern: str, what: str = "range") -> None:
                 raise ValueError(f"{bad}: the step in {shown} is {m[3]}, and a step is 1 or more")
 
 
+_SET_OPERATORS = re.compile(r"[!&^]")
+
+
+def check_inventory_pattern(pattern: str, what: str) -> None:
+    """What an inventory's range may not hold though NodeSet reads it: set operators
+    (`gpu[1-3]!gpu2`: list the nodes meant), white space (`n[ 1-3 ]`), or a bracket with no name in
+    front (`[1-3]` names the nodes 1, 2, 3). ValueError saying which."""
+    bad = f"{what} {excerpt(pattern)} is not a node range like gpu[01-32]"
+    if _SET_OPERATORS.search(pattern):
+        raise ValueError(f"{bad}: {_SET_OPERATORS.search(pattern)[0]!r} is a ClusterShell set operator; an "
+                         "inventory lists its nodes, so write the ones you mean (gpu[1,3], or two entries)")
+    if any(ch.isspace() for ch in pattern):
+        raise ValueError(f"{bad}: it holds white space; write it without spaces, as gpu[01-32]")
+    if any(group.startswith("[") for group in pattern.split(",")):
+        raise ValueError(f"{bad}: a bracket needs a name in front of it (gpu[1-3]); [1-3] alone would name "
+                         "the nodes 1, 2 and 3")
+
+
 def expand(pattern: str, *, what: str = "range") -> list[str]:
     """The names of a node range, in NodeSet's (sorted) order. Raises ValueError with the reason."""
     check_brackets(pattern, what)
@@ -122,6 +140,7 @@ def _value_node(entry_node, key: str):
 def _expand_entry(entry: dict, entry_node, source: str, i: int) -> list[dict]:
     name = entry["name"]
     try:
+        check_inventory_pattern(name, f"nodes[{i}].name")
         names = expand(name, what=f"nodes[{i}].name")
     except ValueError as e:
         raise InventoryError(str(e), path=source, line=_line(_value_node(entry_node, "name")),
@@ -134,6 +153,7 @@ def _expand_entry(entry: dict, entry_node, source: str, i: int) -> list[dict]:
         where = dict(path=source, line=_line(_value_node(entry_node, key)), key=f"nodes[{i}].{key}")
         if is_range(text):
             try:
+                check_inventory_pattern(text, f"nodes[{i}].{key}")
                 values[key] = expand(text, what=f"nodes[{i}].{key}")
             except ValueError as e:
                 raise InventoryError(str(e), **where) from None
