@@ -157,7 +157,7 @@ def base() -> Map:
 # ---------------------------------------------------------------- the schema, as this test knows it
 
 # kind -> (values that keep the document valid, values that make it invalid). Written from the
-# README's inventory reference, not from the models.
+# inventory reference (docs/inventory.md), not from the models.
 HUGE = "9" * 30
 LONG_HOST = ".".join(["a" * 63] * 3 + ["b" * 61])  # 253 characters, the longest name
 GOOD_HOSTS = ["h1", "gpu-01.cluster.local", "node_1", "h1.", "a" * 63 + ".x", LONG_HOST, "10.0.0.1",

@@ -1,5 +1,5 @@
 """Retry rules by failure class, stated once (runs/policy.py RETRY_RULES): each class as classify
-and the run loop name it, whether it is retried, the README's table against the code, and
+and the run loop name it, whether it is retried, the docs' table against the code, and
 --restart-on-exit-codes / train.restart_on_exit_codes at the edge."""
 
 import re
@@ -17,7 +17,8 @@ from orchestrator.runs.restart import Outcome, classify
 from orchestrator.runs.spec import RunResult, RunSpec, RunState
 from tests.test_restart_policy import PEER_DIED, SCRIPT_ERROR, TORCHRUN_KILLED
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+# the table a user reads, on the docs page about failures and restarts
+RETRY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "runs" / "restarts.md"
 RULE = {r.cause: r for r in RETRY_RULES}
 
 
@@ -86,8 +87,8 @@ def test_a_straggler_replaced_is_retried_without_its_node():
     assert (v.cause, v.retry, v.bad_nodes) == ("straggler", True, ("n3",)) and v.detail.startswith("n3 rank 2")
 
 
-def readme_table() -> list[tuple[str, str]]:
-    text = README.read_text()
+def docs_table() -> list[tuple[str, str]]:
+    text = RETRY_PAGE.read_text()
     start = text.index("| failure class | retried | how |")
     rows = []
     for line in text[start:].splitlines()[2:]:
@@ -98,8 +99,8 @@ def readme_table() -> list[tuple[str, str]]:
     return rows
 
 
-def test_the_readme_table_is_the_one_in_the_code():
-    assert readme_table() == [(r.cause, r.retried) for r in RETRY_RULES]
+def test_the_docs_table_is_the_one_in_the_code():
+    assert docs_table() == [(r.cause, r.retried) for r in RETRY_RULES]
 
 
 def train(*args, inv=None):

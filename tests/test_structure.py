@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+from tests.documents import documents
+
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("orchestrator", "trainer")
 MAX_MODULE_LINES = 400
@@ -303,7 +305,6 @@ def test_layer_check_is_not_vacuous():
 
 # ------------------------------------------------------------------ the documents
 
-DOCUMENTS = ("README.md", "docs/*.md")
 _PY_PATH = re.compile(r"(?<![\w/.-])((?:[\w-]+/)+[\w-]+\.py)\b")
 
 
@@ -325,9 +326,10 @@ def named_paths(text: str) -> list[tuple[int, str]]:
 
 
 def test_documents_name_files_that_exist():
-    docs = sorted({p for pattern in DOCUMENTS for p in ROOT.glob(pattern)})
+    docs = documents()
+    assert any(d.parent != ROOT / "docs" and d.parent != ROOT for d in docs), "docs/ subfolders were not read"
     named = [(doc.relative_to(ROOT).as_posix(), i, path) for doc in docs for i, path in named_paths(doc.read_text())]
-    assert len(named) > 20, "the documents' paths were not found"
+    assert len(named) > 100, "the documents' paths were not found"
     missing = [f"{doc}:{i}: {path}" for doc, i, path in named if not (ROOT / path).is_file()]
     assert not missing, "the documents name files that do not exist (moved? say where they went):\n" + \
         "\n".join(missing)

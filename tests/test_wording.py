@@ -1,7 +1,7 @@
 """The small things a new user tripped over (issue 22's "Found" list): a lost node's summary
 without `exit code None`, no `ranks 1-1`, no doubled `supervisor: supervisor:`, a spare outside
 preflight's rank map, `cpu: true` for a CPU node on purpose, `plan -i` reading the inventory's
-preset and no jargon in its output, and the README's path to the default inventory."""
+preset and no jargon in its output, and the orchestrator/ files the README and the docs name."""
 
 import json
 import re
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.documents import documents
 
 from orchestrator.checks import CheckResult, Ctx
 from orchestrator.checks.gpu import parse_gpu_count
@@ -144,9 +146,30 @@ def test_plan_says_what_its_step_time_is_without_jargon(capsys):
     assert "assumed 1 s: --step-time or --measure-step for yours" in " ".join(out.split())
 
 
-# ---------------------------------------------------------------- the README
+# ---------------------------------------------------------------- the README and the docs
+_ORCHESTRATOR_PATH = re.compile(r"`(orchestrator/[\w/.-]+\.(?:yaml|json|py|sh))`")
+
+
+def orchestrator_paths(text: str) -> set[str]:
+    """The `orchestrator/...` files a document names in backticks."""
+    return set(_ORCHESTRATOR_PATH.findall(text))
+
+
 def test_the_readmes_orchestrator_paths_exist():
-    text = (ROOT / "README.md").read_text()
-    paths = set(re.findall(r"`(orchestrator/[\w/.-]+\.(?:yaml|json|py))`", text))
+    paths = orchestrator_paths((ROOT / "README.md").read_text())
     assert "orchestrator/inventory/default_inventory.yaml" in paths
     assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
+
+
+def test_the_docs_orchestrator_paths_exist():
+    named = {(doc.relative_to(ROOT).as_posix(), p) for doc in documents() for p in orchestrator_paths(doc.read_text())}
+    assert len({p for _, p in named}) > 25, "the docs' orchestrator/ paths were not found"
+    assert {p for _, p in named} >= {"orchestrator/inventory/default_inventory.yaml", "orchestrator/schemas/train.json",
+                                     "orchestrator/remote/node_agent.py"}
+    missing = sorted(f"{doc}: {p}" for doc, p in named if not (ROOT / p).exists())
+    assert not missing, "the docs name orchestrator/ files that do not exist (moved? say where):\n" + "\n".join(missing)
+
+
+def test_orchestrator_path_check_is_not_vacuous():
+    text = "see `orchestrator/schemas/train.json`, `orchestrator/remote/preflight.sh` and orchestrator/x.py"
+    assert orchestrator_paths(text) == {"orchestrator/schemas/train.json", "orchestrator/remote/preflight.sh"}
