@@ -2,8 +2,8 @@
 
   The first node whose torchrun exits non-zero, or whose connection is lost for
   `lost_timeout`, is the root cause, and stops every other node (SIGTERM, then SIGKILL
-  after `grace`). "First" is by the nodes' own end times, not by the order the controller
-  heard of them. A stop request is not a failure: what fails after it is not blamed, and
+  after `grace`). "First" is by when a rank of the node failed, on the node's own clock (else
+  when its torchrun ended), not by the order the controller heard of them. A stop request is not a failure: what fails after it is not blamed, and
   a stopped run is recorded as stopped.
 
   The grace covers a checkpoint: at least twice the job's last save (node agent's
@@ -11,7 +11,7 @@
   cap are remote/common.py's, the ones the node agent applies.
 
   Which failure is retried is RETRY_RULES, by the class runs/restart.py `classify` names (the
-  README's table is this one, checked by tests/test_restart_policy.py); `exit_code_retried` and
+  table in docs/runs/restarts.md is this one, checked by tests/test_retry_rules.py); `exit_code_retried` and
   `hang_retried` are the two rules that depend on settings.
 """
 

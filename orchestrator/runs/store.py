@@ -232,5 +232,5 @@ def exit_hint(code: int | None, log_text: str) -> str | None:
         return ("hint: a rank aborted (SIGABRT) in C++ teardown. If it happened after the last step, the "
                 "usual cause is a process group still held at interpreter exit: delete the DDP/FSDP "
                 "model, then call torch.distributed.destroy_process_group() before the script returns "
-                "(trainer/train.py does this; see README, Runs).")
+                "(trainer/train.py does this; see docs/runs/restarts.md).")
     return None
