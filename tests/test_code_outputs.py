@@ -189,3 +189,11 @@ def test_only_the_top_level_folder_is_a_tools(tmp_path, name):
     project(root, use_git=True)
     write(root, f"pkg/{name}/new.py")
     assert f"pkg/{name}/new.py" in select_files(str(root))
+
+
+def test_a_directory_a_job_made_where_a_pushed_file_was_is_left_alone(tmp_path):
+    src, wd = pushed(tmp_path, [".gitignore", "report", "train.py"])
+    (wd / "report").unlink()
+    write(wd, "report/epoch1.txt")  # the job's own folder, named like a file the last push shipped
+    ni.prune(str(wd), b".gitignore\0train.py", set())
+    assert (wd / "report" / "epoch1.txt").exists()

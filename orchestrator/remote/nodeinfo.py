@@ -452,6 +452,10 @@ def versions():
 # ------------------------------------------------------------------ prune (after a push)
 
 
+def _file_or_link(p):
+    return os.path.islink(p) or os.path.isfile(p)
+
+
 def gitignored(root, rel):
     """rel (a file) is ignored by the .gitignore files on its way down from root."""
     rules, parts = [], rel.split("/")
@@ -478,8 +482,9 @@ def prune(root, manifest, outputs=()):
     if before is None:
         stale = [rel for rel in walk_files(root, outputs) if rel not in keep]
     else:
+        # a pushed file still there (not a directory a job made in its place), not ignored now
         stale = [rel for rel in before if rel not in keep and not under(rel, outputs)
-                 and os.path.lexists(os.path.join(root, rel)) and not gitignored(root, rel)]
+                 and _file_or_link(os.path.join(root, rel)) and not gitignored(root, rel)]
     for rel in stale:
         os.unlink(os.path.join(root, rel))
     record_pushed(root, keep)
