@@ -3,11 +3,14 @@
 What is pushed is what a git tree would ship (`git ls-files -co --exclude-standard` in a git
 checkout, else every file not matched by a .gitignore: orchestrator/remote/nodeinfo.py, the
 walker preflight's code_sync hashes with), plus the inventory's `sync.include` and --include,
-minus `sync.exclude` and --exclude (orchestrator/transfer/files.py). The run's output directories
-inside the workdir (`run_outputs`: the trainer's, the inventory's `output_dir`) are never pushed
-nor pruned; each node's are marked as outputs, so code_sync leaves them out too. Files the nodes
-have that are not pushed and not ignored are deleted afterwards, so `code_sync` passes; ignored
-files (data, checkpoints) are left alone.
+minus `sync.exclude` and --exclude (orchestrator/transfer/files.py). Never pushed: the run's
+output directories inside the workdir (`run_outputs`: the trainer's, the inventory's
+`output_dir`), what git does not track in the folders tools write by default (lightning_logs/,
+wandb/, runs/, outputs/, multirun/, __pycache__/), and the inventory file with the key and
+known_hosts files it names. Each node records the list pushed (.clusterctl-code): that list is
+its code from then on, for code_sync and for a spare it hands code to, so whatever a job writes
+on a node is never taken for code. A file the previous push shipped and this one does not is
+deleted afterwards (unless a .gitignore ignores it now); nothing else on the node is touched.
 
 Methods (`auto` picks per push, after one probe round trip that also creates the workdir):
   relay  one tar stream from here to the first node, forwarded node to node (each byte leaves
@@ -40,7 +43,7 @@ from orchestrator.probe import program
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
-from orchestrator.transfer.files import git_list, run_outputs, select_files
+from orchestrator.transfer.files import git_list, private_files, run_outputs, select_files
 from orchestrator.transfer.progress import SyncEvents
 from orchestrator.transport import Cluster
 
@@ -315,7 +318,8 @@ def prune_command(inv: Inventory, node: Node) -> str:
 
 
 def _prune(cluster: Cluster, inv: Inventory, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:
-    """Delete what the file list does not name (and no .gitignore ignores) on the pushed nodes."""
+    """On the pushed nodes, delete what the previous push shipped and this one does not, and
+    record this push's list: the nodes' code from now on (nodeinfo `prune`)."""
     if not pushed:
         return
     manifest = "\0".join(files).encode("utf-8", "surrogateescape")
@@ -342,7 +346,7 @@ def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", in
 
     todo = _targets(cluster, inv, src, done)
     files = select_files(src, tuple(inv.sync.include) + tuple(include), tuple(inv.sync.exclude) + tuple(exclude),
-                         {d for n in inv.nodes for d in run_outputs(inv, n)})
+                         {d for n in inv.nodes for d in run_outputs(inv, n)}, private_files(inv, src))
     tree_bytes, stream_bytes = estimate(src, files)
     sent, notes = 0, []
     if todo:

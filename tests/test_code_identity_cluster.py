@@ -5,6 +5,7 @@ files; preflight itself writes nothing into the workdir, so a second preflight s
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,35 @@ def test_train_refuses_nodes_behind_the_directory_they_were_synced_from(cl, inv,
         nd.run("echo \"print('v3')\" > ~/gpt_train/train.py")
     r = cli("train", "-i", inv, "--nproc-per-node", "1", "--", "train.py", cwd=elsewhere)
     assert r.returncode == 0 and "node[1-2]/r[0-1] | v3" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+
+
+def test_the_inventory_in_the_checkout_never_ships_and_its_edits_are_not_code(cl, tmp_path, home):
+    """The quickstart keeps nodes.yaml in the checkout, here tracked by git, with the SSH key and
+    known_hosts it names beside it, untracked: none of them reaches a node, and editing the
+    inventory fails neither preflight's code_sync nor `train`'s check against the synced checkout."""
+    root = checkout(tmp_path)
+    keys = root / "keys"
+    keys.mkdir()
+    for src, name in ((cl.identity_file, "id_test"), (Path(f"{cl.identity_file}.pub"), "id_test.pub"),
+                      (cl.known_hosts, "known_hosts")):
+        shutil.copy(src, keys / name)
+    (keys / "id_test").chmod(0o600)
+    ssh = {**cl.inventory()["ssh"], "identity_file": "keys/id_test", "known_hosts": str(keys / "known_hosts")}
+    cl.write_inventory(root / "nodes.yaml", ssh=ssh, checks={"disk_min_gb": 0.1})
+    git(root, "add", "nodes.yaml")
+    git(root, "commit", "-qm", "our nodes")
+    for nd in cl.nodes:
+        nd.run("rm -rf ~/gpt_train")
+    r = cli("sync", "-i", "nodes.yaml", cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for nd in cl.nodes:
+        assert nd.run("cd ~/gpt_train && find . -type f | sort").stdout.split() == \
+            ["./.clusterctl-code", "./sub/util.py", "./train.py"]
+    with open(root / "nodes.yaml", "a") as f:
+        f.write("# node3 joins on Monday\n")
+    rc, verdicts = code_sync(cl, "nodes.yaml", root, "--only", "code_sync")
+    assert rc == 0 and {v["status"] for v in verdicts.values()} == {"ok"}, verdicts
+    r = cli("train", "-i", "nodes.yaml", "--nproc-per-node", "1", "--", "train.py", cwd=root)
+    assert r.returncode == 0 and "node[1-2]/r[0-1] | v1" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    for nd in cl.nodes:
+        nd.run("rm -rf ~/gpt_train")

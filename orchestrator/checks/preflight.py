@@ -37,7 +37,7 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import program
-from orchestrator.transfer.files import control_code, run_outputs
+from orchestrator.transfer.files import control_code, private_files, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
 LISTENER = program("portlisten")
@@ -73,16 +73,26 @@ def output_dir(inv: Inventory, node: Node) -> str:
 # ------------------------------------------------------------------ running
 
 
-def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeout: float) -> str:
+def probe_outputs(inv: Inventory, node: Node) -> list[str]:
+    """The run's output directories for code_sync's probe: sync's (`run_outputs`, relative to the
+    workdir) and an `output_dir:` written as a node's absolute or ~ path, which the node resolves
+    (a link to the workdir's own directory, say)."""
+    named = [d for d in (inv.output_dir, inv.train.output_dir) if d and d.startswith(("/", "~"))]
+    return run_outputs(inv, node) + named
+
+
+def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeout: float,
+                   never: tuple[str, ...] = ()) -> str:
     role = "master" if node.rank == 0 else "worker"
     names = ",".join(probe_options(inv, checks))  # the checks, and gpu_health's gpu_diag option
     return "sh -s -- " + " ".join([
         shell.quote(names), shell.path(node.workdir), shell.path(output_dir(inv, node)),
         shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
         role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
-        shell.join([a for d in run_outputs(inv, node) for a in ("--output", d)]
+        shell.join([a for d in probe_outputs(inv, node) for a in ("--output", d)]
                    + [a for g in inv.sync.include for a in ("--include", g)]
-                   + [a for g in inv.sync.exclude for a in ("--exclude", g)])]).rstrip()
+                   + [a for g in inv.sync.exclude for a in ("--exclude", g)]
+                   + [a for p in never for a in ("--never", p)])]).rstrip()
 
 
 class _Listener:
@@ -152,8 +162,9 @@ class _Probes:
     replaces those nodes' texts; port_reachable gets a fresh listener on the master each round
     that has workers in it."""
 
-    def __init__(self, inv: Inventory, checks: list[str], connect_timeout: float):
+    def __init__(self, inv: Inventory, checks: list[str], connect_timeout: float, never: tuple[str, ...] = ()):
         self.inv, self.checks, self.connect_timeout = inv, checks, connect_timeout
+        self.never = never  # the inventory's own files inside the workdir: not code on a node either
         self.listener: _Listener | None = None  # the latest round's (its error is port_reachable's)
         self.own_pids: set[int] = set()  # every round's listener: not a conflict on the port
         self.rounds: list[list[str]] = []  # the nodes each round asked
@@ -169,7 +180,7 @@ class _Probes:
         node = self.inv.node(node.name)
         self.t_send[node.name] = time.time()
         listening = self.listener is not None and self.listener.error is None
-        return _probe_command(self.inv, node, self.checks, self.connect_timeout if listening else 0)
+        return _probe_command(self.inv, node, self.checks, self.connect_timeout if listening else 0, self.never)
 
     def on_line(self, name: str, stream: str, line: str) -> None:
         if stream != "stdout" or name in self.t_recv:
@@ -267,7 +278,8 @@ def run_preflight(cluster: Cluster, inventory: Inventory, checks: list[str] | No
         pinger.start()
 
     probe_checks = [c for c in checks if c not in CONTROL]
-    probes = _Probes(inv, probe_checks, connect_timeout)
+    never = tuple(sorted(private_files(inv, control_dir))) if control_dir is not None else ()
+    probes = _Probes(inv, probe_checks, connect_timeout, never)
     extra: dict = {"code_required": code_required}
     if "code_sync" in probe_checks and control_dir is not None:
         extra["control_code"] = control if control is not None else control_code(inv, control_dir)

@@ -249,12 +249,13 @@ assert "\nPYEOF\n" not in NODEINFO
 
 # -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
 # The workdir digest only when code_sync is asked for ("-" skips it), of what a sync ships (the
-# probe's --include/--exclude arguments); the run's output directory is not code, nor are the
-# run's outputs (the probe's --output arguments).
+# probe's --include/--exclude/--never arguments); the run's outputs are not code (the probe's
+# --output arguments: the same directories sync leaves out, so a tracked runs/ package is code
+# on both sides).
 PYTHON = Probe("python", """pwd_arg=-
 if want code_sync; then pwd_arg=$wd; fi
 echo "@@python"
-"$py" -S - info "$pwd_arg" --output "$out" "$@" 2>&1 <<'PYEOF'
+"$py" -S - info "$pwd_arg" "$@" 2>&1 <<'PYEOF'
 """ + NODEINFO + """PYEOF
 echo "@@rc $?"
 """)

@@ -23,8 +23,8 @@ from orchestrator.transfer import synced
                    "once); tar: that stream to every node directly; rsync: per node, only what changed; "
                    "auto: rsync for small updates of a synced tree, else the relay.")
 @click.option("--include", multiple=True, metavar="GLOB",
-              help="Also ship this directory or glob even if .gitignore excludes it (repeatable; adds "
-                   "to the inventory's sync.include).")
+              help="Also ship this directory or glob even if .gitignore excludes it or it is a tool's "
+                   "output folder such as wandb/ (repeatable; adds to the inventory's sync.include).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Never ship paths matching this glob (repeatable; adds to sync.exclude).")
 @click.option("--json", "as_json", is_flag=True,
@@ -33,7 +33,8 @@ from orchestrator.transfer import synced
 def sync_command(opts: ClusterOptions, src: str | None, method: str, include: tuple[str, ...],
                  exclude: tuple[str, ...], as_json: bool):
     """Push this checkout (or --src, or the inventory's sync.src) to every node's workdir
-    (.gitignore aware), then check code_sync against it."""
+    (.gitignore aware; never the inventory, its key files, nor what git does not track in
+    lightning_logs/, wandb/, runs/, outputs/, multirun/), then check code_sync against it."""
     from rich.console import Console
 
     from orchestrator.checks.preflight import run_preflight

@@ -182,10 +182,10 @@ def send_tar(host, port, token, connect_timeout, idle, add):
 
 
 def write_atomic(path, text):
-    """Write `text` to path.tmp, fsync it, and rename it over `path`: a reader sees the old file
-    or the whole new one."""
+    """Write `text` (str, or bytes as they are) to path.tmp, fsync it, and rename it over `path`:
+    a reader sees the old file or the whole new one."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -1,30 +1,37 @@
 """Node facts for preflight and sync; stdlib only, runs on the node (shipped, never installed)
 and on the control machine (loaded as a module by probe.py), so both sides hash a workdir the
 same way. remote/common.py comes in front of it either way (probe.py `program`): sha256_file,
-Hashed and send_tar come from there.
+Hashed, send_tar and write_atomic come from there.
 
     python - info WORKDIR        one JSON line: python/torch/CUDA/ROCm/NCCL versions (torch is
                                  *not* imported: its version.py and dist-info are read, which
                                  takes milliseconds instead of seconds) and the workdir digest.
-    python -c <this> prune WD    after a push: delete the files the manifest (NUL-separated paths
-                                 on stdin) does not list, leaving ignored files (data) alone.
-    python -c <this> select WD   what a sync of WD would ship, as seen on this node (a donor of a
-                                 spare's code): one JSON line {"files": [...], "code": digest}.
+    python -c <this> prune WD    after a push of the files listed on stdin (NUL-separated): delete
+                                 what the previous push shipped and this one does not (ignored
+                                 files, data, left alone), and record the list in WD/.clusterctl-code.
+    python -c <this> select WD   the code of WD as this node holds it (a donor of a spare's code):
+                                 one JSON line {"files": [...], "code": digest}.
     python -c <this> send WD     stream those files (NUL-separated after a "to HOST PORT TOKEN"
                                  line on stdin) as a tar to a relay.py `recv` on another node;
                                  prints "sent BYTES SHA256".
 Every mode takes `--output DIR` (repeated): a run's output directory, relative to WD or absolute;
-info and select also `--include GLOB` and `--exclude GLOB` (the inventory's sync section).
+info and select also `--include GLOB`, `--exclude GLOB` (the inventory's sync section) and
+`--never PATH` (an exact path: the inventory file and the files it names).
 
-Outputs are never code: a directory named by --output is neither hashed, pruned, listed nor
-sent. Nothing here writes into the workdir except `prune` (deleting) and a push's own files.
+Code is what a sync ships; everything else in a workdir is output. On the control machine that
+is `select`: what git tracks and the untracked files no .gitignore ignores (git ls-files -co
+--exclude-standard; without git, a walk honouring .gitignore files), plus --include, minus
+--exclude, the output directories, the --never paths, and what git does not track in the
+folders tools write by default (TOOL_OUTPUTS: lightning_logs/, wandb/, runs/, outputs/,
+multirun/ at the top, __pycache__/ anywhere). On a node a push went to, it is the list that push
+recorded (.clusterctl-code): whatever a job wrote there since, on one rank or all, is not code.
+A node no push recorded (a git clone there, an older clusterctl's push) is read like the control
+machine. Nothing here writes into the workdir except `prune` (deleting, and the list).
 
-The digest is content-based: for every file a sync would ship (`select`: what a git tree would
-ship, git ls-files -co --exclude-standard in a git checkout, else a walk honouring .gitignore
-files, plus --include, minus --exclude) its path, executable bit and sha256. A git checkout and
-a plain copy of it hash the same, so a workdir pushed by `clusterctl sync` compares equal to the
-control machine's checkout. `info` also lists each file's short hash, so preflight's code_sync
-can name the files that differ.
+The digest is content-based: for every file of the code its path, executable bit and sha256. A
+git checkout, a plain copy of it and a pushed workdir hash the same, so a workdir pushed by
+`clusterctl sync` compares equal to the control machine's checkout. `info` also lists each
+file's short hash, so preflight's code_sync can name the files that differ.
 """
 import os
 import sys
@@ -62,6 +69,24 @@ def dumps(value):
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 OWN_PREFIX = ".clusterctl-"  # relay staging, an older clusterctl's output marks: never part of the code
+PUSHED_LIST = OWN_PREFIX + "code"  # in a pushed workdir: the paths its last push shipped, NUL-separated
+
+# Folders that common tools write into the working directory by default: Lightning's logger,
+# Weights & Biases, TensorBoard's SummaryWriter, Hydra's runs and multiruns; and Python's bytecode
+# caches at any depth. What git does not track in them is output, whatever .gitignore says.
+TOOL_OUTPUTS = ("lightning_logs", "wandb", "runs", "outputs", "multirun")
+BYTECODE = "__pycache__"
+
+
+def tool_output_dir(rel):
+    """rel (a directory) is one of the folders tools write by default."""
+    return rel in TOOL_OUTPUTS or rel.rsplit("/", 1)[-1] == BYTECODE
+
+
+def tool_output(rel):
+    """rel (a file) lies in one of the folders tools write by default."""
+    parts = rel.split("/")
+    return any(tool_output_dir("/".join(parts[:i])) for i in range(1, len(parts)))
 
 
 # ------------------------------------------------------------------ .gitignore subset
@@ -162,7 +187,7 @@ def output_dirs(root, paths):
 
 def walk_files(root, outputs=()):
     """Relative paths of the files a git tree would ship, honouring every .gitignore; output
-    directories left out."""
+    directories and the tools' output folders (a plain tree tracks nothing in them) left out."""
     out = []
 
     def visit(d, rel, rules):
@@ -185,7 +210,7 @@ def walk_files(root, outputs=()):
             if ignored(rules, r, is_dir):
                 continue
             if is_dir:
-                if r not in outputs:
+                if r not in outputs and not tool_output_dir(r):
                     visit(e.path, r, rules)
             else:
                 out.append(r)
@@ -195,14 +220,15 @@ def walk_files(root, outputs=()):
 
 
 def git_files(root, outputs=()):
-    """(files, head, dirty) from git, or None when root is not a usable git checkout; output
-    directories left out."""
+    """(files, head, dirty) from git, or None when root is not a usable git checkout: what git
+    tracks and the untracked files no .gitignore ignores, less untracked files in the tools' output
+    folders; output directories left out."""
     if not os.path.exists(os.path.join(root, ".git")):
         return None
     import subprocess
 
     try:
-        ls = subprocess.run(["git", "-C", root, "ls-files", "-co", "--exclude-standard", "-z"],
+        ls = subprocess.run(["git", "-C", root, "ls-files", "-co", "--exclude-standard", "-t", "-z"],
                             capture_output=True, timeout=60)
         st = subprocess.run(["git", "-C", root, "status", "--porcelain", "-z"], capture_output=True,
                             timeout=60)
@@ -212,14 +238,36 @@ def git_files(root, outputs=()):
         return None
     if ls.returncode != 0:
         return None
-    files = sorted({f for f in ls.stdout.decode("utf-8", "surrogateescape").split("\0")
-                    if f and not any(part.startswith(OWN_PREFIX) for part in f.split("/"))})
+    tagged = [t for t in ls.stdout.decode("utf-8", "surrogateescape").split("\0") if len(t) > 2]
+    # -t: "? " marks a file git does not track (the others: "H ", "S ", ...)
+    files = sorted({t[2:] for t in tagged if not (t[0] == "?" and tool_output(t[2:]))
+                    and not any(part.startswith(OWN_PREFIX) for part in t[2:].split("/"))})
     files = [f for f in files if not under(f, outputs)]
     return files, head.stdout.decode().strip() or None, bool(st.stdout.strip())
 
 
-def code_files(root, outputs=()):
-    """(files, head, dirty, kind) of the code in a workdir: git's list or the walk's."""
+def pushed_files(root):
+    """The paths the last push into root shipped (its PUSHED_LIST), or None when none was recorded."""
+    try:
+        with open(os.path.join(root, PUSHED_LIST), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return [p for p in data.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
+def record_pushed(root, files):
+    """Write root's PUSHED_LIST (a reader never sees half a list)."""
+    write_atomic(os.path.join(root, PUSHED_LIST), "\0".join(sorted(files)).encode("utf-8", "surrogateescape"))
+
+
+def code_files(root, outputs=(), pushed=False):
+    """(files, head, dirty, kind) of the code in a workdir. `pushed` (a node's side): the files
+    of the last push into it, when one recorded them ("pushed"); otherwise, and always on the
+    control machine, git's list ("git") or the walk's ("tree")."""
+    files = pushed_files(root) if pushed else None
+    if files is not None:
+        return files, None, None, "pushed"
     g = git_files(root, outputs)
     return (g[0], g[1], g[2], "git") if g else (walk_files(root, outputs), None, None, "tree")
 
@@ -235,16 +283,20 @@ def _entry(p):
     return None
 
 
-def digest(root, outputs=(), include=(), exclude=(), listing=False):
-    """{"kind": "git"|"tree"|"missing", "digest", "files", "head", "dirty"} of what a sync of the
-    workdir ships (`select`; `outputs`: workdir-relative output directories, left out). With
-    `listing`, also "hashes": {path: mode + 16 hex digits of its hash}, to name what differs."""
+def digest(root, outputs=(), include=(), exclude=(), listing=False, never=(), pushed=False):
+    """{"kind": "git"|"tree"|"pushed"|"missing", "digest", "files", "head", "dirty"} of what a sync
+    of the workdir ships (`select`; `outputs`: workdir-relative output directories, left out;
+    `never`: workdir-relative paths that are never code). `pushed`: a node's workdir, whose code
+    is what its last push shipped (include and exclude were applied then). With `listing`, also
+    "hashes": {path: mode + 16 hex digits of its hash}, to name what differs."""
     if not os.path.isdir(root):
         return {"kind": "missing", "digest": None, "files": 0, "head": None, "dirty": None}
-    code, head, dirty, kind = code_files(root, outputs)
+    code, head, dirty, kind = code_files(root, outputs, pushed)
+    if kind == "pushed":
+        include, exclude = (), ()
     h = Hashed()
     hashes = {}
-    for rel in select(root, include, exclude, outputs, code):
+    for rel in select(root, include, exclude, outputs, code, never):
         try:
             entry = _entry(os.path.join(root, rel))
         except OSError:
@@ -400,17 +452,43 @@ def versions():
 # ------------------------------------------------------------------ prune (after a push)
 
 
+def _file_or_link(p):
+    return os.path.islink(p) or os.path.isfile(p)
+
+
+def gitignored(root, rel):
+    """rel (a file) is ignored by the .gitignore files on its way down from root."""
+    rules, parts = [], rel.split("/")
+    for i in range(len(parts)):
+        base = "/".join(parts[:i])
+        try:
+            with open(os.path.join(root, base, ".gitignore"), encoding="utf-8", errors="replace") as f:
+                rules = rules + parse_gitignore(f.read(), base)
+        except OSError:
+            pass
+        if ignored(rules, "/".join(parts[:i + 1]), i < len(parts) - 1):
+            return True
+    return False
+
+
 def prune(root, manifest, outputs=()):
-    """Delete the files under root that manifest (NUL-separated paths) does not list and no
-    .gitignore ignores: what a push left behind from an older tree. Output directories are left
-    alone."""
+    """After a push of the files `manifest` lists (NUL-separated paths): delete what an earlier
+    push shipped that this one does not, unless a .gitignore ignores it now (data shipped with
+    --include once stays), then record this push's list (PUSHED_LIST). A workdir no push recorded
+    loses every file no .gitignore ignores that the list lacks, outside the output directories
+    and the tools' output folders. Nothing else a job wrote is touched."""
     keep = {p for p in manifest.decode("utf-8", "surrogateescape").split("\0") if p}
-    removed = 0
-    for rel in walk_files(root, outputs):
-        if rel not in keep:
-            os.unlink(os.path.join(root, rel))
-            removed += 1
-    print(dumps({"kept": len(keep), "removed": removed}))
+    before = pushed_files(root)
+    if before is None:
+        stale = [rel for rel in walk_files(root, outputs) if rel not in keep]
+    else:
+        # a pushed file still there (not a directory a job made in its place), not ignored now
+        stale = [rel for rel in before if rel not in keep and not under(rel, outputs)
+                 and _file_or_link(os.path.join(root, rel)) and not gitignored(root, rel)]
+    for rel in stale:
+        os.unlink(os.path.join(root, rel))
+    record_pushed(root, keep)
+    print(dumps({"kept": len(keep), "removed": len(stale)}))
 
 
 # ------------------------------------------------------------------ a sync's selection, on a node
@@ -464,13 +542,15 @@ def under(rel, dirs):
     return any(rel == d or rel.startswith(d + "/") for d in dirs)
 
 
-def select(src, include=(), exclude=(), outputs=(), code=None):
+def select(src, include=(), exclude=(), outputs=(), code=None, never=()):
     """Sorted relative paths a sync of src ships: the code (`code`: code_files' list, when the
-    caller has it), plus `include`, minus `exclude` and the output directories."""
+    caller has it), plus `include`, minus `exclude`, the output directories and `never` (exact
+    paths: the inventory and the files it names)."""
     code = code_files(src, outputs)[0] if code is None else code
     files = [f for f in code if os.path.lexists(os.path.join(src, f))]
     files = set(files) | set(included(src, include))
-    return sorted(f for f in files if not excluded(f, exclude) and not under(f, outputs)
+    never = set(never)
+    return sorted(f for f in files if not excluded(f, exclude) and not under(f, outputs) and f not in never
                   and not any(p.startswith(OWN_PREFIX) for p in f.split("/")))
 
 
@@ -510,8 +590,9 @@ def send(root, idle, connect_timeout):
 
 
 def _options(argv):
-    """WORKDIR and the --output/--include/--exclude/--idle/--connect-timeout values after it."""
-    opts = {"--output": [], "--include": [], "--exclude": [], "--idle": ["60"], "--connect-timeout": ["5"]}
+    """WORKDIR and the --output/--include/--exclude/--never/--idle/--connect-timeout values after it."""
+    opts = {"--output": [], "--include": [], "--exclude": [], "--never": [], "--idle": ["60"],
+            "--connect-timeout": ["5"]}
     rest = argv[1:]
     while len(rest) >= 2 and rest[0] in opts:
         opts[rest[0]] = ([] if rest[0] in ("--idle", "--connect-timeout") else opts[rest[0]]) + [rest[1]]
@@ -527,10 +608,10 @@ def main(argv):
         sys.stderr.write("usage: nodeinfo.py info|prune|select|send WORKDIR [--output DIR]...\n")
         return 2
     wd, opts = _options(argv[1:])
+    code = {"include": opts["--include"], "exclude": opts["--exclude"], "never": opts["--never"], "pushed": True}
     if mode == "info":
         doc = versions()
-        doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]), opts["--include"],
-                                                    opts["--exclude"], listing=True)
+        doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]), listing=True, **code)
         print(dumps(doc))
     elif mode == "send":
         send(os.path.realpath(wd), float(opts["--idle"][0]), float(opts["--connect-timeout"][0]))
@@ -539,9 +620,9 @@ def main(argv):
         outputs = output_dirs(root, opts["--output"])
         if mode == "prune":
             prune(root, sys.stdin.buffer.read(), outputs)
-        else:
-            print(dumps({"files": select(root, opts["--include"], opts["--exclude"], outputs),
-                         "code": digest(root, outputs)}))
+        else:  # what this node would hand a spare: exactly the files its code digest covers
+            doc = digest(root, outputs, listing=True, **code)
+            print(dumps({"files": sorted(doc.pop("hashes", {})), "code": doc}))
     return 0
 
 

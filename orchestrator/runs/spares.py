@@ -3,11 +3,12 @@ fresh gets the run's code and, with a `setup:` section, the run's venv.
 
     prepare_nodes(cluster, inv, fresh, donors, say) -> {node: why it could not be prepared}
 
-The code is the selection `clusterctl sync` ships (nodeinfo's `select`: what git would ship, plus
-`sync.include`, minus `sync.exclude` and the run's outputs), listed on the surviving nodes (the
-donors) and copied node to node from one of them (transfer/pair.py `copy_code`): the code the
-run started with, not what was edited on this machine since. Files of an older tree on the fresh
-node are pruned, its output directories marked, and its code digest checked against the donors'.
+The code is what the last `clusterctl sync` pushed to the surviving nodes (the donors): each one
+lists it (nodeinfo's `select`: the list that push recorded there, never what a job wrote since,
+such as rank 0's lightning_logs/, wandb/ or checkpoints) and one of them copies it node to node
+(transfer/pair.py `copy_code`): the code the run started with, not what was edited on this
+machine since. Files of an older tree on the fresh node are pruned, the list recorded there, and
+its code digest checked against the donors'.
 Only when no donor can serve does this machine's copy of the workdir go out, with `sync`, and only
 when it hashes the same as the donors' code (or no donor could even be listed). Run outputs are
 never shipped. The venv is `clusterctl setup`'s own (pyenv/nodes.py) for the fresh nodes, which
@@ -24,10 +25,10 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import load_nodeinfo, program
+from orchestrator.probe import program
 from orchestrator.pyenv.nodes import last_json
 from orchestrator.sync import prune_command, sync
-from orchestrator.transfer.files import run_outputs
+from orchestrator.transfer.files import control_code, run_outputs
 from orchestrator.transfer.pair import copy_code
 from orchestrator.transport import Cluster, NodeResult
 
@@ -116,8 +117,7 @@ def _from_control(cluster: Cluster, inv: Inventory, fresh: Node, ref: str | None
     src = os.path.expanduser(inv.workdir)
     if not os.path.isdir(src):
         return f"and this machine has no copy of the workdir ({src}) to push instead"
-    outputs = run_outputs(inv, fresh)
-    mine = load_nodeinfo().digest(src, set(outputs))["digest"]
+    mine = control_code(inv, src)["digest"]  # what `sync` would push from it
     if ref is not None and mine != ref:
         return (f"and this machine's copy of the workdir ({src}, digest {mine}) is not the code the run "
                 f"started with (digest {ref})")

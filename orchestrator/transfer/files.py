@@ -1,6 +1,8 @@
 """What a sync ships: the files git would ship, plus `include`, minus `exclude`, and never the
-run's outputs (`run_outputs`). The selection itself is orchestrator/remote/nodeinfo.py's, so a
-node that hands its code to a spare (runs/spares.py) picks the same files as this machine."""
+run's outputs (`run_outputs`), the tools' default output folders' untracked files, nor the
+inventory and the files it names (`private_files`). The selection itself is
+orchestrator/remote/nodeinfo.py's, so a node that hands its code to a spare (runs/spares.py)
+picks the same files as this machine."""
 
 from __future__ import annotations
 
@@ -29,9 +31,35 @@ def git_list(src: str) -> list[str]:
     return [f for f in files if os.path.lexists(os.path.join(src, f))]
 
 
-def select_files(src: str, include=(), exclude=(), outputs=()) -> list[str]:
-    """Sorted relative paths to ship; `outputs` (relative directories) never are."""
-    return load_nodeinfo().select(src, tuple(include), tuple(exclude), set(outputs))
+def select_files(src: str, include=(), exclude=(), outputs=(), never=()) -> list[str]:
+    """Sorted relative paths to ship; `outputs` (relative directories) and `never` (relative
+    paths) never are."""
+    return load_nodeinfo().select(src, tuple(include), tuple(exclude), set(outputs), never=set(never))
+
+
+def _in_tree(base: str, path: str) -> str | None:
+    """path (as written here: ~, relative to the current directory) relative to the directory
+    `base` (real path), when it lies inside it. The file itself is not resolved: a link in the
+    checkout to a key elsewhere is the link's path."""
+    full = os.path.abspath(os.path.expanduser(path))
+    full = os.path.join(os.path.realpath(os.path.dirname(full)), os.path.basename(full))
+    return os.path.relpath(full, base).replace(os.sep, "/") if full.startswith(base + os.sep) else None
+
+
+def private_files(inv: Inventory, src: str) -> set[str]:
+    """The inventory file and the files its SSH settings name (identity files with their .pub and
+    -cert.pub, known_hosts, ssh config), as paths relative to `src` where they lie inside it: they
+    never ship to a node and are never code, tracked by git or not. An edit of the inventory in
+    the checkout leaves code_sync as it was."""
+    paths = [inv.source] if os.path.isfile(inv.source) else []
+    for n in inv.nodes:
+        s = n.ssh
+        if s.identity_file:
+            paths += [s.identity_file, s.identity_file + ".pub", s.identity_file + "-cert.pub"]
+        paths += [p for p in (s.known_hosts, s.config_file) if p]
+    base = os.path.realpath(src)
+    return {rel for p in dict.fromkeys(paths) if (rel := _in_tree(base, p)) is not None
+            and os.path.lexists(os.path.join(base, rel))}
 
 
 def _trainer_output_dir() -> str | None:
@@ -126,7 +154,7 @@ def require_code_source(inv: Inventory, src: str | None = None, cwd: str | None 
 
 def control_code(inv: Inventory, src: str) -> dict:
     """What code_sync compares every node with: the digest and per-file hashes of the files a
-    sync of `src` ships (the inventory's include and exclude, no run outputs)."""
+    sync of `src` ships (the inventory's include and exclude, no run outputs, no private files)."""
     outputs = {d for n in inv.nodes for d in run_outputs(inv, n)}
-    return load_nodeinfo().digest(src, outputs, tuple(inv.sync.include), tuple(inv.sync.exclude), listing=True) \
-        | {"source": src}
+    return load_nodeinfo().digest(src, outputs, tuple(inv.sync.include), tuple(inv.sync.exclude), listing=True,
+                                  never=private_files(inv, src)) | {"source": src}
