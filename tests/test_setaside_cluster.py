@@ -79,18 +79,22 @@ def test_lightning_run_twice_in_one_directory_the_second_hangs_before_its_first_
     names = [n.name for n in cluster.nodes]
     inv = inventory(cluster, tmp_path, spare=True)
     # --hang_once: the hang happens once; the spare, which takes the hung rank's place, has the mark
-    cluster.nodes[2].run("touch ~/gpt_train/hang-once")
+    # (in its home: bringing the spare to the run's code replaces its workdir)
+    mark = f"/home/{cluster.user}/hang-once"
+    cluster.nodes[2].run(f"touch {mark}")
+    # importing lightning on the shared test machine is silent for 15-30 s: the watch is off for the
+    # first run, and the second's timeout is longer than that
     flags = ("--checkpoint-dir", "out/ckpt", "--resume-args", "--ckpt_path out/ckpt/last.ckpt", "--on-hang",
-             "restart", "--max-restarts", "1", "--hang-timeout", "6", "--", LIGHTNING, "--every_n_steps", "10",
-             "--step_s", "0.05")
-    first = train(inv, *flags, "--max_steps", "30")
+             "restart", "--max-restarts", "1")
+    script = ("--", LIGHTNING, "--every_n_steps", "10", "--step_s", "0.05")
+    first = train(inv, *flags, "--hang-timeout", "0", *script, "--max_steps", "30")
     assert first.returncode == 0, first.stderr[-4000:]
     first_dir = run_of(home, first)
     theirs = snapshot_files(first_dir)[max(snapshot_files(first_dir))]
     assert {"last.ckpt", "epoch=0-step=30.ckpt"} <= set(theirs), theirs
 
-    second = train(inv, *flags, "--max_steps", "20", "--hang_at", "3", "--hang_rank", "1",
-                   "--hang_once", "hang-once")
+    second = train(inv, *flags, "--hang-timeout", "45", *script, "--max_steps", "20", "--hang_at", "3",
+                   "--hang_rank", "1", "--hang_once", mark)
     assert second.returncode == 0, second.stderr[-4000:]
     run_dir = run_of(home, second)
     a1, a2 = record(run_dir)["attempts"]
