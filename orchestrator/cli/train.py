@@ -239,7 +239,9 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "stopped].")
 @click.option("--resume-from", metavar="RUN", default=None,
               help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
-                   "put on the nodes before launch, where the script's `--resume auto` finds it.")
+                   "put on the nodes before launch. RUN's script and arguments, --checkpoint-dir and "
+                   "--resume-args are used unless given again. RUN:set-aside starts from what RUN found in "
+                   "its checkpoint directory when it started, and set aside.")
 @click.option("--resume-args", metavar="'ARGS'", default=None,
               help="Arguments added to the job's own when it starts from a restored checkpoint (a restart, "
                    "or --resume-from), split as a shell would, e.g. --resume-args '--init_from=resume' for "
@@ -247,7 +249,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--checkpoint-dir", metavar="DIR", default=None,
               help="The job's own checkpoint directory, relative to the workdir unless absolute (nanoGPT's "
                    "out, a Trainer's output_dir): whatever the job writes there, any names, is copied to this "
-                   "machine once complete on every node and put back on every node before a restart "
+                   "machine once complete on every node and put back on every node before a restart. What it "
+                   "holds when the run starts is set aside, never taken as the run's "
                    "[default: the inventory's train.checkpoint_dir].")
 @click.option("--allow-unhealthy", is_flag=True,
               help="Use quarantined nodes for this run (`clusterctl health` lists them), and quarantine none "
