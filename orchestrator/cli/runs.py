@@ -22,6 +22,7 @@ from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.dirreplicas import NodeSnaps, newest_copied
 from orchestrator.runs.record import story
+from orchestrator.runs.setaside import BEFORE_RUN, FORM, Found
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn
@@ -133,13 +134,14 @@ class _Show:
             where = f"run {a['resumed_from']}"
         told = f" with {shlex.join(a['resume_args'])}" if a.get("resume_args") else ""
         about = f": {a['checkpoint_about']}" if a.get("checkpoint_about") else ""
-        for node, names in sorted((a.get("set_aside") or {}).items()):
+        for node, names in sorted((a.get("set_aside") or {}).items() if a.get("checkpoint") else ()):
             click.echo(f"clusterctl: attempt {k}: {node}: set aside {', '.join(names)} (not in the checkpoint; "
                        f"kept under ~/.clusterctl/artifacts/{self.run.id}/set-aside/ there)", err=True)
         click.echo(f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from checkpoint "
                    f"{a['checkpoint']} ({where}{about}){told}" if a.get("checkpoint") else
                    f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from scratch: no "
-                   "checkpoint was copied" + (" (--resume-args not added)" if self.run.spec.resume_args else ""), err=True)
+                   "checkpoint of this run was copied" + (" (--resume-args not added)" if self.run.spec.resume_args
+                                                           else ""), err=True)
 
     def start(self, rec: dict) -> Follower:
         if self.follower is None:
@@ -213,6 +215,11 @@ def _results(run: Run) -> None:
     elif newest is not None:
         _err(f"clusterctl: checkpoints: {run.dir / 'checkpoints'} (newest {newest})")
         _err(f"clusterctl:   a new run from it: clusterctl train --resume-from {run.id}")
+    found = Found(run.dir).about()
+    if found is not None:  # what its checkpoint directory held before it: never offered as its own
+        _err(f"clusterctl: set aside when the run started, not its own: {found} (kept under "
+             f"~/.clusterctl/artifacts/{run.id}/set-aside/{BEFORE_RUN}/ there)")
+        _err(f"clusterctl:   a new run from those files: clusterctl train --resume-from {run.id}:{FORM}")
     tb = run.dir / "tensorboard"
     if tb.is_dir() and any(p.is_file() for p in tb.rglob("*")):
         _err(f"clusterctl: TensorBoard: tensorboard --logdir {tb}")

@@ -304,13 +304,11 @@ class Controller:
                 self.book.attempt_changed(prepare_s=round(time.monotonic() - t0, 3))
             dirs = self.prepare_dirs(nodes)
             self.copier.dirs.update(dirs)
-            if k > 1 or self.spec.resume_from:
-                self.book.attempt_changed(**Restorer(self.cluster, self.full_inv, self.copier.store,
-                                                     self.spec.resume_from, say, self.copier.dirsnap,
-                                                     self.spec.checkpoint_dir, self.copier.dirreplica
-                                                     ).restore(dirs, nodes, relaunch=k > 1))
-                if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
-                    self.book.attempt_changed(resume_args=list(self.spec.resume_args))
+            # attempt 1 sets aside what the checkpoint directory holds (not this run's); a relaunch restores
+            self.book.attempt_changed(**Restorer.of(self.cluster, self.full_inv, self.copier, self.spec, say,
+                                                    self.book.tell).before(k, dirs, nodes))
+            if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
+                self.book.attempt_changed(resume_args=list(self.spec.resume_args))
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d.get("ckptdir", d["checkpoints"]),
