@@ -33,7 +33,7 @@ from orchestrator.runs.ckptdir import DirStore
 from orchestrator.runs.curves import carry_over
 from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.straggler import ON_STRAGGLER
-from orchestrator.runs.notify import save_notify
+from orchestrator.cli.events_options import event_options, save_events
 from orchestrator.runs.setaside import FORM as SET_ASIDE
 from orchestrator.runs.setaside import RECORD, Found
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
@@ -219,6 +219,7 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Shell command run on this machine when the run ends, with CLUSTERCTL_RUN_ID, "
                    "CLUSTERCTL_STATUS, CLUSTERCTL_EXIT_CODE and CLUSTERCTL_FAILURE set (default: the "
                    "inventory's train.notify).")
+@event_options
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per log line, then one for the run (orchestrator/schemas/train.json).")
 @click.option("--max-restarts", type=click.IntRange(0, 100), default=None,
@@ -281,7 +282,7 @@ def _split_args(text: str, flag: str) -> list[str]:
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor,
-                  straggler_window, no_fold, script):
+                  straggler_window, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -306,7 +307,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
         **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
                   straggler_factor=straggler_factor, straggler_window=straggler_window)))
-    save_notify(run, notify)
+    save_events(run, notify, events)
     _carry_curves(run)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)

@@ -20,6 +20,7 @@ from typing import Callable
 
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
 from orchestrator.inventory import Inventory, Node
+from orchestrator.observe import trackers
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
@@ -81,7 +82,8 @@ class AttemptRunner:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
         launcher = Launcher(self.cluster, self.inv, self.key, self.spec, self.statuses, self.record.resume_args)
-        launcher.extra_env = {n: {**env, **e} for n, e in node_env.items()}
+        tracked = trackers.attempt_env(self.run, self.record.attempt, self.inv, self.say)  # W&B, MLflow: one run
+        launcher.extra_env = {n: {**tracked.get(n, {}), **env, **e} for n, e in node_env.items()}
         t0 = time.monotonic()
         try:
             launcher.launch()

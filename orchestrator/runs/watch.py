@@ -177,7 +177,7 @@ class LogCopier:
             self.ranks.close()
 
 
-def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[[str], None],
+def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
               stop: threading.Event | None = None) -> bool:
     """Reopen a node's dropped connection with backoff until `lost_timeout` after the node was
     last heard from (one attempt at least). True once it is open again. Each step is told (the
@@ -185,13 +185,15 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[[st
     conn = cluster.connections[node.name]
     heard = getattr(conn, "last_heard", time.monotonic())
     deadline = heard + cluster.lost_timeout
-    tell(f"{node.name}: silent for {time.monotonic() - heard:.1f}s ({lost.error or 'connection lost'}); "
-         f"reconnecting, lost after {cluster.lost_timeout:g}s")
+    silent = round(time.monotonic() - heard, 1)
+    tell(f"{node.name}: silent for {silent:.1f}s ({lost.error or 'connection lost'}); "
+         f"reconnecting, lost after {cluster.lost_timeout:g}s", event="node_silent", node=node.name, silent_s=silent)
     for attempt in range(10_000):
         try:
             conn.reopen(timeout=deadline - time.monotonic())
-            tell(f"{node.name}: reconnected after {time.monotonic() - heard:.1f}s of silence; its log goes on "
-                 "where it stopped")
+            silent = round(time.monotonic() - heard, 1)
+            tell(f"{node.name}: reconnected after {silent:.1f}s of silence; its log goes on where it stopped",
+                 event="node_reconnected", node=node.name, silent_s=silent)
             return True
         except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
             why = str(e)
@@ -214,7 +216,7 @@ class _Copy:
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
-        self.tell: Callable[[str], None] = echo
+        self.tell: Callable[..., None] = lambda text, **about: echo(text)  # `about`: Book.tell's data
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
@@ -279,7 +281,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               *, echo: Callable[[str], None] = say, after_write: Callable[[], object] | None = None,
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
-              tell: Callable[[str], None] | None = None, progress: Callable[[str, dict], None] | None = None,
+              tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
               progress_s: float = 0.0) -> None:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
