@@ -34,8 +34,15 @@ def newest() -> tuple[int, str | None]:
     return (int(done[-1][5:13]), os.path.join(ckpt_dir, done[-1])) if done else (0, None)
 
 
-start, path = newest()
-w = torch.load(path)["w"] if path else torch.zeros(4)
+# rank 0 holds the checkpoint clusterctl restored (a restart's other nodes may hold none): it says
+# where the job resumes, and the others take its state
+state = torch.zeros(5)
+if rank == 0:
+    start, path = newest()
+    if path:
+        state[0], state[1:] = start, torch.load(path)["w"]
+dist.broadcast(state, 0)
+start, w = int(state[0]), state[1:].clone()
 print(f"rank {rank} attempt {attempt} start step {start}", flush=True)
 if rank == 0:
     writer = SummaryWriter(tb_dir, purge_step=start + 1 if start else None)
