@@ -31,7 +31,7 @@ from orchestrator.runs.store import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "contrib" / "grafana" / "clusterctl-runs.json"
-DOC = ROOT / "docs" / "incoming" / "observe.md"
+DOC = ROOT / "docs" / "observability.md"
 
 
 def write_run(runs: Path, rid: str, state: str = "running", created: float = 1.7e9, log: str = "") -> Path:
