@@ -134,11 +134,12 @@ def each_node(cl, cmd: str) -> list[str]:
     return out
 
 
+TORCH = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 DISTS = f"{VENV}/bin/python -c 'import importlib.metadata as m; print(sorted(d.name.lower() + \"==\" + d.version " \
         "for d in m.distributions()))'"
 # the wheels in a node's cache and one file of the venv's torch, by inode: a file received or
 # unpacked again is a new inode
-INODES = f"stat -c '%i %n' ~/.cache/clusterctl/wheels/*.whl {VENV}/lib/python3*/site-packages/torch/__init__.py"
+INODES = f"shopt -s nullglob; stat -c '%i %n' ~/.cache/clusterctl/wheels/*.whl {VENV}/lib/python3*/site-packages/torch/__init__.py"
 
 
 def test_one_added_package_is_the_only_wheel_shipped_and_the_only_one_unpacked(cl, work):
@@ -158,6 +159,7 @@ def test_one_added_package_is_the_only_wheel_shipped_and_the_only_one_unpacked(c
     assert p.returncode == 0, p.stderr + p.stdout
     doc = json.loads(p.stdout)
     assert doc["bytes_sent"] < 200_000, doc["bytes_sent"]  # the wheel and the lock, once (relayed), not 300 MB
+    assert all(f"/wheels/{TORCH}" in before for before in inodes), inodes  # the cache held it already
     jsonschema.validate(doc, SCHEMA)
     assert [(n["action"], n["wheels"]) for n in doc["nodes"]] == \
         [("updated", ["colorama-0.4.6-py2.py3-none-any.whl"])] * 4, doc["nodes"]

@@ -70,6 +70,12 @@ def probe(cluster: Cluster, nodes: list[str], setup: SetupSection) -> dict[str, 
     return out
 
 
+def _stream(src: str, names: dict[str, str]):
+    """The tar stream of files in the lock's directory here, each named by its place in a node's
+    cache (a wheel under wheels/, the lock under wheelhouse/<hash16>/)."""
+    return lambda: TarStream(src, list(names), names=names)
+
+
 def _ship(cluster: Cluster, inv: Inventory, lacking: dict[str, list[str]], setup: SetupSection, lock: Lock,
           events: SyncEvents, online: bool) -> tuple[dict[str, str], dict[str, int], int, list[str]]:
     """Relay to each node the files it lacks, each file once from here; returns (failures,
@@ -81,12 +87,10 @@ def _ship(cluster: Cluster, inv: Inventory, lacking: dict[str, list[str]], setup
         events.planned(n, "relay", sum(size for nodes, _, size in groups if n in nodes))
     failed, got, sent, notes = {}, {}, 0, []
     for nodes, srcs, _ in groups:
-        names = {src: files[src][0] for src in srcs}
-        res, out, more = relay.push(
-            cluster, [inv.node(n) for n in nodes if n not in failed], str(lock.dir), srcs, chain=True,
-            on_bytes=lambda n, b: events.advanced(n, base[n] + b), dest=lambda n: CACHE,
-            python=lambda n: setup.base, stream=lambda srcs=srcs, names=names: TarStream(str(lock.dir), srcs,
-                                                                                         names=names))
+        res, out, more = relay.push(cluster, [inv.node(n) for n in nodes if n not in failed], str(lock.dir), srcs,
+                                    chain=True, on_bytes=lambda n, b: events.advanced(n, base[n] + b),
+                                    dest=lambda n: CACHE, python=lambda n: setup.base,
+                                    stream=_stream(str(lock.dir), {src: files[src][0] for src in srcs}))
         sent, notes = sent + out, notes + more
         for r in res:
             base[r.node] += r.bytes
