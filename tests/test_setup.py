@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -234,6 +235,10 @@ def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp
         assert node("install", str(venv), str(root), short).returncode == 0
     kept = built(venv)
     assert len(kept) == 2 and os.path.basename(os.readlink(venv)) in kept and os.path.basename(old) not in kept
+    deadline = time.monotonic() + 60  # the older ones were renamed aside; a detached rm removes them
+    while any(x.startswith(".trash-") for x in os.listdir(f"{venv}.d")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(os.listdir(f"{venv}.d")) == sorted([".lock", *kept])
     probe = json.loads(node("probe", str(venv), str(root)).stdout)
     assert probe["hash"] == h and probe["wheelhouses"] == [short]
     assert sorted(os.listdir(root / "wheels")) == ["alpha-4.0-py3-none-any.whl"]

@@ -291,7 +291,7 @@ def switch(venv, new):
 
 def prune(parent, keep, root, short):
     """Older venv directories, other locks, and the cache's wheels the kept lock does not list.
-    A venv directory (some 15,000 files for torch) is renamed aside at once and removed by a
+    A venv directory (some 20,000 files with torch) is renamed aside at once and removed by a
     detached `rm`, so that setup does not wait for it; one left by an interrupted `rm` goes too."""
     trash = []
     for name in os.listdir(parent):
@@ -301,9 +301,9 @@ def prune(parent, keep, root, short):
             name = ".trash-" + name
         if name.startswith(".trash-"):
             trash.append(os.path.join(parent, name))
-    if trash:
-        subprocess.Popen(["rm", "-rf", "--", *trash], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    if trash:  # at the lowest priority: the node's jobs (and the venv just built) come first
+        subprocess.Popen(["nice", "-n", "19", "rm", "-rf", "--", *trash], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     locks = os.path.join(root, "wheelhouse")
     for name in os.listdir(locks):
         if LOCK_RE.match(name) and name != short:
