@@ -109,7 +109,7 @@ class _Show:
         for a in rec.get("attempts") or []:
             self.announce(a)
         if self.follower is not None:
-            self.follower.folder.quiet = quiet_nodes(rec)
+            self.follower.quiet = quiet_nodes(rec)
         if self.follower is None and rec.get("rank_map"):
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
