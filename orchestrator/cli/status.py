@@ -34,8 +34,8 @@ def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus],
     for nd in run.nodes(rec):
         state, code, last = nd.state, nd.exit_code, tables.last_line(run.node_log(nd.name), nd.first_rank)
         asked = from_nodes.get(nd.name)
-        if asked is not None:  # the nodes' own word beats a stale record
-            code, last = code if asked.error else asked.exit_code, asked.last_line or last
+        if asked is not None:  # the nodes' own word beats a stale record (its last line: the job's)
+            code, last = code if asked.error else asked.exit_code, tables.node_line(asked.last_line, nd.first_rank)[0] or last
             state = _node_state_now(asked, code)
         rows.append((nd.name, nd.ranks, tables.shown_state(state, rec), str(nd.pid or "-"),
                      "-" if code is None else str(code), tables.runtime(nd, rec, now), last))

@@ -282,12 +282,14 @@ class LineFold:
 
 
 class Block:
-    """One rank's traceback as it arrives."""
+    """One rank's traceback as it arrives; `python`: a Python traceback (complete at its
+    exception line)."""
 
-    __slots__ = ("label", "lines", "at")
+    __slots__ = ("label", "lines", "at", "python")
 
     def __init__(self, label: str, line: str, at: float):
         self.label, self.lines, self.at = label, [line], at
+        self.python = PY_TRACE in line
 
 
 NOTES = {
@@ -313,13 +315,14 @@ class Screen:
         self.report: dict[str, int] = {}  # node -> lines of its ChildFailedError report hidden so far
         self.hidden: dict[str, int] = {}  # kind -> lines hidden
         self.folded: dict[str, list] = {}  # quiet node -> [lines folded, label, last fold]
+        self.ended: dict[tuple[str, int | None], float] = {}  # who just ended a traceback -> when
 
     def lines(self, node: str, labels: list, texts: list, ranks: list, now: float) -> None:
         """A node's lines from one poll. Plain lines (no rank prefix, traceback, noise or
         torchrun echo among them, on a node that is not quiet and has nothing open) go to the
         fold as one batch; otherwise line by line."""
         if node in self.quiet or node in self.report or node in self.folded or \
-                (self.blocks and any(w[0] == node for w in self.blocks)):
+                (self.blocks and any(w[0] == node for w in self.blocks)) or (self.ended and any(w[0] == node for w in self.ended)):
             plain = False
         else:
             big = "\n".join(texts)
@@ -332,26 +335,33 @@ class Screen:
             line(node, rank, label, text, now)
 
     def line(self, node: str, rank: int | None, label: str, text: str, now: float) -> None:
+        """One line (see `lines`)."""
         if text.startswith("[rank") and (m := RANK_PREFIX.match(text)):
             text = text[m.end():]
         if "[c10d]" in text and C10D_HOSTNAME.search(text):
             return self.hide(node, "c10d", now)
-        if rank is None and self.torchrun_echo(node, text, now):
-            return None
+        who = (node, rank)
+        if self.ended and self.ended.pop(who, None) is not None:
+            if not text.strip():  # the blank line a traceback ends with (torch's excepthook)
+                return None
         quiet = node in self.quiet
-        b = self.blocks.get((node, rank)) if self.blocks else None
+        b = self.blocks.get(who) if self.blocks else None
         if b is not None:
             if TRACE_BODY.match(text) or TRACE_END.match(text) or (quiet and TRACE_START.search(text)):
                 b.lines.append(text)
                 b.at = now
+                if b.python and TRACE_END.match(text):  # the exception: a Python traceback is complete
+                    self.close(who, now)
+                    self.ended[who] = now
                 return None
-        if PY_TRACE in text or (quiet and TRACE_START.search(text)):
-            self.blocks[(node, rank)] = Block(label, text, now)
-            return None
-        if quiet and (b is not None or node in self.folded):
+            self.tell(node, now) if quiet else self.close(who, now)
+        elif quiet and node in self.folded and not TRACE_START.search(text):
             self.tell(node, now)  # a line that is not a traceback's: what was folded is told first
-        elif b is not None:
-            self.close((node, rank), now)
+        if rank is None and self.torchrun_echo(node, text, now):
+            return None
+        if PY_TRACE in text or (quiet and TRACE_START.search(text)):
+            self.blocks[who] = Block(label, text, now)
+            return None
         self.fold.add(node, rank, label, text, now)
         return None
 
@@ -419,6 +429,8 @@ class Screen:
             self.close(who, now)
         for node in [n for n, f in self.folded.items() if final or now - f[2] >= FOLD_FLUSH_S]:
             self.tell(node, now)
+        for who in [w for w, at in self.ended.items() if now - at >= BLOCK_IDLE_S]:
+            del self.ended[who]
 
     def flush(self, now: float, out: Callable[[list], None], all: bool = False) -> None:
         """What to print now, to `out` (LineFold.flush): with `all`, every line held (the
