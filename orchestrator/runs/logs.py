@@ -17,7 +17,7 @@ from typing import Callable, Collection, Protocol
 
 from orchestrator.runs.screen import Screen
 
-_RANK_RE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+_RANK_RE = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # as runs/rankfiles.py RANK_TAG
 
 
 class NodeLog:
