@@ -14,7 +14,7 @@ from orchestrator.cli import main
 from orchestrator.cli.output import Prefixer
 from orchestrator.runs.logs import Follower, NodeLog
 from orchestrator.runs.rankfiles import RankFiles, rank_file
-from orchestrator.runs.screen import LineFold
+from orchestrator.runs.linefold import LineFold
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
 from orchestrator.runs.watch import LogCopier

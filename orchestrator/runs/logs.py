@@ -197,12 +197,15 @@ class Follower:
         """One node's new lines to the screen (or the sink); how many passed the filters."""
         only, node, first, known = self.ranks, lg.node, lg.first_rank, lg.labels
         labels, texts, ranks = [], [], []
+        torchrun = False  # a line of torchrun's own among them
         for raw in lines:
-            label, rank, text = node, None, raw
+            tag = None
             if raw[:1] == "[" and first is not None and (end := raw.find("]:", 1, 24)) > 0:
                 tag = known.get(raw[:end]) or lg.tag(raw, end)
-                if tag is not None:
-                    label, rank, text = tag[0], tag[1], raw[end + 2:]
+            if tag is None:
+                label, rank, text, torchrun = node, None, raw, True
+            else:
+                label, rank, text = tag[0], tag[1], raw[end + 2:]
             if only and rank not in only:
                 continue
             if "\r" in text:
@@ -216,7 +219,7 @@ class Follower:
             for label, text in zip(labels, texts):
                 self.sink(label, "stdout", text, node)
         elif self.fold:
-            self.screen.lines(node, labels, texts, ranks, now)
+            self.screen.lines(node, labels, texts, ranks, now, torchrun)
         elif texts:
             self.printer.many(list(zip(labels, texts, repeat(node))))
         return len(texts)
