@@ -91,11 +91,11 @@ def one_line(text: str) -> Text:
 
 
 def status_table(title: str, rows: list[tuple[str, ...]]) -> Table:
-    """node, ranks, state, pid, exit, runtime, last line: one line per node. Only the last line's
-    column gives way to a narrow screen."""
+    """node, ranks, state, pid, exit, runtime, step, last line: one line per node. Only the last
+    line's column gives way to a narrow screen."""
     t = _table(title)
-    for c in ("node", "ranks", "state", "pid", "exit", "runtime"):
-        t.add_column(c, no_wrap=True, justify="right" if c in ("pid", "exit") else "left")
+    for c in ("node", "ranks", "state", "pid", "exit", "runtime", "step"):
+        t.add_column(c, no_wrap=True, justify="right" if c in ("pid", "exit", "step") else "left")
     t.add_column("last line", min_width=9)
     for row in rows:
         t.add_row(*row[:-1], one_line(row[-1]))
