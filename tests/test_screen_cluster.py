@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import TestCluster, require_root
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -77,3 +78,45 @@ def test_a_crash_at_step_0_on_3_ranks_is_said_once_and_kept_whole_in_the_files(c
     t = cli("tail", run_dir.name, "--no-follow")
     assert t.returncode == r.returncode, t.stderr[-3000:]
     screen_checks(t.stdout, t.stderr, run_dir)
+
+
+STEP_LOGGER = SCRIPTS / "step_logger.py"
+
+
+def ranks_now(run_id: str) -> dict[int, dict]:
+    r = cli("status", run_id, "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {d["rank"]: d for d in json.loads(r.stdout)["ranks_now"]}
+
+
+def test_a_script_logging_step_equals_n_on_rank_0_shows_progress_on_every_rank_and_its_stall(cpu3, tmp_path, home):
+    inv = cpu3.write_inventory(tmp_path / "nodes.yaml", checks={"disk_min_gb": 0.1})
+    r = cli("train", "-i", inv, "--skip-preflight", "--detach", "--hang-timeout", "15", "--on-hang", "observe", "--",
+            STEP_LOGGER, "--steps", "400", "--step-s", "0.3", "--stop-at", "45", "--pause", "300")
+    assert r.returncode == 0, r.stderr
+    run_id = r.stdout.strip()
+    try:
+        # rank 0's step from its `step=N` lines; ranks 1 and 2 print nothing: their collectives
+        now = wait_for(lambda: (lambda d: d if (d[0]["step"] or 0) >= 5 and all(
+            (d[r]["collectives"] or 0) > 0 for r in (1, 2)) else None)(ranks_now(run_id)), 120,
+            "rank 0's step and every rank's collectives in status --json", interval=2)
+        assert now[0]["step_from"] == "log" and now[0]["last_line"].startswith("step="), now[0]
+        assert not any(d["stall"] for d in now.values()), now
+        w = cli("watch", run_id, "--once", "--ranks", timeout=60)
+        assert w.returncode == 0, w.stderr
+        rows = {m[1]: m[2] for m in re.finditer(r"^(node\d/r\d)\s+running\s+(\S+)", w.stdout, re.M)}
+        assert rows["node1/r0"].isdigit() and int(rows["node1/r0"]) >= 5, w.stdout
+        assert re.fullmatch(r"c\d+", rows["node2/r1"]) and re.fullmatch(r"c\d+", rows["node3/r2"]), w.stdout
+        assert "cN: collectives the rank entered" in w.stdout
+        detail = cli("watch", run_id, "--rank", "0", timeout=90)
+        assert re.search(r"^node1\s+running\s+\d+", detail.stdout, re.M), detail.stdout
+        assert "step=" in detail.stdout.split("rank 0 on node1: last lines", 1)[1], detail.stdout
+        # at step 45 it stops progressing: every rank's stall flag rises past the hang timeout
+        stalled = wait_for(lambda: (lambda d: d if all(x["stall"] for x in d.values()) else None)(ranks_now(run_id)),
+                           120, "every rank flagged stalled in status --json", interval=2)
+        assert stalled[0]["step"] == 44, stalled[0]  # the last step it finished
+        w = cli("watch", run_id, "--once", timeout=60)
+        flagged = {m[1] for m in re.finditer(r"^(node\d)\s+running\s+\S+.*\bstall \d+s", w.stdout, re.M)}
+        assert flagged == {"node1", "node2", "node3"}, w.stdout
+    finally:
+        cli("stop", run_id)
