@@ -13,8 +13,8 @@ default; --same: every rank writes the same lines) run by `clusterctl train` wit
 with --no-fold, each timed from the command to its exit with its stdout going to a file; then
 `clusterctl tail RUN --no-follow` of the finished runs, folding on and off, timed alone (the
 foreground's printing without the cluster's share of the cores). With --baseline DIR (another
-checkout, e.g. `git worktree add /tmp/base main`) the tails are also timed with that checkout's
-code, in the same invocation, so a change is measured against what it changes:
+checkout, e.g. `git worktree add /tmp/base main`) the trains and tails are also timed with that
+checkout's code, in the same invocation, so a change is measured against what it changes:
 
     sudo .venv/bin/python bench/bench_logs.py --foreground [--same] [--baseline /tmp/base]
 """
@@ -74,17 +74,19 @@ def foreground(a) -> None:
     total = a.nodes * a.lines_per_node
     mode = ["same"] if a.same else []
     runs, rows = {}, []
+    checkouts = [("this checkout", None)] + ([("baseline", Path(a.baseline).resolve())] if a.baseline else [])
     with TestCluster(n=a.nodes, gpus=0, name_prefix="ccbf") as cluster:
         for n in cluster.nodes:
             n.run("mkdir -p ~/gpt_train")
         inv = cluster.write_inventory(home / "nodes.yaml")
-        for fold in ("on", "off"):
-            before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
-            took, code, lines = cli(["train", "-i", str(inv), "--skip-preflight", *(["--no-fold"] if fold == "off" else []),
-                                     "--", str(writer), str(a.lines_per_node), *mode], home / f"train-{fold}.out")
-            runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
-            rows.append((f"train, folding {fold}", took, code, lines))
-    checkouts = [("this checkout", None)] + ([("baseline", Path(a.baseline).resolve())] if a.baseline else [])
+        for name, checkout in checkouts:
+            for fold in ("on", "off"):
+                before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
+                took, code, lines = cli(["train", "-i", str(inv), "--skip-preflight",
+                                         *(["--no-fold"] if fold == "off" else []), "--", str(writer),
+                                         str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
+                runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
+                rows.append((f"train, {name}, folding {fold}", took, code, lines))
     for name, checkout in checkouts:
         for fold in ("on", "off"):
             took, code, lines = cli(["tail", runs[fold], "--no-follow", *(["--no-fold"] if fold == "off" else [])],
@@ -93,12 +95,12 @@ def foreground(a) -> None:
     print(f"foreground, {a.nodes} nodes x {a.lines_per_node} {'identical' if a.same else 'distinct'} lines "
           f"({total} lines; stdout to a file)")
     for label, took, code, lines in rows:
-        print(f"  {label:<44} {took:7.1f} s  {total / took:>10,.0f} lines/s  ({lines} lines printed, exit {code})")
+        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  ({lines} lines printed, exit {code})")
     by = {label: took for label, took, _, _ in rows}
-    print(f"  ratio folding on / off: train {by['train, folding on'] / by['train, folding off']:.2f}")
-    for name, _ in checkouts:
-        on, off = by[f"tail --no-follow, {name}, folding on"], by[f"tail --no-follow, {name}, folding off"]
-        print(f"  ratio folding on / off: tail, {name} {on / off:.2f}  (target <= 1.20)")
+    for what in ("train", "tail --no-follow"):
+        for name, _ in checkouts:
+            on, off = by[f"{what}, {name}, folding on"], by[f"{what}, {name}, folding off"]
+            print(f"  ratio folding on / off: {what}, {name}: {on / off:.2f}  (target <= 1.20)")
 
 
 def main():
