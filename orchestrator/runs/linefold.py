@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 FOLD_WINDOW_S = 1.0  # identical lines from several ranks this close together print once
 BATCH = 8192  # held lines printed with one write
 SHOWN_KEEP = 256  # tracebacks remembered as printed, for the late twins' one line
+LABELS_KEPT = 4096  # group labels remembered (the same ranks fold the same lines again and again)
 
 
 def rank_ranges(ranks) -> str:
@@ -60,8 +61,18 @@ class Entry:
             self.members = {self.label: (self.node, self.rank)}
         self.members[label] = (node, rank)
 
-    def shown_label(self) -> str:
-        return self.label if self.members is None or len(self.members) == 1 else group_label(self.members.values())
+    def shown_label(self, known: dict) -> str:
+        """The label it prints under; `known`: labels of member sets already worded (identical
+        lines of the same ranks, again and again, are worded once)."""
+        if self.members is None or len(self.members) == 1:
+            return self.label
+        key = frozenset(self.members)
+        label = known.get(key)
+        if label is None:
+            if len(known) > LABELS_KEPT:
+                known.clear()
+            label = known[key] = group_label(self.members.values())
+        return label
 
 
 class Chunk:
@@ -108,6 +119,7 @@ class LineFold:
         self.last: dict[str, int] = {}  # label -> the seq of its newest line held as an Entry
         self.seq = 0
         self.shown: OrderedDict[tuple, str] = OrderedDict()  # traceback -> the label it printed under
+        self.labels: dict[frozenset, str] = {}  # the labels of member sets worded so far
 
     def knows(self, block: tuple) -> bool:
         """The traceback is held to print, or was printed."""
@@ -216,7 +228,7 @@ class LineFold:
         opens = self.open_node if e.rank is None else self.open_rank
         if opens.get(text) is e:
             del opens[text]
-        label = e.shown_label()
+        label = e.shown_label(self.labels)
         if type(text) is str:
             out.append((label, text, e.node))
         elif type(text) is Same:

@@ -124,8 +124,8 @@ class Screen:
         """One line (see `lines`)."""
         if text.startswith("[rank") and (m := RANK_PREFIX.match(text)):
             text = text[m.end():]
-        if "[c10d]" in text and C10D_HOSTNAME.search(text):
-            return self.hide(node, "c10d", now)
+        if (kind := hidden_kind(text)) is not None:
+            return self.hide(node, kind, now)
         who = (node, rank)
         if self.ended and self.ended.pop(who, None) is not None:
             if not text.strip():  # the blank line a traceback ends with (torch's excepthook)
