@@ -16,7 +16,7 @@ foreground's printing without the cluster's share of the cores). With --baseline
 checkout, e.g. `git worktree add /tmp/base main`) the trains and tails are also timed with that
 checkout's code, in the same invocation, so a change is measured against what it changes:
 
-    sudo .venv/bin/python bench/bench_logs.py --foreground [--same] [--baseline /tmp/base]
+    sudo .venv/bin/python bench/bench_logs.py --foreground [--same] [--baseline /tmp/base] [--repeat 3]
 """
 
 import argparse
@@ -24,6 +24,7 @@ import re
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,28 +80,33 @@ def foreground(a) -> None:
         for n in cluster.nodes:
             n.run("mkdir -p ~/gpt_train")
         inv = cluster.write_inventory(home / "nodes.yaml")
+        for _ in range(a.repeat):  # folding on and off alternate: the machine's load drifts
+            for name, checkout in checkouts:
+                for fold in ("on", "off"):
+                    before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
+                    took, code, lines = cli(["train", "-i", str(inv), "--skip-preflight",
+                                             *(["--no-fold"] if fold == "off" else []), "--", str(writer),
+                                             str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
+                    runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
+                    rows.append((f"train, {name}, folding {fold}", took, code, lines))
+    for _ in range(a.repeat):
         for name, checkout in checkouts:
             for fold in ("on", "off"):
-                before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
-                took, code, lines = cli(["train", "-i", str(inv), "--skip-preflight",
-                                         *(["--no-fold"] if fold == "off" else []), "--", str(writer),
-                                         str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
-                runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
-                rows.append((f"train, {name}, folding {fold}", took, code, lines))
-    for name, checkout in checkouts:
-        for fold in ("on", "off"):
-            took, code, lines = cli(["tail", runs[fold], "--no-follow", *(["--no-fold"] if fold == "off" else [])],
-                                    home / f"tail-{fold}.out", checkout)
-            rows.append((f"tail --no-follow, {name}, folding {fold}", took, code, lines))
+                took, code, lines = cli(["tail", runs[fold], "--no-follow", *(["--no-fold"] if fold == "off" else [])],
+                                        home / f"tail-{fold}.out", checkout)
+                rows.append((f"tail --no-follow, {name}, folding {fold}", took, code, lines))
     print(f"foreground, {a.nodes} nodes x {a.lines_per_node} {'identical' if a.same else 'distinct'} lines "
           f"({total} lines; stdout to a file)")
     for label, took, code, lines in rows:
         print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  ({lines} lines printed, exit {code})")
-    by = {label: took for label, took, _, _ in rows}
+    by: dict[str, list[float]] = {}
+    for label, took, _, _ in rows:
+        by.setdefault(label, []).append(took)
     for what in ("train", "tail --no-follow"):
         for name, _ in checkouts:
-            on, off = by[f"{what}, {name}, folding on"], by[f"{what}, {name}, folding off"]
-            print(f"  ratio folding on / off: {what}, {name}: {on / off:.2f}  (target <= 1.20)")
+            on, off = (statistics.median(by[f"{what}, {name}, folding {f}"]) for f in ("on", "off"))
+            print(f"  ratio folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f}  "
+                  f"(target <= 1.20)")
 
 
 def main():
@@ -109,7 +115,8 @@ def main():
     ap.add_argument("--lines-per-node", type=int, default=None)
     ap.add_argument("--foreground", action="store_true", help="Time what reaches the terminal, folding on and off.")
     ap.add_argument("--same", action="store_true", help="With --foreground: every rank writes the same lines.")
-    ap.add_argument("--baseline", help="With --foreground: another checkout whose `tail` is timed too.")
+    ap.add_argument("--baseline", help="With --foreground: another checkout whose train and tail are timed too.")
+    ap.add_argument("--repeat", type=int, default=1, help="With --foreground: each measure this many times.")
     a = ap.parse_args()
     if a.foreground:
         a.lines_per_node = a.lines_per_node or 250_000
