@@ -160,6 +160,12 @@ def test_a_controller_crash_between_a_write_and_its_index_writes_no_line_twice(t
     assert index["at"]["n1"] == len(node_text(0))
 
 
+def test_torchruns_report_lines_are_not_a_ranks(tmp_path):
+    (tmp_path / "n1.log").write_text("[default0]:x\nRoot Cause (first observed failure):\n[0]:\n  rank : 0\n")
+    RankFiles(tmp_path, {"n1": tmp_path / "n1.log"}, {"n1": 0}).close()
+    assert rank_lines(tmp_path, 0) == ["x"]  # `[0]:` is the report's numbering, not local rank 0's tag
+
+
 def test_a_node_without_ranks_yet_is_not_split(tmp_path):
     (tmp_path / "n1.log").write_text("[default0]:x\n")
     RankFiles(tmp_path, {"n1": tmp_path / "n1.log"}, {"n1": None}).close()

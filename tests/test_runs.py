@@ -126,6 +126,7 @@ def test_rank_labels_are_global():
     assert lg.label("W1122 torchrun warning") == ("node3", None, "W1122 torchrun warning")
     assert lg.label("[W1122 c10d] warning") == ("node3", None, "[W1122 c10d] warning")
     assert lg.label("[not a tag 1]: x") == ("node3", None, "[not a tag 1]: x")
+    assert lg.label("[0]:") == ("node3", None, "[0]:")  # torchrun's ChildFailedError report, not rank 0
     assert NodeLog("n", None, None).label("[default0]:x") == ("n", None, "[default0]:x")
 
 
