@@ -190,3 +190,14 @@ def test_a_tail_that_did_not_show_the_ranks_lines_quotes_them(tmp_path, monkeypa
     assert ERROR in cap.err and "are above" not in cap.err
     assert main(["tail", run.id, "--no-follow", "--node", "node2"]) == 1
     assert ERROR in capsys.readouterr().err
+
+
+def test_a_quiet_nodes_cpp_frames_fold_and_its_plain_lines_pass(tmp_path):
+    log = tmp_path / "node2.log"
+    log.write_text("[default0]:step 7 | loss 2.0\n[default0]:terminate called after throwing an instance of 'c10::Error'\n"
+                   "[default0]:  what():  Connection reset by peer\n[default0]:frame #0: c10::Error::Error() + 0x8f\n"
+                   "[default0]:frame #1: <unknown function> + 0x1a2b\n[default0]:saved checkpoint ckpt_7.pt\n")
+    out = shown([NodeLog("node2", log, 2)], quiet={"node2"})
+    assert out == ["node2/r2 | step 7 | loss 2.0",
+                   f"node2/r2 | [clusterctl: 4 lines of a stopped rank's traceback folded; {log} has them]",
+                   "node2/r2 | saved checkpoint ckpt_7.pt"], out

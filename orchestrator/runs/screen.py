@@ -45,6 +45,9 @@ TRACE_START = re.compile(r"Traceback \(most recent call last\)|^Exception raised
 TRACE_BODY = re.compile(r"^\s|^\^+$|^frame #\d+|^#\d+ |^Exception raised from |^$|^During handling of|"
                         r"^The above exception|^\S+ \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/|"
                         r"Traceback \(most recent call last\)")
+# TRACE_START's words, looked for in a quiet node's whole poll of lines at once
+QUIET_HINTS = ("Exception raised from ", "frame #", "SignalException", "Failed to recv", "Error waiting on exit barrier",
+               "terminate called", "torch/distributed/elastic/")
 TRACE_END = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\b")
 
 
@@ -106,13 +109,15 @@ class Screen:
         """A node's lines from one poll (`torchrun`: some are torchrun's own, not a rank's).
         Plain ranks' lines (no rank prefix, traceback or noise among them, on a node that is not
         quiet and has nothing open) go to the fold as one batch; otherwise line by line."""
-        if torchrun or node in self.quiet or node in self.report or node in self.folded or \
+        if torchrun or node in self.report or node in self.folded or \
                 (self.blocks and any(w[0] == node for w in self.blocks)) or \
                 (self.ended and any(w[0] == node for w in self.ended)):
             plain = False
         else:
             big = "\n".join(texts)
             plain = "[rank" not in big and "[c10d]" not in big and PY_TRACE not in big
+            if plain and node in self.quiet:  # what a stopped rank prints while it goes down
+                plain = not any(h in big for h in QUIET_HINTS) and big[:1] != "#" and "\n#" not in big
         if plain:
             self.fold.lines(node, labels, texts, ranks, now)
             return
