@@ -50,19 +50,21 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def cli(argv: list[str], out: Path, checkout: Path | None = None, timeout: float = 1800) -> tuple[float, int, int]:
-    """`clusterctl ARGV` (with `checkout`'s code) with stdout into `out`: (seconds, exit code, lines)."""
+def cli(argv: list[str], out: Path, checkout: Path | None = None, timeout: float = 1800) -> tuple[float, int, int, float]:
+    """`clusterctl ARGV` (with `checkout`'s code) with stdout into `out`: (seconds, exit code,
+    lines, its CPU seconds: the foreground's own, which the machine's load disturbs less)."""
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = str(checkout)
+    cpu0 = children_cpu()
     t0 = time.perf_counter()
     with open(out, "w") as f:
         r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], stdout=f, stderr=subprocess.DEVNULL,
                            env=env, cwd=checkout or Path(__file__).resolve().parent.parent, timeout=timeout)
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, children_cpu() - cpu0
     with open(out, "rb") as f:
         lines = sum(1 for _ in f)
-    return took, r.returncode, lines
+    return took, r.returncode, lines, cpu
 
 
 def foreground(a) -> None:
@@ -84,29 +86,32 @@ def foreground(a) -> None:
             for name, checkout in checkouts:
                 for fold in ("on", "off"):
                     before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
-                    took, code, lines = cli(["train", "-i", str(inv), "--skip-preflight",
-                                             *(["--no-fold"] if fold == "off" else []), "--", str(writer),
-                                             str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
+                    took, code, lines, cpu = cli(["train", "-i", str(inv), "--skip-preflight",
+                                                  *(["--no-fold"] if fold == "off" else []), "--", str(writer),
+                                                  str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
                     runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
-                    rows.append((f"train, {name}, folding {fold}", took, code, lines))
+                    rows.append((f"train, {name}, folding {fold}", took, code, lines, cpu))
     for _ in range(a.repeat):
         for name, checkout in checkouts:
             for fold in ("on", "off"):
-                took, code, lines = cli(["tail", runs[fold], "--no-follow", *(["--no-fold"] if fold == "off" else [])],
-                                        home / f"tail-{fold}.out", checkout)
-                rows.append((f"tail --no-follow, {name}, folding {fold}", took, code, lines))
+                took, code, lines, cpu = cli(["tail", runs[fold], "--no-follow",
+                                              *(["--no-fold"] if fold == "off" else [])], home / f"tail-{fold}.out", checkout)
+                rows.append((f"tail --no-follow, {name}, folding {fold}", took, code, lines, cpu))
     print(f"foreground, {a.nodes} nodes x {a.lines_per_node} {'identical' if a.same else 'distinct'} lines "
           f"({total} lines; stdout to a file)")
-    for label, took, code, lines in rows:
-        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  ({lines} lines printed, exit {code})")
-    by: dict[str, list[float]] = {}
-    for label, took, _, _ in rows:
-        by.setdefault(label, []).append(took)
+    for label, took, code, lines, cpu in rows:
+        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  foreground CPU {cpu:6.1f} s  "
+              f"({lines} lines printed, exit {code})")
+    by: dict[str, list[tuple[float, float]]] = {}
+    for label, took, _, _, cpu in rows:
+        by.setdefault(label, []).append((took, cpu))
     for what in ("train", "tail --no-follow"):
         for name, _ in checkouts:
-            on, off = (statistics.median(by[f"{what}, {name}, folding {f}"]) for f in ("on", "off"))
-            print(f"  ratio folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f}  "
-                  f"(target <= 1.20)")
+            (on, on_cpu), (off, off_cpu) = ((statistics.median(t for t, _ in by[f"{what}, {name}, folding {f}"]),
+                                             statistics.median(c for _, c in by[f"{what}, {name}, folding {f}"]))
+                                            for f in ("on", "off"))
+            print(f"  folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f} in time, "
+                  f"{on_cpu / off_cpu:.2f} in the foreground's CPU  (target <= 1.20)")
 
 
 def main():

@@ -81,12 +81,17 @@ class Chunk:
 
     __slots__ = ("seq", "t0", "node", "labels", "texts", "ranks", "keys", "entries", "done", "who")
 
-    def __init__(self, seq: int, t0: float, node: str, labels: list, texts: list, ranks: list, keys: set):
+    def __init__(self, seq: int, t0: float, node: str, labels: list, texts: list, ranks: list):
         self.seq, self.t0, self.node, self.labels, self.texts, self.ranks = seq, t0, node, labels, texts, ranks
-        self.keys = keys
+        self.keys: set | None = None  # its texts as a set, made when a twin is looked for
         self.entries: list[Entry] | None = None
         self.done = False
         self.who: dict[str, int] | None = None  # label -> the seq of its last line here, when asked
+
+    def has(self, text: str) -> bool:
+        if self.keys is None:
+            self.keys = set(self.texts)
+        return text in self.keys
 
     def last_of(self, label: str) -> int:
         if self.who is None:
@@ -129,13 +134,13 @@ class LineFold:
         """A node's lines from one poll, in order."""
         if now - self.turned >= self.window or len(self.recent[0]) > self.GENERATION:
             self.recent, self.turned = (set(), self.recent[0]), now
-        keys = set(texts)
-        if len(keys) == len(texts) and keys.isdisjoint(self.recent[0]) and keys.isdisjoint(self.recent[1]) \
-                and (not self.open_rank or keys.isdisjoint(self.open_rank.keys())) \
-                and (not self.open_node or keys.isdisjoint(self.open_node.keys())):
-            c = Chunk(self.seq, now, node, labels, texts, ranks, keys)
+        held, before = self.recent[0], len(self.recent[0])
+        held.update(texts)  # every text new (none held, none twice): it grew by all of them
+        if len(held) - before == len(texts) and self.recent[1].isdisjoint(texts) \
+                and (not self.open_rank or self.open_rank.keys().isdisjoint(texts)) \
+                and (not self.open_node or self.open_node.keys().isdisjoint(texts)):
+            c = Chunk(self.seq, now, node, labels, texts, ranks)
             self.seq += len(texts)
-            self.recent[0].update(keys)
             self.pending.append(c)
             self.chunks.append(c)
             return
@@ -147,7 +152,7 @@ class LineFold:
         opens = self.open_node if rank is None else self.open_rank
         e = opens.get(text)
         if e is None and type(text) is str and (text in self.recent[0] or text in self.recent[1]):
-            c = next((c for c in reversed(self.chunks) if c.entries is None and text in c.keys), None)
+            c = next((c for c in reversed(self.chunks) if c.entries is None and c.has(text)), None)
             if c is not None:
                 self._split(c)
                 e = opens.get(text)

@@ -28,6 +28,7 @@ class NodeLog:
         self._partial = b""
         self.at_end = True  # the last read reached the end of the file
         self.labels: dict[str, tuple[str, int]] = {}  # rank tag -> (label, global rank)
+        self.text = ""  # the last read's complete lines, as one text
 
     def read_lines(self, final: bool = False) -> list[str]:
         """The complete lines written since the last read (at most READ_MAX bytes of them; with
@@ -44,10 +45,12 @@ class NodeLog:
         data = self._partial + data
         cut = data.rfind(b"\n") + 1
         self._partial = data[cut:]
-        lines = data[:cut].decode("utf-8", "replace").split("\n")
+        self.text = data[:cut].decode("utf-8", "replace")
+        lines = self.text.split("\n")
         lines.pop()  # what follows the last newline: nothing
         if final and self.at_end and self._partial:
             lines.append(self._partial.decode("utf-8", "replace"))
+            self.text += lines[-1]
             self._partial = b""
         return lines
 
@@ -219,7 +222,7 @@ class Follower:
             for label, text in zip(labels, texts):
                 self.sink(label, "stdout", text, node)
         elif self.fold:
-            self.screen.lines(node, labels, texts, ranks, now, torchrun)
+            self.screen.lines(node, labels, texts, ranks, now, torchrun, lg.text)
         elif texts:
             self.printer.many(list(zip(labels, texts, repeat(node))))
         return len(texts)

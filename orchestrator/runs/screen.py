@@ -105,19 +105,24 @@ class Screen:
         self.folded: dict[str, list] = {}  # quiet node -> [lines folded, label, last fold]
         self.ended: dict[tuple[str, int | None], float] = {}  # who just ended a traceback -> when
 
-    def lines(self, node: str, labels: list, texts: list, ranks: list, now: float, torchrun: bool = True) -> None:
-        """A node's lines from one poll (`torchrun`: some are torchrun's own, not a rank's).
-        Plain ranks' lines (no rank prefix, traceback or noise among them, on a node that is not
-        quiet and has nothing open) go to the fold as one batch; otherwise line by line."""
+    def lines(self, node: str, labels: list, texts: list, ranks: list, now: float, torchrun: bool = True,
+              raw: str | None = None) -> None:
+        """A node's lines from one poll (`torchrun`: some are torchrun's own, not a rank's; `raw`:
+        the text they were read from, rank tags and all, when there is one). Plain ranks' lines
+        (no rank prefix, traceback or noise among them, on a node that is not quiet or prints
+        nothing a stopped rank does, with nothing open) go to the fold as one batch; otherwise
+        line by line."""
         if torchrun or node in self.report or node in self.folded or \
                 (self.blocks and any(w[0] == node for w in self.blocks)) or \
                 (self.ended and any(w[0] == node for w in self.ended)):
             plain = False
         else:
-            big = "\n".join(texts)
-            plain = "[rank" not in big and "[c10d]" not in big and PY_TRACE not in big
+            big = "\n".join(texts) if raw is None else raw  # `]:[rank`: torch's prefix behind a rank tag
+            plain = ("[rank" not in big if raw is None else "]:[rank" not in big) and "[c10d]" not in big \
+                and PY_TRACE not in big
             if plain and node in self.quiet:  # what a stopped rank prints while it goes down
-                plain = not any(h in big for h in QUIET_HINTS) and big[:1] != "#" and "\n#" not in big
+                plain = not any(h in big for h in QUIET_HINTS) and big[:1] != "#" and "\n#" not in big \
+                    and "]:#" not in big
         if plain:
             self.fold.lines(node, labels, texts, ranks, now)
             return
