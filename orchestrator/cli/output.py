@@ -55,7 +55,7 @@ class Prefixer:
             target.write(line)
             target.flush()
 
-    def many(self, lines: list[tuple[str, str, str | None]]) -> None:
+    def many(self, lines: Iterable[tuple[str, str, str | None]]) -> None:
         """Several stdout lines in one write (a log poll's worth): the same text as one call each."""
         if self.color:
             text = "".join([self.fmt(label, line, key) for label, line, key in lines])

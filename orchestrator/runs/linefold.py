@@ -216,7 +216,7 @@ class LineFold:
                     if held:
                         out(held)
                         held = []
-                    out(list(zip(x.labels, x.texts, repeat(x.node))))
+                    out(zip(x.labels, x.texts, repeat(x.node)))  # an iterator: its tuples are reused
                     continue
                 for e in x.entries:
                     self._emit(e, held)

@@ -13,7 +13,7 @@ import re
 import time
 from itertools import repeat
 from pathlib import Path
-from typing import Callable, Collection, Protocol
+from typing import Callable, Collection, Iterable, Protocol
 
 from orchestrator.runs.screen import Screen
 
@@ -98,7 +98,7 @@ class LinePrinter(Protocol):
     `widen(label)` when a label longer than those it was made with appears (cli/output.py's
     Prefixer is one)."""
 
-    def many(self, lines: list[tuple[str, str, str | None]]) -> None: ...
+    def many(self, lines: Iterable[tuple[str, str, str | None]]) -> None: ...
 
     def widen(self, label: str) -> None: ...
 
@@ -224,7 +224,7 @@ class Follower:
         elif self.fold:
             self.screen.lines(node, labels, texts, ranks, now, torchrun, lg.text)
         elif texts:
-            self.printer.many(list(zip(labels, texts, repeat(node))))
+            self.printer.many(zip(labels, texts, repeat(node)))
         return len(texts)
 
 
