@@ -52,7 +52,8 @@ def children_cpu() -> float:
 
 def cli(argv: list[str], out: Path, checkout: Path | None = None, timeout: float = 1800) -> tuple[float, int, int, float]:
     """`clusterctl ARGV` (with `checkout`'s code) with stdout into `out`: (seconds, exit code,
-    lines, its CPU seconds: the foreground's own, which the machine's load disturbs less)."""
+    lines, its CPU seconds, which the machine's load disturbs less: the foreground's own for
+    `tail`; for `train` it holds the supervisor's too whenever train reaped it, so it is not shown)."""
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = str(checkout)
@@ -100,7 +101,8 @@ def foreground(a) -> None:
     print(f"foreground, {a.nodes} nodes x {a.lines_per_node} {'identical' if a.same else 'distinct'} lines "
           f"({total} lines; stdout to a file)")
     for label, took, code, lines, cpu in rows:
-        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  foreground CPU {cpu:6.1f} s  "
+        cpu_text = f"{cpu:6.1f} s" if label.startswith("tail") else "     -  "
+        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  foreground CPU {cpu_text}  "
               f"({lines} lines printed, exit {code})")
     by: dict[str, list[tuple[float, float]]] = {}
     for label, took, _, _, cpu in rows:
@@ -110,8 +112,9 @@ def foreground(a) -> None:
             (on, on_cpu), (off, off_cpu) = ((statistics.median(t for t, _ in by[f"{what}, {name}, folding {f}"]),
                                              statistics.median(c for _, c in by[f"{what}, {name}, folding {f}"]))
                                             for f in ("on", "off"))
-            print(f"  folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f} in time, "
-                  f"{on_cpu / off_cpu:.2f} in the foreground's CPU  (target <= 1.20)")
+            cpu_text = f", {on_cpu / off_cpu:.2f} in the foreground's CPU" if what.startswith("tail") else ""
+            print(f"  folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f} in time{cpu_text}  "
+                  f"(target <= 1.20)")
 
 
 def main():
