@@ -108,6 +108,10 @@ def test_a_script_logging_step_equals_n_on_rank_0_shows_progress_on_every_rank_a
         assert rows["node1/r0"].isdigit() and int(rows["node1/r0"]) >= 5, w.stdout
         assert re.fullmatch(r"c\d+", rows["node2/r1"]) and re.fullmatch(r"c\d+", rows["node3/r2"]), w.stdout
         assert "cN: collectives the rank entered" in w.stdout
+        st = cli("status", run_id, timeout=60)  # its step column: node1's step, the others' collectives
+        cells = {m[1]: m[2] for m in re.finditer(r"^(node\d)\s+\d+\s+running\s+\d+\s+-\s+[\d:]+\s+(\S+)", st.stdout, re.M)}
+        assert cells["node1"].isdigit() and re.fullmatch(r"c\d+", cells["node2"]), st.stdout
+        assert "clusterctl: cN: collectives the rank entered" in st.stderr, st.stderr
         detail = cli("watch", run_id, "--rank", "0", timeout=90)
         assert re.search(r"^node1\s+running\s+\d+", detail.stdout, re.M), detail.stdout
         assert "step=" in detail.stdout.split("rank 0 on node1: last lines", 1)[1], detail.stdout

@@ -21,7 +21,7 @@ from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.dirreplicas import newest_copied
-from orchestrator.runs.liveview import LiveView
+from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
@@ -95,6 +95,8 @@ def status_command(run_id, as_json):
     Console().print(_nodes_table(run, rec, typed, from_nodes, time.time(), view,
                                  "" if alive or terminal else " (supervisor gone: asked the nodes and started one "
                                  "that takes the run over)"))
+    if any(r.collectives is not None for r in view.rows()):
+        _err(f"clusterctl: {COLLECTIVES_NOTE}")
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
     newest = newest_copied(run.dir)

@@ -24,7 +24,7 @@ import click
 from orchestrator.cli import tables
 from orchestrator.cli.runs import _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
-from orchestrator.runs.liveview import LiveView, Row
+from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView, Row
 from orchestrator.runs.record import load as load_record, story
 from orchestrator.runs.store import Run
 
@@ -79,9 +79,6 @@ def table(rows: list[Row], by_rank: bool):
         t.add_row(r.name, r.state, r.progress, _secs(r.step_s), _rate(r.tokens_s),
                   _ago(r.heard_s), f"[bold red]{flags}[/]" if flags else "")
     return t
-
-
-COLLECTIVES_NOTE = "cN: collectives the rank entered (its Flight Recorder), where its log says no step"
 
 
 def stack_lines(text: str, room: int, width: int) -> list[str]:

@@ -41,6 +41,7 @@ TOKENS = re.compile(r"\b(?:tok/s|tokens/s)[ :=]+([\d,.]+)")
 # runs/straggler.py describe(): "straggler: node3 ranks 2,3 compute 2.6x the median (...)"
 SLOW = re.compile(r"(\S+) ranks? ([\d,]+) computes? ([\d.]+)x the median")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's cursor and colour codes (tqdm's nested bars)
+COLLECTIVES_NOTE = "cN: collectives the rank entered (its Flight Recorder), where its log says no step"
 STALL_OFF_S = 60.0  # a silent rank's flag when the hang watch is off
 KEEP_LINES = 8  # a rank's last lines, for its detail
 READ_MAX = 1 << 20  # at most this much of a file per look (the rest on the next)
