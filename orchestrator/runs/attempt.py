@@ -27,6 +27,7 @@ from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
 from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
+from orchestrator.runs.progresslog import ProgressLog
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
@@ -101,11 +102,11 @@ class AttemptRunner:
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
         hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
         sw = self.watch_stragglers([n.name for n in nodes])
+        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None)
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
                       start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
-                      tell=self.book.tell, progress=sw.feed if sw is not None and sw.streamed else None,
-                      progress_s=PERIOD_S)
+                      tell=self.book.tell, progress=progress_sink, progress_s=PERIOD_S)
         finally:
             for w in (hw, sw):
                 if w is not None:
