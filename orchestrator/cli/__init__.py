@@ -50,6 +50,7 @@ LAZY_COMMANDS = {
     "health": "orchestrator.cli.health:health_command",
     "metrics": "orchestrator.cli.metrics:metrics_group",
     "report": "orchestrator.cli.report:report_command",
+    "goodput": "orchestrator.cli.goodput:goodput_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.

@@ -117,3 +117,32 @@ def runs_table(recs: list[dict]) -> Table:
                   str(rec.get("world_size", "-")), created,
                   "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
     return t
+
+
+def dur(s: float | None) -> str:
+    """Seconds as a person reads them: 0.4s, 12.3s, 4m05s, 2h03m."""
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def goodput_line(lg) -> str | None:
+    """A run's goodput ledger (runs/goodput.py) in one line: the ratio, what it is of, the largest
+    causes of badput and, while it runs toward a known target, the ETA. None before any launch."""
+    if lg.goodput is None or not any(s.launched for s in lg.shares):
+        return None
+    causes = ", ".join(f"{c} {dur(v)}" for c, v in lg.largest(3))
+    text = f"goodput {lg.goodput:.2f}: {dur(lg.productive_s)} productive of {dur(lg.wall_s)}"
+    text += f"; badput {causes}" if causes else "; no badput"
+    eta = eta_words(lg)
+    return text + (f"; {eta}" if eta else "")
+
+
+def eta_words(lg) -> str | None:
+    """`step 340 of 1000, about 23m06s to go` (a live run with a known target), else None."""
+    if lg.eta_s is None or lg.target is None:
+        return None
+    return f"step {lg.step} of {lg.target}, about {dur(lg.eta_s)} to go"

@@ -8,7 +8,9 @@ stream process asks the hooks, remote/hook/sitecustomize.py `_progress`): the st
 Flight Recorder), which every rank of a distributed job has whether it prints or not. Each
 node's file holds, per rank, the newest step, the collectives entered (the highest seq per
 process group, summed), when either last grew and when the rank last answered, all on this
-machine's clock, under the attempt's key (a file of another attempt is not this one's).
+machine's clock, under the attempt's key (a file of another attempt is not this one's). The
+slowest rank's step (else its collectives) goes to the attempt's step journal too
+(runs/stepjournal.py), with the time it came.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from orchestrator.runs.progress import collectives
+from orchestrator.runs.stepjournal import StepJournal, attempt_of
 
 DIR = "progress"
 
@@ -44,6 +47,7 @@ class ProgressLog:
         self.dir = run_dir / DIR
         self.key = key
         self.ranks: dict[int, dict] = {}  # rank -> {"node", "step", "pgs": {pg: seq}, "moved", "asked"}
+        self.steps = StepJournal(run_dir, attempt_of(key))  # the slowest rank's progress, when it came
 
     def feeder(self, then: Callable[[str, Mapping], None] | None = None) -> Callable[[str, Mapping], None]:
         """The sink for the nodes' streams (runs/watch.py copy_logs `progress`): each document
@@ -72,6 +76,9 @@ class ProgressLog:
             if grew:
                 mine["moved"] = now
         self.write(node)
+        stepped = [p["step"] for p in self.ranks.values() if p["step"] is not None]
+        entered = [sum(p["pgs"].values()) for p in self.ranks.values() if p["pgs"]]
+        self.steps.hook(min(stepped) if stepped else None, min(entered) if entered else None, now)
 
     def write(self, node: str) -> None:
         ranks = {str(r): {"step": p["step"], "collectives": sum(p["pgs"].values()) if p["pgs"] else None,

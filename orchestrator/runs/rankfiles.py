@@ -20,7 +20,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 RANK_TAG = re.compile(rb"^\[[A-Za-z_]+(\d+)\]:")  # a role name, then the local rank: torchrun's `[0]:` is not one
 INDEX = "index.json"
@@ -35,8 +35,10 @@ class RankFiles:
     """Splits each node's new log bytes into the rank files; `first_rank[node]` places the
     node's local ranks (a node without one is not split)."""
 
-    def __init__(self, run_dir: Path, node_logs: dict[str, Path], first_rank: dict[str, int | None]):
+    def __init__(self, run_dir: Path, node_logs: dict[str, Path], first_rank: dict[str, int | None],
+                 on_line: Callable[[int, bytes], None] | None = None):
         self.dir = run_dir / "ranks"
+        self.on_line = on_line  # (global rank, line) of each line as it arrives (not those split again)
         self.dir.mkdir(exist_ok=True)
         self.first_rank = first_rank
         self.files: dict[int, IO[bytes]] = {}
@@ -89,6 +91,8 @@ class RankFiles:
             rank = first + int(m.group(1))
             self._file(rank).write(line[m.end():])
             touched.add(rank)
+            if save and self.on_line is not None:
+                self.on_line(rank, line[m.end():])
         for rank in touched:
             f = self.files[rank]
             f.flush()

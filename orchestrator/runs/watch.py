@@ -34,6 +34,7 @@ from orchestrator.inventory import Node
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.rankfiles import RankFiles
+from orchestrator.runs.stepjournal import StepJournal
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
@@ -85,10 +86,13 @@ class LogCopier:
         self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
         self.final: dict[str, AgentStatus] = {}  # node -> the agent's status that closed its tail
         self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
-        first = {nd.get("name"): nd.get("first_rank") for nd in run.record.get("nodes") or []}
+        rec = run.record
+        first = {nd.get("name"): nd.get("first_rank") for nd in rec.get("nodes") or []}
+        self.steps = StepJournal(run.dir, int(rec.get("attempt") or 1))  # when rank 0's steps arrived
         self.ranks: RankFiles | None = None  # the per-rank files (runs/rankfiles.py), split as bytes land
         try:
-            self.ranks = RankFiles(run.dir, {name: run.node_log(name) for name in names}, first)
+            self.ranks = RankFiles(run.dir, {name: run.node_log(name) for name in names}, first,
+                                   on_line=self.steps.rank_line)
         except OSError as e:
             self.echo(f"per-rank log files not written: {e}")
 
@@ -175,6 +179,7 @@ class LogCopier:
             f.close()
         if self.ranks is not None:
             self.ranks.close()
+        self.steps.close()
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
@@ -201,7 +206,9 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[...
         # a node that refuses us (host key, our key) waits for a person: the slower backoff
         wait = retry_wait(attempt) if refused else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
         if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
-            tell(f"{node.name} lost: no answer for {time.monotonic() - heard:.1f}s ({why})")
+            silent = round(time.monotonic() - heard, 1)
+            # as data too (the goodput ledger's detection); not an `event`: the record's change is that
+            tell(f"{node.name} lost: no answer for {silent:.1f}s ({why})", lost=node.name, silent_s=silent)
             return False
         time.sleep(wait)
     return False
