@@ -10,6 +10,7 @@ When a change to a layout is meant, regenerate the files and read the diff befor
 The run directory's path is written as <HOME> (each test's CLUSTERCTL_HOME is a temporary one).
 """
 
+import json
 import os
 import re
 import time
@@ -87,11 +88,11 @@ def node(name, rank, first, state, pid, code=None, ended=None):
 def restarted_run(home: Path) -> Run:
     """Attempt 2 of at most 3 running on node1, node5, node3, node4 after node2 was lost; two
     checkpoints copied home."""
-    run = Run.create("train-20261118-082640-a1b2", RunSpec(max_restarts=2))
+    run = Run.create("train-20261118-082640-a1b2", RunSpec(max_restarts=2, args=("--max-steps", "100")))
     nodes = [node("node1", 0, 0, "running", 4101), node("node5", 1, 2, "running", 4105),
              node("node3", 2, 4, "running", 4103), node("node4", 3, 6, "running", 4104)]
     attempts = [{"attempt": 1, "key": f"{run.id}", "nodes": ["node1", "node2", "node3", "node4"], "launched": T0 + 5,
-                 "verdict": "node lost: node2 lost"},
+                 "verdict": "node lost", "bad_nodes": ["node2"], "failed_at": T0 + 71, "ended": T0 + 72},
                 {"attempt": 2, "key": f"{run.id}.a2", "nodes": ["node1", "node5", "node3", "node4"],
                  "launched": T0 + 95, "checkpoint": "ckpt_00000040.pt"}]
     write_json(run.dir / "run.json", {"id": run.id, "state": "running", "created": T0, "started": T0 + 95,
@@ -103,6 +104,13 @@ def restarted_run(home: Path) -> Run:
     for name, text in logs.items():
         run.node_log(name).write_text(text)
     split_ranks(run, nodes)
+    # when the steps arrived (runs/stepjournal.py) and the loss (the story): the goodput line
+    (run.dir / "progress").mkdir()
+    (run.dir / "progress" / "steps-a1.jsonl").write_text(f'{{"at": {T0 + 20}, "step": 0}}\n{{"at": {T0 + 64}, "step": 44}}\n')
+    (run.dir / "progress" / "steps-a2.jsonl").write_text(f'{{"at": {T0 + 115}, "step": 40}}\n'
+                                                         f'{{"at": {T0 + 195}, "step": 50}}\n')
+    (run.dir / "story.jsonl").write_text(json.dumps({"at": T0 + 70, "text": "node2 lost: no answer for 8.0s (...)",
+                                                     "lost": "node2", "silent_s": 8.0}) + "\n")
     ck = run.dir / "checkpoints"
     ck.mkdir()
     for step in (30, 40):

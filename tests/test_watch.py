@@ -104,11 +104,12 @@ def test_watch_once_fits_80_columns_and_ends_with_the_runs_summary(home, capsys,
     lines = out.out.splitlines()
     assert all(len(ln) <= 80 for ln in lines), lines
     assert lines[0].startswith(f"{run.id}: finished, attempt 1 of at most 2")
-    header = lines[1].split()
-    assert header == ["rank", "state", "step", "s/step", "tok/s", "heard", "flags"], lines[1]
+    assert lines[1] == "goodput 0.00 · badput startup 5.0s"  # launched 5 s after train, no step recorded
+    header = lines[2].split()
+    assert header == ["rank", "state", "step", "s/step", "tok/s", "heard", "flags"], lines[2]
     r0 = next(ln for ln in lines if ln.startswith("node1/r0")).split()
     assert r0[:6] == ["node1/r0", "running", "40", "412ms", "1,235k", "0s"], r0
-    assert [ln.split()[0] for ln in lines[2:6]] == ["node1/r0", "node1/r1", "node2/r2", "node2/r3"]
+    assert [ln.split()[0] for ln in lines[3:7]] == ["node1/r0", "node1/r1", "node2/r2", "node2/r3"]
     assert f"clusterctl: run {run.id} finished" in out.err
 
 

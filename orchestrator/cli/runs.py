@@ -17,10 +17,12 @@ from typing import Collection
 
 import click
 
+from orchestrator.cli import tables
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.dirreplicas import NodeSnaps, newest_copied
+from orchestrator.runs.goodput import of_run
 from orchestrator.runs.record import story
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
 from orchestrator.runs.policy import TAIL_LINES, log_tail
@@ -206,6 +208,8 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
         show.follower.close()
     rec = run.record
     _summary(rec, _shown_tail(run, rec, show.follower))
+    if (line := tables.goodput_line(of_run(run))) is not None:  # where the time went: `clusterctl goodput`
+        _err(f"clusterctl: {line}")
     _results(run)
     code = run.record.get("exit_code")
     return 1 if code is None else int(code)

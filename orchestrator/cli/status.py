@@ -21,6 +21,7 @@ from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.dirreplicas import newest_copied
+from orchestrator.runs.goodput import of_run
 from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
@@ -85,10 +86,11 @@ def status_command(run_id, as_json):
         ensure_supervisor(run)
     view = LiveView(run.dir, run.spec.hang_timeout)
     view.look(run.nodes(rec), (rec.get("attempts") or [None])[-1])
+    ledger = of_run(run)
     if as_json:
         nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now, ranks_now=view.ranks_json()),
-                              indent=2))
+        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now, ranks_now=view.ranks_json(),
+                                   goodput=ledger.to_json()), indent=2))
         return
     typed = load_record(run)
     a = typed.current
@@ -109,6 +111,8 @@ def status_command(run_id, as_json):
         _err(f"clusterctl: attempt {a.attempt}: {a.straggler}")
     if typed.recovering:
         _err(f"clusterctl: recovering after {typed.recovering}")
+    if (line := tables.goodput_line(ledger)) is not None:  # `clusterctl goodput` has the whole ledger
+        _err(f"clusterctl: {line}")
     if rec.get("summary") or rec.get("error"):
         _summary(rec)
     for p in typed.pending_stops:

@@ -1,7 +1,9 @@
 """`clusterctl watch [RUN]`: a run live, one row per node (or per rank with --ranks).
 
 Every row says the node's state, its newest step, the step time, tokens/s where the log says,
-how long since it was last heard, and the stall, hang and straggler flags (runs/liveview.py).
+how long since it was last heard, and the stall, hang and straggler flags (runs/liveview.py);
+under the run's line, its goodput so far, the ETA toward a known last step and the largest
+causes of badput (runs/goodput.py, read every GOODPUT_EVERY_S).
 Everything shown is read on this machine (the run record, the per-rank log files), so a frozen
 node never freezes the view; only a rank's stack is asked of its node, on a thread of its own
 (`clusterctl stack`'s machinery). Keys: q quits (the run goes on), r switches nodes and ranks,
@@ -24,6 +26,7 @@ import click
 from orchestrator.cli import tables
 from orchestrator.cli.runs import _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
+from orchestrator.runs.goodput import Ledger, of_run
 from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView, Row
 from orchestrator.runs.record import load as load_record, story
 from orchestrator.runs.store import Run
@@ -31,6 +34,7 @@ from orchestrator.runs.store import Run
 STACK_WAIT_S = 10.0  # how long the rank's hook has to answer
 LAST_LINES = 3  # a rank's last lines in its detail
 STACK_LINES = 12  # its stack's lines: the innermost frames (80 x 24 leaves room for 3 nodes' rows)
+GOODPUT_EVERY_S = 5.0  # the ledger reads the run's journal and story: not on every frame
 
 
 def _secs(s: float | None) -> str:
@@ -176,12 +180,25 @@ class Screen:
         self.detail: StackAsk | None = None
         self.told: list[str] = []
         self.story_at = 0
+        self.ledger: Ledger | None = None
+        self.ledger_at = float("-inf")
 
     def look(self, rec: dict) -> None:
         attempts = rec.get("attempts") or []
         self.view.look(self.run.nodes(rec), attempts[-1] if attempts else None)
         lines, self.story_at = story(self.run, self.story_at)
         self.told = (self.told + lines)[-2:]
+        if time.monotonic() - self.ledger_at >= GOODPUT_EVERY_S or self.run.state(rec).terminal:
+            self.ledger, self.ledger_at = of_run(self.run), time.monotonic()
+
+    def goodput(self) -> str | None:
+        """The header's second line: goodput so far, the ETA toward a known target, the largest badput."""
+        lg = self.ledger
+        if lg is None or lg.goodput is None or not any(s.launched for s in lg.shares):
+            return None
+        eta = tables.eta_words(lg)
+        worst = ", ".join(f"{c} {tables.dur(v)}" for c, v in lg.largest(2))
+        return f"goodput {lg.goodput:.2f}" + (f" · {eta}" if eta else "") + (f" · badput {worst}" if worst else "")
 
     def ask(self, rank: int) -> None:
         self.detail = StackAsk(self.run, rank, self.view.node_of(rank))
@@ -209,11 +226,14 @@ class Screen:
         head = Text(f"{self.run.id}: {rec.get('state')}" + (f", attempt {a.get('attempt')} of at most "
                     f"{self.run.spec.max_restarts + 1}" if a else ""), style="bold", overflow="ellipsis", no_wrap=True)
         parts = [head]
+        gp = self.goodput()
+        if gp:
+            parts.append(Text(gp, overflow="ellipsis", no_wrap=True))
         detail = self._detail(width) if self.detail else []
         told = [Text(f"clusterctl: {t}", overflow="ellipsis", no_wrap=True) for t in self.told]
         every = self.view.rows(self.by_rank, lambda s: tables.shown_state(s, rec))
         note = any(r.collectives is not None for r in every)
-        room = height - 4 - len(detail) - len(told) - note if live else 10**6
+        room = height - 4 - len(detail) - len(told) - note - bool(gp) if live else 10**6
         rows, left = fit(every, room)
         parts.append(table(rows, self.by_rank))
         if note:

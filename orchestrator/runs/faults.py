@@ -99,7 +99,7 @@ def fault_of(a: AttemptRecord, lines: list[dict], progress: list[tuple[float, in
     `progress`: the attempt's step journal, (time, value) oldest first."""
     if a.verdict in NO_FAULT:
         return None
-    end = a.ended or a.failed_at or a.started
+    end = a.ended or a.failed_at or a.launched or a.started
     declared = a.failed_at or end
     mine = _within(lines, a.launched or a.started, end + 1.0)
     if a.verdict == LOST:

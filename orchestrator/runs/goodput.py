@@ -234,6 +234,7 @@ def _attempt(sh: Share, a: AttemptRecord, steps: Steps, f: Facts, cur: _Cursor, 
         return
     cur.to(sh, before, a.launched)
     prog = steps.progress
+    journaled = a.attempt in f.steps  # its file exists: no progress in it means none was made
     sh.fault = fault_of(a, f.story, prog)
     if sh.fault is not None:
         q = sh.fault.at
@@ -244,12 +245,14 @@ def _attempt(sh: Share, a: AttemptRecord, steps: Steps, f: Facts, cur: _Cursor, 
     if prog:
         sh.first_step_at = prog[0][0]
         cur.to(sh, "startup", sh.first_step_at)
-    elif sh.fault is not None or a.ended is None:
+    elif journaled and a.verdict != "finished":
         cur.to(sh, "startup", q)  # it never made progress (yet)
-    else:
+    elif journaled:
         notes.append(f"attempt {a.attempt}: no progress recorded (a script that says no step and whose hooks "
-                     "did not answer, or a run recorded before the step journal): its time from launch counts "
-                     "as computing")
+                     "did not answer): its time from launch counts as computing")
+    else:
+        notes.append(f"attempt {a.attempt}: no step journal (recorded by a clusterctl before it): its time from "
+                     "launch counts as computing, and its steps, startup and recompute are not known")
     first = cur.at
     cur.to(sh, "computing", q)
     _split_computing(sh, steps, f, first, cur.at)
@@ -318,7 +321,7 @@ def ledger(f: Facts) -> Ledger:
     live = not rec.state.terminal
     first = rec.attempts[0] if rec.attempts else None
     start = (first.started if rec.queued_at and first is not None and first.started else rec.created) or f.now
-    end = max(start, f.now if live or rec.ended is None else rec.ended)
+    end = max(start, f.now if live else rec.ended or _latest(rec))
     lg = Ledger(rec.id, rec.state.value, start, end, live, [])
     cur = _Cursor(start, end)
     faulted = False
@@ -333,6 +336,13 @@ def ledger(f: Facts) -> Ledger:
     _recompute(lg.shares, lg.notes)
     _progress(lg, f)
     return lg
+
+
+def _latest(rec: RunRecord) -> float:
+    """The last time an ended run's record names, where it lacks its end (written by an older
+    clusterctl, or by hand)."""
+    times = [t for a in rec.attempts for t in (a.started, a.launched, a.failed_at, a.ended) if t]
+    return max([rec.created or 0.0, *times])
 
 
 def _progress(lg: Ledger, f: Facts) -> None:

@@ -122,15 +122,17 @@ class StepJournal:
         self.collectives = _Thinned(self._write, "c")
         self.total: int | None = None
         self.broken = False
+        self._write(None)  # the file says the attempt was journaled, steps or none
 
-    def _write(self, doc: dict) -> None:
+    def _write(self, doc: dict | None) -> None:
         if self.broken:
             return
         try:
             self.file.parent.mkdir(exist_ok=True)
             fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             try:
-                os.write(fd, (json.dumps(doc) + "\n").encode())  # one write: lines never tear
+                if doc is not None:
+                    os.write(fd, (json.dumps(doc) + "\n").encode())  # one write: lines never tear
             finally:
                 os.close(fd)
         except OSError:  # the ledger goes without; the run goes on
