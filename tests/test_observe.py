@@ -87,6 +87,26 @@ def test_a_runs_figures_are_exported_with_its_labels(tmp_path):
     assert one(got, "clusterctl_rank_step", run_id="r1", node="n1", rank="0") == 12
 
 
+def test_the_goodput_ledgers_figures_are_exported(tmp_path):
+    """The ledger of a real run (tests/fixtures/goodput/restart) as the exporter serves it: the same
+    figures `clusterctl goodput --json` prints, badput one series per cause."""
+    from orchestrator.runs.goodput import CATEGORIES, of_dir
+
+    src = ROOT / "tests" / "fixtures" / "goodput" / "restart"
+    rid = json.loads((src / "run.json").read_text())["id"]
+    shutil.copytree(src, tmp_path / rid)
+    got = scrape(tmp_path)
+    doc = of_dir(tmp_path / rid).to_json()
+    assert one(got, "clusterctl_run_goodput_ratio", run_id=rid) == pytest.approx(doc["goodput"], abs=1e-4)
+    assert one(got, "clusterctl_run_wall_seconds", run_id=rid) == pytest.approx(doc["wall_s"], abs=0.01)
+    assert one(got, "clusterctl_run_productive_seconds", run_id=rid) == pytest.approx(doc["productive_s"], abs=0.01)
+    for c in CATEGORIES:
+        assert one(got, "clusterctl_run_badput_seconds", run_id=rid, cause=c) == pytest.approx(doc["badput"][f"{c}_s"],
+                                                                                             abs=0.01)
+    assert one(got, "clusterctl_run_badput_seconds", run_id=rid, cause="restore") > 0
+    assert ("clusterctl_run_eta_seconds", (("run_id", rid),)) not in got  # it has ended
+
+
 def test_the_exposition_passes_promtool(tmp_path):
     write_run(tmp_path, "r1")
     write_run(tmp_path, "r2", state="finished")
@@ -164,8 +184,8 @@ def test_the_dashboard_parses_and_queries_only_exported_metrics():
     assert dash["uid"] and dash["panels"] and dash["__inputs"][0]["pluginId"] == "prometheus"
     assert not unknown_metrics(dash)
     broken = json.loads(DASHBOARD.read_text())
-    broken["panels"][1]["targets"][0]["expr"] = "clusterctl_run_goodput_ratio"
-    assert unknown_metrics(broken) == ["clusterctl_run_goodput_ratio"]  # the check can fail
+    broken["panels"][1]["targets"][0]["expr"] = "clusterctl_run_no_such_ratio"
+    assert unknown_metrics(broken) == ["clusterctl_run_no_such_ratio"]  # the check can fail
 
 
 def test_every_metric_is_named_in_the_docs():

@@ -10,7 +10,8 @@ label with one series per possible value (1 for the current one, 0 for the other
 kube-state-metrics does, so `clusterctl_run_state{state="running"} == 1` selects the live runs.
 
 The families come from SOURCES, one function each from a run's facts to its families' samples;
-a new figure of a run (the goodput ledger's, once a run keeps one) is one more source there.
+a new figure of a run is one more source there (the goodput ledger's is `_goodput`: the ratio,
+the wall, productive and per-cause badput seconds, `cause` a label, and the ETA).
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ FAMILIES = {f.name: f for f in (
     Family("clusterctl_rank_hang", "gauge", "1: the current attempt's hang verdict names this rank.", RANK),
     Family("clusterctl_rank_straggler_ratio", "gauge", "This rank's compute per step over the median, while the "
                                                        "straggler watch names it.", RANK),
+    Family("clusterctl_run_goodput_ratio", "gauge", "Productive seconds over the run's wall seconds so far (the "
+                                                   "goodput ledger, `clusterctl goodput`)."),
+    Family("clusterctl_run_wall_seconds", "gauge", "The run's wall time so far, from train (or its first attempt, "
+                                                   "after a queue) to its end or now."),
+    Family("clusterctl_run_productive_seconds", "gauge", "Of the wall time, the seconds the job computed steps it kept."),
+    Family("clusterctl_run_badput_seconds", "gauge", "Of the wall time, the seconds lost, by cause: startup, checkpoint, "
+                                                     "detection, restore, recompute, hang, straggler, other.",
+           ("run_id", "cause")),
+    Family("clusterctl_run_eta_seconds", "gauge", "Seconds to the job's last step at its current pace; absent when "
+                                                  "the run has ended or its last step is not known."),
     Family("clusterctl_exporter_runs", "gauge", "Run records the exporter reads.", ()),
     Family("clusterctl_exporter_read_bytes", "counter", "Bytes of run records and rank logs the exporter has read.", ()),
 )}
@@ -135,8 +146,21 @@ def _ranks(f: RunFacts, now: float) -> Iterator[Sample]:
             yield "clusterctl_rank_straggler_ratio", lv, f.slow[r.rank]
 
 
+def _goodput(f: RunFacts, now: float) -> Iterator[Sample]:
+    lg, i = f.goodput, (f.id,)
+    if lg is None or lg.goodput is None:
+        return
+    yield "clusterctl_run_goodput_ratio", i, lg.goodput
+    yield "clusterctl_run_wall_seconds", i, lg.wall_s
+    yield "clusterctl_run_productive_seconds", i, lg.productive_s
+    for cause, seconds in lg.badput.items():
+        yield "clusterctl_run_badput_seconds", (f.id, cause), seconds
+    if lg.eta_s is not None:
+        yield "clusterctl_run_eta_seconds", i, lg.eta_s
+
+
 # Each run's samples, source by source (see the module's docstring).
-SOURCES: tuple[Callable[[RunFacts, float], Iterable[Sample]], ...] = (_run, _nodes, _ranks)
+SOURCES: tuple[Callable[[RunFacts, float], Iterable[Sample]], ...] = (_run, _nodes, _ranks, _goodput)
 
 
 def families(facts: list[RunFacts], now: float, read_bytes: int = 0) -> list[Metric]:

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.probe import common
+from orchestrator.runs import goodput, stepjournal
+from orchestrator.runs.faults import story_lines
+from orchestrator.runs.goodput import Ledger
 from orchestrator.runs.liveview import RankTail, hang_culprits, slow_ranks
 from orchestrator.runs.rankfiles import rank_file
 from orchestrator.runs.record import RunRecord
@@ -78,6 +81,7 @@ class RunFacts:
     checkpoint: Checkpoint | None = None
     hang: dict[int, str] = field(default_factory=dict)  # rank -> why, the current attempt's hang verdict
     slow: dict[int, float] = field(default_factory=dict)  # rank -> times the median compute
+    goodput: Ledger | None = None  # the run's goodput ledger (runs/goodput.py)
 
     @property
     def restarts(self) -> int:
@@ -144,6 +148,8 @@ class RunView:
         self.tails: dict[int, _Tail] = {}
         self.settled = False  # ended and read to the end: not read again while run.json is unchanged
         self.bytes_read = 0
+        self.target: int | None = None  # the job's last step, from its arguments (read once)
+        self.target_read = False
 
     def refresh(self, now: float) -> RunFacts | None:
         try:
@@ -161,8 +167,12 @@ class RunView:
         rec = RunRecord.from_json(doc, self.dir.name)
         ranks = self._ranks(rec, now)
         a = rec.current
+        if not self.target_read:
+            self.target, self.target_read = goodput.target_of(self.dir), True
+        ledger = goodput.ledger(goodput.Facts(rec, story_lines(self.dir), stepjournal.read(self.dir), self.target, now))
         self.facts = RunFacts(self.dir.name, rec, ranks, newest_checkpoint(self.dir),
-                              hang_culprits(self.dir, a.hang_dir if a else None), slow_ranks(a.straggler if a else None))
+                              hang_culprits(self.dir, a.hang_dir if a else None), slow_ranks(a.straggler if a else None),
+                              ledger)
         self.sig = sig
         self.settled = rec.state.terminal and all(t.at_end() for t in self.tails.values())
         return self.facts
