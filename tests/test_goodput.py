@@ -127,6 +127,20 @@ def test_a_running_run_has_an_eta_at_its_pace():
     assert doc["badput"]["other_s"] == 0  # a live attempt computes until now
 
 
+def test_a_live_run_that_stopped_moving_stops_counting_as_productive():
+    """No progress for a while: the quiet is `other` until a verdict says what it was (or the job
+    moves again), not productive time, and the ETA stays at the pace it had."""
+    last = steps("running", 1)[-1][0]
+    moving = of_dir(FIXTURES / "running", now=last + 30).to_json()
+    quiet = of_dir(FIXTURES / "running", now=last + 300).to_json()
+    assert moving["badput"]["other_s"] == 0 and not moving["notes"]
+    assert quiet["badput"]["other_s"] == pytest.approx(300, abs=0.01)
+    assert quiet["productive_s"] == pytest.approx(moving["productive_s"] - 30, abs=0.01)
+    assert quiet["notes"] == ["attempt 1: no progress for 300s: counted as other until a verdict says why (or the "
+                              "job moves again)"]
+    assert quiet["eta_s"] == moving["eta_s"]
+
+
 @pytest.mark.parametrize("name", ["nofault", "running", "hang", "restart"])
 @pytest.mark.parametrize("late", [0.0, 3.0, 300.0])
 def test_every_second_is_counted_once_whenever_it_is_asked(name, late):

@@ -35,23 +35,23 @@ machine's clock:
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.probe import common
 from orchestrator.runs import stepjournal
-from orchestrator.runs.faults import Fault, SlowSpan, fault_of, story_lines, straggler_spans
+from orchestrator.runs.faults import Fault, fault_of, story_lines, straggler_spans
 from orchestrator.runs.record import AttemptRecord, RunRecord
 from orchestrator.runs.spec import RunSpec
-from orchestrator.runs.stepjournal import Steps
+from orchestrator.runs.stepjournal import Steps, seconds_per_step, value_at
 from orchestrator.runs.store import Run, read_json
 
 CATEGORIES = ("startup", "checkpoint", "detection", "restore", "recompute", "hang", "straggler", "other")
 TARGET_FLAGS = re.compile(r"^--?(?:max[-_]steps|max[-_]iters|total[-_]steps|num[-_]steps|max[-_]step)(?:=(\d+))?$")
 ABOUT_STEP = re.compile(r"\bstep (\d+)\b")
 PACE_INTERVALS = 20  # the newest journal intervals a live ETA's pace is taken over
+STALL_GRACE_S = 60.0  # a live attempt this long without progress stops counting as computing
 
 
 @dataclass
@@ -164,29 +164,7 @@ class Ledger:
                 "attempts": [s.to_json() for s in self.shares], "notes": self.notes}
 
 
-# ---------------------------------------------------------------- the job's pace
-def seconds_per_step(points: list[tuple[float, int]], t0: float, t1: float, newest: int = 0) -> float | None:
-    """The median over the journal's intervals within [t0, t1] of seconds per step (the newest
-    `newest` intervals only, when given): a save or an evaluation inside one interval does not move it."""
-    pts = [(t, s) for t, s in points if t0 <= t <= t1]
-    rates = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(pts, pts[1:]) if b[1] > a[1]]
-    if newest:
-        rates = rates[-newest:]
-    return statistics.median(rates) if rates else None
-
-
-def value_at(points: list[tuple[float, int]], t: float) -> float | None:
-    """The progress at time `t`, linear between the journal's points (held before and after them)."""
-    if not points:
-        return None
-    if t <= points[0][0]:
-        return float(points[0][1])
-    for (ta, va), (tb, vb) in zip(points, points[1:]):
-        if ta <= t <= tb:
-            return va + (vb - va) * ((t - ta) / (tb - ta) if tb > ta else 1.0)
-    return float(points[-1][1])
-
-
+# ---------------------------------------------------------------- where an attempt started
 def checkpoint_step(a: AttemptRecord) -> int | None:
     """The step of the checkpoint attempt `a` started from: its name (ckpt_00000060.pt), else its
     description (a --checkpoint-dir snapshot's `..., step 30; 14 files`)."""
@@ -238,8 +216,13 @@ def _attempt(sh: Share, a: AttemptRecord, steps: Steps, f: Facts, cur: _Cursor, 
     sh.fault = fault_of(a, f.story, prog)
     if sh.fault is not None:
         q = sh.fault.at
-    elif a.ended is None:
+    elif a.ended is None:  # live: computing until now, unless it has not moved for a while
         q = cur.end
+        quiet = cur.end - prog[-1][0] if prog else 0.0
+        if prog and quiet > max(STALL_GRACE_S, 2 * stepjournal.MIN_SPACING_S, 2 * (cur.end - prog[0][0]) / stepjournal.POINTS):
+            q = prog[-1][0]
+            notes.append(f"attempt {a.attempt}: no progress for {quiet:.0f}s: counted as other until a verdict says "
+                         "why (or the job moves again)")
     else:
         q = prog[-1][0] if prog else a.ended
     if prog:

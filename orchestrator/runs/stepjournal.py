@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,3 +226,26 @@ def _read_one(p: Path) -> Steps:
     for pts in (s.log, s.hook, s.collectives):
         pts.sort()
     return s
+
+
+# ---------------------------------------------------------------- the job's pace
+def seconds_per_step(points: list[tuple[float, int]], t0: float, t1: float, newest: int = 0) -> float | None:
+    """The median over the journal's intervals within [t0, t1] of seconds per step (the newest
+    `newest` intervals only, when given): a save or an evaluation inside one interval does not move it."""
+    pts = [(t, s) for t, s in points if t0 <= t <= t1]
+    rates = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(pts, pts[1:]) if b[1] > a[1]]
+    if newest:
+        rates = rates[-newest:]
+    return statistics.median(rates) if rates else None
+
+
+def value_at(points: list[tuple[float, int]], t: float) -> float | None:
+    """The progress at time `t`, linear between the journal's points (held before and after them)."""
+    if not points:
+        return None
+    if t <= points[0][0]:
+        return float(points[0][1])
+    for (ta, va), (tb, vb) in zip(points, points[1:]):
+        if ta <= t <= tb:
+            return va + (vb - va) * ((t - ta) / (tb - ta) if tb > ta else 1.0)
+    return float(points[-1][1])
