@@ -17,7 +17,8 @@ from orchestrator.runs.record import RunRecord
 from orchestrator.runs.stepjournal import StepJournal, Steps
 
 FIXTURES = Path(__file__).parent / "fixtures" / "goodput"
-SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "orchestrator" / "schemas" / "goodput.json").read_text())
+SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
+SCHEMA = json.loads((SCHEMAS / "goodput.json").read_text())
 
 
 def rec(name: str) -> dict:
@@ -284,6 +285,19 @@ def test_goodput_json_and_text(home, capsys):
     out = capsys.readouterr().out
     assert f"goodput {doc['goodput']:.2f}" in out and "detect" in out and "restore" in out
     assert "attempt 1: node lost at " in out and "steps redone" in out
+
+
+def test_the_end_of_a_run_in_json_carries_its_ledger(home):
+    """train/tail/stop --json end with the run's document: its goodput ledger is in it."""
+    from orchestrator.cli.jsonout import run_doc
+
+    rid = put(home, "hang")
+    doc = run_doc(json.loads((home / "runs" / rid / "run.json").read_text()))
+    assert doc["goodput"] == of_dir(home / "runs" / rid).to_json()
+    schema = json.loads((SCHEMAS / "train.json").read_text())
+    jsonschema.validate(doc, {**schema, "$ref": "#/$defs/end"})
+    jsonschema.validate(doc["goodput"], SCHEMA)
+    assert run_doc({"id": "gone", "state": "finished"})["goodput"] is None
 
 
 def test_goodput_of_an_unknown_run_is_a_usage_error(home, capsys):

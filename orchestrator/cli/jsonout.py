@@ -68,7 +68,18 @@ def run_doc(rec: dict) -> dict:
                       "last_rank": nd.get("last_rank")})
     return {"event": "end", "ok": code == 0, "run_id": rec.get("id"), "state": rec.get("state"),
             "exit_code": code, "summary": rec.get("summary"), "error": rec.get("error"),
-            "first_failure": rec.get("first_failure"), "hang": last_hang(rec), "nodes": nodes}
+            "first_failure": rec.get("first_failure"), "hang": last_hang(rec), "nodes": nodes,
+            "goodput": ledger_of(rec)}
+
+
+def ledger_of(rec: dict) -> dict | None:
+    """The run's goodput ledger (runs/goodput.py) as `goodput --json` prints it; None without a
+    run directory."""
+    from orchestrator.runs.goodput import of_run
+    from orchestrator.runs.store import Run
+
+    run = Run(str(rec.get("id") or ""))
+    return of_run(run).to_json() if rec.get("id") and (run.dir / "run.json").exists() else None
 
 
 def last_hang(rec: dict) -> dict | None:
