@@ -214,6 +214,11 @@ def test_checkpoint_stalls_are_the_ones_the_log_says():
     assert stepjournal.total_of("Step 45/1000 | loss 2.1") == 1000
     assert stepjournal.total_of(" 17%|█▋        | 5/30 [00:00<00:02, 11.2it/s]") == 30
     assert stepjournal.total_of("step 40 | loss 2.1 | 412 ms") is None
+    # the cheap pre-tests on every line keep what the searches find: any case, spaces around the slash
+    assert stepjournal.save_seconds("Wrote CKPT in 2 s") == 2.0
+    assert stepjournal.save_seconds("step 40 | tok/s 12,345 | saved in 2 s") is None  # no checkpoint named
+    assert stepjournal.total_of("ITER 45 / 1000 | tok/s 12,345") == 1000
+    assert stepjournal.total_of("step 45 | tok/s 12,345 | mfu n/a") is None
 
 
 def test_a_lost_nodes_fault_is_when_it_was_last_heard_and_a_hangs_from_the_watchs_silence():
