@@ -380,3 +380,42 @@ def test_tail_can_end_with_the_runs_status_so_nobody_has_to_ask_again(agent):
     assert doc["exit_code"] == 5 and doc["alive"] == 0 and doc["ended"] is not None
     assert agent("tail", "t2@n1", 0).stderr == ""  # asked for only
     assert agent("tail", "t2@n1", 0, "x").returncode != 0
+
+
+def claims_of(agent) -> dict:
+    return json.loads(agent("claims").stdout)
+
+
+def test_a_claim_is_held_by_every_attempt_and_stale_once_they_ended(agent):
+    """A spare that only ran attempt 2 (RUN.a2@NODE) frees the node as soon as that attempt
+    ended, not CLAIM_START_S later; a claim renewed for the next attempt is held again until it
+    ends; a claim whose run started nothing here is held (its launch may be under way)."""
+    run = "run-20261128-101010-abcd"
+    assert json.loads(agent("claim", "n5", f"{run}@n5", "me@ctl").stdout)["ok"]
+    assert claims_of(agent)["n5"]["stale"] is False  # nothing ran here yet: held
+    start(agent, f"{run}.a2@n5", "import time; print('up', flush=True); time.sleep(600)")
+    assert claims_of(agent)["n5"]["stale"] is False  # attempt 2 is alive: held
+    agent("stop", f"{run}.a2@n5", 1)
+    assert claims_of(agent)["n5"]["stale"] is True  # attempt 2 ended: free, at once
+    renewed = json.loads(agent("claim", "n5", f"{run}@n5", "me@ctl").stdout)  # attempt 3 begins here
+    assert renewed["ok"] and renewed["renewed"] >= renewed["since"]
+    assert claims_of(agent)["n5"]["stale"] is False  # attempt 2's end is older than the renewal
+    other = json.loads(agent("claim", "n5", "run-20261128-111111-beef@n5", "you@ctl").stdout)
+    assert other["ok"] is False and other["run"] == run
+    start(agent, f"{run}.a3@n5", "print('done')")
+    assert wait_for(lambda: claims_of(agent)["n5"]["stale"], 20)
+    assert json.loads(agent("claim", "n5", "run-20261128-111111-beef@n5", "you@ctl").stdout)["ok"]
+
+
+def test_another_runs_attempts_do_not_hold_a_claim(agent):
+    """RUN.a2 of a run whose id only begins like the claim's is not of its family."""
+    run = "run-20261128-101010-abcd"
+    assert json.loads(agent("claim", "n1", f"{run}@n1", "me@ctl").stdout)["ok"]
+    start(agent, f"{run}@n1", "print('x')")
+    start(agent, f"{run}x.a2@n1", "import time; time.sleep(600)")
+    start(agent, f"{run}.a2@n2", "import time; time.sleep(600)")  # the same run, on another node
+    try:
+        assert wait_for(lambda: claims_of(agent)["n1"]["stale"], 20)
+    finally:
+        agent("stop", f"{run}x.a2@n1", 0)
+        agent("stop", f"{run}.a2@n2", 0)
