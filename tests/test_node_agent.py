@@ -365,7 +365,9 @@ def test_a_stop_gives_torchrun_a_moment_not_seconds_once_its_workers_are_gone(ag
     assert wait_for(lambda: b"up" in (d / "log").read_bytes() and len(pids_with("l1@n1")) == 2)
     t0 = time.time()
     assert json.loads(agent("stop", "l1@n1", 20).stdout) == {"left": 0}
-    assert time.time() - t0 < 5  # before: until the grace's half + 2 s (12 s)
+    # the worker's 1 s, then TORCHRUN_EXIT_S (3 s) for torchrun to exit on its own, not the grace's
+    # 20 s (before f0d4278: until the grace's half + 2 s, 12 s)
+    assert time.time() - t0 < 7
     assert (d / "exit_code").read_text() == "143"
 
 
@@ -419,3 +421,32 @@ def test_another_runs_attempts_do_not_hold_a_claim(agent):
     finally:
         agent("stop", f"{run}x.a2@n1", 0)
         agent("stop", f"{run}.a2@n2", 0)
+
+
+SAVER = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+print('up', flush=True)
+while not stop:
+    time.sleep(0.05)
+time.sleep(3.5)  # a checkpoint written on SIGTERM, longer than half the grace
+print('saved', flush=True)
+"""
+LAUNCHER = f"""
+import signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # as torchrun: a SIGTERM of its own fails the run
+sys.exit(subprocess.Popen([sys.executable, "-c", {SAVER!r}]).wait())
+"""
+
+
+def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(agent):
+    """The worker (not the launcher) is asked to stop and has the whole grace to checkpoint and
+    end on its own; its launcher then ends with its verdict (0), not signalled (torchrun's 1) nor
+    killed (137)."""
+    start(agent, "sv1@n1", LAUNCHER)
+    d = rundir(agent, "sv1@n1")
+    assert wait_for(lambda: b"up" in (d / "log").read_bytes(), 20)
+    assert json.loads(agent("stop", "sv1@n1", 6).stdout) == {"left": 0}
+    assert b"saved" in (d / "log").read_bytes()
+    assert (d / "exit_code").read_text() == "0"

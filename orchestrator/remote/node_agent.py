@@ -69,8 +69,10 @@ BASE = os.path.expanduser("~/.clusterctl/node-runs")
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run started nothing on the node is held this long after it was taken or
 # renewed (preflight, restore, a spare's preparation), unless the controller releases it first
-TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
-# interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
+TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
+# its monitor interval is 0.1 s, then its exit barrier (the other nodes, stopped at the same moment)
+# and ~1 s of CPU tearing its interpreter down. Signalled sooner, it records a failure (1, 143)
+# for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
 RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
@@ -339,18 +341,18 @@ def end_run(run_id, info, grace, peer_failed=False):
     deadline = time.time() + float(grace)
     if peer_failed and not writing_checkpoint(targets()):
         deadline = time.time()
-    # the workers first: they stop (the trainer checkpoints) and torchrun, seeing them done, exits
-    # on its own; torchrun too when it has no workers (yet) or once the grace is half over
+    # the workers first, with the whole grace: they stop (the trainer checkpoints) and torchrun,
+    # seeing them done, exits on its own with their verdict; torchrun is signalled itself only
+    # when it has no workers (yet), or once the grace is over
     started = workers() if deadline > time.time() else []
     for pid in started:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
-    if started and wait_until(lambda: not workers(), time.time() + float(grace) / 2):
-        # workers done: torchrun sees it within its monitor interval and reports; it is not
-        # waited for while it spends its last second tearing its interpreter down
-        wait_until(lambda: not targets() or workers(), min(deadline, time.time() + TORCHRUN_REPORT_S))
+    if started and wait_until(lambda: not workers(), deadline):
+        # workers done: torchrun exits on its own with their verdict, the code recorded
+        wait_until(lambda: not targets() or workers(), time.time() + TORCHRUN_EXIT_S)
     signal_all(signal.SIGTERM if deadline > time.time() else signal.SIGKILL)
     if not wait_until(lambda: not targets(), deadline):
         signal_all(signal.SIGKILL)
@@ -757,11 +759,17 @@ def claim_stale(doc):
 
 
 def ended_at(d):
-    """When the run in directory d ended on this node (its exit code written), or None."""
+    """When the run in directory d ended, by this node's clock (the waiter's `ended`, else when its
+    exit code was written: a file's mtime is the file server's clock on a shared home); None
+    while it has no exit code."""
     try:
-        return os.path.getmtime(os.path.join(d, "exit_code"))
+        written = os.path.getmtime(os.path.join(d, "exit_code"))
     except OSError:
         return None
+    try:
+        return float(read(os.path.join(d, "ended"), "") or written)
+    except ValueError:
+        return written
 
 
 def _locked_claim(path):
