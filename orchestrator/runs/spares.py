@@ -115,7 +115,8 @@ def _from_control(cluster: Cluster, inv: Inventory, fresh: Node, ref: str | None
     """Push this machine's copy of the workdir to fresh with `sync`, when it is the run's code."""
     src = os.path.expanduser(inv.workdir)
     if not os.path.isdir(src):
-        return f"and this machine has no copy of the workdir ({src}) to push instead"
+        return (f"and this machine has no copy of the workdir to push instead (the inventory's workdir "
+                f"{inv.workdir} is {src} here)")
     outputs = run_outputs(inv, fresh)
     mine = load_nodeinfo().digest(src, set(outputs))["digest"]
     if ref is not None and mine != ref:
