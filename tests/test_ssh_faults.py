@@ -76,21 +76,27 @@ def test_paramikos_exception_is_named_as_ssh_named_the_same_fault(case):
     assert "connection refused" not in text.lower() or want is Fault.REFUSED, text
 
 
+class At:
+    """Where a connect went (ssh.py reads the failed hop's host, port and user)."""
+
+    def __init__(self, doc):
+        self.host, self.port, self.user = doc["host"], doc["port"], doc["user"]
+
+
 def test_a_cut_link_is_no_route_not_a_refusal():
-    """The issue's case: the link cut, or an address nobody holds: ssh says No route to host."""
+    """The issue's case: the link cut, or an address nobody holds: ssh says No route to host, and
+    so does the error the transport raises (it said "connection refused ... is sshd running?")."""
     for case in ("link_down", "mistyped_address"):
         doc = load(case)
         assert "No route to host" in doc["ssh"]["stderr"], doc["ssh"]["stderr"]
-        _, text = explain(raised(doc["paramiko"]), doc["host"], 22, doc["user"], 5)
-        assert "No route to host" in text and "sshd" not in text, text
+        e = _classified("n2", raised(doc["paramiko"]), At(doc), 5)
+        assert e.message.startswith(f"connect to host {doc['host']} port 22: No route to host"), e.message
+        assert "refused" not in e.message and "sshd" not in e.message, e.message
 
 
 def test_refusals_are_typed_so_retries_back_off():
     changed, auth, down = (load(c) for c in ("host_key_changed", "auth_failed", "link_down"))
-
-    class Conn:
-        host, port, user = changed["host"], 22, changed["user"]
-
+    Conn = At(changed)
     e = _classified("n2", raised(changed["paramiko"]), Conn, 5)
     assert isinstance(e, HostKeyError) and e.refused and e.brief.startswith("host key changed"), e
     assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in str(e) and f"ssh-keygen -R {changed['host']}" in str(e)
