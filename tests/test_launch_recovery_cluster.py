@@ -232,6 +232,10 @@ def test_the_spare_cut_while_it_is_prepared_ends_the_run_with_a_verdict_and_keep
     rec2 = rec_of(run2)
     assert proc.returncode == 0 and rec2["state"] == "finished", err[-3000:]
     assert rec2["attempts"][-1]["nodes"] == ["node1", "node4", "node3"], rec2["attempts"]
+    # the story tells node2's loss in one set of words: the failure that follows is that loss
+    # (it said "lost: no answer for 5.3s" and then "failed first (no answer from the node for 2.5s ...)")
+    lost = re.search(r"^clusterctl: node2 lost: (no answer for [\d.]+s .*)$", err, re.M)
+    assert lost and f"clusterctl: node2 failed first ({lost[1]}); stopping every node" in err, err[-3000:]
 
 
 def test_stop_of_an_ended_run_clears_the_claim_it_left_and_says_what_it_cleared(make_cluster, tmp_path, home):
