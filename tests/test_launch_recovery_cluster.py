@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from orchestrator.runs.store import Run
 from tests.conftest import wait_for
 from tests.test_train_cluster import DDP, cli, prepare, rec_of
 
@@ -298,3 +299,23 @@ def test_a_stop_of_a_job_that_saves_on_sigterm_records_its_own_exit_not_a_kill(m
         assert n["exit_code"] == 0, (n["name"], n["exit_code"], log[-2000:])
     status = cli("status", run_dir.name)
     assert " 137 " not in status.stdout, status.stdout
+
+
+def test_a_claim_an_ended_run_of_this_machine_left_does_not_refuse_the_next_train(make_cluster, tmp_path, home):
+    """Run 1 ended, its supervisor gone, but its claim is still on node3 (claimed for a restart,
+    the node came back after the supervisor had given up on it): the next `train` on node3 drops
+    it, says so, and runs."""
+    cluster = make_cluster(3, gpus=0)
+    n1, n2, n3 = cluster.nodes
+    inv = with_spare(cluster, tmp_path)
+    r = cli("train", "-i", inv, "--skip-preflight", "--", DDP, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = the_run(home).name
+    wait_for(lambda: not Run(first).supervisor_alive(), 60, "run 1's supervisor to end")
+    left = {"run": first, "key": f"{first}@node3", "who": "someone@control", "since": time.time()}
+    n3.run("mkdir -p ~/.clusterctl/claims && chmod 700 ~/.clusterctl/claims && cat > ~/.clusterctl/claims/node3",
+           input=json.dumps(left))
+    other = str(cluster.write_inventory(tmp_path / "other.yaml", nodes=[cluster.inventory()["nodes"][i] for i in (0, 2)]))
+    r = cli("train", "-i", other, "--skip-preflight", "--", DDP, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"node3: dropped the claim run {first} left there (it ended" in r.stderr, r.stderr[-3000:]
