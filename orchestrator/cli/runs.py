@@ -117,7 +117,8 @@ class _Show:
             self.announce(a)
         if self.follower is not None:
             self.follower.quiet = quiet_nodes(rec)
-        if self.follower is None and rec.get("rank_map"):
+        launched = bool((rec.get("attempts") or [{}])[-1].get("launched"))
+        if self.follower is None and rec.get("rank_map") and launched:  # not the map of a launch that failed
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
                 click.echo(rec["rank_map"], err=True)
