@@ -35,7 +35,7 @@ class Cluster:
 def test_a_node_found_lost_ends_with_the_words_its_loss_was_told_in():
     told = []
     copy = _Copy(Cluster(), None, list(INV.nodes), lambda res, st: None, None, told.append, None, "r@node2")
-    copy.tell = told.append
+    copy.tell = lambda text, **about: told.append(text)  # Book.tell takes the event data too
     copy.recover(NodeResult("node2", None, error=Cluster.connections["node2"].lost_reason, kind=ErrorKind.LOST))
     final = copy.events.get_nowait()
     lost = [t for t in told if t.startswith("node2 lost: ")]
