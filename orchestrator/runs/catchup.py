@@ -15,6 +15,7 @@ room (`ShortCopies`) are completed as soon as there is room, and before the next
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +27,7 @@ from orchestrator.runs.space import Space
 from orchestrator.transport import Cluster, Connection, stream
 
 TAIL_TIMEOUT = 120.0  # the rest of one ended attempt's log
+ENDED_TRIES, ENDED_WAIT_S = 4, 5.0  # asking whether the attempt ended on the node
 
 
 def where(book: Book, node: str, key: str) -> int | None:
@@ -42,11 +44,15 @@ def complete(conn: Connection, node: Node, key: str, copy: Path, start: int) -> 
     """Append what the node's log of attempt `key` holds past the copy; the attempt must have
     ended on the node. -> the bytes added (0: the copy was complete). OSError (this machine's
     disk) and ClusterctlError (the node) are the caller's; what landed before either stays."""
-    now = agent.status(node, key).over(conn)
-    if now.error is not None:
-        raise ClusterctlError(f"{node.name}: {now.error}")
+    for _ in range(ENDED_TRIES):  # a stop carried out a moment ago: the node records the end within seconds
+        now = agent.status(node, key).over(conn)
+        if now.error is not None:
+            raise ClusterctlError(f"{node.name}: {now.error}")
+        if not now.exists or now.exit_code is not None or not now.alive:
+            break
+        time.sleep(ENDED_WAIT_S)
     have = copy.stat().st_size - start if copy.exists() else 0
-    if not now.exists or now.exit_code is None or now.log_size <= have:
+    if not now.exists or now.alive or now.log_size <= have:
         return 0
     added = 0
     with open(copy, "ab", buffering=0) as f:

@@ -318,8 +318,8 @@ class Controller:
         failed preflight is the user's to fix (unless only sick nodes failed and spares can take
         their places). Anything else ends the run (raised)."""
         nodes = list(runner.statuses)
-        if self.stop_requests:
-            raise e
+        if self.stop_requests:  # asked to stop: whatever failed meanwhile, the run stops before it launched
+            raise e if e.exit_code == EXIT_INTERRUPTED else LaunchError(f"stopped before launch ({e})", EXIT_INTERRUPTED)
         lost = silent_nodes(self.cluster, nodes, self.book.tell)
         if lost:
             for name, why in lost.items():
