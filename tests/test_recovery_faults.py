@@ -94,3 +94,14 @@ def test_status_counts_attempts_that_never_launched_and_shows_unstarted_nodes_of
     assert tables.at_most({"attempts": [{"launched": 1.0}, {}]}, 0) == 1  # the current one is not counted
     assert tables.shown_state(NodeState.PENDING, {"state": "failed"}) == "not started"
     assert tables.shown_state(NodeState.PENDING, {"state": "preflight"}) == "pending"
+
+
+def test_a_progress_file_that_finds_no_room_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from orchestrator.runs import progresslog
+
+    def no_room(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(progresslog.os, "replace", no_room)
+    progresslog.ProgressLog(tmp_path, "r-1").write("n1")
+    assert not list((tmp_path / progresslog.DIR).iterdir())

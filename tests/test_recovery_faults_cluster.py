@@ -43,7 +43,9 @@ def nodes(cl, home):
         n.run("rm -rf ~/.clusterctl/claims ~/gpt_train", check=False)
 
 
-def detach(inv, *flags, steps=200):
+def detach(inv, *flags, steps=80):
+    """A detached run: each attempt trains `steps` steps of 0.1 s from the start (8 s: time to fault
+    it after step 5, and a short last attempt)."""
     r = cli("train", "-i", inv, "--detach", "--lost-timeout", "5", *flags, "--", DDP, "--steps", str(steps),
             "--sleep", "0.1")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -141,7 +143,7 @@ def test_a_blip_on_the_masters_port_during_the_relaunch_preflight_keeps_the_mast
     port_reachable ... a firewall drops it" and leave node1 out)."""
     n1, n2, n3, n4 = nodes.nodes
     inv = with_spare(nodes, tmp_path)
-    run_id = detach(inv, "--max-restarts", "1", steps=150)
+    run_id = detach(inv, "--max-restarts", "1")
     run_dir = home / "runs" / run_id
     stepping(run_dir)
     kill_workers(nodes, n2)
