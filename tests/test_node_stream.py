@@ -12,10 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from orchestrator import probe
-from orchestrator.runs import agent, watch
+from orchestrator.runs import agent, logcopy
 from orchestrator.runs.agent import AgentStatus, StreamFrom
 from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier
-from orchestrator.runs.watch import Frames, LogCopier
+from orchestrator.runs.logcopy import Frames, LogCopier
 from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 
 REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
@@ -239,8 +239,8 @@ def frame(head, body):
 def test_the_record_kinds_are_the_node_sides():
     text = (REMOTE / "artifacts.py").read_text()
     node = re.search(r"^FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = (.*)$", text, re.M).group(1)
-    assert eval(node) == (watch.FRAME_LOG, watch.FRAME_TB, watch.FRAME_CKPTS, watch.FRAME_PROGRESS,  # noqa: S307
-                          watch.FRAME_END)
+    assert eval(node) == (logcopy.FRAME_LOG, logcopy.FRAME_TB, logcopy.FRAME_CKPTS, logcopy.FRAME_PROGRESS,  # noqa: S307
+                          logcopy.FRAME_END)
 
 
 def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):

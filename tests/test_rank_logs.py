@@ -17,7 +17,7 @@ from orchestrator.runs.rankfiles import RankFiles, rank_file
 from orchestrator.runs.linefold import LineFold
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
-from orchestrator.runs.watch import LogCopier
+from orchestrator.runs.logcopy import LogCopier
 
 NODES = [f"n{i}" for i in range(1, 9)]  # 8 nodes x 8 ranks = 64 ranks
 

@@ -33,7 +33,7 @@ def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus],
     were asked), pid, exit, runtime, step (runs/liveview.py: the log's, else the hook's, else
     its collectives) and the job's last line there."""
     a = typed.current
-    tries = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None else ""
+    tries = f", attempt {a.attempt} of at most {tables.at_most(rec, run.spec.max_restarts)}" if a is not None else ""
     steps = {r.name: r.progress for r in view.rows(now=now)}
     rows = []
     for nd in run.nodes(rec):

@@ -73,8 +73,20 @@ def node_line(line: str, first_rank: int | None) -> tuple[str, bool]:
     return ("" if _REPORT.search(text) else text), False
 
 
+ENDED = ("finished", "failed", "stopped")
+
+
+def at_most(rec: dict, max_restarts: int) -> int:
+    """The highest attempt number the run may reach: an attempt before the current one that never
+    launched spent no restart (runs/controller.py), so the last number grows by one for each."""
+    return max_restarts + 1 + sum(1 for a in (rec.get("attempts") or [])[:-1] if not a.get("launched"))
+
+
 def shown_state(state: NodeState, rec: dict) -> str:
-    """A node torchrun left non-zero because the user stopped the run was stopped, not failed."""
+    """A node torchrun left non-zero because the user stopped the run was stopped, not failed;
+    one whose attempt ended before it launched there was never started, not still pending."""
+    if state is NodeState.PENDING and rec.get("state") in ENDED:
+        return "not started"
     by_user = rec.get("state") == "stopped" or rec.get("teardown") == "stop"
     return "stopped" if by_user and state is NodeState.FAILED else str(state)
 

@@ -224,7 +224,7 @@ class Screen:
 
         a = (rec.get("attempts") or [{}])[-1]
         head = Text(f"{self.run.id}: {rec.get('state')}" + (f", attempt {a.get('attempt')} of at most "
-                    f"{self.run.spec.max_restarts + 1}" if a else ""), style="bold", overflow="ellipsis", no_wrap=True)
+                    f"{tables.at_most(rec, self.run.spec.max_restarts)}" if a else ""), style="bold", overflow="ellipsis", no_wrap=True)
         parts = [head]
         gp = self.goodput()
         if gp:

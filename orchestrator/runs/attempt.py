@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from orchestrator.checks import retry
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
@@ -66,6 +67,7 @@ class AttemptRunner:
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
         self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
+        self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/catchup.py
 
     def save(self) -> None:
         self.book.nodes_changed(list(self.statuses.values()))
@@ -104,9 +106,10 @@ class AttemptRunner:
         sw = self.watch_stragglers([n.name for n in nodes])
         progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None)
         try:
-            copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
-                      start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
-                      tell=self.book.tell, progress=progress_sink, progress_s=PERIOD_S)
+            self.short = copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained,
+                                   key=self.key, start_at=start_at, artifacts=self.artifacts,
+                                   after_write=hw.heard if hw else None, tell=self.book.tell, progress=progress_sink,
+                                   progress_s=PERIOD_S, space=self.book.space)
         finally:
             for w in (hw, sw):
                 if w is not None:
@@ -171,7 +174,11 @@ class AttemptRunner:
 
     def on_hang(self, v: HangVerdict, d: Path) -> None:
         """A hang was found: recorded with its snapshots; unless observed, the attempt fails with it."""
-        (d / "snapshots.json").write_text(json.dumps(self.snapshots, indent=1, default=str))
+        try:
+            (d / "snapshots.json").write_text(json.dumps(self.snapshots, indent=1, default=str))
+        except OSError as e:  # no room here: the verdict stands without its file
+            if self.book.space is None or not self.book.space.full(e, "the hang's snapshots"):
+                raise
         self.book.attempt_changed(hang=v.text, hang_dir=str(d.relative_to(self.run.dir)))
         for line in (v.text, *(f"  {x}" for x in v.details), f"  every rank's stacks: {d / 'stacks.txt'}"):
             self.book.tell(line)
@@ -248,13 +255,28 @@ class AttemptRunner:
             if (now := control_code(there, rec["src"]))["digest"] != rec["digest"]:
                 inv, src, code = there, rec["src"], now
         report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src, control=code)
+        prev = self.book.rec.attempts[-2].nodes if self.record.attempt > 1 and len(self.book.rec.attempts) > 1 else []
+        asked = retry.ask_survivors(report, lambda: run_preflight(self.cluster, inv, FAST_CHECKS), set(prev),
+                                    self.pause)  # a relaunch: a blip on a node that ran the last attempt passes
+        report = asked.report
+        if asked.retried:
+            self.book.attempt_changed(preflight_asked=asked.rounds)
+            self.book.tell(f"attempt {self.record.attempt}: preflight failed on a node of attempt "
+                           f"{self.record.attempt - 1} ({'; '.join(asked.first)[:300]}); "
+                           + (f"passed when {asked.retried}" if report.ok else f"still failing, {asked.retried}"))
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
         report.render(console, ranks=report.ok or self.spec.force)  # no rank map for a launch that fails here
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
         tmp = self.run.dir / (name + ".tmp")  # written whole, then renamed: `train` prints it once it exists
         table = console.export_text()
-        tmp.write_text(table)
-        os.replace(tmp, self.run.dir / name)
+        try:
+            tmp.write_text(table)
+            os.replace(tmp, self.run.dir / name)
+        except OSError as e:  # no room here: the run goes on without the file (the failure's message has it)
+            tmp.unlink(missing_ok=True)
+            if self.book.space is None or not self.book.space.full(e, "the preflight table"):
+                raise
+            name = None
         self.book.attempt_changed(preflight_ok=report.ok, preflight_file=name)
         if not report.ok and not self.spec.force:
             failing = sorted({node for node, _ in report.failures})
@@ -262,9 +284,17 @@ class AttemptRunner:
             checks: dict[str, dict[str, str]] = {}
             for node, r in report.failures:
                 checks.setdefault(node, {})[r.check] = r.detail
-            raise PreflightFailed(f"preflight failed on {', '.join(failing)} ({what}); nothing was started. "
+            again = f" ({asked.retried})" if asked.retried else ""
+            raise PreflightFailed(f"preflight failed on {', '.join(failing)} ({what}){again}; nothing was started. "
                                   "--force launches anyway", failing, table, checks)
         return dict(report.gpus_found)
+
+    def pause(self, seconds: float) -> bool:
+        """Wait `seconds`, cut short by a stop request (then True)."""
+        end = time.monotonic() + seconds
+        while not self.policy.stop_requests and (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
+        return bool(self.policy.stop_requests)
 
     def assign_ranks(self, gpus_found: dict[str, int | None]) -> None:
         inv = self.inv

@@ -177,6 +177,7 @@ class ArtifactCopier:
         self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
         self.dirsnap = None  # a runs/ckptdir.py DirCopier (--checkpoint-dir): the job's own directory
         self.dirreplica = None  # a runs/dirreplicas.py DirReplicas (--checkpoint-dir, checkpoint_replica)
+        self.space = None  # the control machine's disk (runs/space.py Space): no copy while it has no room
         self.store = CheckpointStore(run_dir)
         self.curves = Curves(run_dir)  # one TensorBoard run: every node's, every attempt's files
         self.fetched: set[tuple[str, str]] = set()  # (node, checkpoint) pieces already taken
@@ -271,7 +272,8 @@ class ArtifactCopier:
                 self.say(f"checkpoint {name} copied to the control machine")
         except (OSError, tarfile.TarError) as e:
             failed = True
-            self.say(f"could not unpack {name} from {node}: {e}")
+            if self.space is None or not self.space.full(e, "the checkpoint copies"):
+                self.say(f"could not unpack {name} from {node}: {e}")
         finally:
             into.close()  # the unpacking thread ends with the stream, whatever happened
             if failed:
@@ -288,6 +290,8 @@ class ArtifactCopier:
     def sweep(self, nodes: list[str], finished: bool = False) -> None:
         """Once more at an attempt's end; `finished`: it ended well (the checkpoint directory is
         looked at only then: nothing was cut mid-write)."""
+        if self.full():
+            return
         with self._lock:
             found = self.poll(nodes)
             if self.checkpoints:
@@ -326,6 +330,8 @@ class ArtifactCopier:
                     which = list(self.latest)
                 if self._stop.is_set():
                     break
+                if self.full():  # nothing is copied here until there is room; the nodes keep their own
+                    continue
                 try:
                     self.copy_new(nodes(), which)
                 except Exception as e:  # noqa: BLE001 - a failed copy is tried again
@@ -334,6 +340,9 @@ class ArtifactCopier:
         self._stop.clear()
         self._thread = threading.Thread(target=loop, daemon=True, name="artifacts")
         self._thread.start()
+
+    def full(self) -> bool:
+        return self.space is not None and self.space.is_full
 
     def stop(self) -> None:
         """End the copying thread once its copy in progress is done (`sweep` takes what is left)."""

@@ -275,8 +275,12 @@ class DirCopier:
                    "nodes": sorted({m["node"] for m in files.values()})}
             os.replace(stage, self.store.dir / name)
             tmp = self.store.dir / f".{name}.json.tmp"
-            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-            os.replace(tmp, self.store.dir / f"{name}.json")  # last: now it is a snapshot
+            try:
+                tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+                os.replace(tmp, self.store.dir / f"{name}.json")  # last: now it is a snapshot
+            except OSError:
+                tmp.unlink(missing_ok=True)  # a full disk leaves no torn index behind
+                raise
         finally:
             shutil.rmtree(stage, ignore_errors=True)
             self.copy_s += time.monotonic() - t0

@@ -31,14 +31,17 @@ import psutil
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
-from orchestrator.runs import ckptdir, quarantine
+from orchestrator.runs.catchup import ShortCopies
+from orchestrator.runs import quarantine
 from orchestrator.runs.checkpoints import ArtifactCopier
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.dirreplicas import artifact_copier
-from orchestrator.runs.launch import NodesNotReady, first_lineup, reopen, silent_nodes
+from orchestrator.runs.launch import NodesNotReady, first_lineup, silent_nodes
 from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book
-from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
+from orchestrator.runs.readying import Readying, fresh_nodes
+from orchestrator.runs.restart import Verdict, classify, next_nodes, ordered, outcomes, summary
+from orchestrator.runs.space import PATIENCE_S, Space
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
@@ -57,12 +60,15 @@ def _changes(old: list[str], new: list[str]) -> str:
 class Controller:
     def __init__(self, run: Run, adopt: bool = False):
         self.run, self.adopt, self.spec = run, adopt, run.spec
-        self.book = Book(run)
+        self.space = Space(run.dir)  # no room on this disk: the run goes on from memory (runs/space.py)
+        self.book = Book(run, self.space)
         self.full_inv = self.spec.load_inventory()  # spares included: restarts draw on them
         self.cluster: Cluster | None = None
         self.stopper: Stopper | None = None
         self.claims: Claims | None = None
         self.copier: ArtifactCopier | None = None
+        self.readying: Readying | None = None
+        self.shorts: ShortCopies | None = None  # log copies that ended short for want of room
         self.current: AttemptRunner | None = None
         self.stop_requests = 0
         self.signalled = threading.Event()  # a SIGTERM/SIGINT came: end within the stop's grace
@@ -75,6 +81,7 @@ class Controller:
         req = self.run.stop_request
         if req:  # a stop asked for before this supervisor ran (or while none did)
             self.stop_requests = max(1, int(req.get("requests", 1)))
+        self.run.clean_temporaries()
         self.book.supervisor(os.getpid(), psutil.Process().create_time(), self.adopt)
         try:
             code = self.loop()
@@ -91,6 +98,9 @@ class Controller:
                 self.copier.stop()
             ru = resource.getrusage(resource.RUSAGE_SELF)
             self.book.cpu(ru.ru_utime + ru.ru_stime)
+        if self.space.is_full:  # the run ended with its record (and copies) in memory only
+            say(f"waiting up to {PATIENCE_S:g}s for room on this machine's disk to write the run's record")
+            self.space.wait_room(PATIENCE_S)
         if self.stopper is not None and self.stopper.pending:
             say(f"waiting up to {LOST_PATIENCE:g}s for {', '.join(self.book.rec.stop_pending)} to answer, "
                 "to stop the run there")
@@ -142,7 +152,7 @@ class Controller:
     # ---------------------------------------------------------------- claims (runs/claims.py)
     def claim_start(self, names: list[str]) -> None:
         """With --queue the first attempt's nodes are claimed once they are free; else as that
-        attempt begins (set_up), where a node lost at its claim is one lost during the launch."""
+        attempt begins (runs/readying.py), where a node lost at its claim is one lost during the launch."""
         if self.queued:
             self.claims.wait_and_take(names, lambda: self.stop_requests)
         elif self.book.rec.state is not RunState.CONNECTING:
@@ -177,6 +187,10 @@ class Controller:
         if rec.state.terminal:  # adopted only to carry out stops still pending
             return int(rec.exit_code or 0)
         self.copier = artifact_copier(cluster, self.run.dir, self.spec, say)
+        self.copier.space = self.space
+        self.shorts = ShortCopies(cluster, self.full_inv, self.book, self.space, say)
+        self.space.on_room.append(self.shorts.settle)
+        self.readying = Readying(self.run, self.spec, self.book, cluster, self.full_inv, self.claims, self.copier, say)
         k, nodes, ended = self.entry()
         while True:
             result, verdict = ended if ended is not None else self.attempt(k, nodes)
@@ -216,7 +230,8 @@ class Controller:
             return a.attempt, a.nodes, (RunResult(RunState.FAILED, a.exit_code or 1, a.detail or ""),
                                         Verdict(True, a.verdict or "?", a.detail or "", tuple(a.bad_nodes)))
         runner = self.runner(a)
-        self.copier.dirs.update(self.prepare_dirs(a.nodes))
+        # a node that does not answer now is not asked: the watch declares it lost, as a running one
+        self.copier.dirs.update(self.readying.dirs(self.cluster.live(a.nodes)))
         if rec.state is not RunState.RUNNING:  # died while launching: stop what started, relaunch
             runner.statuses.update({st.name: st for st in rec.nodes if st.name in runner.statuses})
             runner.teardown("the supervisor died while launching")
@@ -227,6 +242,7 @@ class Controller:
             result = runner.adopt(rec.nodes)
         finally:
             self.copier.stop()
+            self.shorts.owe(a.key, runner.short)
             runner.close()
             self.current = None
         self.copier.sweep(list(a.nodes), finished=result.state is RunState.FINISHED)  # written just before the end
@@ -263,17 +279,17 @@ class Controller:
 
     # ---------------------------------------------------------------- one attempt, set up and classified
     def attempt(self, k: int, nodes: list[str]) -> tuple[RunResult, Verdict]:
-        ran = {n for a in self.book.rec.attempts for n in a.nodes}
-        # nodes entering the run: a spare (in attempt 1, in the place of a node down at launch) is
-        # prepared, not assumed to hold the run's code
-        fresh = [n for n in nodes if n not in ran and (k > 1 or self.full_inv.node(n).spare)]
+        # nodes entering the run (a spare; one whose preparation an earlier supervisor did not
+        # finish) are prepared, not assumed to hold the run's code
+        fresh = fresh_nodes(k, nodes, self.book.rec.attempts, self.full_inv)
+        self.shorts.settle()  # before this attempt's log follows them in the copies
         a = AttemptRecord(attempt=k, key=self.run.id if k == 1 else f"{self.run.id}.a{k}", nodes=list(nodes),
                           started=time.time(), log_start={n: (p.stat().st_size if (p := self.run.node_log(n)).exists()
-                                                             else 0) for n in nodes}, prepared=fresh)
+                                                             else 0) for n in nodes}, prepared=fresh, ready=[])
         runner = self.runner(a)
         self.book.attempt_started(a, list(runner.statuses.values()))
         try:
-            dirs = self.set_up(k, nodes, fresh)
+            dirs = self.readying.set_up(k, nodes, fresh, first_claim=k == 1 and not self.queued)
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d.get("ckptdir", d["checkpoints"]),
@@ -283,6 +299,7 @@ class Controller:
                 result = runner.run_attempt(env, per_node)
             finally:
                 self.copier.stop()
+                self.shorts.owe(a.key, runner.short)
             # a checkpoint written just before the end (a checkpoint directory only after a good end:
             # a worker killed mid-write leaves a torn file that soon looks complete)
             self.copier.sweep(list(nodes), finished=result.state is RunState.FINISHED)
@@ -294,31 +311,6 @@ class Controller:
             runner.close()
             self.current = None
 
-    def set_up(self, k: int, nodes: list[str], fresh: list[str]) -> dict[str, dict]:
-        """Before attempt k's preflight: its nodes claimed again (k > 1), the fresh ones brought to
-        the run's code, every node's directories made, the newest checkpoint restored (k > 1, or
-        --resume-from). Returns each node's directories."""
-        a = self.book.rec.current
-        if k == 1 and not self.queued:
-            self.claims.take(nodes)
-        if k > 1:
-            reopen(self.cluster, nodes)
-            why = self.claims.renew(nodes)  # a survivor's claim held until this attempt ended there
-            if why:
-                raise NodesNotReady(why)
-        if fresh:
-            t0 = time.monotonic()
-            self.prepare_fresh(fresh, [n for n in nodes if n not in fresh])
-            self.book.attempt_changed(prepare_s=round(time.monotonic() - t0, 3))
-        dirs = self.prepare_dirs(nodes)
-        self.copier.dirs.update(dirs)
-        # attempt 1 sets aside what the checkpoint directory holds (not this run's); a relaunch restores
-        self.book.attempt_changed(**Restorer.of(self.cluster, self.full_inv, self.copier, self.spec, say,
-                                                self.book.tell).before(k, dirs, nodes))
-        if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
-            self.book.attempt_changed(resume_args=list(self.spec.resume_args))
-        return dirs
-
     def launch_failed(self, k: int, runner: AttemptRunner, e: ClusterctlError) -> tuple[RunResult, Verdict]:
         """Attempt k failed before its launch completed (nothing ran, so no restart is spent). Nodes
         that went away meanwhile are lost: left out, a spare takes their place. A node whose
@@ -326,8 +318,8 @@ class Controller:
         failed preflight is the user's to fix (unless only sick nodes failed and spares can take
         their places). Anything else ends the run (raised)."""
         nodes = list(runner.statuses)
-        if self.stop_requests:
-            raise e
+        if self.stop_requests:  # asked to stop: whatever failed meanwhile, the run stops before it launched
+            raise e if e.exit_code == EXIT_INTERRUPTED else LaunchError(f"stopped before launch ({e})", EXIT_INTERRUPTED)
         lost = silent_nodes(self.cluster, nodes, self.book.tell)
         if lost:
             for name, why in lost.items():
@@ -361,29 +353,6 @@ class Controller:
             self.book.tell(f"{entry.node} quarantined: {entry.reason} (no run from this machine uses it until "
                            f"`clusterctl health --release {entry.node}`)")
         return sick
-
-    def prepare_dirs(self, names: list[str]) -> dict[str, dict]:
-        """Each node's artifact directories, and with --checkpoint-dir the job's own ("ckptdir")."""
-        from orchestrator.runs.restart import prepare_artifacts
-
-        dirs = prepare_artifacts(self.cluster, self.run.id, names)
-        if self.spec.checkpoint_dir:
-            paths = ckptdir.prepare(self.cluster, [self.full_inv.node(n) for n in names], self.spec.checkpoint_dir)
-            for n, p in paths.items():
-                dirs[n]["ckptdir"] = p
-            for snaps in self.copier.snaps if self.copier is not None else ():
-                snaps.for_attempt(paths, dirs)  # this attempt's nodes only
-        return dirs
-
-    def prepare_fresh(self, fresh: list[str], donors: list[str]) -> None:
-        """Spares entering the run (claimed already) brought to the run's code (and venv) from a
-        node that ran it. Raises NodesNotReady naming those that could not be."""
-        from orchestrator.runs.spares import prepare_nodes
-
-        self.book.tell(f"bringing {', '.join(fresh)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
-        why = prepare_nodes(self.cluster, self.full_inv, fresh, donors, say)
-        if why:
-            raise NodesNotReady(why)
 
     def end(self, result: RunResult, verdict: Verdict) -> int:
         attempts = self.book.rec.attempts

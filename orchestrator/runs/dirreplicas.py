@@ -121,8 +121,12 @@ class DirReplicas(DirCopier):
                "holders": holders, "roots": {n: self.roots[n] for n in {h for hs in holders.values() for h in hs}}}
         self.store.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.store.dir / f".{name}.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-        tmp.replace(self.store.dir / f"{name}.json")
+        try:
+            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+            tmp.replace(self.store.dir / f"{name}.json")
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no torn index behind
+            raise
         self.known = {}
         self.learn(name, doc)
         self.store.prune()

@@ -100,9 +100,12 @@ class HangWatch:
             v = with_links(v, self.probe())
         n = len([p for p in self.out_dir.glob("[0-9]*")]) + 1 if self.out_dir.is_dir() else 1
         d = self.out_dir / str(n)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "verdict.json").write_text(json.dumps(v.to_json(), indent=2))
-        (d / "stacks.txt").write_text(stacks_text(second))
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "verdict.json").write_text(json.dumps(v.to_json(), indent=2))
+            (d / "stacks.txt").write_text(stacks_text(second))
+        except OSError as e:  # no room on this machine's disk: the verdict is applied without its files
+            self.say(f"hang watch: the verdict's files not written: {e}")
         self.verdict = v
         self.on_hang(v, d)  # tells the verdict (the run's story) and applies the policy
         # observe: told once; the next hang is one that follows new progress

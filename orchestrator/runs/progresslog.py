@@ -84,13 +84,13 @@ class ProgressLog:
         ranks = {str(r): {"step": p["step"], "collectives": sum(p["pgs"].values()) if p["pgs"] else None,
                           "moved": p["moved"], "asked": p.get("asked")}
                  for r, p in sorted(self.ranks.items()) if p["node"] == node}
+        tmp = self.dir / f".{node}.json.tmp"
         try:
             self.dir.mkdir(exist_ok=True)
-            tmp = self.dir / f".{node}.json.tmp"
             tmp.write_text(json.dumps({"key": self.key, "node": node, "ranks": ranks}))
             os.replace(tmp, self.dir / f"{node}.json")
-        except OSError:  # the view goes without; the run goes on
-            pass
+        except OSError:  # the view goes without; the run goes on (a full disk: no torn file left)
+            tmp.unlink(missing_ok=True)
 
 
 def read(run_dir: Path, key: str | None) -> dict[int, RankProgress]:

@@ -103,10 +103,19 @@ class RankFiles:
 
     def save(self) -> None:
         tmp = self.dir / f"{INDEX}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"at": self.at, "sizes": self.sizes}))
-        os.replace(tmp, self.dir / INDEX)
+        try:
+            tmp.write_text(json.dumps({"at": self.at, "sizes": self.sizes}))
+            os.replace(tmp, self.dir / INDEX)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written index behind
+            raise
 
     def close(self) -> None:
+        """Every rank file closed, also after a write failed (what it could not write is dropped:
+        the next splitter writes it again from the index)."""
         for f in self.files.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:
+                pass
         self.files.clear()

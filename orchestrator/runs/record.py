@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from orchestrator.runs.space import Space, write_all
 from orchestrator.runs.spec import NodeStatus, RunResult, RunState, fields_of
 from orchestrator.runs.store import Run, read_json, write_json
 
@@ -54,6 +57,7 @@ class AttemptRecord:
     started: float = 0.0
     log_start: dict[str, int] = field(default_factory=dict)  # where this attempt's bytes begin in each log copy
     prepared: list[str] = field(default_factory=list)  # fresh nodes brought to the run's code first
+    ready: list[str] | None = None  # those of them whose preparation finished (None: an older record)
     prepare_s: float | None = None  # claiming them and bringing them to the code (runs/spares.py)
     checkpoint: str | None = None  # what it started from
     checkpoint_about: str | None = None  # --checkpoint-dir: the snapshot's entries, step and size, in words
@@ -66,6 +70,7 @@ class AttemptRecord:
     skipped: list[str] = field(default_factory=list)  # newer copies passed over: damaged on this machine
     preflight_s: float | None = None
     preflight_ok: bool | None = None
+    preflight_asked: int | None = None  # a relaunch's preflight rounds, when a survivor's failure was asked again
     preflight_file: str | None = None  # the table, under the run directory
     launch_s: float | None = None
     launched: float | None = None
@@ -142,6 +147,7 @@ class RunRecord:
     error: str | None = None
     first_failure: dict | None = None
     supervisor_cpu_s: float | None = None
+    disk_full: list[dict] = field(default_factory=list)  # spells with no room on this machine (runs/space.py)
 
     @classmethod
     def from_json(cls, doc: dict | None, run_id: str = "") -> "RunRecord":
@@ -182,18 +188,32 @@ def load(run: Run) -> RunRecord:
 
 class Book:
     """The one writer of a run's record. Each method is a named transition or a named update; each
-    is persisted before it returns."""
+    is persisted before it returns. With `space` (the supervisor's: runs/space.py) a disk with no
+    room does not stop the run: the record and the story are kept in memory, said once, and
+    written when there is room again, with the spell kept in the record (disk_full)."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, space: Space | None = None):
         self.run = run
         self.rec = load(run)
         self._lock = threading.RLock()
         # told each write of the record (line None) and each story line, under the lock; it must
         # not block (observe/events.py queues what it makes of them for its own threads)
         self.sink: Callable[[RunRecord, dict | None], None] | None = None
+        self.space = space
+        self.unsaved = False  # the record here is newer than run.json (no room to write it)
+        self.untold: deque[dict] = deque(maxlen=UNTOLD_MAX)  # story lines waiting for room
+        if space is not None:
+            space.on_full.append(self._no_room)
+            space.on_room.append(self._room_again)
 
     def _write(self) -> None:
-        write_json(self.run.dir / "run.json", self.rec.to_json())
+        try:
+            write_json(self.run.dir / "run.json", self.rec.to_json())
+            self.unsaved = False
+        except OSError as e:
+            if self.space is None or not self.space.full(e, "the run record"):
+                raise
+            self.unsaved = True
         if self.sink is not None:
             self.sink(self.rec, None)
 
@@ -292,13 +312,54 @@ class Book:
         about, as data (event="node_silent", node="n2"), kept on the line for its readers."""
         print(f"supervisor: {text}", flush=True)
         doc = {"at": time.time(), "text": text, **about}
-        with self._lock, open(self.run.dir / STORY, "a") as f:
-            f.write(json.dumps(doc) + "\n")
+        with self._lock:
+            if self.untold and self.space is not None and self.space.is_full:
+                self.untold.append(doc)  # behind the lines waiting for room: the story keeps its order
+            else:
+                try:
+                    append_lines(self.run.dir / STORY, [*self.untold, doc])
+                    self.untold.clear()
+                except OSError as e:
+                    if self.space is None or not self.space.full(e, "the run's story"):
+                        raise
+                    self.untold.append(doc)
             if self.sink is not None:
                 self.sink(self.rec, doc)
 
+    # ---------------------------------------------------------------- no room on this machine's disk
+    def _no_room(self, what: str, e: OSError) -> None:
+        self.tell(f"no room on the control machine's disk ({e.strerror}, writing {what} under {self.run.dir}): the "
+                  "log copies, per-rank files and checkpoint copies stop until there is room; the run goes on, "
+                  "watched from memory, and the record is written once there is room", event="disk_full")
+
+    def _room_again(self, gap: dict) -> None:
+        with self._lock:
+            self.rec.disk_full = [*self.rec.disk_full, gap]
+            self.tell(f"room again on the control machine's disk after {gap['until'] - gap['since']:.0f}s; not "
+                      f"written meanwhile: {', '.join(gap['what'])}; the log copies catch up from the nodes",
+                      event="disk_room", seconds=round(gap["until"] - gap["since"], 1))
+            self._write()
+
 
 STORY = "story.jsonl"
+UNTOLD_MAX = 10_000  # story lines kept in memory while the disk has no room (the oldest go first)
+
+
+def append_lines(path, docs: list[dict]) -> None:
+    """Append one JSON line per doc, whole or not at all (a full disk must not leave half a line
+    that the next line would be glued to)."""
+    data = "".join(json.dumps(d) + "\n" for d in docs).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            with open(fd, "ab", buffering=0, closefd=False) as f:
+                write_all(f, data)
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def story(run: Run, offset: int = 0) -> tuple[list[str], int]:

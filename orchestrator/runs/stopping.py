@@ -5,8 +5,9 @@ Every stop names the attempt it is for: its key (RUN_ID, or RUN_ID.aK for attemp
 nodes. A node that cannot be reached is recorded as a PendingStop(node, key) in the run record and
 retried on a fresh connection, with backoff (1 s doubling to 8 s, to 60 s for a node that refuses
 us), until it answers; then that attempt's processes are
-stopped there, whatever attempt the run is on by then. So a node lost in attempt 1 that comes
-back while attempt 2 runs elsewhere keeps nothing of the run.
+stopped there, whatever attempt the run is on by then, and that attempt's log copy completed from
+the node (runs/catchup.py). So a node lost in attempt 1 that comes back while attempt 2 runs
+elsewhere keeps nothing of the run, and its log here ends as its log there does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Inventory
 from orchestrator.runs import agent
+from orchestrator.runs.catchup import complete_after_stop
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book, PendingStop
 from orchestrator.transport import Cluster, retry_wait
@@ -130,6 +132,7 @@ class Stopper:
             res = agent.stop(node, p.key, p.grace).over(c)
             if res.reached:
                 self.say(f"stopped {p.key} on {p.node} after it answered again")
+                complete_after_stop(c, node, p.key, self.book, self.say)  # what its lost stream did not carry
                 if not self.in_use(p.node):
                     agent.release(node, self.run_id, timeout=30).over(c)
                 self._done(p)

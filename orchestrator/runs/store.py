@@ -46,11 +46,15 @@ def write_json(path: Path, doc: dict, mode: int = 0o666) -> None:
     """`doc` replaces the file at `path` whole. `mode` before the umask (0o600: the user's alone
     whatever the umask lets the group read)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+            json.dump(doc, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the last good record and no torn temporary file
+        raise
 
 
 def run_umask(spec: RunSpec) -> int:
@@ -152,6 +156,17 @@ class Run:
         doc.update(changes)
         write_json(self.dir / "run.json", doc)
         return doc
+
+    def clean_temporaries(self) -> list[str]:
+        """Remove the temporary files (NAME.tmpPID) a writer that died mid-write left in the run
+        directory; a live writer's are left alone. -> the names removed."""
+        gone = []
+        for p in [*self.dir.glob("*.tmp[0-9]*"), *self.dir.glob("*/*.tmp[0-9]*")]:
+            pid = p.name.rsplit(".tmp", 1)[1]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                p.unlink(missing_ok=True)
+                gone.append(p.name)
+        return gone
 
     def node_log(self, node: str) -> Path:
         return self.dir / "nodes" / f"{node}.log"

@@ -29,6 +29,7 @@ import sys
 from orchestrator.observe import delivery, trackers
 from orchestrator.runs.controller import Controller
 from orchestrator.runs.notify import notify_end
+from orchestrator.runs.space import LogStream
 from orchestrator.runs.stopping import say
 from orchestrator.runs.store import SUPERVISOR_MARK, Run, run_umask
 from orchestrator.transport import quiet_paramiko
@@ -53,6 +54,7 @@ def spawn(run: Run, adopt: bool = False) -> subprocess.Popen:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
+    sys.stdout = sys.stderr = LogStream(1)  # supervisor.log: a full disk drops lines, never the supervisor
     run = Run(argv[0])
     run_umask(run.spec)  # first: all it writes (records, logs, checkpoint copies) is the user's, or the group's too
     lock = run.lock_supervisor()

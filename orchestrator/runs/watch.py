@@ -8,8 +8,8 @@ no second session is opened to ask how the run ended there).
 
 With `artifacts` (the run's ArtifactCopier, runs/checkpoints.py) the same process carries
 everything else the control machine takes from the node while it trains: `tail KEY OFFSET
-stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read here
-by `Frames`): log bytes by offset, the node's complete checkpoints whenever they change (the
+stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read by
+runs/logcopy.py `LogCopier`): log bytes by offset, the node's complete checkpoints whenever they change (the
 copier fetches and replicates them on its own thread), TensorBoard bytes (appended here at
 once), with a `progress` sink every rank's progress every `progress_s` s (the straggler
 watch's, runs/straggler.py: asked by the node's stream process, not a process started per
@@ -17,169 +17,32 @@ request) and last the status. No poll process is started on the nodes while the 
 
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
 resumes at the size of the control copy, so every byte lands exactly once. The node is reported
-lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`.
+lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`. A tail
+is started again at the copy's size the same way when the control machine's disk had no room for
+its bytes and has room again (runs/space.py), and when its stream, asked for progress, sent
+nothing for STREAM_STALL_S while its node answers (the stream process there is stuck).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import queue
 import threading
 import time
-from typing import IO, Callable, Iterator, Protocol
+from typing import Callable
 
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Node
 from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus, StreamFrom
-from orchestrator.runs.rankfiles import RankFiles
-from orchestrator.runs.stepjournal import StepJournal
+from orchestrator.runs.agent import AgentStatus
+from orchestrator.runs.logcopy import Artifacts, LogCopier
+from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
-# the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
-FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
-
-
-class Artifacts(Protocol):
-    """What a node's stream feeds besides the log (runs/checkpoints.py ArtifactCopier)."""
-
-    def stream_from(self, node: str) -> StreamFrom | None: ...
-
-    def on_checkpoints(self, node: str, found: list[dict]) -> None: ...
-
-    def on_tb(self, node: str, head: dict, body: bytes) -> None: ...
-
-
-class Frames:
-    """Splits a byte stream into records: a JSON header line with "size", then that many bytes."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.broken = False  # a record could not be read: the rest is ignored
-
-    def feed(self, data: bytes) -> Iterator[tuple[dict, bytes]]:
-        self.buf += data
-        while (nl := self.buf.find(b"\n")) >= 0:
-            head = json.loads(self.buf[:nl])
-            end = nl + 1 + int(head["size"])
-            if len(self.buf) < end:
-                return
-            body = bytes(self.buf[nl + 1:end])
-            del self.buf[:end]
-            yield head, body
-
-
-class LogCopier:
-    """Byte and line sinks for the engine: a node's stdout appended to its log copy."""
-
-    def __init__(self, run: Run, names: list[str], echo: Callable[[str], None] = say,
-                 after_write: Callable[[], object] | None = None, start_at: dict[str, int] | None = None,
-                 artifacts: Artifacts | None = None, progress: Callable[[str, dict], None] | None = None,
-                 progress_s: float = 0.0):
-        self.files: dict[str, IO[bytes]] = {name: open(run.node_log(name), "ab") for name in names}
-        self.echo, self.after_write, self.artifacts = echo, after_write, artifacts
-        self.progress, self.progress_s = progress, progress_s  # (node, the ranks' progress document)
-        self.start_at = start_at or {}  # where the node's log begins in the copy (a restart appends)
-        self.final: dict[str, AgentStatus] = {}  # node -> the agent's status that closed its tail
-        self.frames: dict[str, Frames] = {}  # node -> its stream's reader (framed tails only)
-        rec = run.record
-        first = {nd.get("name"): nd.get("first_rank") for nd in rec.get("nodes") or []}
-        self.steps = StepJournal(run.dir, int(rec.get("attempt") or 1))  # when rank 0's steps arrived
-        self.ranks: RankFiles | None = None  # the per-rank files (runs/rankfiles.py), split as bytes land
-        try:
-            self.ranks = RankFiles(run.dir, {name: run.node_log(name) for name in names}, first,
-                                   on_line=self.steps.rank_line)
-        except OSError as e:
-            self.echo(f"per-rank log files not written: {e}")
-
-    def offset(self, name: str) -> int:
-        return self.files[name].tell() - self.start_at.get(name, 0)
-
-    def tail_stream(self, name: str) -> StreamFrom | None:
-        """What the node's next `tail` streams besides the log: the copier's directories for the
-        node, when it knows them, and the ranks' progress when a sink takes it (the reader starts
-        afresh: a dropped stream's half record is sent again); None: the plain log, closed by the
-        status line."""
-        more = self.artifacts.stream_from(name) if self.artifacts is not None else None
-        if more is None:
-            self.frames.pop(name, None)
-            return None
-        self.frames[name] = Frames()
-        return dataclasses.replace(more, progress_s=self.progress_s) if self.progress is not None else more
-
-    def on_bytes(self, name: str, stream: str, data: bytes) -> None:
-        if stream != "stdout":
-            return
-        reader = self.frames.get(name)
-        if reader is None:
-            self.write_log(name, data)
-            return
-        if reader.broken:
-            return
-        try:
-            for head, body in reader.feed(data):
-                self.on_record(name, head, body)
-        except (ValueError, KeyError, TypeError) as e:  # out of step: nothing after it can be trusted
-            reader.broken = True
-            self.echo(f"{name}: unreadable stream ({type(e).__name__}: {e}); "
-                      "the rest of this tail is dropped")
-
-    def on_record(self, name: str, head: dict, body: bytes) -> None:
-        kind = head.get("t")
-        if kind == FRAME_LOG:
-            have = self.offset(name)
-            if head["offset"] > have:
-                raise ValueError(f"log bytes from {head['offset']}, the copy has {have}")
-            if head["offset"] + len(body) > have:
-                self.write_log(name, body[have - head["offset"]:])
-        elif kind == FRAME_END:
-            self.final[name] = AgentStatus.from_json(body)
-        elif self.artifacts is not None and kind == FRAME_TB:
-            try:
-                self.artifacts.on_tb(name, head, body)
-            except OSError as e:  # the log copy goes on; a reconnect or the last sweep sends them again
-                self.echo(f"{name}: TensorBoard bytes of {head.get('rel')!r} not written: {e}")
-        elif self.artifacts is not None and kind == FRAME_CKPTS:
-            self.artifacts.on_checkpoints(name, json.loads(body))
-        elif self.progress is not None and kind == FRAME_PROGRESS:
-            self.progress(name, json.loads(body))
-
-    def write_log(self, name: str, data: bytes) -> None:
-        f = self.files[name]
-        f.write(data)
-        f.flush()
-        if self.ranks is not None:
-            try:
-                self.ranks.feed(name, data)
-            except OSError as e:  # the node's log copy goes on; the rank files stop here
-                self.echo(f"per-rank log files stopped: {e}")
-                self.ranks = None
-        if self.after_write is not None:
-            self.after_write()
-
-    def on_line(self, name: str, stream: str, line: str) -> None:
-        if stream != "stderr":
-            return
-        try:
-            end = agent.end_status(line)  # the node's own word on how the run ended
-        except ValueError:
-            self.echo(f"{name}: unreadable end status {line[-200:]!r}")
-            return
-        if end is not None:
-            self.final[name] = end
-        elif line.strip():
-            self.echo(f"{name}: {line.strip()}")
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        if self.ranks is not None:
-            self.ranks.close()
-        self.steps.close()
+STREAM_STALL_S = 30.0  # the least silence of a progress-asking stream, its node answering, that restarts it
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
@@ -229,10 +92,49 @@ class _Copy:
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
         self.events: queue.Queue = queue.Queue()  # a Proc to drive, or a final NodeResult
+        self.procs: dict[str, Proc] = {}  # each node's tail now
+        self.heard: dict[str, float] = {}  # when each node's tail last sent anything (monotonic)
+        self.restarting: set[str] = set()  # tails ended on purpose: started again at the copy's size
+        self.again_at_end: dict[str, int] = {}  # tails started again after their end, to catch up
+        self.short: set[str] = set()  # nodes whose copy ended short of their log (no room at their end)
+        # a stream that asks for progress sends a record every progress_s at least: silent far
+        # longer while its node answers, the stream process is stuck (not the script)
+        asked = copier.progress_s if copier is not None and copier.progress is not None else 0.0
+        self.stall_s = max(STREAM_STALL_S, 3 * asked) if asked > 0 else None
 
     def start_tail(self, name: str) -> Proc:
         tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), self.copier.tail_stream(name))
-        return tail.start(self.cluster.connections[name])
+        proc = tail.start(self.cluster.connections[name])
+        self.copier.behind.discard(name)  # from the copy's size: whatever found no room comes again
+        self.procs[name], self.heard[name] = proc, time.monotonic()
+        return proc
+
+    def on_bytes(self, name: str, which: str, data: bytes) -> None:
+        self.heard[name] = time.monotonic()
+        self.copier.on_bytes(name, which, data)
+
+    def restart(self, name: str, why: str | None = None) -> None:
+        """End the node's tail now; `on_done` starts it again at the copy's size."""
+        proc = self.procs.get(name)
+        if proc is None or name in self.restarting:
+            return
+        if why:
+            self.tell(why, event="stream_restarted", node=name)
+        self.restarting.add(name)
+        proc.kill()
+
+    def look(self) -> None:
+        """Tails to start again: a node behind once there is room, a stream stuck while its node answers."""
+        now = time.monotonic()
+        for name in [n for n in self.active if n in self.procs and n not in self.restarting]:
+            conn = self.cluster.connections.get(name)
+            if name in self.copier.behind and self.copier.room():
+                self.restart(name)
+            elif self.stall_s and name in self.copier.frames and now - self.heard[name] > self.stall_s \
+                    and conn is not None and conn.alive:
+                self.restart(name, f"{name}: its log stream sent nothing for {now - self.heard[name]:.0f}s while "
+                                   "the node answers: the stream process there is stuck, not the script; started "
+                                   f"again from byte {self.copier.offset(name)} of its log")
 
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
@@ -247,17 +149,38 @@ class _Copy:
         self.events.put(dataclasses.replace(res, error=why))
 
     def on_done(self, res: NodeResult) -> None:
-        if res.kind is ErrorKind.LOST and not (self.stop is not None and self.stop.is_set()):
-            threading.Thread(target=self.recover, args=(res,), name=f"reconnect-{res.node}", daemon=True).start()
+        name, stopped = res.node, self.stop is not None and self.stop.is_set()
+        self.procs.pop(name, None)
+        if name in self.restarting:
+            self.restarting.discard(name)
+            if not stopped:
+                try:
+                    self.events.put(self.start_tail(name))
+                    return
+                except ClusterctlError as e:  # dropped at once: reconnected as any drop
+                    res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
+        if res.kind is ErrorKind.LOST and not stopped:
+            threading.Thread(target=self.recover, args=(res,), name=f"reconnect-{name}", daemon=True).start()
             return
+        if name in self.copier.behind and self.copier.room() and not stopped and self.again_at_end.get(name, 0) < 3:
+            self.again_at_end[name] = self.again_at_end.get(name, 0) + 1  # ended while behind: the rest, then the end
+            try:
+                self.events.put(self.start_tail(name))
+                return
+            except ClusterctlError:
+                pass
         self.ended(res)
 
     def ended(self, res: NodeResult) -> None:
         self.active.discard(res.node)
+        if res.node in self.copier.behind:
+            self.short.add(res.node)
         self.on_end(res, self.copier.final.pop(res.node, None))
 
     def pending(self) -> Proc | None:
-        """For the engine: the next resumed tail; final results met on the way are reported."""
+        """For the engine (each turn of its loop): the next resumed tail; final results met on the
+        way are reported; tails to start again are ended (`look`)."""
+        self.look()
         while True:
             try:
                 item = self.events.get_nowait()
@@ -269,17 +192,21 @@ class _Copy:
 
     def copy(self) -> None:
         for name in list(self.active):
-            if name not in self.cluster.connections:  # never connected (an adopted run's node that is down)
-                self.ended(NodeResult(name, None, error="not connected", kind=ErrorKind.LOST))
+            if name not in self.cluster.connections:  # an adopted run's node that did not answer its supervisor
+                err = self.cluster.unreachable.get(name)
+                why = (f"no answer for {self.cluster.lost_timeout:g}s to the supervisor that took the run over "
+                       f"({err.error if err is not None and err.error else 'not connected'})")
+                self.tell(f"{name} lost: {why}")  # the loss a running node's silence ends in (reconnect)
+                self.ended(NodeResult(name, None, error=why, kind=ErrorKind.LOST))
                 continue
             try:
                 self.events.put(self.start_tail(name))
             except ClusterctlError as e:
                 self.on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
         while self.active:
-            stream((), on_bytes=self.copier.on_bytes, on_line=self.copier.on_line, on_done=self.on_done,
-                   pending=self.pending, timeout=None, capture=False, stop=self.stop,
-                   fanout=max(1, len(self.nodes)))
+            # one more slot than nodes: the engine asks `pending` each turn, also with every tail running
+            stream((), on_bytes=self.on_bytes, on_line=self.copier.on_line, on_done=self.on_done,
+                   pending=self.pending, timeout=None, capture=False, stop=self.stop, fanout=len(self.nodes) + 1)
             if self.active:  # only reconnecting nodes left: wait for one to come back or be lost
                 try:
                     self.events.put(self.events.get(timeout=1.0))
@@ -292,7 +219,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
               tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
-              progress_s: float = 0.0) -> None:
+              progress_s: float = 0.0, space: Space | None = None) -> set[str]:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
@@ -302,14 +229,18 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     records go (their tails then stream them); `progress`: where each node's progress document
     goes (node, doc), asked every `progress_s` s on those streams (the straggler watch's feed);
     `tell`: where a node's silence, reconnection and loss are told (the run's story, record.py
-    Book.tell; else echoed)."""
+    Book.tell; else echoed); `space`: the control machine's disk (runs/space.py), whose want of room
+    holds the copies back until there is room again. Returns the nodes whose copy ended short of
+    their log (no room when their run ended there: runs/catchup.py completes them later)."""
     if not nodes:
-        return
-    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s)
+        return set()
+    copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s,
+                       space)
     try:
         copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id)
         if tell is not None:
             copy.tell = tell
         copy.copy()
+        return copy.short
     finally:
         copier.close()
