@@ -60,6 +60,10 @@ class TrainSection(_Model):
     straggler_factor: float = Field(default=1.3, ge=0, le=100)
     straggler_window: int = Field(default=50, ge=3, le=100000)
     on_straggler: Literal["warn", "replace"] = "warn"  # replace: restart without its node, onto a spare
+    # a node with this many faults attributed to it (lost, killed, hung, straggled, failed health:
+    # runs/nodefaults.py) within quarantine_window seconds is quarantined on its own; 0: never
+    quarantine_after: int = Field(default=3, ge=0, le=1000)
+    quarantine_window: float = Field(default=86400.0, gt=0, le=365 * 86400)
     # appended to the job's arguments when a launch starts from a restored checkpoint (a restart,
     # or --resume-from), e.g. nanoGPT's ["--init_from=resume"]: the script resumes unedited
     resume_args: list[str] = Field(default_factory=list)

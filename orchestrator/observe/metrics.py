@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from orchestrator.observe.runview import Home, RunFacts
+from orchestrator.runs import nodefaults, quarantine
 from orchestrator.runs.spec import NodeState, RunState
 
 RUN, NODE, RANK = ("run_id",), ("run_id", "node"), ("run_id", "node", "rank")
@@ -84,6 +85,10 @@ FAMILIES = {f.name: f for f in (
            ("run_id", "cause")),
     Family("clusterctl_run_eta_seconds", "gauge", "Seconds to the job's last step at its current pace; absent when "
                                                   "the run has ended or its last step is not known."),
+    Family("clusterctl_node_faults", "counter", "Faults attributed to this node across runs (runs/nodefaults.py), by "
+                                                "kind: lost, killed, hung, straggled, health.", ("node", "host", "kind")),
+    Family("clusterctl_node_quarantined", "gauge", "1: no launch or restart from this machine uses the node "
+                                                   "(`clusterctl health --release` lets it back).", ("node", "host")),
     Family("clusterctl_exporter_runs", "gauge", "Run records the exporter reads.", ()),
     Family("clusterctl_exporter_read_bytes", "counter", "Bytes of run records and rank logs the exporter has read.", ()),
 )}
@@ -163,8 +168,22 @@ def _goodput(f: RunFacts, now: float) -> Iterator[Sample]:
 SOURCES: tuple[Callable[[RunFacts, float], Iterable[Sample]], ...] = (_run, _nodes, _ranks, _goodput)
 
 
-def families(facts: list[RunFacts], now: float, read_bytes: int = 0) -> list[Metric]:
-    """Every family, its samples from every run's facts (families with no sample are left out)."""
+def node_samples(root: Path) -> Iterator[Sample]:
+    """Each node's record across runs, from the control home `root`: its attributed faults by kind
+    and whether it is quarantined now (not a run's figure: no run_id)."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for f in nodefaults.load(root):
+        if f.kind != nodefaults.RELEASED:
+            counts[(f.node, f.host, f.kind)] = counts.get((f.node, f.host, f.kind), 0) + 1
+    for labels, n in sorted(counts.items()):
+        yield "clusterctl_node_faults", labels, n
+    for e in quarantine.load(root).values():
+        yield "clusterctl_node_quarantined", (e.node, e.host), 1
+
+
+def families(facts: list[RunFacts], now: float, read_bytes: int = 0, nodes: Iterable[Sample] = ()) -> list[Metric]:
+    """Every family, its samples from every run's facts and the nodes' record (families with no
+    sample are left out)."""
     made: dict[str, Metric] = {}
 
     def family(name: str) -> Metric:
@@ -178,6 +197,8 @@ def families(facts: list[RunFacts], now: float, read_bytes: int = 0) -> list[Met
         for source in SOURCES:
             for name, labels, value in source(f, now):
                 family(name).add_metric(list(labels), float(value))
+    for name, labels, value in nodes:
+        family(name).add_metric(list(labels), float(value))
     family("clusterctl_exporter_runs").add_metric([], float(len(facts)))
     family("clusterctl_exporter_read_bytes").add_metric([], float(read_bytes))
     return [made[n] for n in FAMILIES if n in made]
@@ -188,12 +209,13 @@ class RunsCollector(Collector):
 
     def __init__(self, runs_dir: Path, clock: Callable[[], float] = time.time):
         self.home = Home(runs_dir)
+        self.runs_dir = runs_dir
         self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
         facts = self.home.look(now)
-        yield from families(facts, now, self.home.bytes_read)
+        yield from families(facts, now, self.home.bytes_read, node_samples(self.runs_dir.parent))
 
 
 def registry(runs_dir: Path) -> CollectorRegistry:

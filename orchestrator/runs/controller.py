@@ -1,22 +1,21 @@
 """The run loop: queued → claimed → attempt k → classify → restore → attempt k+1 → ended.
 
 One loop, whoever runs it. `train` starts a supervisor that enters it at the top; a replacement
-supervisor (`tail`, `status` and `stop` start one with --adopt when the recorded one is gone)
-loads the record (runs/record.py) and re-enters it at the recorded attempt, so restarts,
-checkpoint copies and replicas go on after any supervisor dies. An attempt
-(runs/attempt.py) returns its result; the loop classifies it (runs/restart.py `classify`), and
-for the infrastructure's failure prepares the next attempt's nodes (spares brought to the run's
-code, runs/spares.py), restores the newest checkpoint and launches again. A relaunch whose
-preflight fails on a node, or whose spare cannot be prepared, leaves that node out and tries the
-next spare (or --min-nodes); that costs no restart, as nothing was launched.
+supervisor (`tail`, `status` and `stop` start one with --adopt when the recorded one is gone) loads
+the record (runs/record.py) and re-enters it at the recorded attempt, so restarts, checkpoint copies
+and replicas go on after any supervisor dies. An attempt (runs/attempt.py) returns its result; the
+loop classifies it (runs/restart.py `classify`), records a fault against the nodes it names
+(runs/nodefaults.py), and for the infrastructure's failure prepares the next attempt's nodes (spares
+brought to the run's code, runs/spares.py), restores the newest checkpoint and launches again. A
+relaunch whose preflight fails on a node, or whose spare cannot be prepared, leaves that node out
+and tries the next spare (or --min-nodes); that costs no restart, as nothing was launched.
 
 The launch is part of the recovery: a node unreachable when the run starts, or lost during any
 attempt's launch (at its claim, its preparation, preflight or torchrun's start), is left out the
 same way. A restart is spent only by an attempt that launched on every node (--max-restarts
 counts those), so an attempt that never launched costs none; each one leaves a node out, so
 they end when the nodes do. A node the run leaves out, or ends on, has its claim released at
-once (runs/claims.py), or once it answers again.
-"""
+once (runs/claims.py), or once it answers again."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import psutil
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs.catchup import ShortCopies
-from orchestrator.runs import quarantine
+from orchestrator.runs import nodefaults, quarantine
 from orchestrator.runs.checkpoints import ArtifactCopier
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.dirreplicas import artifact_copier
@@ -197,6 +196,8 @@ class Controller:
             ended = None
             self.book.attempt_changed(ended=time.time(), exit_code=result.exit_code, verdict=verdict.cause,
                                       detail=verdict.detail, retry=verdict.retry, bad_nodes=list(verdict.bad_nodes))
+            verdict = nodefaults.of_verdict(self.full_inv, self.run.id, k, nodes, verdict, self.book.tell,
+                                            not self.spec.allow_unhealthy, self.spares_left)
             launched = sum(1 for a in self.book.rec.attempts if a.launched)
             if not verdict.retry or launched > self.spec.max_restarts:
                 return self.end(result, verdict)
@@ -270,9 +271,10 @@ class Controller:
         if hang is not None and result.state is RunState.FAILED:
             # a deterministic hang hangs again: retried only when its culprit's node can be left out
             restart = hang_retried(self.spec.on_hang, hang.nodes)
-            return Verdict(restart, "hang", hang.text.removeprefix("hang: "), hang.nodes if restart else ())
+            return Verdict(restart, "hang", hang.text.removeprefix("hang: "), hang.nodes if restart else (), hang.nodes)
         if runner.straggler is not None and result.state is RunState.FAILED:  # --on-straggler replace
-            return Verdict(True, "straggler", runner.straggler[0].removeprefix("straggler: "), runner.straggler[1])
+            return Verdict(True, "straggler", runner.straggler[0].removeprefix("straggler: "), runner.straggler[1],
+                           runner.straggler[1])
         first = result.first_failure.node if result.first_failure else None
         return classify(outcomes(self.run, runner), first, stopped=result.state is RunState.STOPPED,
                         exit_codes=self.spec.restart_on_exit_codes)
@@ -328,7 +330,7 @@ class Controller:
             runner.save()
             detail = f"{', '.join(lost)} lost during the launch"  # each loss was told as it was found
             return RunResult(RunState.FAILED, EXIT_UNREACHABLE, f"{detail}: {e}"), Verdict(True, "node lost", detail,
-                                                                                            tuple(lost))
+                                                                                            tuple(lost), tuple(lost))
         if not isinstance(e, (PreflightFailed, NodesNotReady)):
             raise e
         sick = self.quarantine_sick(e)
@@ -347,6 +349,7 @@ class Controller:
         """Nodes whose preflight failed a health check are quarantined (not with --allow-unhealthy).
         -> {node: why} of those."""
         sick = quarantine.health_failures(e.checks) if isinstance(e, PreflightFailed) else {}
+        nodefaults.health(self.full_inv, self.run.id, self.book.rec.current.attempt, sick)
         if not sick or self.spec.allow_unhealthy:
             return {}
         for entry in quarantine.add([self.full_inv.node(n) for n in sick], sick, self.run.id):

@@ -47,13 +47,13 @@ def key(node: Node) -> str:
     return f"{node.name}@{node.host}"
 
 
-def path() -> Path:
-    return home() / "quarantine.json"
+def path(root: Path | None = None) -> Path:
+    return (root if root is not None else home()) / "quarantine.json"
 
 
-def load() -> dict[str, Entry]:
+def load(root: Path | None = None) -> dict[str, Entry]:
     try:
-        doc = json.loads(path().read_text())
+        doc = json.loads(path(root).read_text())
     except FileNotFoundError:
         return {}
     except ValueError:

@@ -73,6 +73,7 @@ class Verdict:
     cause: str  # finished | stopped | node lost | killed by signal | peer failure | script error
     detail: str
     bad_nodes: tuple[str, ...] = ()  # not to be used again this run
+    culprits: tuple[str, ...] = ()  # the nodes the fault is attributed to (runs/nodefaults.py)
 
 
 # torchrun's own exceptions, raised because a worker failed: never the root cause when a worker's is there
@@ -97,7 +98,7 @@ def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, 
         return Verdict(False, "finished", "every node finished")
     lost = tuple(o.name for o in outcomes if o.state == NodeState.LOST.value)
     if lost:
-        return Verdict(True, "node lost", f"{', '.join(lost)} lost", lost)
+        return Verdict(True, "node lost", f"{', '.join(lost)} lost", lost, lost)
     by_name = {o.name: o for o in outcomes}
     root = by_name.get(first) if first else next((o for o in outcomes if o.exit_code not in (0, None)), None)
     if root is None:
@@ -110,7 +111,7 @@ def classify(outcomes: list[Outcome], first: str | None, stopped: bool = False, 
     if code is not None and (code < 0 or code > 128):
         sig = -code if code < 0 else code - 128
         what = "killed by SIGKILL (the OOM killer, or a kill -9)" if sig == 9 else f"killed by signal {sig}"
-        return Verdict(True, "killed by signal", f"{root.name}: a worker was {what}")
+        return Verdict(True, "killed by signal", f"{root.name}: a worker was {what}", culprits=(root.name,))
     exc = _last_exception(root.log)
     if exc is not None and not COMM_ERROR.search(exc) and not (COMM_ERROR.search(root.log) and
                                                                  "RuntimeError" in exc.split(":")[0]):

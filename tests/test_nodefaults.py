@@ -1,0 +1,147 @@
+"""runs/nodefaults.py: each node's record across runs, what is attributed to a node and what is not,
+and the quarantine it leads to. Three runs losing a node on the test cluster: test_nodefaults_cluster.py."""
+
+import json
+import multiprocessing
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from orchestrator.inventory import parse_inventory
+from orchestrator.observe.metrics import RunsCollector
+from orchestrator.runs import nodefaults, quarantine
+from orchestrator.runs.restart import Outcome, Verdict, classify
+
+pytestmark = pytest.mark.usefixtures("home")
+
+TEXT = ("nodes:\n  - {name: n1, host: 10.0.0.1}\n  - {name: n2, host: 10.0.0.2}\n"
+        "  - {name: n3, host: 10.0.0.3, spare: true}\n")
+INV = parse_inventory(TEXT)
+
+
+def told():
+    out = []
+    return out, out.append
+
+
+def lost(k, run="run-a"):
+    return Verdict(True, "node lost", "n2 lost", ("n2",), ("n2",))
+
+
+def test_three_attributed_faults_within_the_window_quarantine_the_node_and_say_why():
+    said, tell = told()
+    for i, run in enumerate(("run-a", "run-b")):
+        assert nodefaults.attribute(INV, run, 1, "lost", {"n2": "n2 lost"}, tell) == []
+    assert quarantine.of(INV.nodes) == {} and said == []
+    assert nodefaults.attribute(INV, "run-c", 2, "killed", {"n2": "a worker was killed by signal 9"}, tell) == ["n2"]
+    held = quarantine.of(INV.nodes)
+    assert list(held) == ["n2"] and held["n2"].run == "run-c"
+    assert held["n2"].reason == "3 faults within 24 h: lost (run-a), lost (run-b), killed (run-c)"
+    assert len(said) == 1 and said[0].startswith("n2 quarantined: 3 faults within 24 h") and \
+        "clusterctl health --release n2" in said[0]
+    # n1 was never named: nothing against it
+    assert nodefaults.of(INV.node("n1"), nodefaults.load()) == []
+
+
+def test_a_fault_is_recorded_once_per_run_attempt_node_and_kind():
+    f = nodefaults.Fault("n2", "10.0.0.2", "lost", "run-a", 1, time.time())
+    assert nodefaults.record([f, f]) == [f]
+    assert nodefaults.record([f]) == []  # an adopted run recording its verdict again
+    assert len(nodefaults.load()) == 1
+    g = nodefaults.Fault("n2", "10.0.0.2", "lost", "run-a", 2, time.time())
+    assert nodefaults.record([g]) == [g]
+
+
+def test_faults_outside_the_window_or_before_a_release_or_of_another_host_do_not_count():
+    now = time.time()
+    old = nodefaults.Fault("n2", "10.0.0.2", "lost", "run-old", 1, now - 2 * 86400)
+    other = nodefaults.Fault("n2", "10.9.9.9", "lost", "run-x", 1, now)
+    mine = nodefaults.Fault("n2", "10.0.0.2", "hung", "run-y", 1, now - 10)
+    nodefaults.record([old, other, mine])
+    n2 = INV.node("n2")
+    assert nodefaults.counted(n2, nodefaults.load(), 86400, now) == [mine]
+    assert nodefaults.counted(n2, nodefaults.load(), 3 * 86400, now) == [old, mine]
+    quarantine.add([n2], {"n2": "why"}, "run-y")
+    nodefaults.released(quarantine.release([n2]))
+    later = nodefaults.Fault("n2", "10.0.0.2", "lost", "run-z", 1, time.time() + 1)
+    nodefaults.record([later])
+    assert nodefaults.counted(n2, nodefaults.load(), 3 * 86400, time.time() + 2) == [later]
+
+
+def test_quarantine_after_zero_never_quarantines_and_the_window_is_the_inventorys():
+    never = parse_inventory(TEXT + "train: {quarantine_after: 0}\n")
+    for run in ("a", "b", "c", "d"):
+        assert nodefaults.attribute(never, run, 1, "lost", {"n2": ""}, print) == []
+    assert len(nodefaults.load()) == 4 and quarantine.of(never.nodes) == {}
+    short = parse_inventory(TEXT + "train: {quarantine_after: 2, quarantine_window: 3600}\n")
+    said, tell = told()
+    assert nodefaults.attribute(short, "e", 1, "hung", {"n1": ""}, tell) == []
+    assert nodefaults.attribute(short, "f", 1, "straggled", {"n1": ""}, tell) == ["n1"]
+    assert "2 faults within 1 h: hung (e), straggled (f)" in said[0] and "quarantine_after 2" in said[0]
+    assert nodefaults.attribute(short, "g", 1, "lost", {"n2": ""}, tell, quarantine_on=False) == []  # --allow-unhealthy
+
+
+def test_only_a_fault_of_the_nodes_is_attributed_never_the_scripts():
+    root = Outcome("n1", "failed", 1, "Traceback\nValueError: bad batch\n")
+    script = classify([root, Outcome("n2", "failed", 1, "")], "n1")
+    assert script.cause == "script error" and script.culprits == ()
+    peer = classify([Outcome("n1", "failed", 1, "RuntimeError: Connection reset by peer\n"),
+                     Outcome("n2", "failed", 1, "")], "n1")
+    assert peer.cause == "peer failure" and peer.culprits == ()
+    listed = classify([Outcome("n1", "failed", 3, "")], "n1", exit_codes=(3,))
+    assert listed.cause == "exit code" and listed.culprits == ()
+    killed = classify([Outcome("n1", "failed", -9, "")], "n1")
+    assert killed.cause == "killed by signal" and killed.culprits == ("n1",)
+    gone = classify([Outcome("n1", "failed", 1, ""), Outcome("n2", "lost", None, "")], "n2")
+    assert gone.culprits == ("n2",) and gone.bad_nodes == ("n2",)
+    for v in (script, peer, listed):
+        assert nodefaults.of_verdict(INV, "run-s", 1, ["n1", "n2"], v, print, True, lambda: ["n3"]) is v
+    assert nodefaults.load() == []
+
+
+def test_a_node_quarantined_by_this_attempt_is_left_out_of_the_next_when_a_spare_can_take_its_place():
+    for run in ("a", "b"):
+        nodefaults.attribute(INV, run, 1, "killed", {"n1": ""}, print)
+    v = Verdict(True, "killed by signal", "n1: a worker was killed by signal 9", culprits=("n1",))
+    said, tell = told()
+    got = nodefaults.of_verdict(INV, "run-c", 1, ["n1", "n2"], v, tell, True, lambda: ["n3"])
+    assert got.bad_nodes == ("n1",) and got.retry
+    # with no spare the run keeps it this time, and says so
+    nodefaults.released(quarantine.release([INV.node("n1")]))
+    for run in ("d", "e"):
+        nodefaults.attribute(INV, run, 1, "killed", {"n1": ""}, print)
+    said, tell = told()
+    got = nodefaults.of_verdict(INV, "run-f", 1, ["n1", "n2"], v, tell, True, lambda: [])
+    assert got.bad_nodes == () and any("n1 stays in this run's next attempt" in s for s in said), said
+
+
+def test_a_damaged_line_is_skipped():
+    nodefaults.record([nodefaults.Fault("n2", "10.0.0.2", "lost", "run-a", 1, time.time())])
+    with open(nodefaults.path(), "a") as f:
+        f.write("{not json\n" + json.dumps({"node": "n2"}) + "\n")
+    assert [f.run for f in nodefaults.load()] == ["run-a"]
+
+
+def _append(i):
+    nodefaults.record([nodefaults.Fault("n2", "10.0.0.2", "lost", f"run-{i}", 1, time.time())])
+
+
+def test_runs_ending_at_once_lose_no_line():
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        pool.map(_append, range(40))
+    assert sorted(f.run for f in nodefaults.load()) == sorted(f"run-{i}" for i in range(40))
+
+
+def test_the_exporter_serves_each_nodes_faults_and_quarantine(home):
+    (home / "runs").mkdir(parents=True, exist_ok=True)
+    for run in ("a", "b", "c"):
+        nodefaults.attribute(INV, run, 1, "lost", {"n2": ""}, print)
+    nodefaults.attribute(INV, "d", 1, "hung", {"n1": ""}, print)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(RunsCollector(home / "runs"))
+    text = generate_latest(reg).decode()
+    assert 'clusterctl_node_faults_total{host="10.0.0.2",kind="lost",node="n2"} 3.0' in text, text
+    assert 'clusterctl_node_faults_total{host="10.0.0.1",kind="hung",node="n1"} 1.0' in text
+    assert 'clusterctl_node_quarantined{host="10.0.0.2",node="n2"} 1.0' in text
+    assert "clusterctl_node_quarantined{" + 'host="10.0.0.1"' not in text
