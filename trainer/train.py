@@ -63,7 +63,7 @@ class Trainer:
 
     def loss(self, x, y):
         with self.autocast:
-            logits = self.model(input_ids=x).logits
+            logits = self.model(input_ids=x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
     def _sync_gradients(self, on: bool) -> None:
@@ -145,7 +145,7 @@ def sample(trainer: Trainer, tok, cfg: TrainConfig, prompt: str = "\n") -> str:
     ids = torch.tensor([tok.encode(prompt) or [tok.eot]], dtype=torch.long)
     for _ in range(cfg.sample_tokens):
         with trainer.autocast:
-            logits = trainer.model(input_ids=ids[:, -cfg.block_size:].to(trainer.device)).logits[0, -1].float().cpu()
+            logits = trainer.model(input_ids=ids[:, -cfg.block_size:].to(trainer.device))[0, -1].float().cpu()
         logits[tok.vocab_size:] = -float("inf")  # never sample a padding id
         v, i = torch.topk(logits, min(40, tok.vocab_size))
         nxt = i[torch.multinomial(F.softmax(v, -1), 1, generator=g)]
