@@ -22,7 +22,7 @@ import torch
 from orchestrator.probe import common
 from trainer import checkpoint
 from trainer.config import CheckpointError, parse_args
-from trainer.saver import Saver
+from trainer.saver import HostCopy, Saver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
@@ -85,6 +85,21 @@ def test_the_snapshot_is_the_state_at_save_time(tmp_path, monkeypatch):
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], want_avg)
     assert state["step"] == 5
     saver.close()
+
+
+def test_the_host_copy_keeps_shared_tensors_shared_and_reuses_its_buffers():
+    w = torch.arange(6.0).view(2, 3)
+    state = {"wte": w, "lm_head": w, "opt": [{"exp_avg": torch.ones(3), "lr": 0.1, "betas": (0.9, 0.95)}], "step": 5}
+    copy = HostCopy()
+    first = copy.take(state)
+    assert first["wte"] is first["lm_head"] and first["wte"] is not w and torch.equal(first["wte"], w)
+    assert first["opt"][0]["betas"] == (0.9, 0.95) and first["step"] == 5 and first["opt"] is not state["opt"]
+    w.add_(1)
+    assert not torch.equal(first["wte"], w)  # a copy, not a view of the live tensor
+    second = copy.take(state)
+    assert second["wte"] is first["wte"] and torch.equal(second["wte"], w)  # the same buffer, refilled
+    state["opt"][0]["exp_avg"] = torch.ones(4)
+    assert copy.take(state)["opt"][0]["exp_avg"].shape == (4,)  # a new shape gets a new buffer
 
 
 def test_one_write_in_flight_a_save_waits_for_the_previous(tmp_path, monkeypatch):

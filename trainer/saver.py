@@ -8,8 +8,8 @@ write still in flight, or cut by SIGKILL, leaves nothing that looks complete (to
 or to clusterctl, which takes a file once its .sha256 sits beside it and a directory once it is
 renamed with its manifest in it).
 
-- At most one write is in flight: a save first waits for the one before it (whose host-memory
-  buffers it then reuses: DCP's stager keeps them, keyed by the tensors they copy).
+- At most one write is in flight: a save first waits for the one before it, whose host-memory
+  buffers it then reuses (pinned on GPUs, so the copy from the device is fast and queued).
 - A final save (SIGTERM, end of training) or --sync-ckpt is written before save() returns,
   from the live tensors; it waits for the write in flight first.
 - A write that fails raises CheckpointError on the training thread: at the next step (`failed`,
@@ -39,24 +39,68 @@ class Saved:
     total_s: float
 
 
+class HostCopy:
+    """A copy of a checkpoint's state in host memory, into buffers kept from one save to the next
+    (the write of the previous copy has finished by then). Tensors shared within the state stay
+    shared in the copy (the tied embedding is written once). DCP's DefaultStager does this too,
+    and is what FSDP's sharded tensors go through; for plain tensors it costs ~75 us a tensor
+    in Python bookkeeping here against ~5 (7 ms against 0.5 for the nano preset's state)."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+        self._next = 0
+        self._from_device = False
+
+    def take(self, state):
+        self._next, self._from_device = 0, False
+        out = self._copy(state, {})
+        if self._from_device:  # the copies were queued without blocking: the snapshot is whole only now
+            torch.cuda.synchronize()
+        return out
+
+    def _copy(self, obj, memo: dict):
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                buf = self._buffer(obj)
+                on_device = obj.device.type != "cpu"
+                buf.copy_(obj.detach(), non_blocking=on_device and buf.is_pinned())
+                self._from_device |= on_device
+                memo[id(obj)] = buf
+            return memo[id(obj)]
+        if isinstance(obj, dict):
+            return {k: self._copy(v, memo) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, memo) for v in obj)
+        return obj  # numbers, strings, None: nothing training changes in place
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        i, self._next = self._next, self._next + 1
+        if i < len(self.buffers) and self.buffers[i].shape == t.shape and self.buffers[i].dtype == t.dtype:
+            return self.buffers[i]
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")  # pinned: fast, async copies
+        self.buffers[i:i + 1] = [buf]
+        return buf
+
+
 class Saver:
     def __init__(self, out_dir: str, *, rank: int, fsdp: bool, keep: int, blocking: bool = False):
         self.out_dir, self.rank, self.fsdp, self.keep, self.blocking = out_dir, rank, fsdp, keep, blocking
         self._pending: Future | None = None
         self._pending_info: tuple[str, int, float, float] | None = None  # path, step, stall, start
         self._pool: ThreadPoolExecutor | None = None
-        self._stager = None
+        self._stager = None  # FSDP: DCP's, for sharded tensors
+        self._copy = HostCopy()
         self._group = None
         self.saved: list[Saved] = []  # every finished save, oldest first
         if not blocking:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        if fsdp and not blocking:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             cuda = torch.cuda.is_available()
             # pinned buffers make the device-to-host copy fast and let it run without blocking
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=cuda))
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-            if fsdp:  # a collective: every rank builds its Saver at the same point
-                self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank builds its Saver here
 
     def save(self, step: int, model, optimizer, scaler, config: dict, *, final: bool = False) -> str:
         """Collective (RNG states are gathered; FSDP shards are planned together). Waits for the
@@ -82,7 +126,7 @@ class Saver:
         path = checkpoint.file_path(self.out_dir, step)
         if self.rank != 0:
             return path, None
-        state = self._stager.stage({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra})
+        state = self._copy.take({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra})
         return path, lambda: checkpoint.write_file(self.out_dir, path, state, self.keep)
 
     def _fsdp_job(self, step, model, optimizer, extra):
