@@ -278,3 +278,13 @@ def test_resume_from_restores_another_runs_snapshot_and_a_damaged_one_changes_no
             r.restore(dirs, ["n0", "n1"], relaunch=False)
     assert (w0 / "ckpt.pt").read_bytes() == b"untouched"
     assert any("skipping checkpoint snap-000001" in s for s in said), said
+
+
+def test_the_step_of_a_checkpoints_names_in_every_common_form():
+    from orchestrator.runs.ckptdir import step_of_names
+
+    assert step_of_names(["epoch=0-step=20.ckpt", "epoch=1-step=40.ckpt", "last.ckpt"]) == 40  # Lightning
+    assert step_of_names(["checkpoint-500/trainer_state.json"]) == 500  # HF Trainer
+    assert step_of_names(["global_step300/mp_rank_00_model_states.pt", "latest"]) == 300  # DeepSpeed
+    assert step_of_names(["step_000160/.metadata"]) == 160  # DCP
+    assert step_of_names(["ckpt.pt"]) is None

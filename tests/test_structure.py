@@ -109,7 +109,9 @@ PACKAGE = "orchestrator"
 # under orchestrator/ (a module or a package; "__init__" is orchestrator/__init__.py).
 LAYERS: list[dict[str, str]] = [
     {"cli": "the commands: flags, printing, exit codes; nothing in the package imports them"},
-    {"runs": "the run controller: preflight, launch, watch, restart, checkpoints, using all below"},
+    {"runs": "the run controller: preflight, launch, watch, restart, checkpoints, using all below",
+     "observe": "a run seen from outside: metrics, events, trackers and the report, read from the run "
+                "records; beside runs, since the supervisor hands its events and tracker environment to it"},
     {"platforms": "launch --from-env and the SLURM/k8s renders: local checks + the torchrun contract",
      "sync": "sync's control side: which files, and the relay chain that carries them",
      "pyenv": "setup: resolve a Python environment here, ship and install it with transfer",

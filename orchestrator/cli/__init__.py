@@ -48,6 +48,8 @@ LAZY_COMMANDS = {
     "fetch": "orchestrator.cli.fetch:fetch_command",
     "cp": "orchestrator.cli.cp:cp_command",
     "health": "orchestrator.cli.health:health_command",
+    "metrics": "orchestrator.cli.metrics:metrics_group",
+    "report": "orchestrator.cli.report:report_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.

@@ -33,7 +33,9 @@ from orchestrator.runs.ckptdir import DirStore
 from orchestrator.runs.curves import carry_over
 from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.straggler import ON_STRAGGLER
-from orchestrator.runs.notify import save_notify
+from orchestrator.cli.events_options import event_options, save_events
+from orchestrator.runs.setaside import FORM as SET_ASIDE
+from orchestrator.runs.setaside import RECORD, Found
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
 from orchestrator.runs.supervisor import spawn
@@ -90,19 +92,25 @@ def _check_script(script: tuple[str, ...]) -> None:
         raise click.UsageError("-m needs a module: clusterctl train -- -m package.module ARGS")
 
 
-def _checkpointed_run(run_id: str, checkpoint_dir: str | None) -> str:
-    """--resume-from: the full id of a run with a complete checkpoint on this machine (else exit 2):
+def _checkpointed_run(run: Run, checkpoint_dir: str | None) -> str:
+    """--resume-from RUN: its id when it has a complete checkpoint on this machine (else exit 2):
     a snapshot of its checkpoint directory with --checkpoint-dir, else the trainer's ckpt_N.pt."""
-    run = Run.find(run_id)  # no such run: UsageError
     store = run.dir / "checkpoints"
     checkpoints = DirStore(run.dir) if checkpoint_dir else CheckpointStore(run.dir)
     if checkpoint_dir and checkpoints.newest() is None and NodeSnaps(run.dir).newest() is not None:
         return run.id  # kept on the nodes (train.checkpoint_replica): checked there, before the launch
     if not store.is_dir() or checkpoints.newest() is None:
-        what = ("no snapshot of a checkpoint directory (--checkpoint-dir)" if checkpoint_dir else
-                "no complete checkpoint (a run's checkpoints are copied there while it trains, from "
-                "CLUSTERCTL_CHECKPOINT_DIR, or with --checkpoint-dir from the job's own directory)")
-        raise click.UsageError(f"run {run.id} has {what} in {store} to resume from")
+        if not checkpoint_dir:
+            raise click.UsageError(f"run {run.id} has no complete checkpoint (a run's checkpoints are copied there "
+                                   "while it trains, from CLUSTERCTL_CHECKPOINT_DIR, or with --checkpoint-dir from "
+                                   f"the job's own directory) in {store} to resume from")
+        found = Found(run.dir).about()
+        raise click.UsageError(
+            f"run {run.id} has no snapshot of its checkpoint directory {checkpoint_dir} in {store} to resume "
+            "from: it ended before a checkpoint it wrote there was complete on every node, or it wrote none. "
+            + (f"What {checkpoint_dir} held when it started was set aside ({found}): `clusterctl train "
+               f"--resume-from {run.id}:{SET_ASIDE}` starts a run from that. " if found else "")
+            + "Nothing was started.")
     # a skipped copy is told with the attempt's start (cli/runs.py announce) and kept in its record
     intact, skipped = checkpoints.newest_intact(lambda line: None)
     if intact is None:
@@ -110,6 +118,48 @@ def _checkpointed_run(run_id: str, checkpoint_dir: str | None) -> str:
                                f"{'is' if len(skipped) == 1 else 'are all'} damaged (the bytes no longer match "
                                "their checksums). Nothing was started and nothing changed on the nodes.")
     return run.id
+
+
+def _set_aside_run(run: Run, checkpoint_dir: str | None) -> str:
+    """--resume-from RUN:set-aside: RUN's id when it set aside what its checkpoint directory held (else exit 2)."""
+    if not checkpoint_dir:
+        raise click.UsageError(f"--resume-from {run.id}:{SET_ASIDE} puts files into the job's checkpoint "
+                               f"directory: run {run.id} had none; give one with --checkpoint-dir DIR")
+    if Found(run.dir).doc() is None:
+        raise click.UsageError(f"run {run.id} set nothing aside: its checkpoint directory was empty on every node "
+                               f"when it started, or it ran without --checkpoint-dir ({run.dir / RECORD} is "
+                               "missing). Nothing was started.")
+    return run.id
+
+
+def _origin(flag: str | None) -> tuple[Run | None, bool]:
+    """--resume-from RUN or RUN:set-aside -> (the run, whether its set-aside files are meant)."""
+    if flag is None:
+        return None, False
+    run_id, colon, form = flag.rpartition(":") if ":" in flag else (flag, "", "")
+    if colon and form != SET_ASIDE:
+        raise click.UsageError(f"--resume-from {flag!r}: give a run (its id or a unique prefix), or RUN:{SET_ASIDE} "
+                               "for what RUN found in its checkpoint directory and set aside")
+    return Run.find(run_id), bool(colon)  # no such run: UsageError
+
+
+def _as_recorded(origin: Run, script: tuple[str, ...], checkpoint_dir: str | None, resume_args: str | None,
+                 inv_dir: str | None) -> tuple[tuple[str, ...], str | None, str | None, list[str]]:
+    """--resume-from RUN resumes what RUN ran: its script and arguments, --checkpoint-dir and
+    --resume-args, each unless given again (the inventory's train: section is what runs when RUN
+    ran it). -> (script, checkpoint_dir, resume_args, what was taken, in words)."""
+    spec, taken = origin.spec, []
+    if not script and spec.args:
+        script = tuple(spec.args)
+        taken.append(f"the script and its arguments ({shlex.join(script)})")
+    if checkpoint_dir is None:  # its own, or none (a trainer's run) whatever the inventory says now
+        checkpoint_dir = spec.checkpoint_dir
+        if checkpoint_dir or inv_dir:
+            taken.append(f"--checkpoint-dir {checkpoint_dir}" if checkpoint_dir else "no --checkpoint-dir")
+    if resume_args is None and spec.resume_args:
+        resume_args = shlex.join(spec.resume_args)
+        taken.append(f"--resume-args {shlex.quote(resume_args)}")
+    return script, checkpoint_dir, resume_args, taken
 
 
 def _checkpoint_dir(inv, flag: str | None) -> str | None:
@@ -121,14 +171,26 @@ def _checkpoint_dir(inv, flag: str | None) -> str | None:
     return found
 
 
-def _checkpoints(inv, resume_from: str | None, resume_args: str | None, checkpoint_dir: str | None) -> dict:
-    """RunSpec's checkpoint settings, flags over the inventory's: checkpoint_dir, resume_from (a
-    run with a complete checkpoint, checked) and resume_args (split as a shell would)."""
-    checkpoint_dir = _checkpoint_dir(inv, checkpoint_dir)
-    return {"checkpoint_dir": checkpoint_dir,
-            "resume_from": None if resume_from is None else _checkpointed_run(resume_from, checkpoint_dir),
+def _checkpoints(inv, resume_from: str | None, resume_args: str | None, checkpoint_dir: str | None,
+                 script: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
+    """RunSpec's checkpoint settings, flags over --resume-from's record over the inventory's:
+    checkpoint_dir, resume_from (a run with a complete checkpoint, or what it set aside, checked),
+    resume_set_aside and resume_args (split as a shell would); and the script to run."""
+    origin, from_set_aside = _origin(resume_from)
+    checked, taken = None, []
+    if origin is not None:
+        script, flag, resume_args, taken = _as_recorded(origin, script, checkpoint_dir, resume_args,
+                                                        inv.train.checkpoint_dir)
+        checkpoint_dir = _checkpoint_dir(inv, flag) if flag is not None else None
+        checked = (_set_aside_run if from_set_aside else _checkpointed_run)(origin, checkpoint_dir)
+    else:
+        checkpoint_dir = _checkpoint_dir(inv, checkpoint_dir)
+    if taken:
+        _err(f"clusterctl: resuming run {origin.id} as it ran: {', '.join(taken)}, from its record "
+             "(give one again to change it)")
+    return {"checkpoint_dir": checkpoint_dir, "resume_from": checked, "resume_set_aside": from_set_aside,
             "resume_args": tuple(inv.train.resume_args if resume_args is None else
-                                 _split_args(resume_args, "--resume-args"))}
+                                 _split_args(resume_args, "--resume-args"))}, script
 
 
 def _split_args(text: str, flag: str) -> list[str]:
@@ -157,6 +219,7 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Shell command run on this machine when the run ends, with CLUSTERCTL_RUN_ID, "
                    "CLUSTERCTL_STATUS, CLUSTERCTL_EXIT_CODE and CLUSTERCTL_FAILURE set (default: the "
                    "inventory's train.notify).")
+@event_options
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per log line, then one for the run (orchestrator/schemas/train.json).")
 @click.option("--max-restarts", type=click.IntRange(0, 100), default=None,
@@ -178,7 +241,9 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "stopped].")
 @click.option("--resume-from", metavar="RUN", default=None,
               help="Start from the newest checkpoint copied home from run RUN (id or unique prefix): it is "
-                   "put on the nodes before launch, where the script's `--resume auto` finds it.")
+                   "put on the nodes before launch. RUN's script and arguments, --checkpoint-dir and "
+                   "--resume-args are used unless given again. RUN:set-aside starts from what RUN found in "
+                   "its checkpoint directory when it started, and set aside.")
 @click.option("--resume-args", metavar="'ARGS'", default=None,
               help="Arguments added to the job's own when it starts from a restored checkpoint (a restart, "
                    "or --resume-from), split as a shell would, e.g. --resume-args '--init_from=resume' for "
@@ -186,7 +251,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--checkpoint-dir", metavar="DIR", default=None,
               help="The job's own checkpoint directory, relative to the workdir unless absolute (nanoGPT's "
                    "out, a Trainer's output_dir): whatever the job writes there, any names, is copied to this "
-                   "machine once complete on every node and put back on every node before a restart "
+                   "machine once complete on every node and put back on every node before a restart. What it "
+                   "holds when the run starts is set aside, never taken as the run's "
                    "[default: the inventory's train.checkpoint_dir].")
 @click.option("--allow-unhealthy", is_flag=True,
               help="Use quarantined nodes for this run (`clusterctl health` lists them), and quarantine none "
@@ -216,7 +282,7 @@ def _split_args(text: str, flag: str) -> list[str]:
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor,
-                  straggler_window, no_fold, script):
+                  straggler_window, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -228,21 +294,21 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         raise click.UsageError("--queue waits for busy nodes and --force shares them: use one of the two")
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
     path = os.path.abspath(opts.inventory_path) if opts.inventory_path else None
+    checkpoints, script = _checkpoints(inv, resume_from, resume_args, checkpoint_dir, script)
     run = Run.create(new_run_id(name), RunSpec(
         inventory=path, inventory_text=decode_inventory(read_inventory_bytes(path), path) if path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
         nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
-        allow_unhealthy=allow_unhealthy,
-        accept_new_host_keys=opts.accept_new_host_keys, connect_timeout=opts.connect_timeout, cwd=os.getcwd(),
-        max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts, min_nodes=min_nodes,
+        allow_unhealthy=allow_unhealthy, accept_new_host_keys=opts.accept_new_host_keys, cwd=os.getcwd(),
+        connect_timeout=opts.connect_timeout, min_nodes=min_nodes,
+        max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts,
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
-        queue=queue, queue_timeout=queue_timeout, **_checkpoints(inv, resume_from, resume_args, checkpoint_dir),
+        queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
         **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
                   straggler_factor=straggler_factor, straggler_window=straggler_window)))
-    save_notify(run, notify)
-    if run.spec.resume_from:  # the resumed run's curves go on in this one's (runs/curves.py)
-        carry_over(Run.find(run.spec.resume_from).dir, run.dir)
+    save_events(run, notify, events)
+    _carry_curves(run)
     sup = start_supervisor(run)
     spares = sum(1 for n in inv.nodes if n.spare)
     _err(f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"
@@ -273,6 +339,13 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     if as_json:
         emit(run_doc(run.record), compact=True)
     sys.exit(code)
+
+
+def _carry_curves(run: Run) -> None:
+    """--resume-from RUN: RUN's curves go on in this run's (runs/curves.py); not for what RUN set
+    aside, which is no part of its history."""
+    if run.spec.resume_from and not run.spec.resume_set_aside:
+        carry_over(Run.find(run.spec.resume_from).dir, run.dir)
 
 
 def _exit_codes(flag: str | None, inventory: list[int]) -> tuple[int, ...]:

@@ -33,6 +33,13 @@ class TrainSection(_Model):
     nproc_per_node: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     output_dir: str | None = None
     notify: str | None = None  # a shell command run on this machine when a run ends (runs/notify.py)
+    # a run's events (observe/events.py): the ones `notify` runs for (comma list, default the end),
+    # a URL every event is POSTed to, signed with webhook_secret (HMAC-SHA256), and how often a live
+    # run sends a heartbeat (seconds; 0: never)
+    notify_on: str | None = None
+    webhook: str | None = None
+    webhook_secret: str | None = None
+    heartbeat: float | None = Field(default=None, ge=0, le=86400)
     max_restarts: int = Field(default=0, ge=0, le=100)  # relaunches after an infrastructure failure
     # a worker's exit codes that are retried too (the script's own: a preemption, a known flaky step),
     # like SkyPilot's recover_on_exit_codes; which failures are retried: runs/policy.py RETRY_RULES

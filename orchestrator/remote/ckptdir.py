@@ -23,6 +23,12 @@ the script is needed. Regular files are carried; links, empty directories and sp
                             the checkpoint never had) is moved into ASIDE, kept, out of the job's
                             way. Prints {"files": [[rel, size, mtime_ns]] (as written),
                             "aside": [NAME, ...]}
+  setaside PATH ASIDE       every entry of PATH moved into ASIDE (a name ASIDE has already gets a
+                            .N suffix): a run's checkpoints start from an empty DIR. Prints
+                            {"path": ABS ASIDE, "aside": [NAME, ...] (moved now), "files": [[rel,
+                            size, mtime_ns]] (all of ASIDE's, rel to it)}
+  digest PATH               stdin after the program: JSON [[rel, size, mtime_ns]]. Prints {"files":
+                            {rel: sha256}, "why": ""}, or "why" a file is missing or has changed
 
 With train.copy_checkpoints false and train.checkpoint_replica true the snapshots stay on the nodes
 (runs/dirreplicas.py): each node freezes its part of a snapshot beside its run's artifacts, a
@@ -184,6 +190,42 @@ def restore(path, aside):
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def _aside(root, name, aside):
+    """root/name moved into aside, under a name free there. -> that name."""
+    own_dir(aside)
+    dst, k = os.path.join(aside, name), 1
+    while os.path.lexists(dst):
+        dst, k = os.path.join(aside, "%s.%d" % (name, k)), k + 1
+    shutil.move(os.path.join(root, name), dst)  # a rename, or a copy where aside is on another filesystem
+    return os.path.basename(dst)
+
+
+def _listing(root):
+    """[[rel, size, mtime_ns]] of every regular file under root."""
+    files = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        files += (_entry(root, name, 0, 0) or {"files": []})["files"]
+    return files
+
+
+def setaside(path, aside):
+    root, aside = _abs(path), _abs(aside)
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    moved = [_aside(root, name, aside) for name in names if not name.startswith(STAGE)]
+    print(json.dumps({"path": aside, "aside": moved, "files": _listing(aside)}))
+
+
+def digest(path):
+    root, out = _abs(path), {}
+    for rel, size, mtime_ns in json.loads(sys.stdin.buffer.read()):
+        p = os.path.join(root, rel)
+        if not _rel_ok(rel) or not _same(p, size, mtime_ns) or not os.path.isfile(p):
+            print(json.dumps({"files": {}, "why": "%s is missing or has changed since it was set aside" % rel}))
+            return
+        out[rel] = sha256_file(p)
+    print(json.dumps({"files": out, "why": ""}))
+
+
 def _swap(root, stage, aside):
     """stage's entries into root: an entry root has too is replaced, root's others set aside."""
     aside = _abs(aside)
@@ -196,9 +238,7 @@ def _swap(root, stage, aside):
         if name in new:
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
         else:
-            own_dir(aside)
-            shutil.move(p, os.path.join(aside, name))
-            moved.append(name)
+            moved.append(_aside(root, name, aside))
     written = []
     for name in sorted(new):
         os.replace(os.path.join(stage, name), os.path.join(root, name))
@@ -323,11 +363,12 @@ def place(path, aside, staged):
 def main(argv):
     private_files()
     verbs = {"prepare": (prepare, 1), "state": (state, 2), "send": (send, 1), "restore": (restore, 2),
-             "freeze": (freeze, 3), "link": (link, 3), "check": (check, 2), "keep": (keep, 2), "place": (place, 3)}
+             "freeze": (freeze, 3), "link": (link, 3), "check": (check, 2), "keep": (keep, 2), "place": (place, 3),
+             "setaside": (setaside, 2), "digest": (digest, 1)}
     if not argv or argv[0] not in verbs or len(argv) - 1 != verbs[argv[0]][1]:
         sys.exit("usage: ckptdir.py prepare PATH | state PATH QUIET_S | send PATH | restore PATH ASIDE | "
                  "freeze PATH ROOT NAME | link ROOT NAME SNAP | check ROOT NAME | keep ROOT NAMES | "
-                 "place PATH ASIDE STAGED")
+                 "place PATH ASIDE STAGED | setaside PATH ASIDE | digest PATH")
     verbs[argv[0]][0](*argv[1:])
 
 

@@ -50,7 +50,7 @@ POLL_S = 3.0  # how often the nodes' DIR is looked at while an attempt runs
 KEEP = 3  # snapshots kept on the control machine
 TIMEOUT = 600.0  # one node's part of one snapshot, or one node's restore
 CHANGED: int = load("ckptdir").CHANGED  # remote/ckptdir.py send/freeze: a file changed while read
-STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_]?(\d+)", re.I)
+STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_=]?(\d+)", re.I)  # step=20: Lightning's epoch=0-step=20.ckpt
 
 
 def node_path(node: Node, checkpoint_dir: str) -> str:

@@ -219,7 +219,7 @@ def restore_from_nodes(cluster: Cluster, store: NodeSnaps, paths: dict[str, str]
                 f"{', '.join(missing)}'s part (held on {', '.join(h for o in missing for h in doc['holders'][o])})")
             skipped.append(name)
             continue
-        return name, _place(cluster, doc, name, found, paths, aside, say), skipped
+        return name, place(cluster, doc, name, found, paths, aside, say), skipped
     return None
 
 
@@ -249,9 +249,15 @@ def _holders(cluster: Cluster, doc: dict, name: str, say) -> dict[str, list[str]
     return out
 
 
-def _place(cluster: Cluster, doc: dict, name: str, found: dict[str, list[str]], paths: dict[str, str],
-           aside: dict[str, str], say) -> dict[str, dict]:
+def place(cluster: Cluster, doc: dict, name: str, found: dict[str, list[str]], paths: dict[str, str],
+          aside: dict[str, str], say, part_dir: Callable[[str, str], str] | None = None) -> dict[str, dict]:
+    """The files of `doc` ({rel: {"node": origin, "sha256"}}) into DIR (`paths`) on every node of
+    `paths`: each origin's part from one of its `found` holders (locally where the node holds it,
+    else node to node), every file checked against its sha256, then swapped into DIR (the node's
+    other entries set aside into `aside`). `part_dir(holder, origin)`: where a holder keeps
+    origin's part (default: a snapshot's, under its dirsnaps root). -> each node's reply."""
     inv = cluster.inventory
+    part_dir = part_dir or (lambda h, o: posixpath.join(doc["roots"][h], o, name))
 
     def one(target: str) -> tuple[str, dict]:
         staged = posixpath.join(paths[target], STAGED)
@@ -260,11 +266,11 @@ def _place(cluster: Cluster, doc: dict, name: str, found: dict[str, list[str]], 
         for origin, holders in sorted(found.items()):
             part = sorted(rel for rel, m in doc["files"].items() if m["node"] == origin)
             if target in holders:
-                src = posixpath.join(doc["roots"][target], origin, name)
+                src = part_dir(target, origin)
                 local.update({rel: posixpath.join(src, rel) for rel in part})
                 continue
             h = holders[0]
-            src = posixpath.join(doc["roots"][h], origin, name)
+            src = part_dir(h, origin)
             r = pair.copy_files(cluster, inv.node(h), src, inv.node(target), staged, part, timeout=TIMEOUT)
             if not r.ok:
                 raise NodeRestoreDirError(f"could not copy {origin}'s part of checkpoint {name} from {h} to "

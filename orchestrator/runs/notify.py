@@ -70,33 +70,43 @@ def _cwd(run: Run) -> str:
     return cwd if cwd and os.path.isdir(cwd) else str(run.dir)
 
 
-def notify_end(run: Run, say: Callable[[str], None] = print, timeout: float = NOTIFY_TIMEOUT) -> int | None:
-    """Run the notify command for an ended run; returns its exit code (None: none, or it did not
-    finish). Never raises."""
+def run_command(run: Run, command: str, env: dict[str, str], stdin: bytes | None, say: Callable[[str], None],
+                timeout: float = NOTIFY_TIMEOUT) -> int | None:
+    """Run the user's notify command (/bin/sh -c, from where `train` was started) with `env` added
+    to the user's environment and `stdin`; its output goes to `say`. -> its exit code (None: it did
+    not finish in `timeout`, and was killed)."""
+    full = {k: v for k, v in users_env().items() if k != SUPERVISOR_MARK}  # the command is not the supervisor
+    full.update(env)
+    proc = subprocess.Popen(["/bin/sh", "-c", command], env=full,
+                            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=_cwd(run), umask=user_umask())
+    try:
+        out, _ = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the command and its children
+        proc.communicate()
+        say(f"notify: the command ran past {timeout:g}s and was killed")
+        return None
+    text = out.decode(errors="replace").strip()
+    if text:
+        say(f"notify output: {text[-2000:]}")
+    if proc.returncode != 0:
+        say(f"notify: the command exited {proc.returncode}")
+    return proc.returncode
+
+
+def notify_end(run: Run, say: Callable[[str], None] = print, timeout: float = NOTIFY_TIMEOUT,
+               stdin: bytes | None = None) -> int | None:
+    """Run the notify command for an ended run (`stdin`: the end's event, observe/events.py);
+    returns its exit code (None: none, or it did not finish). Never raises."""
     try:
         command = notify_command(run)
         if not command:
             return None
         rec = run.record
-        env = {k: v for k, v in users_env().items() if k != SUPERVISOR_MARK}  # the command is not the supervisor
-        env.update(notify_env(rec))
         say(f"notify: {command} (run {rec.get('state')}, exit code {rec.get('exit_code')})")
-        proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=_cwd(run), umask=user_umask())
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the command and its children
-            proc.communicate()
-            say(f"notify: the command ran past {timeout:g}s and was killed")
-            return None
-        text = out.decode(errors="replace").strip()
-        if text:
-            say(f"notify output: {text[-2000:]}")
-        if proc.returncode != 0:
-            say(f"notify: the command exited {proc.returncode}")
-        return proc.returncode
+        return run_command(run, command, notify_env(rec), stdin, say, timeout)
     except Exception as e:  # noqa: BLE001 - a notification never changes how the run ended
         say(f"notify: failed: {type(e).__name__}: {e}")
         return None

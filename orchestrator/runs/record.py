@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator.runs.spec import NodeStatus, RunResult, RunState, fields_of
 from orchestrator.runs.store import Run, read_json, write_json
@@ -188,9 +188,14 @@ class Book:
         self.run = run
         self.rec = load(run)
         self._lock = threading.RLock()
+        # told each write of the record (line None) and each story line, under the lock; it must
+        # not block (observe/events.py queues what it makes of them for its own threads)
+        self.sink: Callable[[RunRecord, dict | None], None] | None = None
 
     def _write(self) -> None:
         write_json(self.run.dir / "run.json", self.rec.to_json())
+        if self.sink is not None:
+            self.sink(self.rec, None)
 
     def _to(self, state: RunState, **changes) -> None:
         with self._lock:
@@ -280,14 +285,17 @@ class Book:
         self._set(supervisor_cpu_s=round(seconds, 3))
 
     # ---------------------------------------------------------------- the story
-    def tell(self, text: str) -> None:
+    def tell(self, text: str, **about: Any) -> None:
         """One line of the run's story: what clusterctl saw and did (a node silent, lost, the
         teardown, a restart), appended to runs/RUN/story.jsonl, which the foreground and `tail`
-        print as it grows (cli/runs.py), and to the supervisor's log."""
+        print as it grows (cli/runs.py), and to the supervisor's log. `about`: what the line is
+        about, as data (event="node_silent", node="n2"), kept on the line for its readers."""
         print(f"supervisor: {text}", flush=True)
-        line = json.dumps({"at": time.time(), "text": text}) + "\n"
+        doc = {"at": time.time(), "text": text, **about}
         with self._lock, open(self.run.dir / STORY, "a") as f:
-            f.write(line)
+            f.write(json.dumps(doc) + "\n")
+            if self.sink is not None:
+                self.sink(self.rec, doc)
 
 
 STORY = "story.jsonl"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import re
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from orchestrator.runs.checkpoints import (
     restore,
     step_of,
 )
+from orchestrator.runs import setaside
 from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
 from orchestrator.runs.dirreplicas import NodeRestoreDirError, NodeSnaps
 from orchestrator.runs.dirreplicas import restore_from_nodes as restore_dir_from_nodes
@@ -160,15 +160,47 @@ class Restorer:
     """Puts the newest complete checkpoint on the nodes that need it before a launch: from the
     nodes themselves (an own checkpoint or a replica, node to node) when one of them holds a newer
     one than this machine, else this run's newest here, else (attempt 1, or none copied yet)
-    --resume-from's (`origin`)."""
+    --resume-from's (`origin`; with `from_set_aside`, what the origin run found in its checkpoint
+    directory and set aside, runs/setaside.py). With --checkpoint-dir, attempt 1 first sets aside
+    what DIR holds: the run's checkpoints are its own. `tell`: a line of the run's story."""
 
     def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say,
                  dirsnap: "DirCopier | None" = None, checkpoint_dir: str | None = None,
-                 dirreplica: "DirReplicas | None" = None):
+                 dirreplica: "DirReplicas | None" = None, tell=None, from_set_aside: bool = False):
         self.cluster, self.inv, self.store, self.say = cluster, inv, store, say
         self.origin_id = origin
         self.origin = CheckpointStore(Run(origin).dir) if origin else None
         self.dirsnap, self.checkpoint_dir, self.dirreplica = dirsnap, checkpoint_dir, dirreplica
+        self.tell, self.from_set_aside = tell or say, from_set_aside
+
+    @classmethod
+    def of(cls, cluster: "Cluster", inv: Inventory, copier, spec, say, tell) -> "Restorer":
+        """The Restorer of a run (runs/spec.py RunSpec) whose artifacts `copier` carries."""
+        return cls(cluster, inv, copier.store, spec.resume_from, say, copier.dirsnap, spec.checkpoint_dir,
+                   copier.dirreplica, tell=tell, from_set_aside=spec.resume_set_aside)
+
+    def before(self, k: int, dirs: dict[str, dict], nodes: list[str]) -> dict:
+        """Attempt k's nodes made ready: -> the attempt record's fields. Attempt 1 with
+        --checkpoint-dir sets aside what DIR holds (never this run's); then a relaunch, or
+        --resume-from, restores."""
+        if k == 1 and self.checkpoint_dir:
+            self.set_aside_found(dirs, nodes)
+        return self.restore(dirs, nodes, relaunch=k > 1) if k > 1 or self.origin is not None else {}
+
+    def set_aside_found(self, dirs: dict[str, dict], nodes: list[str]) -> None:
+        """What DIR holds on the first attempt's nodes, moved to set-aside/before-run/ there and
+        recorded (runs/setaside.py); the story says what, where, and how to get it back."""
+        run_dir = self.store.dir.parent
+        replies = setaside.set_aside(self.cluster, {n: dirs[n]["ckptdir"] for n in nodes},
+                                     {n: setaside.aside_dir(dirs[n], setaside.BEFORE_RUN) for n in nodes})
+        setaside.Found(run_dir).write(self.checkpoint_dir, nodes, replies)
+        held = [n for n in nodes if replies[n]["aside"]]
+        for n in held:
+            self.tell(f"{n}: {self.checkpoint_dir} held {setaside.in_words(replies[n]['files'])} from before this "
+                      f"run: set aside, not taken as this run's checkpoint (kept in {replies[n]['path']} there)")
+        if held:
+            self.tell(f"to start a run from what was set aside, on purpose: clusterctl train --resume-from "
+                      f"{run_dir.name}:{setaside.FORM}")
 
     def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
         """The attempt record's fields for what was restored (empty: nothing to restore). Every
@@ -215,13 +247,14 @@ class Restorer:
         (runs/ckptdir.py restore_dir), else that copy."""
         t0 = time.monotonic()
         own = run_dir = self.store.dir.parent
+        aside = {n: setaside.aside_dir(dirs[n], time.strftime("%Y%m%d-%H%M%S")) for n in nodes}
+        paths = {n: dirs[n]["ckptdir"] for n in nodes}
         if self.origin is not None and not DirStore(own).names() and not NodeSnaps(own).names():
+            if self.from_set_aside:  # nothing of this run's yet: what --resume-from RUN:set-aside names
+                return self.put_back(paths, aside, nodes, t0)
             run_dir = self.origin.dir.parent  # nothing of this run's yet: --resume-from's
         store, on_nodes = DirStore(run_dir), NodeSnaps(run_dir)
         name, skipped = store.newest_intact(self.say)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = {n: posixpath.join(posixpath.dirname(dirs[n]["checkpoints"]), "set-aside", stamp) for n in nodes}
-        paths = {n: dirs[n]["ckptdir"] for n in nodes}
         placed = None
         if on_nodes.names():
             try:
@@ -239,8 +272,7 @@ class Restorer:
                 raise LaunchError(f"no intact checkpoint to restore: {', '.join(skipped + on_nodes.names())} "
                                   "could not be put together from intact copies (see above); not restarting from "
                                   "scratch. Nothing was changed on the nodes.")
-            self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied")
-            return {}
+            return self.from_scratch(paths, aside, nodes)
         else:
             try:
                 replies = restore_dir(self.cluster, store, name, paths, [self.inv.node(n) for n in nodes], aside)
@@ -262,6 +294,30 @@ class Restorer:
         if run_dir != own:
             out["resumed_from"] = self.origin_id
         return out
+
+    def from_scratch(self, paths: dict[str, str], aside: dict[str, str], nodes: list[str]) -> dict:
+        """A relaunch with no snapshot of this run: it starts from an empty DIR (what the failed
+        attempt left there, a torn or never-copied save, is set aside) and without --resume-args."""
+        replies = setaside.set_aside(self.cluster, paths, aside)
+        moved = {n: r["aside"] for n, r in replies.items() if r["aside"]}
+        self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied in this run")
+        for n, names in sorted(moved.items()):
+            self.tell(f"{n}: {', '.join(names)} in {self.checkpoint_dir}, left by the failed attempt and in no "
+                      f"snapshot of this run, set aside (kept in {aside[n]} there)")
+        return {"set_aside": moved} if moved else {}
+
+    def put_back(self, paths: dict[str, str], aside: dict[str, str], nodes: list[str], t0: float) -> dict:
+        """--resume-from RUN:set-aside: what RUN found in its DIR and set aside, into DIR on `nodes`."""
+        found = setaside.Found(self.origin.dir.parent)
+        doc = found.doc()
+        if doc is None:
+            raise LaunchError(f"run {self.origin_id} set nothing aside ({found.path} is missing). Nothing was started.")
+        replies = setaside.put_back(self.cluster, doc, paths, aside, self.say)
+        about = f"{found.about()}, set aside when run {self.origin_id} started"
+        self.say(f"put back {about}, into {self.checkpoint_dir} on {', '.join(nodes)}")
+        return {"checkpoint": setaside.FORM, "restored": list(nodes), "restore_s": round(time.monotonic() - t0, 3),
+                "checkpoint_about": about, "resumed_from": self.origin_id,
+                "set_aside": {n: r["aside"] for n, r in replies.items() if r["aside"]}}
 
 
 def outcomes(run: Run, runner) -> list[Outcome]:

@@ -89,6 +89,7 @@ class RunSpec:
     queue: bool = _TRAIN["queue"].default  # --queue, else train.queue: wait for busy nodes instead of refusing
     queue_timeout: float | None = None  # --queue-timeout: how long to wait queued; None: until stopped
     resume_from: str | None = None  # --resume-from: the run whose newest copied checkpoint starts this one
+    resume_set_aside: bool = False  # --resume-from RUN:set-aside: what RUN found in its checkpoint dir instead
     copy_checkpoints: bool = _TRAIN["copy_checkpoints"].default  # train.copy_checkpoints
     checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
     hang_timeout: float = _TRAIN["hang_timeout"].default  # --hang-timeout, else train.hang_timeout (0: off)

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 
+from orchestrator.observe import delivery, trackers
 from orchestrator.runs.controller import Controller
 from orchestrator.runs.notify import notify_end
 from orchestrator.runs.stopping import say
@@ -59,10 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--adopt" in argv and run.state().terminal and not run.record.get("pending_stops"):
         return 0  # nothing left to do: it ended between the check and this start
+    events = None
     try:
-        return Controller(run, adopt="--adopt" in argv).main()
+        ctl = Controller(run, adopt="--adopt" in argv)
+        events = delivery.start(run, ctl.book.rec, say)  # --webhook, --notify-on (observe/delivery.py)
+        if events is not None:
+            ctl.book.sink = events.sink
+        return ctl.main()
     finally:
-        notify_end(run, say)  # train --notify / train.notify: when the run has ended (runs/notify.py)
+        trackers.end(run, say)  # the run's MLflow runs end as it did (observe/trackers.py)
+        if events is not None:
+            events.close()
+        if events is None or not events.notifies:  # train --notify / train.notify: when the run has ended
+            notify_end(run, say, stdin=delivery.end_event(run))
 
 
 if __name__ == "__main__":
