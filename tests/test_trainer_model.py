@@ -131,3 +131,70 @@ def test_starting_the_trainer_imports_no_transformers(tmp_path):
                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert r.returncode == 0, r.stderr[-2000:]
         assert "step 1 | val loss" in r.stdout
+
+
+def _trained_reference(cfg):
+    """transformers' model and the trainer's optimizer after one step: what the trainer saved before."""
+    from trainer.train import configure_optimizer
+    torch.manual_seed(8)
+    ref = reference(cfg)
+    opt = configure_optimizer(ref, cfg, torch.device("cpu"))
+    x = batch(cfg)
+    F.cross_entropy(ref(input_ids=x).logits.view(-1, cfg.vocab_size), x.view(-1)).backward()
+    opt.step()
+    return ref, opt
+
+
+@pytest.mark.parametrize("legacy_buffers", [False, True])
+def test_a_checkpoint_of_transformers_model_resumes(tmp_path, legacy_buffers):
+    """A checkpoint the trainer wrote around GPT2LMHeadModel resumes into its own GPT-2: the same
+    weights, optimizer state and logits. Older transformers also kept the causal-mask buffers
+    (`attn.bias`, `attn.masked_bias`) among the weights; those are dropped, not refused."""
+    from dataclasses import asdict
+
+    from trainer import checkpoint
+    from trainer.train import configure_optimizer
+    cfg = parse_args(SMALL)
+    ref, opt = _trained_reference(cfg)
+    state = {"model": ref.state_dict(), "optimizer": opt.state_dict(),
+             **checkpoint.extra_state(5, None, asdict(cfg))}
+    if legacy_buffers:
+        for i in range(cfg.n_layer):
+            state["model"][f"transformer.h.{i}.attn.bias"] = torch.tril(
+                torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)).view(1, 1, cfg.block_size, cfg.block_size)
+            state["model"][f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    checkpoint.write_file(str(tmp_path), checkpoint.file_path(str(tmp_path), 5), state, keep=3)
+    torch.manual_seed(9)
+    ours = build_model(cfg)
+    ours_opt = configure_optimizer(ours, cfg, torch.device("cpu"))
+    assert checkpoint.load("auto", str(tmp_path), ours, ours_opt, None, rank=0, fsdp=False, distributed=False) == 5
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
+    got, want = ours_opt.state_dict(), opt.state_dict()
+    assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
+    assert all(torch.equal(got["state"][i][k], want["state"][i][k]) for i in want["state"] for k in want["state"][i])
+    x = batch(cfg, seed=2)
+    assert torch.equal(ours(x), ref(input_ids=x).logits)
+
+
+def test_a_checkpoint_of_another_model_stops_the_trainer_with_one_sentence(tmp_path):
+    """Resuming a checkpoint of other sizes fails on its first line, naming the checkpoint, what
+    does not fit and the flags it was written with; not a traceback of load_state_dict."""
+    from dataclasses import asdict
+
+    from trainer import checkpoint
+    from trainer.train import configure_optimizer
+    written = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32"]
+    cfg = parse_args(written)
+    model = build_model(cfg)
+    checkpoint.save(str(tmp_path), 4, model, configure_optimizer(model, cfg, torch.device("cpu")), None,
+                    asdict(cfg), rank=0, fsdp=False)
+    now = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32"]
+    r = subprocess.run([sys.executable, "-m", "trainer", *now, "--output-dir", str(tmp_path), "--max-steps", "6",
+                        "--batch-size", "1", "--sample-tokens", "0"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "step 5" not in r.stdout
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("trainer: error:")]
+    assert f"checkpoint {tmp_path / 'ckpt_00000004.pt'} holds another model's weights" in line, line
+    assert "transformer.wte.weight is [256, 32] there, [256, 64] here" in line and "n_embd=32" in line, line
+    assert "--resume none" in line

@@ -37,6 +37,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from .config import UsageError
+from .gpt2 import fit_state_dict
+
 _NAME = re.compile(r"ckpt_(\d{8})(\.pt)?$")
 MANIFEST = "MANIFEST.sha256"
 # What a checkpoint that cannot be used raises while being verified or read: ValueError from
@@ -321,27 +324,39 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
     candidates = list_checkpoints(out_dir) if spec == "auto" else [spec]
     if fsdp:
         return _load_fsdp(candidates, model, optimizer, scaler, rank)
-    state = None
+    state = chosen = None
     if rank == 0:
-        for path in candidates:
+        for chosen in candidates:
             try:
-                state = _load_file(path)
-                print(f"resuming from {path} (step {state['step']})", flush=True)
+                state = _load_file(chosen)
+                print(f"resuming from {chosen} (step {state['step']})", flush=True)
                 break
             except UNUSABLE as e:  # torn or foreign file: never half-load it
-                _warn_skip(path, e)
+                _warn_skip(chosen, e)
     if distributed:
-        box = [state]
+        box = [state, chosen]
         dist.broadcast_object_list(box, src=0)
-        state = box[0]
+        state, chosen = box
     if state is None:
         return None
-    model.load_state_dict(state["model"])
+    _load_model(model, state, chosen)
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state["rng"])
     return int(state["step"])
+
+
+def _load_model(model, state: dict, path: str) -> None:
+    """Weights of this model or of transformers' GPT2LMHeadModel (what the trainer used before)
+    load; those of another model are a usage error, one sentence, on every rank."""
+    try:
+        model.load_state_dict(fit_state_dict(model, state["model"]))
+    except ValueError as e:
+        arch = {k: state.get("config", {}).get(k) for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")}
+        raise UsageError(f"checkpoint {path} holds another model's weights ({e}); it was written with "
+                         + ", ".join(f"{k}={v}" for k, v in arch.items()) + ". Give the same model flags, "
+                         "--resume none to start fresh, or another --output-dir.") from None
 
 
 def _load_fsdp(candidates, model, optimizer, scaler, rank) -> int | None:

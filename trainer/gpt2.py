@@ -147,3 +147,26 @@ def _init_body(t: nn.Module) -> None:
             layer.weight.normal_(0.0, INIT_STD)
             proj.weight.normal_(0.0, INIT_STD)
             proj.weight.normal_(0.0, scaled)
+
+
+# Causal-mask constants that transformers' GPT2LMHeadModel kept in its state dict before it made
+# them non-persistent: not weights, and the same in every checkpoint of a given block size.
+LEGACY_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+def fit_state_dict(model: nn.Module, sd: dict) -> dict:
+    """`sd` (ours, or transformers' GPT2LMHeadModel's of any version) as `model.load_state_dict`
+    takes it strictly: the legacy mask buffers dropped. ValueError saying what does not fit when
+    the weights are of another model (other layers, widths or vocabulary)."""
+    own = model.state_dict()
+    sd = {k: v for k, v in sd.items() if k in own or not k.endswith(LEGACY_BUFFERS)}
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k} is {list(sd[k].shape)} there, {list(v.shape)} here"
+              for k, v in own.items() if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
+    why = [f"{len(missing)} of this model's tensors are missing (first {missing[0]})"] if missing else []
+    why += [f"{len(unexpected)} are not this model's (first {unexpected[0]})"] if unexpected else []
+    why += [f"{len(shapes)} differ in shape ({shapes[0]})"] if shapes else []
+    if why:
+        raise ValueError("; ".join(why))
+    return sd
