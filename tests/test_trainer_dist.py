@@ -187,3 +187,18 @@ def test_fsdp_write_error_fails_every_rank_with_one_sentence(tmp_path):
     assert len(errors) == 2, r.stderr[-3000:]  # both ranks, not one rank and a hang
     assert all("could not write checkpoint" in e and "ckpt_00000003" in e for e in errors), errors
     assert max(losses(r.stdout)) < 40
+
+
+def test_ddp_write_error_fails_every_rank_with_one_sentence(tmp_path):
+    """Rank 0 alone writes: its failed write is learned by rank 1 at a step boundary they agree on,
+    whenever during a step the writer thread fails; neither rank dies alone at a collective."""
+    os.mkdir(tmp_path / "ckpt_00000003.pt")  # the name is taken: the rename fails
+    r = torchrun(tmp_path, "--max-steps", "40", "--ckpt-every", "3", check=False)
+    assert r.returncode != 0
+    # no rank dies at a collective (its traceback, "[rank1]: Traceback ..."); torchrun's own is its way
+    assert not re.search(r"^\[rank\d+\]: Traceback", r.stderr, re.M), r.stderr[-3000:]
+    errors = sorted(ln.split("trainer: error: ", 1)[1] for ln in r.stderr.splitlines() if "trainer: error: " in ln)
+    assert len(errors) == 2, r.stderr[-3000:]
+    assert errors[0].startswith("a checkpoint write failed on another rank (its log says why); stopping rank 1")
+    assert errors[1].startswith("could not write checkpoint") and "ckpt_00000003.pt" in errors[1], errors
+    assert max(losses(r.stdout)) < 40

@@ -131,9 +131,10 @@ def test_a_failed_write_raises_a_clear_error_and_leaves_nothing_half_written(tmp
     while not saver.failed() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert saver.failed()
+    assert saver.poll() is None and saver.failed()  # never raised by the per-step poll: by every rank at once
     with pytest.raises(CheckpointError, match=r"could not write checkpoint \S+ckpt_00000004\.pt \(step 4\): "
                                               r"IsADirectoryError.*checkpoints before it are intact"):
-        saver.poll()
+        saver.save(6, model, opt, None, {})  # the next save says why, and writes nothing
     assert sorted(os.listdir(tmp_path)) == ["ckpt_00000002.pt", "ckpt_00000002.pt.sha256", "ckpt_00000004.pt"]
     saver.close()
 

@@ -13,7 +13,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         return main_usage_error(e)
     except CheckpointError as e:  # the run cannot go on without its checkpoints: one sentence, not a thread's traceback
-        print(f"trainer: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"trainer: error: {e}\n")  # one write: ranks sharing a stderr do not cut into it
+        sys.stderr.flush()
         return 1
 
 

@@ -12,8 +12,10 @@ renamed with its manifest in it).
   buffers it then reuses (pinned on GPUs, so the copy from the device is fast and queued).
 - A final save (SIGTERM, end of training) or --sync-ckpt is written before save() returns,
   from the live tensors; it waits for the write in flight first.
-- A write that fails raises CheckpointError on the training thread: at the next step (`failed`,
-  which train.py folds into the flag every rank agrees on each step) or the next save.
+- A write that fails raises CheckpointError on the training thread, on every rank at once:
+  `failed` says so without blocking (train.py folds it into the flag every rank agrees on each
+  step), and before each save train.py settles the write in flight and agrees again, so no rank
+  raises alone while the others wait for it at a collective. `poll` never raises.
 - FSDP: DCP's async_save and the manifest step after it talk over a gloo group of the writer's
   own, so they never interleave with the training thread's collectives.
 """
@@ -87,6 +89,7 @@ class Saver:
         self.out_dir, self.rank, self.fsdp, self.keep, self.blocking = out_dir, rank, fsdp, keep, blocking
         self._pending: Future | None = None
         self._pending_info: tuple[str, int, float, float] | None = None  # path, step, stall, start
+        self._error: CheckpointError | None = None  # a write that failed, kept until `wait` raises it (once)
         self._pool: ThreadPoolExecutor | None = None
         self._stager = None  # FSDP: DCP's, for sharded tensors
         self._copy = HostCopy()
@@ -154,18 +157,20 @@ class Saver:
         self.saved.append(Saved(path, step, stall, time.monotonic() - t0))
 
     def failed(self) -> bool:
-        """The write in flight has finished with an error (`wait` raises it). Does not block."""
-        return self._pending is not None and self._pending.done() and self._pending.exception() is not None
+        """A write has failed (`wait` raises its error). Does not block."""
+        return self._error is not None or (self._pending is not None and self._pending.done()
+                                           and self._pending.exception() is not None)
 
     def poll(self) -> Saved | None:
-        """The write in flight, if it has finished since the last call: its figures (raises
-        CheckpointError if it failed). Does not block."""
-        if self._pending is None or not self._pending.done():
+        """The write in flight, if it has finished well since the last call: its figures. Does
+        not block, never raises: a failed write is kept for `failed` and `wait`."""
+        if self._pending is None or not self._pending.done() or self._pending.exception() is not None:
             return None
-        return self.wait()
+        return self.settle()
 
-    def wait(self) -> Saved | None:
-        """Block until the write in flight is on disk -> its figures; CheckpointError if it failed."""
+    def settle(self) -> Saved | None:
+        """Block until the write in flight has ended -> its figures, or None (none, or it failed:
+        then `failed` holds and `wait` raises)."""
         if self._pending is None:
             return None
         fut, (path, step, stall, t0) = self._pending, self._pending_info
@@ -173,10 +178,21 @@ class Saver:
         try:
             total = fut.result()
         except Exception as e:  # any failure of the write: disk full, permissions, a rank lost mid-manifest
-            raise CheckpointError(f"could not write checkpoint {path} (step {step}): {type(e).__name__}: {e}. "
-                                  "The checkpoints before it are intact.") from e
+            if self._error is None:
+                self._error = CheckpointError(f"could not write checkpoint {path} (step {step}): "
+                                              f"{type(e).__name__}: {e}. The checkpoints before it are intact.")
+                self._error.__cause__ = e
+            return None
         self.saved.append(Saved(path, step, stall, total))
         return self.saved[-1]
+
+    def wait(self) -> Saved | None:
+        """Block until the write in flight is on disk -> its figures; CheckpointError if a write failed."""
+        done = self.settle()
+        if self._error is not None:
+            err, self._error = self._error, None  # raised once
+            raise err
+        return done
 
     def close(self) -> None:
         """Wait for the write in flight (raising its error), then let the writer thread go."""

@@ -237,10 +237,14 @@ class Run:
         """A checkpoint of this step: written in the background (saver.py), or, `final`, before
         this returns."""
         t = self.trainer
+        self.saver.settle()  # the write in flight has ended: whether it failed is known on every rank
+        if _any_rank(self.saver.failed(), self.control):
+            write_error_everywhere(self.saver)
         return self.saver.save(step, self.raw, t.opt, t.scaler, asdict(self.cfg), final=final)
 
     def saved(self) -> None:
-        """Rank 0 says which background writes have finished since (CheckpointError if one failed)."""
+        """Rank 0 says which background writes have finished well since (a failed one is for
+        _stop_agreed, which every rank reaches)."""
         self.saver.poll()
         for done in self.saver.saved[self.reported:]:
             if self.master:
@@ -275,6 +279,14 @@ class Run:
         if self.master:
             print(f"step {step} | val loss {val:.6f}", flush=True)
             self.writer.add_scalar("val/loss", val, step)
+
+
+def _any_rank(flag: bool, control) -> bool:
+    """Whether `flag` holds on any rank (a collective on the CPU control group)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if control is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    return bool(t.item())
 
 
 def _stop_agreed(run: Run, stop) -> bool:
