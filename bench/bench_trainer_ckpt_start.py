@@ -1,5 +1,6 @@
 """The trainer's checkpoint stall and its start-up, each against the old way in the same run.
 
+    python bench/bench_trainer_ckpt_start.py [all] [--rounds 3]     # both, one after the other
     python bench/bench_trainer_ckpt_start.py stall [--steps 100] [--every 20] [--rounds 3] [trainer flags ...]
     python bench/bench_trainer_ckpt_start.py start [--rounds 5] [--old REV] [--tiny]
 
@@ -191,17 +192,17 @@ def bench_start(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["stall", "start"])
+    ap.add_argument("what", choices=["all", "stall", "start"], nargs="?", default="all")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100, help="stall: optimizer steps per round")
     ap.add_argument("--every", type=int, default=20, help="stall: a checkpoint every N steps")
     ap.add_argument("--old", default=OLD_REV, help="start: the git revision whose trainer/ is the old way")
     ap.add_argument("--tiny", action="store_true", help="start: the tiny preset too")
     a, flags = ap.parse_known_args()
-    if a.what == "stall":
+    if a.what in ("all", "stall"):
         bench_stall(a, flags or ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--block-size", "256",
                                  "--batch-size", "8"])
-    else:
+    if a.what in ("all", "start"):
         bench_start(a)
 
 
