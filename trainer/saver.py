@@ -173,7 +173,7 @@ class Saver:
         then `failed` holds and `wait` raises)."""
         if self._pending is None:
             return None
-        fut, (path, step, stall, t0) = self._pending, self._pending_info
+        fut, (path, step, stall, _) = self._pending, self._pending_info
         self._pending = self._pending_info = None
         try:
             total = fut.result()
