@@ -2,9 +2,10 @@
 
 Same model config, same initial weights, same batch, same number of threads, same token
 memmap; both sides fetch their batches every step. The trainer side is `trainer.train.Trainer`
-(the loop body `python -m trainer` runs: AdamW with decay groups, clipping, GradScaler
-pass-through, explicit cross-entropy); the plain side is the textbook
-`model(input_ids, labels).loss.backward(); clip; opt.step()` with a nanoGPT-style get_batch.
+on the trainer's own GPT-2, trainer/gpt2.py (the loop body `python -m trainer` runs: AdamW with
+decay groups, clipping, GradScaler pass-through, explicit cross-entropy); the plain side is the textbook
+`model(input_ids, labels).loss.backward(); clip; opt.step()` on transformers' GPT2LMHeadModel
+with a nanoGPT-style get_batch.
 Rounds alternate A/B so drift on a shared machine hits both. Each round is timed twice: wall
 clock and process CPU time (tokens per CPU-second; with --threads 1 this barely moves when other
 jobs share the box, which wall clock does by up to 5x here). Ratios use each side's best
@@ -31,6 +32,15 @@ from trainer.tokenizer import load_tokenizer  # noqa: E402
 from trainer.train import Trainer, configure_optimizer  # noqa: E402
 
 
+def hf_model(cfg):
+    """transformers' GPT2LMHeadModel of the same shape (the trainer's own GPT-2 keeps its names)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_positions=cfg.block_size,
+        vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+        tie_word_embeddings=True, use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -49,7 +59,7 @@ def main():
 
     torch.manual_seed(0)
     m_trainer = build_model(cfg)
-    m_plain = build_model(cfg)
+    m_plain = hf_model(cfg)
     m_plain.load_state_dict(m_trainer.state_dict())
     trainer = Trainer(m_trainer, None, configure_optimizer(m_trainer, cfg, torch.device("cpu")),
                       torch.amp.GradScaler("cpu", enabled=False), nullcontext(), cfg, torch.device("cpu"))

@@ -141,3 +141,64 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     m = re.search(r"SIGTERM received: saved checkpoint \S+ckpt_(\d{8})\.pt at step (\d+)", out)
     assert m and int(m.group(1)) == int(m.group(2)) >= 2, out[-2000:]
     assert os.path.exists(tmp_path / f"ckpt_{m.group(1)}.pt.sha256")
+
+
+def _dcp_tensors(path, into):
+    """An FSDP checkpoint directory as one plain dict (torch's own converter), with its extra.pt."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+    dcp_to_torch_save(str(path), str(into))
+    return torch.load(into, weights_only=False), torch.load(path / "extra.pt", weights_only=False)
+
+
+def _same(a, b):
+    import torch
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_fsdp_background_checkpoints_equal_those_written_on_the_training_thread(tmp_path):
+    """FSDP shards saved with DCP's async_save (the default) hold exactly what the same run saves
+    with --sync-ckpt: the step-3 one was written while steps 4-6 changed the live shards."""
+    flags = ["--strategy", "fsdp", "--max-steps", "6", "--ckpt-every", "3", "--dropout", "0.1"]
+    torchrun(tmp_path / "async", *flags)
+    torchrun(tmp_path / "sync", *flags, "--sync-ckpt")
+    for step in (3, 6):
+        name = f"ckpt_{step:08d}"
+        (a, ea), (s, es) = (_dcp_tensors(tmp_path / way / name, tmp_path / f"{way}{step}.pt") for way in ("async", "sync"))
+        assert a.keys() == s.keys() == {"model", "optim"} and _same(a, s), step
+        for extra in (ea, es):
+            extra["config"].pop("sync_ckpt"), extra["config"].pop("output_dir")
+            for rng in extra["rng"]:  # Python's own generator is seeded by each process, and unused
+                rng.pop("python")
+        assert _same(ea, es), step
+
+
+def test_fsdp_write_error_fails_every_rank_with_one_sentence(tmp_path):
+    (tmp_path / "ckpt_00000003").write_text("a file where the checkpoint directory goes\n")
+    r = torchrun(tmp_path, "--strategy", "fsdp", "--max-steps", "40", "--ckpt-every", "3", check=False)
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if "trainer: error: " in ln]
+    assert len(errors) == 2, r.stderr[-3000:]  # both ranks, not one rank and a hang
+    assert all("could not write checkpoint" in e and "ckpt_00000003" in e for e in errors), errors
+    assert max(losses(r.stdout)) < 40
+
+
+def test_ddp_write_error_fails_every_rank_with_one_sentence(tmp_path):
+    """Rank 0 alone writes: its failed write is learned by rank 1 at a step boundary they agree on,
+    whenever during a step the writer thread fails; neither rank dies alone at a collective."""
+    os.mkdir(tmp_path / "ckpt_00000003.pt")  # the name is taken: the rename fails
+    r = torchrun(tmp_path, "--max-steps", "40", "--ckpt-every", "3", check=False)
+    assert r.returncode != 0
+    # no rank dies at a collective (its traceback, "[rank1]: Traceback ..."); torchrun's own is its way
+    assert not re.search(r"^\[rank\d+\]: Traceback", r.stderr, re.M), r.stderr[-3000:]
+    errors = sorted(ln.split("trainer: error: ", 1)[1] for ln in r.stderr.splitlines() if "trainer: error: " in ln)
+    assert len(errors) == 2, r.stderr[-3000:]
+    assert errors[0].startswith("a checkpoint write failed on another rank (its log says why); stopping rank 1")
+    assert errors[1].startswith("could not write checkpoint") and "ckpt_00000003.pt" in errors[1], errors
+    assert max(losses(r.stdout)) < 40

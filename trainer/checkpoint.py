@@ -9,11 +9,14 @@ longer matches its checksum and is skipped with a warning -- torch.load alone wo
 load a zip whose tensor bytes were overwritten.
 
 FSDP: torch.distributed.checkpoint writes every rank's shards into `ckpt_{step:08d}.tmp/`;
-after a barrier rank 0 adds `extra.pt`, every rank hashes the files it wrote, and the
-`MANIFEST.sha256` lists every rank's files; then the directory is renamed to `ckpt_{step:08d}/`.
+then rank 0 adds `extra.pt`, every rank hashes the files it wrote, and the `MANIFEST.sha256`
+lists every rank's files; then the directory is renamed to `ckpt_{step:08d}/`.
 Without a shared filesystem each node finalizes its own directory (its shards, the full
 manifest): no node alone holds a complete checkpoint, and `verify` says so. clusterctl gathers
 the pieces into one complete checkpoint and puts it back on every node before a restart.
+
+`save` writes on the calling thread; saver.py's Saver runs the same writes (`write_file`,
+`fsdp_finish`) on a background thread from a copy in host memory, so training goes on meanwhile.
 
 The data position is the step: batches are a pure function of (seed, rank, step, micro-step),
 see data.py, so restoring the step restores where in the data the run was.
@@ -33,6 +36,9 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .config import UsageError
+from .gpt2 import fit_state_dict
 
 _NAME = re.compile(r"ckpt_(\d{8})(\.pt)?$")
 MANIFEST = "MANIFEST.sha256"
@@ -122,40 +128,70 @@ class _HashingWriter:
         self.fh.flush()
 
 
+def extra_state(step: int, scaler, config: dict) -> dict:
+    """What a checkpoint holds besides model and optimizer (a collective: RNG states are gathered)."""
+    return {"step": step, "data_position": {"step": step, "seed": config.get("seed")},
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": _all_rng_states(), "config": config}
+
+
 def save(out_dir: str, step: int, model, optimizer, scaler, config: dict, *, rank: int,
          fsdp: bool, keep: int = 3) -> str:
-    """Collective: every rank calls it (RNG states are gathered); rank 0 writes (DDP). Under
-    clusterctl, rank 0 also writes how long the save took to $CLUSTERCTL_NODE_DIR/save_seconds:
-    `clusterctl stop` gives the job at least twice that before SIGKILL."""
+    """Collective: every rank calls it (RNG states are gathered); rank 0 writes (DDP), from the
+    live tensors, before it returns. saver.py's Saver writes in the background instead."""
     t0 = time.monotonic()
-    path = _save(out_dir, step, model, optimizer, scaler, config, rank=rank, fsdp=fsdp, keep=keep)
-    node_dir = os.environ.get("CLUSTERCTL_NODE_DIR")
-    if rank == 0 and node_dir and os.path.isdir(node_dir):
-        _write_small(os.path.join(node_dir, "save_seconds"), f"{time.monotonic() - t0:.3f}\n")
+    extra = extra_state(step, scaler, config)
+    if fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        final, tmp = fsdp_paths(out_dir, step)
+        fsdp_prepare(tmp)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        fsdp_finish(tmp, final, out_dir, extra, rank, keep)
+        path = final
+    else:
+        path = file_path(out_dir, step)
+        if rank == 0:
+            write_file(out_dir, path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, keep)
+    if rank == 0:
+        record_save_seconds(time.monotonic() - t0)
     return path
 
 
-def _save(out_dir: str, step: int, model, optimizer, scaler, config: dict, *, rank: int,
-          fsdp: bool, keep: int = 3) -> str:
-    extra = {"step": step, "data_position": {"step": step, "seed": config.get("seed")},
-             "scaler": scaler.state_dict() if scaler is not None else None,
-             "rng": _all_rng_states(), "config": config}
-    if fsdp:
-        return _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep)
-    path = os.path.join(out_dir, f"ckpt_{step:08d}.pt")
-    if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}
-        tmp = f"{path}.tmp.{os.getpid()}"
+def record_save_seconds(seconds: float) -> None:
+    """Under clusterctl, how long the last save took goes to $CLUSTERCTL_NODE_DIR/save_seconds:
+    `clusterctl stop` gives the job at least twice that before SIGKILL (a stop may find one write
+    in flight and then the final save to do)."""
+    node_dir = os.environ.get("CLUSTERCTL_NODE_DIR")
+    if node_dir and os.path.isdir(node_dir):
+        _write_small(os.path.join(node_dir, "save_seconds"), f"{seconds:.3f}\n")
+
+
+def file_path(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, f"ckpt_{step:08d}.pt")
+
+
+def write_file(out_dir: str, path: str, state: dict, keep: int) -> None:
+    """The bytes go to a temp file while being hashed, are fsynced, the checksum goes beside it,
+    and only then is the file renamed into place: the old set or the new file, never half of one
+    under the real name. A failed write takes its temp file with it."""
+    tmp, side = f"{path}.tmp.{os.getpid()}", path + ".sha256"
+    try:
         with open(tmp, "wb") as fh:
             w = _HashingWriter(fh)
             torch.save(state, w)
             fh.flush()
             os.fsync(fh.fileno())
-        _write_small(path + ".sha256", w.h.hexdigest() + "\n")
+        _write_small(side, w.h.hexdigest() + "\n")
         os.replace(tmp, path)
-        _fsync_dir(out_dir)
-        _prune(out_dir, keep)
-    return path
+    except BaseException:
+        for p in (tmp, side):  # no temp file left behind, and no checksum of a file that never landed
+            if os.path.exists(p):
+                os.remove(p)
+        raise
+    _fsync_dir(out_dir)
+    _prune(out_dir, keep)
 
 
 def _write_small(path: str, text: str) -> None:
@@ -180,31 +216,58 @@ def _own_files(tmp: str, rank: int) -> list[str]:
     return mine
 
 
-def _save_fsdp(out_dir, step, model, optimizer, extra, rank, keep) -> str:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def fsdp_paths(out_dir: str, step: int) -> tuple[str, str]:
+    """(the checkpoint directory, the temp directory its shards are written into)."""
     final = os.path.join(out_dir, f"ckpt_{step:08d}")
-    tmp = final + ".tmp"
-    if _local_rank() == 0:  # every node: a shared directory or one of its own
+    return final, final + ".tmp"
+
+
+def fsdp_prepare(tmp: str) -> None:
+    """Collective: an empty temp directory on every node (a shared one or one of its own)."""
+    if _local_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    dist.barrier()
-    if rank == 0:
-        torch.save(extra, os.path.join(tmp, "extra.pt"))
-    # the manifest names every rank's files, wherever they were written
-    entries = [(f, _sha256(os.path.join(tmp, f))) for f in _own_files(tmp, rank)]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, entries)
+
+
+def _agree(error: Exception | None, group) -> None:
+    """Collective: raise on every rank if any rank failed, so no rank waits at the next
+    collective for one that gave up."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    if failed:
+        raise OSError(f"rank {failed[0][0]} could not write its part: {failed[0][1]}")
+
+
+def _attempt(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to every rank by _agree, then raised
+        return e
+    return None
+
+
+def fsdp_finish(tmp, final, out_dir, extra, rank, keep, group=None) -> None:
+    """Collective, after every rank's shards are in `tmp`: rank 0 adds `extra.pt`, every rank
+    hashes the files it wrote, the `MANIFEST.sha256` lists every rank's files, and the directory
+    is renamed to `final`. Without a shared filesystem each node finalizes its own directory (its
+    shards, the full manifest). `group`: the process group to agree over (the writer thread's own)."""
+    err = _attempt(torch.save, extra, os.path.join(tmp, "extra.pt")) if rank == 0 else None
+    entries = []
+    if err is None:
+        try:
+            entries = [(f, _sha256(os.path.join(tmp, f))) for f in _own_files(tmp, rank)]
+        except OSError as e:
+            err = e
+    _agree(err, group)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, entries, group=group)  # the manifest names every rank's files
     lines = sorted(f"{digest}  {name}\n" for part in gathered for name, digest in part)
-    if rank == 0:
-        _finalize(tmp, final, out_dir, lines, keep)
-    dist.barrier()
-    if _local_rank() == 0 and rank != 0 and os.path.isdir(tmp) and not os.path.isdir(final):
-        _finalize(tmp, final, out_dir, lines, keep)  # not shared with rank 0: this node's own part
-    dist.barrier()
-    return final
+    _agree(_attempt(_finalize, tmp, final, out_dir, lines, keep) if rank == 0 else None, group)
+    local = _local_rank() == 0 and rank != 0 and os.path.isdir(tmp) and not os.path.isdir(final)
+    _agree(_attempt(_finalize, tmp, final, out_dir, lines, keep) if local else None, group)  # this node's own part
 
 
 def _finalize(tmp, final, out_dir, lines, keep) -> None:
@@ -261,27 +324,39 @@ def load(spec: str, out_dir: str, model, optimizer, scaler, *, rank: int, fsdp: 
     candidates = list_checkpoints(out_dir) if spec == "auto" else [spec]
     if fsdp:
         return _load_fsdp(candidates, model, optimizer, scaler, rank)
-    state = None
+    state = chosen = None
     if rank == 0:
-        for path in candidates:
+        for chosen in candidates:
             try:
-                state = _load_file(path)
-                print(f"resuming from {path} (step {state['step']})", flush=True)
+                state = _load_file(chosen)
+                print(f"resuming from {chosen} (step {state['step']})", flush=True)
                 break
             except UNUSABLE as e:  # torn or foreign file: never half-load it
-                _warn_skip(path, e)
+                _warn_skip(chosen, e)
     if distributed:
-        box = [state]
+        box = [state, chosen]
         dist.broadcast_object_list(box, src=0)
-        state = box[0]
+        state, chosen = box
     if state is None:
         return None
-    model.load_state_dict(state["model"])
+    _load_model(model, state, chosen)
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state["rng"])
     return int(state["step"])
+
+
+def _load_model(model, state: dict, path: str) -> None:
+    """Weights of this model or of transformers' GPT2LMHeadModel (what the trainer used before)
+    load; those of another model are a usage error, one sentence, on every rank."""
+    try:
+        model.load_state_dict(fit_state_dict(model, state["model"]))
+    except ValueError as e:
+        arch = {k: state.get("config", {}).get(k) for k in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")}
+        raise UsageError(f"checkpoint {path} holds another model's weights ({e}); it was written with "
+                         + ", ".join(f"{k}={v}" for k, v in arch.items()) + ". Give the same model flags, "
+                         "--resume none to start fresh, or another --output-dir.") from None
 
 
 def _load_fsdp(candidates, model, optimizer, scaler, rank) -> int | None:

@@ -119,6 +119,10 @@ class TrainConfig:
     output_dir: str = _opt("out", "checkpoints, TensorBoard logs (logs/), token cache (cache/)", group="output")
     ckpt_every: int = _opt(0, "checkpoint every N steps (0: only at the end)", group="output", bound=">=0")
     keep_ckpts: int = _opt(3, "checkpoints kept on disk", group="output", bound=">0")
+    sync_ckpt: bool = _opt(False, "write each checkpoint on the training thread from the live tensors (the default "
+                           "copies them to host memory, a pause of milliseconds, and writes that copy in the "
+                           "background): for a host without the memory for one more copy of the model and "
+                           "optimizer state", group="output")
     resume: str = _opt("auto", "auto: newest loadable checkpoint in --output-dir; none: start fresh; or a path",
                        group="output", metavar="auto|none|PATH")
     eval_every: int = _opt(0, "validation loss every N steps (0: only at the end)", group="output", bound=">=0")
@@ -162,6 +166,10 @@ class UsageError(Exception):
     """A user mistake in flags or paths: reported as one sentence, exit status 2."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (saver.py): reported as one sentence, exit status 1."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear sentence instead of usage + traceback
         raise UsageError(message[0].upper() + message[1:] + " (see python -m trainer --help)")
@@ -171,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, from its metadata. Flags not given stay out of the
     namespace (SUPPRESS), so make_config can tell "not given" from "given the default"."""
     p = _Parser(prog="python -m trainer", argument_default=argparse.SUPPRESS,
-                description="Train a GPT-2 (transformers GPT2LMHeadModel) with DDP or FSDP. "
+                description="Train a GPT-2 with DDP or FSDP. "
                 "Run directly for one process, or under torchrun / clusterctl train for many.")
     groups = {}
     for f in FIELDS.values():

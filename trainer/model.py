@@ -1,36 +1,27 @@
-"""The model: transformers' GPT2LMHeadModel (SDPA attention, tied input/output embeddings).
+"""The model: GPT-2 with SDPA attention and tied input/output embeddings (gpt2.py: our own, the
+same parameters, initialisation and numerics as transformers' GPT2LMHeadModel, without the seconds
+its import costs every launch).
 
 Parameter counts are of *unique* tensors: the tied lm_head is the token embedding, counted once.
 That is why `tiny` (6/384/6, ctx 512, vocab 50,257) is 30,142,848 parameters and not the 50.3M
 that counting the head a second time gives.
 
-`count_params(cfg)` and `flops_per_token(cfg)` are closed forms that need neither torch nor
-transformers (torch is imported only by `build_model`), so planners may import them cheaply.
+`count_params(cfg)` and `flops_per_token(cfg)` are closed forms that need no torch (torch is
+imported only by `build_model`), so planners may import them cheaply.
 """
 from __future__ import annotations
 
 from .config import TrainConfig
 
 
-def gpt2_config(cfg: TrainConfig):
-    from transformers import GPT2Config
-    return GPT2Config(
-        n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_positions=cfg.block_size,
-        vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout, tie_word_embeddings=True, use_cache=False,
-        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )
-
-
 def build_model(cfg: TrainConfig, device="cpu"):
     """A freshly initialised GPT-2 on `device` ("meta" builds it without allocating)."""
     import torch
-    from transformers import GPT2LMHeadModel
+
+    from .gpt2 import GPT2
     with torch.device(device):
-        model = GPT2LMHeadModel(gpt2_config(cfg))
-    if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+        return GPT2(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size, cfg.dropout,
+                    cfg.grad_checkpointing)
 
 
 def count_params(cfg_or_model) -> int:

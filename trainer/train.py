@@ -25,6 +25,7 @@ from .data import TokenData
 from .model import build_model, count_params, flops_per_token
 from .parallel import ddp_comm_stats, peak_flops, setup_distributed, wrap_model
 from .progress import StepClock
+from .saver import Saver, write_error_everywhere
 from .tokenizer import load_tokenizer
 
 
@@ -63,7 +64,7 @@ class Trainer:
 
     def loss(self, x, y):
         with self.autocast:
-            logits = self.model(input_ids=x).logits
+            logits = self.model(input_ids=x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
     def _sync_gradients(self, on: bool) -> None:
@@ -145,7 +146,7 @@ def sample(trainer: Trainer, tok, cfg: TrainConfig, prompt: str = "\n") -> str:
     ids = torch.tensor([tok.encode(prompt) or [tok.eot]], dtype=torch.long)
     for _ in range(cfg.sample_tokens):
         with trainer.autocast:
-            logits = trainer.model(input_ids=ids[:, -cfg.block_size:].to(trainer.device)).logits[0, -1].float().cpu()
+            logits = trainer.model(input_ids=ids[:, -cfg.block_size:].to(trainer.device))[0, -1].float().cpu()
         logits[tok.vocab_size:] = -float("inf")  # never sample a padding id
         v, i = torch.topk(logits, min(40, tok.vocab_size))
         nxt = i[torch.multinomial(F.softmax(v, -1), 1, generator=g)]
@@ -183,6 +184,8 @@ class Run:
         self.ckpt_dir = os.environ.get("CLUSTERCTL_CHECKPOINT_DIR") or cfg.output_dir
         self.tb_dir = os.environ.get("CLUSTERCTL_TENSORBOARD_DIR") or os.path.join(cfg.output_dir, "logs")
         os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.saver = Saver(self.ckpt_dir, rank=self.rank, fsdp=self.fsdp, keep=cfg.keep_ckpts, blocking=cfg.sync_ckpt)
+        self.reported = 0  # finished saves said so far
         self.phases["data and model"], t = time.monotonic() - t, time.monotonic()
         self.start = checkpoint.load(cfg.resume, self.ckpt_dir, self.raw, self.trainer.opt, self.trainer.scaler,
                                      rank=self.rank, fsdp=self.fsdp, distributed=self.world > 1) or 0
@@ -230,10 +233,24 @@ class Run:
         print(f"startup {time.monotonic() - STARTED:.2f} s: " +
               ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()), flush=True)
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, final: bool = False) -> str:
+        """A checkpoint of this step: written in the background (saver.py), or, `final`, before
+        this returns."""
         t = self.trainer
-        return checkpoint.save(self.ckpt_dir, step, self.raw, t.opt, t.scaler, asdict(self.cfg),
-                               rank=self.rank, fsdp=self.fsdp, keep=self.cfg.keep_ckpts)
+        self.saver.settle()  # the write in flight has ended: whether it failed is known on every rank
+        if _any_rank(self.saver.failed(), self.control):
+            write_error_everywhere(self.saver)
+        return self.saver.save(step, self.raw, t.opt, t.scaler, asdict(self.cfg), final=final)
+
+    def saved(self) -> None:
+        """Rank 0 says which background writes have finished well since (a failed one is for
+        _stop_agreed, which every rank reaches)."""
+        self.saver.poll()
+        for done in self.saver.saved[self.reported:]:
+            if self.master:
+                print(f"checkpoint {done.path} written: training waited {done.stall_s * 1e3:.0f} ms, "
+                      f"the write took {done.total_s:.2f} s", flush=True)
+        self.reported = len(self.saver.saved)
 
     def report(self, step: int, lr: float, loss: float, dt: float) -> None:
         """Rank 0: the progress line and its TensorBoard scalars."""
@@ -264,11 +281,22 @@ class Run:
             self.writer.add_scalar("val/loss", val, step)
 
 
+def _any_rank(flag: bool, control) -> bool:
+    """Whether `flag` holds on any rank (a collective on the CPU control group)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if control is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    return bool(t.item())
+
+
 def _stop_agreed(run: Run, stop) -> bool:
-    """Every rank must stop at the same step: agree on the SIGTERM flag before stepping."""
-    flag = torch.tensor([1.0 if stop.requested else 0.0])
+    """Every rank must stop at the same step: agree on the SIGTERM flag before stepping, and on
+    whether a rank's checkpoint write failed (then every rank raises CheckpointError here)."""
+    flag = torch.tensor([2.0 if run.saver.failed() else 1.0 if stop.requested else 0.0])
     if run.control is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=run.control)
+    if flag.item() == 2.0:
+        write_error_everywhere(run.saver)
     return bool(flag.item())
 
 
@@ -278,7 +306,7 @@ def _loop(run: Run, stop) -> tuple[int, bool]:
     step, t_last, steps_since = run.start, time.perf_counter(), 0
     while step < cfg.max_steps:
         if _stop_agreed(run, stop):
-            path = run.save(step) if step > run.start else "(none: no step since the last one)"
+            path = run.save(step, final=True) if step > run.start else "(none: no step since the last one)"
             if run.master:
                 print(f"SIGTERM received: saved checkpoint {path} at step {step}, exiting", flush=True)
             return step, True
@@ -297,6 +325,7 @@ def _loop(run: Run, stop) -> tuple[int, bool]:
                 run.report(step, lr, loss, dt)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run.validate(step)
+        run.saved()
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.max_steps:
             run.save(step)
     return step, False
@@ -312,11 +341,12 @@ def train(cfg: TrainConfig) -> int:
     step, terminated = _loop(run, stop)
     if not terminated:
         if step > run.start:
-            run.save(step)
+            run.save(step, final=True)
         run.validate(step)
         text = sample(run.trainer, run.tok, cfg) if cfg.sample_tokens else ""
         if run.master and text:
             print("sample:\n" + text, flush=True)
+    run.saver.close()  # a write still in flight is on disk before the process ends
     if run.writer:
         run.writer.close()
     if run.world > 1:
