@@ -145,3 +145,17 @@ def test_the_exporter_serves_each_nodes_faults_and_quarantine(home):
     assert 'clusterctl_node_faults_total{host="10.0.0.1",kind="hung",node="n1"} 1.0' in text
     assert 'clusterctl_node_quarantined{host="10.0.0.2",node="n2"} 1.0' in text
     assert "clusterctl_node_quarantined{" + 'host="10.0.0.1"' not in text
+
+
+def test_a_full_control_disk_costs_the_record_not_the_run(monkeypatch):
+    import errno
+
+    def no_room(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nodefaults, "record", no_room)
+    said, tell = told()
+    v = Verdict(True, "killed by signal", "n1: a worker was killed by signal 9", culprits=("n1",))
+    assert nodefaults.of_verdict(INV, "run-a", 1, ["n1", "n2"], v, tell, True, lambda: ["n3"]) is v
+    assert len(said) == 1 and "could not be written: [Errno 28] No space left on device" in said[0], said
+    nodefaults.health(INV, "run-a", 1, {"n2": "gpu_health: GPU 0: Xid 79"})  # raises nothing

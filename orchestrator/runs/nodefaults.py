@@ -169,7 +169,12 @@ def of_verdict(inv, run: str, attempt: int, nodes: list[str], verdict, tell, qua
     kind = KINDS.get(verdict.cause)
     if kind is None or not verdict.culprits:
         return verdict
-    held = attribute(inv, run, attempt, kind, {n: verdict.detail for n in verdict.culprits}, tell, quarantine_on)
+    try:
+        held = attribute(inv, run, attempt, kind, {n: verdict.detail for n in verdict.culprits}, tell, quarantine_on)
+    except OSError as e:  # a full control disk: the run goes on, without this fault on the nodes' record
+        tell(f"the nodes' fault record ({path()}) could not be written: {e}; {', '.join(verdict.culprits)} "
+             f"not counted toward a quarantine")
+        return verdict
     extra = tuple(n for n in held if n in nodes and n not in verdict.bad_nodes)
     if not extra or not verdict.retry:
         return verdict
@@ -180,6 +185,8 @@ def of_verdict(inv, run: str, attempt: int, nodes: list[str], verdict, tell, qua
 
 
 def health(inv, run: str, attempt: int, sick: dict[str, str]) -> None:
-    """Record a failed health check ({node: reason}) against each node."""
+    """Record a failed health check ({node: reason}) against each node (a full disk records none:
+    the node is quarantined by its health check itself)."""
     now = time.time()
-    record(Fault(n, inv.node(n).host, HEALTH, run, attempt, now, why) for n, why in sick.items())
+    with contextlib.suppress(OSError):
+        record(Fault(n, inv.node(n).host, HEALTH, run, attempt, now, why) for n, why in sick.items())
