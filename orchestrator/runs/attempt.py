@@ -23,7 +23,8 @@ from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
+from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict
+from orchestrator.runs.hangsnap import RankSnap, snaps_of
 from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
@@ -102,7 +103,8 @@ class AttemptRunner:
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
         hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
         sw = self.watch_stragglers([n.name for n in nodes])
-        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None)
+        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None,
+                                                                   hw.feed if hw is not None else None)
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
                       start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
@@ -134,8 +136,8 @@ class AttemptRunner:
         self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
                                          world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
                                          on_hang=self.on_hang, say=self.say, tell=self.book.tell,
-                                         probe=lambda: self.probe_links(names),
-                                         observe=self.spec.on_hang == "observe", armed=armed)
+                                         probe=lambda: self.probe_links(names), busy_limit=self.spec.hang_busy_limit,
+                                         order=names, observe=self.spec.on_hang == "observe", armed=armed)
         hw.start()
         return hw
 
@@ -144,12 +146,7 @@ class AttemptRunner:
         live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
         ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
         got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
-        out: list[RankSnap] = []
-        for name, sn in sorted(got.items()):
-            if sn.error is not None:
-                self.say(f"{name}: no snapshot: {sn.error}")
-                continue
-            out.extend(RankSnap.from_agent(name, doc) for doc in sn.ranks)
+        out = snaps_of(got, self.say)
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run
             del self.snapshots[old]               # checked for days must not grow the supervisor
