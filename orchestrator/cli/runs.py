@@ -117,7 +117,12 @@ class _Show:
             self.announce(a)
         if self.follower is not None:
             self.follower.quiet = quiet_nodes(rec)
-        if self.follower is None and rec.get("rank_map"):
+        last = (rec.get("attempts") or [{}])[-1]
+        # an attempt not launched (yet, or ever: its launch failed) gets no map; a record that does not
+        # say (an older one) by its state
+        launched = last["launched"] if "launched" in last else \
+            rec.get("state") not in ("starting", "queued", "connecting", "preflight", "launching")
+        if self.follower is None and rec.get("rank_map") and launched:
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
                 click.echo(rec["rank_map"], err=True)

@@ -246,7 +246,7 @@ class AttemptRunner:
                 inv, src, code = there, rec["src"], now
         report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src, control=code)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
-        report.render(console)
+        report.render(console, ranks=report.ok or self.spec.force)  # no rank map for a launch that fails here
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
         tmp = self.run.dir / (name + ".tmp")  # written whole, then renamed: `train` prints it once it exists
         table = console.export_text()
@@ -330,7 +330,9 @@ class AttemptRunner:
             self.policy.failed(name, None, st.error)
             self.save()
             return
-        reason = (conn.lost_reason if conn else None) or res.error or "the SSH connection was lost"
+        # a lost node's result carries the words its loss was told in (runs/watch.py reconnect)
+        reason = (res.error if res.kind is ErrorKind.LOST else None) or (conn.lost_reason if conn else None) \
+            or res.error or "the SSH connection was lost"
         st.state, st.exit_code, st.error = NodeState.LOST, None, reason
         self.policy.failed(name, None, reason)
         self.save()
