@@ -4,7 +4,7 @@ watch's snapshots give them (runs/hangsnap.py RankSnap)."""
 
 import pytest
 
-from orchestrator.runs.hangrule import IDLE_S, Tracker, gone
+from orchestrator.runs.hangrule import GONE_S, IDLE_S, Tracker, gone
 from orchestrator.runs.hangsnap import RankSnap
 
 
@@ -96,13 +96,30 @@ def test_a_newer_step_is_progress_and_a_log_line_is_not_an_observation():
     assert kinds(t) == {0: "moving", 1: "waiting"} and t.last_progress() == 1.0
 
 
-def test_a_rank_its_node_reports_no_more_is_gone():
+def test_a_rank_its_node_reports_no_more_has_left_and_is_gone_only_after_gone_s():
     t = tracker([obs(0, 100, {"0": (7, 7)}), obs(1, 100, {"0": (7, 7)})],
                 [obs(0, 110, {"0": (8, 7)}), *gone("n2", [1], 110)])
     st = t.standing()
-    assert kinds(t) == {0: "moving", 1: "gone"} and not st.early  # torchrun ends a node whose rank ended
+    assert kinds(t) == {0: "moving", 1: "left"} and not st.early  # torchrun ends a node whose rank ended
     t.add(obs(0, 114, {"0": (8, 7)}), 2.0)
-    assert t.standing().kind == "stuck" and st.ranks[1].node == "n2"
+    assert t.standing().kind == "ending"  # the others leave the last collective within moments
+    t.add(gone("n2", [1], 110 + GONE_S)[0], 3.0)
+    t.add(obs(0, 110 + GONE_S, {"0": (8, 7)}), 3.0)
+    st = t.standing()
+    assert kinds(t) == {0: "waiting", 1: "gone"} and st.kind == "stuck" and st.ranks[1].node == "n2"
+
+
+def test_a_rank_whose_script_ended_or_whose_node_ended_is_never_waited_for():
+    from dataclasses import replace
+    t = tracker([obs(0, 100, {"0": (7, 7)}), obs(1, 100, {"0": (7, 7)})],
+                [obs(0, 110, {"0": (8, 7)}), replace(obs(1, 110, state="S"), exiting=True, replied=False)],
+                [obs(0, 200, {"0": (8, 7)}), replace(obs(1, 200, state="S", cpu=1.0), exiting=True, replied=False)])
+    assert kinds(t) == {0: "waiting", 1: "left"} and t.standing().kind == "ending"
+    t.end([1])
+    assert kinds(t) == {0: "waiting", 1: "ended"} and t.standing().kind == "ending"
+    fresh = Tracker([0, 1])
+    fresh.end([1])  # a node that ended before any record of it came
+    assert fresh.state(1).kind == "ended"
 
 
 def test_a_rank_never_seen_keeps_the_standing_undecided():

@@ -46,7 +46,8 @@ def watch(tmp_path, shots, **kw):
     def take(k):
         calls.append(k)
         clock["t"] += 3.0
-        return shots(k, clock["t"])
+        snaps = shots(k, clock["t"])
+        return snaps, sorted({s.node for s in snaps})
 
     kw.setdefault("timeout", 300.0)
     w = HangWatch(snap=take, world=[0, 1], ranks_of={0: "n1", 1: "n2"}, out_dir=tmp_path / "hangs",
@@ -223,3 +224,41 @@ def test_a_run_whose_hooks_never_answer_is_judged_on_its_log_and_its_cpu(tmp_pat
     w.tick()
     [(v, _)] = found
     assert v.text.startswith("hang: rank 0 (n1, pid 100) did not answer (no hook; state S)"), v.text
+
+
+def test_the_end_of_a_run_is_not_a_hang_ranks_leave_the_last_collective_one_by_one(tmp_path):
+    """Rank 1's script ended (its hook's atexit ran) while rank 0 was last seen inside the final
+    barrier, then rank 1's node's torchrun ended, and rank 0 is slow to exit (a loaded machine):
+    never looked at as a hang, though the hang timeout (3 s) passed many times over."""
+    w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {"0": (9, 8)})], timeout=3.0)
+    w.backstop_at -= 60
+    feed(w, 100, ({"0": (8, 8)}, "S", 1.0), ({"0": (8, 8)}, "S", 1.0))
+    feed(w, 110, ({"0": (9, 8)}, "S", 1.1), ({"0": (9, 9)}, "S", 1.1))  # rank 0 entered the barrier late
+    w.feed("n2", {"time": 120, "ranks": [dict(rank_doc(1, 120, {}), answer=None, exiting=True,
+                                              error="not asked: it is exiting (its script ended)")]})
+    w.feed("n1", {"time": 120, "ranks": [rank_doc(0, 120, {"0": (9, 8)}, cpu=1.1)]})
+    assert w.standing().kind == "ending", w.standing()
+    w.tick()
+    w.ended("n2")
+    w.feed("n1", {"time": 130, "ranks": [rank_doc(0, 130, {"0": (9, 8)}, cpu=1.1)]})
+    w.feed("n1", {"time": 160, "ranks": [rank_doc(0, 160, {}, cpu=1.1)]})  # destroy_process_group: no group left
+    w.tick()
+    assert calls == [] and found == [], said
+    assert w.silent_for(0.0) >= 3.0  # past the timeout: what keeps the backstop off is ENDING_S
+
+
+def test_a_rank_whose_process_ended_while_the_others_wait_is_named_only_after_gone_s(tmp_path):
+    """A process that ended without its node's torchrun ending: the run's end for GONE_S (the others
+    leave within moments), then a hang: they wait inside a collective for a rank that is gone."""
+    w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {"0": (9, 8)})])
+    feed(w, 100, ({"0": (8, 8)}, "S", 1.0), ({"0": (8, 8)}, "S", 1.0))
+    feed(w, 110, ({"0": (9, 8)}, "S", 1.1), ({"0": (8, 8)}, "S", 1.1))
+    w.feed("n2", {"time": 115, "ranks": []})
+    w.feed("n1", {"time": 115, "ranks": [rank_doc(0, 115, {"0": (9, 8)}, cpu=1.1)]})
+    w.tick()
+    assert calls == [] and w.standing().kind == "ending"
+    w.feed("n2", {"time": 140, "ranks": []})
+    w.feed("n1", {"time": 140, "ranks": [rank_doc(0, 140, {"0": (9, 8)}, cpu=1.1)]})
+    w.tick()
+    [(v, _)] = found
+    assert v.text.startswith("hang: rank 1 (n2, pid ?) has no process left on its node"), v.text

@@ -638,6 +638,9 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
         if p["state"] in "TtZX":
             p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"
             continue
+        if os.path.exists(os.path.join(hook, f"{pid}.exiting")):  # its script ended (the hook's atexit)
+            p["exiting"], p["error"] = True, "not asked: it is exiting (its script ended)"
+            continue
         fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until)
         if fd is None:
             p["error"] = "no hook answers in it" + why

@@ -141,8 +141,9 @@ class AttemptRunner:
         hw.start()
         return hw
 
-    def snapshot(self, names: list[str], request: int) -> list[RankSnap]:
-        """Every rank of the attempt on the nodes still running it (node agent `snapshot`)."""
+    def snapshot(self, names: list[str], request: int) -> tuple[list[RankSnap], list[str]]:
+        """Every rank of the attempt on the nodes still running it (node agent `snapshot`), and the
+        nodes that answered."""
         live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
         ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
         got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
@@ -150,7 +151,7 @@ class AttemptRunner:
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run
             del self.snapshots[old]               # checked for days must not grow the supervisor
-        return out
+        return out, sorted(n for n, sn in got.items() if sn.error is None)
 
     def probe_links(self, names: list[str]) -> list[tuple[str, str]]:
         """The node pairs of the attempt that cannot open a TCP connection to each other's SSH port."""
@@ -310,6 +311,8 @@ class AttemptRunner:
         """A node's log copy ended: the node was lost, or its torchrun ended (how: the status the
         agent's tail closed with, else ask the agent)."""
         name = res.node
+        if self.hang_watch is not None:  # its ranks are the run's end there, never waited for
+            self.hang_watch.ended(name)
         conn = self.cluster.connections.get(name)
         if final is not None:
             now = final

@@ -13,12 +13,17 @@ prints does not make a stuck rank look alive. Each rank is, at its newest observ
   workers and other processes of its RANK counted): it makes no progress and nothing says it will;
 - busy: no progress, but it computes or reads and writes (a rank evaluating alone, saving a
   checkpoint, a loop spinning in its own code);
-- quiet: no progress and no sign yet either way (idle for less than IDLE_S).
+- quiet: no progress and no sign yet either way (idle for less than IDLE_S);
+- left: its script ended (the hook's atexit ran), or its process ended less than GONE_S ago;
+  ended: its node's torchrun ended (`Tracker.end`). Both are the run's end, never a culprit; a
+  process gone for GONE_S while others still wait inside a collective is `gone` (a script that
+  ended early: the others wait for it forever).
 
 The Standing (`early` when a rank is stopped: worth a look at once, before the others are seen waiting):
 `moving` while any rank moves; `nobody waits` when no rank is inside a collective
 (every rank importing, loading, writing, sleeping: not a hang); otherwise, of the ranks not
-waiting, `stuck` when one is stopped, gone, in D state or idle (a hang), `busy` when they compute
+waiting, `stuck` when one is stopped, gone, in D state or idle (a hang), `ending` when one has
+left or ended (the others are leaving the last collective: not a hang), `busy` when they compute
 (a hang only once a rank has been busy that long: the watch's --hang-busy-limit), `quiet` while one
 has not shown which, and `all wait` when every rank is inside a collective (a broken link, or a
 collective that never completes: the watch asks whether the nodes reach each other).
@@ -39,6 +44,8 @@ IDLE_CPU = 0.05  # below this share of a core a rank is idle (one waiting in glo
 IDLE_IO = 1 << 16  # disk bytes read or written over the window below which a rank did no I/O
 ACT_S = 2.0  # the shortest window a rank's CPU is judged over
 KEEP = 12  # observations kept per rank: the stream's every 10 s and the checks' pairs, a few minutes
+GONE_S = 20.0  # a process ended this long while others wait inside a collective: not the run's end
+# (ranks leave the last collective within moments of each other; exit code != 0 is fail-fast's)
 DEFAULT_BUSY_LIMIT = 600.0  # a rank busy in its own code while others wait is a hang after this long
 
 
@@ -73,7 +80,7 @@ class Seen:
 class RankState:
     rank: int
     node: str
-    kind: str  # moving | waiting | stopped | gone | dstate | idle | busy | quiet
+    kind: str  # moving | waiting | stopped | gone | dstate | idle | busy | quiet | left | ended
     stalled_s: float  # how long its progress has not moved, as observed (node clock)
     cpu: float = 0.0  # share of a core over the window judged
     since: float = 0.0  # this machine's clock: when its progress last moved
@@ -86,11 +93,12 @@ class RankState:
 
 
 STUCK = ("stopped", "gone", "dstate", "idle")
+LEAVING = ("left", "ended")  # the run's end: never waited for, never a culprit
 
 
 @dataclass(frozen=True)
 class Standing:
-    kind: str  # moving | nobody waits | stuck | busy | quiet | all wait
+    kind: str  # moving | nobody waits | stuck | ending | busy | quiet | all wait
     ranks: Mapping[int, RankState]
     early: bool = False  # a rank is stopped: worth a look now
 
@@ -116,6 +124,7 @@ class Tracker:
         self.world = sorted(set(world))
         self.seen: dict[int, Seen] = {}
         self.answered = False  # a rank's hook has answered: progress can be told from steps and collectives
+        self.ended: set[int] = set()  # ranks whose node's torchrun ended
 
     def add(self, s: RankSnap, now: float) -> bool:
         """One observation of rank s.rank, taken at s.t on its node's clock and arriving at `now`;
@@ -134,6 +143,10 @@ class Tracker:
         seen.recent.append(s)
         return moved
 
+    def end(self, ranks: Iterable[int]) -> None:
+        """Their node's torchrun ended: the run's end there (or a failure, fail-fast's to act on)."""
+        self.ended.update(ranks)
+
     def last_progress(self) -> float | None:
         """When a rank's progress last moved (this machine's clock); None before any was seen."""
         return max((s.since for s in self.seen.values()), default=None)
@@ -141,12 +154,19 @@ class Tracker:
     def state(self, rank: int) -> RankState | None:
         seen = self.seen.get(rank)
         if seen is None or not seen.recent:
-            return None
+            return RankState(rank, "", "ended", 0.0) if rank in self.ended else None
         last = seen.recent[-1]
         stalled = (last.t or 0.0) - seen.since_t
         base = dict(rank=rank, node=last.node, stalled_s=max(stalled, 0.0), since=seen.since)
+        if rank in self.ended or last.exiting:
+            return RankState(kind="ended" if rank in self.ended else "left", **base)
         if last.state in ("Z", "X"):
-            return RankState(kind="gone", **base)
+            first = last
+            for o in reversed(seen.recent):
+                if o.state not in ("Z", "X"):
+                    break
+                first = o
+            return RankState(kind="gone" if (last.t or 0.0) - (first.t or 0.0) >= GONE_S else "left", **base)
         if last.state in ("T", "t"):
             return RankState(kind="stopped", **base)
         if stalled < WAIT_S:
@@ -177,6 +197,8 @@ class Tracker:
             return out("nobody waits")
         if any(k in STUCK for k in kinds):
             return out("stuck")
+        if any(k in LEAVING for k in kinds):
+            return out("ending")
         if "busy" in kinds:
             return out("busy")
         if "quiet" in kinds or len(ranks) < len(self.world):

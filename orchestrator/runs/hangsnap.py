@@ -55,6 +55,7 @@ class RankSnap:
     t: float | None = None  # when its CPU and I/O were read, on the node's clock
     step: int | None = None  # the newest step the script told clusterctl_step
     replied: bool = False  # the hook answered (a progress answer before the first collective says little)
+    exiting: bool = False  # its script ended: the hook's atexit ran (the run's end, not a hang)
 
     @property
     def answered(self) -> bool:
@@ -118,7 +119,7 @@ class RankSnap:
         return cls(node, int(rank) if str(rank).isdigit() else -1, doc.get("pid"), str(doc.get("state") or "?"),
                    str(doc.get("wchan") or ""), doc.get("cpu_s"), doc.get("error") or ans.get("fr_error"),
                    tuple(threads), pgs, names, outside, done, doc.get("tree_cpu_s"), doc.get("io"),
-                   doc.get("at") or t or doc.get("time"), step, bool(ans))
+                   doc.get("at") or t or doc.get("time"), step, bool(ans), bool(doc.get("exiting")))
 
 
 def snaps_of(docs: Mapping[str, object], say=None) -> list[RankSnap]:

@@ -27,21 +27,23 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from orchestrator.runs.hang import HangVerdict, analyze, with_links
-from orchestrator.runs.hangrule import DEFAULT_BUSY_LIMIT, Standing, Tracker, gone
+from orchestrator.runs.hangrule import DEFAULT_BUSY_LIMIT, LEAVING, Standing, Tracker, gone
 from orchestrator.runs.hangsnap import RankSnap, stacks_text, word
 
 CONFIRM_S = 3.0  # between a check's two snapshots
+ENDING_S = 60.0  # once a rank left or its node ended, the backstop gives the others this long to leave
 TICK_S = 1.0  # how often the Standing is judged (in memory: the nodes are asked only by a check)
 
 
 @dataclass
 class HangWatch:
     """Watches one attempt for a hang (see the module doc). `feed` takes each node's progress
-    record, `heard` each log byte; `snap(request)` returns every rank's snapshot and `probe()` the
-    node pairs that cannot reach each other; `on_hang(verdict, directory)` applies the policy."""
+    record, `heard` each log byte, `ended` each node whose torchrun ended; `snap(request)` returns
+    every rank's snapshot and the nodes that answered, `probe()` the node pairs that cannot reach
+    each other; `on_hang(verdict, directory)` applies the policy."""
 
     timeout: float
-    snap: Callable[[int], list[RankSnap]]
+    snap: Callable[[int], tuple[list[RankSnap], list[str]]]
     world: list[int]
     ranks_of: Mapping[int, str]
     out_dir: Path
@@ -78,14 +80,22 @@ class HangWatch:
         if not self.armed:
             self.armed, self.armed_at = True, time.monotonic()
 
+    def ended(self, node: str) -> None:
+        """`node`'s torchrun ended (or the node was lost): its ranks are the run's end there, never
+        waited for (a failure is fail-fast's)."""
+        with self.lock:
+            self.tracker.end(r for r, n in self.ranks_of.items() if n == node)
+
     def feed(self, node: str, doc: Mapping) -> None:
         """A node's progress record (node agent `snapshot_doc`, what=progress)."""
         if doc.get("error"):
             return
-        self.add([RankSnap.from_agent(node, d, doc.get("time")) for d in doc.get("ranks") or ()], [node])
+        self.add([RankSnap.from_agent(node, d, doc.get("time")) for d in doc.get("ranks") or ()], [node],
+                 doc.get("time"))
 
-    def add(self, snaps: list[RankSnap], nodes: Sequence[str]) -> None:
-        """Observations of `nodes`' ranks; a rank seen before that a node reports no more has gone."""
+    def add(self, snaps: list[RankSnap], nodes: Sequence[str], at: float | None = None) -> None:
+        """Observations of `nodes`' ranks; a rank seen before that a node reports no more has gone
+        (at its node's time of the report: `at` where it reported no rank at all)."""
         now = time.monotonic()
         with self.lock:
             moved = False
@@ -93,7 +103,7 @@ class HangWatch:
                 if s.rank >= 0:
                     moved |= self.tracker.add(s, now)
             for node in nodes:
-                t = max((s.t for s in snaps if s.node == node and s.t), default=None)
+                t = max((s.t for s in snaps if s.node == node and s.t), default=at)
                 missing = [r for r, n in self.ranks_of.items() if n == node and r in self.tracker.seen
                            and not any(s.rank == r for s in snaps)]
                 for s in gone(node, missing, t):
@@ -133,16 +143,23 @@ class HangWatch:
             self.check(st, backstop=False)
         elif st.kind == "busy":
             self.busy(st, now)
-        elif now - self.backstop_at >= self.timeout and self.silent_for(now) >= self.timeout:
+        elif now - self.backstop_at >= self.timeout and self.silent_for(now) >= self.backstop(st):
             self.check(st, backstop=True)
+
+    def backstop(self, st: Standing) -> float:
+        """No progress this long is looked at: the hang timeout; once a rank left or its node ended,
+        no less than ENDING_S (the others are leaving too: a slow exit is not a hang)."""
+        return max(self.timeout, ENDING_S) if st.of(*LEAVING) or self.tracker.ended else self.timeout
 
     def silent_for(self, now: float) -> float:
         """How long no rank's progress has moved: as the observations show it (each rank's, on its
-        node's clock, the least of them), or, where no hook ever answered, since the last log byte."""
+        node's clock, the least of them; ranks that left are not counted), or, where no hook ever
+        answered, since the last log byte."""
         with self.lock:
             if not self.tracker.answered:
                 return now - max(self.log_at, self.armed_at)
-            stalled = [st.stalled_s for r in self.world if (st := self.tracker.state(r)) is not None]
+            stalled = [st.stalled_s for r in self.world
+                       if (st := self.tracker.state(r)) is not None and st.kind not in LEAVING]
         return min(stalled) if stalled else 0.0
 
     def busy(self, st: Standing, now: float) -> None:
@@ -160,8 +177,9 @@ class HangWatch:
 
     def take(self) -> list[RankSnap]:
         self.requests += 1
-        snaps = self.snap(self.requests)
-        self.add(snaps, sorted({s.node for s in snaps}))
+        snaps, nodes = self.snap(self.requests)
+        # a node that answered without a rank it had: that rank's process ended
+        self.add(snaps, nodes, max((s.t for s in snaps if s.t), default=None))
         return snaps
 
     # ---------------------------------------------------------------- a closer look
@@ -202,6 +220,10 @@ class HangWatch:
                 tell(f"rank {working[0].rank} ({working[0].node}) is busy ({working[0].cpu:.0%} of a core): not a hang")
                 return None
             return analyze(snaps, self.world, self.ranks_of)
+        if st.kind == "ending":
+            tell("ranks are leaving (" + ", ".join(f"rank {s.rank} {s.kind}" for s in st.of("left", "ended")) +
+                 "): the run's end, not a hang")
+            return None
         if st.kind == "nobody waits":
             tell("no rank waits in a collective for another (each is in its own code: importing, loading, "
                  "writing, sleeping): not a hang")

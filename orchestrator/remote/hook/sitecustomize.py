@@ -238,6 +238,18 @@ def _settle():
         quiet = 0 if _runnable(me) else quiet + 1
 
 
+def _leaving(fifo):
+    """At exit (the script ended, its own atexit handlers ran): say so beside the request FIFO,
+    then remove it. The hang watch takes a rank that is leaving for the run's end, not a hang."""
+    try:
+        with open(fifo[: -len(".fifo")] + ".exiting", "w"):
+            pass
+    except OSError:
+        pass
+    if os.path.exists(fifo):
+        os.unlink(fifo)
+
+
 def _install():
     d = os.environ.get(HOOK_ENV)
     if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
@@ -254,7 +266,7 @@ def _install():
     import threading
 
     atexit.register(_settle)  # registered first, run last
-    atexit.register(lambda: os.path.exists(fifo) and os.unlink(fifo))
+    atexit.register(_leaving, fifo)
     threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
 
 
