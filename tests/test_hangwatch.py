@@ -7,7 +7,7 @@ import json
 import threading
 
 from orchestrator.runs.hangsnap import Frame, RankSnap
-from orchestrator.runs.hangwatch import HangWatch
+from orchestrator.runs.hangwatch import EDGE_S, HangWatch
 from tests.conftest import wait_for
 
 AR = ("gloo:all_reduce", "[[4]]")
@@ -244,7 +244,7 @@ def test_the_end_of_a_run_is_not_a_hang_ranks_leave_the_last_collective_one_by_o
     w.feed("n1", {"time": 160, "ranks": [rank_doc(0, 160, {}, cpu=1.1)]})  # destroy_process_group: no group left
     w.tick()
     assert calls == [] and found == [], said
-    assert w.silent_for(0.0) >= 3.0  # past the timeout: what keeps the backstop off is ENDING_S
+    assert w.silent_for(0.0) >= 3.0  # past the timeout: what keeps the backstop off is EDGE_S
 
 
 def test_a_rank_whose_process_ended_while_the_others_wait_is_named_only_after_gone_s(tmp_path):
@@ -262,3 +262,17 @@ def test_a_rank_whose_process_ended_while_the_others_wait_is_named_only_after_go
     w.tick()
     [(v, _)] = found
     assert v.text.startswith("hang: rank 1 (n2, pid ?) has no process left on its node"), v.text
+
+
+def test_a_slow_start_before_the_first_collective_is_given_edge_s_by_the_backstop(tmp_path):
+    """Hooks answer from the interpreter's start, long before the first collective (imports, the
+    rendezvous: minutes on a loaded machine): no progress yet is no silence until EDGE_S."""
+    w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {}), full(1, t, {})], timeout=3.0)
+    w.backstop_at -= 600
+    feed(w, 100, ({}, "S", 1.0), ({}, "S", 1.0))
+    feed(w, 110, ({}, "S", 5.0), ({}, "S", 5.0))
+    w.tick()
+    assert calls == [] and w.silent_for(0.0) >= 3.0
+    feed(w, 100 + EDGE_S, ({}, "S", 9.0), ({}, "S", 9.0))
+    w.tick()
+    assert calls == [1, 2] and found == []  # looked at, at last: nobody waits on anybody, not a hang

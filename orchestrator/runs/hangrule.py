@@ -125,6 +125,7 @@ class Tracker:
         self.seen: dict[int, Seen] = {}
         self.answered = False  # a rank's hook has answered: progress can be told from steps and collectives
         self.ended: set[int] = set()  # ranks whose node's torchrun ended
+        self.started = False  # a rank was seen inside or past a collective, or told a step
 
     def add(self, s: RankSnap, now: float) -> bool:
         """One observation of rank s.rank, taken at s.t on its node's clock and arriving at `now`;
@@ -137,6 +138,7 @@ class Tracker:
         moved = False
         if s.replied or s.answered:
             self.answered = True
+            self.started |= bool(s.pgs) or s.step is not None
             if seen.known is not None and progressed(seen.known, s):
                 seen.since_t, seen.since, moved = t, now, True
             seen.known = s

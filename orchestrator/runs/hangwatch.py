@@ -31,7 +31,8 @@ from orchestrator.runs.hangrule import DEFAULT_BUSY_LIMIT, LEAVING, Standing, Tr
 from orchestrator.runs.hangsnap import RankSnap, stacks_text, word
 
 CONFIRM_S = 3.0  # between a check's two snapshots
-ENDING_S = 60.0  # once a rank left or its node ended, the backstop gives the others this long to leave
+EDGE_S = 60.0  # the backstop's least wait at a run's edges: before any rank entered a collective or
+# told a step (imports, rendezvous, a first load), and once a rank left (the others are leaving too)
 TICK_S = 1.0  # how often the Standing is judged (in memory: the nodes are asked only by a check)
 
 
@@ -147,9 +148,13 @@ class HangWatch:
             self.check(st, backstop=True)
 
     def backstop(self, st: Standing) -> float:
-        """No progress this long is looked at: the hang timeout; once a rank left or its node ended,
-        no less than ENDING_S (the others are leaving too: a slow exit is not a hang)."""
-        return max(self.timeout, ENDING_S) if st.of(*LEAVING) or self.tracker.ended else self.timeout
+        """No progress this long is looked at: the hang timeout; at the run's edges (no collective or
+        step yet, or a rank left or its node ended) no less than EDGE_S: a slow start or exit is not
+        a hang."""
+        with self.lock:
+            t = self.tracker
+            edge = bool(t.ended or st.of(*LEAVING) or (t.answered and not t.started))
+        return max(self.timeout, EDGE_S) if edge else self.timeout
 
     def silent_for(self, now: float) -> float:
         """How long no rank's progress has moved: as the observations show it (each rank's, on its
