@@ -215,6 +215,9 @@ def test_a_run_whose_hooks_never_answer_is_judged_on_its_log_and_its_cpu(tmp_pat
     bytes stand in for progress, and an idle rank that does not answer is named at the backstop."""
     w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {}, hooked=False), full(1, t, {}, hooked=False)],
                                   timeout=30.0)
+    w.clock["t"] = 100
+    for node, rank in (("n1", 0), ("n2", 1)):  # the records come, and no hook answers in them
+        w.feed(node, {"time": 100, "ranks": [dict(rank_doc(rank, 100, {}), answer=None, error="no hook answers in it")]})
     w.heard()
     w.tick()
     assert calls == []  # a line just now
@@ -276,3 +279,17 @@ def test_a_slow_start_before_the_first_collective_is_given_edge_s_by_the_backsto
     feed(w, 100 + EDGE_S, ({}, "S", 9.0), ({}, "S", 9.0))
     w.tick()
     assert calls == [1, 2] and found == []  # looked at, at last: nobody waits on anybody, not a hang
+
+
+def test_before_the_first_progress_record_a_quiet_log_is_not_silence(tmp_path):
+    """The first records come PERIOD_S after the stream starts: until then the watch knows nothing
+    of the hooks, and a script quiet from its first line (collectives, no prints) is not looked at
+    (the log's bytes stand in for progress only once records show no hook answers)."""
+    w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {"0": (9, 9)}), full(1, t, {"0": (9, 9)})],
+                                  timeout=3.0)
+    w.heard()
+    w.log_at -= 10
+    w.armed_at -= 10
+    w.backstop_at -= 10
+    w.tick()
+    assert calls == [], said

@@ -148,12 +148,13 @@ class HangWatch:
             self.check(st, backstop=True)
 
     def backstop(self, st: Standing) -> float:
-        """No progress this long is looked at: the hang timeout; at the run's edges (no collective or
-        step yet, or a rank left or its node ended) no less than EDGE_S: a slow start or exit is not
-        a hang."""
+        """No progress this long is looked at: the hang timeout; at the run's edges (no progress
+        record yet, no collective or step yet, or a rank left or its node ended) no less than EDGE_S:
+        a slow start or exit is not a hang. (Before the first record, the log's bytes would stand
+        in for progress as for a run whose hooks never answer: a quiet script was looked at.)"""
         with self.lock:
             t = self.tracker
-            edge = bool(t.ended or st.of(*LEAVING) or (t.answered and not t.started))
+            edge = bool(t.ended or st.of(*LEAVING) or not t.seen or (t.answered and not t.started))
         return max(self.timeout, EDGE_S) if edge else self.timeout
 
     def silent_for(self, now: float) -> float:
