@@ -215,6 +215,37 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         agent("stop", "h1@n1", 1)
 
 
+# a rank whose script ended and whose exit takes long (a finalizer that waits: a loaded machine's
+# slow teardown): the hook's atexit ran, so the agent reports it exiting, not a rank to wait for
+EXITING = """
+import time
+class Slow:
+    def __del__(self):
+        time.sleep(30)
+keep = Slow()
+print("ready", flush=True)
+"""
+
+
+def test_a_rank_whose_script_ended_is_reported_exiting_not_as_one_that_does_not_answer(agent):
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": EXITING},
+            "hook": HOOK}
+    assert agent("start", "h2@n1", json.dumps(spec).encode().hex()).returncode == 0
+    d = rundir(agent, "h2@n1")
+    try:
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
+        assert wait_for(lambda: list((d / "hook").glob("*.exiting")), timeout=30, what="the hook's exit mark")
+        [rank] = json.loads(agent("snapshot", "h2@n1", 1, 5, "progress").stdout)["ranks"]
+        assert rank["exiting"] is True and rank["error"] == "not asked: it is exiting (its script ended)", rank
+        s = RankSnap.from_agent("n1", rank)
+        assert s.exiting and not s.replied
+        t = Tracker([0])
+        t.add(s, 0.0)
+        assert t.state(0).kind == "left" and t.standing().kind == "nobody waits"
+    finally:
+        agent("stop", "h2@n1", 1)
+
+
 def test_the_hook_stays_out_of_processes_that_are_not_ranks_and_runs_the_sitecustomize_it_shadows(tmp_path):
     hook, other, fifos = tmp_path / "py", tmp_path / "other", tmp_path / "hook"
     for p in (hook, other, fifos):
