@@ -12,22 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from orchestrator.runs.hang import (
-    Frame,
-    HangVerdict,
-    RankSnap,
-    analyze,
-    progressed,
-    stacks_text,
-    with_links,
-)
-from orchestrator.runs.hangwatch import HangWatch
+from orchestrator.runs.hang import HangVerdict, analyze, link_ends, with_links
+from orchestrator.runs.hangrule import Tracker
+from orchestrator.runs.hangsnap import Frame, RankSnap, stacks_text
 from tests.conftest import wait_for
 from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
 
@@ -81,25 +72,18 @@ def test_a_mismatch_names_the_collective_most_ranks_entered_whatever_the_hash_se
 
 
 def test_a_rank_too_slow_to_answer_the_first_snapshot_is_not_progress():
-    # recorded: rank 1 answered request 1 after the agent's wait; the watch then took it for progress
-    assert progressed(recorded("loader", "1"), recorded("loader", "2"), 2.0) is None
-    assert progressed(recorded("loader", "2"), recorded("loader", "3"), 2.0) is None
+    # recorded: rank 1 answered request 1 after the agent's wait; taking its first answer as the
+    # baseline would see its collectives appear as progress
+    t = Tracker([0, 1])
+    moved = [t.add(s, float(k)) for k in ("1", "2", "3", "4") for s in recorded("loader", k)]
+    assert not any(moved)
 
 
-def test_a_rank_busy_in_its_own_code_is_not_a_hang_but_a_waiting_one_is():
-    before = [snap("n1", 0, {"0": 3}), snap("n2", 1, {"0": 2}, where=("eval.py", 9, "evaluate", False))]
-    busy = [snap("n1", 0, {"0": 3}), RankSnap("n2", 1, 101, "R", "", 1.0 + 1.8, None, before[1].threads, {"0": 2})]
-    assert progressed(before, busy, 2.0) == "rank 1 (n2) is busy in its own code (90% of a core, at eval.py:9 " \
-                                            "evaluate): not a hang"
-    assert progressed(before, before, 2.0) is None  # same CPU time: waiting, or asleep
-    moved = [snap("n1", 0, {"0": 4}), snap("n2", 1, {"0": 4})]
-    assert progressed(before, moved, 2.0).startswith("the ranks still enter collectives")
-
-
-def snap(node, rank, pgs, names=None, where=("train.py", 10, "step", False), state="S", error=None, answered=True):
+def snap(node, rank, pgs, names=None, where=("train.py", 10, "step", False), state="S", error=None, answered=True,
+         done=None):
     frames = (Frame(where[0], where[1], where[2], lib=where[3]),)
     return RankSnap(node, rank, 100 + rank, state, "", 1.0, error, (("MainThread", frames),) if answered else (),
-                    pgs if answered else {}, names or {})
+                    pgs if answered else {}, names or {}, done=(done or {}) if answered else {})
 
 
 AR = ("gloo:all_reduce", "[[4]]")
@@ -159,78 +143,10 @@ def test_stacks_text_prints_identical_stacks_once_under_their_ranks():
     assert "collectives entered: pg 0 #2 gloo:all_reduce" in text
 
 
-# ------------------------------------------------------------------ the watch
-
-
-def watch(tmp_path, seqs, observe=False, timeout=1.0, pause=False):
-    """A HangWatch over two ranks whose snapshots enter the collectives in `seqs` (one per request)."""
-    calls, found = [], []
-
-    def take(k):
-        calls.append(k)
-        s = seqs[min(k, len(seqs)) - 1]
-        return [snap("n1", 0, {"0": s}, {("0", s): AR}, where=("c10d.py", 1, "all_reduce", True)),
-                snap("n2", 1, {"0": s - 1}, {("0", s - 1): AR}, where=("t.py", 3, "loader", False))]
-
-    w = HangWatch(timeout=timeout, snap=take, world=[0, 1], ranks_of={0: "n1", 1: "n2"}, out_dir=tmp_path / "hangs",
-                  on_hang=lambda v, d: found.append((v, d)), say=lambda line: None, observe=observe, armed=True)
-    if not pause:
-        w.stop.wait = lambda s: False  # no confirmation pause when check() is called directly
-    return w, calls, found
-
-
-def test_the_watch_records_a_hang_with_its_verdict_and_stacks(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7])
-    w.check()
-    assert calls == [1, 2] and len(found) == 1
-    v, d = found[0]
-    assert d == tmp_path / "hangs" / "1"
-    assert json.loads((d / "verdict.json").read_text())["culprits"][0]["node"] == "n2"
-    assert "thread MainThread" in (d / "stacks.txt").read_text()
-    assert w.last != float("inf")  # fail/restart: the attempt ends; the next attempt has its own watch
-
-
-def test_a_quiet_run_that_still_enters_collectives_is_not_a_hang(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 9])
-    w.check()
-    assert calls == [1, 2] and found == []
-
-
-def test_observe_tells_a_hang_once_until_the_run_makes_progress_again(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7], observe=True)
-    w.check()
-    assert len(found) == 1 and w.last == float("inf")
-    w.heard()  # a log line: progress, the watch is armed again
-    assert w.last != float("inf")
-
-
-def test_a_log_line_between_the_snapshots_is_progress(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7])
-
-    def take(k):
-        w.heard()
-        return []
-
-    w.snap = take
-    w.check()
-    assert calls == [] and found == []
-
-
-def test_the_watch_thread_fires_after_the_timeout_and_stops_on_close(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7], timeout=0.5, pause=True)
-    w.start()
-    try:
-        assert wait_for(lambda: found, timeout=30)
-    finally:
-        w.close()
-    w.thread.join(10)
-    assert not w.thread.is_alive()
-
-
 def test_a_verdict_serialises_what_the_record_and_json_report():
     v = HangVerdict("hang: x", ("d",), collective="gloo:all_reduce #1")
     assert v.to_json() == {"text": "hang: x", "details": ["d"], "collective": "gloo:all_reduce #1",
-                           "mismatch": False, "deadlock": False, "links": [], "culprits": []}
+                           "mismatch": False, "deadlock": False, "links": [], "avoid": [], "culprits": []}
 
 
 # ------------------------------------------------------------------ the node side, as shipped
@@ -273,6 +189,14 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         assert s.where.endswith(" stuck_here") and s.pgs == {"0": 3}
         assert s.names[("0", 3)][0] == "gloo:all_reduce"
         assert not list((d / "hook").glob("*.json"))  # answers are taken away once read
+        # the progress answer, every few seconds on the node's stream: each process group's newest
+        # collective entered and completed (the hang watch's "inside a collective"), and the rank's
+        # CPU and disk I/O with the moment they were read
+        prog = json.loads(agent("snapshot", "h1@n1", 4, 20, "progress").stdout)["ranks"][0]
+        assert prog["answer"]["pgs"] == {"0": [3, 3]} and "stacks" not in prog["answer"], prog
+        assert prog["tree_cpu_s"] >= prog["cpu_s"] > 0 and isinstance(prog["io"], int) and prog["at"] > 0, prog
+        p = RankSnap.from_agent("n1", prog)
+        assert p.replied and p.pgs == {"0": 3} and p.done == {"0": 3} and p.inside == {} and p.t == prog["at"]
         os.kill(rank["pid"], signal.SIGSTOP)
         try:
             stopped = json.loads(agent("snapshot", "h1@n1", 2, 5).stdout)["ranks"][0]
@@ -291,6 +215,37 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         agent("stop", "h1@n1", 1)
 
 
+# a rank whose script ended and whose exit takes long (a finalizer that waits: a loaded machine's
+# slow teardown): the hook's atexit ran, so the agent reports it exiting, not a rank to wait for
+EXITING = """
+import time
+class Slow:
+    def __del__(self):
+        time.sleep(30)
+keep = Slow()
+print("ready", flush=True)
+"""
+
+
+def test_a_rank_whose_script_ended_is_reported_exiting_not_as_one_that_does_not_answer(agent):
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": EXITING},
+            "hook": HOOK}
+    assert agent("start", "h2@n1", json.dumps(spec).encode().hex()).returncode == 0
+    d = rundir(agent, "h2@n1")
+    try:
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
+        assert wait_for(lambda: list((d / "hook").glob("*.exiting")), timeout=30, what="the hook's exit mark")
+        [rank] = json.loads(agent("snapshot", "h2@n1", 1, 5, "progress").stdout)["ranks"]
+        assert rank["exiting"] is True and rank["error"] == "not asked: it is exiting (its script ended)", rank
+        s = RankSnap.from_agent("n1", rank)
+        assert s.exiting and not s.replied
+        t = Tracker([0])
+        t.add(s, 0.0)
+        assert t.state(0).kind == "left" and t.standing().kind == "nobody waits"
+    finally:
+        agent("stop", "h2@n1", 1)
+
+
 def test_the_hook_stays_out_of_processes_that_are_not_ranks_and_runs_the_sitecustomize_it_shadows(tmp_path):
     hook, other, fifos = tmp_path / "py", tmp_path / "other", tmp_path / "hook"
     for p in (hook, other, fifos):
@@ -307,34 +262,6 @@ def test_the_hook_stays_out_of_processes_that_are_not_ranks_and_runs_the_sitecus
     out = subprocess.run([sys.executable, "-c", code, str(fifos)], env=dict(env, RANK="3"), capture_output=True,
                          text=True)
     assert out.stdout.strip().startswith("1 ['") and ".fifo" in out.stdout, out.stderr
-
-
-def test_the_silence_before_the_first_line_is_not_watched(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7], timeout=0.2, pause=True)
-    w.armed = False  # a fresh attempt: imports and rendezvous print nothing for a while
-    w.start()
-    try:
-        time.sleep(1.0)
-        assert calls == []
-        w.heard()  # the first line: from now on silence counts
-        assert wait_for(lambda: found, timeout=30)
-    finally:
-        w.close()
-
-
-def test_no_rank_found_is_nothing_to_judge(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7])
-    w.snap = lambda k: calls.append(k) or []
-    w.check()
-    assert calls == [1, 2] and found == [] and w.last != float("inf")
-
-
-def test_the_watch_never_runs_with_a_zero_timeout(tmp_path):
-    w, calls, found = watch(tmp_path, [7, 7], timeout=0)
-    w.start()
-    assert w.thread is None
-    time.sleep(0.1)
-    assert calls == [] and threading.active_count() >= 1
 
 
 def test_two_ranks_waiting_for_each_other_in_two_groups_are_a_deadlock_and_no_node_is_blamed():
@@ -364,3 +291,59 @@ def test_a_rank_behind_with_nobody_waiting_on_the_waiters_is_no_deadlock():
     v = analyze(snaps, range(2))
     assert not v.deadlock and v.text.startswith("hang: rank 1 (n2, pid 101) never entered gloo:all_reduce #6")
     assert v.nodes == ("n2",)
+
+
+BC = ("gloo:broadcast", "[[1]]")
+LIB = ("distributed_c10d.py", 1, "wait", True)
+
+
+def partitioned():
+    """n2 and n3 cut from each other mid-step: ranks 0,2-3 entered broadcast #12, rank 1 is still
+    inside all_reduce #11 (entered, not completed), as the Flight Recorder has it."""
+    snaps = [snap(f"n{r + 1}", r, {"0": 12}, {("0", 12): BC}, where=LIB, done={"0": 11}) for r in (0, 2, 3)]
+    snaps.append(snap("n2", 1, {"0": 11}, {("0", 11): AR}, where=LIB, done={"0": 10}))
+    return snaps
+
+
+def test_a_rank_waiting_inside_an_earlier_collective_did_not_stay_away_from_the_later_one():
+    v = analyze(partitioned(), range(4))
+    assert not v.culprits and "never entered" not in v.text, v.text
+    assert v.text == ("hang: every rank waits inside a collective (ranks 0,2-3 in gloo:broadcast #12; rank 1 in "
+                      "gloo:all_reduce #11) and none came out: the ranks cannot reach each other (a link between "
+                      "nodes, or a firewall)")
+    linked = with_links(v, [("n2", "n3")], ["n1", "n2", "n3", "n4"])
+    assert linked.text.startswith("hang: every rank waits inside a collective (ranks 0,2-3 in gloo:broadcast #12; "
+                                  "rank 1 in gloo:all_reduce #11) and the nodes n2 ↔ n3 cannot reach each other")
+    # no node is blamed: a restart leaves out one end of the link, for this run
+    assert linked.culprits == () and linked.avoid == ("n3",) and linked.nodes == ("n3",)
+    assert linked.details[-1] == ("no node is to blame; --on-hang restart goes on without n3 (one end of each "
+                                  "broken link, for this run only)")
+    assert linked.to_json()["avoid"] == ["n3"]
+
+
+def test_a_rank_that_never_reached_the_first_collective_is_named():
+    waiting = [snap(f"n{r + 1}", r, {"0": 1}, {("0", 1): ("gloo:barrier", "[[0]]")}, where=LIB, done={"0": -1})
+               for r in (0, 2, 3)]
+    early = snap("n2", 1, {}, where=("train.py", 7, "download", False))  # its hook answered; no collective yet
+    v = analyze([*waiting, early], range(4))
+    assert v.text == ("hang: rank 1 (n2, pid 101) never entered gloo:barrier #1 that ranks 0,2-3 wait in; its stack: "
+                      "train.py:7 download")
+    assert v.nodes == ("n2",)
+
+
+def test_a_rank_busy_past_the_limit_is_named_busy():
+    snaps = [snap(f"n{r + 1}", r, {"0": 41}, {("0", 41): AR}, where=LIB, done={"0": 40}) for r in (1, 2)]
+    snaps.append(snap("n1", 0, {"0": 40}, {("0", 40): AR}, where=("eval.py", 9, "evaluate", False), done={"0": 40}))
+    v = analyze(snaps, range(3), busy={0: "has been busy in its own code for 612s (98% of a core)"})
+    assert v.text == ("hang: rank 0 (n1, pid 100) has been busy in its own code for 612s (98% of a core) and never "
+                      "entered gloo:all_reduce #41 that ranks 1-2 wait in; its stack: eval.py:9 evaluate")
+
+
+@pytest.mark.parametrize("down, ends", [
+    ([("n2", "n3")], ("n3",)),  # of two workers, the later in rank order
+    ([("n1", "n2")], ("n2",)),  # never the master when the other end will do
+    ([("n1", "n3"), ("n3", "n2"), ("n4", "n3")], ("n3",)),  # the node in every broken pair
+    ([("n2", "n3"), ("n1", "n4")], ("n3", "n4")),
+])
+def test_a_restart_leaves_out_the_fewest_ends_of_the_broken_links(down, ends):
+    assert link_ends(down, ["n1", "n2", "n3", "n4"]) == ends

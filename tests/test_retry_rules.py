@@ -81,6 +81,14 @@ def test_a_hang_is_not_retried_unless_its_culprits_node_can_be_left_out():
     assert hang_retried("restart", ("n2",)) and not hang_retried("observe", ("n2",)) and not hang_retried("restart", ())
 
 
+def test_a_broken_link_is_retried_without_one_end_of_it_and_blames_no_node():
+    link = HangVerdict("hang: every rank entered gloo:all_reduce #9 and the nodes n2 ↔ n3 cannot reach each other",
+                       links=(("n2", "n3"),), avoid=("n3",))
+    v = loop(on_hang="restart").verdict(SimpleNamespace(hang=link, straggler=None), FAILED)
+    assert (v.cause, v.retry, v.bad_nodes) == ("hang", True, ("n3",)) and link.culprits == ()
+    assert not loop(on_hang="fail").verdict(SimpleNamespace(hang=link, straggler=None), FAILED).retry
+
+
 def test_a_straggler_replaced_is_retried_without_its_node():
     runner = SimpleNamespace(hang=None, straggler=("straggler: n3 rank 2 computes 2.6x the median (...)", ("n3",)))
     v = loop(on_straggler="replace").verdict(runner, FAILED)

@@ -258,9 +258,13 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Use quarantined nodes for this run (`clusterctl health` lists them), and quarantine none "
                    "whose health check fails.")
 @click.option("--hang-timeout", type=click.FloatRange(0, 86400), default=None, metavar="SECONDS",
-              help="No rank wrote a line or entered a collective for this long: snapshot every rank's stacks "
-                   "and collectives, name the rank holding the others up, and apply --on-hang; 0 turns it off "
-                   "[default: the inventory's train.hang_timeout, else 300].")
+              help="The hang watch's backstop: no rank made progress (a step, a collective) for this long: "
+                   "snapshot every rank's stacks and collectives, name the rank holding the others up, and apply "
+                   "--on-hang (ranks waiting for a stopped or idle rank are named within seconds, whatever "
+                   "this is); 0 turns the watch off [default: the inventory's train.hang_timeout, else 300].")
+@click.option("--hang-busy-limit", type=click.FloatRange(0, 86400, min_open=True), default=None, metavar="SECONDS",
+              help="A rank busy in its own code this long while the others wait for it in a collective is a "
+                   "hang [default: the inventory's train.hang_busy_limit, else 600].")
 @click.option("--on-hang", type=click.Choice(ON_HANG), default=None,
               help="What a hang does: fail the run, restart it from its checkpoint without the culprit's node "
                    "(a spare takes its place; counts against --max-restarts), or observe (report and go on) "
@@ -281,8 +285,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, on_hang, on_straggler, straggler_factor,
-                  straggler_window, no_fold, script, events):
+                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, hang_busy_limit, on_hang, on_straggler,
+                  straggler_factor, straggler_window, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -305,8 +309,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        **_health(inv.train, hang_timeout=hang_timeout, on_hang=on_hang, on_straggler=on_straggler,
-                  straggler_factor=straggler_factor, straggler_window=straggler_window)))
+        **_health(inv.train, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit, on_hang=on_hang,
+                  on_straggler=on_straggler, straggler_factor=straggler_factor, straggler_window=straggler_window)))
     save_events(run, notify, events)
     _carry_curves(run)
     sup = start_supervisor(run)

@@ -51,9 +51,11 @@ class TrainSection(_Model):
     # each node's complete checkpoints are also copied node to node to the next node in rank order
     # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
     checkpoint_replica: bool = False
-    # no rank made progress (no log line, no collective) for this many seconds: a hang, named and
-    # acted on (runs/hang.py); 0 turns the watch off
+    # the hang watch's backstop: no rank made progress (no step, no collective) for this many
+    # seconds: a hang, named and acted on (runs/hangwatch.py); 0 turns the watch off
     hang_timeout: float = Field(default=300.0, ge=0, le=86400)
+    # a rank busy in its own code this long while the others wait for it in a collective is a hang
+    hang_busy_limit: float = Field(default=600.0, gt=0, le=86400)
     on_hang: Literal["fail", "restart", "observe"] = "fail"  # restart: without the culprit's node
     # a rank whose median compute per step over the last straggler_window steps is this many times
     # the median of every rank's is a straggler (runs/straggler.py); 0 turns the watch off

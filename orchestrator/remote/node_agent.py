@@ -563,11 +563,23 @@ def proc_stat(pid):
     return fields[0], int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def disk_io(pid):
+    """Bytes the process read from and wrote to storage (/proc/PID/io; None where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            got = dict(line.split(": ") for line in f.read().splitlines() if ": " in line)
+        return int(got["read_bytes"]) + int(got["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def rank_procs(run_id, torchrun_pid, hook=None):
-    """{pid: {"rank", "local_rank", "state", "ppid", "cpu_s", "wchan"}} for each rank of the run on
-    this node: of the processes with that RANK that are not torchrun nor its rank_lines.py wrapper
-    (a rank's data-loader workers carry its RANK too, and so does a shell script between the
-    wrapper and Python), the topmost one whose hook listens in `hook`, else the topmost."""
+    """{pid: {"rank", "local_rank", "state", "ppid", "cpu_s", "wchan", "tree_cpu_s", "io", "at"}} for each
+    rank of the run on this node: of the processes with that RANK that are not torchrun nor its
+    rank_lines.py wrapper (a rank's data-loader workers carry its RANK too, and so does a shell
+    script between the wrapper and Python), the topmost one whose hook listens in `hook`, else the
+    topmost; tree_cpu_s and io (disk bytes) are those of all of them together, read at `at` (the
+    hang watch's sign that a rank works: runs/hangrule.py)."""
     found = {}
     for pid in run_pids(run_id):
         if pid == torchrun_pid:
@@ -588,7 +600,9 @@ def rank_procs(run_id, torchrun_pid, hook=None):
         pick = [pid for pid in group if hook and os.path.exists(os.path.join(hook, f"{pid}.fifo"))] or group
         tops = [pid for pid in pick if found[pid]["ppid"] not in pick]
         pid = min(tops or pick)
-        out[pid] = found[pid]
+        ios = [disk_io(p) for p in group]
+        out[pid] = dict(found[pid], at=time.time(), tree_cpu_s=round(sum(found[p]["cpu_s"] for p in group), 3),
+                        io=sum(i for i in ios if i is not None) if any(i is not None for i in ios) else None)
     return out
 
 
@@ -623,6 +637,9 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
     for pid, p in ranks.items():
         if p["state"] in "TtZX":
             p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"
+            continue
+        if os.path.exists(os.path.join(hook, f"{pid}.exiting")):  # its script ended (the hook's atexit)
+            p["exiting"], p["error"] = True, "not asked: it is exiting (its script ended)"
             continue
         fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until)
         if fd is None:

@@ -24,7 +24,8 @@ from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
+from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict
+from orchestrator.runs.hangsnap import RankSnap, snaps_of
 from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
@@ -104,7 +105,8 @@ class AttemptRunner:
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
         hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
         sw = self.watch_stragglers([n.name for n in nodes])
-        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None)
+        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None,
+                                                                   hw.feed if hw is not None else None)
         try:
             self.short = copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained,
                                    key=self.key, start_at=start_at, artifacts=self.artifacts,
@@ -137,26 +139,22 @@ class AttemptRunner:
         self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
                                          world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
                                          on_hang=self.on_hang, say=self.say, tell=self.book.tell,
-                                         probe=lambda: self.probe_links(names),
-                                         observe=self.spec.on_hang == "observe", armed=armed)
+                                         probe=lambda: self.probe_links(names), busy_limit=self.spec.hang_busy_limit,
+                                         order=names, observe=self.spec.on_hang == "observe", armed=armed)
         hw.start()
         return hw
 
-    def snapshot(self, names: list[str], request: int) -> list[RankSnap]:
-        """Every rank of the attempt on the nodes still running it (node agent `snapshot`)."""
+    def snapshot(self, names: list[str], request: int) -> tuple[list[RankSnap], list[str]]:
+        """Every rank of the attempt on the nodes still running it (node agent `snapshot`), and the
+        nodes that answered."""
         live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
         ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
         got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
-        out: list[RankSnap] = []
-        for name, sn in sorted(got.items()):
-            if sn.error is not None:
-                self.say(f"{name}: no snapshot: {sn.error}")
-                continue
-            out.extend(RankSnap.from_agent(name, doc) for doc in sn.ranks)
+        out = snaps_of(got, self.say)
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run
             del self.snapshots[old]               # checked for days must not grow the supervisor
-        return out
+        return out, sorted(n for n, sn in got.items() if sn.error is None)
 
     def probe_links(self, names: list[str]) -> list[tuple[str, str]]:
         """The node pairs of the attempt that cannot open a TCP connection to each other's SSH port."""
@@ -343,6 +341,8 @@ class AttemptRunner:
         """A node's log copy ended: the node was lost, or its torchrun ended (how: the status the
         agent's tail closed with, else ask the agent)."""
         name = res.node
+        if self.hang_watch is not None:  # its ranks are the run's end there, never waited for
+            self.hang_watch.ended(name)
         conn = self.cluster.connections.get(name)
         if final is not None:
             now = final

@@ -51,7 +51,8 @@ RETRY_RULES: tuple[RetryRule, ...] = (
     RetryRule("exit code", "when listed", "a worker exited with a code in train.restart_on_exit_codes "
               "(--restart-on-exit-codes): on the same nodes"),
     RetryRule("hang", "when its culprit's node can be left out", "only with --on-hang restart, and never a "
-              "collective mismatch or a deadlock: a deterministic hang hangs again on any nodes"),
+              "collective mismatch or a deadlock: a deterministic hang hangs again on any nodes; a broken link "
+              "blames no node, and the restart goes on without one end of it"),
     RetryRule("straggler", "with --on-straggler replace", "without the straggler's node, when a restart and a "
               "spare are left (else it is only named)"),
     RetryRule("preflight failed", "yes, free", "a relaunch's node that fails the fast preflight (gpu_health "
@@ -70,8 +71,9 @@ def exit_code_retried(code: int | None, listed: Iterable[int]) -> bool:
 
 
 def hang_retried(on_hang: str, culprit_nodes: tuple[str, ...]) -> bool:
-    """A hang is retried only under --on-hang restart and when its culprits' nodes can be left out
-    (a mismatch or a deadlock names none: the script's own bug)."""
+    """A hang is retried only under --on-hang restart and when nodes can be left out: its culprits',
+    or for a broken link one end of it (runs/hang.py HangVerdict.nodes; a mismatch or a deadlock
+    names none: the script's own bug)."""
     return on_hang == "restart" and bool(culprit_nodes)
 
 

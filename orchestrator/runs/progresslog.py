@@ -4,8 +4,9 @@ view).
 
 The nodes' log streams bring each rank's progress answer every PERIOD_S (runs/watch.py: the
 stream process asks the hooks, remote/hook/sitecustomize.py `_progress`): the steps a script told
-`clusterctl_step` (the shipped trainer does, on every rank), else the collectives it entered (its
-Flight Recorder), which every rank of a distributed job has whether it prints or not. Each
+`clusterctl_step` (the shipped trainer does, on every rank), and the collectives it entered (its
+Flight Recorder: each newest entry when it told no steps, else its process groups' newest
+sequence numbers), which every rank of a distributed job has whether it prints or not. Each
 node's file holds, per rank, the newest step, the collectives entered (the highest seq per
 process group, summed), when either last grew and when the rank last answered, all on this
 machine's clock, under the attempt's key (a file of another attempt is not this one's). The
@@ -49,13 +50,16 @@ class ProgressLog:
         self.ranks: dict[int, dict] = {}  # rank -> {"node", "step", "pgs": {pg: seq}, "moved", "asked"}
         self.steps = StepJournal(run_dir, attempt_of(key))  # the slowest rank's progress, when it came
 
-    def feeder(self, then: Callable[[str, Mapping], None] | None = None) -> Callable[[str, Mapping], None]:
+    def feeder(self, *then: Callable[[str, Mapping], None] | None) -> Callable[[str, Mapping], None]:
         """The sink for the nodes' streams (runs/watch.py copy_logs `progress`): each document
-        kept here, then handed to `then` (the straggler watch's feed), if any."""
+        kept here, then handed to each of `then` that is not None (the straggler watch's feed, the
+        hang watch's)."""
+        sinks = [t for t in then if t is not None]
+
         def feed(node: str, doc: Mapping) -> None:
             self.feed(node, doc)
-            if then is not None:
-                then(node, doc)
+            for sink in sinks:
+                sink(node, doc)
         return feed
 
     def feed(self, node: str, doc: Mapping, now: float | None = None) -> None:
@@ -70,7 +74,9 @@ class ProgressLog:
             steps = [s[0] for s in answer.get("steps") or () if isinstance(s, (list, tuple)) and s]
             if steps and (mine["step"] is None or max(steps) > mine["step"]):
                 mine["step"], grew = max(steps), True
-            for pg, seq in collectives(answer.get("entered") or ()).items():
+            entered = collectives(answer.get("entered") or ()) or \
+                {str(pg): int(v[0]) for pg, v in (answer.get("pgs") or {}).items() if isinstance(v, list) and v}
+            for pg, seq in entered.items():
                 if seq > mine["pgs"].get(pg, -1):
                     mine["pgs"][pg], grew = seq, True
             if grew:

@@ -94,6 +94,7 @@ class RunSpec:
     checkpoint_replica: bool = _TRAIN["checkpoint_replica"].default  # train.checkpoint_replica
     hang_timeout: float = _TRAIN["hang_timeout"].default  # --hang-timeout, else train.hang_timeout (0: off)
     on_hang: str = _TRAIN["on_hang"].default  # --on-hang, else train.on_hang: fail | restart | observe
+    hang_busy_limit: float = _TRAIN["hang_busy_limit"].default  # --hang-busy-limit, else train.hang_busy_limit
     straggler_factor: float = _TRAIN["straggler_factor"].default  # --straggler-factor, else train.straggler_factor (0: off)
     straggler_window: int = _TRAIN["straggler_window"].default  # --straggler-window, else train.straggler_window (steps)
     on_straggler: str = _TRAIN["on_straggler"].default  # --on-straggler, else train.on_straggler: warn | replace

@@ -9,12 +9,19 @@
                  waits in group 1 for rank 1, rank 1 in group 2 for rank 0 (a deadlock across
                  groups); the other ranks wait for both in the next all_reduce of every rank
 --mode quiet     no hang: every rank prints nothing for --quiet S seconds while it keeps all-reducing
+--mode spin      rank --rank computes in its own code at step --at for --spin S seconds (0: for ever)
+                 while the others wait in the next all_reduce
+--mode early     rank --rank blocks in slow_data_loader() before the first collective, a barrier the
+                 others wait in
 --mode none      no hang
 --host NAME      only the rank(s) on the machine named NAME act (instead of --rank)
+--silent-at K    at step K every rank sleeps --silent S seconds, no collective (nobody waits on anybody)
+--heartbeat S    every rank has a thread that prints a line every S seconds, whatever the rank does
 """
 import argparse
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -28,6 +35,10 @@ p.add_argument("--steps", type=int, default=100000)
 p.add_argument("--sleep", type=float, default=0.2)
 p.add_argument("--quiet", type=float, default=0.0)
 p.add_argument("--host", default=None)
+p.add_argument("--spin", type=float, default=0.0)
+p.add_argument("--silent-at", type=int, default=-1)
+p.add_argument("--silent", type=float, default=0.0)
+p.add_argument("--heartbeat", type=float, default=0.0)
 a = p.parse_args()
 
 
@@ -36,8 +47,26 @@ def slow_data_loader():
         time.sleep(1)
 
 
+def spin(seconds):
+    end, x = time.time() + (seconds or float("inf")), 0
+    while time.time() < end:  # computing: no collective, no line
+        x = (x * 31 + 7) % 1000003
+
+
+def heartbeat():
+    while True:
+        time.sleep(a.heartbeat)
+        print(f"rank {rank} heartbeat", flush=True)
+
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if a.heartbeat:
+    threading.Thread(target=heartbeat, daemon=True).start()
+if a.mode == "early":
+    if rank == a.rank:
+        slow_data_loader()
+    dist.barrier()
 grad, loss = torch.ones(1000), torch.ones(1)
 pair = [dist.new_group([0, 1]), dist.new_group([0, 1])] if a.mode == "crossed" else []  # every rank creates them
 for step in range(a.steps):
@@ -55,6 +84,10 @@ for step in range(a.steps):
             continue
         elif a.mode == "deadlock":
             dist.barrier()
+        elif a.mode == "spin":
+            spin(a.spin)
+    if step == a.silent_at:
+        time.sleep(a.silent)
     if a.mode == "quiet" and step == a.at:
         end = time.time() + a.quiet
         while time.time() < end:

@@ -13,10 +13,13 @@ torch.distributed is initialised, the Flight Recorder's dump (torch._C._distribu
 profiling_name). A rank that cannot run Python (stopped, in D state) does not answer; the agent
 reports its /proc state instead.
 
-A request pN (the straggler watch's, runs/straggler.py, every few seconds) is answered with the
-rank's progress only, PID.pN.json: the compute time of its newest steps, as the script reported
-them through `clusterctl_step(step, compute_s)` (the shipped trainer does: trainer/progress.py),
-about 1 ms of the rank's CPU. A script that reports nothing gets, instead, when each of its newest
+A request pN (the nodes' log streams ask every few seconds: the straggler and hang watches,
+runs/straggler.py, runs/hangwatch.py) is answered with the rank's progress only, PID.pN.json: the
+compute time of its newest steps, as the script reported them through `clusterctl_step(step,
+compute_s)` (the shipped trainer does: trainer/progress.py), about 1 ms of the rank's CPU, and per
+process group the newest collective entered and the newest completed (the Flight Recorder's
+pg_status, a few microseconds): a rank inside a collective is one whose entered is past its
+completed. A script that reports nothing gets, instead, when each of its newest
 collectives was entered on this rank (the Flight Recorder's [pg_id, collective_seq_id,
 time_created_ns], without stack traces: about 3 ms for 300 entries); no stacks either way.
 
@@ -105,12 +108,29 @@ def _flight_recorder():
     return {"pg_status": status, "pg_config": config, "entries": entries}
 
 
+def _pg_status():
+    """{pg_id: [last collective entered, last completed]}: the Flight Recorder's pg_status alone,
+    without its entries (about 6 us; the entries cost about 60 ms at 2000). Empty before the
+    rank's first collective, None without torch.distributed."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace")
+    status = pickle.loads(dump(includeCollectives=False, includeStackTraces=False)).get("pg_status") or {}
+    return {str(k): [int(v.get("last_enqueued_collective", -1)), int(v.get("last_completed_collective", -1))]
+            for k, v in status.items()}
+
+
 def _answer(d, request):
     import json
     import time
 
     doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
-           "request": request, "time": time.time()}
+           "request": request, "time": time.time(), "step": _steps[-1][0] if _steps else None}
     try:
         doc["stacks"] = _stacks()
     except Exception as e:  # noqa: BLE001 - the answer says what could not be read
@@ -146,6 +166,10 @@ def _progress(d, request):
 
     doc = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "request": request, "time": time.time(),
            "steps": _steps[-STEPS_KEPT:]}
+    try:
+        doc["pgs"] = _pg_status()
+    except Exception as e:  # noqa: BLE001 - the answer says what could not be read
+        doc["pgs_error"] = f"{type(e).__name__}: {e}"
     if not _steps:
         try:
             doc["entered"] = _entered()
@@ -214,6 +238,18 @@ def _settle():
         quiet = 0 if _runnable(me) else quiet + 1
 
 
+def _leaving(fifo):
+    """At exit (the script ended, its own atexit handlers ran): say so beside the request FIFO,
+    then remove it. The hang watch takes a rank that is leaving for the run's end, not a hang."""
+    try:
+        with open(fifo[: -len(".fifo")] + ".exiting", "w"):
+            pass
+    except OSError:
+        pass
+    if os.path.exists(fifo):
+        os.unlink(fifo)
+
+
 def _install():
     d = os.environ.get(HOOK_ENV)
     if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
@@ -230,7 +266,7 @@ def _install():
     import threading
 
     atexit.register(_settle)  # registered first, run last
-    atexit.register(lambda: os.path.exists(fifo) and os.unlink(fifo))
+    atexit.register(_leaving, fifo)
     threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
 
 
