@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a real training run on two local nodes: the full suite's, not the fast tier's
 def test_embedded_default_runs_the_whole_pipeline(tmp_path):
     env = dict(os.environ, CLUSTERCTL_HOME=str(tmp_path / "home"))
     env.pop("CLUSTERCTL_INVENTORY", None)
