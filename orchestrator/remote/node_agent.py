@@ -64,14 +64,13 @@ import signal
 import sys
 import time
 
-BASE = os.path.expanduser("~/.clusterctl/node-runs")
+BASE = NODE_RUNS  # common.py
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run never started on the node is held this long (preflight, launch)
 TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
 # interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
-RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
 PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
 HOOK = "hook"  # RUNDIR/hook: the ranks' snapshot FIFOs (PID.fifo) and answers (PID.N.json)
 # the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective

@@ -298,6 +298,8 @@ class ArtifactCopier:
             for snaps in self.snaps if finished else ():
                 snaps.tick(nodes, final=True, looked=looked)
                 looked = snaps.looked  # one look at the nodes serves both
+            for snaps in self.snaps[:1]:  # the nodes' captures (both share them): the snapshots hold what counts
+                snaps.forget(nodes)
 
     def copy_new(self, nodes: list[str], which: list[str]) -> None:
         """What the streams reported for the nodes `which`: their new checkpoints copied here, and
@@ -309,19 +311,23 @@ class ArtifactCopier:
             if self.replicator is not None:
                 self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
             looked = None
-            for snaps in self.snaps:  # at most every ckptdir.POLL_S; one look at the nodes serves both
+            for snaps in self.snaps:  # when a look is due (ckptdir's interval); one look serves both
                 snaps.tick(nodes, looked=looked)
                 looked = snaps.looked
 
-    def start(self, nodes: Callable[[], list[str]]) -> None:
+    def start(self, nodes: Callable[[], list[str]], key: str | None = None) -> None:
         """The copying thread: each node's news as its stream brings it; every POLL_S s without
-        news, what was reported is looked over again (a copy that failed is tried again)."""
+        news (sooner when a look at a checkpoint directory is due), what was reported is looked
+        over again (a copy that failed is tried again). `key`: the attempt's run key."""
+        for snaps in self.snaps:
+            snaps.key = key
+
         def loop():
             with contextlib.suppress(OSError):  # behind the job's processes when they share this machine
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             while not self._stop.is_set():
                 try:
-                    which = [self._news.get(timeout=POLL_S)]
+                    which = [self._news.get(timeout=min([POLL_S] + [s.due_in() for s in self.snaps]))]
                 except queue.Empty:
                     which = list(self.latest)
                 if self._stop.is_set():
