@@ -7,6 +7,16 @@ with a plain OpenSSH loop (`ssh node cat LOG`, all nodes in parallel) as the pee
 Prints the figures, the ratio, and the controller's CPU seconds per 100k lines.
 
     sudo .venv/bin/python bench/bench_logs.py [--lines-per-node 400000]
+
+With --foreground, what the terminal gets instead: the same writer (4 nodes x 250k lines by
+default; --same: every rank writes the same lines) run by `clusterctl train` with folding on and
+with --no-fold, each timed from the command to its exit with its stdout going to a file; then
+`clusterctl tail RUN --no-follow` of the finished runs, folding on and off, timed alone (the
+foreground's printing without the cluster's share of the cores). With --baseline DIR (another
+checkout, e.g. `git worktree add /tmp/base main`) the trains and tails are also timed with that
+checkout's code, in the same invocation, so a change is measured against what it changes:
+
+    sudo .venv/bin/python bench/bench_logs.py --foreground [--same] [--baseline /tmp/base] [--repeat 3]
 """
 
 import argparse
@@ -14,6 +24,7 @@ import re
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,7 +37,7 @@ from tests.cluster import TestCluster  # noqa: E402
 
 WRITER = """
 import os, sys
-n = int(sys.argv[1]); rank = os.environ["RANK"]
+n = int(sys.argv[1]); rank = os.environ["RANK"] if sys.argv[2:] != ["same"] else "*"
 w = sys.stdout.write
 for i in range(n):
     w(f"rank {rank} line {i:08d} " + "x" * 40 + "\\n")
@@ -39,11 +50,86 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def cli(argv: list[str], out: Path, checkout: Path | None = None, timeout: float = 1800) -> tuple[float, int, int, float]:
+    """`clusterctl ARGV` (with `checkout`'s code) with stdout into `out`: (seconds, exit code,
+    lines, its CPU seconds, which the machine's load disturbs less: the foreground's own for
+    `tail`; for `train` it holds the supervisor's too whenever train reaped it, so it is not shown)."""
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
+    cpu0 = children_cpu()
+    t0 = time.perf_counter()
+    with open(out, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], stdout=f, stderr=subprocess.DEVNULL,
+                           env=env, cwd=checkout or Path(__file__).resolve().parent.parent, timeout=timeout)
+    took, cpu = time.perf_counter() - t0, children_cpu() - cpu0
+    with open(out, "rb") as f:
+        lines = sum(1 for _ in f)
+    return took, r.returncode, lines, cpu
+
+
+def foreground(a) -> None:
+    """Lines/s into the foreground with folding on and off (see the module's docstring)."""
+    home = Path(tempfile.mkdtemp(prefix="cc-bench-fg-"))
+    os.environ["CLUSTERCTL_HOME"] = str(home)
+    writer = home / "writer.py"
+    writer.write_text(WRITER)
+    os.chmod(home, 0o755)
+    total = a.nodes * a.lines_per_node
+    mode = ["same"] if a.same else []
+    runs, rows = {}, []
+    checkouts = [("this checkout", None)] + ([("baseline", Path(a.baseline).resolve())] if a.baseline else [])
+    with TestCluster(n=a.nodes, gpus=0, name_prefix="ccbf") as cluster:
+        for n in cluster.nodes:
+            n.run("mkdir -p ~/gpt_train")
+        inv = cluster.write_inventory(home / "nodes.yaml")
+        for _ in range(a.repeat):  # folding on and off alternate: the machine's load drifts
+            for name, checkout in checkouts:
+                for fold in ("on", "off"):
+                    before = {p.name for p in (home / "runs").iterdir()} if (home / "runs").exists() else set()
+                    took, code, lines, cpu = cli(["train", "-i", str(inv), "--skip-preflight",
+                                                  *(["--no-fold"] if fold == "off" else []), "--", str(writer),
+                                                  str(a.lines_per_node), *mode], home / f"train-{fold}.out", checkout)
+                    runs[fold] = next(p.name for p in (home / "runs").iterdir() if p.name not in before)
+                    rows.append((f"train, {name}, folding {fold}", took, code, lines, cpu))
+    for _ in range(a.repeat):
+        for name, checkout in checkouts:
+            for fold in ("on", "off"):
+                took, code, lines, cpu = cli(["tail", runs[fold], "--no-follow",
+                                              *(["--no-fold"] if fold == "off" else [])], home / f"tail-{fold}.out", checkout)
+                rows.append((f"tail --no-follow, {name}, folding {fold}", took, code, lines, cpu))
+    print(f"foreground, {a.nodes} nodes x {a.lines_per_node} {'identical' if a.same else 'distinct'} lines "
+          f"({total} lines; stdout to a file)")
+    for label, took, code, lines, cpu in rows:
+        cpu_text = f"{cpu:6.1f} s" if label.startswith("tail") else "     -  "
+        print(f"  {label:<48} {took:7.1f} s  {total / took:>10,.0f} lines/s  foreground CPU {cpu_text}  "
+              f"({lines} lines printed, exit {code})")
+    by: dict[str, list[tuple[float, float]]] = {}
+    for label, took, _, _, cpu in rows:
+        by.setdefault(label, []).append((took, cpu))
+    for what in ("train", "tail --no-follow"):
+        for name, _ in checkouts:
+            (on, on_cpu), (off, off_cpu) = ((statistics.median(t for t, _ in by[f"{what}, {name}, folding {f}"]),
+                                             statistics.median(c for _, c in by[f"{what}, {name}, folding {f}"]))
+                                            for f in ("on", "off"))
+            cpu_text = f", {on_cpu / off_cpu:.2f} in the foreground's CPU" if what.startswith("tail") else ""
+            print(f"  folding on / off (medians of {a.repeat}): {what}, {name}: {on / off:.2f} in time{cpu_text}  "
+                  f"(target <= 1.20)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--lines-per-node", type=int, default=400_000)
+    ap.add_argument("--lines-per-node", type=int, default=None)
+    ap.add_argument("--foreground", action="store_true", help="Time what reaches the terminal, folding on and off.")
+    ap.add_argument("--same", action="store_true", help="With --foreground: every rank writes the same lines.")
+    ap.add_argument("--baseline", help="With --foreground: another checkout whose train and tail are timed too.")
+    ap.add_argument("--repeat", type=int, default=1, help="With --foreground: each measure this many times.")
     a = ap.parse_args()
+    if a.foreground:
+        a.lines_per_node = a.lines_per_node or 250_000
+        return foreground(a)
+    a.lines_per_node = a.lines_per_node or 400_000
     home = Path(tempfile.mkdtemp(prefix="cc-bench-logs-"))
     os.environ["CLUSTERCTL_HOME"] = str(home)
     writer = home / "writer.py"

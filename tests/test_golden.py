@@ -24,6 +24,7 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.cli import main
 from orchestrator.gpus.records import Gpu, GpuProcess
 from orchestrator.inventory import parse_inventory
+from orchestrator.runs.rankfiles import RankFiles
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, write_json
 from orchestrator.top import NodeGpus, table
@@ -101,6 +102,7 @@ def restarted_run(home: Path) -> Run:
             "node4": ""}
     for name, text in logs.items():
         run.node_log(name).write_text(text)
+    split_ranks(run, nodes)
     ck = run.dir / "checkpoints"
     ck.mkdir()
     for step in (30, 40):
@@ -118,7 +120,15 @@ def stopped_run(home: Path) -> Run:
         "exit_code": 130, "summary": "stopped on request", "teardown": "stop", "nodes": nodes, "world_size": 4,
         "attempts": [{"attempt": 1, "key": run.id, "nodes": ["node1", "node2"], "launched": T0 + 2005}]})
     run.node_log("node1").write_text("[default0]:step 12 | loss 3.3\n[default0]:saved checkpoint ckpt_00000012.pt\n")
+    split_ranks(run, nodes)
     return run
+
+
+def split_ranks(run: Run, nodes: list[dict]) -> None:
+    """The per-rank files the supervisor writes from the node logs (runs/rankfiles.py), where
+    `status` reads each rank's step."""
+    RankFiles(run.dir, {nd["name"]: run.node_log(nd["name"]) for nd in nodes},
+              {nd["name"]: nd["first_rank"] for nd in nodes}).close()
 
 
 @pytest.fixture

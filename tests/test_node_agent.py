@@ -365,7 +365,9 @@ def test_a_stop_gives_torchrun_a_moment_not_seconds_once_its_workers_are_gone(ag
     assert wait_for(lambda: b"up" in (d / "log").read_bytes() and len(pids_with("l1@n1")) == 2)
     t0 = time.time()
     assert json.loads(agent("stop", "l1@n1", 20).stdout) == {"left": 0}
-    assert time.time() - t0 < 5  # before: until the grace's half + 2 s (12 s)
+    # the worker's 1 s, then TORCHRUN_EXIT_S (3 s) for torchrun to exit on its own, not the grace's
+    # 20 s (before f0d4278: until the grace's half + 2 s, 12 s)
+    assert time.time() - t0 < 7
     assert (d / "exit_code").read_text() == "143"
 
 
@@ -380,3 +382,71 @@ def test_tail_can_end_with_the_runs_status_so_nobody_has_to_ask_again(agent):
     assert doc["exit_code"] == 5 and doc["alive"] == 0 and doc["ended"] is not None
     assert agent("tail", "t2@n1", 0).stderr == ""  # asked for only
     assert agent("tail", "t2@n1", 0, "x").returncode != 0
+
+
+def claims_of(agent) -> dict:
+    return json.loads(agent("claims").stdout)
+
+
+def test_a_claim_is_held_by_every_attempt_and_stale_once_they_ended(agent):
+    """A spare that only ran attempt 2 (RUN.a2@NODE) frees the node as soon as that attempt
+    ended, not CLAIM_START_S later; a claim renewed for the next attempt is held again until it
+    ends; a claim whose run started nothing here is held (its launch may be under way)."""
+    run = "run-20261128-101010-abcd"
+    assert json.loads(agent("claim", "n5", f"{run}@n5", "me@ctl").stdout)["ok"]
+    assert claims_of(agent)["n5"]["stale"] is False  # nothing ran here yet: held
+    start(agent, f"{run}.a2@n5", "import time; print('up', flush=True); time.sleep(600)")
+    assert claims_of(agent)["n5"]["stale"] is False  # attempt 2 is alive: held
+    agent("stop", f"{run}.a2@n5", 1)
+    assert claims_of(agent)["n5"]["stale"] is True  # attempt 2 ended: free, at once
+    renewed = json.loads(agent("claim", "n5", f"{run}@n5", "me@ctl").stdout)  # attempt 3 begins here
+    assert renewed["ok"] and renewed["renewed"] >= renewed["since"]
+    assert claims_of(agent)["n5"]["stale"] is False  # attempt 2's end is older than the renewal
+    other = json.loads(agent("claim", "n5", "run-20261128-111111-beef@n5", "you@ctl").stdout)
+    assert other["ok"] is False and other["run"] == run
+    start(agent, f"{run}.a3@n5", "print('done')")
+    assert wait_for(lambda: claims_of(agent)["n5"]["stale"], 20)
+    assert json.loads(agent("claim", "n5", "run-20261128-111111-beef@n5", "you@ctl").stdout)["ok"]
+
+
+def test_another_runs_attempts_do_not_hold_a_claim(agent):
+    """RUN.a2 of a run whose id only begins like the claim's is not of its family."""
+    run = "run-20261128-101010-abcd"
+    assert json.loads(agent("claim", "n1", f"{run}@n1", "me@ctl").stdout)["ok"]
+    start(agent, f"{run}@n1", "print('x')")
+    start(agent, f"{run}x.a2@n1", "import time; time.sleep(600)")
+    start(agent, f"{run}.a2@n2", "import time; time.sleep(600)")  # the same run, on another node
+    try:
+        assert wait_for(lambda: claims_of(agent)["n1"]["stale"], 20)
+    finally:
+        agent("stop", f"{run}x.a2@n1", 0)
+        agent("stop", f"{run}.a2@n2", 0)
+
+
+SAVER = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+print('up', flush=True)
+while not stop:
+    time.sleep(0.05)
+time.sleep(3.5)  # a checkpoint written on SIGTERM, longer than half the grace
+print('saved', flush=True)
+"""
+LAUNCHER = f"""
+import signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # as torchrun: a SIGTERM of its own fails the run
+sys.exit(subprocess.Popen([sys.executable, "-c", {SAVER!r}]).wait())
+"""
+
+
+def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(agent):
+    """The worker (not the launcher) is asked to stop and has the whole grace to checkpoint and
+    end on its own; its launcher then ends with its verdict (0), not signalled (torchrun's 1) nor
+    killed (137)."""
+    start(agent, "sv1@n1", LAUNCHER)
+    d = rundir(agent, "sv1@n1")
+    assert wait_for(lambda: b"up" in (d / "log").read_bytes(), 20)
+    assert json.loads(agent("stop", "sv1@n1", 6).stdout) == {"left": 0}
+    assert b"saved" in (d / "log").read_bytes()
+    assert (d / "exit_code").read_text() == "0"

@@ -63,4 +63,4 @@ def test_a_bracketed_ipv6_hop_with_a_port_is_used(tmp_path, capsys, where):
         inv = inventory(tmp_path, config_file=str(cfg))
     assert main(["exec", "-i", inv, "--", "true"]) == EXIT_UNREACHABLE
     err = one_paragraph(capsys.readouterr().err)
-    assert "connection refused at " in err and "@::1:9" in err, err
+    assert "connect to host ::1 port 9: Connection refused" in err, err

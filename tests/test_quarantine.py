@@ -47,10 +47,3 @@ def test_only_health_checks_quarantine_and_the_reason_names_them():
     got = quarantine.health_failures({"n1": {"port_free": "busy"},
                                       "n2": {"gpu_health": "GPU 0: Xid 48", "disk": "full"}})
     assert got == {"n2": "gpu_health: GPU 0: Xid 48"}
-
-
-def test_first_nodes_put_a_healthy_spare_in_a_quarantined_nodes_place_in_rank_order():
-    held = {"n1": quarantine.Entry("n1", "h", "sick", 0.0), "n3": quarantine.Entry("n3", "h", "sick", 0.0)}
-    assert quarantine.first_nodes(["n1", "n2"], ["n3", "n4"], held) == (["n4", "n2"], {}, {"n1": "n4"})
-    nodes, short, _ = quarantine.first_nodes(["n1", "n2"], ["n3"], held)
-    assert nodes == ["n2"] and list(short) == ["n1"] and "quarantined since" in short["n1"]

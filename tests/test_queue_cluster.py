@@ -53,9 +53,11 @@ def test_two_queued_runs_on_the_same_nodes_run_one_after_the_other(make_cluster,
     a, b = rec_of(home / "runs" / first), rec_of(home / "runs" / second)
     assert (a["state"], b["state"]) == ("finished", "finished"), (a, b)
     # one after the other, by the records: the second launched after torchrun had ended on every
-    # node of the first (the nodes' own end times), and within 5 s of the first run's recorded end
+    # node of the first (the nodes' own end times), and promptly after the first run's recorded end:
+    # the queue looks every second, then the second run's launch (claims, directories, torchrun on
+    # both nodes) takes a few seconds on this shared 2-core machine
     assert max(n["node_ended"] for n in a["nodes"]) < b["started"], (a["nodes"], b["started"])
-    assert b["started"] - a["ended"] < 5, (a["ended"], b["started"])
+    assert b["started"] - a["ended"] < 10, (a["ended"], b["started"])
     wait_clean(cluster, 15, "clean")
 
 

@@ -12,8 +12,9 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.output import Prefixer
-from orchestrator.runs.logs import Follower, LineFold, NodeLog
+from orchestrator.runs.logs import Follower, NodeLog
 from orchestrator.runs.rankfiles import RankFiles, rank_file
+from orchestrator.runs.linefold import LineFold
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
 from orchestrator.runs.watch import LogCopier
@@ -76,16 +77,20 @@ def test_tail_filters_by_ranks_and_node(tmp_path):
 
 def test_a_ranks_lines_keep_their_order_and_a_late_repeat_is_not_folded():
     got = []
-    fold = LineFold(lambda label, text, key: got.append(f"{label} | {text}"), window=1.0)
+
+    def out(lines):
+        got.extend(f"{label} | {text}" for label, text, _ in lines)
+
+    fold = LineFold(window=1.0)
     fold.add("n1", 0, "n1/r0", "A", now=0.0)
     fold.add("n1", 0, "n1/r0", "B", now=0.1)
     fold.add("n1", 1, "n1/r1", "B", now=0.2)
     fold.add("n1", 1, "n1/r1", "A", now=0.3)  # rank 1's A comes after its B: it may not join rank 0's A
     fold.add("n2", 8, "n2/r8", "A", now=0.4)  # rank 8 has no line yet: it joins the newest A
     fold.add("n2", 9, "n2/r9", "B", now=5.0)  # past the window: a line of its own
-    fold.flush(now=0.9)
+    fold.flush(0.9, out)
     assert got == []  # still inside the window
-    fold.flush(all=True)
+    fold.flush(0.9, out, all=True)
     assert got == ["n1/r0 | A", "n1/r[0-1] | B", "n[1-2]/r[1,8] | A", "n2/r9 | B"]
 
 
@@ -153,6 +158,12 @@ def test_a_controller_crash_between_a_write_and_its_index_writes_no_line_twice(t
         assert rank_lines(run.dir, r) == expected(r), r
     index = json.loads((run.dir / "ranks" / "index.json").read_text())
     assert index["at"]["n1"] == len(node_text(0))
+
+
+def test_torchruns_report_lines_are_not_a_ranks(tmp_path):
+    (tmp_path / "n1.log").write_text("[default0]:x\nRoot Cause (first observed failure):\n[0]:\n  rank : 0\n")
+    RankFiles(tmp_path, {"n1": tmp_path / "n1.log"}, {"n1": 0}).close()
+    assert rank_lines(tmp_path, 0) == ["x"]  # `[0]:` is the report's numbering, not local rank 0's tag
 
 
 def test_a_node_without_ranks_yet_is_not_split(tmp_path):

@@ -175,7 +175,7 @@ def test_sync_completes_under_a_slow_loris_and_a_flood_within_twice_its_time(mak
 def setup_seconds(cluster, home, venv):
     """`clusterctl setup` of a one-wheel requirements file (six) into a fresh venv `venv` on the
     first 4 nodes, the wheelhouse (six and uv, ~38 MB) shipped to every node by the relay."""
-    procs = [n.popen("rm -rf ~/.cache/clusterctl/wheelhouse") for n in cluster.nodes[:4]]
+    procs = [n.popen("rm -rf ~/.cache/clusterctl") for n in cluster.nodes[:4]]
     for p in procs:
         p.wait(60)
     reqs = home.parent / "requirements.txt"

@@ -61,11 +61,12 @@ def test_of_many_simultaneous_claims_exactly_one_wins(agent):
 
 
 def test_a_claim_of_a_run_that_ended_on_the_node_is_stale(agent):
+    claimed = time.time()  # a run's claim is taken before it starts there
     start(agent, "done@n1", "print('bye')")
     assert wait_for(lambda: (rundir(agent, "done@n1") / "exit_code").exists())
     claims = agent.home / ".clusterctl" / "claims"
     claims.mkdir(parents=True, exist_ok=True)
-    (claims / "n1").write_text(json.dumps({"run": "done", "key": "done@n1", "who": "u@c", "since": time.time()}))
+    (claims / "n1").write_text(json.dumps({"run": "done", "key": "done@n1", "who": "u@c", "since": claimed}))
     assert json.loads(agent("claim", "n1", "new@n1", "u@ctl").stdout)["ok"]
     # a fresh claim whose run has not started yet is not stale: launch is on its way
     assert not json.loads(agent("claim", "n1", "third@n1", "u@ctl").stdout)["ok"]

@@ -108,20 +108,26 @@ def test_node_log_yields_whole_lines_across_partial_writes(tmp_path):
     with open(p, "ab") as f:
         f.write(b"[default0]:hello\n[default1]:par")
         f.flush()
-        assert lg.read_lines() == [b"[default0]:hello"]
-        f.write(b"tial\nno newline at exit")
+        assert lg.read_lines() == ["[default0]:hello"]
+        f.write("tial ünï\nno newline at exit".encode()[:-1])  # a character cut in two by a write
         f.flush()
-        assert lg.read_lines() == [b"[default1]:partial"]
-        assert lg.read_lines(final=True) == [b"no newline at exit"]
+        assert lg.read_lines() == ["[default1]:partial ünï"]
+        f.write(b"t")
+        f.flush()
+        assert lg.read_lines(final=True) == ["no newline at exit"]
     assert lg.offset == p.stat().st_size
 
 
 def test_rank_labels_are_global():
     lg = NodeLog("node3", None, first_rank=8)
-    assert lg.label(b"[default1]:loss 3.2") == ("node3/r9", 9, b"loss 3.2")
-    assert lg.label(b"[trainer0]:x") == ("node3/r8", 8, b"x")
-    assert lg.label(b"W1122 torchrun warning") == ("node3", None, b"W1122 torchrun warning")
-    assert NodeLog("n", None, None).label(b"[default0]:x") == ("n", None, b"[default0]:x")
+    assert lg.label("[default1]:loss 3.2") == ("node3/r9", 9, "loss 3.2")
+    assert lg.label("[trainer0]:x") == ("node3/r8", 8, "x")
+    assert lg.label("[default1]:again") == ("node3/r9", 9, "again")  # the tag's label, kept
+    assert lg.label("W1122 torchrun warning") == ("node3", None, "W1122 torchrun warning")
+    assert lg.label("[W1122 c10d] warning") == ("node3", None, "[W1122 c10d] warning")
+    assert lg.label("[not a tag 1]: x") == ("node3", None, "[not a tag 1]: x")
+    assert lg.label("[0]:") == ("node3", None, "[0]:")  # torchrun's ChildFailedError report, not rank 0
+    assert NodeLog("n", None, None).label("[default0]:x") == ("n", None, "[default0]:x")
 
 
 def test_follower_prints_prefixed_lines_filtered_by_node_and_rank(tmp_path):

@@ -84,34 +84,41 @@ def test_launch_from_env_imports_only_the_node_packages(tmp_path):
 def test_the_node_wheel_joins_the_lock_and_travels_even_online(tmp_path):
     add = addition()
     (tmp_path / add.file).write_bytes(add.data)
-    (tmp_path / "click-8.1.7-py3-none-any.whl").write_bytes(b"x")
+    from tests.test_setup import make_wheel
+
+    make_wheel(tmp_path, "click", "8.1.7")
     doc = _build_lock(tmp_path, "torch==2.13.0\n", Target("3.11", "x86_64", "2.36"), add)
     mine = next(w for w in doc["wheels"] if w["file"] == add.file)
     assert mine["local"] is True and mine["name"] == "clusterctl"
     assert IMPORT_CHECK in doc["imports"] and f"clusterctl=={mine['version']}" in doc["pins"]
     assert doc["requirements"][:1] == ["torch==2.13.0"] and "click>=8.1" in " ".join(doc["requirements"])
+    assert doc["checks"][IMPORT_CHECK] == "clusterctl"  # imported again when the node side changes
     (tmp_path / "lock.json").write_text(json.dumps(doc))
     lock = Lock.load(tmp_path)
-    assert lock.files(online=True) == [add.file, "lock.json", "pins.txt"]  # no index has it
-    assert lock.files() == sorted([add.file, "click-8.1.7-py3-none-any.whl"]) + ["lock.json", "pins.txt"]
+    assert list(lock.files(online=True)) == [add.file, "lock.json"]  # no index has it
+    assert sorted(lock.files()) == sorted([add.file, "click-8.1.7-py3-none-any.whl", "lock.json"])
+    assert mine["requires"] == ["click"]  # what it requires that the set holds
+    assert lock.files()[add.file] == (f"wheels/{add.file}", mine["sha256"], mine["size"])
 
 
-def test_an_online_node_takes_the_wheel_made_here_from_the_wheelhouse(tmp_path):
+def test_an_online_node_takes_the_wheel_made_here_from_its_cache(tmp_path):
     """--online: the node's index serves the locked files, but no index has the wheel made here;
-    it came with the lock and is installed from the wheelhouse, both checked by sha256."""
+    it came with the lock into the node's wheel cache and is installed from there, both checked by
+    sha256."""
     from tests.test_setup import make_wheel, node
 
     index = tmp_path / "index"
     (index / "simple" / "ccalpha").mkdir(parents=True)
     served = make_wheel(index, "ccalpha", "1.0")
     (index / "simple" / "ccalpha" / "index.html").write_text(f'<a href="../../{served["file"]}">{served["file"]}</a>\n')
-    wh = tmp_path / "wh" / ("0" * 16)
-    wh.mkdir(parents=True)
-    local = make_wheel(wh, "ccnodeside", "1.0+g0123456789ab") | {"local": True}
+    root = tmp_path / "cache"
+    (root / "wheels").mkdir(parents=True)
+    (root / "wheelhouse" / ("1" * 16)).mkdir(parents=True)
+    local = make_wheel(root / "wheels", "ccnodeside", "1.0+g0123456789ab") | {"local": True}
     doc = {"hash": "1" * 64, "python": "3.11", "pins": ["ccalpha==1.0", "ccnodeside==1.0+g0123456789ab"],
            "imports": ["ccalpha", "ccnodeside"], "wheels": [served, local]}
-    (wh / "lock.json").write_text(json.dumps(doc))
+    (root / "wheelhouse" / ("1" * 16) / "lock.json").write_text(json.dumps(doc))
     env = dict(os.environ, UV_DEFAULT_INDEX=f"file://{index}/simple", PIP_INDEX_URL=f"file://{index}/simple")
-    r = node("install", str(tmp_path / "venv"), str(wh), "--online", env=env)
+    r = node("install", str(tmp_path / "venv"), str(root), "1" * 16, "--online", env=env)
     assert r.returncode == 0, r.stderr
     assert subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", "import ccalpha, ccnodeside"]).returncode == 0

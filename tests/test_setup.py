@@ -1,6 +1,7 @@
 """clusterctl setup without a cluster: the inventory section, the lock's hash, wheel tags, the
-per-node plan, pip's failures as one paragraph, and the node-side script building, switching and
-refusing venvs in a temporary directory from a hand-made wheelhouse."""
+per-node plan and the pushes that carry it out, pip's failures as one paragraph, and the node-side
+script building, switching and refusing venvs in a temporary directory from a hand-made wheel
+cache. (What an edit of the requirements costs: tests/test_setup_incremental.py.)"""
 
 import hashlib
 import json
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -16,19 +18,9 @@ import pytest
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.inventory import parse_inventory
 from orchestrator.probe import program
-from orchestrator.pyenv import INSTALL, SHIP, UNCHANGED, plan, target_of
-from orchestrator.pyenv.resolve import (
-    RequirementError,
-    ResolveError,
-    Target,
-    explain_pip_failure,
-    import_name,
-    lock_hash,
-    requirement_names,
-    uv_binary,
-    wheel_fits,
-    wheel_name,
-)
+from orchestrator.pyenv import plan, pushes, target_of
+from orchestrator.pyenv.resolve import LOCK_FORMAT, RequirementError, ResolveError, Target, explain_pip_failure, uv_binary
+from orchestrator.pyenv.wheels import import_name, lock_hash, requirement_names, wheel_fits, wheel_name
 
 PYENV = program("pyenv").decode()  # as shipped: remote/common.py in front
 NODES = "nodes: [{name: a, host: h1}, {name: b, host: h2, python: /opt/py}]\n"
@@ -107,14 +99,29 @@ def test_target_must_be_one_python_and_arch_with_the_oldest_glibc():
         target_of({**p, "n2": {**p["n2"], "xy": "3.12"}}, None)
 
 
-def test_plan_skips_current_nodes_and_ships_only_where_the_wheelhouse_is_missing():
+def test_plan_skips_current_nodes_and_ships_each_node_only_what_its_cache_lacks():
     h = "ab" * 32
-    probes = {"same": {"venv": "managed", "hash": h, "wheelhouses": []},
-              "old": {"venv": "managed", "hash": "cd" * 32, "wheelhouses": [h[:16]]},
-              "new": {"venv": "absent", "hash": None, "wheelhouses": []},
+    files = {"torch.whl": ("wheels/torch.whl", "t1", 9), "six.whl": ("wheels/six.whl", "s1", 1),
+             "tools/uv": ("tools/uv", "u1", 5), "lock.json": (f"wheelhouse/{h[:16]}/lock.json", None, 1)}
+    everything = {"wheels/torch.whl": "t1", "wheels/six.whl": "s1", "tools/uv": "u1"}
+    probes = {"same": {"venv": "managed", "hash": h, "cache": {}, "wheelhouses": []},
+              "held": {"venv": "managed", "hash": "cd" * 32, "cache": everything, "wheelhouses": [h[:16]]},
+              "older": {"venv": "managed", "hash": "cd" * 32, "wheelhouses": [],
+                        "cache": {"wheels/torch.whl": "t1", "wheels/six.whl": "s0", "tools/uv": "u1"}},
+              "new": {"venv": "absent", "hash": None, "cache": {}, "wheelhouses": []},
               "broken": {"venv": "broken", "hash": None, "wheelhouses": []}}
-    assert plan(probes, h) == {"same": UNCHANGED, "old": INSTALL, "new": SHIP, "broken": SHIP}
-    assert plan(probes, h, force=True)["same"] == SHIP
+    assert plan(probes, h, files) == {"same": None, "held": [], "older": ["six.whl", "lock.json"],
+                                      "new": list(files), "broken": list(files)}
+    assert plan(probes, h, files, force=True)["same"] == list(files)
+    assert plan(probes, h, files, force=True)["held"] == []  # --force checks the cache there, ships nothing
+
+
+def test_pushes_send_each_file_once_to_every_node_that_lacks_it():
+    lacking = {"n1": ["six.whl", "lock.json"], "n2": ["torch.whl", "six.whl", "lock.json"],
+               "n3": ["six.whl", "lock.json"], "n4": []}
+    assert pushes(lacking) == [(["n1", "n2", "n3"], ["six.whl", "lock.json"]), (["n2"], ["torch.whl"])]
+    assert pushes({"n1": ["a", "b"], "n2": ["a", "b"]}) == [(["n1", "n2"], ["a", "b"])]  # one relay
+    assert pushes({"n1": []}) == []
 
 
 def test_pip_failures_name_the_requirement():
@@ -133,34 +140,55 @@ def test_pip_failures_name_the_requirement():
 # ------------------------------------------------------------------ the node-side script, here
 
 
-def make_wheel(d: Path, name: str, version: str, body: str = "") -> dict:
+def make_wheel(d: Path, name: str, version: str, body: str = "", requires: tuple[str, ...] = ()) -> dict:
     path = d / f"{name}-{version}-py3-none-any.whl"
     di = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": body, f"{di}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {f"{name}/__init__.py": body, f"{di}/METADATA": meta,
              f"{di}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = "".join(f"{f},sha256=,{len(c)}\n" for f, c in files.items()) + f"{di}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
         for f, c in {**files, f"{di}/RECORD": record}.items():
             z.writestr(f, c)
     return {"file": path.name, "name": name, "version": version, "size": path.stat().st_size,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "requires": [r.split(">")[0].split("=")[0]
+                                                                                 for r in requires]}
 
 
-def wheelhouse(root: Path, pins: dict[str, str], body: str = "", with_uv: bool = True) -> tuple[Path, str]:
-    tmp = root / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    wheels = [make_wheel(tmp, n, v, body) for n, v in pins.items()]
+_UV: dict[str, dict] = {}
+
+
+def _wheel(d: Path, name: str, version: str, body: str, requires: tuple[str, ...]) -> dict:
+    """A wheel in the cache: made once, then the same file for every later lock that lists it."""
+    path = d / f"{name}-{version}-py3-none-any.whl"
+    if not path.exists():
+        return make_wheel(d, name, version, body, requires)
+    return {"file": path.name, "name": name, "version": version, "size": path.stat().st_size,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "requires": list(requires)}
+
+
+def cache(root: Path, pins: dict[str, str], body: str = "", with_uv: bool = True,
+          requires: dict[str, tuple[str, ...]] | None = None) -> tuple[str, str]:
+    """A node's wheel cache as setup ships it: the wheels in ROOT/wheels, uv in ROOT/tools, the
+    lock in ROOT/wheelhouse/<hash16>/lock.json. Returns (hash16, hash)."""
+    (root / "wheels").mkdir(parents=True, exist_ok=True)
+    wheels = [_wheel(root / "wheels", n, v, body, (requires or {}).get(n, ())) for n, v in pins.items()]
     h = lock_hash("3.11", wheels)
-    d = root / h[:16]
-    tmp.rename(d)
-    (d / "pins.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
-    (d / "lock.json").write_text(json.dumps({"hash": h, "python": "3.11", "pins": [f"{n}=={v}" for n, v in pins.items()],
-                                             "imports": list(pins), "wheels": wheels}))
+    tools = {}
     uv = uv_binary()
     if uv and with_uv:
-        (d / "tools").mkdir()
-        os.symlink(uv, d / "tools" / "uv")
-    return d, h
+        (root / "tools").mkdir(exist_ok=True)
+        if not (root / "tools" / "uv").exists():
+            os.symlink(uv, root / "tools" / "uv")
+        if uv not in _UV:
+            _UV[uv] = {"sha256": hashlib.sha256(Path(uv).read_bytes()).hexdigest(), "size": os.path.getsize(uv)}
+        tools = {"tools/uv": _UV[uv]}
+    d = root / "wheelhouse" / h[:16]
+    d.mkdir(parents=True)
+    (d / "lock.json").write_text(json.dumps({
+        "format": LOCK_FORMAT, "hash": h, "python": "3.11", "pins": [f"{n}=={v}" for n, v in pins.items()],
+        "imports": sorted(pins), "checks": {n: n for n in pins}, "wheels": wheels, "tools": tools}))
+    return h[:16], h
 
 
 def node(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -174,42 +202,53 @@ def built(venv: Path) -> list[str]:
 
 
 def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp_path):
-    venv, root = tmp_path / "venvs" / "t", tmp_path / "wh"
-    first, h1 = wheelhouse(root, {"alpha": "1.0"})
+    venv, root = tmp_path / "venvs" / "t", tmp_path / "cache"
+    first, h1 = cache(root, {"alpha": "1.0"})
     assert json.loads(node("probe", str(venv), str(root)).stdout)["venv"] == "absent"
-    r = node("install", str(venv), str(first))
+    r = node("install", str(venv), str(root), first)
     assert r.returncode == 0, r.stderr
     probe = json.loads(node("probe", str(venv), str(root)).stdout)
-    assert probe["venv"] == "managed" and probe["hash"] == h1 and probe["wheelhouses"] == [h1[:16]]
+    assert probe["venv"] == "managed" and probe["hash"] == h1 and probe["wheelhouses"] == [first]
+    alpha = next(w for w in json.loads((root / "wheelhouse" / first / "lock.json").read_text())["wheels"])
+    assert probe["cache"]["wheels/" + alpha["file"]] == alpha["sha256"]
     assert os.path.islink(venv) and subprocess.run([venv / "bin" / "python", "-c", "import alpha"]).returncode == 0
 
     # a wheel that fails its import: the new directory is removed, the link still points at the old one
-    bad, _ = wheelhouse(tmp_path / "wh2", {"alpha": "2.0"}, body="raise ImportError('broken alpha')")
+    bad, _ = cache(root, {"alpha": "2.0"}, body="raise ImportError('broken alpha')")
     old = os.readlink(venv)
-    r = node("install", str(venv), str(bad))
+    r = node("install", str(venv), str(root), bad)
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("error: importing alpha failed")
     assert "broken alpha" in r.stderr and os.readlink(venv) == old
     assert built(venv) == [os.path.basename(old)]
 
-    # a damaged wheelhouse is refused before anything is built
-    damaged, _ = wheelhouse(tmp_path / "wh3", {"beta": "1.0"})
-    (damaged / next(damaged.glob("*.whl")).name).write_bytes(b"not a wheel")
-    r = node("install", str(venv), str(damaged))
-    assert r.returncode == 1 and "does not match its sha256" in r.stderr and os.readlink(venv) == old
+    # a damaged wheel is refused before anything is built, and removed so that the next setup ships it
+    damaged, _ = cache(root, {"beta": "1.0"})
+    (root / "wheels" / "beta-1.0-py3-none-any.whl").write_bytes(b"not a wheel")
+    r = node("install", str(venv), str(root), damaged)
+    assert r.returncode == 1 and "did not match the lock's sha256" in r.stderr and os.readlink(venv) == old
+    assert not (root / "wheels" / "beta-1.0-py3-none-any.whl").exists()
 
-    # two more versions: the current directory and the one before it are kept, older ones go
+    # two more versions: the current directory and the one before it are kept, older ones go, and
+    # so do the other locks and the wheels only they list
     for version in ("3.0", "4.0"):
-        d, h = wheelhouse(root / version, {"alpha": version})
-        assert node("install", str(venv), str(d)).returncode == 0
+        short, h = cache(root, {"alpha": version})
+        assert node("install", str(venv), str(root), short).returncode == 0
     kept = built(venv)
     assert len(kept) == 2 and os.path.basename(os.readlink(venv)) in kept and os.path.basename(old) not in kept
-    assert json.loads(node("probe", str(venv), str(root / "4.0")).stdout)["hash"] == h
+    deadline = time.monotonic() + 60  # the older ones were renamed aside; a detached rm removes them
+    while any(x.startswith(".trash-") for x in os.listdir(f"{venv}.d")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(os.listdir(f"{venv}.d")) == sorted([".lock", *kept])
+    probe = json.loads(node("probe", str(venv), str(root)).stdout)
+    assert probe["hash"] == h and probe["wheelhouses"] == [short]
+    assert sorted(os.listdir(root / "wheels")) == ["alpha-4.0-py3-none-any.whl"]
+    assert sorted(probe["cache"]) == (["tools/uv"] if uv_binary() else []) + ["wheels/alpha-4.0-py3-none-any.whl"]
 
 
 def test_node_script_falls_back_to_venv_and_pip_without_uv(tmp_path):
     venv = tmp_path / "v"
-    d, h = wheelhouse(tmp_path / "wh", {"alpha": "1.0"}, with_uv=False)
-    r = node("install", str(venv), str(d), env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    short, h = cache(tmp_path / "cache", {"alpha": "1.0"}, with_uv=False)
+    r = node("install", str(venv), str(tmp_path / "cache"), short, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["installer"] == "pip"
     assert json.loads((venv / ".clusterctl-setup.json").read_text())["hash"] == h
@@ -219,9 +258,9 @@ def test_node_script_falls_back_to_venv_and_pip_without_uv(tmp_path):
 def test_node_script_never_replaces_a_venv_it_did_not_build(tmp_path):
     venv = tmp_path / "v"
     venv.mkdir()
-    d, _ = wheelhouse(tmp_path / "wh", {"alpha": "1.0"})
-    assert json.loads(node("probe", str(venv), str(tmp_path / "wh")).stdout)["venv"] == "foreign"
-    r = node("install", str(venv), str(d))
+    short, _ = cache(tmp_path / "cache", {"alpha": "1.0"})
+    assert json.loads(node("probe", str(venv), str(tmp_path / "cache")).stdout)["venv"] == "foreign"
+    r = node("install", str(venv), str(tmp_path / "cache"), short)
     assert r.returncode == 1 and "did not build" in r.stderr and venv.is_dir() and not venv.is_symlink()
 
 
@@ -242,11 +281,11 @@ def test_node_script_refuses_while_another_setup_builds_the_same_venv(tmp_path):
     import fcntl
 
     venv = tmp_path / "v"
-    d, _ = wheelhouse(tmp_path / "wh", {"alpha": "1.0"})
+    short, _ = cache(tmp_path / "cache", {"alpha": "1.0"})
     (tmp_path / "v.d").mkdir()
     with open(tmp_path / "v.d" / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        r = node("install", str(venv), str(d))
+        r = node("install", str(venv), str(tmp_path / "cache"), short)
     assert r.returncode == 1 and "another clusterctl setup is building" in r.stderr
     assert not venv.exists() and built(venv) == []
 
@@ -326,9 +365,9 @@ def test_online_nodes_download_exactly_the_locked_files_from_their_index(tmp_pat
     monkeypatch.setenv("HOME", str(tmp_path))
     main(["setup", "-i", str(inv), "--json", "--online"])
     doc = json.loads(capsys.readouterr().out)
-    assert doc["nodes"][0]["action"] == "created", doc
+    assert doc["nodes"][0]["action"] == "created", doc["nodes"][0]["detail"]
     assert doc["bytes_sent"] < 1e6 + (40e6 if uv_binary() else 0)  # the lock (and uv), no wheels
-    assert not list((tmp_path / ".cache" / "clusterctl" / "wheelhouse").glob("*/*.whl"))
+    assert not list((tmp_path / ".cache" / "clusterctl").rglob("*.whl"))
 
     make_wheel(tmp_path / "index", "ccalpha", "1.0", body="x = 1")  # the index now serves other bytes
     shutil.rmtree(tmp_path / ".cache" / "uv", ignore_errors=True)  # (uv's cache holds the checked file)

@@ -1,12 +1,13 @@
 """The run's story on screen: what clusterctl tells (record.py Book.tell, story), the folding of
-stopped ranks' tracebacks (runs/logs.py Folder), which nodes are quiet, and how a restart's node
+stopped ranks' tracebacks (runs/screen.py Screen), which nodes are quiet, and how a restart's node
 change reads."""
 
 import json
 
 from orchestrator.runs.controller import _changes
-from orchestrator.runs.logs import Folder, Follower, NodeLog, quiet_nodes
+from orchestrator.runs.logs import Follower, NodeLog, quiet_nodes
 from orchestrator.runs.record import Book, story
+from orchestrator.runs.screen import Screen
 from orchestrator.runs.store import Run
 
 # rank 2's lines as torchrun's tee wrote them when clusterctl stopped it (recorded on the test
@@ -28,8 +29,8 @@ class Lines:
     def __init__(self):
         self.out = []
 
-    def __call__(self, label, stream, text, key=None):
-        self.out.append((label, text))
+    def many(self, lines):
+        self.out.extend((label, text) for label, text, _ in lines)
 
     def widen(self, label):
         pass
@@ -40,7 +41,7 @@ def follow(tmp_path, text, quiet, final=True):
     log.write_text(text)
     lines = Lines()
     f = Follower([NodeLog("node3", log, 2)], lines)
-    f.folder.quiet = quiet
+    f.quiet = quiet
     f.poll(final=final)
     f.close()
     return lines.out
@@ -58,8 +59,8 @@ def test_a_stopped_ranks_traceback_folds_to_one_line_and_its_other_lines_pass(tm
 def test_the_node_that_failed_first_keeps_its_traceback_on_screen(tmp_path):
     out = follow(tmp_path, STOPPED, set())
     assert len(out) == len(STOPPED.splitlines())
-    assert ("node3/r2", "[rank2]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection "
-                        "closed by peer") in out
+    assert ("node3/r2", "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection "
+                        "closed by peer") in out  # torch's [rank2]: is the label's
 
 
 def test_json_consumers_get_every_line(tmp_path):
@@ -67,18 +68,23 @@ def test_json_consumers_get_every_line(tmp_path):
     log.write_text(STOPPED)
     got = []
     f = Follower([NodeLog("node3", log, 2)], Lines(), sink=lambda label, stream, text, key: got.append(text))
-    f.folder.quiet = {"node3"}
+    f.quiet = {"node3"}
     f.poll(final=True)
     assert len(got) == len(STOPPED.splitlines())
 
 
 def test_a_block_is_told_once_it_has_been_idle(tmp_path):
-    folder = Folder()
-    folder.quiet = {"n1"}
-    assert folder.fold("n1", "n1/r0", "Traceback (most recent call last):")
-    assert folder.told("n1", idle=60) is None  # still arriving
-    assert folder.told("n1", idle=0) == ("n1/r0", "[clusterctl: 1 line of a stopped rank's traceback folded]")
-    assert folder.told("n1") is None
+    screen = Screen("the node logs")
+    screen.quiet = {"n1"}
+    got = []
+    screen.line("n1", 0, "n1/r0", "Traceback (most recent call last):", now=0.0)
+    screen.tick(1.5)  # the traceback is complete (idle), its fold still arriving
+    screen.flush(10.0, got.extend)
+    assert got == []
+    screen.tick(4.0)
+    screen.flush(10.0, got.extend)
+    assert got == [("n1/r0", "[clusterctl: 1 line of a stopped rank's traceback folded; the node logs has them]",
+                    "n1")]
 
 
 def test_quiet_nodes_follow_the_teardown_and_a_clean_finish():

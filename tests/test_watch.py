@@ -110,3 +110,29 @@ def test_watch_once_fits_80_columns_and_ends_with_the_runs_summary(home, capsys,
     assert r0[:6] == ["node1/r0", "running", "40", "412ms", "1,235k", "0s"], r0
     assert [ln.split()[0] for ln in lines[2:6]] == ["node1/r0", "node1/r1", "node2/r2", "node2/r3"]
     assert f"clusterctl: run {run.id} finished" in out.err
+
+
+def test_the_stack_panel_at_80x24_shows_the_innermost_frames(home):
+    """30.9: a deep stack asked with a rank's number used to lose its innermost frames (the ones
+    that say where the rank waits) off the bottom of an 80 x 24 screen."""
+    from rich.console import Console
+
+    from orchestrator.cli.watch import Screen
+
+    run = a_run(home)
+    rank_lines(run, 0, "step 7 | loss 2.0\n")
+    screen = Screen(run, by_rank=False)
+    screen.look(run.record)
+    frames = "".join(f"    /home/u/gpt_train/model/block_{i}.py:{i + 10} in forward\n      x = self.block_{i}(x)\n"
+                     for i in range(12))
+    screen.detail = type("Asked", (), {"rank": 0, "node": "node1", "text": (
+        f"---- rank 0 (node1 r0 pid 4101)\n  thread MainThread:\n{frames}"
+        "    /usr/lib/python3/dist-packages/torch/distributed/distributed_c10d.py:3252 in all_reduce\n"
+        "      work.wait()\n  collectives entered: pg 0 #41 gloo:all_reduce\n")})()
+    con = Console(width=80, height=24, record=True, file=open(os.devnull, "w"), color_system=None)
+    con.print(screen.render(run.record, 80, 24))
+    out = con.export_text().splitlines()
+    assert len(out) <= 24 and all(len(ln) <= 80 for ln in out), out
+    assert out[-2].strip() == "collectives entered: pg 0 #41 gloo:all_reduce", out
+    assert out[-3].strip() == "work.wait()" and out[-4].endswith("distributed_c10d.py:3252 in all_reduce"), out
+    assert any("outer frames" in ln for ln in out) and any("block_11.py:21 in forward" in ln for ln in out), out

@@ -110,9 +110,10 @@ class PreflightReport:
 
     # ------------------------------------------------------------------ rendering
 
-    def render(self, console, details: bool = False) -> None:
+    def render(self, console, details: bool = False, ranks: bool = True) -> None:
         """The matrix, then every finding not ok (grouped across nodes, with its remedy), then
-        the rank map and the verdict. details=True adds the ok/skip details too."""
+        the rank map (ranks=False: none, for a launch that will not happen) and the verdict.
+        details=True adds the ok/skip details too."""
         width = console.size.width
         console.print(f"preflight: {len(self.nodes)} nodes, master {self.inventory.master.address}:"
                       f"{self.inventory.master_port} ({self.seconds:.1f}s)", markup=False, highlight=False)
@@ -122,7 +123,8 @@ class PreflightReport:
         for table in self._tables(width):
             console.print(table)
         console.print(self._findings(details))
-        console.print(self._rank_map_text(width), markup=False, highlight=False)
+        if ranks:
+            console.print(self._rank_map_text(width), markup=False, highlight=False)
         fails = self.failures
         console.print("[green]preflight ok[/]" if self.ok else
                       f"[bold red]{len(fails)} check(s) failed on {len({name for name, _ in fails})} node(s)[/]")

@@ -1,8 +1,8 @@
 """Output sinks for per-node lines (ClusterShell's event handlers, compose's log colors).
 
 A line event is (label, stream, text).  `Prefixer` writes `label | text` whole,
-one write per line under a lock so lines from different nodes never tear or
-merge; colors only when the output is a terminal.
+one write per line (or per batch of lines, `many`) under a lock so lines from
+different nodes never tear or merge; colors only when the output is a terminal.
 """
 
 from __future__ import annotations
@@ -54,3 +54,14 @@ class Prefixer:
         with self._lock:
             target.write(line)
             target.flush()
+
+    def many(self, lines: Iterable[tuple[str, str, str | None]]) -> None:
+        """Several stdout lines in one write (a log poll's worth): the same text as one call each."""
+        if self.color:
+            text = "".join([self.fmt(label, line, key) for label, line, key in lines])
+        else:
+            width = self.width
+            text = "".join([f"{label.ljust(width)} | {line}\n" for label, line, _ in lines])
+        with self._lock:
+            self.out.write(text)
+            self.out.flush()

@@ -22,8 +22,10 @@ from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.dirreplicas import NodeSnaps, newest_copied
 from orchestrator.runs.record import story
+from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
+from orchestrator.runs.policy import TAIL_LINES, log_tail
+from orchestrator.runs.rankfiles import rank_file
 from orchestrator.runs.setaside import BEFORE_RUN, FORM, Found
-from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn
 
@@ -61,8 +63,12 @@ def _printer(rec: dict) -> Prefixer:
     return Prefixer([f"{nd['name']}/r{nd.get('last_rank', 0)}" for nd in rec.get("nodes", [])])
 
 
-def _summary(rec: dict) -> None:
+def _summary(rec: dict, shown: tuple[str, str] | None = None) -> None:
+    """The run's end in one line (and its root cause's lines). `shown`: (the failed rank's last
+    lines that end the summary, where the screen just showed them): named, not repeated."""
     state, code = rec.get("state"), rec.get("exit_code")
+    if shown is not None and str(rec.get("summary") or "").endswith("\n" + shown[0]):
+        rec = dict(rec, summary=rec["summary"][:-len(shown[0]) - 1].rstrip() + "\n" + shown[1])
     if rec.get("error"):
         _err(f"clusterctl: run {rec.get('id')} {state}: {rec['error']}")
     elif str(rec.get("summary") or "").startswith(f"{state} "):  # 'stopped on request': said once
@@ -110,8 +116,13 @@ class _Show:
         for a in rec.get("attempts") or []:
             self.announce(a)
         if self.follower is not None:
-            self.follower.folder.quiet = quiet_nodes(rec)
-        if self.follower is None and rec.get("rank_map"):
+            self.follower.quiet = quiet_nodes(rec)
+        last = (rec.get("attempts") or [{}])[-1]
+        # an attempt not launched (yet, or ever: its launch failed) gets no map; a record that does not
+        # say (an older one) by its state
+        launched = last["launched"] if "launched" in last else \
+            rec.get("state") not in ("starting", "queued", "connecting", "preflight", "launching")
+        if self.follower is None and rec.get("rank_map") and launched:
             # the preflight table already shows the same map unless --nproc-per-node changed it
             if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
                 click.echo(rec["rank_map"], err=True)
@@ -198,10 +209,29 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
             on_interrupt()
     if show.follower:
         show.follower.close()
-    _summary(run.record)
+    rec = run.record
+    _summary(rec, _shown_tail(run, rec, show.follower))
     _results(run)
     code = run.record.get("exit_code")
     return 1 if code is None else int(code)
+
+
+def _shown_tail(run: Run, rec: dict, follower: Follower | None) -> tuple[str, str] | None:
+    """When the run's summary ends with the failed rank's last lines (runs/policy.py root_cause)
+    and the screen has just shown every line of that rank: (those lines, what to say instead)."""
+    ff = rec.get("first_failure") or {}
+    nd = next((n for n in run.nodes(rec) if n.name == ff.get("node")), None)
+    if follower is None or nd is None or nd.first_rank is None:
+        return None
+    log = log_tail(run.node_log(nd.name))
+    wf = worker_failure(log)
+    if wf is None:
+        return None
+    rank = nd.first_rank + wf["local_rank"]
+    if not follower.showed(nd.name, rank):
+        return None
+    return "\n".join(rank_tail(log, wf["local_rank"], TAIL_LINES)), \
+        f"(rank {rank}'s last lines and traceback are above; all of them: {rank_file(run.dir, rank)})"
 
 
 def _results(run: Run) -> None:

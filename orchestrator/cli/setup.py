@@ -16,14 +16,18 @@ def _summary(report) -> str:
         counts[r.action] = counts.get(r.action, 0) + 1
     what = ", ".join(f"{n} {a}" for a, n in counts.items())
     ok = sum(r.ok for r in report.results)
+    shipped = len({w for r in report.results for w in r.wheels})
     return (f"setup: {ok}/{len(report.results)} nodes ok ({what}) in {report.seconds:.1f}s; "
             f"{report.packages} packages, {report.wheel_bytes / 1e6:,.1f} MB of wheels ({report.resolved or '-'}), "
+            f"{shipped} {'wheel' if shipped == 1 else 'wheels'} shipped, "
             f"{report.bytes_sent / 1e6:,.1f} MB left this machine")
 
 
 @click.command("setup")
 @cluster_options
-@click.option("--force", is_flag=True, help="Rebuild venvs that are already current.")
+@click.option("--force", is_flag=True,
+              help="Rebuild venvs that are already current, trusting nothing: every wheel in the nodes' caches "
+                   "is checked against its sha256 and unpacked again, and every checked module imported.")
 @click.option("--refresh", is_flag=True,
               help="Resolve the requirements again, even though this file was resolved before (unpinned "
                    "requirements then move to their newest versions).")
@@ -37,10 +41,14 @@ def setup_command(opts: ClusterOptions, force: bool, refresh: bool, online: bool
     """Build the inventory's `setup:` venv, identical on every node, with no index on the nodes.
 
     The requirements are resolved once here (pip, with this machine's pip configuration) into a
-    wheelhouse, shipped with sync's relay to the nodes that need it, and installed with no index
-    into a new directory that replaces the venv only once it imports. Nodes whose venv records
-    the same resolved set are skipped. Then preflight's python_env runs. With `clusterctl: true` in
-    setup:, clusterctl's node side goes into the venv too (`render slurm|k8s` run it there)."""
+    wheelhouse; each node is sent only the wheels its cache lacks (sync's relay: each file leaves
+    this machine once), and installs with no index into a new directory that replaces the venv
+    only once it imports. Packages an earlier venv had are linked from uv's unpacked copies, and
+    only the modules a change reaches are imported, so adding one package costs about that
+    package. An edit that only adds lines keeps every other pin (--refresh moves them). Nodes
+    whose venv records the same resolved set are skipped. Then preflight's python_env runs. With
+    `clusterctl: true` in setup:, clusterctl's node side goes into the venv too (`render
+    slurm|k8s` run it there)."""
     from rich.console import Console
 
     from orchestrator.checks.preflight import run_preflight

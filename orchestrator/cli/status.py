@@ -21,24 +21,28 @@ from orchestrator.runs.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.dirreplicas import newest_copied
+from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
 
-def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus], now: float, note: str = ""):
+def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus], now: float, view: LiveView,
+                 note: str = ""):
     """The attempt, its nodes in rank order, each node's state (the nodes' own word when they
-    were asked), pid, exit, runtime and the job's last line there."""
+    were asked), pid, exit, runtime, step (runs/liveview.py: the log's, else the hook's, else
+    its collectives) and the job's last line there."""
     a = typed.current
     tries = f", attempt {a.attempt} of at most {run.spec.max_restarts + 1}" if a is not None else ""
+    steps = {r.name: r.progress for r in view.rows(now=now)}
     rows = []
     for nd in run.nodes(rec):
         state, code, last = nd.state, nd.exit_code, tables.last_line(run.node_log(nd.name), nd.first_rank)
         asked = from_nodes.get(nd.name)
-        if asked is not None:  # the nodes' own word beats a stale record
-            code, last = code if asked.error else asked.exit_code, asked.last_line or last
+        if asked is not None:  # the nodes' own word beats a stale record (its last line: the job's)
+            code, last = code if asked.error else asked.exit_code, tables.node_line(asked.last_line, nd.first_rank)[0] or last
             state = _node_state_now(asked, code)
         rows.append((nd.name, nd.ranks, tables.shown_state(state, rec), str(nd.pid or "-"),
-                     "-" if code is None else str(code), tables.runtime(nd, rec, now), last))
+                     "-" if code is None else str(code), tables.runtime(nd, rec, now), steps.get(nd.name, "-"), last))
     return tables.status_table(f"{run.id}: {rec.get('state')}{tries}{note}", rows)
 
 
@@ -79,15 +83,20 @@ def status_command(run_id, as_json):
     from_nodes = {} if alive or terminal else ask_nodes(run)
     if not alive:
         ensure_supervisor(run)
+    view = LiveView(run.dir, run.spec.hang_timeout)
+    view.look(run.nodes(rec), (rec.get("attempts") or [None])[-1])
     if as_json:
         nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now), indent=2))
+        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now, ranks_now=view.ranks_json()),
+                              indent=2))
         return
     typed = load_record(run)
     a = typed.current
-    Console().print(_nodes_table(run, rec, typed, from_nodes, time.time(),
+    Console().print(_nodes_table(run, rec, typed, from_nodes, time.time(), view,
                                  "" if alive or terminal else " (supervisor gone: asked the nodes and started one "
                                  "that takes the run over)"))
+    if any(r.collectives is not None for r in view.rows()):
+        _err(f"clusterctl: {COLLECTIVES_NOTE}")
     if a is not None and a.preflight_ok is False and a.preflight_file:  # the table that says what to fix
         _err((run.dir / a.preflight_file).read_text().rstrip() if (run.dir / a.preflight_file).exists() else "")
     newest = newest_copied(run.dir)

@@ -2,8 +2,9 @@
 
 A live run gets a stop request (recorded in runs/RUN/stop.json, so a replacement supervisor
 honours it too) and its supervisor a SIGTERM; `stop` then waits for the record to say the run
-ended. A run that already ended is checked on its nodes all the same: an attempt whose stop never
-reached a node (it was cut off, and came back after the supervisor gave up) is stopped now.
+ended. A run that already ended is cleared on its nodes, and `stop` says what it cleared: an
+attempt whose stop never reached a node (it was cut off, and came back after the supervisor gave
+up) is stopped now, and the run's claim on a node that did not answer when it ended is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from orchestrator.errors import ClusterctlError, UnreachableError
 from orchestrator.runs import agent
 from orchestrator.runs.launch import stray_processes
 from orchestrator.runs.policy import MAX_GRACE
+from orchestrator.runs.record import Book
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.stopping import LOG_DRAIN_S
 from orchestrator.runs.store import Run
@@ -60,37 +62,68 @@ def stop_command(run_id, grace, timeout, as_json):
         emit(run_doc(run.record))
 
 
-def stop_strays(run: Run, grace: float | None) -> dict[str, list[str]]:
-    """An ended run's processes still alive on a node (an attempt whose stop never reached it):
-    stopped now. Returns {node: [the keys stopped]}; UnreachableError names nodes not asked."""
+def run_nodes(rec) -> list[str]:
+    """Every node an ended run may have left something on: its attempts' nodes, the nodes it
+    claimed, left out, or still has a stop pending on."""
+    return sorted({n for a in rec.attempts for n in a.nodes} | {nd.name for nd in rec.nodes} | set(rec.claimed)
+                  | set(rec.left_out) | set(rec.stop_pending))
+
+
+def clear_ended(run: Run, grace: float | None) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """What is left of an ended run on its nodes, cleared now on each node that answers: its
+    processes stopped (an attempt whose stop never reached the node), its claim dropped (a node
+    that did not answer when the run ended). Returns ({node: [what was cleared]}, {node: why it
+    was not asked})."""
     rec = load_record(run)
-    names = sorted({n for a in rec.attempts for n in a.nodes} | {nd.name for nd in rec.nodes})
     spec = run.spec
-    if not names:
-        return {}
-    with Cluster(spec.load_inventory(names), connect_timeout=spec.connect_timeout, fanout=spec.fanout,
+    cleared: dict[str, list[str]] = {}
+    # every node of its inventory: a spare it claimed may be in no attempt of the record; one
+    # that does not answer matters only where the run may have left something
+    mine = set(run_nodes(rec))
+    with Cluster(spec.load_inventory(), connect_timeout=spec.connect_timeout, fanout=spec.fanout,
                  accept_new_host_keys=spec.accept_new_host_keys) as cluster:
-        strays, failed = stray_processes(cluster, run.id, [n for n in names if n in cluster.connections])
-        failed.update({k: v.error for k, v in cluster.unreachable.items()})
+        asked = list(cluster.connections)
+        strays, failed = stray_processes(cluster, run.id, asked)
+        failed.update({k: v.error for k, v in cluster.unreachable.items() if k in mine})
         g = spec.grace if grace is None else grace
         for node, keys in strays.items():
             for key in keys:
                 agent.run(cluster, lambda n: agent.stop(n, key.attempt_key, g), [node])
+            cleared[node] = [f"processes of {', '.join(k.attempt_key for k in keys)} (stopped)"]
+        released = agent.run(cluster, lambda n: agent.release(n, run.id), [n for n in asked if n not in failed])
+        for node, r in released.items():
+            if r.error is not None:
+                failed[node] = r.error
+            elif r.released:
+                cleared.setdefault(node, []).append("its claim")
+    if rec.claimed and not run.supervisor_alive():  # the record says what the run holds: no longer these
+        Book(run).released([n for n in rec.claimed if n not in failed])
+    return cleared, failed
+
+
+def _stop_ended(run: Run, grace: float | None) -> None:
+    """`stop` of a run that already ended: what is left of it on its nodes is cleared, and said."""
+    rec = run.record
+    cleared, failed = clear_ended(run, grace)
+    if rec.get("stop_pending") and not run.supervisor_alive():
+        ensure_supervisor(run)  # it carries out the stops still pending as their nodes answer
+    state = rec.get("state")
+    if cleared:
+        where = "; ".join(f"{n}: {', '.join(what)}" for n, what in cleared.items())
+        _err(f"clusterctl: run {run.id} had already {state}; cleared what was left of it: {where}")
+    elif not failed:
+        _err(f"clusterctl: run {run.id} already {state}; no process of it is left on its nodes, and no claim")
     if failed:
-        raise UnreachableError(failed, f"so processes of run {run.id} may still run there")
-    return {node: [k.key for k in keys] for node, keys in strays.items()}
+        pending = set(rec.get("stop_pending") or [])
+        later = ("a stop pending in its record clears it there once it answers again" if set(failed) <= pending
+                 else f"run `clusterctl stop {run.id}` again once it answers")
+        raise UnreachableError(failed, f"so processes or a claim of run {run.id} may be left there: {later}")
 
 
 def _stop(run: Run, grace: float | None, timeout: float | None) -> None:
     rec = run.record
-    if run.terminal and not rec.get("stop_pending"):
-        strays = stop_strays(run, grace)
-        if strays:
-            where = "; ".join(f"{n}: {', '.join(k.split('@')[0] for k in ks)}" for n, ks in strays.items())
-            _err(f"clusterctl: run {run.id} had already {rec.get('state')}, but processes of it were still "
-                 f"running ({where}); stopped them")
-        else:
-            _err(f"clusterctl: run {run.id} already {rec.get('state')}; no process of it is left on its nodes")
+    if run.terminal:
+        _stop_ended(run, grace)
         return
     run.request_stop(grace, by=f"{getpass.getuser()}@{socket.gethostname()}")
     if run.supervisor_alive():
@@ -110,4 +143,4 @@ def _stop(run: Run, grace: float | None, timeout: float | None) -> None:
     _summary(rec)
 
 
-__all__ = ["stop_command", "stop_strays"]
+__all__ = ["clear_ended", "stop_command"]

@@ -16,10 +16,15 @@ from rich.text import Text
 
 from orchestrator.runs.logs import last_lines_offset
 from orchestrator.runs.rankfiles import RANK_TAG
+from orchestrator.runs.screen import job_text
 from orchestrator.runs.spec import NodeState, NodeStatus
 
-# torchrun's and c10d's own chatter (`W1124 20:13:59.129000 4242 torch/...`): not the job's last word
-_TORCH_LOG = re.compile(r"^[WIEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ |^\[W\d+ |^\[c10d\]")
+# torchrun's, c10d's and torch's own chatter (`W1124 20:13:59.129000 4242 torch/...`, `[W1128
+# 19:22:04.564295190 reducer.cpp:1529] Warning: ...`): not the job's last word
+_TORCH_LOG = re.compile(r"^[WIEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ |^\[[WIEF]\d+ |^\[c10d\]")
+# torchrun's ChildFailedError report (`====`, `----`, `  exitcode  : 1 (pid: 9565)`): the summary says it
+_REPORT = re.compile(r"^[=-]{20}|^\s*(?:time|host|rank|exitcode|error_file|traceback)\s*:|^Root Cause|^Failures:|"
+                     r"^\[\d+\]:$|<NO_OTHER_FAILURES>| FAILED$|ChildFailedError")
 
 
 def runtime(nd: NodeStatus, rec: dict, now: float) -> str:
@@ -30,25 +35,42 @@ def runtime(nd: NodeStatus, rec: dict, now: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def last_line(path: Path, first_rank: int | None, n: int = 20) -> str:
+def job_line(text: str) -> str | None:
+    """A log line as the job said it (torch's `[rankN]: ` off, a progress bar's last update), or
+    None when it is torchrun's, c10d's or torch's own chatter."""
+    text = job_text(text.rsplit("\r", 1)[-1].strip()) or ""
+    return text.strip() if text.strip() and not _TORCH_LOG.search(text) else None
+
+
+def last_line(path: Path, first_rank: int | None, n: int = 40) -> str:
     """The job's last word on a node: the last line a rank wrote (`r5: step 40 | loss 2.1`), past
-    torchrun's and c10d's warnings; else the log's last line."""
+    torchrun's, c10d's and torch's warnings; else the last line torchrun wrote that is not its
+    own chatter (a rank's tagged line never shows with its tag)."""
     try:
         with open(path, "rb") as f:
             f.seek(last_lines_offset(path, n))
             lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
+    plain = ""
     for ln in reversed(lines):
-        m = RANK_TAG.match(ln.encode())
-        if m is None:
-            continue
-        text = ln.encode()[m.end():].decode(errors="replace").strip()
-        if text and not _TORCH_LOG.search(text):
-            rank = f"r{first_rank + int(m.group(1))}: " if first_rank is not None else ""
-            return rank + text.rsplit("\r", 1)[-1].strip()
-    plain = [ln for ln in lines if not _TORCH_LOG.search(ln)]
-    return plain[-1].strip() if plain else ""
+        text, ranked = node_line(ln, first_rank)
+        if ranked:
+            return text
+        plain = plain or text
+    return plain
+
+
+def node_line(line: str, first_rank: int | None) -> tuple[str, bool]:
+    """A node log's line as `last line` shows it: (`r5: text` for a rank's, True), (torchrun's
+    own that is not its chatter or its ChildFailedError report, False), ("", False) otherwise."""
+    m = RANK_TAG.match(line.encode())
+    text = job_line(line if m is None else line.encode()[m.end():].decode(errors="replace"))
+    if text is None:
+        return "", False
+    if m is not None:
+        return (f"r{first_rank + int(m.group(1))}: " if first_rank is not None else "") + text, True
+    return ("" if _REPORT.search(text) else text), False
 
 
 def shown_state(state: NodeState, rec: dict) -> str:
@@ -69,11 +91,11 @@ def one_line(text: str) -> Text:
 
 
 def status_table(title: str, rows: list[tuple[str, ...]]) -> Table:
-    """node, ranks, state, pid, exit, runtime, last line: one line per node. Only the last line's
-    column gives way to a narrow screen."""
+    """node, ranks, state, pid, exit, runtime, step, last line: one line per node. Only the last
+    line's column gives way to a narrow screen."""
     t = _table(title)
-    for c in ("node", "ranks", "state", "pid", "exit", "runtime"):
-        t.add_column(c, no_wrap=True, justify="right" if c in ("pid", "exit") else "left")
+    for c in ("node", "ranks", "state", "pid", "exit", "runtime", "step"):
+        t.add_column(c, no_wrap=True, justify="right" if c in ("pid", "exit", "step") else "left")
     t.add_column("last line", min_width=9)
     for row in rows:
         t.add_row(*row[:-1], one_line(row[-1]))

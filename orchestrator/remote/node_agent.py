@@ -14,7 +14,8 @@ Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = R
               the `stop` that wrote it lost its connection half way
   save_seconds  how long the job's last checkpoint took (the trainer writes it; the stop grace
               covers it)
-and ~/.clusterctl/claims/NODE, the node's claim {"run", "key", "who", "since"}: one run at a time.
+and ~/.clusterctl/claims/NODE, the node's claim {"run", "key", "who", "since", "renewed"}: one run at a
+time, held by every attempt of it (RUN.aK@NODE) and stale once they ended (claim_stale).
 All of it is the user's alone, 0700/0600 (0750/0640 under share_with_group; spec.json, which holds
 the inventory's env, 0600 always): private_files. torchrun gets the user's own umask back.
 
@@ -44,8 +45,8 @@ processes), never by name pattern.
                                for the straggler watch (absent or 0: none); needs ARTIFACTS_SRC
                                (probe.py `program("artifacts")`, text) prepended to this script
   live                         print the keys of runs still alive on this node
-  claim NODE KEY WHO           take the node for run KEY: print {"ok": true, ...} or {"ok": false,
-                               the holder's record}; a claim whose run has ended is replaced
+  claim NODE KEY WHO           take the node for run KEY, or renew KEY's own claim: print {"ok": true,
+                               ...} or {"ok": false, the holder's record}; a stale claim is replaced
   release NODE KEY             drop the node's claim if run KEY holds it
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
@@ -66,9 +67,12 @@ import time
 
 BASE = NODE_RUNS  # common.py
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
-CLAIM_START_S = 900  # a claim whose run never started on the node is held this long (preflight, launch)
-TORCHRUN_REPORT_S = 0.5  # on a stop, torchrun's time after its workers are gone (its monitor
-# interval is 0.1 s: it sees them, prints its failure summary, then spends ~1 s of CPU exiting)
+CLAIM_START_S = 900  # a claim whose run started nothing on the node is held this long after it was taken or
+# renewed (preflight, restore, a spare's preparation), unless the controller releases it first
+TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
+# its monitor interval is 0.1 s, then its exit barrier (the other nodes, stopped at the same moment)
+# and ~1 s of CPU tearing its interpreter down. Signalled sooner, it records a failure (1, 143)
+# for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
 PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
@@ -336,18 +340,18 @@ def end_run(run_id, info, grace, peer_failed=False):
     deadline = time.time() + float(grace)
     if peer_failed and not writing_checkpoint(targets()):
         deadline = time.time()
-    # the workers first: they stop (the trainer checkpoints) and torchrun, seeing them done, exits
-    # on its own; torchrun too when it has no workers (yet) or once the grace is half over
+    # the workers first, with the whole grace: they stop (the trainer checkpoints) and torchrun,
+    # seeing them done, exits on its own with their verdict; torchrun is signalled itself only
+    # when it has no workers (yet), or once the grace is over
     started = workers() if deadline > time.time() else []
     for pid in started:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
-    if started and wait_until(lambda: not workers(), time.time() + float(grace) / 2):
-        # workers done: torchrun sees it within its monitor interval and reports; it is not
-        # waited for while it spends its last second tearing its interpreter down
-        wait_until(lambda: not targets() or workers(), min(deadline, time.time() + TORCHRUN_REPORT_S))
+    if started and wait_until(lambda: not workers(), deadline):
+        # workers done: torchrun exits on its own with their verdict, the code recorded
+        wait_until(lambda: not targets() or workers(), time.time() + TORCHRUN_EXIT_S)
     signal_all(signal.SIGTERM if deadline > time.time() else signal.SIGKILL)
     if not wait_until(lambda: not targets(), deadline):
         signal_all(signal.SIGKILL)
@@ -722,18 +726,49 @@ def node_name_ok(name):
     return os.path.join(CLAIMS, name)
 
 
-def claim_stale(doc):
-    """A claim is stale once its run has no process left on this node, and it either started
-    here (its run directory exists) or never did within CLAIM_START_S."""
-    key = doc.get("key", "")
-    if not key:
-        return False
+def family(key):
+    """match(k) for the run keys of `key`'s run on its node: RUN@NODE and every attempt RUN.aK@NODE."""
     run, _, node = key.rpartition("@")
-    # a restarted run's attempt k runs under RUN.aK@NODE: the claim (RUN@NODE) is held by it too
-    if run_pids(key, lambda k: k == key or (k.startswith(run + ".a") and k.endswith("@" + node))):
+
+    def match(k):
+        head, _, at = k.rpartition("@")
+        return at == node and (head == run or (head.startswith(run + ".a") and head[len(run) + 2:].isdigit()))
+
+    return match
+
+
+def claim_stale(doc):
+    """A claim is stale once no process of its run (any attempt) is left on this node, and either
+    every attempt that ran here ended after the claim was last renewed (the controller renews it
+    as each attempt begins, so one ended before the next starts is still held), or nothing ran
+    here within CLAIM_START_S of the renewal (a node claimed and then lost or left out, whose
+    release never reached it)."""
+    key = doc.get("key", "")
+    if not key or "/" in key:
         return False
-    started = os.path.isdir(os.path.join(BASE, key)) if "/" not in key else False
-    return started or time.time() - float(doc.get("since", 0)) > CLAIM_START_S
+    mine = family(key)
+    if run_pids(key, mine):
+        return False
+    renewed = max(float(doc.get("since") or 0), float(doc.get("renewed") or 0))
+    ran = [os.path.join(BASE, k) for k in (os.listdir(BASE) if os.path.isdir(BASE) else ()) if mine(k)]
+    ends = [ended_at(d) for d in ran]
+    if ends and all(e is not None for e in ends) and max(ends) >= renewed:
+        return True
+    return time.time() - renewed > CLAIM_START_S
+
+
+def ended_at(d):
+    """When the run in directory d ended, by this node's clock (the waiter's `ended`, else when its
+    exit code was written: a file's mtime is the file server's clock on a shared home); None
+    while it has no exit code."""
+    try:
+        written = os.path.getmtime(os.path.join(d, "exit_code"))
+    except OSError:
+        return None
+    try:
+        return float(read(os.path.join(d, "ended"), "") or written)
+    except ValueError:
+        return written
 
 
 def _locked_claim(path):
@@ -755,8 +790,9 @@ def _locked_claim(path):
 
 
 def claim(node, key, who):
-    """Take the node for run KEY. Check and write happen under an exclusive lock on the node, so
-    of two claims at once exactly one wins; a stale claim is replaced."""
+    """Take the node for run KEY, or renew the run's own claim (a new attempt begins here). Check
+    and write happen under an exclusive lock on the node, so of two claims at once exactly one
+    wins; a stale claim is replaced."""
     path = node_name_ok(node)
     os.makedirs(CLAIMS, mode=0o700, exist_ok=True)
     with _locked_claim(path) as held:
@@ -765,7 +801,9 @@ def claim(node, key, who):
             return
         if held.get("key") != key:
             held = {"run": key.split("@")[0], "key": key, "who": who, "since": time.time()}
-            write_atomic(path, json.dumps(held))
+        else:
+            held["renewed"] = time.time()
+        write_atomic(path, json.dumps(held))
         print(json.dumps({"ok": True, **held}))
 
 

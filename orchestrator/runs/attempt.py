@@ -27,6 +27,7 @@ from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict, RankSnap
 from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
+from orchestrator.runs.progresslog import ProgressLog
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
@@ -101,11 +102,11 @@ class AttemptRunner:
     def watch(self, nodes: list[Node], start_at: dict[str, int] | None = None, adopted: bool = False) -> RunResult:
         hw = self.watch_hangs([n.name for n in nodes], armed=adopted)
         sw = self.watch_stragglers([n.name for n in nodes])
+        progress_sink = ProgressLog(self.run.dir, self.key).feeder(sw.feed if sw is not None and sw.streamed else None)
         try:
             copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained, key=self.key,
                       start_at=start_at, artifacts=self.artifacts, after_write=hw.heard if hw else None,
-                      tell=self.book.tell, progress=sw.feed if sw is not None and sw.streamed else None,
-                      progress_s=PERIOD_S)
+                      tell=self.book.tell, progress=progress_sink, progress_s=PERIOD_S)
         finally:
             for w in (hw, sw):
                 if w is not None:
@@ -248,7 +249,7 @@ class AttemptRunner:
                 inv, src, code = there, rec["src"], now
         report = run_preflight(self.cluster, inv, FAST_CHECKS, control_dir=src, control=code)
         console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
-        report.render(console)
+        report.render(console, ranks=report.ok or self.spec.force)  # no rank map for a launch that fails here
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
         tmp = self.run.dir / (name + ".tmp")  # written whole, then renamed: `train` prints it once it exists
         table = console.export_text()
@@ -332,7 +333,9 @@ class AttemptRunner:
             self.policy.failed(name, None, st.error)
             self.save()
             return
-        reason = (conn.lost_reason if conn else None) or res.error or "the SSH connection was lost"
+        # a lost node's result carries the words its loss was told in (runs/watch.py reconnect)
+        reason = (res.error if res.kind is ErrorKind.LOST else None) or (conn.lost_reason if conn else None) \
+            or res.error or "the SSH connection was lost"
         st.state, st.exit_code, st.error = NodeState.LOST, None, reason
         self.policy.failed(name, None, reason)
         self.save()

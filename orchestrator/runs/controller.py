@@ -9,32 +9,37 @@ for the infrastructure's failure prepares the next attempt's nodes (spares broug
 code, runs/spares.py), restores the newest checkpoint and launches again. A relaunch whose
 preflight fails on a node, or whose spare cannot be prepared, leaves that node out and tries the
 next spare (or --min-nodes); that costs no restart, as nothing was launched.
+
+The launch is part of the recovery: a node unreachable when the run starts, or lost during any
+attempt's launch (at its claim, its preparation, preflight or torchrun's start), is left out the
+same way. A restart is spent only by an attempt that launched on every node (--max-restarts
+counts those), so an attempt that never launched costs none; each one leaves a node out, so
+they end when the nodes do. A node the run leaves out, or ends on, has its claim released at
+once (runs/claims.py), or once it answers again.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
 import resource
 import signal
-import socket
 import threading
 import time
 import traceback
 
 import psutil
 
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, LaunchError
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs import ckptdir, quarantine
 from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.claims import Claims
 from orchestrator.runs.dirreplicas import artifact_copier
-from orchestrator.runs import agent
-from orchestrator.runs.launch import claim_nodes
+from orchestrator.runs.launch import NodesNotReady, first_lineup, reopen, silent_nodes
 from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.restart import Restorer, Verdict, classify, next_nodes, ordered, outcomes, summary
-from orchestrator.runs.spec import RunResult, RunState
+from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, retry_wait
@@ -49,14 +54,6 @@ def _changes(old: list[str], new: list[str]) -> str:
     return f" ({', '.join(subs)})" if subs else ""
 
 
-class NodesNotReady(LaunchError):
-    """Nodes entering a relaunch could not be claimed or brought to the run's code: {node: why}."""
-
-    def __init__(self, why: dict[str, str]):
-        super().__init__("; ".join(f"{k}: {v}" for k, v in why.items()))
-        self.why = why
-
-
 class Controller:
     def __init__(self, run: Run, adopt: bool = False):
         self.run, self.adopt, self.spec = run, adopt, run.spec
@@ -64,6 +61,7 @@ class Controller:
         self.full_inv = self.spec.load_inventory()  # spares included: restarts draw on them
         self.cluster: Cluster | None = None
         self.stopper: Stopper | None = None
+        self.claims: Claims | None = None
         self.copier: ArtifactCopier | None = None
         self.current: AttemptRunner | None = None
         self.stop_requests = 0
@@ -113,10 +111,15 @@ class Controller:
             threading.Thread(target=runner.teardown, args=("stop",), daemon=True).start()
 
     def end_with_error(self, error: str, code: int) -> int:
-        self.release_claims()
+        if self.claims is not None:
+            self.claims.release_all()
         # a stop is the request file as well as the signal: `clusterctl stop` writes the file first,
         # and a queued run that saw it ended before the signal arrived (it was recorded 'failed')
         stopped = (self.stop_requests or self.run.stop_request) and code == EXIT_INTERRUPTED
+        a = self.book.rec.current
+        if a is not None and a.verdict is None and not self.book.rec.state.terminal:  # ended before it launched
+            self.book.attempt_changed(ended=time.time(), exit_code=code, verdict="stopped" if stopped else
+                                      "launch failed", detail=error, retry=False)
         if not self.book.rec.state.terminal:
             self.book.ended(RunResult(RunState.STOPPED if stopped else RunState.FAILED, code, error), error=error)
         return code
@@ -134,63 +137,28 @@ class Controller:
             cluster.connect()  # an adopted run's node may be a moment from answering
         for name in [k for k in cluster.unreachable if self.full_inv.node(k).spare]:
             say(f"spare {name} is unreachable: {cluster.unreachable[name].error}")  # not needed to start
-        if not patient and any(not self.full_inv.node(k).spare for k in cluster.unreachable):
-            bad = "; ".join(f"{k}: {v.error}" for k, v in cluster.unreachable.items())
-            raise LaunchError(f"cannot reach every node, nothing was started. {bad}", EXIT_UNREACHABLE)
-        return cluster
+        return cluster  # a ranked node that is not reached: first_nodes puts a spare in its place
 
-    # ---------------------------------------------------------------- claims
-    def claim(self, names: list[str]) -> None:
-        if self.spec.force:
-            return
-        who = f"{getpass.getuser()}@{socket.gethostname()}"
-        claim_nodes(self.cluster, self.full_inv.select(names), self.run.id, who)
-        self.book.claimed(names)
-
+    # ---------------------------------------------------------------- claims (runs/claims.py)
     def claim_start(self, names: list[str]) -> None:
-        """The first attempt's nodes: claimed at once, or (train --queue) once they are free."""
-        if self.spec.queue and not self.spec.force:
-            from orchestrator.runs.queue import claim_when_free
-
-            claim_when_free(self.run, self.book, self.cluster, self.full_inv.select(names), self.spec,
-                            f"{getpass.getuser()}@{socket.gethostname()}", lambda: self.stop_requests)
-            return
-        if self.book.rec.state is not RunState.CONNECTING:
+        """With --queue the first attempt's nodes are claimed once they are free; else as that
+        attempt begins (set_up), where a node lost at its claim is one lost during the launch."""
+        if self.queued:
+            self.claims.wait_and_take(names, lambda: self.stop_requests)
+        elif self.book.rec.state is not RunState.CONNECTING:
             self.book.connecting()
-        self.claim(names)
 
-    def release_claims(self) -> None:
-        """Drop this run's claims on the connected nodes (a node with a stop pending keeps it)."""
-        if self.cluster is None or self.spec.force:
-            return
-        names = [n for n in self.cluster.live(self.book.rec.claimed)
-                 if not (self.stopper and self.stopper.is_pending(n))]
-        if names:
-            agent.run(self.cluster, lambda n: agent.release(n, self.run.id), names)
-            self.book.released(names)
+    @property
+    def queued(self) -> bool:
+        return self.spec.queue and not self.spec.force
 
     # ---------------------------------------------------------------- the loop
     def quarantined(self) -> dict[str, quarantine.Entry]:
         return {} if self.spec.allow_unhealthy else quarantine.of(self.full_inv.nodes)
 
     def first_nodes(self) -> list[str]:
-        """The ranked nodes, a quarantined one's place taken by a spare (runs/quarantine.py)."""
-        wanted = [n.name for n in self.full_inv.nodes if not n.spare]
-        held = self.quarantined()
-        if not any(n in held for n in wanted):
-            return wanted
-        nodes, short, instead = quarantine.first_nodes(wanted, [n.name for n in self.full_inv.nodes if n.spare], held)
-        if short and len(nodes) < (self.spec.min_nodes or len(wanted)):
-            raise LaunchError(f"{'; '.join(short.values())}. No spare is left to take "
-                              f"{'its' if len(short) == 1 else 'their'} place: release a repaired node with "
-                              f"`clusterctl health --release {','.join(short)}`, or use it for this run with "
-                              "`train --allow-unhealthy`; nothing was started.")
-        for name in wanted:
-            if name in held:
-                self.book.tell(f"{held[name].line()}; " + (f"{instead[name]} takes its place" if name in instead
-                                                           else "left out (--min-nodes)"))
-        self.book.leave_out({n: f"quarantined: {held[n].reason}" for n in wanted if n in held})
-        return nodes
+        """The ranked nodes, a quarantined or unreachable one's place taken by a spare (launch.py)."""
+        return first_lineup(self.full_inv, self.cluster, self.quarantined(), self.spec.min_nodes, self.book)
 
     def spares_left(self) -> list[str]:
         used = {n for a in self.book.rec.attempts for n in a.nodes} | set(self.book.rec.left_out)
@@ -205,6 +173,7 @@ class Controller:
         if self.signalled.is_set() and rec.state.terminal:  # signalled while connecting
             self.stopper.end_by(asked_grace(self.run))
         self.stopper.resume(rec.pending_stops)
+        self.claims = Claims(self.run, self.book, cluster, self.full_inv, self.stopper, self.book.tell)
         if rec.state.terminal:  # adopted only to carry out stops still pending
             return int(rec.exit_code or 0)
         self.copier = artifact_copier(cluster, self.run.dir, self.spec, say)
@@ -217,16 +186,20 @@ class Controller:
             launched = sum(1 for a in self.book.rec.attempts if a.launched)
             if not verdict.retry or launched > self.spec.max_restarts:
                 return self.end(result, verdict)
-            if verdict.bad_nodes:
+            if verdict.bad_nodes:  # not used again by this run: their claims go at once
                 self.book.leave_out({n: f"attempt {k}: {verdict.cause}" for n in verdict.bad_nodes})
+                self.claims.release(list(verdict.bad_nodes))
             min_nodes = self.spec.min_nodes or len(nodes)
             nxt = next_nodes(nodes, self.spares_left(), verdict.bad_nodes, min_nodes)
             if nxt is None:
                 self.book.tell(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); not enough nodes for "
                                f"another attempt (no spare left, --min-nodes {min_nodes})")
                 return self.end(result, verdict)
+            # an attempt that never launched spends no restart, so the last attempt's number grows
+            at_most = self.spec.max_restarts + 1 + sum(1 for a in self.book.rec.attempts if not a.launched)
+            free = "" if self.book.rec.current.launched else f"; attempt {k} never launched, so no restart is spent"
             self.book.tell(f"attempt {k} failed ({verdict.cause}: {verdict.detail}); restarting as attempt {k + 1} "
-                           f"of at most {self.spec.max_restarts + 1} on {', '.join(nxt[0])}{_changes(nodes, nxt[0])}")
+                           f"of at most {at_most} on {', '.join(nxt[0])}{_changes(nodes, nxt[0])}{free}")
             self.book.recovering(f"attempt {k}: {verdict.cause}")
             nodes, k = nxt[0], k + 1
 
@@ -291,24 +264,16 @@ class Controller:
     # ---------------------------------------------------------------- one attempt, set up and classified
     def attempt(self, k: int, nodes: list[str]) -> tuple[RunResult, Verdict]:
         ran = {n for a in self.book.rec.attempts for n in a.nodes}
-        fresh = [n for n in nodes if n not in ran] if k > 1 else []
+        # nodes entering the run: a spare (in attempt 1, in the place of a node down at launch) is
+        # prepared, not assumed to hold the run's code
+        fresh = [n for n in nodes if n not in ran and (k > 1 or self.full_inv.node(n).spare)]
         a = AttemptRecord(attempt=k, key=self.run.id if k == 1 else f"{self.run.id}.a{k}", nodes=list(nodes),
                           started=time.time(), log_start={n: (p.stat().st_size if (p := self.run.node_log(n)).exists()
                                                              else 0) for n in nodes}, prepared=fresh)
         runner = self.runner(a)
         self.book.attempt_started(a, list(runner.statuses.values()))
         try:
-            if fresh:
-                t0 = time.monotonic()
-                self.prepare_fresh(fresh, [n for n in nodes if n not in fresh])
-                self.book.attempt_changed(prepare_s=round(time.monotonic() - t0, 3))
-            dirs = self.prepare_dirs(nodes)
-            self.copier.dirs.update(dirs)
-            # attempt 1 sets aside what the checkpoint directory holds (not this run's); a relaunch restores
-            self.book.attempt_changed(**Restorer.of(self.cluster, self.full_inv, self.copier, self.spec, say,
-                                                    self.book.tell).before(k, dirs, nodes))
-            if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
-                self.book.attempt_changed(resume_args=list(self.spec.resume_args))
+            dirs = self.set_up(k, nodes, fresh)
             say(f"attempt {k} on {', '.join(nodes)}" + (f", from checkpoint {a.checkpoint}" if a.checkpoint else ""))
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d.get("ckptdir", d["checkpoints"]),
@@ -323,21 +288,68 @@ class Controller:
             self.copier.sweep(list(nodes), finished=result.state is RunState.FINISHED)
             self.book.attempt_changed(copy_s=round(self.copier.copy_s + sum(d.copy_s for d in self.copier.snaps), 3))
             return result, self.verdict(runner, result)
-        except (PreflightFailed, NodesNotReady) as e:
-            sick = self.quarantine_sick(e)
-            # the first launch: the user's to fix, unless only sick nodes failed and spares can take their places
-            if (k == 1 and not (sick and set(e.nodes) <= set(sick) and len(self.spares_left()) >= len(sick))) \
-                    or self.stop_requests:
-                raise
-            bad = tuple(e.nodes) if isinstance(e, PreflightFailed) else tuple(e.why)
-            cause = "preflight failed" if isinstance(e, PreflightFailed) else "nodes not ready"
-            self.book.tell(f"attempt {k}: {cause} on {', '.join(bad)}; leaving {'it' if len(bad) == 1 else 'them'} out")
-            say(f"attempt {k}: {cause} on {', '.join(bad)}: {e}" +
-                (f"\n{e.table}" if isinstance(e, PreflightFailed) else ""))
-            return RunResult(RunState.FAILED, 1, str(e)), Verdict(True, cause, str(e), bad)
+        except ClusterctlError as e:  # before the launch completed (the watch returns its result)
+            return self.launch_failed(k, runner, e)
         finally:
             runner.close()
             self.current = None
+
+    def set_up(self, k: int, nodes: list[str], fresh: list[str]) -> dict[str, dict]:
+        """Before attempt k's preflight: its nodes claimed again (k > 1), the fresh ones brought to
+        the run's code, every node's directories made, the newest checkpoint restored (k > 1, or
+        --resume-from). Returns each node's directories."""
+        a = self.book.rec.current
+        if k == 1 and not self.queued:
+            self.claims.take(nodes)
+        if k > 1:
+            reopen(self.cluster, nodes)
+            why = self.claims.renew(nodes)  # a survivor's claim held until this attempt ended there
+            if why:
+                raise NodesNotReady(why)
+        if fresh:
+            t0 = time.monotonic()
+            self.prepare_fresh(fresh, [n for n in nodes if n not in fresh])
+            self.book.attempt_changed(prepare_s=round(time.monotonic() - t0, 3))
+        dirs = self.prepare_dirs(nodes)
+        self.copier.dirs.update(dirs)
+        # attempt 1 sets aside what the checkpoint directory holds (not this run's); a relaunch restores
+        self.book.attempt_changed(**Restorer.of(self.cluster, self.full_inv, self.copier, self.spec, say,
+                                                self.book.tell).before(k, dirs, nodes))
+        if a.checkpoint and self.spec.resume_args:  # the script is told to resume (--resume-args)
+            self.book.attempt_changed(resume_args=list(self.spec.resume_args))
+        return dirs
+
+    def launch_failed(self, k: int, runner: AttemptRunner, e: ClusterctlError) -> tuple[RunResult, Verdict]:
+        """Attempt k failed before its launch completed (nothing ran, so no restart is spent). Nodes
+        that went away meanwhile are lost: left out, a spare takes their place. A node whose
+        preflight or preparation failed is left out the same way, except in attempt 1, where a
+        failed preflight is the user's to fix (unless only sick nodes failed and spares can take
+        their places). Anything else ends the run (raised)."""
+        nodes = list(runner.statuses)
+        if self.stop_requests:
+            raise e
+        lost = silent_nodes(self.cluster, nodes, self.book.tell)
+        if lost:
+            for name, why in lost.items():
+                st = runner.statuses[name]
+                st.state, st.error = NodeState.LOST, why
+            runner.save()
+            detail = f"{', '.join(lost)} lost during the launch"  # each loss was told as it was found
+            return RunResult(RunState.FAILED, EXIT_UNREACHABLE, f"{detail}: {e}"), Verdict(True, "node lost", detail,
+                                                                                            tuple(lost))
+        if not isinstance(e, (PreflightFailed, NodesNotReady)):
+            raise e
+        sick = self.quarantine_sick(e)
+        # the first launch: the user's to fix, unless only sick nodes failed and spares can take their places
+        if k == 1 and isinstance(e, PreflightFailed) and not (
+                sick and set(e.nodes) <= set(sick) and len(self.spares_left()) >= len(sick)):
+            raise e
+        bad = tuple(e.nodes) if isinstance(e, PreflightFailed) else tuple(e.why)
+        cause = "preflight failed" if isinstance(e, PreflightFailed) else "nodes not ready"
+        self.book.tell(f"attempt {k}: {cause} on {', '.join(bad)}; leaving {'it' if len(bad) == 1 else 'them'} out")
+        say(f"attempt {k}: {cause} on {', '.join(bad)}: {e}" +
+            (f"\n{e.table}" if isinstance(e, PreflightFailed) else ""))
+        return RunResult(RunState.FAILED, 1, str(e)), Verdict(True, cause, str(e), bad)
 
     def quarantine_sick(self, e: LaunchError) -> dict[str, str]:
         """Nodes whose preflight failed a health check are quarantined (not with --allow-unhealthy).
@@ -364,20 +376,12 @@ class Controller:
         return dirs
 
     def prepare_fresh(self, fresh: list[str], donors: list[str]) -> None:
-        """Spares entering the run: claimed, then brought to the run's code (and venv) from a node
-        that ran it. Raises NodesNotReady naming those that could not be."""
+        """Spares entering the run (claimed already) brought to the run's code (and venv) from a
+        node that ran it. Raises NodesNotReady naming those that could not be."""
         from orchestrator.runs.spares import prepare_nodes
 
-        why: dict[str, str] = {}
-        for name in fresh:
-            try:
-                self.claim([name])
-            except LaunchError as e:
-                why[name] = str(e)
-        ready = [n for n in fresh if n not in why]
-        if ready:
-            self.book.tell(f"bringing {', '.join(ready)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
-            why.update(prepare_nodes(self.cluster, self.full_inv, ready, donors, say))
+        self.book.tell(f"bringing {', '.join(fresh)} to the run's code from {', '.join(donors[:1]) or 'this machine'}")
+        why = prepare_nodes(self.cluster, self.full_inv, fresh, donors, say)
         if why:
             raise NodesNotReady(why)
 
@@ -385,7 +389,7 @@ class Controller:
         attempts = self.book.rec.attempts
         result = summary(result, attempts, verdict, self.spec.max_restarts)
         self.copier.store.clean_partials()
-        self.release_claims()
+        self.claims.release_all()
         # closed before the final record: the foreground returns when it sees it, and by then no SSH
         # session of the run should still be winding down on a node (pending stops open their own)
         self.cluster.close()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from orchestrator.runs.logs import rank_ranges
+from orchestrator.runs.linefold import rank_ranges
 
 DEFAULT_HANG_TIMEOUT = 300.0
 ON_HANG = ("fail", "restart", "observe")

@@ -7,17 +7,23 @@ its rendezvous port listens.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from orchestrator.errors import LaunchError
+from orchestrator.errors import EXIT_FAILED, EXIT_UNREACHABLE, ConnectError, LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import REMOTE, program
 from orchestrator.runs import agent
 from orchestrator.runs.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
+from orchestrator.runs.store import Run
 from orchestrator.torchrun import node_env, target_argv, torchrun_argv
 from orchestrator.transport import Cluster
+
+if TYPE_CHECKING:
+    from orchestrator.runs.record import Book
 
 # runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
 RANK_LINES = program("rank_lines").decode()
@@ -37,21 +43,164 @@ class NodeBusy(LaunchError):
                          "--queue to wait for it, or --force to share the node")
 
 
+class ClaimLost(LaunchError):
+    """A node went away while it was being claimed: the claim may have landed there all the same."""
+
+    def __init__(self, node: str, why: str):
+        super().__init__(f"{node}: unreachable while claiming it: {why}")
+        self.node = node
+
+
+class NodesNotReady(LaunchError):
+    """Nodes entering a relaunch could not be claimed or brought to the run's code: {node: why}."""
+
+    def __init__(self, why: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in why.items()))
+        self.why = why
+
+
 def no_agent(node: Node, why: str) -> LaunchError:
     return LaunchError(f"{node.name}: cannot run the node agent with {node.python}: {why}")
 
 
-def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str) -> None:
+def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
+                tell: Callable[[str], None] | None = None) -> None:
     """Take every node for this run, one at a time in rank order (the node agent's `claim`,
     atomic on the node): of two launches at once on the same nodes exactly one gets them all.
-    Refused: the claims taken are released and NodeBusy names the run holding the node."""
+    The run's own claim is renewed. Refused: the claims taken are released and NodeBusy names
+    the run holding the node, unless that run is one of this machine's that has ended with
+    no supervisor left to release it (then its claim is dropped, told, and the node taken)."""
     taken: list[str] = []
     for node in inv.nodes:
         got = agent.run(cluster, lambda n: agent.claim(n, run_id, who), [node.name])[node.name]
+        if got.error is None and not got.ok and left_over(got.claim):
+            agent.run(cluster, lambda n: agent.release(n, got.claim.run), [node.name])
+            if tell is not None:
+                tell(f"{node.name}: dropped the claim run {got.claim.run} left there (it ended, and nothing "
+                     "of it was left to release it)")
+            got = agent.run(cluster, lambda n: agent.claim(n, run_id, who), [node.name])[node.name]
         if got.error is not None or not got.ok:
             agent.run(cluster, lambda n: agent.release(n, run_id), taken)
-            raise no_agent(node, got.error) if got.error is not None else NodeBusy(node.name, got.claim)
+            if got.error is not None:
+                raise no_agent(node, got.error) if cluster.live([node.name]) else ClaimLost(node.name, got.error)
+            raise NodeBusy(node.name, got.claim)
         taken.append(node.name)
+
+
+def left_over(holder: Claim) -> bool:
+    """The claim of a run recorded on this control machine that has ended and has no supervisor
+    (which would drop it once the node answered): nobody else will."""
+    if not holder.run or not all(c.isalnum() or c in "-_." for c in holder.run) or holder.run.startswith("."):
+        return False  # not a run id this machine could have made (store.new_run_id)
+    run = Run(holder.run)
+    return (run.dir / "run.json").exists() and run.terminal and not run.supervisor_alive()
+
+
+def stand_ins(wanted: list[str], spares: list[str], out: dict[str, str]
+              ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The first attempt's nodes in rank order, each node that cannot be used (`out`: {node: why},
+    quarantined or unreachable) replaced by the next spare. -> (nodes, {node left without a
+    stand-in: why}, {node: the spare in its place})."""
+    spares = [s for s in spares if s not in out]
+    nodes, short, instead = [], {}, {}
+    for name in wanted:
+        if name not in out:
+            nodes.append(name)
+        elif spares:
+            instead[name] = spares.pop(0)
+            nodes.append(instead[name])
+        else:
+            short[name] = out[name]
+    return nodes, short, instead
+
+
+def first_lineup(inv: Inventory, cluster: Cluster, held: dict, min_nodes: int | None, book: "Book") -> list[str]:
+    """The first attempt's nodes: the ranked nodes, the place of one that is quarantined
+    (`held`: {node: runs/quarantine.py Entry}) or cannot be reached taken by a spare (or, with
+    --min-nodes, left empty), each told and left out of the run. Nothing was launched, so no
+    restart is spent. Not enough nodes: LaunchError naming them (exit 3 for an unreachable one)."""
+    wanted = [n.name for n in inv.nodes if not n.spare]
+    down = {n: cluster.unreachable[n].error or "unreachable" for n in wanted if n in cluster.unreachable}
+    out = {**{n: held[n].line() for n in wanted if n in held}, **{n: f"unreachable: {w}" for n, w in down.items()}}
+    if not out:
+        return wanted
+    spares = [n.name for n in inv.nodes if n.spare and n.name not in held and n.name in cluster.connections]
+    nodes, short, instead = stand_ins(wanted, spares, out)
+    if short and len(nodes) < (min_nodes or len(wanted)):
+        raise LaunchError(too_few(inv, cluster, wanted, short, down), EXIT_UNREACHABLE if set(short) & set(down)
+                          else EXIT_FAILED)
+    for name in wanted:
+        if name in out:
+            why = held[name].line() if name in held else f"{name} is unreachable ({down[name]})"
+            book.tell(f"{why}; " + (f"{instead[name]} takes its place" if name in instead
+                                    else f"left out (--min-nodes {min_nodes})") +
+                      ("; nothing was launched, so no restart is spent" if name in down else ""))
+    book.leave_out({n: f"quarantined: {held[n].reason}" if n in held else f"unreachable at launch: {down[n]}"
+                    for n in out})
+    return nodes
+
+
+def too_few(inv: Inventory, cluster: Cluster, wanted: list[str], short: dict[str, str], down: dict[str, str]
+            ) -> str:
+    """Why the first attempt cannot start without the nodes in `short`, and what to do."""
+    held, lost = [n for n in short if n not in down], [n for n in short if n in down]
+    parts = []
+    if lost:
+        them, its = ("it", "its") if len(lost) == 1 else ("them", "their")
+        parts.append(f"cannot reach {', '.join(lost)}, nothing was started. " + "; ".join(
+            f"{n}: {down[n]}" for n in lost) + ".")
+        parts += [f"Spare {n.name} cannot be reached either ({cluster.unreachable[n.name].error})."
+                  for n in inv.nodes if n.spare and n.name in cluster.unreachable]
+        parts.append("Check the addresses and the links: `ssh` to each says the same." if len(lost) == len(wanted)
+                     else f"Check the address and the link (`ssh` says the same), add a spare to take {its} "
+                          f"place (`spare: true` in the inventory), or start without {them} with --min-nodes "
+                          f"{len(wanted) - len(short)}.")
+    if held:
+        parts.append(f"{'; '.join(short[n] for n in held)}. No spare is left to take "
+                     f"{'its' if len(held) == 1 else 'their'} place: release a repaired node with "
+                     f"`clusterctl health --release {','.join(held)}`, or use it for this run with "
+                     "`train --allow-unhealthy`; nothing was started.")
+    return " ".join(parts)
+
+
+def reopen(cluster: Cluster, names: list[str]) -> None:
+    """A dropped connection to a node entering an attempt is opened again first (a spare idle
+    since the run began, a node whose link blinked): one try each, the node's connect timeout."""
+    for name in names:
+        conn = cluster.connections.get(name)
+        if conn is not None and not conn.alive:
+            try:
+                conn.reopen()
+            except ConnectError:
+                pass  # its claim fails next, naming why
+
+
+def silent_nodes(cluster: Cluster, names: list[str], tell: Callable[[str], None]) -> dict[str, str]:
+    """Those of `names` that do not answer now, {node: why}: each is asked to run `true` (within
+    the lost timeout), and a node whose connection dropped is reconnected with the backoff a
+    running node gets (runs/watch.py `reconnect`), until the lost timeout after it was last
+    heard from. A launch that failed on them failed because they went away."""
+    from orchestrator.runs.watch import reconnect
+
+    out = {n: (cluster.unreachable[n].error if n in cluster.unreachable else None) or "not connected"
+           for n in names if n not in cluster.connections}
+    asked = cluster.run("true", nodes=[n for n in names if n not in out], timeout=cluster.lost_timeout)
+    silent = {name: r for name, r in asked.items() if r.exit_code is None}
+    whys: dict[str, str | None] = {}
+
+    def again(name: str) -> None:
+        whys[name] = reconnect(cluster, cluster.inventory.node(name), silent[name], tell)
+
+    threads = [threading.Thread(target=again, args=(n,), daemon=True, name=f"relaunch-{n}") for n in silent]
+    for t in threads:
+        t.start()
+    for t in threads:  # each gives up within the lost timeout after its node was last heard from
+        t.join(cluster.lost_timeout + 60)
+    for name in silent:
+        why = whys.get(name, "no answer")  # None: it answered again
+        if why is not None:
+            out[name] = why
+    return out
 
 
 def check_free(cluster: Cluster, inv: Inventory, force: bool) -> None:
@@ -99,10 +248,15 @@ class Launcher:
     def start(self, names: list[str]) -> None:
         started = agent.run(self.cluster, lambda n: agent.start(n, self.run_id, self.start_spec(n)), names)
         for name, got in started.items():
-            if got.error is not None:
-                raise LaunchError(f"{name}: could not start torchrun: {got.error}")
-            st = self.statuses[name]
-            st.state, st.pid = NodeState.RUNNING, got.pid
+            if got.error is None:
+                st = self.statuses[name]
+                st.state, st.pid = NodeState.RUNNING, got.pid
+        failed = {name: got.error for name, got in started.items() if got.error is not None}
+        for name in failed:  # the start may have reached it: its stop stays pending until it answers
+            if not self.cluster.live([name]):
+                self.statuses[name].state = NodeState.LOST
+        if failed:
+            raise LaunchError("; ".join(f"{name}: could not start torchrun: {why}" for name, why in failed.items()))
 
     def master_listening(self) -> bool:
         master, port = self.inv.master, self.inv.master_port

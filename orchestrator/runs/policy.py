@@ -33,6 +33,7 @@ from orchestrator.runs.store import exit_hint, exit_meaning
 MAX_GRACE: float = common().MAX_GRACE  # the node agent's cap: remote/common.py
 CAUSE_WINDOW = 3.0  # failures detected this close together are ordered by the nodes' own end times
 LOG_TAIL_BYTES = 1 << 18  # how much of a node's log the root cause looks at
+TAIL_LINES = 15  # the failed rank's last lines a root cause quotes
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def root_cause(ff: FirstFailure, st: NodeStatus, log: bytes) -> str:
         code = 128 - code if code < 0 else code
         rank = wf["local_rank"] + (st.first_rank or 0)
         head += f"; rank {rank} exited {code} first ({exit_meaning(code)})"
-        detail = "\n".join(rank_tail(log, wf["local_rank"], 15))
+        detail = "\n".join(rank_tail(log, wf["local_rank"], TAIL_LINES))
         hint = exit_hint(code, log.decode(errors="replace"))
         if hint:
             head += "\n" + hint

@@ -106,21 +106,3 @@ def health_failures(checks: dict[str, dict[str, str]]) -> dict[str, str]:
         if health:
             out[node] = "; ".join(f"{c}: {d}" for c, d in sorted(health.items()))
     return out
-
-
-def first_nodes(wanted: list[str], spares: list[str], quarantined: dict[str, Entry]
-                ) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """The first attempt's nodes in rank order, each quarantined one replaced by the next spare
-    that is not quarantined. -> (nodes, {quarantined node left without a replacement: why},
-    {quarantined node: the spare in its place})."""
-    spares = [s for s in spares if s not in quarantined]
-    out, short, instead = [], {}, {}
-    for name in wanted:
-        if name not in quarantined:
-            out.append(name)
-        elif spares:
-            instead[name] = spares.pop(0)
-            out.append(instead[name])
-        else:
-            short[name] = quarantined[name].line()
-    return out, short, instead

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import IO
 
-RANK_TAG = re.compile(rb"^\[[A-Za-z_]*?(\d+)\]:")
+RANK_TAG = re.compile(rb"^\[[A-Za-z_]+(\d+)\]:")  # a role name, then the local rank: torchrun's `[0]:` is not one
 INDEX = "index.json"
 
 

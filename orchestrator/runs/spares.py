@@ -116,7 +116,8 @@ def _from_control(cluster: Cluster, inv: Inventory, fresh: Node, ref: str | None
     """Push this machine's copy of the workdir to fresh with `sync`, when it is the run's code."""
     src = os.path.expanduser(inv.workdir)
     if not os.path.isdir(src):
-        return f"and this machine has no copy of the workdir ({src}) to push instead"
+        return (f"and this machine has no copy of the workdir to push instead (the inventory's workdir "
+                f"{inv.workdir} is {src} here)")
     mine = control_code(inv, src)["digest"]  # what `sync` would push from it
     if ref is not None and mine != ref:
         return (f"and this machine's copy of the workdir ({src}, digest {mine}) is not the code the run "

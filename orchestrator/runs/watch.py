@@ -178,10 +178,11 @@ class LogCopier:
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
-              stop: threading.Event | None = None) -> bool:
+              stop: threading.Event | None = None) -> str | None:
     """Reopen a node's dropped connection with backoff until `lost_timeout` after the node was
-    last heard from (one attempt at least). True once it is open again. Each step is told (the
-    run's story: the foreground prints it) with the silence measured."""
+    last heard from (one attempt at least). None once it is open again, else why the node is
+    lost ("no answer for 30.4s (...)"), the words its failure is then told in. Each step is told
+    (the run's story: the foreground prints it) with the silence measured."""
     conn = cluster.connections[node.name]
     heard = getattr(conn, "last_heard", time.monotonic())
     deadline = heard + cluster.lost_timeout
@@ -194,17 +195,18 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[...
             silent = round(time.monotonic() - heard, 1)
             tell(f"{node.name}: reconnected after {silent:.1f}s of silence; its log goes on where it stopped",
                  event="node_reconnected", node=node.name, silent_s=silent)
-            return True
+            return None
         except ClusterctlError as e:  # ConnectError, HostKeyError: not answering (yet)
-            why = str(e)
+            why = e.message if isinstance(e, ConnectError) else str(e)
             refused = isinstance(e, ConnectError) and e.refused
         # a node that refuses us (host key, our key) waits for a person: the slower backoff
         wait = retry_wait(attempt) if refused else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
         if time.monotonic() + wait > deadline or (stop is not None and stop.is_set()):
-            tell(f"{node.name} lost: no answer for {time.monotonic() - heard:.1f}s ({why})")
-            return False
+            lost_why = f"no answer for {time.monotonic() - heard:.1f}s ({why})"
+            tell(f"{node.name} lost: {lost_why}")
+            return lost_why
         time.sleep(wait)
-    return False
+    return "no answer"
 
 
 class _Copy:
@@ -228,13 +230,14 @@ class _Copy:
     def recover(self, res: NodeResult) -> None:
         """On its own thread: reconnect and resume at the copy's size, or report the node lost."""
         name = res.node
-        while reconnect(self.cluster, self.nodes[name], res, self.tell, self.stop):
+        while (why := reconnect(self.cluster, self.nodes[name], res, self.tell, self.stop)) is None:
             try:
                 self.events.put(self.start_tail(name))
                 return
             except ClusterctlError as e:  # dropped again at once
                 res = NodeResult(name, None, error=str(e), kind=ErrorKind.LOST)
-        self.events.put(res)
+        # lost: told in the words the story just used, not the first silence's
+        self.events.put(dataclasses.replace(res, error=why))
 
     def on_done(self, res: NodeResult) -> None:
         if res.kind is ErrorKind.LOST and not (self.stop is not None and self.stop.is_set()):

@@ -20,7 +20,7 @@ from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.probe import program
 from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT, relay_source
-from orchestrator.transport import Cluster, NodeResult
+from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 IDLE_TIMEOUT = 60.0  # either end gives up after this long without data or a protocol line
 
@@ -79,9 +79,9 @@ class Pair:
             self._set(port=int(rest))
 
     def on_send_line(self, _name: str, stream: str, line: str) -> None:
-        word, *rest = line.split()
-        if stream == "stdout" and word == "sent" and len(rest) == 2 and rest[0].isdigit():
-            self._set(sent=(int(rest[0]), rest[1]))
+        words = line.split() if stream == "stdout" else []  # any line may come: a blank one, a traceback's
+        if len(words) == 3 and words[0] == "sent" and words[1].isdigit():
+            self._set(sent=(int(words[1]), words[2]))
 
     # ------------------------------------------------------------ running it
     def command(self, node: Node, mode: str, where: str, *names: str) -> str:
@@ -118,9 +118,18 @@ class Pair:
             return PairResult(True, self.sent[0], "")
         if r is None or not r.ok:
             self.stop()
-        detail = _why(sent, f"sending from {self.src.name}") if not sent.ok else \
-            _why(r, f"receiving on {self.dst.name}")
-        return PairResult(False, self.sent[0] if self.sent else 0, detail)
+        return PairResult(False, self.sent[0] if self.sent else 0, self.failure(sent, r))
+
+    def failure(self, sent: NodeResult, r: NodeResult | None) -> str:
+        """What failed, by the end that failed first: a node that went away (its connection lost
+        or never made) before the other end's complaint about it; a receiver that never listened
+        (the sender was then never told where to send, and says only that) before the sender."""
+        gone = (ErrorKind.LOST, ErrorKind.CONNECT)
+        if r is not None and not r.ok and (r.kind in gone or (self.port is None and sent.kind not in gone)):
+            return _why(r, f"receiving on {self.dst.name}")
+        if not sent.ok:
+            return _why(sent, f"sending from {self.src.name}")
+        return _why(r, f"receiving on {self.dst.name}")
 
     def stop(self) -> None:
         """End this copy's relay processes (found by its id) and remove its staging directory."""

@@ -30,11 +30,12 @@ from orchestrator.transport.engine import (
     stream,
     wait,
 )
+from orchestrator.transport.faults import Fault
 from orchestrator.transport.known_hosts import known_host_keys
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "KEEPALIVE_S", "BytesCallback",
-           "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "LineCallback", "LocalConnection",
+           "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "Fault", "LineCallback", "LocalConnection",
            "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "quiet_paramiko",
            "retry_wait", "stream", "wait"]

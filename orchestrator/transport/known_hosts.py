@@ -191,7 +191,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             try:
                 expected = paramiko.PKey.from_type_string(_key_type(listed[0]), listed[0])
             except Exception:  # noqa: BLE001 - a key type paramiko cannot load: say it in words
-                raise HostKeyError(self.node, f"WARNING: THE HOST KEY OF {hostname} HAS CHANGED: it "
+                raise HostKeyError(self.node, f"WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED for {hostname}: it "
                                    f"presented {kind} {fp}, which {e.path} does not list for it "
                                    f"(it lists {_key_type(listed[0])}). clusterctl refuses to connect "
                                    f"until the file is corrected.", verdict="changed", fingerprint=fp) from None
@@ -216,5 +216,5 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                 f"own key after checking its fingerprint:\n{remedy}", fingerprint=fp)
         raise HostKeyError(
             self.node,
-            f"unknown host key for {hostname} ({kind} {fp}). clusterctl verifies host keys "
-            f"like ssh does. Check the fingerprint, then add it with:\n{remedy}", fingerprint=fp)
+            f"Host key verification failed: unknown host key for {hostname} ({kind} {fp}). clusterctl "
+            f"verifies host keys like ssh does. Check the fingerprint, then add it with:\n{remedy}", fingerprint=fp)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from orchestrator.transport.base import (
     Connection,
     Proc,
 )
+from orchestrator.transport.faults import Fault, explain
 from orchestrator.transport.known_hosts import _HostKeyPolicy, host_entries
 
 AEAD_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
@@ -300,43 +299,12 @@ def _send_stdin(chan: paramiko.Channel, chunks) -> None:
 
 
 def _classified(node: str, e: BaseException, conn, timeout: float) -> ConnectError:
-    """The typed error for a failed connect: a refusal (host key, authentication) is told apart
-    from a node that is down, so a retry can wait longer for a person to act."""
-    text = _explain_connect_error(e, conn, timeout)
-    if isinstance(e, paramiko.BadHostKeyException):
+    """The typed error for a failed connect, in ssh's words (faults.py): a refusal (host key,
+    authentication) is told apart from a node that is down, so a retry can wait longer for a
+    person to act."""
+    fault, text = explain(e, conn.host, conn.port, conn.user, timeout)
+    if fault is Fault.HOST_KEY_CHANGED:
         return HostKeyError(node, text, verdict="changed", fingerprint=e.key.fingerprint)
-    if isinstance(e, paramiko.AuthenticationException) or \
-            (isinstance(e, paramiko.SSHException) and "No authentication methods" in str(e)):
+    if fault is Fault.AUTH:
         return AuthRefused(node, text)
     return ConnectError(node, text)
-
-
-def _explain_connect_error(e: BaseException, conn, timeout: float) -> str:
-    where = f"{conn.user}@{conn.host}:{conn.port}"
-    if isinstance(e, paramiko.BadHostKeyException):
-        return (f"WARNING: THE HOST KEY OF {e.hostname} HAS CHANGED (expected {e.expected_key.get_name()} "
-                f"{e.expected_key.fingerprint}, got {e.key.fingerprint}). Someone could be intercepting "
-                f"the connection, or the machine was reinstalled. If you know why, remove the old key with "
-                f"`ssh-keygen -R {e.hostname}` and add the new one; clusterctl refuses to connect until then.")
-    if isinstance(e, paramiko.AuthenticationException):
-        return (f"authentication failed for {where}: add your public key to that user's "
-                f"~/.ssh/authorized_keys (ssh-copy-id), or set ssh.user / ssh.identity_file in the inventory")
-    if isinstance(e, paramiko.SSHException) and "No authentication methods" in str(e):
-        return (f"authentication failed for {where}: no key to offer. Set ssh.identity_file in the "
-                f"inventory, add the key to ssh-agent (ssh-add), or name it in ~/.ssh/config")
-    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
-        return f"connection refused at {where}: is sshd running and listening on port {conn.port}?"
-    if isinstance(e, (socket.timeout, TimeoutError)):
-        return (f"no answer from {where} within {timeout:g}s: the host is down, the address is wrong, "
-                f"or a firewall drops port {conn.port}")
-    if isinstance(e, socket.gaierror):
-        return f"cannot resolve host name {conn.host!r}: check the inventory or /etc/hosts"
-    if isinstance(e, OSError) and e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-        return f"no route to {conn.host}: check the address and the network link"
-    if isinstance(e, OSError) and e.errno == errno.ECONNREFUSED:
-        return f"connection refused at {where}: is sshd running?"
-    if isinstance(e, paramiko.SSHException):
-        return f"SSH handshake with {where} failed: {e}"
-    return f"cannot connect to {where}: {type(e).__name__}: {e}"
-
-
