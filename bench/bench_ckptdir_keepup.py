@@ -3,7 +3,7 @@ it was against the one that ships, in the same run.
 
     sudo .venv/bin/python bench/bench_ckptdir_keepup.py [--seconds 60] [--repeat 2] [--mb 8] [--period 1]
 
-On one test node (a network namespace with its own sshd) a job steps (~20 ms of matrix work on one
+On one test node (a network namespace with its own sshd) a job steps (20 matrix products on one
 thread) and torch.save()s a --mb MB checkpoint in place every --period s, as nanoGPT does with
 always_save_checkpoint. This process copies the node's DIR home over SSH with runs/ckptdir.py's
 DirCopier under each rule, in turn, --seconds each, --repeat times:
@@ -15,7 +15,9 @@ DirCopier under each rule, in turn, --seconds each, --repeat times:
           `look`), at most one look per 3 s (train.checkpoint_interval's default), with the guard
           on the job's processes as a run has it
 
-Printed per rule: snapshots taken per minute; the newest snapshot's age at 500 random cuts (the
+Printed per rule: snapshots taken per minute; the lag from a save to its copy home (the time
+from the job's save of the version a snapshot holds to that snapshot being complete here), median
+and max over the snapshots; the newest snapshot's age at 500 random cuts (the
 time since the job saved the version that snapshot holds, or since the job started when no
 snapshot is home: a restart from nothing), median and 90th percentile; and the job's step time
 and CPU per step against `none` (medians over the repeats). No assertions: this prints figures.
@@ -31,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,7 +43,6 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.runs import ckptdir  # noqa: E402
 from orchestrator.runs.ckptdir import DirCopier, DirStore, _cmd  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
@@ -56,7 +56,7 @@ import os, sys, time, torch
 path, period, mb, log = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(1)
 side = int((mb * 2**20 / 4) ** 0.5)
-weights, a = torch.randn(side, side), torch.randn(192, 192)
+weights, a = torch.randn(side, side), torch.randn(256, 256)
 os.makedirs(os.path.dirname(path), exist_ok=True)
 out = open(log, "w", buffering=1)
 step, last = 0, 0.0
@@ -64,7 +64,7 @@ print(time.time(), "start", file=out)
 while True:
     t0, c0 = time.time(), time.process_time()
     for _ in range(20):
-        a = torch.tanh(a @ a.T / 192)
+        a = torch.tanh(a @ a.T / 256)
     if t0 - last >= period:
         weights[0, 0] = step
         torch.save({"step": step, "weights": weights}, path)
@@ -177,10 +177,18 @@ def figures(log: str, taken, ended: float, copier) -> dict:
         cut = rnd.uniform(started + 5.0, ended)
         home = [s for t, s in taken if t <= cut]
         ages.append(cut - (saved[home[-1]] if home else started))
+    lags = [t - saved[s] for t, s in taken] or [float("nan")]
     return {"per_min": len(taken) / (ended - started) * 60, "age_p50": statistics.median(ages),
+            "lag_p50": statistics.median(lags), "lag_max": max(lags),
             "age_p90": statistics.quantiles(ages, n=10)[-1], "step_ms": statistics.mean(steps) * 1000,
             "cpu_ms": statistics.mean(cpu) * 1000, "torn": copier.torn if copier else 0,
             "looks": copier.looks if copier else 0}
+
+
+def median(xs: list[float]) -> float:
+    """The median of those that are numbers (a run without a snapshot has no lag): nan when none."""
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
 
 
 def main() -> None:
@@ -200,12 +208,15 @@ def main() -> None:
         for k in range(a.repeat):
             for rule in rules if k % 2 == 0 else rules[::-1]:  # alternate the order: drift hits both
                 got[rule].append(phase(cl, inv, rule, a, Path(td), home))
-    med = {r: {k: statistics.median(x[k] for x in got[r]) for k in got[r][0]} for r in rules}
+    med = {r: {k: median([x[k] for x in got[r]]) for k in got[r][0]} for r in rules}
     print(f"a job saving a {a.mb:g} MB checkpoint in place every {a.period:g} s, {a.seconds:g} s per rule, "
           f"medians of {a.repeat}:")
     for rule in rules[1:]:
         m = med[rule]
-        print(f"  {rule:7s} {m['per_min']:5.1f} snapshots/min; newest snapshot's age at a random cut: "
+        lag = "no snapshot while it ran" if m["lag_p50"] != m["lag_p50"] else \
+            f"median {m['lag_p50']:4.1f} s, max {m['lag_max']:5.1f} s"
+        print(f"  {rule:7s} {m['per_min']:5.1f} snapshots/min; a save to its copy home: {lag}; "
+              f"newest snapshot's age at a random cut: "
               f"median {m['age_p50']:5.1f} s, p90 {m['age_p90']:5.1f} s; {m['looks']:.0f} looks, "
               f"{m['torn']:.0f} copies voided by a rewrite")
     for rule in rules:
