@@ -20,7 +20,8 @@ from the job's save of the version a snapshot holds to that snapshot being compl
 and max over the snapshots; the newest snapshot's age at 500 random cuts (the
 time since the job saved the version that snapshot holds, or since the job started when no
 snapshot is home: a restart from nothing), median and 90th percentile; and the job's step time
-and CPU per step against `none` (medians over the repeats). No assertions: this prints figures.
+and CPU per step against `none` (medians over the repeats); and how many snapshots that came
+home do not load with torch.load (each such store kept under --keep-bad). No assertions: this prints figures.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import io
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,6 +138,7 @@ def phase(cl, inv, rule: str, a, tmp: Path, home: str) -> dict:
     job = node.popen(f"exec env CLUSTERCTL_RUN_KEY={KEY}@{node.name} {cl.python} -c '{JOB}' {d}/ckpt.pt "
                      f"{a.period} {a.mb} {log}")
     taken: list[tuple[float, int]] = []  # (when a snapshot was home, the job's step in it)
+    bad = 0  # snapshots home that do not load
     try:
         time.sleep(2.0)  # the job imports torch and starts stepping
         with Cluster(inv) as c:
@@ -150,14 +153,22 @@ def phase(cl, inv, rule: str, a, tmp: Path, home: str) -> dict:
             while time.monotonic() < stop:
                 name = copier.tick([node.name]) if copier is not None else None
                 if name is not None:
-                    blob = torch.load(io.BytesIO((store.dir / name / "ckpt.pt").read_bytes()), map_location="cpu")
+                    try:
+                        blob = torch.load(io.BytesIO((store.dir / name / "ckpt.pt").read_bytes()), map_location="cpu")
+                    except Exception as e:  # a torn snapshot home: counted, and kept for a look
+                        keep = Path(a.keep_bad) / f"{rule}-{time.time_ns()}"
+                        shutil.copytree(store.dir, keep)
+                        print(f"{rule}: snapshot {name} does not load ({e!r}); the store is kept in {keep}",
+                              file=sys.stderr)
+                        bad += 1
+                        continue
                     taken.append((time.time(), blob["step"]))
                 time.sleep(min(0.2, copier.due_in() if copier is not None else 0.2))
             ended = time.time()
     finally:
         job.kill()
         job.wait()
-    return figures(node.run(f"cat {log}").stdout, taken, ended, copier)
+    return figures(node.run(f"cat {log}").stdout, taken, ended, copier) | {"bad": bad}
 
 
 def figures(log: str, taken, ended: float, copier) -> dict:
@@ -198,6 +209,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--mb", type=float, default=8.0, help="the checkpoint's size")
     ap.add_argument("--period", type=float, default=1.0, help="seconds between the job's saves")
+    ap.add_argument("--keep-bad", default="/tmp/bench-keepup-bad", help="where a snapshot that does not load is kept")
     a = ap.parse_args()
     OLD = old_program()
     rules = ("none", "before", "now")
@@ -218,7 +230,7 @@ def main() -> None:
         print(f"  {rule:7s} {m['per_min']:5.1f} snapshots/min; a save to its copy home: {lag}; "
               f"newest snapshot's age at a random cut: "
               f"median {m['age_p50']:5.1f} s, p90 {m['age_p90']:5.1f} s; {m['looks']:.0f} looks, "
-              f"{m['torn']:.0f} copies voided by a rewrite")
+              f"{m['torn']:.0f} copies voided by a rewrite, {sum(x['bad'] for x in got[rule])} snapshots home that do not load (all repeats)")
     for rule in rules:
         m = med[rule]
         rel = "" if rule == "none" else f" ({m['step_ms'] / med['none']['step_ms'] - 1:+.1%} step, " \
