@@ -4,6 +4,7 @@ over SSH), each node's DIR its own directory here."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,10 +24,17 @@ def node_program(*args, stdin=b"", cwd=None):
                           capture_output=True, timeout=60, cwd=cwd)
 
 
-def state(path, quiet_s=5):
-    r = node_program("state", str(path), str(quiet_s))
+def look(path, pending=None, settle_s=ckptdir.SETTLE_S, wait_s=0, key="-"):
+    """The node program's `look` at path, its captures in `pending` (default: beside path)."""
+    pending = pending or os.path.join(os.path.dirname(path), "art", ckptdir.PENDING)
+    r = node_program("look", str(path), str(pending), str(settle_s), str(wait_s), key)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+def attach(copier, paths, tmp_path):
+    """An attempt's DIR on each node, and its artifact directories under tmp_path/art-NODE."""
+    copier.for_attempt(paths, {n: {"replicas": str(tmp_path / f"art-{n}" / "replicas")} for n in paths})
 
 
 PAST = time.time() - 3600
@@ -41,41 +49,64 @@ def old(path, later=0):
         os.utime(d, (t, t))
 
 
-def test_an_entry_is_complete_once_quiet_and_held_open_for_writing_by_nobody(tmp_path):
+def holding(path, mode):
+    """A process holding path open in `mode` until killed."""
+    p = subprocess.Popen([sys.executable, "-c", f"f=open({str(path)!r}, {mode!r}); import time; "
+                          "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"open\n"
+    return p
+
+
+def test_an_entry_is_complete_once_its_writer_closed_it_and_captured_as_it_was(tmp_path):
     d = tmp_path / "out"
     (d / "checkpoint-10").mkdir(parents=True)
     (d / "checkpoint-10" / "model.bin").write_bytes(b"m" * 100)
-    (d / "ckpt.pt").write_bytes(b"c" * 10)
     old(d)
-    (d / "fresh.pt").write_bytes(b"new")  # written just now
-    s = state(d)
-    assert s["path"] == str(d)
+    (d / "ckpt.pt").write_bytes(b"c" * 10)  # written and closed just now: complete at once
+    (d / "checkpoint-20").mkdir()
+    (d / "checkpoint-20" / "model.bin").write_bytes(b"new")  # a directory still filling: it must settle
+    s = look(d)
+    assert s["path"] == str(d) and s["torn"] == [] and s["guard"] == ""
     e = s["entries"]
-    assert e["checkpoint-10"]["quiet"] and e["checkpoint-10"]["files"][0][:2] == ["checkpoint-10/model.bin", 100]
-    assert e["ckpt.pt"]["quiet"] and not e["fresh.pt"]["quiet"]
-    # a process holding ckpt.pt open for writing (unchanged for a minute): not complete
-    holder = subprocess.Popen([sys.executable, "-c", f"f=open({str(d / 'ckpt.pt')!r}, 'r+b'); import time; "
-                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert e["checkpoint-10"]["complete"] and e["checkpoint-10"]["files"][0][:2] == ["checkpoint-10/model.bin", 100]
+    assert e["ckpt.pt"]["complete"] and not e["checkpoint-20"]["complete"]
+    pending = tmp_path / "art" / ckptdir.PENDING
+    assert (pending / "ckpt.pt").read_bytes() == b"c" * 10 and not (pending / "checkpoint-20").exists()
+    assert os.stat(pending / "ckpt.pt").st_mtime_ns == e["ckpt.pt"]["files"][0][2]
+    # a directory renamed into place once written (a careful writer's tmp-checkpoint-30): complete at once
+    (d / "tmp-checkpoint-30").mkdir()
+    (d / "tmp-checkpoint-30" / "model.bin").write_bytes(b"30")
+    assert not look(d)["entries"]["tmp-checkpoint-30"]["complete"]  # filling in place: it settles first
+    time.sleep(0.05)  # the rename lands on a later tick of the file clock than the writes
+    os.rename(d / "tmp-checkpoint-30", d / "checkpoint-30")
+    assert look(d)["entries"]["checkpoint-30"]["complete"]
+    # a process holding ckpt.pt open for writing: not complete, however long it has not changed
+    os.utime(d / "ckpt.pt", (PAST, PAST))
+    holder = holding(d / "ckpt.pt", "r+b")
     try:
-        assert holder.stdout.readline() == b"open\n"
-        e = state(d)["entries"]
-        assert not e["ckpt.pt"]["quiet"] and e["ckpt.pt"]["writing"] == ["ckpt.pt"]
-        assert e["checkpoint-10"]["quiet"]
+        e = look(d)["entries"]
+        assert not e["ckpt.pt"]["complete"] and e["ckpt.pt"]["writing"] == ["ckpt.pt"]
+        assert e["checkpoint-10"]["complete"]
     finally:
         holder.kill()
         holder.wait()
     # open for reading only does not count
-    reader = subprocess.Popen([sys.executable, "-c", f"f=open({str(d / 'ckpt.pt')!r}, 'rb'); import time; "
-                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    reader = holding(d / "ckpt.pt", "rb")
     try:
-        assert reader.stdout.readline() == b"open\n"
-        assert state(d)["entries"]["ckpt.pt"]["quiet"]
+        assert look(d)["entries"]["ckpt.pt"]["complete"]
     finally:
         reader.kill()
         reader.wait()
     # a file removed from a directory (a rotation in progress) makes the directory new again
     (d / "checkpoint-10" / "model.bin").unlink()
-    assert not state(d)["entries"]["checkpoint-10"]["quiet"]
+    (d / "checkpoint-10" / "other.bin").write_bytes(b"o")
+    os.utime(d / "checkpoint-10" / "other.bin", (PAST, PAST))
+    assert not look(d)["entries"]["checkpoint-10"]["complete"]
+    # captures of what DIR no longer has are dropped
+    shutil.rmtree(d / "checkpoint-30")
+    look(d)
+    assert not (pending / "checkpoint-30").exists()
+    assert "checkpoint-30/model.bin" not in json.loads((pending / ".index.json").read_text())
 
 
 def test_send_refuses_a_file_that_changed_since_it_was_listed(tmp_path):
@@ -94,12 +125,12 @@ def test_send_refuses_a_file_that_changed_since_it_was_listed(tmp_path):
 
 
 def test_plan_takes_complete_entries_from_every_node_and_keeps_the_previous_copy_of_one_being_written():
-    def entry(files, quiet=True):
-        return {"files": files, "quiet": quiet, "writing": []}
+    def entry(files, complete=True):
+        return {"files": files, "complete": complete, "writing": []}
 
     states = {
         "n1": {"entries": {"checkpoint-20": entry([["checkpoint-20/model.bin", 5, 1], ["checkpoint-20/rng_state_0.pth", 2, 1]]),
-                           "checkpoint-30": entry([["checkpoint-30/model.bin", 3, 9]], quiet=False),
+                           "checkpoint-30": entry([["checkpoint-30/model.bin", 3, 9]], complete=False),
                            "latest": entry([["latest", 2, 1]])}},
         "n2": {"entries": {"checkpoint-20": entry([["checkpoint-20/rng_state_1.pth", 2, 2]]),
                            "latest": entry([["latest", 2, 7]])}},
@@ -113,7 +144,7 @@ def test_plan_takes_complete_entries_from_every_node_and_keeps_the_previous_copy
     assert files["checkpoint-30/model.bin"]["sha256"] == "aa"  # being written: the previous copy
     assert "checkpoint-10/model.bin" not in files  # no node has it any more
     # an entry not yet complete on one of its nodes is not taken from any of them
-    states["n2"]["entries"]["checkpoint-20"]["quiet"] = False
+    states["n2"]["entries"]["checkpoint-20"]["complete"] = False
     assert not any(r.startswith("checkpoint-20/") for r in plan(states, ["n1", "n2"], None))
 
 
@@ -123,13 +154,12 @@ def local_cluster(tmp_path, n=2):
 
 
 @pytest.fixture
-def copier(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckptdir, "QUIET_S", 1.0)
+def copier(tmp_path):
     with local_cluster(tmp_path) as c:
         told = []
         paths = ckptdir.prepare(c, list(c.nodes), "out")
         dc = DirCopier(c, DirStore(tmp_path / "run"), say=told.append)
-        dc.paths = paths
+        attach(dc, paths, tmp_path)
         dc.told = told
         yield dc
 
@@ -195,10 +225,11 @@ def test_a_damaged_snapshot_is_skipped_for_the_previous_intact_one(copier, tmp_p
     assert "ckpt.pt no longer matches its sha256" in said[0]
 
 
-def test_a_file_rewritten_while_it_is_copied_voids_the_snapshot(copier, tmp_path, monkeypatch):
+def test_a_save_after_the_look_changes_nothing_the_capture_is_what_is_copied(copier, tmp_path, monkeypatch):
+    """The look captured the complete version on the node: the job saving again before the control
+    machine reads it neither voids nor tears the snapshot."""
     w0 = tmp_path / "w0" / "out"
     (w0 / "ckpt.pt").write_bytes(b"a" * 10)
-    old(w0)
     real = copier._fetch
 
     def rewrite_first(node, mine, stage, files):
@@ -206,8 +237,10 @@ def test_a_file_rewritten_while_it_is_copied_voids_the_snapshot(copier, tmp_path
         return real(node, mine, stage, files)
 
     monkeypatch.setattr(copier, "_fetch", rewrite_first)
-    assert copier.tick(["n0", "n1"], final=True) is None
-    assert copier.store.names() == [] and not list(copier.store.dir.glob(".snap-*"))
+    assert copier.tick(["n0", "n1"]) == "snap-000001"
+    snap = copier.store.dir / "snap-000001"
+    assert (snap / "ckpt.pt").read_bytes() == b"a" * 10 and copier.store.intact("snap-000001") is None
+    assert not list(copier.store.dir.glob(".snap-*"))
 
 
 @pytest.mark.parametrize("value, why", [("../up", "inside the workdir"), (".", "inside the workdir"),

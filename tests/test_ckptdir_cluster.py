@@ -3,6 +3,7 @@ the job's own directory is copied off the nodes once complete, without a mark fr
 put back on every node of a restart, so a script that knows nothing of clusterctl resumes on a spare."""
 
 import json
+import random
 import re
 import time
 from pathlib import Path
@@ -65,14 +66,14 @@ def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_
 
     def mid_save(run_dir):
         """A snapshot is home, node1 is in its slow save, and long enough has passed since for a
-        half-written file that is merely unchanged to look complete and be looked at twice: only
-        its open file keeps it from being taken. -> the snapshots taken so far."""
+        half-written file that is merely unchanged to be looked at twice: only its open file keeps
+        it from being taken. -> the snapshots taken so far."""
         if "t" not in seen:
             if not snapshots(run_dir) or cluster.nodes[0].run("test -e ~/gpt_train/slow-save-started",
                                                               check=False).returncode:
                 return None
             seen["t"] = time.monotonic()
-        return time.monotonic() - seen["t"] >= ckptdir.QUIET_S + 2 * ckptdir.POLL_S and snapshots(run_dir)
+        return time.monotonic() - seen["t"] >= ckptdir.SETTLE_S + 2 * ckptdir.INTERVAL_S and snapshots(run_dir)
 
     run_dir, before_cut, out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[0], mid_save, "node1 in its slow save after a first checkpoint home",
@@ -162,3 +163,62 @@ def test_a_trainer_checkpoint_written_by_every_node_is_gathered_and_restored_who
     rel = f"~/gpt_train/out/checkpoint-{newest}/rng_state_1.pth"
     theirs = cluster.nodes[1].run(f"sha256sum {rel}").stdout.split()[0]
     assert cluster.nodes[2].run(f"sha256sum {rel}").stdout.split()[0] == theirs
+
+
+def test_nanogpt_saving_every_second_is_carried_while_it_trains_and_a_cut_costs_a_few_checkpoints(
+        make_cluster, tmp_path, home, monkeypatch):
+    """nanoGPT with always_save_checkpoint and eval_interval 10 at 0.1 s an iteration rewrites
+    out/ckpt.pt in place every ~1 s: never quiet for 5 s, so under the old rule no snapshot came
+    home while it trained and a lost node restarted it from nothing. Now snapshots come home as it
+    trains (at the default interval); the master is cut for good at a random moment after two are
+    home, and the spare and node2 resume at most a few checkpoints behind the iteration at the cut
+    (the widest gap seen between two snapshots, plus 3 checkpoints for one to come home), from a
+    snapshot at least as new as the newest home at the cut. Every snapshot loads."""
+    monkeypatch.chdir(tmp_path)
+    cluster = make_cluster(3, gpus=0)
+    names = [n.name for n in cluster.nodes]
+    inv = inventory(cluster, tmp_path, {"max_restarts": 1})
+    sync_code(inv, tmp_path, names[:2])
+    seen: dict[str, int] = {}  # snapshot -> its iteration, as each came home before the cut
+    wait = {}
+
+    def two_home_then_a_random_moment(run_dir):
+        for s in home_snapshots(run_dir):
+            if s not in seen:
+                try:
+                    seen[s] = iter_of(run_dir, s)
+                except FileNotFoundError:  # pruned meanwhile: newer ones are home
+                    continue
+        if len(seen) < 2:
+            return None
+        wait.setdefault("until", time.monotonic() + random.uniform(0, ckptdir.INTERVAL_S))
+        return time.monotonic() >= wait["until"] and dict(seen)
+
+    run_dir, before_cut, out, err, code, rec = cut_mid_run(
+        inv, home, cluster.nodes[0], two_home_then_a_random_moment, "two snapshots home while it trains",
+        flags=("--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT, "--max_iters=300",
+               "--eval_interval=10", "--iter_s=0.1", "--always_save_checkpoint=True", "--n_embd=256"))
+    assert code == 0, err[-4000:]
+    attempts = rec["attempts"]
+    assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])
+    assert attempts[0]["verdict"] == "node lost" and attempts[1]["verdict"] == "finished"
+    # the iteration node1 had reached when its link went down, from its own log (both ranks stall
+    # in the next all-reduce once the link is gone)
+    log = cluster.nodes[0].run(f"cat ~/.clusterctl/node-runs/{rec['id']}@{names[0]}/log").stdout
+    at_cut = int(re.findall(r"iter (\d+): loss", log)[-1])
+    resumed = set()
+    for node in (names[2], names[1]):
+        text = (run_dir / "nodes" / f"{node}.log").read_text()
+        resumed |= {int(it) for it in re.findall(r"rank \d init_from resume at iter (\d+)", text)}
+    assert len(resumed) == 1, resumed
+    (resumed,) = resumed
+    iters = sorted(before_cut.values())
+    print(f"snapshots home before the cut (iteration): {before_cut}; cut at iteration {at_cut}; resumed at {resumed}")
+    widest = max(b - a for a, b in zip(iters, iters[1:]))
+    assert widest <= 6 * 10, f"snapshots did not keep up with a save every ~1 s: {before_cut}"
+    assert resumed >= iters[-1], (resumed, before_cut)
+    # behind the cut by at most one gap between snapshots and the time one takes to come home
+    assert at_cut - resumed <= widest + 3 * 10, (at_cut, resumed, before_cut)
+    assert "rank 0 done at iter 300" in (run_dir / "nodes" / f"{names[2]}.log").read_text()
+    for s in home_snapshots(run_dir):  # none torn: each loads and matches its manifest
+        assert iter_of(run_dir, s) % 10 == 0 and ckptdir.DirStore(run_dir).intact(s) is None

@@ -9,17 +9,16 @@ import pytest
 
 from orchestrator.runs import ckptdir
 from orchestrator.runs.dirreplicas import DirReplicas, NodeSnaps, restore_from_nodes
-from tests.test_ckptdir import PAST, local_cluster, old
+from tests.test_ckptdir import PAST, attach, local_cluster, old
 
 
 @pytest.fixture
-def reps(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckptdir, "QUIET_S", 1.0)
+def reps(tmp_path):
     with local_cluster(tmp_path) as c:
         told = []
         r = DirReplicas(c, NodeSnaps(tmp_path / "run"), say=told.append)
-        r.paths = ckptdir.prepare(c, list(c.nodes), "out")
-        r.roots = {n: str(tmp_path / f"art-{n}" / "dirsnaps") for n in ("n0", "n1")}
+        attach(r, ckptdir.prepare(c, list(c.nodes), "out"), tmp_path)
+        assert r.roots == {n: str(tmp_path / f"art-{n}" / "dirsnaps") for n in ("n0", "n1")}
         r.told = told
         yield r
 
@@ -106,13 +105,15 @@ def test_old_snapshots_leave_the_nodes_with_their_manifests(reps, tmp_path):
     kept = ["snap-000005", "snap-000004", "snap-000003"]
     assert reps.store.names() == kept
     for holder in ("n0", "n1"):
-        assert sorted(p.name for p in (tmp_path / f"art-{holder}" / "dirsnaps" / "n0").iterdir()) == sorted(kept)
+        snaps = [p.name for p in (tmp_path / f"art-{holder}" / "dirsnaps" / "n0").iterdir() if p.name != ".pending"]
+        assert sorted(snaps) == sorted(kept)
 
 
-def test_a_file_rewritten_while_it_is_frozen_voids_the_snapshot(reps, tmp_path, monkeypatch):
+def test_a_save_after_the_look_changes_nothing_the_capture_is_what_is_frozen(reps, tmp_path, monkeypatch):
+    """The look captured the complete version on the node: the job saving again before the freeze
+    neither voids nor tears the snapshot kept on the nodes."""
     w0 = tmp_path / "w0" / "out"
     (w0 / "ckpt.pt").write_bytes(b"a" * 10)
-    old(w0)
     real = reps._freeze
 
     def rewrite_first(*a):
@@ -120,23 +121,23 @@ def test_a_file_rewritten_while_it_is_frozen_voids_the_snapshot(reps, tmp_path, 
         return real(*a)
 
     monkeypatch.setattr(reps, "_freeze", rewrite_first)
-    assert reps.tick(["n0", "n1"], final=True) is None
-    assert reps.store.names() == []
-    assert not (tmp_path / "art-n0" / "dirsnaps" / "n0" / "snap-000001").exists()
+    assert reps.tick(["n0", "n1"]) == "snap-000001"
+    for holder in ("n0", "n1"):
+        assert frozen(tmp_path, holder, "n0", "snap-000001", "ckpt.pt").read_bytes() == b"a" * 10
 
 
 def test_with_both_kept_home_and_on_the_nodes_one_look_at_the_nodes_serves_both(reps, tmp_path):
     from orchestrator.runs.ckptdir import DirCopier, DirStore
 
     home = DirCopier(reps.cluster, DirStore(tmp_path / "run"), say=reps.told.append)
-    home.paths = reps.paths
+    attach(home, reps.paths, tmp_path)
     w0 = tmp_path / "w0" / "out"
     (w0 / "ckpt.pt").write_bytes(b"one")
     old(w0)
     looks = []
     for taker in (home, reps):
-        real = taker.states
-        taker.states = lambda nodes, quiet, real=real, who=taker: looks.append(who) or real(nodes, quiet)
+        real = taker.look
+        taker.look = lambda nodes, final, real=real, who=taker: looks.append(who) or real(nodes, final)
     assert home.tick(["n0", "n1"], final=True) == "snap-000001"
     assert reps.tick(["n0", "n1"], final=True, looked=home.looked) == "snap-000001"
     assert looks == [home]  # the replicas' tick read the nodes' DIR through the copier's look

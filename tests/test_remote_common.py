@@ -237,7 +237,8 @@ def test_every_shipped_program_runs_from_its_program_bytes(tmp_path):
     cheapest = {
         "node_agent": (("live",), None, b"[]"),
         "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), None, b'"own": []'),
-        "ckptdir": (("state", str(tmp_path / "none"), "5"), None, b'"entries": {}'),
+        "ckptdir": (("look", str(tmp_path / "none"), str(tmp_path / ".pending"), "2", "0", "-"), None,
+                    b'"entries": {}'),
         "relay": (("changed", str(tmp_path / "wd")), b"", b"changed 0 0"),
         "nodeinfo": (("info", "-"), None, b'"python"'),
         "pyenv": (("probe", str(tmp_path / "venv"), str(tmp_path)), None, b'"venv": "absent"'),

@@ -18,7 +18,7 @@ from orchestrator.runs.ckptdir import DirCopier, DirStore
 from orchestrator.runs.restart import Restorer
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
-from tests.test_ckptdir import local_cluster, node_program, old
+from tests.test_ckptdir import attach, local_cluster, node_program, old
 
 
 def files_under(d):
@@ -53,8 +53,7 @@ def dirs_of(tmp_path, paths):
 
 
 @pytest.fixture
-def nodes(tmp_path, monkeypatch, home):
-    monkeypatch.setattr(ckptdir, "QUIET_S", 1.0)
+def nodes(tmp_path, home):
     with local_cluster(tmp_path) as c:
         yield c, ckptdir.prepare(c, list(c.nodes), "out")
 
@@ -79,7 +78,7 @@ def test_a_fresh_run_sets_aside_what_its_dir_holds_takes_no_snapshot_of_it_and_r
     run = Run.create("fresh-1", RunSpec(args=("t.py",), checkpoint_dir="out"))
     told = []
     copier, r = restorer(c, run, told)
-    copier.paths = paths
+    attach(copier, paths, tmp_path)
     dirs = dirs_of(tmp_path, paths)
     assert r.before(1, dirs, ["n0", "n1"]) == {}
     assert files_under(w0) == files_under(w1) == []

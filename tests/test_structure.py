@@ -29,6 +29,10 @@ EXCEPTIONS: dict[str, str] = {
     "orchestrator/runs/agent.py": "the control side's one client of the node agent: every verb's command line "
                                   "and the reading of its answer live here, one small typed reply each, so no "
                                   "caller builds or parses an agent line by hand",
+    "orchestrator/remote/ckptdir.py": "shipped as one program (`python -c` LOADER, remote/common.py in front, "
+                                      "stdlib only): the completeness rule (inotify, the /proc writers, the "
+                                      "capture that a rewrite voids) and the verbs that restore, set aside and "
+                                      "freeze share its helpers on the node; split once node code ships as a package",
     "orchestrator/remote/node_agent.py": "shipped as one program on stdin (probe.program: remote/common.py, then "
                                          "this file, nothing else); the shared rules live in common.py, what is "
                                          "left is the agent's own verbs over one run directory",

@@ -254,6 +254,10 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "machine once complete on every node and put back on every node before a restart. What it "
                    "holds when the run starts is set aside, never taken as the run's "
                    "[default: the inventory's train.checkpoint_dir].")
+@click.option("--checkpoint-interval", type=click.FloatRange(0.5, 86400), default=None, metavar="SECONDS",
+              help="With --checkpoint-dir: at most one snapshot of it per this many seconds, each of the newest "
+                   "version of every checkpoint its writer has closed [default: the inventory's "
+                   "train.checkpoint_interval, else 3].")
 @click.option("--allow-unhealthy", is_flag=True,
               help="Use quarantined nodes for this run (`clusterctl health` lists them), and quarantine none "
                    "whose health check fails.")
@@ -285,8 +289,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
-                  resume_args, checkpoint_dir, allow_unhealthy, hang_timeout, hang_busy_limit, on_hang, on_straggler,
-                  straggler_factor, straggler_window, no_fold, script, events):
+                  resume_args, checkpoint_dir, checkpoint_interval, allow_unhealthy, hang_timeout, hang_busy_limit,
+                  on_hang, on_straggler, straggler_factor, straggler_window, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -309,8 +313,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        **_health(inv.train, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit, on_hang=on_hang,
-                  on_straggler=on_straggler, straggler_factor=straggler_factor, straggler_window=straggler_window)))
+        **_health(inv.train, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit, on_hang=on_hang, on_straggler=on_straggler,
+                  straggler_factor=straggler_factor, straggler_window=straggler_window, checkpoint_interval=checkpoint_interval)))
     save_events(run, notify, events)
     _carry_curves(run)
     sup = start_supervisor(run)
@@ -367,7 +371,8 @@ def _exit_codes(flag: str | None, inventory: list[int]) -> tuple[int, ...]:
 
 
 def _health(train, **flags) -> dict:
-    """The hang and straggler watches' settings: each flag given, else the inventory's train: value."""
+    """The hang and straggler watches' settings and the checkpoint directory's interval: each flag
+    given, else the inventory's train: value."""
     return {k: getattr(train, k) if v is None else v for k, v in flags.items()}
 
 

@@ -73,6 +73,9 @@ class TrainSection(_Model):
     # writes there (any names) is copied off the nodes once complete and put back on every node of
     # a restart (runs/ckptdir.py); CLUSTERCTL_CHECKPOINT_DIR names it to the job
     checkpoint_dir: str | None = None
+    # at most one snapshot of checkpoint_dir per this many seconds (each look at the nodes takes the
+    # newest complete version of every entry, however often the job rewrites it)
+    checkpoint_interval: float = Field(default=3.0, ge=0.5, le=86400)
 
     @field_validator("env", mode="before")
     @classmethod

@@ -49,7 +49,6 @@ import sys
 import tarfile
 
 BASE = os.path.expanduser("~/.clusterctl/artifacts")
-NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
 # the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)

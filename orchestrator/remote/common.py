@@ -14,8 +14,9 @@ define these names again (tests/test_remote_common.py looks).
   rank failures      RANK_FAILED, note_rank_failure (rank_lines.py), first_rank_failure (the
                      node agent's status): when a rank first exited non-zero, by the node's clock
   file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
-  processes          marked_pids: this user's processes found by an environment marker;
-                     proc_environ: chosen variables of one process's environment
+  processes          marked_pids: this user's processes found by an environment marker (a
+                     run's: RUN_KEY, its directory under NODE_RUNS); proc_environ: chosen
+                     variables of one process's environment
   progress           PROGRESS, progress: a long step's name (and bytes) on stderr, as it starts
                      (setup's install), read back by transfer/progress.py `progress_of`
 """
@@ -292,6 +293,10 @@ def proc_environ(pid, names):
         if k in names:
             out[k] = v.decode(errors="replace")
     return out
+
+
+RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries (node_agent.py)
+NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")  # KEY/: what one attempt leaves on a node
 
 
 def marked_pids(var, want):

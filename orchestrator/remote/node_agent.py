@@ -65,7 +65,7 @@ import signal
 import sys
 import time
 
-BASE = os.path.expanduser("~/.clusterctl/node-runs")
+BASE = NODE_RUNS  # common.py
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run started nothing on the node is held this long after it was taken or
 # renewed (preflight, restore, a spare's preparation), unless the controller releases it first
@@ -75,7 +75,6 @@ TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its 
 # for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
-RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries
 PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
 HOOK = "hook"  # RUNDIR/hook: the ranks' snapshot FIFOs (PID.fifo) and answers (PID.N.json)
 # the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective

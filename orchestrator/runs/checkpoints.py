@@ -5,8 +5,7 @@ CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
 orchestrator/remote/artifacts.py). While it trains, each node's log stream (runs/watch.py,
 the agent's `tail ... stream`) tells `ArtifactCopier` what finished there and carries the new
 TensorBoard bytes (into one directory for the whole run: runs/curves.py); the copier copies new
-checkpoints here over the run's SSH connections, on its
-own thread, as a tar stream unpacked as it arrives (transfer/unpack.py: each file written once
+checkpoints here over the run's SSH connections, on its own thread, as a tar stream unpacked as it arrives (transfer/unpack.py: each file written once
 and hashed on the way in). A checkpoint counts as complete by the trainer's own marks: a file's
 sha256 sidecar, a directory's MANIFEST.sha256 of every file. An FSDP checkpoint written without
 a shared filesystem is spread over the nodes (each holds its ranks' shards, the manifest lists
@@ -302,6 +301,8 @@ class ArtifactCopier:
             for snaps in self.snaps if finished else ():
                 snaps.tick(nodes, final=True, looked=looked)
                 looked = snaps.looked  # one look at the nodes serves both
+            for snaps in self.snaps[:1]:  # the nodes' captures (both share them): the snapshots hold what counts
+                snaps.forget(nodes)
 
     def copy_new(self, nodes: list[str], which: list[str]) -> None:
         """What the streams reported for the nodes `which`: their new checkpoints copied here, and
@@ -313,19 +314,23 @@ class ArtifactCopier:
             if self.replicator is not None:
                 self.replicator.poll(nodes, {n: c for n, c in latest.items() if n in nodes})
             looked = None
-            for snaps in self.snaps:  # at most every ckptdir.POLL_S; one look at the nodes serves both
+            for snaps in self.snaps:  # when a look is due (ckptdir's interval); one look serves both
                 snaps.tick(nodes, looked=looked)
                 looked = snaps.looked
 
-    def start(self, nodes: Callable[[], list[str]]) -> None:
+    def start(self, nodes: Callable[[], list[str]], key: str | None = None) -> None:
         """The copying thread: each node's news as its stream brings it; every POLL_S s without
-        news, what was reported is looked over again (a copy that failed is tried again)."""
+        news (sooner when a look at a checkpoint directory is due), what was reported is looked
+        over again (a copy that failed is tried again). `key`: the attempt's run key."""
+        for snaps in self.snaps:
+            snaps.key = key
+
         def loop():
             with contextlib.suppress(OSError):  # behind the job's processes when they share this machine
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
             while not self._stop.is_set():
                 try:
-                    which = [self._news.get(timeout=POLL_S)]
+                    which = [self._news.get(timeout=min([POLL_S] + [s.due_in() for s in self.snaps]))]
                 except queue.Empty:
                     which = list(self.latest)
                 if self._stop.is_set():

@@ -2,25 +2,31 @@
 
 Any script, any names: nanoGPT's `out/ckpt.pt`, a Trainer's `checkpoint-500/` whose rng states are
 written by every rank on its own node, DeepSpeed's `global_step500/` and `latest`. The script is
-not asked for marks: a top-level entry of DIR counts as complete on a node once nothing under it
-has changed for QUIET_S seconds and no process of the user holds a file under it open for writing
-(remote/ckptdir.py `state`, on the node's own clock and /proc).
+not asked for marks: a top-level entry of DIR counts as complete on a node when its writer closed
+it (no process of the user holds a file under it open for writing and nothing under it changed
+while that was looked at; a directory also once nothing under it changed for SETTLE_S, or at once
+when it was renamed into place), and each complete version is captured on the node at once, out of
+the job's reach (remote/ckptdir.py `look`, on the node's own /proc, inotify and clock). A save the
+job rewrites every second is taken between two saves; a copy the job writes into meanwhile is
+voided, never kept.
 
-While an attempt runs, `DirCopier.tick` looks at every node's DIR every POLL_S seconds. When an
-entry is complete on every node that has it and differs from the newest snapshot here, a new
-snapshot is taken: runs/RUN/checkpoints/snap-NNNNNN/ holds DIR as the union of the nodes' entries
-(a file on several nodes comes from the lowest-ranked one), each entry as it was last complete.
-Files unchanged since the previous snapshot are hard links to it; only new bytes cross the link,
-and a file the job rewrites while it is read voids the copy (`send` exits CHANGED). snap-N.json,
-written last, lists every file with its node, size, mtime and sha256: a snapshot without it is
-not one. Nothing is taken from the nodes after an attempt failed (a worker killed mid-write leaves
-a torn file that soon looks quiet): the last snapshot taken while the job ran is what restores.
+While an attempt runs, `DirCopier.tick` looks at every node's DIR at most once per `interval`
+(train.checkpoint_interval, default INTERVAL_S), and never sooner after a snapshot than that
+snapshot took: the copying is at most half of the time. When an entry is complete on every node
+that has it and differs from the newest snapshot here, a new snapshot is taken:
+runs/RUN/checkpoints/snap-NNNNNN/ holds DIR as the union of the nodes' entries (a file on several
+nodes comes from the lowest-ranked one), each entry as it was last complete. Files unchanged since
+the previous snapshot are hard links to it; only new bytes cross the link, read from the node's
+capture. snap-N.json, written last, lists every file with its node, size, mtime and sha256: a
+snapshot without it is not one. Nothing is taken from a node once a rank of the attempt there
+failed or its processes began to end (a worker killed mid-write leaves a torn file that looks
+closed), nor from the nodes after an attempt failed: the last snapshot taken while the job ran is
+what restores.
 
 `restore_dir` puts one snapshot into DIR on every node of the next attempt: the snapshot's entries
 replace the node's, and the node's other entries (a half-written checkpoint, a newer one that was
 never complete everywhere) are moved to ~/.clusterctl/artifacts/RUN/set-aside/KEY/, kept but out of
 the job's way.
-
 With train.checkpoint_replica the snapshots are (also) kept on the nodes instead: runs/dirreplicas.py.
 """
 
@@ -37,7 +43,9 @@ from typing import Callable
 
 from orchestrator import shell
 from orchestrator.inventory import Node
+from orchestrator.inventory.sections import TrainSection
 from orchestrator.probe import load, program
+from orchestrator.runs.agent import _key as node_key  # the attempt's run key on one node
 from orchestrator.runs.checkpoints import LOADER  # the program on stdin, length-prefixed, its data after it
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
@@ -45,11 +53,13 @@ from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
 PROGRAM = program("ckptdir")
-QUIET_S = 5.0  # an entry unchanged this long, and open for writing nowhere, is complete
-POLL_S = 3.0  # how often the nodes' DIR is looked at while an attempt runs
+INTERVAL_S: float = TrainSection.model_fields["checkpoint_interval"].default  # at most one look per this
+SETTLE_S = 2.0  # a directory entry closed by its writers is complete once nothing under it changed this long
+WAIT_S = 1.0  # a look waits this long for a save in progress to be closed
 KEEP = 3  # snapshots kept on the control machine
 TIMEOUT = 600.0  # one node's part of one snapshot, or one node's restore
-CHANGED: int = load("ckptdir").CHANGED  # remote/ckptdir.py send/freeze: a file changed while read
+CHANGED: int = load("ckptdir").CHANGED  # remote/ckptdir.py send/freeze: a file is not as listed
+PENDING: str = load("ckptdir").PENDING  # the last component of a node's captures directory
 STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_=]?(\d+)", re.I)  # step=20: Lightning's epoch=0-step=20.ckpt
 
 
@@ -159,11 +169,21 @@ class DirStore:
             shutil.rmtree(stage, ignore_errors=True)
 
 
+def roots_of(dirs: dict[str, dict]) -> dict[str, str]:
+    """Each node's dirsnaps root, beside its run's other artifacts (runs/restart.py prepare_artifacts)."""
+    return {n: posixpath.join(posixpath.dirname(d["replicas"]), "dirsnaps") for n, d in dirs.items()}
+
+
+def pending_of(root: str, node: str) -> str:
+    """Where `node` keeps its looks' captures under its dirsnaps root `root`."""
+    return posixpath.join(root, node, PENDING)
+
+
 def plan(states: dict[str, dict], order: list[str], prev: dict | None) -> dict:
-    """The next snapshot's files {rel: {node, size, mtime_ns}} from every node's `state`. An entry
-    complete on every node that has it is taken as the nodes have it now (a file on several nodes
-    from the first in `order`); an entry still being written anywhere keeps its previous
-    snapshot's files (sha256 and all); an entry no node has any more is gone."""
+    """The next snapshot's files {rel: {node, size, mtime_ns}} from every node's `look`. An entry
+    complete (and captured) on every node that has it is taken as the nodes have it now (a file on
+    several nodes from the first in `order`); an entry still being written anywhere keeps its
+    previous snapshot's files (sha256 and all); an entry no node has any more is gone."""
     prev_files = (prev or {}).get("files", {})
     tops: dict[str, list[str]] = {}
     for node in order:
@@ -172,7 +192,7 @@ def plan(states: dict[str, dict], order: list[str], prev: dict | None) -> dict:
     files: dict[str, dict] = {}
     for top, holders in tops.items():
         entries = [states[n]["entries"][top] for n in holders]
-        if all(e["quiet"] for e in entries):
+        if all(e["complete"] for e in entries):
             for node, e in zip(holders, entries):
                 for rel, size, mtime_ns in e["files"]:
                     files.setdefault(rel, {"node": node, "size": size, "mtime_ns": mtime_ns})
@@ -183,35 +203,47 @@ def plan(states: dict[str, dict], order: list[str], prev: dict | None) -> dict:
 
 class DirCopier:
     """Snapshots of DIR while an attempt runs (see the module's docstring). `paths`: node -> DIR's
-    absolute path there (`prepare`). `known`: (node, rel) -> (size, mtime_ns, sha256, a file here
-    with those bytes), for the files of the newest snapshot and those a restore just wrote: a file
-    the nodes still have as it was is linked, not copied again."""
+    absolute path there (`prepare`); `pending`: node -> where its looks capture complete versions.
+    `known`: (node, rel) -> (size, mtime_ns, sha256, a file here with those bytes), for the files of
+    the newest snapshot and those a restore just wrote: a file the nodes still have as it was is
+    linked, not copied again. `key`: the attempt's run key (ArtifactCopier.start), so that a node
+    whose ranks began to end gives nothing; None: no job to watch (the looks take what is closed)."""
 
-    def __init__(self, cluster: Cluster, store: DirStore, say: Callable[[str], None] = print):
+    def __init__(self, cluster: Cluster, store: DirStore, say: Callable[[str], None] = print,
+                 interval: float = INTERVAL_S):
         self.cluster, self.store, self.say = cluster, store, say
+        self.interval = interval
         self.paths: dict[str, str] = {}
+        self.pending: dict[str, str] = {}
+        self.key: str | None = None
         self.known: dict[tuple[str, str], tuple[int, int, str, Path]] = {}
-        self.last = 0.0
+        self.next_at = 0.0  # time.monotonic() of the next look
         self.copy_s = 0.0
+        self.looks = self.torn = 0  # looks made; copies voided by a rewrite while they were read
         self.events: list[tuple[float, str]] = []  # (time, snapshot) as each was taken
         self.looked: dict[str, dict] | None = None  # the states the last tick read
 
     def for_attempt(self, paths: dict[str, str], dirs: dict[str, dict]) -> None:
         """An attempt's nodes: DIR on each (`prepare`), and their artifact directories."""
         self.paths = paths
+        self.pending = {n: pending_of(r, n) for n, r in roots_of(dirs).items()}
+
+    def due_in(self) -> float:
+        """Seconds until the next look is due."""
+        return max(0.0, self.next_at - time.monotonic())
 
     def tick(self, nodes: list[str], final: bool = False, looked: dict[str, dict] | None = None) -> str | None:
-        """Look at the nodes' DIR (every POLL_S s; `final`: now, the job having ended well, so
+        """Look at the nodes' DIR when a look is due (`final`: now, the job having ended well, so
         nothing is being written) and take a snapshot when there is something new. -> its name.
         `looked`: the states another snapshot taker just read of the same nodes (one look at the
         nodes serves both); `self.looked` is this tick's, None when it did not look."""
         self.looked = None
-        if not final and time.monotonic() - self.last < POLL_S:
+        if not final and time.monotonic() < self.next_at:
             return None
-        self.last = time.monotonic()
-        nodes = [n for n in nodes if n in self.paths]
-        states = looked if looked is not None and set(looked) == set(nodes) else \
-            self.states(nodes, 0.0 if final else QUIET_S)
+        t0 = time.monotonic()
+        self.next_at = t0 + self.interval
+        nodes = [n for n in nodes if n in self.paths and n in self.pending]
+        states = looked if looked is not None and set(looked) == set(nodes) else self.look(nodes, final)
         if states is None:
             return None
         self.looked = states
@@ -227,7 +259,9 @@ class DirCopier:
         old = {rel: m["sha256"] for rel, m in (prev or {}).get("files", {}).items()}
         if not files or {rel: m.get("sha256") for rel, m in files.items()} == old:
             return None
-        return self.take(files)
+        name = self.take(files)
+        self.next_at = max(self.next_at, 2 * time.monotonic() - t0)  # copying at most half of the time
+        return name
 
     def learn(self, name: str, doc: dict) -> None:
         for rel, m in doc["files"].items():
@@ -243,13 +277,20 @@ class DirCopier:
                 if rel in doc:
                     self.known[(node, rel)] = (size, mtime_ns, doc[rel]["sha256"], store.dir / name / rel)
 
-    def states(self, nodes: list[str], quiet_s: float) -> dict[str, dict] | None:
-        """Every node's `state` of DIR, or None when one of them did not answer (a snapshot is of
-        all of them or of none)."""
+    def look(self, nodes: list[str], final: bool = False) -> dict[str, dict] | None:
+        """Every node's `look` at DIR (its complete entries captured there), or None when one of
+        them did not answer (a snapshot is of all of them or of none). `final`: the job ended well:
+        nothing settles or is waited for, and no rank is watched."""
         if not nodes:
             return None
-        res = self.cluster.run(lambda n: _cmd(n, "state", self.paths[n.name], quiet_s),
-                               stdin=lambda n: b"".join(_then()), nodes=nodes, timeout=60)
+
+        def cmd(n: Node) -> str:
+            key = "-" if final or self.key is None else node_key(self.key, n)
+            return _cmd(n, "look", self.paths[n.name], self.pending[n.name], 0 if final else SETTLE_S,
+                        0 if final else WAIT_S, key)
+
+        res = self.cluster.run(cmd, stdin=lambda n: b"".join(_then()), nodes=nodes, timeout=60)
+        self.looks += 1
         out = {}
         for name, r in res.items():
             if not r.ok:
@@ -258,7 +299,15 @@ class DirCopier:
                 out[name] = json.loads(r.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
                 return None
+            self.torn += len(out[name]["torn"])
         return out
+
+    def forget(self, nodes: list[str]) -> None:
+        """The nodes' captures removed (the attempt ended: the snapshots hold what is needed)."""
+        live = [n for n in self.cluster.live(nodes) if n in self.pending]
+        if live:
+            self.cluster.run(lambda n: _cmd(n, "forget", self.pending[n.name]), stdin=lambda n: b"".join(_then()),
+                             nodes=live, timeout=60)
 
     def take(self, files: dict) -> str | None:
         t0 = time.monotonic()
@@ -310,13 +359,13 @@ class DirCopier:
         line = json.dumps([[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(mine.items())]).encode() + b"\n"
         into = Unpacker(stage, checksums=True, name=f"unpack-ckptdir-{node}")
         try:
-            r = self.cluster.run(lambda n: _cmd(n, "send", self.paths[node]), stdin=lambda n: _then(line),
+            r = self.cluster.run(lambda n: _cmd(n, "send", self.pending[node]), stdin=lambda n: _then(line),
                                  nodes=[node], timeout=TIMEOUT, capture=False,
                                  on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
         finally:
             error = into.close(TIMEOUT)
         if r.exit_code == CHANGED:
-            return False  # the job is writing it again: the next look takes it once it is complete
+            return False  # the capture was replaced meanwhile (a look of another snapshot taker)
         if not r.ok or error is not None:
             self.say(f"could not copy the checkpoint directory from {node}: {error or r.describe()}")
             return False

@@ -238,7 +238,7 @@ class Controller:
             runner.teardown("the supervisor died while launching")
             why = f"the supervisor died during attempt {a.attempt}'s {rec.state}"
             return a.attempt, a.nodes, (RunResult(RunState.FAILED, 1, why), Verdict(True, "supervisor died", why))
-        self.copier.start(lambda: list(a.nodes))
+        self.copier.start(lambda: list(a.nodes), a.key)
         try:
             result = runner.adopt(rec.nodes)
         finally:
@@ -296,7 +296,7 @@ class Controller:
             env = {"CLUSTERCTL_ATTEMPT": str(k)}
             per_node = {n: {"CLUSTERCTL_CHECKPOINT_DIR": d.get("ckptdir", d["checkpoints"]),
                             "CLUSTERCTL_TENSORBOARD_DIR": d["tensorboard"]} for n, d in dirs.items()}
-            self.copier.start(lambda: list(nodes))
+            self.copier.start(lambda: list(nodes), a.key)
             try:
                 result = runner.run_attempt(env, per_node)
             finally:

@@ -1,12 +1,13 @@
 """A job's checkpoint directory carried node to node (`--checkpoint-dir` with train.copy_checkpoints
 false and train.checkpoint_replica true): no byte of it crosses the control machine.
 
-The snapshots are the ones runs/ckptdir.py takes (the same completeness rule, the same union of the
-nodes' entries), but they are kept on the nodes. When there is something new, every node that
-wrote part of it freezes its part (remote/ckptdir.py `freeze`): its files are copied beside its
-run's artifacts, ~/.clusterctl/artifacts/RUN/dirsnaps/NODE/snap-N/, out of the job's reach (nanoGPT
-rewrites ckpt.pt in place; a frozen copy is never written again, and a file unchanged since the
-previous snapshot is hard-linked to it). Then the part is copied to the node after it in the
+The snapshots are the ones runs/ckptdir.py takes (the same completeness rule, the same looks that
+capture each complete version on its node, the same union of the nodes' entries), but they are
+kept on the nodes. When there is something new, every node that wrote part of it freezes its part
+(remote/ckptdir.py `freeze`): the look's captures are linked beside its run's artifacts,
+~/.clusterctl/artifacts/RUN/dirsnaps/NODE/snap-N/, out of the job's reach (nanoGPT rewrites ckpt.pt
+in place; a frozen copy is never written again, and a file unchanged since the previous snapshot
+is hard-linked to it). Then the part is copied to the node after it in the
 attempt's rank order (`replicas.ring`), into the same place there, node to node
 (transfer/pair.py `copy_files`), files the neighbour already holds linked there instead. The
 control machine keeps only each snapshot's manifest, runs/RUN/checkpoints/nodes/snap-N.json:
@@ -31,17 +32,12 @@ from typing import Callable
 
 from orchestrator import shell
 from orchestrator.runs.checkpoints import ArtifactCopier, CheckpointStore
-from orchestrator.runs.ckptdir import CHANGED, TIMEOUT, DirCopier, DirStore, _cmd, _then, step_of_names
+from orchestrator.runs.ckptdir import CHANGED, INTERVAL_S, TIMEOUT, DirCopier, DirStore, _cmd, _then, roots_of, step_of_names
 from orchestrator.runs.replicas import Replicator, ring
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
 
 STAGED = ".clusterctl-restore-in"  # a restore's staging directory inside DIR (ckptdir `state` skips it)
-
-
-def roots_of(dirs: dict[str, dict]) -> dict[str, str]:
-    """Each node's dirsnaps root, beside its run's other artifacts (runs/restart.py prepare_artifacts)."""
-    return {n: posixpath.join(posixpath.dirname(d["replicas"]), "dirsnaps") for n, d in dirs.items()}
 
 
 class NodeSnaps(DirStore):
@@ -81,8 +77,9 @@ class DirReplicas(DirCopier):
     neighbour (see the module's docstring). `roots`: node -> its dirsnaps root (set with `paths`
     before each attempt)."""
 
-    def __init__(self, cluster: Cluster, store: NodeSnaps, say: Callable[[str], None] = print):
-        super().__init__(cluster, store, say)
+    def __init__(self, cluster: Cluster, store: NodeSnaps, say: Callable[[str], None] = print,
+                 interval: float = INTERVAL_S):
+        super().__init__(cluster, store, say, interval)
         self.roots: dict[str, str] = {}
         self.order: list[str] = []  # the attempt's nodes in rank order (the ring)
 
@@ -145,11 +142,11 @@ class DirReplicas(DirCopier):
                 "prev": {rel: [m["size"], m["mtime_ns"], prev_name, old[rel]["sha256"]] for rel, m in mine.items()
                          if kept and rel in old and old[rel]["node"] == origin}}
         root = posixpath.join(self.roots[origin], origin)
-        r = self.cluster.run(lambda n: _cmd(n, "freeze", self.paths[origin], root, name),
+        r = self.cluster.run(lambda n: _cmd(n, "freeze", self.pending[origin], root, name),
                              stdin=lambda n: _then(json.dumps(line).encode() + b"\n"), nodes=[origin],
                              timeout=TIMEOUT)[origin]
         if r.exit_code == CHANGED:
-            return False  # being written again: the next look takes it once it is complete
+            return False  # the capture was replaced meanwhile: the next look's is taken
         try:
             digests = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else None
         except (ValueError, IndexError):
@@ -302,7 +299,7 @@ def artifact_copier(cluster: Cluster, run_dir: Path, spec, say: Callable[[str], 
     if spec.checkpoint_replica:
         copier.replicator = Replicator(cluster, copier.dirs, say=say)
     if spec.checkpoint_dir and spec.copy_checkpoints:
-        copier.dirsnap = DirCopier(cluster, DirStore(run_dir), say=say)
+        copier.dirsnap = DirCopier(cluster, DirStore(run_dir), say=say, interval=spec.checkpoint_interval)
     if spec.checkpoint_dir and spec.checkpoint_replica:
-        copier.dirreplica = DirReplicas(cluster, NodeSnaps(run_dir), say=say)
+        copier.dirreplica = DirReplicas(cluster, NodeSnaps(run_dir), say=say, interval=spec.checkpoint_interval)
     return copier
