@@ -56,6 +56,9 @@ def test_a_rank_idle_while_others_wait_is_stuck_only_after_idle_s():
     (9.0, 0, "R", "busy"),  # computing alone: 90 % of a core
     (1.0, 50 << 20, "D", "busy"),  # writing a checkpoint: in D state, but its disk bytes move
     (1.0, 0, "D", "dstate"),  # in D state and nothing moves
+    # asleep, while the watch's own snapshots had its hook write its answers (every thread's stack:
+    # ~100 KB each for a Lightning rank): that is no work of the rank's
+    (0.0, 300 << 10, "S", "idle"),
 ])
 def test_a_rank_that_works_is_busy_and_one_that_does_not_is_stuck(cpu, io, state, kind):
     t = tracker([obs(0, 100, {"0": (7, 7)}), obs(1, 100, {"0": (7, 7)}, cpu=0.0)],

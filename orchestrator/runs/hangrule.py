@@ -9,7 +9,7 @@ prints does not make a stuck rank look alive. Each rank is, at its newest observ
 - moving: its progress moved within WAIT_S (node clock);
 - waiting: inside a collective (entered, not completed) for WAIT_S or more;
 - stopped (state T), gone (its process ended or vanished), in D state, or idle (no progress, under
-  IDLE_CPU of a core and under IDLE_IO bytes of disk I/O over the last IDLE_S, its data-loader
+  IDLE_CPU of a core and under IDLE_IO bytes a second of disk I/O over the last IDLE_S, its data-loader
   workers and other processes of its RANK counted): it makes no progress and nothing says it will;
 - busy: no progress, but it computes or reads and writes (a rank evaluating alone, saving a
   checkpoint, a loop spinning in its own code);
@@ -41,7 +41,10 @@ WAIT_S = 3.0  # inside one collective this long, with no progress: the rank wait
 IDLE_S = 20.0  # idle this long while others wait for it: stuck (a rank that waits on the network for
 # its data uses no CPU either; a shorter bound would call a slow remote read a hang)
 IDLE_CPU = 0.05  # below this share of a core a rank is idle (one waiting in gloo used 0.25 %)
-IDLE_IO = 1 << 16  # disk bytes read or written over the window below which a rank did no I/O
+# disk bytes per second read or written over the window below which a rank did no I/O to speak of: a
+# rate, not a count, since the hook's own answers (every thread's stack and Flight Recorder entries:
+# hundreds of KB for a Lightning rank) are written to disk by the rank each time the watch looks
+IDLE_IO = 256 << 10
 ACT_S = 2.0  # the shortest window a rank's CPU is judged over
 KEEP = 12  # observations kept per rank: the stream's every 10 s and the checks' pairs, a few minutes
 GONE_S = 20.0  # a process ended this long while others wait inside a collective: not the run's end
@@ -57,12 +60,12 @@ def progressed(a: RankSnap, b: RankSnap) -> bool:
         any(seq > a.done.get(pg, -1) for pg, seq in b.done.items())
 
 
-def _share(a: RankSnap, b: RankSnap) -> tuple[float, int]:
-    """(CPU share of a core, disk bytes) of the rank between two observations."""
+def _share(a: RankSnap, b: RankSnap) -> tuple[float, float]:
+    """(CPU share of a core, disk bytes per second) of the rank between two observations."""
     dt = (b.t or 0.0) - (a.t or 0.0)
     cpu = (b.cpu - a.cpu) / dt if dt > 0 and a.cpu is not None and b.cpu is not None else 0.0
-    io = b.io - a.io if a.io is not None and b.io is not None else 0
-    return max(cpu, 0.0), max(io, 0)
+    io = (b.io - a.io) / dt if dt > 0 and a.io is not None and b.io is not None else 0.0
+    return max(cpu, 0.0), max(io, 0.0)
 
 
 @dataclass
