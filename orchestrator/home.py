@@ -12,14 +12,30 @@ the same rule (remote/common.py `private_files`, whose constants these are).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
+from typing import Iterator
 
 from orchestrator.probe import common
 
 
 def home() -> Path:
     return Path(os.environ.get("CLUSTERCTL_HOME") or os.path.expanduser("~/.clusterctl"))
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[Path]:
+    """Hold the exclusive lock of the state file `path` (its sibling NAME.lock, made with its
+    directory when missing) until the block ends: processes that read, change and write the file
+    under it (runs ending at once, a `clusterctl health --release`) never lose each other's
+    changes. The lock is a file of its own so that the state file can be replaced by a rename
+    while it is held. -> `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path
 
 
 def runs_dir() -> Path:

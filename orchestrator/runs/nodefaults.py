@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-from orchestrator.home import home
+from orchestrator.home import home, locked
 from orchestrator.inventory import Node
 from orchestrator.runs import quarantine
 
@@ -84,21 +83,12 @@ def load(root: Path | None = None) -> list[Fault]:
     return out
 
 
-@contextlib.contextmanager
-def _locked():
-    p = path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield p
-
-
 def record(faults: Iterable[Fault]) -> list[Fault]:
     """Append the faults not recorded yet. -> those appended."""
     faults = list(faults)
     if not faults:
         return []
-    with _locked() as p:
+    with locked(path()) as p:
         seen = {f.key() for f in load()}
         new = []
         for f in faults:

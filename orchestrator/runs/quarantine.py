@@ -16,14 +16,13 @@ lock, so runs ending at once never lose each other's entries.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator.home import home
+from orchestrator.home import home, locked
 from orchestrator.inventory import Node
 
 HEALTH_CHECKS = frozenset({"gpu_health"})  # a failure of these quarantines the node
@@ -63,10 +62,7 @@ def load(root: Path | None = None) -> dict[str, Entry]:
 
 @contextlib.contextmanager
 def _locked():
-    p = path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(path()) as p:
         entries = load()
         yield entries
         tmp = p.with_suffix(".tmp")
