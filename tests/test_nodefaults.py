@@ -1,6 +1,7 @@
 """runs/nodefaults.py: each node's record across runs, what is attributed to a node and what is not,
 and the quarantine it leads to. Three runs losing a node on the test cluster: test_nodefaults_cluster.py."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from orchestrator.inventory import parse_inventory
-from orchestrator.observe.metrics import RunsCollector
+from orchestrator.cli import health
+from orchestrator.observe.metrics import RunsCollector, node_samples
 from orchestrator.runs import nodefaults, quarantine
 from orchestrator.runs.restart import Outcome, Verdict, classify
 
@@ -168,3 +170,78 @@ def test_a_full_control_disk_costs_the_record_not_the_run(monkeypatch):
     assert nodefaults.of_verdict(INV, "run-a", 1, ["n1", "n2"], v, tell, True, lambda: ["n3"]) is v
     assert len(said) == 1 and "could not be written: [Errno 28] No space left on device" in said[0], said
     nodefaults.health(INV, "run-a", 1, {"n2": "gpu_health: GPU 0: Xid 79"})  # raises nothing
+
+
+DAY = 86400.0
+
+
+def _write(faults):
+    nodefaults.path().parent.mkdir(parents=True, exist_ok=True)
+    nodefaults.path().write_text("".join(json.dumps(dataclasses.asdict(f)) + "\n" for f in faults))
+
+
+def _counts():
+    return sorted(s for s in node_samples(nodefaults.path().parent) if s[0] == "clusterctl_node_faults")
+
+
+def test_faults_past_the_horizon_fold_into_tallies_that_keep_every_count_and_the_release():
+    now = time.time()
+    F = nodefaults.Fault
+    old = [F("n2", "10.0.0.2", "lost", f"run-{i}", 1, now - (10 + i) * DAY) for i in range(3)]
+    old_hung = F("n1", "10.0.0.1", "hung", "run-h", 1, now - 9 * DAY)
+    old_release = F("n2", "10.0.0.2", nodefaults.RELEASED, "run-2", 0, now - 9 * DAY)
+    recent = [F("n2", "10.0.0.2", "lost", "run-r", 1, now - 3600), F("n1", "10.0.0.1", "killed", "run-k", 1, now - 7200)]
+    release = F("n1", "10.0.0.1", nodefaults.RELEASED, "", 0, now - 3000)
+    _write(old + [old_hung, old_release] + recent + [release])
+    before = _counts()
+    counted = {n.name: nodefaults.counted(n, nodefaults.load(), 3 * DAY, now) for n in INV.nodes}
+    ino = nodefaults.path().stat().st_ino
+    new = F("n2", "10.0.0.2", "hung", "run-n", 1, now)
+    assert nodefaults.record([new]) == [new]
+    kept = nodefaults.load()
+    assert nodefaults.path().stat().st_ino != ino  # rewritten by a rename, not in place
+    assert [(f.node, f.kind, f.tally) for f in kept if f.tally] == [("n2", "lost", 3), ("n1", "hung", 1)]
+    assert kept[0].at == old[0].at and kept[1].at == old_hung.at  # a tally: up to its newest fault
+    assert [f for f in kept if not f.tally] == recent + [release, new]  # the old release went, the new stays
+    assert _counts() == sorted(before + [("clusterctl_node_faults", ("n2", "10.0.0.2", "hung"), 1)])
+    for n in INV.nodes:  # the count toward a quarantine is the same (the new fault aside)
+        assert [f for f in nodefaults.counted(n, kept, 3 * DAY, now) if f != new] == counted[n.name]
+    assert counted["n1"] == []  # n1's killed fault came before its release
+    assert kept[0].line().endswith("3 lost (older faults, counted together)")
+    assert len(nodefaults.path().read_text().splitlines()) == 6
+
+
+def test_the_record_is_rewritten_only_a_day_past_the_horizon_and_keeps_the_longest_window():
+    now = time.time()
+    F = nodefaults.Fault
+    month = F("n1", "10.0.0.1", "lost", "run-m", 1, now - 20 * DAY, window=30 * DAY)
+    week = F("n2", "10.0.0.2", "lost", "run-w", 1, now - 7.5 * DAY)
+    _write([month, week])
+    ino = nodefaults.path().stat().st_ino
+    nodefaults.record([F("n2", "10.0.0.2", "hung", "run-a", 1, now)])
+    assert nodefaults.path().stat().st_ino == ino and [f.tally for f in nodefaults.load()] == [0, 0, 0]
+    _write([F("n2", "10.0.0.2", "lost", "run-w", 1, now - 9 * DAY)])
+    nodefaults.record([F("n2", "10.0.0.2", "hung", "run-a", 1, now)])
+    assert [f.tally for f in nodefaults.load()] == [1, 0]  # past 7 days and a day more: folded
+    _write([month, F("n2", "10.0.0.2", "lost", "run-w", 1, now - 9 * DAY)])
+    nodefaults.record([F("n2", "10.0.0.2", "hung", "run-a", 1, now)])
+    assert [f.tally for f in nodefaults.load()] == [0, 0, 0]  # an inventory's 30-day window keeps them
+
+
+def test_the_exporter_parses_the_record_again_only_when_it_changed():
+    reader = nodefaults.Reader()
+    assert reader.load() == [] and reader.parsed == 0
+    nodefaults.attribute(INV, "a", 1, "lost", {"n2": ""}, print)
+    assert len(reader.load()) == 1 and len(reader.load()) == 1 and reader.parsed == 1
+    nodefaults.attribute(INV, "b", 1, "lost", {"n2": ""}, print)
+    assert len(reader.load()) == 2 and reader.parsed == 2
+
+
+def test_health_counts_a_tally_as_the_faults_it_stands_for(capsys):
+    now = time.time()
+    tally = nodefaults.Fault("n2", "10.0.0.2", "lost", "", 0, now - 10 * DAY, tally=7)
+    singles = [nodefaults.Fault("n2", "10.0.0.2", "hung", f"run-{i}", 1, now - i) for i in range(5)]
+    row = {"name": "n2", "faults": [dataclasses.asdict(f) for f in [tally] + singles], "faults_counted": 5}
+    assert health._faults(row) == "lost 7, hung 5 (5 counted)"
+    health._fault_lines([row])
+    assert capsys.readouterr().out.startswith("n2 faults (and 7 earlier):\n")

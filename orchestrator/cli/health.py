@@ -106,7 +106,7 @@ def _faults(row: dict) -> str:
         return "none"
     kinds: dict[str, int] = {}
     for f in row["faults"]:
-        kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+        kinds[f["kind"]] = kinds.get(f["kind"], 0) + (f.get("tally") or 1)  # a tally: older faults folded
     return ", ".join(f"{k} {n}" for k, n in kinds.items()) + f" ({row['faults_counted']} counted)"
 
 
@@ -115,7 +115,8 @@ def _fault_lines(rows: list[dict]) -> None:
     for r in rows:
         faults = [nodefaults.Fault(**f) for f in r["faults"]]
         if faults:
-            more = f" (and {len(faults) - 5} earlier)" if len(faults) > 5 else ""
+            earlier = sum(f.weight for f in faults[:-5])
+            more = f" (and {earlier} earlier)" if earlier else ""
             click.echo(f"{r['name']} faults{more}:")
             for f in faults[-5:]:
                 click.echo(f"  {f.line()}")

@@ -168,13 +168,15 @@ def _goodput(f: RunFacts, now: float) -> Iterator[Sample]:
 SOURCES: tuple[Callable[[RunFacts, float], Iterable[Sample]], ...] = (_run, _nodes, _ranks, _goodput)
 
 
-def node_samples(root: Path) -> Iterator[Sample]:
+def node_samples(root: Path, faults: nodefaults.Reader | None = None) -> Iterator[Sample]:
     """Each node's record across runs, from the control home `root`: its attributed faults by kind
-    and whether it is quarantined now (not a run's figure: no run_id)."""
+    (older ones folded into tallies count each fault they stand for) and whether it is quarantined
+    now (not a run's figure: no run_id). `faults`: a reader that parses the record again only when
+    it changed (the collector's, asked on every scrape)."""
     counts: dict[tuple[str, str, str], int] = {}
-    for f in nodefaults.load(root):
+    for f in (faults or nodefaults.Reader(root)).load():
         if f.kind != nodefaults.RELEASED:
-            counts[(f.node, f.host, f.kind)] = counts.get((f.node, f.host, f.kind), 0) + 1
+            counts[(f.node, f.host, f.kind)] = counts.get((f.node, f.host, f.kind), 0) + f.weight
     for labels, n in sorted(counts.items()):
         yield "clusterctl_node_faults", labels, n
     for e in quarantine.load(root).values():
@@ -211,11 +213,12 @@ class RunsCollector(Collector):
         self.home = Home(runs_dir)
         self.runs_dir = runs_dir
         self.clock = clock
+        self.faults = nodefaults.Reader(runs_dir.parent)
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
         facts = self.home.look(now)
-        yield from families(facts, now, self.home.bytes_read, node_samples(self.runs_dir.parent))
+        yield from families(facts, now, self.home.bytes_read, node_samples(self.runs_dir.parent, self.faults))
 
 
 def registry(runs_dir: Path) -> CollectorRegistry:

@@ -21,6 +21,15 @@ A node with `quarantine_after` attributed faults (the inventory's train.quaranti
 One line per fault, appended under a lock, so runs ending at once never lose each other's lines;
 a fault is recorded once per run, attempt, node and kind (an adopted run that records its verdict
 again adds nothing). A damaged line is skipped, never fatal.
+
+The file does not grow forever: each fault is kept on its own line for KEEP_S (7 days), or for the
+longest train.quarantine_window of any inventory that recorded a fault here when that is longer
+(the count toward a quarantine never reaches back that far). Older faults are folded, per node,
+host and kind, into one tally line (`tally`: how many), so `clusterctl health` and the exporter's
+clusterctl_node_faults_total still count every fault ever attributed; a release marker that old
+is dropped, since every fault it could hide is older than any window. The fold happens when a
+fault is appended and the oldest single line is a day past the horizon (a rewrite a day at most,
+never on a read), by a temporary file renamed over the record under the lock.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +53,8 @@ HEALTH = "health"
 RELEASED = "released"  # not a fault: `clusterctl health --release` let the node back in; its count starts afresh
 DEFAULT_AFTER = 3
 DEFAULT_WINDOW = 24 * 3600.0
+KEEP_S = 7 * 24 * 3600.0  # each fault on its own line at least this long (what `health` lists one by one)
+FOLD_SLACK_S = 24 * 3600.0  # fold once the oldest single line is this far past the horizon: a rewrite a day at most
 
 
 @dataclass(frozen=True)
@@ -54,12 +66,20 @@ class Fault:
     attempt: int
     at: float
     detail: str = ""
+    window: float = 0.0  # the recording inventory's train.quarantine_window: the record keeps faults that long
+    tally: int = 0  # 0: one fault; N: a fold of N faults of this kind, the newest at `at`
+
+    @property
+    def weight(self) -> int:
+        return self.tally or 1
 
     def key(self) -> tuple:
         return self.run, self.attempt, self.node, self.host, self.kind, self.at if self.kind == RELEASED else 0
 
     def line(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at))
+        if self.tally:
+            return f"up to {when} {self.tally} {self.kind} (older faults, counted together)"
         return f"{when} {self.kind} in {self.run} attempt {self.attempt}" + (f": {self.detail}" if self.detail else "")
 
 
@@ -83,22 +103,70 @@ def load(root: Path | None = None) -> list[Fault]:
     return out
 
 
-def record(faults: Iterable[Fault]) -> list[Fault]:
-    """Append the faults not recorded yet. -> those appended."""
-    faults = list(faults)
+class Reader:
+    """load() for a reader that asks again and again (the exporter, on every scrape): the record is
+    parsed again only when its file changed (inode, mtime, size: a fold renames a new file in)."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = root
+        self.seen: tuple | None = None
+        self.faults: list[Fault] = []
+        self.parsed = 0  # how many times the file was read and parsed
+
+    def load(self) -> list[Fault]:
+        try:
+            st = os.stat(path(self.root))
+        except FileNotFoundError:
+            return []
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if sig != self.seen:
+            self.faults, self.seen = load(self.root), sig
+            self.parsed += 1
+        return self.faults
+
+
+def _json(f: Fault) -> str:
+    return json.dumps({k: v for k, v in asdict(f).items() if v or k not in ("window", "tally")}) + "\n"
+
+
+def record(faults: Iterable[Fault], window: float = 0.0) -> list[Fault]:
+    """Append the faults not recorded yet, folding what is past the record's horizon (the module's
+    docstring) when that is due. -> those appended."""
+    faults = [dataclasses.replace(f, window=f.window or window) for f in faults]
     if not faults:
         return []
     with locked(path()) as p:
-        seen = {f.key() for f in load()}
+        kept = load()
+        seen = {f.key() for f in kept}
         new = []
         for f in faults:
             if f.key() not in seen:
                 seen.add(f.key())
                 new.append(f)
-        if new:
+        horizon = time.time() - max([KEEP_S, window] + [f.window for f in kept + new])
+        if any(not f.tally and f.at < horizon - FOLD_SLACK_S for f in kept):
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text("".join(_json(f) for f in fold(kept, horizon) + new))
+            os.replace(tmp, p)
+        elif new:
             with open(p, "a") as out:
-                out.write("".join(json.dumps(asdict(f)) + "\n" for f in new))
+                out.write("".join(_json(f) for f in new))
     return new
+
+
+def fold(faults: list[Fault], before: float) -> list[Fault]:
+    """`faults` with those before `before` folded into one tally per node, host and kind (tallies
+    folded earlier included); a release marker before it goes (every fault it could keep from a
+    count is older than any window). -> the tallies, then the faults kept, oldest first."""
+    tallies: dict[tuple[str, str, str], Fault] = {}
+    for f in faults:
+        if f.at >= before or f.kind == RELEASED:
+            continue
+        k = (f.node, f.host, f.kind)
+        was = tallies.get(k)
+        tallies[k] = Fault(f.node, f.host, f.kind, "", 0, max(f.at, was.at if was else f.at), "",
+                           max(f.window, was.window if was else 0.0), f.weight + (was.tally if was else 0))
+    return sorted(tallies.values(), key=lambda f: f.at) + [f for f in faults if f.at >= before]
 
 
 def of(node: Node, faults: list[Fault]) -> list[Fault]:
@@ -126,8 +194,8 @@ def attribute(inv, run: str, attempt: int, kind: str, culprits: dict[str, str], 
     train.quarantine_window. -> the nodes quarantined now."""
     now = time.time()
     nodes = {n: inv.node(n) for n in culprits}
-    record(Fault(n, nodes[n].host, kind, run, attempt, now, d) for n, d in culprits.items())
     after, window = inv.train.quarantine_after, inv.train.quarantine_window
+    record((Fault(n, nodes[n].host, kind, run, attempt, now, d) for n, d in culprits.items()), window)
     if not quarantine_on or not after:
         return []
     everything = load()
@@ -179,4 +247,5 @@ def health(inv, run: str, attempt: int, sick: dict[str, str]) -> None:
     the node is quarantined by its health check itself)."""
     now = time.time()
     with contextlib.suppress(OSError):
-        record(Fault(n, inv.node(n).host, HEALTH, run, attempt, now, why) for n, why in sick.items())
+        record((Fault(n, inv.node(n).host, HEALTH, run, attempt, now, why) for n, why in sick.items()),
+               inv.train.quarantine_window)
