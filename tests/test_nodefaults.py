@@ -245,3 +245,35 @@ def test_health_counts_a_tally_as_the_faults_it_stands_for(capsys):
     assert health._faults(row) == "lost 7, hung 5 (5 counted)"
     health._fault_lines([row])
     assert capsys.readouterr().out.startswith("n2 faults (and 7 earlier):\n")
+
+
+def test_a_full_control_disk_costs_a_sick_nodes_quarantine_record_not_the_run(monkeypatch):
+    import errno
+
+    def no_room(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    sick = {"n2": "gpu_health: GPU 0: Xid 79"}
+    monkeypatch.setattr(nodefaults, "record", no_room)
+    monkeypatch.setattr(quarantine, "add", no_room)
+    said, tell = told()
+    assert nodefaults.quarantine_sick(INV, "run-a", 1, sick, tell, True) == sick  # still left out of this run
+    assert len(said) == 1 and said[0].startswith("n2 not quarantined: the quarantine (") and \
+        "[Errno 28] No space left on device; this run leaves it out" in said[0], said
+    assert nodefaults.quarantine_sick(INV, "run-a", 1, sick, tell, False) == {}  # --allow-unhealthy
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(quarantine, "add", denied)  # not the disk's: the user's to see
+    with pytest.raises(PermissionError):
+        nodefaults.quarantine_sick(INV, "run-a", 1, sick, tell, True)
+
+
+def test_a_sick_node_is_recorded_and_quarantined():
+    said, tell = told()
+    sick = {"n2": "gpu_health: GPU 0: Xid 79"}
+    assert nodefaults.quarantine_sick(INV, "run-a", 1, sick, tell, True) == sick
+    assert [f.kind for f in nodefaults.load()] == ["health"] and list(quarantine.of(INV.nodes)) == ["n2"]
+    assert said == ["n2 quarantined: gpu_health: GPU 0: Xid 79 (no run from this machine uses it until "
+                    "`clusterctl health --release n2`)"]

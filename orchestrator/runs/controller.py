@@ -349,13 +349,8 @@ class Controller:
         """Nodes whose preflight failed a health check are quarantined (not with --allow-unhealthy).
         -> {node: why} of those."""
         sick = quarantine.health_failures(e.checks) if isinstance(e, PreflightFailed) else {}
-        nodefaults.health(self.full_inv, self.run.id, self.book.rec.current.attempt, sick)
-        if not sick or self.spec.allow_unhealthy:
-            return {}
-        for entry in quarantine.add([self.full_inv.node(n) for n in sick], sick, self.run.id):
-            self.book.tell(f"{entry.node} quarantined: {entry.reason} (no run from this machine uses it until "
-                           f"`clusterctl health --release {entry.node}`)")
-        return sick
+        return nodefaults.quarantine_sick(self.full_inv, self.run.id, self.book.rec.current.attempt, sick,
+                                          self.book.tell, not self.spec.allow_unhealthy)
 
     def end(self, result: RunResult, verdict: Verdict) -> int:
         attempts = self.book.rec.attempts

@@ -46,6 +46,7 @@ from typing import Iterable
 from orchestrator.home import home, locked
 from orchestrator.inventory import Node
 from orchestrator.runs import quarantine
+from orchestrator.runs.space import is_disk_full
 
 # a verdict's cause (runs/restart.py Verdict.cause) -> the kind of fault it attributes to its culprits
 KINDS = {"node lost": "lost", "killed by signal": "killed", "hang": "hung", "straggler": "straggled"}
@@ -249,3 +250,25 @@ def health(inv, run: str, attempt: int, sick: dict[str, str]) -> None:
     with contextlib.suppress(OSError):
         record((Fault(n, inv.node(n).host, HEALTH, run, attempt, now, why) for n, why in sick.items()),
                inv.train.quarantine_window)
+
+
+def quarantine_sick(inv, run: str, attempt: int, sick: dict[str, str], tell, quarantine_on: bool) -> dict[str, str]:
+    """Record the failed health checks ({node: reason}) against each node and quarantine the nodes
+    (not with quarantine_on False: --allow-unhealthy). A full control disk costs the record, not
+    the run: the nodes are still left out of this run, and what was not recorded is said once.
+    -> {node: why} of the nodes quarantined (or to be, had there been room)."""
+    health(inv, run, attempt, sick)
+    if not sick or not quarantine_on:
+        return {}
+    try:
+        added = quarantine.add([inv.node(n) for n in sick], sick, run)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        tell(f"{', '.join(sick)} not quarantined: the quarantine ({quarantine.path()}) could not be written: {e}; "
+             f"this run leaves {'it' if len(sick) == 1 else 'them'} out, later runs from this machine do not know")
+        return sick
+    for entry in added:
+        tell(f"{entry.node} quarantined: {entry.reason} (no run from this machine uses it until "
+             f"`clusterctl health --release {entry.node}`)")
+    return sick
