@@ -4,6 +4,7 @@ failure again (checks/retry.py ask_survivors), a full disk said once and its spe
 (runs/space.py, runs/record.py), and what `status` shows of attempts that never launched."""
 
 import errno
+import json
 
 import pytest
 
@@ -12,10 +13,11 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.checks.retry import RELAUNCH_BUDGET_S, ask_survivors
 from orchestrator.cli import tables
 from orchestrator.inventory import parse_inventory
+from orchestrator.runs import record
 from orchestrator.runs.readying import fresh_nodes
 from orchestrator.runs.record import AttemptRecord, Book
-from orchestrator.runs.space import Space
-from orchestrator.runs.spec import NodeState, RunSpec
+from orchestrator.runs.space import RESERVE, RESERVE_BYTES, Space
+from orchestrator.runs.spec import NodeState, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
 
 INV = parse_inventory("nodes:\n" + "".join(f"  - {{name: n{i}, host: 10.0.0.{i}, gpus: 0{', spare: true' if i == 4 else ''}}}\n"
@@ -85,6 +87,32 @@ def test_a_full_disk_is_said_once_and_its_spell_kept_in_the_record(home):
     text = (run.dir / "story.jsonl").read_text()
     assert text.count('"event": "disk_full"') == 1 and "held in memory" in text and '"event": "disk_room"' in text
     assert text.index("no room") < text.index("held in memory") < text.index("room again")
+    space.close()
+
+
+def test_a_run_ending_on_a_full_disk_spends_its_reserve_on_the_final_record_at_once(home, monkeypatch):
+    run = Run.create("r-2", RunSpec())
+    space = Space(run.dir, check_s=3600)
+    book = Book(run, space)
+    assert space.keep_reserve() and (run.dir / RESERVE).stat().st_size == RESERVE_BYTES
+    first = (run.dir / RESERVE).read_bytes()
+    assert space.keep_reserve() and (run.dir / RESERVE).read_bytes() == first  # a taking-over supervisor keeps it
+    book.connecting()
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_room(*a, **k):
+        raise full
+
+    with monkeypatch.context() as m:
+        m.setattr(record, "write_json", no_room)
+        book.ended(RunResult(RunState.FAILED, 1, "n2 lost"))  # in memory only: the disk is full
+    assert space.is_full and json.loads((run.dir / "run.json").read_text())["state"] == "connecting"
+    assert space.spend_reserve() and not (run.dir / RESERVE).exists()
+    rec = json.loads((run.dir / "run.json").read_text())
+    assert rec["state"] == "failed" and rec["disk_full"][0]["reserve"] is True, rec
+    assert '"reserve": true' in (run.dir / "story.jsonl").read_text()
+    assert not space.spend_reserve()  # spent once
+    space.drop_reserve()
     space.close()
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from orchestrator.runs.space import RESERVE, RESERVE_BYTES, ROOM_BYTES
 from tests.cluster import TestCluster, require_root
 from tests.conftest import ended, kill_supervisors, pid_ended, scan, wait_for
 from tests.test_launch_recovery_cluster import copying_to, sync_big_code, with_spare
@@ -197,9 +198,39 @@ def small_home(tmp_path, monkeypatch):
 def test_a_full_control_disk_is_said_once_the_run_stays_supervised_and_its_copies_catch_up(nodes, tmp_path,
                                                                                            small_home):
     """CLUSTERCTL_HOME filled mid-run: the supervisor lives on (it died of ENOSPC, leaving the job
-    unsupervised under a record saying "running"), stops the job within seconds when node2's
-    workers are killed, writes its record once there is room, says the spell once, and the log
-    copies catch up byte-identical to the nodes' logs; no temporary file is left."""
+    unsupervised under a record saying "running"), says the spell once, writes its record once
+    there is room, and the log copies catch up byte-identical to the nodes' logs; then it stops the
+    job when node2's workers are killed; no temporary file and no reserve is left."""
+    inv = with_spare(nodes, tmp_path)
+    run_id = detach(inv, "--max-restarts", "0", steps=400)
+    run_dir = small_home / "runs" / run_id
+    stepping(run_dir)
+    pid = rec_of(run_dir)["supervisor_pid"]
+    assert (run_dir / RESERVE).stat().st_size == RESERVE_BYTES  # kept from the supervisor's start
+    fill(small_home)
+    time.sleep(3)  # the copies meet the full disk
+    assert not pid_ended(pid), "the supervisor died of the full disk"
+    (small_home / "filler").unlink()
+    wait_for(lambda: b'"disk_room"' in (run_dir / "story.jsonl").read_bytes(), 60, "room again said")
+    kill_workers(nodes, nodes.nodes[1])
+    wait_for(lambda: rec_of(run_dir).get("state") == "failed", 60, "the record of the node failure")
+    wait_for(lambda: pid_ended(pid), 60, "the supervisor to end")
+    rec = rec_of(run_dir)
+    # node2 killed; the root cause by the nodes' clocks can be its peer's broken collective under load
+    assert rec["attempts"][0]["verdict"] in ("killed by signal", "peer failure") and len(rec["disk_full"]) == 1, rec
+    assert "reserve" not in rec["disk_full"][0]
+    story = [json.loads(ln) for ln in (run_dir / "story.jsonl").read_text().splitlines()]
+    assert [d.get("event") for d in story].count("disk_full") == 1, story
+    for n in nodes.nodes[:3]:
+        assert (run_dir / "nodes" / f"{n.name}.log").read_bytes() == node_log(n, run_id), n.name
+    assert not [p.name for p in run_dir.rglob("*.tmp*")] and not (run_dir / RESERVE).exists()
+
+
+def test_a_run_that_ends_on_a_still_full_control_disk_writes_its_true_end_at_once(nodes, tmp_path, small_home):
+    """The disk filled mid-run and still full when node2's workers are killed: the supervisor
+    stops the job, spends the run's reserve on the final record and exits (it waited up to 300 s
+    for room, then left the record saying "running"). `status` shows the run's end and nothing of
+    the reserve, which is gone."""
     inv = with_spare(nodes, tmp_path)
     run_id = detach(inv, "--max-restarts", "0", steps=400)
     run_dir = small_home / "runs" / run_id
@@ -208,21 +239,24 @@ def test_a_full_control_disk_is_said_once_the_run_stays_supervised_and_its_copie
     fill(small_home)
     time.sleep(3)  # the copies meet the full disk
     kill_workers(nodes, nodes.nodes[1])
+    killed = time.time()
     wait_clean(nodes, 30, "the job stopped on the node failure, the disk still full")
-    assert not pid_ended(pid), "the supervisor died of the full disk"
-    assert rec_of(run_dir)["state"] == "running"  # nothing could be written yet
-    (small_home / "filler").unlink()
-    wait_for(lambda: rec_of(run_dir).get("state") == "failed", 60, "the record written once there is room")
+    wait_for(lambda: rec_of(run_dir).get("state") == "failed", 120, "the final record written on the full disk")
+    written = time.time()
     wait_for(lambda: pid_ended(pid), 60, "the supervisor to end")
+    st = os.statvfs(small_home)
+    assert (small_home / "filler").exists() and st.f_bavail * st.f_frsize < ROOM_BYTES  # still full throughout
     rec = rec_of(run_dir)
-    # node2 killed; the root cause by the nodes' clocks can be its peer's broken collective under load
-    assert rec["attempts"][0]["verdict"] in ("killed by signal", "peer failure") and len(rec["disk_full"]) == 1, rec
-    story = [json.loads(ln) for ln in (run_dir / "story.jsonl").read_text().splitlines()]
-    assert [d.get("event") for d in story].count("disk_full") == 1, story
-    assert any(d.get("event") == "disk_room" for d in story), story
-    for n in nodes.nodes[:3]:
-        assert (run_dir / "nodes" / f"{n.name}.log").read_bytes() == node_log(n, run_id), n.name
-    assert not [p.name for p in run_dir.rglob("*.tmp*")]
+    assert rec["attempts"][0]["verdict"] in ("killed by signal", "peer failure"), rec
+    assert rec["exit_code"] != 0 and rec["ended"] and rec["disk_full"][-1]["reserve"] is True, rec
+    assert not (run_dir / RESERVE).exists() and not [p.name for p in run_dir.rglob("*.tmp*")]
+    status = cli("status", run_id)
+    assert "failed" in status.stdout and "reserve" not in status.stdout + status.stderr, status.stdout
+    runs = cli("runs")
+    assert run_id in runs.stdout and "reserve" not in runs.stdout, runs.stdout
+    print(f"\nend -> record written: {(run_dir / 'run.json').stat().st_mtime - rec['ended']:.3f}s "
+          f"(run.json {(run_dir / 'run.json').stat().st_size} bytes; of the {RESERVE_BYTES} bytes freed "
+          f"{st.f_bavail * st.f_frsize} left); workers killed -> record seen failed {written - killed:.1f}s")
 
 
 def test_runs_that_end_before_they_launch_say_so_failed_and_stopped(nodes, tmp_path, home):

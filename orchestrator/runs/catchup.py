@@ -95,9 +95,9 @@ class ShortCopies:
         with self.lock:
             self.owed += [(n, key) for n in sorted(nodes) if (n, key) not in self.owed]
 
-    def settle(self, _gap: dict | None = None) -> None:
+    def settle(self, gap: dict | None = None) -> None:
         """Every copy owed, completed (kept owed while the disk still has no room)."""
-        if self.space.is_full:
+        if self.space.is_full or (gap or {}).get("reserve"):  # the reserve holds the final record, not logs
             return
         with self.lock:
             owed, self.owed = self.owed, []

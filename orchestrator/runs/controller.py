@@ -81,6 +81,7 @@ class Controller:
         if req:  # a stop asked for before this supervisor ran (or while none did)
             self.stop_requests = max(1, int(req.get("requests", 1)))
         self.run.clean_temporaries()
+        self.space.keep_reserve()  # room for the final record should the disk be full when the run ends
         self.book.supervisor(os.getpid(), psutil.Process().create_time(), self.adopt)
         try:
             code = self.loop()
@@ -97,7 +98,7 @@ class Controller:
                 self.copier.stop()
             ru = resource.getrusage(resource.RUSAGE_SELF)
             self.book.cpu(ru.ru_utime + ru.ru_stime)
-        if self.space.is_full:  # the run ended with its record (and copies) in memory only
+        if self.space.is_full and not self.space.spend_reserve():  # the record in memory only, and no reserve
             say(f"waiting up to {PATIENCE_S:g}s for room on this machine's disk to write the run's record")
             self.space.wait_room(PATIENCE_S)
         if self.stopper is not None and self.stopper.pending:
@@ -106,6 +107,7 @@ class Controller:
             self.stopper.join(LOST_PATIENCE)
         if self.cluster is not None:
             self.cluster.close()
+        self.space.drop_reserve()  # nothing of it outlives the supervisor's end
         return code
 
     def on_signal(self, signum, frame) -> None:

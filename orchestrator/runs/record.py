@@ -335,6 +335,13 @@ class Book:
     def _room_again(self, gap: dict) -> None:
         with self._lock:
             self.rec.disk_full = [*self.rec.disk_full, gap]
+            if gap.get("reserve"):  # the run ended on a full disk: the record first, then what fits of the story
+                self._write()
+                self.tell(f"the run ended with no room on the control machine's disk for {gap['until'] - gap['since']:.0f}s: "
+                          f"its reserve freed to write the final record; not written meanwhile: {', '.join(gap['what'])}; "
+                          "the log copies stay short here (the nodes keep the whole logs)",
+                          event="disk_room", seconds=round(gap["until"] - gap["since"], 1), reserve=True)
+                return
             self.tell(f"room again on the control machine's disk after {gap['until'] - gap['since']:.0f}s; not "
                       f"written meanwhile: {', '.join(gap['what'])}; the log copies catch up from the nodes",
                       event="disk_room", seconds=round(gap["until"] - gap["since"], 1))

@@ -8,6 +8,13 @@ keep everything), the record and the story are kept in memory (runs/record.py Bo
 supervisor goes on watching, failing fast and stopping from memory. A thread looks for room every
 CHECK_S s; once there is ROOM_BYTES again, `on_room` runs (the record and story written, the log
 copies caught up from the nodes) and the gap is kept (`gaps`, the record's disk_full).
+
+A run that ends while the disk is still full would have nowhere to write its final record. So
+the supervisor keeps a reserve beside run.json (RESERVE, RESERVE_BYTES of incompressible bytes,
+made when it starts and kept by a supervisor that takes the run over): at the end, with the disk
+full, `spend_reserve` deletes it and runs on_room at once (the gap marked `"reserve": true`), so
+the final record is written then, not once room comes (up to PATIENCE_S, after which it was lost).
+The reserve is removed when the supervisor ends, whatever the disk, and is no file of the run's.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 CHECK_S = 2.0  # how often a full disk is looked at again
 ROOM_BYTES = 1 << 20  # free space that counts as room again (the record and a few lines of each log)
 PATIENCE_S = 300.0  # how long a supervisor whose run ended waits for room to write the record
+RESERVE = ".space-reserve"  # beside run.json: freed at the end to write the final record on a full disk
+RESERVE_BYTES = 256 << 10  # the end's writes: run.json (a few KiB per attempt), the story's held lines, a few log lines
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -85,13 +94,15 @@ class Space:
                 self.ended()
                 return
 
-    def ended(self) -> None:
-        """There is room again: the spell is kept as a gap and on_room runs (here, on the watch's
-        thread; a write that fails again starts a new spell)."""
+    def ended(self, reserve: bool = False) -> None:
+        """There is room again (or the reserve was freed: `reserve`): the spell is kept as a gap
+        and on_room runs (here, on the caller's thread; a write that fails again starts a new spell)."""
         with self._lock:
             if self.since is None:
                 return
             gap = {"since": self.since, "until": time.time(), "what": list(self.what)}
+            if reserve:
+                gap["reserve"] = True
             self.gaps.append(gap)
             self.since, self.what = None, []
         try:
@@ -99,6 +110,38 @@ class Space:
                 f(gap)
         finally:
             self._room.set()
+
+    def keep_reserve(self) -> bool:
+        """Make the reserve unless it is there whole (a supervisor that takes the run over keeps
+        the first one's). Bytes that compress or deduplicate to nothing would reserve nothing on
+        some filesystems, so they are random. -> whether there is one (no room for it: none)."""
+        p = self.path / RESERVE
+        try:
+            if p.stat().st_size >= RESERVE_BYTES:
+                return True
+        except FileNotFoundError:
+            pass
+        try:
+            with open(p, "wb", buffering=0) as f:
+                write_all(f, os.urandom(RESERVE_BYTES))
+                os.fsync(f.fileno())
+            return True
+        except OSError:
+            p.unlink(missing_ok=True)
+            return False
+
+    def spend_reserve(self) -> bool:
+        """With the disk full: delete the reserve and run on_room now, on this thread (the run has
+        ended; what it must write fits in what the reserve held). -> whether there was one to spend."""
+        try:
+            (self.path / RESERVE).unlink()
+        except FileNotFoundError:
+            return False
+        self.ended(reserve=True)
+        return True
+
+    def drop_reserve(self) -> None:
+        (self.path / RESERVE).unlink(missing_ok=True)
 
     def wait_room(self, timeout: float) -> bool:
         """Wait (up to `timeout`) until the disk is not full and on_room has run; whether it is so."""
