@@ -16,7 +16,7 @@ from orchestrator.inventory import parse_inventory
 from orchestrator.runs import record
 from orchestrator.runs.readying import fresh_nodes
 from orchestrator.runs.record import AttemptRecord, Book
-from orchestrator.runs.space import RESERVE, RESERVE_BYTES, Space
+from orchestrator.runs.space import RESERVE, RESERVE_BYTES, Space, end_writes
 from orchestrator.runs.spec import NodeState, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
 
@@ -113,6 +113,33 @@ def test_a_run_ending_on_a_full_disk_spends_its_reserve_on_the_final_record_at_o
     assert '"reserve": true' in (run.dir / "story.jsonl").read_text()
     assert not space.spend_reserve()  # spent once
     space.drop_reserve()
+    space.close()
+
+
+def test_with_no_reserve_or_one_too_small_for_the_record_the_end_waits_for_room(home, monkeypatch):
+    run = Run.create("r-3", RunSpec())
+    space = Space(run.dir, check_s=3600)
+    book = Book(run, space)
+    said = []
+
+    def no_room(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert space.keep_reserve()
+    monkeypatch.setattr(record, "write_json", no_room)  # not even the reserve's room is enough
+    book.connecting()
+    assert space.is_full and book.unsaved
+    end_writes(space, lambda: book.unsaved, said.append, patience=0)
+    assert not (run.dir / RESERVE).exists() and space.is_full and book.unsaved  # spent, in vain
+    assert said == ["waiting up to 0s for room on this machine's disk to write the run's record"]
+    said.clear()
+    end_writes(space, lambda: book.unsaved, said.append, patience=0)  # no reserve at all
+    assert len(said) == 1
+    monkeypatch.undo()
+    space.ended()
+    said.clear()
+    end_writes(space, lambda: book.unsaved, said.append, patience=0)  # room: nothing to wait for
+    assert said == []
     space.close()
 
 

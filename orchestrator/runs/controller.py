@@ -40,7 +40,7 @@ from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.readying import Readying, fresh_nodes
 from orchestrator.runs.restart import Verdict, classify, next_nodes, ordered, outcomes, summary
-from orchestrator.runs.space import PATIENCE_S, Space
+from orchestrator.runs.space import Space, end_writes
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
@@ -98,9 +98,7 @@ class Controller:
                 self.copier.stop()
             ru = resource.getrusage(resource.RUSAGE_SELF)
             self.book.cpu(ru.ru_utime + ru.ru_stime)
-        if self.space.is_full and not self.space.spend_reserve():  # the record in memory only, and no reserve
-            say(f"waiting up to {PATIENCE_S:g}s for room on this machine's disk to write the run's record")
-            self.space.wait_room(PATIENCE_S)
+        end_writes(self.space, lambda: self.book.unsaved, say)  # a full disk: the reserve, else wait for room
         if self.stopper is not None and self.stopper.pending:
             say(f"waiting up to {LOST_PATIENCE:g}s for {', '.join(self.book.rec.stop_pending)} to answer, "
                 "to stop the run there")

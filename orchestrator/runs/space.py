@@ -151,6 +151,19 @@ class Space:
         self._closed.set()
 
 
+def end_writes(space: Space, unsaved: Callable[[], bool], say: Callable[[str], None],
+               patience: float = PATIENCE_S) -> None:
+    """The run has ended. With the disk full its reserve is spent on the final writes at once;
+    with no reserve, or one too small for the record (`unsaved()` still), wait up to `patience`
+    for room."""
+    if not space.is_full:
+        return
+    spent = space.spend_reserve()
+    if space.is_full and (not spent or unsaved()):
+        say(f"waiting up to {patience:g}s for room on this machine's disk to write the run's record")
+        space.wait_room(patience)
+
+
 def write_all(f, data: bytes) -> None:
     """Write `data` whole to an unbuffered binary file (a write on a nearly full disk may take
     only part of it); OSError when the disk takes no more, what landed before it stays."""
