@@ -277,3 +277,23 @@ def test_a_sick_node_is_recorded_and_quarantined():
     assert [f.kind for f in nodefaults.load()] == ["health"] and list(quarantine.of(INV.nodes)) == ["n2"]
     assert said == ["n2 quarantined: gpu_health: GPU 0: Xid 79 (no run from this machine uses it until "
                     "`clusterctl health --release n2`)"]
+
+
+def test_a_fold_that_finds_no_room_leaves_the_record_whole_and_still_appends(monkeypatch):
+    import errno
+
+    now = time.time()
+    old = nodefaults.Fault("n2", "10.0.0.2", "lost", "run-o", 1, now - 10 * DAY)
+    _write([old])
+    real = Path.write_text
+
+    def no_room(self, *a, **k):
+        if self.name.endswith(".tmp"):
+            self.write_bytes(b'{"node": "n2", "ho')  # a torn start, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", no_room)
+    new = nodefaults.Fault("n2", "10.0.0.2", "hung", "run-n", 1, now)
+    assert nodefaults.record([new]) == [new]
+    assert nodefaults.load() == [old, new] and not list(nodefaults.path().parent.glob("*.tmp"))

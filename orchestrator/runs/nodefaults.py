@@ -145,20 +145,31 @@ def record(faults: Iterable[Fault], window: float = 0.0) -> list[Fault]:
                 seen.add(f.key())
                 new.append(f)
         horizon = time.time() - max([KEEP_S, window] + [f.window for f in kept + new])
-        if any(not f.tally and f.at < horizon - FOLD_SLACK_S for f in kept):
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text("".join(_json(f) for f in fold(kept, horizon) + new))
-            os.replace(tmp, p)
-        elif new:
+        if any(not f.tally and f.at < horizon - FOLD_SLACK_S for f in kept) and _rewrite(p, fold(kept, horizon) + new):
+            return new
+        if new:
             with open(p, "a") as out:
                 out.write("".join(_json(f) for f in new))
     return new
 
 
+def _rewrite(p: Path, faults: list[Fault]) -> bool:
+    """Replace the record at `p` whole (under its lock). -> False when it could not be (no room for
+    the new file: the old one stays, and the fold waits for the next append)."""
+    tmp = p.with_suffix(".tmp")
+    try:
+        tmp.write_text("".join(_json(f) for f in faults))
+        os.replace(tmp, p)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
 def fold(faults: list[Fault], before: float) -> list[Fault]:
     """`faults` with those before `before` folded into one tally per node, host and kind (tallies
     folded earlier included); a release marker before it goes (every fault it could keep from a
-    count is older than any window). -> the tallies, then the faults kept, oldest first."""
+    count is older than any window). -> the tallies, oldest first, then the faults kept in their order."""
     tallies: dict[tuple[str, str, str], Fault] = {}
     for f in faults:
         if f.at >= before or f.kind == RELEASED:
