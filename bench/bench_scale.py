@@ -55,6 +55,15 @@ from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
 RANKS_PER_NODE = 8
+# --real: what each rank runs under the real torchrun (no torch import: the launch chain is the subject)
+REAL_SCRIPT = """import os, time
+rank, tick, step = os.environ["RANK"], float(os.environ.get("CLUSTERCTL_STANDIN_TICK", "5")), 0
+print(f"rank {rank} up", flush=True)
+while True:
+    time.sleep(tick if tick > 0 else 3600)
+    step += 1
+    print(f"rank {rank} step {step}", flush=True)
+"""
 UP = re.compile(rb"rank (\d+) up")
 
 
@@ -150,9 +159,10 @@ def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env:
+        if f"RANK={rank}".encode() in env and b"rank_lines.py" not in cmd:  # the script, not its wrapper
             return pid
     raise SystemExit(f"bench: no process of {run_id} carries RANK={rank}")
 
@@ -244,9 +254,15 @@ def one_size(n: int, args) -> dict:
         for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
             (nd.home / "gpt_train").mkdir()
             os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
-        python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-        inv = cluster.write_inventory(Path(td) / "nodes.yaml", python=str(python),
-                                      env={"CLUSTERCTL_STANDIN_TICK": str(args.tick)})
+        env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1"}
+        if args.real:  # the real chain: torchrun, the rank_lines wrapper, a script that prints what the stand-in does
+            script = cluster.base_dir / "ranks.py"
+            script.write_text(REAL_SCRIPT)
+            script.chmod(0o644)
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", env=env, train={"script": str(script)})
+        else:
+            python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", python=str(python), env=env)
         repeat = args.repeat if n <= args.repeat_upto else 1
         trials = []
         for _ in range(repeat):
@@ -289,10 +305,13 @@ def main(argv=None):
     ap.add_argument("--window", type=float, default=10.0, help="steady-state sampling window, seconds")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after every rank is up before sampling")
     ap.add_argument("--launch-timeout", type=float, default=600.0)
+    ap.add_argument("--real", action="store_true",
+                    help="the real torchrun (and rank_lines.py, and a small script per rank) instead of the stand-in")
     ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
     args = ap.parse_args(argv)
-    print(f"bench_scale: N nodes x {RANKS_PER_NODE} ranks (torchrun stand-in), tick {args.tick}s, window "
+    what = "real torchrun" if args.real else "torchrun stand-in"
+    print(f"bench_scale: N nodes x {RANKS_PER_NODE} ranks ({what}), tick {args.tick}s, window "
           f"{args.window}s. The nodes share this machine's {psutil.cpu_count()} cores with the control "
           "process: node-side CPU lengthens every wall-clock figure.", flush=True)
     results = {}

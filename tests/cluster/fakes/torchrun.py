@@ -22,7 +22,9 @@ it, and nothing else:
 
 Not kept: the TARGET is not run (neither rank_lines.py nor the script: no Python in a rank, so no
 snapshot hook answers and no stacks), no collectives (a rank does not notice a dead peer; only
-the control plane's teardown ends the other nodes), no TORCHELASTIC_ERROR_FILE is written.
+the control plane's teardown ends the other nodes), no TORCHELASTIC_ERROR_FILE is written, and a
+rank's failure time is not noted beside rank_lines.py (so the run's summary names the node that
+failed first, not the rank).
 """
 import argparse
 import os
