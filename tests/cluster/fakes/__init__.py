@@ -158,3 +158,26 @@ def install_nvidia_smi(bin_dir: Path, state) -> None:
 
 def install_rocm_smi(bin_dir: Path, state) -> None:
     _install(bin_dir, "rocm-smi", FAKE_ROCM_SMI, state)
+
+
+FAKE_TORCHRUN = Path(__file__).with_name("torchrun.py")
+
+
+def install_torchrun_standin(where: Path, python: str) -> Path:
+    """An interpreter for the inventory's `python:` that runs the light torchrun stand-in
+    (fakes/torchrun.py) for `-m torch.distributed.run` and is `python` itself for anything else
+    (the node agent, probes): the launch path the controller takes stays the product's own.
+    -> the wrapper's path (world-readable, under `where`)."""
+    where.mkdir(parents=True, exist_ok=True, mode=0o755)
+    standin = where / "torchrun_standin.py"
+    standin.write_text(FAKE_TORCHRUN.read_text())
+    wrapper = where / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = torch.distributed.run ]; then\n'
+        f'  shift 2; exec "{python}" -S "{standin}" "$@"\n'
+        "fi\n"
+        f'exec "{python}" "$@"\n')
+    for p in (where, standin, wrapper):
+        p.chmod(0o755)
+    return wrapper

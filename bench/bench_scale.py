@@ -1,0 +1,331 @@
+"""The control plane's costs as curves over N test nodes x 8 ranks, with the light torchrun stand-in.
+
+    sudo .venv/bin/python bench/bench_scale.py [8 32 64 256] [--repeat 3] [--tick 1] [--window 10]
+
+For each N, one test cluster of N nodes (network namespaces with sshd, 8 fake GPUs each), whose
+inventory's `python:` runs tests/cluster/fakes/torchrun.py for `-m torch.distributed.run` (a
+static rendezvous, 8 `sleep` ranks per node carrying torchrun's environment, each writing its
+own first line `[default<L>]:rank R up`, then one distinct line per rank every --tick seconds
+written on its behalf; see that file for what it keeps of torchrun and what it does not).
+Everything else is the product: `clusterctl train --skip-preflight` in the foreground, its
+detached supervisor, the node agent, the log streams, the fail-fast teardown.
+
+  first line   train command -> every rank's `rank R up` printed by the foreground `train`
+  sup CPU      the supervisor's CPU (user+sys, all its threads, psutil on run.json's
+               supervisor_pid) over --window s of steady state (every rank up, --tick lines
+               flowing), in % of one core; the foreground `train`'s beside it
+  RSS/threads/fds  the supervisor's, at the end of that window
+  status       `clusterctl status RUN` -> its first byte of output, and -> its exit
+  teardown     SIGKILL of the last rank (on the last node) -> no process carrying the run's
+               CLUSTERCTL_RUN_KEY left on any node (/proc scanned every few ms: the nodes share
+               this machine's pid namespace); foreground `train` exit beside it
+  ... sup CPU s  the supervisor's own CPU seconds for the launch (its start -> every rank's first
+               line) and for the teardown: these do not stretch when the nodes crowd the cores,
+               so they show the control side's growth where the wall-clock figures cannot
+
+Each figure is printed with its growth factor against the smallest N. The nodes, their sshd and
+agents, and the control process all share this machine's cores (2 on the machine this was
+written on): node-side CPU lengthens every wall-clock figure here, which it would not on real
+nodes. No assertions on seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from bench_failfast import run_pids, wait_for  # noqa: E402
+from tests.cluster import TestCluster  # noqa: E402
+from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
+
+RANKS_PER_NODE = 8
+# --real: what each rank runs under the real torchrun (no torch import: the launch chain is the subject)
+REAL_SCRIPT = """import os, time
+rank, tick, step = os.environ["RANK"], float(os.environ.get("CLUSTERCTL_STANDIN_TICK", "5")), 0
+print(f"rank {rank} up", flush=True)
+while True:
+    time.sleep(tick if tick > 0 else 3600)
+    step += 1
+    print(f"rank {rank} step {step}", flush=True)
+"""
+UP = re.compile(rb"rank (\d+) up")
+
+
+class Foreground:
+    """`clusterctl train` in the foreground; its output read as it comes, each rank's first line timed."""
+
+    def __init__(self, inv: Path, home: Path, world: int):
+        self.env = dict(os.environ, CLUSTERCTL_HOME=str(home), PYTHONPATH=str(REPO))
+        self.world, self.seen, self.tail = world, {}, []
+        self.all_up = threading.Event()
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv),
+                                      "--skip-preflight"], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            now = time.monotonic()
+            self.tail = (self.tail + [line])[-40:]
+            for m in UP.finditer(line):
+                self.seen.setdefault(int(m.group(1)), now)
+            if len(self.seen) >= self.world:
+                self.all_up.set()
+
+    def wait_all_up(self, timeout: float) -> float | None:
+        """Seconds from the command to the last rank's first line printed; None when not every rank's
+        was printed within `timeout` (the foreground fell behind) while the run goes on."""
+        deadline = time.monotonic() + timeout
+        while not self.all_up.wait(0.2):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"bench: train ended ({len(self.seen)}/{self.world} ranks seen):\n"
+                                 + b"".join(self.tail).decode(errors="replace"))
+            if time.monotonic() > deadline:
+                return None
+        return max(self.seen.values()) - self.t0
+
+
+class ControlCopy:
+    """Each rank's first line as it lands in the controller's copy of the node logs
+    (runs/RUN/nodes/NODE.log), read as it grows: the stream without the foreground's printing."""
+
+    def __init__(self, home: Path, t0: float, world: int):
+        self.home, self.t0, self.world, self.seen, self.offsets = home, t0, world, {}, {}
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        while not self.done.is_set() and len(self.seen) < self.world:
+            for log in (self.home / "runs").glob("*/nodes/*.log") if (self.home / "runs").exists() else ():
+                with open(log, "rb") as f:
+                    f.seek(self.offsets.get(log, 0))
+                    data = f.read()
+                cut = data.rfind(b"\n") + 1
+                self.offsets[log] = self.offsets.get(log, 0) + cut
+                now = time.monotonic()
+                for m in UP.finditer(data[:cut]):
+                    self.seen.setdefault(int(m.group(1)), now)
+            time.sleep(0.2)
+
+    def all_up(self) -> float | None:
+        self.done.set()
+        return max(self.seen.values()) - self.t0 if len(self.seen) >= self.world else None
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def steady(sup: psutil.Process, fg: psutil.Process, window: float) -> dict:
+    c0, f0, t0 = cpu_s(sup), cpu_s(fg), time.monotonic()
+    time.sleep(window)
+    dt = time.monotonic() - t0
+    return {"sup CPU %": 100 * (cpu_s(sup) - c0) / dt, "train CPU %": 100 * (cpu_s(fg) - f0) / dt,
+            "sup RSS MiB": sup.memory_info().rss / 2**20, "sup threads": sup.num_threads(),
+            "sup fds": sup.num_fds()}
+
+
+def status_paint(run_id: str, env: dict) -> dict:
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "status", run_id], cwd=REPO, env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.read(1)
+    first = time.monotonic() - t0
+    p.stdout.read()
+    p.wait(120)
+    return {"status first s": first, "status done s": time.monotonic() - t0}
+
+
+def rank_pid(run_id: str, rank: int) -> int:
+    for pid in run_pids(run_id):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"rank_lines.py" not in cmd:  # the script, not its wrapper
+            return pid
+    raise SystemExit(f"bench: no process of {run_id} carries RANK={rank}")
+
+
+def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dict:
+    pid = rank_pid(run_id, rank)
+    c0, t0 = cpu_s(sup), time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not run_pids(run_id), 180, "every node clean after the kill", interval=0.005)
+    clean = time.monotonic() - t0
+    try:
+        down_cpu = cpu_s(sup) - c0
+    except psutil.NoSuchProcess:  # it ended with the run, between the last process and now
+        down_cpu = None
+    try:
+        fg.proc.wait(180)
+    except subprocess.TimeoutExpired:
+        fg.proc.kill()
+        raise SystemExit("bench: the foreground train did not end within 180 s of every node being clean")
+    said = b"".join(fg.tail).decode(errors="replace")
+    blamed = next((ln for ln in said.splitlines() if "failed first" in ln), "-")
+    return {"teardown s": clean, "teardown sup CPU s": down_cpu, "train exit s": time.monotonic() - t0, "train exit code": fg.proc.returncode,
+            "verdict": blamed.strip()[:200]}
+
+
+def trial(cluster, inv: Path, home: Path, args) -> dict:
+    """One run on the cluster: launch, steady state, status, kill a rank, every node clean."""
+    world = cluster.n * RANKS_PER_NODE
+    for old in (home / "runs").glob("*") if (home / "runs").exists() else ():
+        shutil.rmtree(old)  # the previous trial's run: the watchers read only this one's
+    fg = Foreground(inv, home, world)
+    copy = ControlCopy(home, fg.t0, world)
+    sup = None
+    try:
+        first = fg.wait_all_up(args.launch_timeout)
+        if first is None:  # the control copy may still have every rank: give it the same time
+            wait_for(lambda: len(copy.seen) >= world, 60, "every rank's first line in the control copy")
+        out = {"first line, control copy s": copy.all_up(), "first line s": first,
+               "ranks printed": len(fg.seen)}
+        run_dir = next((home / "runs").glob("*/run.json")).parent
+        sup = psutil.Process(json.loads((run_dir / "run.json").read_text())["supervisor_pid"])
+        out["launch sup CPU s"] = cpu_s(sup)  # from its start: connect, claim, start, first lines
+        time.sleep(args.settle)
+        out.update(steady(sup, psutil.Process(fg.proc.pid), args.window))
+        out.update(status_paint(run_dir.name, fg.env))
+        out.update(teardown(fg, run_dir.name, world - 1, sup))
+    finally:
+        copy.done.set()
+        if fg.proc.poll() is None:
+            fg.proc.kill()
+        keep_evidence(home, n=cluster.n)
+    return out
+
+
+def keep_evidence(home: Path, n: int) -> None:
+    """The run's record and the supervisor's log, kept under /tmp/bench-scale-evidence/N/ (the
+    run's directory goes with the bench's temporary home); then the supervisor, if it outlived
+    its foreground, is ended (its pid from run.json, checked to be this run's supervisor)."""
+    for run_dir in (home / "runs").glob("*") if (home / "runs").exists() else ():
+        dest = Path("/tmp/bench-scale-evidence") / str(n) / run_dir.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("run.json", "supervisor.log", "story.jsonl"):
+            if (run_dir / name).exists():
+                shutil.copy(run_dir / name, dest / name)
+        try:
+            pid = json.loads((run_dir / "run.json").read_text()).get("supervisor_pid")
+            proc = psutil.Process(pid) if pid else None
+            if proc is not None and run_dir.name in " ".join(proc.cmdline()):
+                proc.kill()
+                proc.wait(10)
+        except (OSError, ValueError, psutil.Error):
+            pass
+
+
+def median(trials: list[dict]) -> dict:
+    out = {}
+    for k, v in trials[0].items():
+        vals = [t[k] for t in trials if t[k] is not None]
+        numeric = bool(vals) and all(isinstance(x, (int, float)) for x in vals) and k != "train exit code"
+        out[k] = (statistics.median(vals) if vals else None) if numeric else v
+    return out
+
+
+def one_size(n: int, args) -> dict:
+    t_up = time.monotonic()
+    with TestCluster(n=n, gpus=RANKS_PER_NODE, name_prefix="ccsc") as cluster, \
+            tempfile.TemporaryDirectory(prefix="bench-scale-", ignore_cleanup_errors=True) as td:
+        up = time.monotonic() - t_up
+        for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
+            (nd.home / "gpt_train").mkdir()
+            os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
+        env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1"}
+        if args.real:  # the real chain: torchrun, the rank_lines wrapper, a script that prints what the stand-in does
+            script = cluster.base_dir / "ranks.py"
+            script.write_text(REAL_SCRIPT)
+            script.chmod(0o644)
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", env=env, train={"script": str(script)})
+        else:
+            python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", python=str(python), env=env)
+        repeat = args.repeat if n <= args.repeat_upto else 1
+        trials = []
+        for _ in range(repeat):
+            try:
+                trials.append(trial(cluster, inv, Path(td) / "home", args))
+            except SystemExit as e:  # this size failed: say why, keep the others
+                print(f"bench: {n} nodes: {str(e)[:1500]}", flush=True)
+                trials.append({"failed": str(e).splitlines()[0][:200]})
+                break
+        trials = [t for t in trials if "failed" not in t] or trials
+    return {"cluster up s": up, "trials": repeat, **median(trials)}
+
+
+def table(results: dict[int, dict]) -> str:
+    sizes = sorted(results)
+    base = sizes[0]
+    keys = list(dict.fromkeys(k for r in results.values() for k in r))
+    head = f"{'':28}" + "".join(f"{f'{n} x 8':>20}" for n in sizes)
+    rows = [head]
+    for k in (k for k in keys if k not in ("verdict", "failed")):
+        cells = []
+        for n in sizes:
+            v, b = results[n].get(k), results[base].get(k)
+            if k in ("verdict", "failed"):
+                continue
+            if v is None:
+                cells.append(f"{'-':>20}")
+            elif n == base or not b or k in ("train exit code", "trials", "ranks printed"):
+                cells.append(f"{v:>20.4g}" if isinstance(v, float) else f"{v:>20}")
+            else:
+                cells.append(f"{f'{v:.4g} ({v / b:.2f}x)':>20}")
+        rows.append(f"{k:28}" + "".join(cells))
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sizes", type=int, nargs="*", default=[8, 32, 64])
+    ap.add_argument("--tick", type=float, default=5.0, help="seconds between each rank's lines at steady state")
+    ap.add_argument("--window", type=float, default=10.0, help="steady-state sampling window, seconds")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds after every rank is up before sampling")
+    ap.add_argument("--launch-timeout", type=float, default=600.0)
+    ap.add_argument("--real", action="store_true",
+                    help="the real torchrun (and rank_lines.py, and a small script per rank) instead of the stand-in")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
+    ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
+    args = ap.parse_args(argv)
+    what = "real torchrun" if args.real else "torchrun stand-in"
+    print(f"bench_scale: N nodes x {RANKS_PER_NODE} ranks ({what}), tick {args.tick}s, window "
+          f"{args.window}s. The nodes share this machine's {psutil.cpu_count()} cores with the control "
+          "process: node-side CPU lengthens every wall-clock figure.", flush=True)
+    results = {}
+    for n in args.sizes:
+        results[n] = one_size(n, args)
+        print(json.dumps({"nodes": n, **{k: round(v, 4) if isinstance(v, float) else v
+                                         for k, v in results[n].items()}}), flush=True)
+    growth = "; growth factors against " + f"{min(results)} nodes" if len(results) > 1 else ""
+    print(f"\nper size (N nodes x {RANKS_PER_NODE} ranks{growth}):")
+    print(table(results))
+    for n, r in results.items():
+        if "failed" in r:
+            print(f"{n} nodes: FAILED: {r['failed']}")
+
+
+if __name__ == "__main__":
+    main()
