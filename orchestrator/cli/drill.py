@@ -90,6 +90,10 @@ def _run_faults(drill, planned: list[Planned], detect_wait: float, say) -> list[
         o = drill.inject(p.fault, a, detect_wait)
         outcomes.append(o)
         say(line(o))
+        if not o.ok and p.fault in RESTARTS:  # no known attempt trains again: the rest would wait in vain
+            outcomes += [Outcome(q.fault, skip=q.skip or f"not injected: the {p.fault} before it was not "
+                                 "detected, named right and recovered from") for q in planned[i + 1:]]
+            break
         after, since = (o.attempt if p.fault in RESTARTS else (o.attempt or 1) - 1), time.time()
     return outcomes
 

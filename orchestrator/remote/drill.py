@@ -52,8 +52,8 @@ def _is_wrapper(pid):
 def rank_pids(key):
     """{rank: [pids]} of the run's processes on this node that carry a RANK (torchrun does not)."""
     out = {}
-    for pid in marked_pids(RUN_KEY, lambda k: k == key):  # noqa: F821 (common.py)
-        env = proc_environ(pid, ("RANK",))  # noqa: F821 (common.py)
+    for pid in marked_pids(RUN_KEY, lambda k: k == key):
+        env = proc_environ(pid, ("RANK",))
         if "RANK" in env and not _is_wrapper(pid):
             out.setdefault(env["RANK"], []).append(pid)
     return out
@@ -105,7 +105,7 @@ def cmd_signal(key, sig, rank, which="all"):
 
 
 def _all_of(key):
-    return sorted(set(marked_pids(RUN_KEY, lambda k: k == key)) | set(stream_pids(key)))  # noqa: F821
+    return sorted(set(marked_pids(RUN_KEY, lambda k: k == key)) | set(stream_pids(key)))
 
 
 def cmd_freeze(key):
@@ -152,8 +152,8 @@ def of_run(run_id):
 
 
 def cmd_left(run_id):
-    pids = set(marked_pids(RUN_KEY, of_run(run_id)))  # noqa: F821
-    pids |= set(marked_pids(DRILL_MARK, lambda v: v == run_id))  # noqa: F821
+    pids = set(marked_pids(RUN_KEY, of_run(run_id)))
+    pids |= set(marked_pids(DRILL_MARK, lambda v: v == run_id))
     print(json.dumps({"pids": sorted(pids)}))
 
 
