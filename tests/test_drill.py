@@ -71,6 +71,7 @@ def test_a_wrong_culprit_a_missed_detection_or_no_recovery_is_not_ok():
     assert not wrong_rank.named_right and not wrong_rank.ok
     assert "named node3/rank 4 (WRONG: injected rank 5 on node3)" in line(wrong_rank)
     assert not fault(culprit_node="node2").ok
+    assert not fault(culprit_rank=None).named_right  # a kill or a hang names the rank too
     assert fault(fault="lost", culprit_rank=None).named_right  # a lost node is named by its node
     assert fault(fault="lost", culprit_rank=3).named_right  # ...whichever of its ranks the watch saw first
     missed = fault(declared_at=None, culprit_node=None, notes=["no verdict on attempt 1 within 300s"])

@@ -31,7 +31,7 @@ DRILL_MARK = "CLUSTERCTL_DRILL"  # remote/drill.py's marker: the drill's own pro
 POLL_S = 0.5
 TRAINING_STEPS = 2  # progress points after an attempt's launch that say it trains
 TRAIN_WAIT_S = 900.0  # the longest a run may take to train (again)
-THROTTLE_S, STOP_S, RUN_S = 60.0, 0.6, 0.2  # a straggler: stopped 3/4 of the time for a minute
+THROTTLE_S, STOP_S, RUN_S = 60.0, 0.4, 0.4  # a straggler: stopped half the time for a minute (its hook answers in between)
 CALL_S = 60.0  # one call of remote/drill.py (a throttle: its length more)
 
 
@@ -209,6 +209,10 @@ class Drill:
             o.declared_at, o.detected_by = time.time(), "straggler"
             m = next(m for m in SLOW.finditer(seen.straggler or "") if str(o.rank) in m.group(2).split(","))
             o.culprit_node, o.culprit_rank = m.group(1), o.rank
+        else:
+            cur = self.record().current
+            o.notes.append(f"the straggler watch did not name rank {o.rank} within the throttle's {THROTTLE_S:g}s"
+                           + (f" ({cur.straggler})" if cur is not None and cur.straggler else ""))
         t.join(THROTTLE_S + CALL_S)
         end = time.time()
         if self.training(a.attempt - 1, since=end, timeout=120) is not None:

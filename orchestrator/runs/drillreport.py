@@ -99,7 +99,7 @@ class Outcome:
     def named_right(self) -> bool:
         if self.culprit_node is None or self.culprit_node != self.node:
             return False
-        return self.culprit_rank is None or self.fault == "lost" or self.culprit_rank == self.rank
+        return self.fault == "lost" or self.culprit_rank == self.rank  # a lost node is named by its node
 
     @property
     def lost_s(self) -> float | None:
