@@ -138,10 +138,23 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
     assert drill_program("ranks", "r1.a2@n") == {"ranks": {"3": [rank3.pid]}}
     assert drill_program("signal", "r1.a2@n", str(int(signal.SIGSTOP)), "3") == {"pids": [rank3.pid]}
     assert state(rank3.pid) == "T" and state(other.pid) != "T"
-    frozen = drill_program("freeze", "r1.a2@n")["pids"]
-    assert sorted(frozen) == sorted([rank3.pid, launcher.pid]) and state(launcher.pid) == "T"
-    drill_program("thaw", "r1.a2@n")
-    assert state(rank3.pid) != "T" and state(launcher.pid) != "T"
+    # the node agent's log stream of the attempt carries no marker: found by its verb and key
+    stream = subprocess.Popen([sys.executable, "-", "tail", "r1.a2@n", "0", "stream"], stdin=subprocess.PIPE)
+    stream.stdin.write(b"import time; time.sleep(60)\n")
+    stream.stdin.close()
+    other_stream = subprocess.Popen([sys.executable, "-", "tail", "r10@n", "0", "stream"], stdin=subprocess.PIPE)
+    other_stream.stdin.write(b"import time; time.sleep(60)\n")
+    other_stream.stdin.close()
+    try:
+        frozen = drill_program("freeze", "r1.a2@n")["pids"]
+        assert sorted(frozen) == sorted([rank3.pid, launcher.pid, stream.pid]) and state(launcher.pid) == "T"
+        assert state(stream.pid) == "T" and state(other_stream.pid) != "T"
+        drill_program("thaw", "r1.a2@n")
+        assert state(rank3.pid) != "T" and state(launcher.pid) != "T" and state(stream.pid) != "T"
+    finally:
+        for p in (stream, other_stream):
+            p.kill()
+            p.wait()
     left = drill_program("left", "r1")["pids"]
     assert sorted(left) == sorted([rank3.pid, launcher.pid])  # any attempt of r1; never r10's
     assert drill_program("signal", "r1.a2@n", str(int(signal.SIGKILL)), "3", "top") == {"pids": [rank3.pid]}
