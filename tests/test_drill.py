@@ -106,16 +106,17 @@ def test_the_report_matches_its_schema_and_anything_left_fails_it():
 # ---------------------------------------------------------------- the node side: found by run key
 @pytest.fixture
 def marked():
-    """Two processes of run `r1`'s attempt 2 on node n (rank 3 and torchrun-like, no RANK), and one of
-    another run r10 with the same rank: only the first two are the drill's to find."""
-    def start(key, rank=None):
+    """Run `r1`'s attempt 2 on node n: rank 3 (asleep), a torchrun-like process (no RANK) and rank 4
+    (computing, busy on a core); and rank 3 of another run, r10, which is never the drill's."""
+    def start(key, rank=None, code="import time; time.sleep(60)"):
         env = {**os.environ, "CLUSTERCTL_RUN_KEY": key}
         env.pop("RANK", None)
         if rank is not None:
             env["RANK"] = str(rank)
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+        return subprocess.Popen([sys.executable, "-c", code], env=env)
 
-    procs = [start("r1.a2@n", 3), start("r1.a2@n"), start("r10@n", 3)]
+    procs = [start("r1.a2@n", 3), start("r1.a2@n"), start("r10@n", 3),
+             start("r1.a2@n", 4, "import time\nend = time.time() + 60\nwhile time.time() < end: pass")]
     yield procs
     for p in procs:
         p.kill()
@@ -134,8 +135,8 @@ def state(pid):
 
 
 def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
-    rank3, launcher, other = marked
-    assert drill_program("ranks", "r1.a2@n") == {"ranks": {"3": [rank3.pid]}}
+    rank3, launcher, other, busy = marked
+    assert drill_program("ranks", "r1.a2@n") == {"ranks": {"3": [rank3.pid], "4": [busy.pid]}}
     assert drill_program("signal", "r1.a2@n", str(int(signal.SIGSTOP)), "3") == {"pids": [rank3.pid]}
     assert state(rank3.pid) == "T" and state(other.pid) != "T"
     # the node agent's log stream of the attempt carries no marker: found by its verb and key
@@ -147,7 +148,7 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
     other_stream.stdin.close()
     try:
         frozen = drill_program("freeze", "r1.a2@n")["pids"]
-        assert sorted(frozen) == sorted([rank3.pid, launcher.pid, stream.pid]) and state(launcher.pid) == "T"
+        assert sorted(frozen) == sorted([rank3.pid, launcher.pid, busy.pid, stream.pid]) and state(launcher.pid) == "T"
         assert state(stream.pid) == "T" and state(other_stream.pid) != "T"
         drill_program("thaw", "r1.a2@n")
         assert state(rank3.pid) != "T" and state(launcher.pid) != "T" and state(stream.pid) != "T"
@@ -156,29 +157,31 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
             p.kill()
             p.wait()
     left = drill_program("left", "r1")["pids"]
-    assert sorted(left) == sorted([rank3.pid, launcher.pid])  # any attempt of r1; never r10's
+    assert sorted(left) == sorted([rank3.pid, launcher.pid, busy.pid])  # any attempt of r1; never r10's
     assert drill_program("signal", "r1.a2@n", str(int(signal.SIGKILL)), "3", "top") == {"pids": [rank3.pid]}
     rank3.wait(10)
-    assert drill_program("ranks", "r1.a2@n") == {"ranks": {}}
+    assert drill_program("ranks", "r1.a2@n") == {"ranks": {"4": [busy.pid]}}
 
 
-def test_a_throttle_stops_and_lets_go_in_turn_and_ends_with_the_rank_running(marked):
-    rank3 = marked[0]
-    got = drill_program("throttle", "r1.a2@n", "3", "1.0", "0.2", "0.1")
-    assert got["cycles"] >= 1 and state(rank3.pid) != "T"
+def test_a_throttle_stops_a_computing_rank_in_turn_and_ends_with_it_running(marked):
+    busy = marked[3]
+    got = drill_program("throttle", "r1.a2@n", "4", "1.0", "0.2", "0.1")
+    assert got["cycles"] >= 1 and state(busy.pid) != "T"
+    asleep = drill_program("throttle", "r1.a2@n", "3", "1.0", "0.2", "0.1")  # never computing: never stopped
+    assert asleep == {"cycles": 0}
     # ended by SIGTERM (the drill's connection closed, a stop) while the rank is stopped: it runs again
-    p = subprocess.Popen([sys.executable, "-", "throttle", "r1.a2@n", "3", "60", "30", "0.1"], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-", "throttle", "r1.a2@n", "4", "60", "30", "0.1"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE)
     p.stdin.write(probe.program("drill"))
     p.stdin.close()
     deadline = time.monotonic() + 20
-    while state(rank3.pid) != "T" and time.monotonic() < deadline:
+    while state(busy.pid) != "T" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert state(rank3.pid) == "T"
+    assert state(busy.pid) == "T"
     p.terminate()
     assert json.loads(p.stdout.read().decode().splitlines()[-1]) == {"cycles": 0}
     p.wait(10)
-    assert state(rank3.pid) != "T"
+    assert state(busy.pid) != "T"
 
 
 # ---------------------------------------------------------------- user errors

@@ -14,8 +14,9 @@ of the drill's own processes still running (a throttle whose connection was cut)
   freeze KEY | thaw KEY         SIGSTOP / SIGCONT every process of KEY on this node and the node
                                 agent's stream of it; print {"pids": [...]}
   throttle KEY RANK SECONDS STOP_S RUN_S
-                                for SECONDS, stop rank RANK for STOP_S then let it run for RUN_S,
-                                and let it run at the end whatever ends this (SIGTERM, SIGHUP);
+                                for SECONDS, each time rank RANK is seen computing (running, not
+                                asleep in a collective) stop it for STOP_S, then let it run for
+                                RUN_S; it runs at the end whatever ends this (SIGTERM, SIGHUP);
                                 print {"cycles": n}
   left RUN_ID                   print {"pids": [...]}: processes of any attempt of RUN_ID, and of
                                 the drill of it (CLUSTERCTL_DRILL), still on this node
@@ -124,7 +125,18 @@ def _raise(*_):
     raise _End()
 
 
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
+
+
 def cmd_throttle(key, rank, seconds, stop_s, run_s):
+    """Each time the rank's interpreter is seen running (computing: a rank waiting in a collective
+    sleeps), stop the rank for STOP_S, then let it run for at least RUN_S: its compute per step
+    stretches while the time it waits for the others does not, which is what a straggler is."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _raise)
     until, cycles = time.time() + float(seconds), 0
@@ -133,6 +145,12 @@ def cmd_throttle(key, rank, seconds, stop_s, run_s):
             pids = rank_pids(key).get(rank, [])
             if not pids:
                 break  # the rank is gone (the run ended or restarted)
+            top = topmost(pids)
+            seen = time.time() + 1.0
+            while time.time() < min(seen, until) and not _running(top):
+                time.sleep(0.002)
+            if not _running(top):
+                continue
             send(pids, signal.SIGSTOP)
             time.sleep(float(stop_s))
             send(pids, signal.SIGCONT)

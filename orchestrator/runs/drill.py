@@ -31,7 +31,7 @@ DRILL_MARK = "CLUSTERCTL_DRILL"  # remote/drill.py's marker: the drill's own pro
 POLL_S = 0.5
 TRAINING_STEPS = 2  # progress points after an attempt's launch that say it trains
 TRAIN_WAIT_S = 900.0  # the longest a run may take to train (again)
-THROTTLE_S, STOP_S, RUN_S = 60.0, 0.4, 0.4  # a straggler: stopped half the time for a minute (its hook answers in between)
+THROTTLE_S, STOP_S, RUN_S = 60.0, 0.05, 0.05  # a straggler: while it computes, stopped half the time (its hook still answers), for a minute
 CALL_S = 60.0  # one call of remote/drill.py (a throttle: its length more)
 
 
