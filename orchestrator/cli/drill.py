@@ -23,6 +23,7 @@ from orchestrator.inventory import check_local_files
 from orchestrator.runs.drillreport import FAULTS, RESTARTS, WHAT, Outcome, Planned, Report, line, parse_faults, plan
 
 DRILL_HANG_TIMEOUT_S = 60.0  # the hang watch's backstop during a drill (a stopped rank is named within seconds anyway)
+DEFAULT_FAULTS = ("kill", "hang", "lost")  # straggler: only when asked for (see the --faults help)
 STRAGGLER_WINDOW = 10  # steps: a throttled rank is named within a drill's minute
 STOP_WAIT_S = 300.0
 LEFT_WAIT_S = 60.0
@@ -100,9 +101,10 @@ def _run_faults(drill, planned: list[Planned], detect_wait: float, say) -> list[
 
 @click.command("drill", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @cluster_options
-@click.option("--faults", default=",".join(FAULTS), show_default=True, callback=_faults, metavar="LIST",
+@click.option("--faults", default=",".join(DEFAULT_FAULTS), show_default=True, callback=_faults, metavar="LIST",
               help="The faults to inject, in order, comma-separated: " + "; ".join(f"{f}: {w}" for f, w in WHAT.items())
-              + ". hang and lost each need a spare node.")
+              + ". hang and lost each need a spare node. straggler is not detected today (the straggler watch "
+                "does not ask a rank that is stopped when it asks): not in the default.")
 @click.option("--name", default="drill", show_default=True, help="The run's name (its id is NAME-DATE-TIME-XXXX).")
 @click.option("--hang-timeout", type=click.FloatRange(5, 3600), default=DRILL_HANG_TIMEOUT_S, show_default=True,
               metavar="SECONDS", help="The hang watch's backstop while drilling.")
