@@ -78,7 +78,7 @@ def test_the_flag_check_is_not_vacuous():
     cmds = commands()
     page = COMMANDS_PAGE.read_text()
     assert undocumented(page.replace("--hang-timeout", "--hang-limit"), cmds, common_flags(cmds)) == \
-        ["train --hang-timeout"]
+        ["drill --hang-timeout", "train --hang-timeout"]
     assert undocumented(page.replace("--fanout", "--fan"), cmds, common_flags(cmds))  # the common section counts
     assert "stack (no '## stack' section)" in undocumented(page.replace("## stack", "## stacks"), cmds,
                                                            common_flags(cmds))

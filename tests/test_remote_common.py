@@ -245,6 +245,7 @@ def test_every_shipped_program_runs_from_its_program_bytes(tmp_path):
         "portlisten": (("0", "1", "0"), None, b"listening"),
         "rank_lines": (("-c", "print('hi')"), None, b"[default0]:hi"),
         "netprobe": (("serve", "0", "0.2"), None, b"listening"),
+        "drill": (("left", "no-such-run"), None, b'{"pids": []}'),
     }
     assert sorted(cheapest) == PROGRAMS, "a shipped program without a check here"
     for name, (args, stdin, want) in cheapest.items():

@@ -51,6 +51,7 @@ LAZY_COMMANDS = {
     "metrics": "orchestrator.cli.metrics:metrics_group",
     "report": "orchestrator.cli.report:report_command",
     "goodput": "orchestrator.cli.goodput:goodput_command",
+    "drill": "orchestrator.cli.drill:drill_command",
 }
 
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.
