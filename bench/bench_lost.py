@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     with TestCluster(n=3, gpus=0, name_prefix="ccbl") as cluster, tempfile.TemporaryDirectory() as td:
         for n in cluster.nodes:
             n.run("mkdir -p ~/gpt_train")
-        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml"))
+        # the same node is cut trial after trial: its fault record must not quarantine it
+        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", train={"quarantine_after": 0}))
         home = Path(td) / "home"
         got: dict[str, list[float]] = {"evidence": [], "silence": []}
         print(f"cut: 3 test nodes, node2's link cut, --lost-timeout 30 (default), {args.trials} trials each way",
