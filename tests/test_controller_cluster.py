@@ -128,6 +128,11 @@ def test_an_adopted_run_after_a_restart_follows_the_spare_and_keeps_copying_chec
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
              "the supervisor to die")
     before = {p.name for p in (run_dir / "checkpoints").glob("ckpt_*.pt")}
+    # with the supervisor gone, status asks the nodes about attempt 2 (its key RUN.a2), not attempt 1
+    s = cli("status", run_dir.name, "--json")
+    assert s.returncode == 0, s.stderr
+    now = json.loads(s.stdout)["nodes_now"]
+    assert sorted(now) == ["node1", "node3"] and all(v.get("alive") and "exit_code" in v and v["exit_code"] is None for v in now.values()), now
     r = cli("tail", run_dir.name, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = rec_of(run_dir)

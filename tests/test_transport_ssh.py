@@ -119,7 +119,8 @@ def test_connection_lost_mid_command_is_reported_not_hung(make_cluster):
         t.join()
     assert r["node1"].ok
     assert r["node2"].exit_code is None
-    assert "connection lost" in r["node2"].error, r["node2"].error
+    # lost on evidence (transport/liveness.py): node1 answered, node2's port gave no handshake
+    assert "does not answer" in r["node2"].error and "while node1 does" in r["node2"].error, r["node2"].error
     assert r["node2"].duration < 40  # ended by the liveness probe, not the 45 s command timeout
 
 

@@ -34,6 +34,7 @@ from orchestrator.runs.supervisor import spawn
 SUPERVISOR_GRACE_S = 10  # a run this young may not have recorded its supervisor yet
 SUPERVISOR_START_S = 30  # how long a replacement supervisor may take to record itself
 MAX_RESTARTS = 3  # replacements one `tail` starts before it gives up (see supervisor.log)
+END_SETTLE_S = 10  # how long the end of a followed run waits for its supervisor's last writes (_settled)
 
 
 def _err(msg: str) -> None:
@@ -180,6 +181,15 @@ def ensure_supervisor(run: Run) -> subprocess.Popen | None:
     return proc
 
 
+def _settled(run: Run) -> None:
+    """Wait (up to END_SETTLE_S) for an ended run's supervisor to flush its copies (the step
+    journal's last steps among them): it records its CPU time once they are, so the goodput line
+    printed at the end is the one `clusterctl goodput` gives afterwards."""
+    deadline = time.time() + END_SETTLE_S
+    while time.time() < deadline and "supervisor_cpu_s" not in run.record and run.supervisor_alive():
+        time.sleep(0.1)
+
+
 def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes: Collection[str] = (),
            ranks: Collection[int] = (), on_interrupt=None, show_preflight: bool = True,
            supervisor: subprocess.Popen | None = None, sink=None, fold: bool = True) -> int:
@@ -213,6 +223,8 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
         show.follower.close()
     rec = run.record
     _summary(rec, _shown_tail(run, rec, show.follower))
+    if keep_following:
+        _settled(run)
     if (line := tables.goodput_line(of_run(run))) is not None:  # where the time went: `clusterctl goodput`
         _err(f"clusterctl: {line}")
     _results(run)

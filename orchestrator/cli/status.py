@@ -48,13 +48,16 @@ def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus],
 
 
 def ask_nodes(run: Run) -> dict[str, AgentStatus]:
-    """Each started node's own view of the run (node agent `status`), for when the supervisor is gone."""
+    """Each started node's own view of the run's current attempt (node agent `status` under that
+    attempt's key: RUN, then RUN.aK), for when the supervisor is gone."""
     spec = run.spec
     started = [nd.name for nd in run.nodes() if nd.pid]
     if not started:
         return {}
+    current = load_record(run).current
+    key = current.key if current is not None and current.key else run.id
     with Cluster(spec.load_inventory(started), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
-        out = agent.run(cluster, lambda n: agent.status(n, run.id))
+        out = agent.run(cluster, lambda n: agent.status(n, key))
         for name, r in cluster.unreachable.items():
             out[name] = AgentStatus(error=r.error)
     return out

@@ -215,6 +215,10 @@ def _split_args(text: str, flag: str) -> list[str]:
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout, show_default=True,
               help="A node that does not answer for this long is lost, and the run is torn down.")
+@click.option("--lost-evidence/--no-lost-evidence", default=None,
+              help="Declare a silent node lost within seconds when its SSH port answers no TCP handshake "
+                   "while the other nodes answer; --no-lost-evidence waits --lost-timeout of silence "
+                   "[default: the inventory's train.lost_evidence, else on].")
 @click.option("--notify", metavar="CMD", default=None,
               help="Shell command run on this machine when the run ends, with CLUSTERCTL_RUN_ID, "
                    "CLUSTERCTL_STATUS, CLUSTERCTL_EXIT_CODE and CLUSTERCTL_FAILURE set (default: the "
@@ -288,7 +292,7 @@ def _split_args(text: str, flag: str) -> list[str]:
                                             "into one under their ranks (the logs on disk keep every line).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
+                  lost_timeout, lost_evidence, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, checkpoint_interval, allow_unhealthy, hang_timeout, hang_busy_limit,
                   on_hang, on_straggler, straggler_factor, straggler_window, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
@@ -313,14 +317,13 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        **_health(inv.train, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit, on_hang=on_hang, on_straggler=on_straggler,
-                  straggler_factor=straggler_factor, straggler_window=straggler_window, checkpoint_interval=checkpoint_interval)))
+        **_health(inv.train, lost_evidence=lost_evidence, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit,
+                  on_hang=on_hang, on_straggler=on_straggler, straggler_factor=straggler_factor,
+                  straggler_window=straggler_window, checkpoint_interval=checkpoint_interval)))
     save_events(run, notify, events)
     _carry_curves(run)
     sup = start_supervisor(run)
-    spares = sum(1 for n in inv.nodes if n.spare)
-    _err(f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"
-         f"{f' (+{spares} spare)' if spares else ''} (records in {run.dir})")
+    _err(_started(run, inv))
     if detach:
         emit({"ok": True, "run_id": run.id, "records": str(run.dir)}) if as_json else click.echo(run.id)
         _err(f"clusterctl: follow it with `clusterctl tail {run.id}`, see it with `clusterctl status {run.id}`, "
@@ -349,6 +352,12 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     sys.exit(code)
 
 
+def _started(run: Run, inv) -> str:
+    spares = sum(1 for n in inv.nodes if n.spare)
+    return (f"clusterctl: run {run.id} on {len(inv.nodes) - spares} nodes"
+            f"{f' (+{spares} spare)' if spares else ''} (records in {run.dir})")
+
+
 def _carry_curves(run: Run) -> None:
     """--resume-from RUN: RUN's curves go on in this run's (runs/curves.py); not for what RUN set
     aside, which is no part of its history."""
@@ -371,8 +380,8 @@ def _exit_codes(flag: str | None, inventory: list[int]) -> tuple[int, ...]:
 
 
 def _health(train, **flags) -> dict:
-    """The hang and straggler watches' settings and the checkpoint directory's interval: each flag
-    given, else the inventory's train: value."""
+    """The loss rule, the hang and straggler watches' settings and the checkpoint directory's
+    interval: each flag given, else the inventory's train: value."""
     return {k: getattr(train, k) if v is None else v for k, v in flags.items()}
 
 

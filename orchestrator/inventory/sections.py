@@ -44,6 +44,9 @@ class TrainSection(_Model):
     # a worker's exit codes that are retried too (the script's own: a preemption, a known flaky step),
     # like SkyPilot's recover_on_exit_codes; which failures are retried: runs/policy.py RETRY_RULES
     restart_on_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(default_factory=list)
+    # a silent node is lost within seconds on evidence (its SSH port does not answer a TCP handshake
+    # while the other nodes answer: transport/liveness.py); false: only after --lost-timeout of silence
+    lost_evidence: bool = True
     queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
     # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
     # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)

@@ -135,8 +135,7 @@ class Controller:
 
     def connect(self, patient: bool) -> Cluster:
         spec = self.spec
-        self.cluster = cluster = Cluster(self.full_inv, fanout=spec.fanout, accept_new_host_keys=spec.accept_new_host_keys,
-                                         connect_timeout=spec.connect_timeout, lost_timeout=spec.lost_timeout)
+        self.cluster = cluster = Cluster(self.full_inv, **spec.cluster_options())
         cluster.connect()
         deadline, tries = time.monotonic() + spec.lost_timeout, 0
         while patient and cluster.unreachable and time.monotonic() + retry_wait(tries, refused=False) < deadline:

@@ -2,7 +2,7 @@
 
 A fault is *attributed* to a node when the run's verdict names that node as its cause:
 
-  lost       the node stopped answering for --lost-timeout (during a run or its launch)
+  lost       the node was lost: no handshake on its SSH port while others answered, or silent for --lost-timeout
   killed     a worker on it was killed by a signal (the OOM killer's SIGKILL included)
   hung       the hang watch named a rank on it as the one the others wait for (a stopped,
              idle, gone or spinning rank; a collective mismatch or a deadlock names no node)

@@ -79,6 +79,7 @@ class RunSpec:
     nproc_per_node: int | str = "auto"
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL when the run is stopped
     lost_timeout: float = DEFAULT_LOST_TIMEOUT
+    lost_evidence: bool = _TRAIN["lost_evidence"].default  # --[no-]lost-evidence, else train.lost_evidence
     fanout: int = DEFAULT_FANOUT
     accept_new_host_keys: bool = False
     connect_timeout: float | None = None
@@ -114,6 +115,12 @@ class RunSpec:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "nodes": list(self.nodes), "args": list(self.args),
                 "resume_args": list(self.resume_args), "restart_on_exit_codes": list(self.restart_on_exit_codes)}
+
+    def cluster_options(self) -> dict:
+        """The run's settings for a transport Cluster of its nodes."""
+        return {"fanout": self.fanout, "accept_new_host_keys": self.accept_new_host_keys,
+                "connect_timeout": self.connect_timeout, "lost_timeout": self.lost_timeout,
+                "lost_evidence": self.lost_evidence}
 
     def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
         """The run's inventory as recorded when it started (an older record: the file), narrowed

@@ -17,7 +17,9 @@ request) and last the status. No poll process is started on the nodes while the 
 
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail
 resumes at the size of the control copy, so every byte lands exactly once. The node is reported
-lost (a result with ErrorKind.LOST) only when it could not be reached for `lost_timeout`. A tail
+lost (a result with ErrorKind.LOST) when it could not be reached for `lost_timeout`, or at once
+when its connection was closed on the evidence that it is gone (transport/liveness.py: its SSH
+port answers no TCP handshake while the other nodes answer). A tail
 is started again at the copy's size the same way when the control machine's disk had no room for
 its bytes and has room again (runs/space.py), and when its stream, asked for progress, sent
 nothing for STREAM_STALL_S while its node answers (the stream process there is stuck).
@@ -55,6 +57,10 @@ def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[...
     heard = getattr(conn, "last_heard", time.monotonic())
     deadline = heard + cluster.lost_timeout
     silent = round(time.monotonic() - heard, 1)
+    proof = getattr(conn, "evidence", None)  # lost on evidence (transport/liveness.py): no reconnecting
+    if proof:
+        tell(f"{node.name} lost: {proof}", lost=node.name, silent_s=silent)
+        return proof
     tell(f"{node.name}: silent for {silent:.1f}s ({lost.error or 'connection lost'}); "
          f"reconnecting, lost after {cluster.lost_timeout:g}s", event="node_silent", node=node.name, silent_s=silent)
     for attempt in range(10_000):

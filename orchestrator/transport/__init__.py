@@ -11,7 +11,6 @@ the one engine (`stream`, `first_line`, `wait`). Problems come back typed: a Nod
 from orchestrator.transport.base import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_LOST_TIMEOUT,
-    KEEPALIVE_S,
     BytesCallback,
     ClusterResult,
     Connection,
@@ -35,7 +34,7 @@ from orchestrator.transport.known_hosts import known_host_keys
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "KEEPALIVE_S", "BytesCallback",
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "BytesCallback",
            "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "Fault", "LineCallback", "LocalConnection",
            "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "quiet_paramiko",
            "retry_wait", "stream", "wait"]

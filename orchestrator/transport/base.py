@@ -17,7 +17,6 @@ from orchestrator.errors import (
 from orchestrator.inventory import Node
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
-KEEPALIVE_S = 5
 DEFAULT_LOST_TIMEOUT = 30.0  # a node silent this long (no answer to keepalives) is lost
 RETRY_FIRST_S = 1.0  # the first wait between tries to reach a node; it doubles after each failure
 RETRY_CAP_S = 60.0  # up to this for a node that refuses us: a person must act there

@@ -27,6 +27,7 @@ from orchestrator.transport.base import (
     NodeResult,
     Proc,
 )
+from orchestrator.transport.liveness import Heard
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import SSHConnection
 
@@ -247,7 +248,7 @@ class Cluster:
 
     def __init__(self, inventory: Inventory, *, fanout: int = DEFAULT_FANOUT,
                  accept_new_host_keys: bool = False, connect_timeout: float | None = None,
-                 lost_timeout: float = DEFAULT_LOST_TIMEOUT):
+                 lost_timeout: float = DEFAULT_LOST_TIMEOUT, lost_evidence: bool = True):
         if fanout < 1:
             raise ValueError("fanout must be at least 1")
         self.inventory = inventory
@@ -255,6 +256,8 @@ class Cluster:
         self.accept_new_host_keys = accept_new_host_keys
         self.connect_timeout = connect_timeout
         self.lost_timeout = lost_timeout
+        # the nodes' answered pings, shared: a silent node is lost on evidence (transport/liveness.py)
+        self.heard = Heard() if lost_evidence else None
         self.connections: dict[str, Connection] = {}
         self.unreachable: dict[str, NodeResult] = {}
         self.handshakes = 0  # counted, so tests can prove one handshake per node per command
@@ -278,7 +281,7 @@ class Cluster:
         """A new, unopened connection to `node` with this cluster's settings."""
         return connection_for(node, accept_new_host_keys=self.accept_new_host_keys,
                               connect_timeout=connect_timeout or self.connect_timeout,
-                              lost_timeout=self.lost_timeout)
+                              lost_timeout=self.lost_timeout, heard=self.heard)
 
     def connect(self) -> ClusterResult:
         """Open every node's connection (skipping those already open)."""

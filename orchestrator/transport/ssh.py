@@ -15,12 +15,12 @@ from orchestrator.inventory.hosts import check_proxy_jump, split_hop, unbracket
 from orchestrator.transport.base import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_LOST_TIMEOUT,
-    KEEPALIVE_S,
     Connection,
     Proc,
 )
 from orchestrator.transport.faults import Fault, explain
 from orchestrator.transport.known_hosts import _HostKeyPolicy, host_entries
+from orchestrator.transport.liveness import PING_S, SUSPECT_S, Heard, evidence, peer_address
 
 AEAD_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
@@ -90,12 +90,15 @@ class _SSHProc(Proc):
 
 class SSHConnection(Connection):
     def __init__(self, node: Node, *, accept_new_host_keys: bool = False,
-                 connect_timeout: float | None = None, lost_timeout: float = DEFAULT_LOST_TIMEOUT):
+                 connect_timeout: float | None = None, lost_timeout: float = DEFAULT_LOST_TIMEOUT,
+                 heard: Heard | None = None):
         super().__init__(node)
         self.accept_new = accept_new_host_keys
         self.connect_timeout = connect_timeout or node.ssh.connect_timeout or DEFAULT_CONNECT_TIMEOUT
         self.lost_timeout = lost_timeout
         self._lost: str | None = None  # set by the liveness watch when the peer went silent
+        self.heard = heard  # the cluster's answered pings: None, the silence alone decides a loss
+        self.evidence: str | None = None  # why the node is lost now (transport/liveness.py), not only silent
         self._conn = None
         self._closing = threading.Event()
         self.last_heard = time.monotonic()  # the node's last answer (open, or a keepalive reply)
@@ -191,7 +194,7 @@ class SSHConnection(Connection):
         caps this attempt's connect timeout (at least 1 s)."""
         self.close()
         self._closing = threading.Event()
-        self._lost, self._conn = None, None
+        self._lost, self._conn, self.evidence = None, None, None
         configured = self.connect_timeout
         if timeout is not None:
             self.connect_timeout = max(1.0, min(configured, timeout))
@@ -202,27 +205,49 @@ class SSHConnection(Connection):
 
     def _watch(self, closing: threading.Event) -> None:
         """Detect a silent peer (link down, host frozen): TCP alone takes minutes to notice.
-        Every KEEPALIVE_S (or a quarter of `lost_timeout`) a global request that OpenSSH must
-        answer (it replies 'failure' to unknown requests); a reply missing for half of
-        `lost_timeout` closes the transport, which ends every channel on it. The other half is for reconnecting (runs/watch.py): the node is
-        lost once it has been silent for `lost_timeout` in all."""
+        A pinger sends a global request that OpenSSH must answer (it replies 'failure' to
+        unknown requests) every PING_S, the next once the last is answered. A ping unanswered
+        for SUSPECT_S with the evidence of transport/liveness.py (other nodes answered since,
+        this node's kernel answers no TCP handshake) closes the transport at once, with
+        `evidence` set: the node is lost. Unanswered for half of `lost_timeout` it closes the
+        transport too; the other half is for reconnecting (runs/watch.py): the node is lost once
+        it has been silent for `lost_timeout` in all. Closing ends every channel on it."""
         t = self._conn.transport
-        every = min(KEEPALIVE_S, self.lost_timeout / 4)  # a short lost_timeout is not outwaited by the pings
-        while not closing.wait(every) and t.is_active():
-            done = threading.Event()
+        every = min(PING_S, self.lost_timeout / 4)  # a short lost_timeout is not outwaited by the pings
+        sent: list[float | None] = [None]  # when the unanswered ping went out
 
-            def ping():
+        def pinger():
+            while not closing.is_set() and t.is_active():
+                sent[0] = time.monotonic()
                 try:
-                    t.global_request("keepalive@openssh.com", wait=True)
-                    if t.is_active():
-                        self.last_heard = time.monotonic()
-                finally:
-                    done.set()
+                    t.global_request("keepalive@openssh.com", wait=True)  # returns when the transport closes
+                except (paramiko.SSHException, EOFError, OSError):  # closed under the ping: nothing to say
+                    return
+                if not t.is_active():
+                    return
+                self.last_heard = now = time.monotonic()
+                if self.heard is not None:
+                    self.heard.mark(self.node.name, now)
+                sent[0] = None
+                closing.wait(every)
 
-            threading.Thread(target=ping, daemon=True).start()
-            silent = self.lost_timeout / 2
-            if not done.wait(silent) and t.is_active() and not closing.is_set():
-                self._lost = f"no answer from the node for {silent:g}s (connection lost)"
+        threading.Thread(target=pinger, daemon=True, name=f"ping-{self.node.name}").start()
+        slow, probed = self.lost_timeout / 2, None
+        address = peer_address(t) if self.heard is not None else None
+        while not closing.wait(every / 2) and t.is_active():
+            since = sent[0]
+            if since is None:
+                continue
+            waited = time.monotonic() - since
+            if waited >= SUSPECT_S and probed != since:
+                probed = since  # one probe per unanswered ping
+                why = evidence(self.node.name, address, self.heard, since)
+                if why is not None and t.is_active() and not closing.is_set():
+                    self._lost = self.evidence = why
+                    t.close()
+                    return
+            if waited >= slow and t.is_active() and not closing.is_set():
+                self._lost = f"no answer from the node for {slow:g}s (connection lost)"
                 t.close()
                 return
 
