@@ -659,8 +659,10 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
         except (OSError, ValueError):
             ranks[pid]["error"] = f"no answer within {float(wait):g}s"
         st = proc_stat(pid)  # after the wait: a process stopped meanwhile says so
-        if st is not None:
+        if st is not None:  # the tree's CPU grows by what the rank spent meanwhile: never less than the rank's
+            grew = max(0.0, st[2] - ranks[pid]["cpu_s"])
             ranks[pid]["state"], ranks[pid]["cpu_s"] = st[0], st[2]
+            ranks[pid]["tree_cpu_s"] = round(ranks[pid].get("tree_cpu_s", 0.0) + grew, 3)
     silent = [pid for pid, p in ranks.items() if "answer" not in p and p["state"] not in "ZX"]
     if what != "progress" and silent:  # ranks whose hook did not answer (stopped, holding the GIL): py-spy
         from concurrent.futures import ThreadPoolExecutor
