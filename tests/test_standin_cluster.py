@@ -5,11 +5,15 @@ first line with the `[default<L>]:` prefix, carries torchrun's environment and t
 killed rank fails its node (exit 1), which the controller names and tears every node down after.
 """
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from tests.cluster.fakes import install_torchrun_standin
@@ -69,4 +73,65 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     said = out.decode(errors="replace")
     assert fg.returncode == 1, said[-3000:]
     assert f"{cluster.nodes[1].name} (ranks {NPROC}-{world - 1}) failed first: exit code 1" in said, said[-3000:]
+    wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
+
+
+def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, home, tmp_path):
+    """During a teardown a node's log stream going quiet is the node ending (at 128 nodes on
+    one machine, every node's stream was quiet for over STREAM_STALL_S while they all stopped,
+    and 59 streams were restarted in the middle of it). Here one surviving node's stream process
+    is frozen (SIGSTOP) just before another node's rank is killed, and thawed once it has been
+    silent longer than the stall limit, the teardown going on meanwhile: the story must tell no
+    restarted stream, and that node's end and log must still arrive through the same stream."""
+    from orchestrator.runs.straggler import PERIOD_S
+    from orchestrator.runs.watch import STREAM_STALL_S
+    stall_s = max(STREAM_STALL_S, 3 * PERIOD_S)  # runs/watch.py _Copy: the silence that restarts a stream
+    cluster = make_cluster(3, gpus=2, name_prefix="ccsq")
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/gpt_train")
+    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "1"})
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
+                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    quiet, victim = cluster.nodes[1], cluster.nodes[2]
+    frozen = None
+    try:
+        run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
+                           else None, 120, "the run record").parent
+        run_id = run_dir.name
+        story = run_dir / "story.jsonl"
+        log = run_dir / "nodes" / f"{quiet.name}.log"
+        wait_for(lambda: log.exists() and "step 2" in log.read_text(errors="replace"), 120,
+                 f"{quiet.name}'s ranks stepping in the control copy")
+
+        def stream_proc():
+            return next((p for p in cluster.processes(quiet)
+                         if "tail" in (cmd := p.cmdline()) and f"{run_id}@{quiet.name}" in cmd), None)
+        frozen = wait_for(stream_proc, 30, f"{quiet.name}'s log stream process")
+        ranks = {int(e["RANK"]): pid for pid, e in run_envs(cluster, run_id).items() if "RANK" in e}
+        frozen.suspend()
+        quiet_from = time.monotonic()
+        os.kill(ranks[5], signal.SIGKILL)  # the last rank, on the last node
+        wait_for(lambda: story.exists() and "stopping every node" in story.read_text(), 60, "the teardown's start in the story")
+        # the silence has to outlast the stall limit while the attempt is stopping
+        wait_for(lambda: time.monotonic() - quiet_from > stall_s + 10, stall_s + 30,
+                 "the frozen stream's silence to pass the stall limit", interval=1)
+        frozen.resume()
+        out, _ = fg.communicate(timeout=120)
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(psutil.Error):
+                frozen.resume()
+        if fg.poll() is None:
+            fg.kill()
+    said = out.decode(errors="replace")
+    assert fg.returncode == 1, said[-3000:]
+    events = [json.loads(line) for line in story.read_text().splitlines() if line.strip()]
+    restarted = [e["text"] for e in events if e.get("event") == "stream_restarted"]
+    assert restarted == [], restarted
+    rec = json.loads((run_dir / "run.json").read_text())
+    node = next(n for n in rec["nodes"] if n["name"] == quiet.name)
+    assert node["exit_code"] is not None and node["state"] == "failed", node  # its end, by its own stream
+    assert f"[default1]:rank 3 up" in log.read_text(errors="replace")
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")

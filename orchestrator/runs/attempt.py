@@ -61,6 +61,7 @@ class AttemptRunner:
         self.policy.stop_requests = stop_requests
         self.tlock = threading.Lock()  # teardowns: one at a time
         self.drained = threading.Event()  # set: stop copying logs (a stop's grace and drain are over)
+        self.stopping = threading.Event()  # set at the teardown's start: the nodes' streams may go quiet
         self.drain_timer: threading.Timer | None = None
         self.artifacts: Artifacts | None = None  # the run's ArtifactCopier: the nodes' streams report to it
         self.hang_watch: HangWatch | None = None
@@ -111,7 +112,7 @@ class AttemptRunner:
             self.short = copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained,
                                    key=self.key, start_at=start_at, artifacts=self.artifacts,
                                    after_write=hw.heard if hw else None, tell=self.book.tell, progress=progress_sink,
-                                   progress_s=PERIOD_S, space=self.book.space)
+                                   progress_s=PERIOD_S, space=self.book.space, stopping=self.stopping)
         finally:
             for w in (hw, sw):
                 if w is not None:
@@ -318,6 +319,7 @@ class AttemptRunner:
         waits to ask them for the last save's length first: a user's stop is the one that grants
         a checkpoint its grace."""
         peer_failed = peer_failed and not self.policy.stop_requests
+        self.stopping.set()
         with self.tlock:
             grace = asked_grace(self.run) if peer_failed else \
                 grace_for(self.cluster, self.key, asked_grace(self.run), self.policy.stop_requests >= 2)

@@ -22,7 +22,10 @@ when its connection was closed on the evidence that it is gone (transport/livene
 port answers no TCP handshake while the other nodes answer). A tail
 is started again at the copy's size the same way when the control machine's disk had no room for
 its bytes and has room again (runs/space.py), and when its stream, asked for progress, sent
-nothing for STREAM_STALL_S while its node answers (the stream process there is stuck).
+nothing for STREAM_STALL_S while its node answers (the stream process there is stuck) and the
+attempt is not being stopped: once `stopping` is set, a node's stream going quiet is the node
+doing its part of the stop (its ranks ending, its sshd and agents crowded by every node's stop at
+once), and a restart would only add a session to each node while they end.
 """
 
 from __future__ import annotations
@@ -91,9 +94,11 @@ class _Copy:
 
     def __init__(self, cluster: Cluster, run: Run, nodes: list[Node],
                  on_end: Callable[[NodeResult, AgentStatus | None], None],
-                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str):
+                 copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str,
+                 stopping: threading.Event | None = None):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
+        self.stopping = stopping  # set once the attempt is being stopped: silence is expected then
         self.tell: Callable[..., None] = lambda text, **about: echo(text)  # `about`: Book.tell's data
         self.nodes = {n.name: n for n in nodes}
         self.active = set(self.nodes)  # not ended and not lost
@@ -130,13 +135,15 @@ class _Copy:
         proc.kill()
 
     def look(self) -> None:
-        """Tails to start again: a node behind once there is room, a stream stuck while its node answers."""
+        """Tails to start again: a node behind once there is room, a stream stuck while its node
+        answers and the attempt is not being stopped."""
         now = time.monotonic()
+        stopping = self.stopping is not None and self.stopping.is_set()
         for name in [n for n in self.active if n in self.procs and n not in self.restarting]:
             conn = self.cluster.connections.get(name)
             if name in self.copier.behind and self.copier.room():
                 self.restart(name)
-            elif self.stall_s and name in self.copier.frames and now - self.heard[name] > self.stall_s \
+            elif self.stall_s and not stopping and name in self.copier.frames and now - self.heard[name] > self.stall_s \
                     and conn is not None and conn.alive:
                 self.restart(name, f"{name}: its log stream sent nothing for {now - self.heard[name]:.0f}s while "
                                    "the node answers: the stream process there is stuck, not the script; started "
@@ -225,7 +232,8 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               stop: threading.Event | None = None, key: str | None = None,
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
               tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
-              progress_s: float = 0.0, space: Space | None = None) -> set[str]:
+              progress_s: float = 0.0, space: Space | None = None,
+              stopping: threading.Event | None = None) -> set[str]:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
@@ -236,14 +244,15 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     goes (node, doc), asked every `progress_s` s on those streams (the straggler watch's feed);
     `tell`: where a node's silence, reconnection and loss are told (the run's story, record.py
     Book.tell; else echoed); `space`: the control machine's disk (runs/space.py), whose want of room
-    holds the copies back until there is room again. Returns the nodes whose copy ended short of
+    holds the copies back until there is room again; `stopping`: set once the attempt is being
+    stopped (no stream is then restarted for its silence). Returns the nodes whose copy ended short of
     their log (no room when their run ended there: runs/catchup.py completes them later)."""
     if not nodes:
         return set()
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s,
                        space)
     try:
-        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id)
+        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id, stopping)
         if tell is not None:
             copy.tell = tell
         copy.copy()
