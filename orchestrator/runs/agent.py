@@ -73,14 +73,16 @@ class Call(Exec, Generic[T]):
         return self.read(wait(self.start(conn), self.timeout))
 
 
-def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] | None = None) -> dict[str, T]:
-    """`call` on each chosen node of the cluster (all when `nodes` is None), at once: node -> reply."""
+def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] | None = None,
+        fanout: int | None = None) -> dict[str, T]:
+    """`call` on each chosen node of the cluster (all when `nodes` is None), at once (at most
+    `fanout` in flight, else the cluster's cap): node -> reply."""
     chosen = None if nodes is None else set(nodes)
     calls = {n.name: call(n) for n in cluster.nodes if chosen is None or n.name in chosen}
     if not calls:
         return {}
     res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
-                      timeout=max(c.timeout for c in calls.values()))
+                      timeout=max(c.timeout for c in calls.values()), fanout=fanout)
     return {name: calls[name].read(r) for name, r in res.items()}
 
 

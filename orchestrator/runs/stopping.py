@@ -69,7 +69,9 @@ class Stopper:
         in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
         failed (agent.stop). Returns the nodes left pending."""
         live = self.cluster.live(nodes)
-        res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), live)
+        # every node at once, past the fan-out cap: the stop is a short command on a connection
+        # already open, and under a cap the nodes past it would wait for the first ones' ends
+        res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), live, fanout=max(1, len(live)))
         left = []
         for name in nodes:
             r = res.get(name)

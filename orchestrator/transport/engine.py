@@ -317,11 +317,12 @@ class Cluster:
             stdin: bytes | Callable[[Node], bytes | None] | None = None,
             on_line: LineCallback | None = None, on_bytes: BytesCallback | None = None,
             nodes: Iterable[str] | None = None, capture: bool = True, stop: threading.Event | None = None,
-            on_done: Callable[[NodeResult], None] | None = None, follow: bool = False) -> ClusterResult:
-        """Run on every (selected) connected node at once; at most `fanout` in flight.
-        Unreachable nodes appear in the result with their connection error. follow=True: a
-        command that lasts as long as a run (a log follow) holds its slot all that time, so
-        every node's starts at once, uncapped; a node past the cap would go unwatched."""
+            on_done: Callable[[NodeResult], None] | None = None, follow: bool = False,
+            fanout: int | None = None) -> ClusterResult:
+        """Run on every (selected) connected node at once; at most `fanout` in flight (the
+        cluster's, unless given). Unreachable nodes appear in the result with their connection
+        error. follow=True: a command that lasts as long as a run (a log follow) holds its slot all
+        that time, so every node's starts at once, uncapped; a node past the cap would go unwatched."""
         chosen = None if nodes is None else set(nodes)
         wanted = [n for n in self.nodes if chosen is None or n.name in chosen]
         results: dict[str, NodeResult] = {}
@@ -343,7 +344,7 @@ class Cluster:
 
         results.update(stream((), on_line=on_line, on_bytes=on_bytes, timeout=timeout, capture=capture,
                               stop=stop, on_done=on_done, pending=pending,
-                              fanout=max(1, len(wanted)) if follow else self.fanout))
+                              fanout=max(1, len(wanted)) if follow else fanout or self.fanout))
         return ClusterResult((n.name, results[n.name]) for n in wanted)
 
     def close(self):
