@@ -8,6 +8,7 @@ killed rank fails its node (exit 1), which the controller names and tears every 
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -37,6 +38,14 @@ def run_envs(cluster, run_id):
     return out
 
 
+LOW_OPEN_FILES = 256
+
+
+def low_open_files():
+    """In the foreground train's child: a soft limit on open files below what a large cluster needs."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_OPEN_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path):
     cluster = make_cluster(2, gpus=NPROC, name_prefix="ccsi")
     for nd in cluster.nodes:
@@ -45,7 +54,8 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "0.5"})
     env = dict(os.environ, CLUSTERCTL_HOME=str(home))
     fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
-                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          preexec_fn=low_open_files)
     try:
         run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
                              else None, 120, "the run record").parent
@@ -65,6 +75,10 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
             assert (e["LOCAL_RANK"], e["WORLD_SIZE"], e["GROUP_RANK"]) == (str(r % NPROC), str(world), str(r // NPROC))
             assert e["MASTER_ADDR"] == cluster.nodes[0].host
             assert e["CLUSTERCTL_RUN_KEY"] == f"{run_id}@{cluster.nodes[r // NPROC].name}"
+        # the supervisor raised the soft limit on open files it inherited (256) to the hard one
+        sup = psutil.Process(json.loads((run_dir / "run.json").read_text())["supervisor_pid"])
+        soft, hard = sup.rlimit(psutil.RLIMIT_NOFILE)
+        assert soft == hard != LOW_OPEN_FILES, (soft, hard)
         os.kill(ranks[world - 1][0], signal.SIGKILL)
         out, _ = fg.communicate(timeout=120)
     finally:

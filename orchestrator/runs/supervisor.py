@@ -23,6 +23,7 @@ Run: python -m orchestrator.runs.supervisor RUN_ID [--adopt]
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 
@@ -51,12 +52,30 @@ def spawn(run: Run, adopt: bool = False) -> subprocess.Popen:
         log.close()
 
 
+def raise_open_files() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit: the supervisor holds about
+    12 descriptors per node (the SSH socket, paramiko's pipes for each channel, the log copies),
+    past the usual soft limit of 1,024 at about 80 nodes. (soft before, soft now); the hard
+    limit is the system's to set, and a soft one already at it is left alone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # a hard limit of infinity the kernel caps lower (nr_open)
+            pass
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_paramiko(bool(os.environ.get("CLUSTERCTL_DEBUG")))
     sys.stdout = sys.stderr = LogStream(1)  # supervisor.log: a full disk drops lines, never the supervisor
     run = Run(argv[0])
     run_umask(run.spec)  # first: all it writes (records, logs, checkpoint copies) is the user's, or the group's too
+    before, now = raise_open_files()
+    if now != before:
+        say(f"open files: soft limit raised from {before} to {now} (about 12 per node are held)")
     lock = run.lock_supervisor()
     if lock is None:  # another supervisor runs the run
         return 0
