@@ -15,6 +15,10 @@ detached supervisor, the node agent, the log streams, the fail-fast teardown.
                supervisor_pid) over --window s of steady state (every rank up, --tick lines
                flowing), in % of one core; the foreground `train`'s beside it
   RSS/threads/fds  the supervisor's, at the end of that window
+  node scan ms one /proc scan for a run's marker (remote/common.py marked_pids, what every node's
+               stop, waiter and stream repeat while a run ends there), run as the nodes' user: the
+               test nodes share this machine's /proc and one user, so each scan reads every
+               node's processes; a real node's reads its own alone
   status       `clusterctl status RUN` -> its first byte of output, and -> its exit
   teardown     SIGKILL of the last rank (on the last node) -> no process carrying the run's
                CLUSTERCTL_RUN_KEY left on any node (/proc scanned every few ms: the nodes share
@@ -144,6 +148,26 @@ def steady(sup: psutil.Process, fg: psutil.Process, window: float) -> dict:
             "sup fds": sup.num_fds()}
 
 
+SCAN = """
+import statistics, time
+took = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    found = marked_pids(RUN_KEY, lambda key: True)
+    took.append(time.perf_counter() - t0)
+print(1000 * statistics.median(took), len(found))
+"""
+
+
+def node_scan(cluster) -> dict:
+    """The node side's /proc scan for run markers, timed as the nodes' user (see SCAN)."""
+    common = (REPO / "orchestrator" / "remote" / "common.py").read_text()
+    out = subprocess.run([sys.executable, "-"], input=common + SCAN, capture_output=True, text=True, timeout=120,
+                         user=cluster.pw.pw_uid, group=cluster.pw.pw_gid, cwd="/")
+    ms, marked = out.stdout.split()
+    return {"node scan ms": float(ms), "marked procs": int(marked)}
+
+
 def status_paint(run_id: str, env: dict) -> dict:
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "status", run_id], cwd=REPO, env=env,
@@ -207,6 +231,7 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out["launch sup CPU s"] = cpu_s(sup)  # from its start: connect, claim, start, first lines
         time.sleep(args.settle)
         out.update(steady(sup, psutil.Process(fg.proc.pid), args.window))
+        out.update(node_scan(cluster))
         out.update(status_paint(run_dir.name, fg.env))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
     finally:
