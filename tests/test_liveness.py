@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orchestrator.transport.liveness import Heard, evidence, peer_address, probe
+from orchestrator.transport.liveness import PROBE_S, SUSPECT_S, Heard, evidence, peer_address, probe
 
 
 @pytest.fixture
@@ -91,3 +91,13 @@ def test_the_peer_address_of_a_direct_socket_and_of_none(answering):
             sock = c
 
         assert peer_address(Direct()) == answering
+
+
+def test_a_clusters_own_probe_timeout_is_the_one_evidence_waits(unanswering):
+    """A larger cluster's suspects get a longer handshake probe (runs/scaling.py), carried by its Heard."""
+    heard = Heard(suspect_s=4.0, probe_s=0.5)
+    sent = time.monotonic()
+    heard.mark("n1", sent + 0.5)
+    why = evidence("n2", unanswering, heard, sent)
+    assert why is not None and "(no TCP handshake within 0.5s)" in why, why
+    assert Heard().suspect_s == SUSPECT_S and Heard().probe_s == PROBE_S

@@ -79,6 +79,14 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
         sup = psutil.Process(json.loads((run_dir / "run.json").read_text())["supervisor_pid"])
         soft, hard = sup.rlimit(psutil.RLIMIT_NOFILE)
         assert soft == hard != LOW_OPEN_FILES, (soft, hard)
+        # the settings that grow with the cluster, as this run uses them, in the record and `status --json`
+        status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", run_id, "--json"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        scaled = json.loads(status.stdout)["scaling"]
+        assert (scaled["nodes"], scaled["ranks"]) == (2, world)
+        assert scaled["values"]["fanout"] == 64 and scaled["values"]["lost_timeout"] == 30.0
+        assert scaled["values"]["snapshot_wait"] == 10.0 and scaled["values"]["collective_timeout"] == 7200
+        assert set(scaled["source"].values()) == {"derived"}
         os.kill(ranks[world - 1][0], signal.SIGKILL)
         out, _ = fg.communicate(timeout=120)
     finally:

@@ -22,6 +22,7 @@ import click
 
 from orchestrator.cli.jsonout import emit, json_lines, run_doc
 from orchestrator.cli.options import ClusterOptions, cluster_options
+from orchestrator.cli import trainscale
 from orchestrator.cli.runs import follow
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory import check_local_files
@@ -213,8 +214,9 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "one), else the GPUs found, else 1. More than a node's GPUs exits 2 unless --force.")
 @click.option("--grace", type=click.FloatRange(0, 3600), default=DEFAULTS.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
-@click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout, show_default=True,
-              help="A node that does not answer for this long is lost, and the run is torn down.")
+@click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout,
+              help="A node that does not answer for this long is lost, and the run is torn down [default: 30, "
+                   "+30 per doubling of the nodes past 64: `train --dry-run` shows it].")
 @click.option("--lost-evidence/--no-lost-evidence", default=None,
               help="Declare a silent node lost within seconds when its SSH port answers no TCP handshake "
                    "while the other nodes answer; --no-lost-evidence waits --lost-timeout of silence "
@@ -288,13 +290,15 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--straggler-window", type=click.IntRange(3, 100000), default=None, metavar="STEPS",
               help="The steps each rank's median compute is taken over [default: the inventory's "
                    "train.straggler_window, else 50].")
+@click.option("--dry-run", is_flag=True, help="Print the rank map and the settings that grow with the cluster "
+                                            "(derived from its node and rank counts, or given); start nothing.")
 @click.option("--no-fold", is_flag=True, help="Print every line: identical lines of many ranks are not folded "
                                             "into one under their ranks (the logs on disk keep every line).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
                   lost_timeout, lost_evidence, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, checkpoint_interval, allow_unhealthy, hang_timeout, hang_busy_limit,
-                  on_hang, on_straggler, straggler_factor, straggler_window, no_fold, script, events):
+                  on_hang, on_straggler, straggler_factor, straggler_window, dry_run, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
 
     Without SCRIPT it runs the inventory's `train:` section (the bundled trainer by
@@ -307,17 +311,21 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     queue = (queue or inv.train.queue) and not force  # --force shares the nodes: nothing to wait for
     path = os.path.abspath(opts.inventory_path) if opts.inventory_path else None
     checkpoints, script = _checkpoints(inv, resume_from, resume_args, checkpoint_dir, script)
+    scaled = trainscale.resolve(click.get_current_context(), inv, nproc_per_node=nproc_per_node, fanout=opts.fanout,
+                                lost_timeout=lost_timeout, hang_timeout=hang_timeout)
+    if dry_run:
+        return trainscale.dry_run(inv, nproc_per_node, scaled, as_json)
     run = Run.create(new_run_id(name), RunSpec(
         inventory=path, inventory_text=decode_inventory(read_inventory_bytes(path), path) if path else None,
         nodes=tuple(opts.nodes), args=tuple(script), skip_preflight=skip_preflight, force=force,
-        nproc_per_node=nproc_per_node, grace=grace, lost_timeout=lost_timeout, fanout=opts.fanout,
+        nproc_per_node=nproc_per_node, grace=grace, **scaled,
         allow_unhealthy=allow_unhealthy, accept_new_host_keys=opts.accept_new_host_keys, cwd=os.getcwd(),
         connect_timeout=opts.connect_timeout, min_nodes=min_nodes,
         max_restarts=inv.train.max_restarts if max_restarts is None else max_restarts,
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        **_health(inv.train, lost_evidence=lost_evidence, hang_timeout=hang_timeout, hang_busy_limit=hang_busy_limit,
+        **_health(inv.train, lost_evidence=lost_evidence, hang_busy_limit=hang_busy_limit,
                   on_hang=on_hang, on_straggler=on_straggler, straggler_factor=straggler_factor,
                   straggler_window=straggler_window, checkpoint_interval=checkpoint_interval)))
     save_events(run, notify, events)
@@ -329,8 +337,18 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         _err(f"clusterctl: follow it with `clusterctl tail {run.id}`, see it with `clusterctl status {run.id}`, "
              f"stop it with `clusterctl stop {run.id}`")
         sys.exit(wait_launching(run, sup))
-    presses = []
+    presses: list[float] = []
+    interrupt = _interrupter(run, sup, presses)
+    code = follow(run, on_interrupt=interrupt, supervisor=sup, sink=json_lines if as_json else None, fold=not no_fold)
+    if presses and code == 0:
+        code = EXIT_INTERRUPTED
+    if as_json:
+        emit(run_doc(run.record), compact=True)
+    sys.exit(code)
 
+
+def _interrupter(run: Run, sup, presses: list[float]):
+    """Ctrl-C in the foreground: a stop request to the supervisor, each press noted in `presses`."""
     def interrupt():
         presses.append(time.time())
         run.request_stop(None, by=f"{getpass.getuser()}@{socket.gethostname()}")
@@ -343,13 +361,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
             _err(f"clusterctl: stopping run {run.id} gracefully on every node (Ctrl-C again to kill)")
         else:
             _err(f"clusterctl: killing run {run.id} on every node now")
-
-    code = follow(run, on_interrupt=interrupt, supervisor=sup, sink=json_lines if as_json else None, fold=not no_fold)
-    if presses and code == 0:
-        code = EXIT_INTERRUPTED
-    if as_json:
-        emit(run_doc(run.record), compact=True)
-    sys.exit(code)
+    return interrupt
 
 
 def _started(run: Run, inv) -> str:

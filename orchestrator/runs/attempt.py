@@ -24,7 +24,7 @@ from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.runs import agent
 from orchestrator.runs.agent import AgentStatus
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S, HangVerdict
+from orchestrator.runs.hang import HangVerdict
 from orchestrator.runs.hangsnap import RankSnap, snaps_of
 from orchestrator.runs.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
@@ -150,7 +150,7 @@ class AttemptRunner:
         nodes that answered."""
         live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
         ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
-        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, SNAPSHOT_WAIT_S), live)
+        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, self.spec.snapshot_wait), live)
         out = snaps_of(got, self.say)
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run

@@ -41,6 +41,7 @@ from orchestrator.runs.record import AttemptRecord, Book
 from orchestrator.runs.readying import Readying, fresh_nodes
 from orchestrator.runs.restart import Verdict, classify, next_nodes, ordered, outcomes, summary
 from orchestrator.runs.space import Space, end_writes
+from orchestrator.runs.scaling import record_doc
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
@@ -83,6 +84,8 @@ class Controller:
         self.run.clean_temporaries()
         self.space.keep_reserve()  # room for the final record should the disk be full when the run ends
         self.book.supervisor(os.getpid(), psutil.Process().create_time(), self.adopt)
+        if self.spec.scaling is not None and self.book.rec.scaling is None:
+            self.book.scaled(record_doc(self.spec))
         try:
             code = self.loop()
         except LaunchError as e:

@@ -148,6 +148,7 @@ class RunRecord:
     first_failure: dict | None = None
     supervisor_cpu_s: float | None = None
     disk_full: list[dict] = field(default_factory=list)  # spells with no room on this machine (runs/space.py)
+    scaling: dict | None = None  # the settings that grow with the cluster, as the run uses them (runs/scaling.py)
 
     @classmethod
     def from_json(cls, doc: dict | None, run_id: str = "") -> "RunRecord":
@@ -300,6 +301,10 @@ class Book:
 
     def released(self, nodes: list[str]) -> None:
         self._set(claimed=sorted(set(self.rec.claimed) - set(nodes)))
+
+    def scaled(self, doc: dict) -> None:
+        """The settings that grow with the cluster (runs/scaling.py `record_doc`), as this run uses them."""
+        self._set(scaling=doc)
 
     def cpu(self, seconds: float) -> None:
         self._set(supervisor_cpu_s=round(seconds, 3))

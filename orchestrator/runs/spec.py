@@ -14,7 +14,9 @@ from typing import Any
 
 from orchestrator.inventory import Inventory, load_inventory, parse_inventory
 from orchestrator.inventory.sections import TrainSection
+from orchestrator.runs.hang import SNAPSHOT_WAIT_S
 from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
+from orchestrator.transport.liveness import PROBE_S, SUSPECT_S
 
 
 class RunState(str, enum.Enum):
@@ -103,6 +105,11 @@ class RunSpec:
     checkpoint_dir: str | None = None  # --checkpoint-dir, else train.checkpoint_dir: the job's own (runs/ckptdir.py)
     checkpoint_interval: float = _TRAIN["checkpoint_interval"].default  # --checkpoint-interval, else train.checkpoint_interval
     allow_unhealthy: bool = False  # --allow-unhealthy: quarantined nodes are used, and none is quarantined
+    # the settings that grow with the cluster (runs/scaling.py), as train resolved them
+    suspect_s: float = SUSPECT_S  # an unanswered ping makes its node a suspect after this long
+    probe_s: float = PROBE_S  # the suspect's TCP handshake must come within this
+    snapshot_wait: float = SNAPSHOT_WAIT_S  # each node's wait for its ranks' hooks in a hang snapshot
+    scaling: dict | None = None  # {nodes, ranks, values, source}: what the rule derived and what was given
 
     @classmethod
     def from_json(cls, doc: dict | None) -> "RunSpec":
@@ -120,7 +127,7 @@ class RunSpec:
         """The run's settings for a transport Cluster of its nodes."""
         return {"fanout": self.fanout, "accept_new_host_keys": self.accept_new_host_keys,
                 "connect_timeout": self.connect_timeout, "lost_timeout": self.lost_timeout,
-                "lost_evidence": self.lost_evidence}
+                "lost_evidence": self.lost_evidence, "suspect_s": self.suspect_s, "probe_s": self.probe_s}
 
     def load_inventory(self, nodes: list[str] | None = None) -> Inventory:
         """The run's inventory as recorded when it started (an older record: the file), narrowed

@@ -27,7 +27,7 @@ from orchestrator.transport.base import (
     NodeResult,
     Proc,
 )
-from orchestrator.transport.liveness import Heard
+from orchestrator.transport.liveness import PROBE_S, SUSPECT_S, Heard
 from orchestrator.transport.local import LocalConnection
 from orchestrator.transport.ssh import SSHConnection
 
@@ -248,7 +248,8 @@ class Cluster:
 
     def __init__(self, inventory: Inventory, *, fanout: int = DEFAULT_FANOUT,
                  accept_new_host_keys: bool = False, connect_timeout: float | None = None,
-                 lost_timeout: float = DEFAULT_LOST_TIMEOUT, lost_evidence: bool = True):
+                 lost_timeout: float = DEFAULT_LOST_TIMEOUT, lost_evidence: bool = True,
+                 suspect_s: float = SUSPECT_S, probe_s: float = PROBE_S):
         if fanout < 1:
             raise ValueError("fanout must be at least 1")
         self.inventory = inventory
@@ -257,7 +258,7 @@ class Cluster:
         self.connect_timeout = connect_timeout
         self.lost_timeout = lost_timeout
         # the nodes' answered pings, shared: a silent node is lost on evidence (transport/liveness.py)
-        self.heard = Heard() if lost_evidence else None
+        self.heard = Heard(suspect_s, probe_s) if lost_evidence else None
         self.connections: dict[str, Connection] = {}
         self.unreachable: dict[str, NodeResult] = {}
         self.handshakes = 0  # counted, so tests can prove one handshake per node per command

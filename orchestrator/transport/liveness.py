@@ -31,9 +31,11 @@ PROBE_S = 1.0  # the suspect's kernel must answer a TCP handshake within this
 
 class Heard:
     """When each node of one cluster last had a ping answered (time.monotonic()), shared by the
-    cluster's connections: the evidence that the control machine is being answered."""
+    cluster's connections: the evidence that the control machine is being answered. It carries
+    the cluster's `suspect_s` and `probe_s` too (a larger cluster's are longer: runs/scaling.py)."""
 
-    def __init__(self):
+    def __init__(self, suspect_s: float = SUSPECT_S, probe_s: float = PROBE_S):
+        self.suspect_s, self.probe_s = suspect_s, probe_s
         self._lock = threading.Lock()
         self._at: dict[str, float] = {}
 
@@ -72,7 +74,7 @@ def evidence(name: str, address: tuple | None, heard: Heard | None, sent: float)
     answered = heard.others_since(name, sent)
     if not answered:
         return None
-    why = probe(address)
+    why = probe(address, heard.probe_s)
     if why is None:
         return None
     waited = time.monotonic() - sent

@@ -239,7 +239,7 @@ class SSHConnection(Connection):
             if since is None:
                 continue
             waited = time.monotonic() - since
-            if waited >= SUSPECT_S and probed != since:
+            if waited >= (self.heard.suspect_s if self.heard is not None else SUSPECT_S) and probed != since:
                 probed = since  # one probe per unanswered ping
                 why = evidence(self.node.name, address, self.heard, since)
                 if why is not None and t.is_active() and not closing.is_set():

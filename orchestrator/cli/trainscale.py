@@ -1,0 +1,73 @@
+"""`train`'s settings that grow with the cluster (runs/scaling.py): the flags and inventory values
+the user gave laid over the rule's values for the run's nodes and ranks, and `train --dry-run`'s
+report of them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+from click.core import ParameterSource
+
+from orchestrator.cli.jsonout import emit
+from orchestrator.inventory import Inventory
+from orchestrator.runs import scaling
+from orchestrator.torchrun import nproc_for, rank_map_text
+
+
+def _given_flag(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def counts(inv: Inventory, nproc_per_node) -> tuple[int, int]:
+    """The run's nodes (spares left out) and ranks, as the inventory states them (a node with no
+    `gpus:` counts one rank until its GPUs are found at launch)."""
+    chosen = nproc_per_node if nproc_per_node not in (None, "auto") else inv.train.nproc_per_node
+    nodes = [n for n in inv.nodes if not n.spare]
+    return len(nodes), sum(nproc_for(n, None, chosen) for n in nodes)
+
+
+def _collective_given(inv: Inventory) -> int | None:
+    """NCCL_TIMEOUT set in the inventory's env or train.env (it wins on the nodes: torchrun.node_env)."""
+    value = {**inv.env, **inv.train.env}.get("NCCL_TIMEOUT")
+    return int(value) if value is not None and str(value).isdigit() else None
+
+
+def resolve(ctx: click.Context, inv: Inventory, *, nproc_per_node, fanout: int, lost_timeout: float,
+            hang_timeout: float | None) -> dict:
+    """RunSpec's fields for the scaled settings: the user's (a flag, else the inventory's train:
+    value) where given, else the rule's; with `scaling`, the record of both."""
+    nodes, ranks = counts(inv, nproc_per_node)
+    given: dict = {}
+    if _given_flag(ctx, "fanout"):
+        given["fanout"] = fanout
+    if _given_flag(ctx, "lost_timeout"):
+        given["lost_timeout"] = lost_timeout
+    if hang_timeout is not None:
+        given["hang_timeout"] = hang_timeout
+    elif "hang_timeout" in inv.train.model_fields_set:
+        given["hang_timeout"] = inv.train.hang_timeout
+    if (collective := _collective_given(inv)) is not None:
+        given["collective_timeout"] = collective
+    values, source = scaling.resolve(nodes, ranks, given)
+    doc = {"nodes": nodes, "ranks": ranks, "values": dataclasses.asdict(values), "source": source}
+    return {"fanout": values.fanout, "lost_timeout": values.lost_timeout, "hang_timeout": values.hang_timeout,
+            "suspect_s": values.suspect_s, "probe_s": values.probe_s, "snapshot_wait": values.snapshot_wait,
+            "scaling": doc}
+
+
+def dry_run(inv: Inventory, nproc_per_node, scaled: dict, as_json: bool) -> None:
+    """Print what the run would use, start nothing."""
+    doc = scaled["scaling"]
+    if as_json:
+        emit({"ok": True, "dry_run": True, "scaling": doc})
+        return
+    chosen = nproc_per_node if nproc_per_node not in (None, "auto") else inv.train.nproc_per_node
+    nodes = inv.select([n.name for n in inv.nodes if not n.spare])
+    nprocs = {n.name: nproc_for(n, None, chosen) for n in nodes.nodes}
+    click.echo(f"train --dry-run: nothing was started\n{rank_map_text(nodes, nprocs)}")
+    click.echo(f"settings for {doc['nodes']} nodes and {doc['ranks']} ranks (derived: runs/scaling.py's rule; "
+               "given: a flag or the inventory):")
+    values = scaling.Scaled(**doc["values"])
+    for line in scaling.lines(values, doc["source"]):
+        click.echo(line)

@@ -1,0 +1,112 @@
+"""The settings that grow with the cluster, derived from its node and rank counts by one rule.
+
+A cluster of 8 nodes and one of 256 cannot share every timeout: the larger one's control machine
+pings, streams and snapshots 32 times as many nodes, and its nodes take longer to agree. The
+design documents tuned these by hand for 8, 16 and 64 GPUs (the NCCL timeout 1 h, 2 h, 4 h by node
+count); this module is that tuning as a rule, so `train` needs no flags to run at 256 nodes:
+
+  setting             up to 64 nodes      above 64 nodes, per doubling    what it is
+  collective timeout  1 h / 2 h / 4 h     4 h (8 nodes and up)            NCCL_TIMEOUT, the trainer's
+                      (1, 2-7, 8+ nodes)                                  init_process_group (torchrun.py)
+  fan-out             the node count,     the node count, at most 256     commands in flight at once
+                      at least 64
+  lost timeout        30 s                +30 s                           silence that loses a node
+  suspect after       2 s                 +1 s                            an unanswered ping makes a
+                                                                          suspect (transport/liveness.py)
+  probe timeout       1 s                 +0.5 s                          the suspect's TCP handshake
+  snapshot wait       10 s                +5 s                            each node's wait for its
+                                                                          ranks' hooks (hang snapshots);
+                                                                          x ranks per node / 8 above 8
+  hang timeout        300 s               +60 s                           the hang watch's backstop
+
+Doublings count from 64 nodes (log2(nodes / 64), so 128 nodes is one, 256 two, fractions between).
+A setting the user gave (a flag, or the inventory's train: value) is kept as given: `derive`
+returns the rule's values and `resolve` lays the given ones over them, naming where each came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from orchestrator.torchrun import dist_timeout_s
+
+BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """The derived values for one cluster (seconds, except fanout)."""
+
+    collective_timeout: int
+    fanout: int
+    lost_timeout: float
+    suspect_s: float
+    probe_s: float
+    snapshot_wait: float
+    hang_timeout: float
+
+
+WHAT = {  # the words `train --dry-run` prints for each setting, and the flag or inventory key that sets it
+    "collective_timeout": ("collective timeout", "inventory env NCCL_TIMEOUT"),
+    "fanout": ("fan-out", "--fanout"),
+    "lost_timeout": ("lost timeout", "--lost-timeout"),
+    "suspect_s": ("suspect after", "-"),
+    "probe_s": ("probe timeout", "-"),
+    "snapshot_wait": ("snapshot wait", "-"),
+    "hang_timeout": ("hang timeout", "--hang-timeout, train.hang_timeout"),
+}
+
+
+def doublings(nodes: int) -> float:
+    """How many times the cluster doubled past BASE_NODES (0 at or below it)."""
+    return max(0.0, math.log2(max(nodes, 1) / BASE_NODES))
+
+
+def derive(nodes: int, ranks: int) -> Scaled:
+    """The rule's values for `nodes` nodes running `ranks` ranks in all."""
+    d = doublings(nodes)
+    per_node = ranks / max(nodes, 1)
+    return Scaled(
+        collective_timeout=dist_timeout_s(nodes),
+        fanout=min(max(nodes, 64), 256),
+        lost_timeout=round(30.0 + 30.0 * d, 1),
+        suspect_s=round(2.0 + 1.0 * d, 1),
+        probe_s=round(1.0 + 0.5 * d, 1),
+        snapshot_wait=round((10.0 + 5.0 * d) * max(1.0, per_node / 8), 1),
+        hang_timeout=round(300.0 + 60.0 * d, 1),
+    )
+
+
+def resolve(nodes: int, ranks: int, given: dict[str, float | int]) -> tuple[Scaled, dict[str, str]]:
+    """The rule's values with the user's given ones laid over them (`given`: setting -> value, for
+    the settings a flag or the inventory set), and where each came from: "derived" or "given"."""
+    known = {f.name for f in dataclasses.fields(Scaled)}
+    unknown = set(given) - known
+    if unknown:
+        raise ValueError(f"not a scaled setting: {', '.join(sorted(unknown))}")
+    values = dataclasses.replace(derive(nodes, ranks), **given)
+    return values, {k: "given" if k in given else "derived" for k in sorted(known)}
+
+
+def lines(values: Scaled, source: dict[str, str]) -> list[str]:
+    """`train --dry-run`'s lines for the settings, one each: name, value, where it came from."""
+    out = []
+    for key, (name, how) in WHAT.items():
+        v = getattr(values, key)
+        shown = f"{v}" if key == "fanout" else f"{v:g} s"
+        came = "given" if source.get(key) == "given" else f"derived{f' (set with {how})' if how != '-' else ''}"
+        out.append(f"  {name:<19}{shown:>10}  {came}")
+    return out
+
+
+def record_doc(spec) -> dict:
+    """The run record's `scaling` (runs/record.py Book.scaled): the node and rank counts train
+    derived from, where each setting came from, and the values the run uses (its RunSpec's; the
+    collective timeout as train resolved it, since the nodes' environment carries it)."""
+    doc = dict(spec.scaling)
+    doc["values"] = {**doc.get("values", {}), "fanout": spec.fanout, "lost_timeout": spec.lost_timeout,
+                     "suspect_s": spec.suspect_s, "probe_s": spec.probe_s, "snapshot_wait": spec.snapshot_wait,
+                     "hang_timeout": spec.hang_timeout}
+    return doc

@@ -1,0 +1,116 @@
+"""The settings that grow with the cluster (runs/scaling.py): the rule's table, its growth, the
+user's values over it, and `train --dry-run`, which shows them and starts nothing."""
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.runs import scaling
+from orchestrator.runs.scaling import Scaled, derive, resolve
+
+# nodes -> (collective timeout, fan-out, lost timeout, suspect after, probe timeout, snapshot wait,
+# hang timeout), 8 ranks a node: the table in runs/scaling.py's docstring, and the seeds' NCCL
+# timeouts (1 node 1 h, 2-7 nodes 2 h, 8 and more 4 h)
+TABLE = {
+    1: (3600, 64, 30.0, 2.0, 1.0, 10.0, 300.0),
+    2: (7200, 64, 30.0, 2.0, 1.0, 10.0, 300.0),
+    8: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0),
+    64: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0),
+    128: (14400, 128, 60.0, 3.0, 1.5, 15.0, 360.0),
+    256: (14400, 256, 90.0, 4.0, 2.0, 20.0, 420.0),
+    1024: (14400, 256, 150.0, 6.0, 3.0, 30.0, 540.0),
+}
+
+
+@pytest.mark.parametrize("nodes", sorted(TABLE))
+def test_the_rule_at_each_size(nodes):
+    assert dataclasses.astuple(derive(nodes, 8 * nodes)) == TABLE[nodes]
+
+
+def test_every_setting_grows_with_the_cluster_and_never_shrinks():
+    sizes = list(range(1, 1100, 7))
+    rows = [derive(n, 8 * n) for n in sizes]
+    for f in dataclasses.fields(Scaled):
+        seen = [getattr(r, f.name) for r in rows]
+        assert seen == sorted(seen), f.name
+        assert seen[-1] > seen[0] or f.name == "collective_timeout" and seen[-1] == 14400, f.name
+
+
+def test_more_ranks_a_node_wait_longer_for_their_snapshot():
+    assert derive(64, 64 * 8).snapshot_wait == 10.0
+    assert derive(64, 64 * 16).snapshot_wait == 20.0
+    assert derive(256, 256 * 16).snapshot_wait == 40.0
+    assert derive(4, 4).snapshot_wait == 10.0  # fewer ranks than GPUs: never below the base
+
+
+def test_a_given_value_wins_and_is_said_to_be_given():
+    values, source = resolve(256, 2048, {"fanout": 16, "lost_timeout": 20.0})
+    assert (values.fanout, values.lost_timeout) == (16, 20.0)
+    assert values.suspect_s == derive(256, 2048).suspect_s
+    assert source["fanout"] == source["lost_timeout"] == "given" and source["suspect_s"] == "derived"
+    with pytest.raises(ValueError, match="not a scaled setting: fanin"):
+        resolve(8, 64, {"fanin": 3})
+
+
+def write(tmp_path, n, **extra):
+    nodes = [{"name": f"gpu{i:03d}", "host": f"10.0.{i // 250}.{i % 250 + 1}", "gpus": 8} for i in range(n)]
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump({"nodes": nodes, **extra}))
+    return path
+
+
+def test_dry_run_shows_the_derived_settings_and_starts_nothing(tmp_path, home, capsys):
+    path = write(tmp_path, 256)
+    assert main(["train", "-i", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "train --dry-run: nothing was started" in out
+    assert "world size 2048 on 256 nodes: rank 0-7 → gpu000 (10.0.0.1)" in out
+    assert "settings for 256 nodes and 2048 ranks" in out
+    for line in ("  fan-out                   256  derived (set with --fanout)",
+                 "  lost timeout             90 s  derived (set with --lost-timeout)",
+                 "  suspect after             4 s  derived",
+                 "  snapshot wait            20 s  derived",
+                 "  collective timeout    14400 s  derived (set with inventory env NCCL_TIMEOUT)"):
+        assert line in out.splitlines(), out
+    assert not (home / "runs").exists()  # no run recorded, no supervisor
+
+
+def test_dry_run_keeps_the_flags_and_the_inventorys_values(tmp_path, home, capsys):
+    path = write(tmp_path, 128, env={"NCCL_TIMEOUT": "600"}, train={"hang_timeout": 45})
+    assert main(["train", "-i", str(path), "--dry-run", "--json", "--fanout", "8", "--lost-timeout", "12"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and doc["dry_run"] is True
+    s = doc["scaling"]
+    assert (s["nodes"], s["ranks"]) == (128, 1024)
+    assert s["values"] == {"collective_timeout": 600, "fanout": 8, "lost_timeout": 12.0, "suspect_s": 3.0,
+                           "probe_s": 1.5, "snapshot_wait": 15.0, "hang_timeout": 45.0}
+    assert {k for k, v in s["source"].items() if v == "given"} == {"collective_timeout", "fanout", "lost_timeout",
+                                                                   "hang_timeout"}
+    # the flag over the inventory's train.hang_timeout
+    assert main(["train", "-i", str(path), "--dry-run", "--json", "--hang-timeout", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["scaling"]["values"]["hang_timeout"] == 0
+
+
+def test_spares_are_not_counted(tmp_path, home, capsys):
+    path = write(tmp_path, 4)
+    doc = yaml.safe_load(path.read_text())
+    doc["nodes"][3]["spare"] = True
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["train", "-i", str(path), "--dry-run", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["scaling"]
+    assert (s["nodes"], s["ranks"]) == (3, 24)
+
+
+def test_the_record_carries_what_the_run_uses():
+    from orchestrator.runs.spec import RunSpec
+    values, source = resolve(128, 1024, {"fanout": 8})
+    spec = RunSpec(fanout=8, lost_timeout=values.lost_timeout, suspect_s=values.suspect_s, probe_s=values.probe_s,
+                   snapshot_wait=values.snapshot_wait, hang_timeout=values.hang_timeout,
+                   scaling={"nodes": 128, "ranks": 1024, "values": dataclasses.asdict(values), "source": source})
+    doc = scaling.record_doc(spec)
+    assert doc["values"]["fanout"] == 8 and doc["values"]["suspect_s"] == 3.0 and doc["source"]["fanout"] == "given"
+    assert spec.cluster_options()["suspect_s"] == 3.0 and spec.cluster_options()["probe_s"] == 1.5
+    assert RunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec  # spec.json round trip
