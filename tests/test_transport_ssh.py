@@ -224,3 +224,24 @@ def test_an_ssh_proc_offers_a_list_of_fds_and_types_a_lost_connection(make_clust
         with pytest.raises(ConnectionLost):
             conn.exec("true")
     cluster.nodes[0].link_up()
+
+
+def test_a_larger_clusters_suspect_and_probe_times_are_the_ones_used(make_cluster):
+    """A cluster given longer suspect and probe times (runs/scaling.py, past 64 nodes) makes a
+    silent node a suspect only after its own suspect time, and probes it with its own timeout."""
+    import re
+    import threading
+    cluster = make_cluster(2)
+    inv = inv_of(cluster)
+    with Cluster(inv, lost_timeout=60, suspect_s=5.0, probe_s=0.5) as c:
+        t = threading.Timer(1.0, cluster.nodes[1].link_down)
+        t.start()
+        try:
+            r = c.run(lambda n: "sleep 60" if n.rank == 1 else "sleep 8", timeout=45)
+        finally:
+            t.join()
+            cluster.nodes[1].link_up()
+    err = r["node2"].error or ""
+    assert "(no TCP handshake within 0.5s) while node1 does" in err, err
+    silent = float(re.search(r"no answer for ([\d.]+)s", err).group(1))
+    assert silent >= 5.0, err  # not a suspect before its suspect time (the default is 2 s)
