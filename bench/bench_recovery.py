@@ -3,12 +3,13 @@
     sudo .venv/bin/python bench/bench_recovery.py [--victim 2] [--overhead-steps 60] [--repeat 2]
 
 Recovery (5 test nodes, node5 `spare: true`, preset nano, a checkpoint every 10 steps,
-`--max-restarts 1 --lost-timeout 5`, with the fast preflight): once a checkpoint has reached the
+`--max-restarts 1`, every other setting at its default (the lost-node rule on evidence, the fast
+preflight on): once a checkpoint has reached the
 control machine, one node's link is cut for good. The run must finish (exit 0) on the spare.
 Every line of every node's log is timestamped as it arrives in the run directory, and
 run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
 
-  detection   link cut → the supervisor records the node lost (bounded by --lost-timeout)
+  detection   link cut → the supervisor records the node lost (on evidence; --lost-timeout 30 s the backstop)
   teardown    → attempt 1 ended (the other nodes stopped, their logs drained)
   relaunch    → attempt 2 began
   prepare     the spare claimed and brought to the run's code, node to node (runs/spares.py)
@@ -70,7 +71,7 @@ def recovery(victim: int, steps: int) -> dict:
             "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
                      "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
                      "--output-dir", "out"]})
-        proc = start(home, "train", "-i", inv, "--lost-timeout", "5")
+        proc = start(home, "train", "-i", inv)
         try:
             run_dir = run_dir_of(home)
             clock = LogClock(run_dir / "nodes")

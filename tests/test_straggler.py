@@ -310,6 +310,7 @@ def test_the_watch_judges_a_script_without_compute_per_collective_and_measures_t
     assert told2 == []
 
 
+@pytest.mark.slow
 def test_a_rank_reporting_no_compute_answers_with_its_flight_recorder_entry_times(tmp_path):
     """The hook's `_entered` over a real gloo process group (one rank): its newest collectives,
     with their sequence numbers and creation times, no stack traces."""
