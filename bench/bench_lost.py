@@ -23,11 +23,9 @@ The nodes share this machine's cores; no assertions, this prints figures.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,31 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.harness import cli, record, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 DDP = str(REPO / "tests" / "scripts" / "ddp_tiny.py")
-
-
-def cli(home: Path, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env, stdin=subprocess.DEVNULL)
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if v := pred():
-            return v
-        time.sleep(0.05)
-    raise SystemExit(f"bench: timed out after {timeout}s waiting for {what}")
-
-
-def record(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def has(path: Path, needle: bytes) -> bool:

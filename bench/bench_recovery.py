@@ -3,12 +3,13 @@
     sudo .venv/bin/python bench/bench_recovery.py [--victim 2] [--overhead-steps 60] [--repeat 2]
 
 Recovery (5 test nodes, node5 `spare: true`, preset nano, a checkpoint every 10 steps,
-`--max-restarts 1 --lost-timeout 5`, with the fast preflight): once a checkpoint has reached the
+`--max-restarts 1`, every other setting at its default (the lost-node rule on evidence, the fast
+preflight on): once a checkpoint has reached the
 control machine, one node's link is cut for good. The run must finish (exit 0) on the spare.
 Every line of every node's log is timestamped as it arrives in the run directory, and
 run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
 
-  detection   link cut → the supervisor records the node lost (bounded by --lost-timeout)
+  detection   link cut → the supervisor records the node lost (on evidence; --lost-timeout 30 s the backstop)
   teardown    → attempt 1 ended (the other nodes stopped, their logs drained)
   relaunch    → attempt 2 began
   prepare     the spare claimed and brought to the run's code, node to node (runs/spares.py)
@@ -34,85 +35,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.harness import LogClock, run_dir_of, start, wait_for  # noqa: E402
+from bench.harness import text_of as _text  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")
 STARTUP = re.compile(r"^startup ([\d.]+) s: (.*)$")
-
-
-class LogClock:
-    """Timestamps each line of runs/RUN/nodes/*.log as it arrives (polled every 20 ms)."""
-
-    def __init__(self, nodes_dir: Path):
-        self.dir, self.lines = nodes_dir, {}  # node -> [(arrival, text)]
-        self._pos, self._buf = {}, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self):
-        while not self._stop.wait(0.02):
-            self.poll()
-
-    def poll(self):
-        now = time.time()
-        for path in self.dir.glob("*.log") if self.dir.is_dir() else ():
-            node = path.stem
-            with open(path, "rb") as f:
-                f.seek(self._pos.get(node, 0))
-                data = f.read()
-            self._pos[node] = self._pos.get(node, 0) + len(data)
-            buf = self._buf.get(node, b"") + data
-            *done, self._buf[node] = buf.split(b"\n")
-            self.lines.setdefault(node, []).extend((now, ln.decode(errors="replace")) for ln in done)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.poll()
-
-
-def _text(line: str) -> str:
-    """A log line without its rank prefix (`[0]:` or `r0 | `)."""
-    return re.sub(r"^(?:\[[A-Za-z_]*\d+\]:|\S+/r\d+ +\| )", "", line).strip()
-
-
-def cli(home: Path, *args, timeout=600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-
-
-def start(home: Path, *args) -> subprocess.Popen:
-    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if v := pred():
-            return v
-        time.sleep(0.05)
-    raise SystemExit(f"bench: timed out after {timeout}s waiting for {what}")
-
-
-def run_dir_of(home: Path) -> Path:
-    return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
-                    if (home / "runs").exists() else None, 120, "the run directory")
 
 
 def write_inventory(cluster, path: Path, train: dict, spare: bool) -> str:
@@ -134,7 +71,7 @@ def recovery(victim: int, steps: int) -> dict:
             "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
                      "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
                      "--output-dir", "out"]})
-        proc = start(home, "train", "-i", inv, "--lost-timeout", "5")
+        proc = start(home, "train", "-i", inv)
         try:
             run_dir = run_dir_of(home)
             clock = LogClock(run_dir / "nodes")

@@ -108,6 +108,16 @@ def kill_supervisors(h: Path) -> None:
             continue
 
 
+def write_record(run, **changes) -> dict:
+    """A test's hand on a run's record: run.json with `changes` merged in, written as is. The
+    product writes the record only through runs/record.py's Book (named transitions)."""
+    from orchestrator.runs.store import write_json
+
+    doc = dict(run.record, **changes)
+    write_json(run.dir / "run.json", doc)
+    return doc
+
+
 def wait_for(pred, timeout=10.0, what="the condition", interval=0.1):
     """Poll pred() until it returns something truthy, and return that; fail the test naming
     `what` after `timeout` seconds. A wait on a condition, never a sleep that hopes."""

@@ -149,6 +149,7 @@ def writer(tmp_path):
     p.wait()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_rewritten_every_tenth_of_a_second_is_snapshotted_whole_while_the_job_runs(
         copier, writer, tmp_path):
     """Under the quiet rule (5 s unchanged) this file is never complete. Now every look takes the

@@ -188,6 +188,7 @@ def test_a_tree_goes_onto_a_node_range_and_comes_back_the_same(tmp_path, local3)
     assert r.returncode == 0 and (tmp_path / "w1" / "renamed.sh").read_bytes() == (tmp_path / "src" / "run.sh").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_missing_path_or_a_bad_spec_is_one_paragraph_and_an_exit_code(tmp_path, local3):
     r = cli("cp", "-i", local3, "--json", "n1:nosuch", str(tmp_path / "x"), home=tmp_path / "h")
     assert r.returncode == 1 and b"nosuch does not exist on n1" in r.stderr and b"Traceback" not in r.stderr

@@ -62,6 +62,7 @@ def test_each_part_is_frozen_where_written_and_replicated_to_the_next_node_and_o
     assert reps.tick(["n0", "n1"], final=True) is None
 
 
+@pytest.mark.slow
 def test_a_restore_puts_the_parts_together_on_every_node_from_an_intact_holder(reps, tmp_path):
     w0, w1 = tmp_path / "w0" / "out", tmp_path / "w1" / "out"
     (w0 / "ckpt.pt").write_bytes(b"one")
@@ -96,6 +97,7 @@ def test_a_restore_puts_the_parts_together_on_every_node_from_an_intact_holder(r
                               newer_than=reps.store.doc("snap-000002")["taken"]) is None
 
 
+@pytest.mark.slow
 def test_old_snapshots_leave_the_nodes_with_their_manifests(reps, tmp_path):
     w0 = tmp_path / "w0" / "out"
     for i in range(5):

@@ -205,3 +205,15 @@ def test_a_cluster_that_cannot_recover_from_any_chosen_fault_starts_nothing(tmp_
     assert "drill: hang: skipped: no spare left for it (the inventory has 0" in r.stdout
     assert "nothing was started" in r.stdout and "Traceback" not in r.stderr
     assert not (home / "runs").exists() or not any((home / "runs").iterdir())
+
+
+def test_a_train_that_does_not_return_ends_the_drill_in_one_paragraph(monkeypatch, capsys):
+    """`train --detach` stuck past the drill's wait: a message and exit 1, never TimeoutExpired's traceback."""
+    from orchestrator.cli import drill
+
+    monkeypatch.setattr(drill, "START_WAIT_S", 0.5)
+    run_id, rc = drill._start([sys.executable, "-c", "import time; time.sleep(30)"])
+    assert (run_id, rc) == (None, 1)
+    err = capsys.readouterr().err
+    assert "did not return within 0 s" in err or "did not return within 1 s" in err
+    assert "clusterctl stop RUN" in err

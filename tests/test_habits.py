@@ -17,6 +17,7 @@ from orchestrator.errors import InventoryError
 from orchestrator.inventory import MAX_NODES, parse_inventory
 from orchestrator.inventory.ansible import ansible_to_yaml
 from orchestrator.inventory.ranges import range_size
+from tests.conftest import write_record
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
 
@@ -266,7 +267,7 @@ def _ended_run(home, monkeypatch, **rec):
     from orchestrator.runs.store import Run, new_run_id
 
     run = Run.create(new_run_id("n"), RunSpec(cwd=str(home)))
-    run.update(**rec)
+    write_record(run, **rec)
     return run
 
 

@@ -59,6 +59,7 @@ def test_two_ranks_in_different_collectives_are_a_mismatch_and_no_node_is_blamed
     assert v.mismatch and v.nodes == ()  # the script's own bug: a restart elsewhere hangs again
 
 
+@pytest.mark.slow
 def test_a_mismatch_names_the_collective_most_ranks_entered_whatever_the_hash_seed():
     """The verdict's collective was taken from a set of names, whose order changes with
     PYTHONHASHSEED: the cluster test read gloo:broadcast (the odd rank's) about half the time."""
@@ -172,6 +173,7 @@ LAUNCH_SH = ("import os, subprocess, sys; subprocess.run(['/bin/sh', '-c', '\"$0
              "sys.executable], env=dict(os.environ, RANK='0', LOCAL_RANK='0'))")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", [LAUNCH, LAUNCH_SH], ids=["python", "under-a-shell"])
 def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(agent, launch):
     spec = {"argv": [sys.executable, "-c", launch], "cwd": str(agent.home), "env": {"CHILD": RANK},

@@ -6,6 +6,8 @@ between a check's two snapshots is taken out."""
 import json
 import threading
 
+import pytest
+
 from orchestrator.runs.hangsnap import Frame, RankSnap
 from orchestrator.runs.hangwatch import EDGE_S, HangWatch
 from tests.conftest import wait_for
@@ -190,6 +192,7 @@ def test_nothing_is_watched_before_the_first_answer_or_line(tmp_path):
     assert w.armed
 
 
+@pytest.mark.slow
 def test_the_watch_thread_finds_a_hang_and_stops_on_close(tmp_path):
     w, calls, found, _ = watch(tmp_path, stopped_shots)
     w.stop = threading.Event()  # the real pause

@@ -571,6 +571,7 @@ PARAGRAPH = re.compile(r"\Aclusterctl: error: (?P<path>[^\n]*?):(?P<line>\d+): [
 @settings(max_examples=CASES, deadline=None, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
+@pytest.mark.slow
 @given(data=st.data())
 def test_any_inventory_is_valid_or_one_paragraph_exit_2(fuzz_seed, worker, tmp_path_factory, data):
     try:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from orchestrator.cli.runs import _Show
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
@@ -12,6 +14,7 @@ from orchestrator.runs.store import Run
 MAP = "world size 2 on 2 nodes: rank 0 → local0 (127.0.0.1), rank 1 → local1 (127.0.0.1)"
 
 
+@pytest.mark.slow
 def test_a_failed_preflight_shows_its_table_without_a_rank_map(tmp_path):
     inv = tmp_path / "local.yaml"
     inv.write_text("nodes:\n" + "".join(f"  - {{name: local{i}, connection: local, gpus: 64}}\n" for i in (0, 1)))

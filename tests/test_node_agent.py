@@ -359,6 +359,7 @@ time.sleep(30)
 """
 
 
+@pytest.mark.slow
 def test_a_stop_gives_torchrun_a_moment_not_seconds_once_its_workers_are_gone(agent):
     start(agent, "l1@n1", LINGERER)
     d = rundir(agent, "l1@n1")
@@ -440,6 +441,7 @@ sys.exit(subprocess.Popen([sys.executable, "-c", {SAVER!r}]).wait())
 """
 
 
+@pytest.mark.slow
 def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(agent):
     """The worker (not the launcher) is asked to stop and has the whole grace to checkpoint and
     end on its own; its launcher then ends with its verdict (0), not signalled (torchrun's 1) nor

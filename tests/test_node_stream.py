@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from orchestrator import probe
 from orchestrator.runs import agent, logcopy
 from orchestrator.runs.agent import AgentStatus, StreamFrom
@@ -73,6 +75,7 @@ def records(proc, stop_after=None):
     return out
 
 
+@pytest.mark.slow
 def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_copy_ends(tmp_path):
     key = "ns1@n1"
     start_job(tmp_path, key)
@@ -112,6 +115,7 @@ def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_
     assert [c["name"] for c in lists[-1]] == ["ckpt_00000012.pt", "ckpt_00000008.pt", "ckpt_00000004.pt"]
 
 
+@pytest.mark.slow
 def test_without_a_checkpoint_directory_only_log_tensorboard_and_status(tmp_path):
     key = "ns2@n1"
     start_job(tmp_path, key)
@@ -130,6 +134,7 @@ time.sleep(6)
 """
 
 
+@pytest.mark.slow
 def test_with_progress_s_the_stream_carries_the_ranks_progress_and_without_it_none(tmp_path):
     """The straggler watch's source: every PROGRESS_S s the stream asks the ranks' hooks, in its own
     process, and sends the answers (`snapshot ... progress`'s document) as records; a stream asked

@@ -28,6 +28,7 @@ def test_tiny_exact():
     assert P.param_count(P.model_spec("medium")) == 354_823_168
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(P.PRESETS))
 def test_closed_form_matches_transformers(preset):
     m = P.model_spec(preset)

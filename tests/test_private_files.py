@@ -21,7 +21,7 @@ from orchestrator.inventory import parse_inventory
 from orchestrator.runs.checkpoints import LOADER
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, run_umask, write_json
-from tests.conftest import wait_for
+from tests.conftest import wait_for, write_record
 
 COMMON = probe.common()
 SHARE = {COMMON.GROUP_ENV: "1"}
@@ -61,7 +61,7 @@ def test_a_run_directory_and_its_records_are_the_users_alone(home, keep_umask):
     assert modes(run.dir) == {".": 0o700, "nodes": 0o700, "spec.json": 0o600, "run.json": 0o600}
     # what the supervisor writes later takes its umask: the run's
     run_umask(run.spec)
-    run.update(state="running")
+    write_record(run, state="running")
     run.request_stop(1.0, "me")
     run.node_log("n1").write_bytes(b"x")
     (run.dir / "checkpoints" / "ckpt_00000010").mkdir(parents=True)

@@ -18,6 +18,7 @@ from orchestrator.runs.linefold import LineFold
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
 from orchestrator.runs.logcopy import LogCopier
+from tests.conftest import write_record
 
 NODES = [f"n{i}" for i in range(1, 9)]  # 8 nodes x 8 ranks = 64 ranks
 
@@ -116,7 +117,7 @@ def expected(rank):
 def make_run(tmp_path, monkeypatch):
     monkeypatch.setenv("CLUSTERCTL_HOME", str(tmp_path / "home"))
     run = Run.create("r-ranks", RunSpec())
-    run.update(state="running", nodes=[{"name": n, "rank": i, "host": n, "first_rank": 8 * i, "last_rank": 8 * i + 7}
+    write_record(run, state="running", nodes=[{"name": n, "rank": i, "host": n, "first_rank": 8 * i, "last_rank": 8 * i + 7}
                                        for i, n in enumerate(NODES)])
     return run
 
@@ -178,7 +179,7 @@ def ended_run(tmp_path, monkeypatch):
     run = make_run(tmp_path, monkeypatch)
     for i, name in enumerate(NODES):
         run.node_log(name).write_text(node_text(i))
-    run.update(state="finished", exit_code=0, rank_map="rank map: n1 0-7, ...")
+    write_record(run, state="finished", exit_code=0, rank_map="rank map: n1 0-7, ...")
     return run
 
 

@@ -22,6 +22,7 @@ from orchestrator.transport import (
     first_line,
     stream,
 )
+from tests.conftest import write_record
 
 
 pytestmark = pytest.mark.usefixtures("home")  # every test gets its own CLUSTERCTL_HOME
@@ -72,7 +73,7 @@ def test_states_are_readable_strings_in_the_record(home):
     assert f"{NodeState.RUNNING}" == "running"
     run = Run.create("r-2", RunSpec())
     assert run.state() is RunState.STARTING and not run.terminal
-    run.update(state=RunState.FAILED, nodes=[st.to_json()])
+    write_record(run, state=RunState.FAILED, nodes=[st.to_json()])
     assert json.loads((run.dir / "run.json").read_text())["state"] == "failed"
     assert run.terminal and run.nodes() == [st]
 

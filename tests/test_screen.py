@@ -17,6 +17,7 @@ from orchestrator.runs.linefold import LineFold
 from orchestrator.runs.screen import Screen
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
 from orchestrator.runs.store import Run
+from tests.conftest import write_record
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CRASH3 = FIXTURES / "torchrun_crash"  # node1..3, one rank each
@@ -168,7 +169,7 @@ def crash_run(tmp_path, monkeypatch) -> Run:
     log = (CRASH3 / "node1.log").read_bytes()
     summary = root_cause(FirstFailure("node1", 1, "the training script failed", 0.0, None), NodeStatus("node1", 0, "h", first_rank=0),
                          log)
-    run.update(state="failed", exit_code=1, nodes=nodes, rank_map="world size 3", summary=summary,
+    write_record(run, state="failed", exit_code=1, nodes=nodes, rank_map="world size 3", summary=summary,
                first_failure={"node": "node1", "exit_code": 1})
     return run
 

@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from orchestrator.pyenv.resolve import Lock, Target, _build_lock
 from orchestrator.pyenv.selfwheel import IMPORT_CHECK, NODE_PACKAGES, addition, node_wheel, package_files
 
@@ -101,6 +103,7 @@ def test_the_node_wheel_joins_the_lock_and_travels_even_online(tmp_path):
     assert lock.files()[add.file] == (f"wheels/{add.file}", mine["sha256"], mine["size"])
 
 
+@pytest.mark.slow
 def test_an_online_node_takes_the_wheel_made_here_from_its_cache(tmp_path):
     """--online: the node's index serves the locked files, but no index has the wheel made here;
     it came with the lock into the node's wheel cache and is installed from there, both checked by

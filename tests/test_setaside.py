@@ -145,6 +145,7 @@ def cli(*args, cwd):
                           timeout=60, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_resume_from_takes_what_the_run_ran_from_its_record_and_flags_given_again_win(tmp_path, home, monkeypatch):
     """`train --resume-from RUN` alone: RUN's script and arguments, --checkpoint-dir and
     --resume-args from its record, said; each flag given again wins. RUN without a snapshot: one

@@ -201,6 +201,7 @@ def built(venv: Path) -> list[str]:
     return sorted(x for x in os.listdir(venv.parent / (venv.name + ".d")) if not x.startswith("."))
 
 
+@pytest.mark.slow
 def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp_path):
     venv, root = tmp_path / "venvs" / "t", tmp_path / "cache"
     first, h1 = cache(root, {"alpha": "1.0"})
@@ -245,6 +246,7 @@ def test_node_script_builds_switches_skips_and_keeps_the_old_venv_on_failure(tmp
     assert sorted(probe["cache"]) == (["tools/uv"] if uv_binary() else []) + ["wheels/alpha-4.0-py3-none-any.whl"]
 
 
+@pytest.mark.slow
 def test_node_script_falls_back_to_venv_and_pip_without_uv(tmp_path):
     venv = tmp_path / "v"
     short, h = cache(tmp_path / "cache", {"alpha": "1.0"}, with_uv=False)
@@ -304,6 +306,7 @@ def test_the_cache_key_follows_included_files(tmp_path):
         inputs(tmp_path / "missing.txt")
 
 
+@pytest.mark.slow
 def test_setup_command_on_local_nodes_from_a_local_wheel(tmp_path, monkeypatch, capsys):
     """The whole command without a cluster or an index: two local nodes (one machine, so one
     venv), a requirements file that names its own wheel directory."""
@@ -344,6 +347,7 @@ def test_pip_wheel_only_where_this_machine_could_pick_for_the_nodes():
     assert f"manylinux_2_17_{arch}" in other
 
 
+@pytest.mark.slow
 def test_online_nodes_download_exactly_the_locked_files_from_their_index(tmp_path, monkeypatch, capsys):
     """--online ships only the lock; the node's index (UV_DEFAULT_INDEX from the inventory's env,
     a file:// simple index here) serves the wheel, and a file that is not the locked one is refused."""

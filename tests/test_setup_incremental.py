@@ -92,6 +92,7 @@ def test_what_a_change_reaches_is_read_from_the_requirements_of_both_locks():
     assert changes(same, {"hash": "h", "requirements": []})[3] == ["side", "top"]  # a record without wheels
 
 
+@pytest.mark.slow
 def test_a_wheel_damaged_in_place_is_found_removed_and_shipped_again(tmp_path):
     """The index trusts a cached wheel whose size and time did not change; when the installer then
     fails (or with --force, before building), every wheel is checked and a damaged one removed,
@@ -154,6 +155,7 @@ def test_an_added_line_is_resolved_alone_and_every_previous_pin_stays(tmp_path, 
     assert versions(resolve(req, here(), root=root, refresh=True)) == {"alpha": "2.0", "beta": "1.0"}
 
 
+@pytest.mark.slow
 def test_an_added_line_that_conflicts_with_the_pins_resolves_the_whole_file(tmp_path, index):
     req, root = tmp_path / "req.txt", tmp_path / "home"
     req.write_text("--no-index\n--find-links wheels\nalpha\n")
@@ -187,6 +189,7 @@ def test_comments_or_a_new_node_side_alone_run_no_pip(tmp_path, index, monkeypat
     assert [w["file"] for w in moved.wheels if w.get("local")] == [two["file"]]
 
 
+@pytest.mark.slow
 def test_setup_on_a_local_node_ships_only_the_added_wheel(tmp_path, monkeypatch, capsys):
     """The whole command: the second setup after adding one line ships that wheel (and the new
     lock), nothing else, and the venv gains it."""

@@ -6,6 +6,8 @@ node: the step, its bytes, its time so far). Run on a local node with a wheel wh
 import io
 import time
 
+import pytest
+
 from orchestrator.inventory import load_inventory
 from orchestrator.pyenv import requirements_path
 from orchestrator.pyenv.nodes import setup_nodes
@@ -22,6 +24,7 @@ class Recorded(SyncEvents):
         self.steps.append((time.monotonic(), node, what, nbytes))
 
 
+@pytest.mark.slow
 def test_each_install_step_is_told_as_it_starts_with_its_bytes(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()

@@ -185,6 +185,36 @@ def test_a_rank_answers_a_progress_request_with_its_newest_steps_and_no_stacks(a
         agent("stop", "sp1@n1", 1)
 
 
+
+def test_a_rank_stopped_when_asked_answers_its_progress_once_it_runs_again(agent):  # noqa: F811
+    """A rank throttled by stops (the drill's straggler) is asked for its progress all the same; it
+    answers when it runs again within the wait (for its stacks it is not asked: test_hang.py)."""
+    import signal
+    import threading
+
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(agent.home), "env": {"CHILD": RANK}, "hook": HOOK}
+    r = agent("start", "sp2@n1", json.dumps(spec).encode().hex())
+    assert r.returncode == 0, r.stderr
+    d = rundir(agent, "sp2@n1")
+    try:
+        assert wait_for(lambda: b"ready" in (d / "log").read_bytes(), timeout=60), (d / "log").read_bytes()
+        pid = json.loads(agent("snapshot", "sp2@n1", 1, 20, "progress").stdout)["ranks"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 10, "the stop")
+        later = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
+        later.start()
+        try:
+            doc = json.loads(agent("snapshot", "sp2@n1", 2, 20, "progress").stdout)
+        finally:
+            later.join()
+            os.kill(pid, signal.SIGCONT)
+        [rank] = doc["ranks"]
+        assert "error" not in rank, rank
+        assert rank["answer"]["steps"] == [[s, s / 100] for s in range(1, 8)]
+    finally:
+        agent("stop", "sp2@n1", 1)
+
+
 class FakeClock:
     def __init__(self):
         self.now = 100.0
@@ -310,6 +340,7 @@ def test_the_watch_judges_a_script_without_compute_per_collective_and_measures_t
     assert told2 == []
 
 
+@pytest.mark.slow
 def test_a_rank_reporting_no_compute_answers_with_its_flight_recorder_entry_times(tmp_path):
     """The hook's `_entered` over a real gloo process group (one rank): its newest collectives,
     with their sequence numbers and creation times, no stack traces."""

@@ -280,6 +280,7 @@ def test_a_push_waits_out_the_second_its_newest_file_was_written_in(tmp_path):
     assert len(slept) == 1
 
 
+@pytest.mark.slow
 def test_a_same_size_edit_in_the_second_of_the_last_sync_is_pushed(tmp_path, monkeypatch):
     """CI's failure at 77c278d: write, sync, edit to the same size, all in one second. The copy
     carried that second's mtime, the second sync's quick check (size and whole-second mtime, like

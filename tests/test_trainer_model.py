@@ -118,6 +118,7 @@ def test_checkpoints_load_both_ways():
     assert torch.equal(back(input_ids=x).logits, ours(x))
 
 
+@pytest.mark.slow
 def test_starting_the_trainer_imports_no_transformers(tmp_path):
     """Importing transformers was most of every launch's start-up (15 s of 19 s on the test
     cluster): the model, the tokenizers and the loop must not pull it in."""
@@ -145,6 +146,7 @@ def _trained_reference(cfg):
     return ref, opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy_buffers", [False, True])
 def test_a_checkpoint_of_transformers_model_resumes(tmp_path, legacy_buffers):
     """A checkpoint the trainer wrote around GPT2LMHeadModel resumes into its own GPT-2: the same
@@ -176,6 +178,7 @@ def test_a_checkpoint_of_transformers_model_resumes(tmp_path, legacy_buffers):
     assert torch.equal(ours(x), ref(input_ids=x).logits)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_stops_the_trainer_with_one_sentence(tmp_path):
     """Resuming a checkpoint of other sizes fails on its first line, naming the checkpoint, what
     does not fit and the flags it was written with; not a traceback of load_state_dict."""

@@ -139,6 +139,7 @@ def test_a_failed_write_raises_a_clear_error_and_leaves_nothing_half_written(tmp
     saver.close()
 
 
+@pytest.mark.slow
 def test_a_failed_write_fails_the_run_with_one_sentence(tmp_path):
     os.mkdir(tmp_path / "ckpt_00000004.pt")
     r = subprocess.run([sys.executable, "-m", "trainer", "--output-dir", str(tmp_path), "--max-steps", "40",
@@ -217,6 +218,7 @@ class Trainer:
         return [n for n in os.listdir(self.out) if ".tmp" in n]
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_write_in_flight_finishes_it_then_saves_and_exits_0(tmp_path):
     t = Trainer(tmp_path, "--ckpt-every", "3")
     try:
@@ -239,6 +241,7 @@ def test_sigterm_with_a_write_in_flight_finishes_it_then_saves_and_exits_0(tmp_p
     assert not t.temp_files()
 
 
+@pytest.mark.slow
 def test_sigkill_with_a_write_in_flight_leaves_the_previous_checkpoint_newest(tmp_path):
     """The stop's grace ran out mid-write: the held checkpoint stays a temp file, those written
     before it are complete and intact, and a restart resumes from the newest of them."""
@@ -302,6 +305,7 @@ def _same(a, b):
     return a == b
 
 
+@pytest.mark.slow
 def test_resume_from_a_background_written_checkpoint_is_bit_identical(tmp_path):
     """The same run with background writes and with --sync-ckpt: every checkpoint holds the same
     tensors (model, optimizer, RNG states: dropout is on); resumed from the background-written

@@ -106,6 +106,7 @@ def test_closed_form_matches_the_real_model(preset, n):
     (["--tokenizer", "/nonexistent/tok"], "neither 'byte', 'gpt2' nor a local directory"),
     (["--resume", "/nonexistent/ckpt.pt"], "does not exist"),
 ])
+@pytest.mark.slow
 def test_user_errors_exit_2_without_traceback(args, words):
     r = cli(*args)
     assert r.returncode == 2
@@ -118,6 +119,7 @@ def test_empty_data_dir_is_a_usage_error(tmp_path):
     assert r.returncode == 2 and "no .txt or .jsonl" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_local_hf_tokenizer_directory(tmp_path):
     """--tokenizer PATH: any tokenizer saved with save_pretrained, loaded offline."""
     from transformers import PreTrainedTokenizerFast
@@ -137,6 +139,7 @@ def test_fp16_on_cpu_is_refused_unless_asked_for():
         check_precision(parse_args(["--precision", "fp16"]), "cpu")
 
 
+@pytest.mark.slow
 def test_fp16_on_a_cpu_only_run_exits_2_naming_the_way_out(tmp_path):
     r = subprocess.run([sys.executable, "-m", "trainer", "--precision", "fp16", "--output-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -26,6 +26,7 @@ DRILL_HANG_TIMEOUT_S = 60.0  # the hang watch's backstop during a drill (a stopp
 DEFAULT_FAULTS = ("kill", "hang", "lost")  # straggler: only when asked for (see the --faults help)
 STRAGGLER_WINDOW = 10  # steps: a throttled rank is named within a drill's minute
 STOP_WAIT_S = 300.0
+START_WAIT_S = 900.0  # train --detach: preflight, sync, setup and the start on every node
 LEFT_WAIT_S = 60.0
 
 
@@ -54,7 +55,13 @@ def _train_argv(opts: ClusterOptions, name: str, restarts: int, hang_timeout: fl
 
 def _start(argv: list[str]) -> tuple[str | None, int]:
     """Run `train --detach --json`: (the run id, 0), or (None, its exit code); its messages go to stderr."""
-    p = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=900)
+    try:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=START_WAIT_S)
+    except subprocess.TimeoutExpired:
+        click.echo(f"clusterctl drill: `clusterctl train --detach` did not return within {START_WAIT_S:.0f} s "
+                   "(its preflight or the start of the run on the nodes hangs); `clusterctl runs` shows whether "
+                   "a run began, `clusterctl stop RUN` ends it.", err=True)
+        return None, EXIT_FAILED
     try:
         doc = json.loads(p.stdout)
     except ValueError:

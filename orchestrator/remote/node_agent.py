@@ -59,6 +59,7 @@ processes), never by name pattern.
                                instead, and asks this way only of a node with no stream)
   reach S HOST:PORT...         whether each HOST:PORT takes a TCP connection within S s
 """
+import glob
 import json
 import os
 import signal
@@ -626,7 +627,10 @@ def snapshot(run_id, request, wait, what="stacks"):
 def snapshot_doc(run_id, request, wait, what="stacks"):
     """Every rank of the run on this node: its /proc state, and what its hook answers to request
     N within `wait` s (its threads' Python stacks, its Flight Recorder; with what=progress, its
-    newest steps only). A stopped (T) or dead process is not asked. {"ranks": [...], "time"}."""
+    newest steps only). A dead process is not asked, nor a stopped (T) one for its stacks (a hang's
+    culprit: py-spy reads it from outside); a stopped one is asked for its progress, which it
+    answers once it runs again within `wait` (a rank throttled by stops is a straggler, not a
+    hang). {"ranks": [...], "time"}."""
     d = rundir(run_id)
     hook = os.path.join(d, HOOK)
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
@@ -634,9 +638,10 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
     asked = {}
     busy_until = time.time() + 3.0  # how long a busy hook (another asker's request) is waited for
     for pid, p in ranks.items():
-        if p["state"] in "TtZX":
+        if p["state"] in "ZX" or (p["state"] in "Tt" and what != "progress"):
             p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"
             continue
+        drop_stale_answers(hook, pid)
         if os.path.exists(os.path.join(hook, f"{pid}.exiting")):  # its script ended (the hook's atexit)
             p["exiting"], p["error"] = True, "not asked: it is exiting (its script ended)"
             continue
@@ -674,6 +679,19 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
 
 
 PY_SPY_S = 10.0  # one py-spy dump's limit
+STALE_ANSWER_S = 120.0  # a hook's answer file nobody read for this long: its asker gave up on it
+
+
+def drop_stale_answers(hook, pid):
+    """Answers the rank wrote after their asker stopped waiting (a rank stopped past the wait
+    answers when it runs again): removed once old, so the hook directory does not fill up."""
+    cut = time.time() - STALE_ANSWER_S
+    for path in glob.glob(os.path.join(hook, f"{pid}.*.json")):
+        try:
+            if os.stat(path).st_mtime < cut:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def py_spy_stacks(pid):

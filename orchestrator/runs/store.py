@@ -151,12 +151,6 @@ class Run:
     def nodes(self, record: dict | None = None) -> list[NodeStatus]:
         return [NodeStatus.from_json(d) for d in (record or self.record).get("nodes", [])]
 
-    def update(self, **changes) -> dict:
-        doc = self.record
-        doc.update(changes)
-        write_json(self.dir / "run.json", doc)
-        return doc
-
     def clean_temporaries(self) -> list[str]:
         """Remove the temporary files (NAME.tmpPID) a writer that died mid-write left in the run
         directory; a live writer's are left alone. -> the names removed."""

@@ -1,0 +1,109 @@
+"""What several benches share: the clusterctl command line under its own home, waiting with a
+deadline, a run's record, and a clock that timestamps each node log line as it arrives.
+
+Benches import this module and `tests.cluster` (the test cluster), never another bench.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(home: Path, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`clusterctl ARGS` to its end, with CLUSTERCTL_HOME=home."""
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def start(home: Path, *args) -> subprocess.Popen:
+    """`clusterctl ARGS` in the background, with CLUSTERCTL_HOME=home (the caller waits or kills)."""
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+
+
+def wait_for(pred, timeout: float, what: str):
+    """pred()'s first true value, polled every 50 ms; the bench ends with a message after timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if v := pred():
+            return v
+        time.sleep(0.05)
+    raise SystemExit(f"bench: timed out after {timeout}s waiting for {what}")
+
+
+def record(run_dir: Path) -> dict:
+    """The run's run.json, {} while it is not written yet."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_dir_of(home: Path) -> Path:
+    """The one run directory under home (a bench's home holds one run)."""
+    return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
+                    if (home / "runs").exists() else None, 120, "the run directory")
+
+
+def text_of(line: str) -> str:
+    """A log line without its rank prefix (`[0]:`, `[default0]:` or `node/r0 | `)."""
+    return re.sub(r"^(?:\[[A-Za-z_]*\d+\]:|\S+/r\d+ +\| )", "", line).strip()
+
+
+class LogClock:
+    """Timestamps each line of runs/RUN/nodes/*.log as it arrives (polled every 20 ms)."""
+
+    def __init__(self, nodes_dir: Path):
+        self.dir, self.lines = nodes_dir, {}  # node -> [(arrival, text)]
+        self._pos, self._buf = {}, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(0.02):
+            self.poll()
+
+    def poll(self):
+        now = time.time()
+        for path in self.dir.glob("*.log") if self.dir.is_dir() else ():
+            node = path.stem
+            with open(path, "rb") as f:
+                f.seek(self._pos.get(node, 0))
+                data = f.read()
+            self._pos[node] = self._pos.get(node, 0) + len(data)
+            buf = self._buf.get(node, b"") + data
+            *done, self._buf[node] = buf.split(b"\n")
+            self.lines.setdefault(node, []).extend((now, ln.decode(errors="replace")) for ln in done)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.poll()
+
+
+class PipeClock:
+    """Timestamps each line a process writes to its stdout pipe as it arrives (a reader thread)."""
+
+    def __init__(self, stream):
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for raw in iter(stream.readline, b""):
+            self.lines.append((time.time(), raw.decode(errors="replace").rstrip("\n")))
+
+    def join(self, timeout: float = 5):
+        self._thread.join(timeout)
