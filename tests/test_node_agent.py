@@ -481,3 +481,17 @@ def test_a_rank_reaped_before_the_waiter_read_its_status_is_judged_by_its_hooks_
     assert word(b"x\n") == 0  # through Python's finalization, nothing said against it
     assert word(b"e\nx\n") == 1 and word(b"s5\nx\n") == 5 and word(b"o3\n") == 3 and word(b"o0\n") == 0
     assert word(b"") == "?"  # no finalization: a signal or a crash, its number torchrun's alone
+
+
+def test_a_rank_dies_with_torchrun_though_the_waiter_is_gone_too(agent):
+    """No wrapper arms the death signal any more: the hook does, in the rank itself."""
+    spec = {"argv": [sys.executable, "-c", TORCHRUN, sys.executable, "-u", "-c",
+                     "import time; print('up', flush=True); time.sleep(120)"],
+            "cwd": str(agent.home), "env": {"TEST_LOCAL_RANK": "0"}, "hook": HOOK}
+    info = json.loads(agent("start", "k1@n1", json.dumps(spec).encode().hex()).stdout)
+    d = rundir(agent, "k1@n1")
+    assert wait_for(lambda: b"[default0]:up" in (d / "log").read_bytes(), timeout=30)
+    assert len(pids_with("k1@n1")) == 2
+    os.kill(info["waiter"], signal.SIGKILL)  # nobody left to end the run by its key
+    os.kill(info["pid"], signal.SIGKILL)
+    assert wait_for(lambda: not pids_with("k1@n1"), timeout=10, what="the rank to die with torchrun")

@@ -288,6 +288,7 @@ def _lines():
     path = os.environ.get(LINES_ENV)
     if not path or "RANK" not in os.environ or os.environ.get(LINES_PID_ENV):
         return
+    _die_with_torchrun()
     import socket
 
     if len(path.encode()) >= 100:  # too long for sun_path: through a descriptor of its directory
@@ -331,6 +332,20 @@ def _lines():
         hard(code)
 
     sys.excepthook, sys.exit, os._exit = excepthook, exit, _exit
+
+
+def _die_with_torchrun():
+    """SIGKILL this rank when torchrun dies (PR_SET_PDEATHSIG), so a killed torchrun leaves no
+    worker even where the node's waiter is gone too (it ends what is left by the run key)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:  # noqa: BLE001 - not Linux, or no libc: the waiter still ends it by run key
+        return
+    if os.getppid() != parent:  # torchrun died before the signal was armed
+        os.kill(os.getpid(), 9)
 
 
 def _say(what):
