@@ -495,3 +495,18 @@ def test_a_rank_dies_with_torchrun_though_the_waiter_is_gone_too(agent):
     os.kill(info["waiter"], signal.SIGKILL)  # nobody left to end the run by its key
     os.kill(info["pid"], signal.SIGKILL)
     assert wait_for(lambda: not pids_with("k1@n1"), timeout=10, what="the rank to die with torchrun")
+
+
+def test_a_run_directory_too_long_for_a_socket_address_still_gets_tagged_lines(tmp_path):
+    home = tmp_path / ("h" * 60) / ("o" * 60)  # RUNDIR/lines.sock past sun_path's 108 bytes
+    home.mkdir(parents=True)
+    env = dict(os.environ, HOME=str(home))
+
+    def call(*args):
+        return subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, env=env, capture_output=True,
+                              timeout=30)
+
+    call.home = home
+    d = start_rank(call, "long@n1", ["-c", "print('hello')"], local_rank="1")
+    assert len(str(d / "lines.sock")) > 108
+    assert (d / "log").read_bytes() == b"[default1]:hello\n"
