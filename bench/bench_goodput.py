@@ -19,7 +19,7 @@ batch 2, block 32, a progress line every step, a checkpoint every --ckpt-every s
                            cpu.max, else v1 cpu.cfs_quota_us, as tests/test_straggler_cluster.py,
                            with a 10 ms period: see `quota`)
               The trainer process is found as the tests find it: by the attempt's run key in its
-              environment (CLUSTERCTL_RUN_KEY) with RANK set, not torchrun's rank_lines.py wrapper.
+              environment (CLUSTERCTL_RUN_KEY) with RANK set (torchrun has none).
 
 Both runs train the same number of steps (--steps, else calibrated: a first short run on 5 nodes
 measures the step rate, and the step count is what the fault-free run does in --minutes). Same
@@ -177,15 +177,13 @@ def quota(share: float):
 
 def worker(cluster, node, key: str):
     """The trainer process of attempt `key` on `node`: its environment carries the attempt's run
-    key and RANK; torchrun has no RANK, and clusterctl's rank_lines.py wrapper is passed over (the
-    rule of remote/node_agent.py's snapshot)."""
+    key and RANK; torchrun has no RANK (the rule of remote/node_agent.py's snapshot)."""
     for p in cluster.processes(node):
         try:
-            env, argv = p.environ(), p.cmdline()
+            env = p.environ()
         except psutil.Error:
             continue
-        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env \
-                and not any(a.endswith("rank_lines.py") for a in argv[:3]):
+        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env:
             return p
     return None
 

@@ -175,7 +175,7 @@ def main():
         peer = total / t_peer
     print(f"log streaming, {a.nodes} nodes x {a.lines_per_node} lines ({total} lines, run exit {r.returncode})")
     print(f"  clusterctl train -> control-side files: {ours:,.0f} lines/s end to end "
-          f"(writer + rank_lines wrapper + node agent tail + SSH + supervisor), lost lines: {lost}, torn/merged lines: {torn}")
+          f"(writer + the waiter's rank lines + node agent tail + SSH + supervisor), lost lines: {lost}, torn/merged lines: {torn}")
     print(f"  peer, plain `ssh node cat log` x{a.nodes} in parallel (copy only, {peer_bytes/1e6:.0f} MB): "
           f"{peer:,.0f} lines/s")
     print(f"  ratio clusterctl/peer: {ours / peer:.2f}  (target: >= 100k lines/s with zero loss: "

@@ -183,10 +183,9 @@ def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"rank_lines.py" not in cmd:  # the script, not its wrapper
+        if f"RANK={rank}".encode() in env:  # the script (torchrun has no RANK)
             return pid
     raise SystemExit(f"bench: no process of {run_id} carries RANK={rank}")
 
@@ -280,7 +279,7 @@ def one_size(n: int, args) -> dict:
             (nd.home / "gpt_train").mkdir()
             os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
         env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1"}
-        if args.real:  # the real chain: torchrun, the rank_lines wrapper, a script that prints what the stand-in does
+        if args.real:  # the real chain: torchrun and a script per rank that prints what the stand-in does
             script = cluster.base_dir / "ranks.py"
             script.write_text(REAL_SCRIPT)
             script.chmod(0o644)
@@ -331,7 +330,7 @@ def main(argv=None):
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after every rank is up before sampling")
     ap.add_argument("--launch-timeout", type=float, default=600.0)
     ap.add_argument("--real", action="store_true",
-                    help="the real torchrun (and rank_lines.py, and a small script per rank) instead of the stand-in")
+                    help="the real torchrun (and a small script per rank) instead of the stand-in")
     ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
     args = ap.parse_args(argv)

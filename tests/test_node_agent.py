@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.probe import program
+from orchestrator.probe import REMOTE, program
 from tests.conftest import wait_for
 
 AGENT = program("node_agent")  # as shipped: remote/common.py in front
@@ -158,12 +158,28 @@ def test_wait_listening(agent):
     assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
 
 
-@pytest.fixture(scope="module")
-def rank_lines(tmp_path_factory):
-    """rank_lines.py as the agent writes it into a run directory: the shipped program, run by path."""
-    path = tmp_path_factory.mktemp("rundir") / "rank_lines.py"
-    path.write_bytes(program("rank_lines"))
-    return str(path)
+# torchrun's part as the node sees it: start the rank (RANK in its environment, not in torchrun's),
+# reap it at the next 0.1 s poll, exit as it did
+TORCHRUN = """
+import os, subprocess, sys, time
+rank = {"RANK": "0", "LOCAL_RANK": os.environ.pop("TEST_LOCAL_RANK")}
+p = subprocess.Popen(sys.argv[1:], env=dict(os.environ, **rank))
+while p.poll() is None:
+    time.sleep(0.1)
+sys.exit(p.returncode if p.returncode >= 0 else 128 - p.returncode)
+"""
+HOOK = (REMOTE / "hook" / "sitecustomize.py").read_text()
+
+
+def start_rank(agent, key, target, local_rank="3"):
+    """A run of one rank under a torchrun stand-in, with the hook in it as launch.py ships it."""
+    spec = {"argv": [sys.executable, "-c", TORCHRUN, sys.executable, "-u", *target], "cwd": str(agent.home),
+            "env": {"TEST_LOCAL_RANK": local_rank}, "hook": HOOK}
+    r = agent("start", key, json.dumps(spec).encode().hex())
+    assert r.returncode == 0, r.stderr
+    d = rundir(agent, key)
+    assert wait_for(lambda: (d / "exit_code").exists(), timeout=60)
+    return d
 
 
 TEARER = """
@@ -178,41 +194,45 @@ sys.exit(7)
 """
 
 
-def test_rank_lines_writes_only_whole_prefixed_lines_and_keeps_the_exit_code(tmp_path, rank_lines):
+def test_a_ranks_lines_reach_the_log_whole_and_tagged_with_its_exit_code(agent, tmp_path):
     script = tmp_path / "tearer.py"
     script.write_text(TEARER)
-    log = tmp_path / "log"
-    with open(log, "ab") as f:
-        r = subprocess.run([sys.executable, rank_lines, str(script)], stdout=f, stderr=f, timeout=60,
-                           env=dict(os.environ, LOCAL_RANK="3"))
-    assert r.returncode == 7
-    lines = log.read_bytes().split(b"\n")
+    t0 = time.time()
+    d = start_rank(agent, "l1@n1", [str(script)])
+    assert (d / "exit_code").read_text() == "7"
+    lines = (d / "log").read_bytes().split(b"\n")
     assert lines.pop() == b""
     assert sorted(ln for ln in lines if b"]:line " in ln) == sorted(b"[default3]:line %d end" % i for i in range(50))
     assert sorted(ln for ln in lines if b"err" in ln) == sorted(b"[default3]:err %d" % i for i in range(50))
     assert lines[-1] == b"[default3]:no newline at the end" and len(lines) == 101
+    at, code = (d / "failed.3").read_text().split()  # the rank's end, by the node's clock, with its status
+    assert code == "7" and t0 <= float(at) <= float((d / "ended").read_text())
 
 
-def test_rank_lines_notes_when_its_script_failed_beside_itself(tmp_path):
-    """The rank whose script fails notes the moment, by the node's clock, in failed.LOCAL_RANK in
-    its own directory (the run directory); a script that succeeds notes nothing."""
-    wrapper = tmp_path / "rank_lines.py"
-    wrapper.write_bytes(program("rank_lines"))
-    env = dict(os.environ, LOCAL_RANK="2")
-    assert subprocess.run([sys.executable, str(wrapper), "-c", "pass"], env=env, timeout=60).returncode == 0
-    assert not list(tmp_path.glob("failed.*"))
+@pytest.mark.parametrize("code, note", [("pass", None), ("import sys; sys.exit(5)", "5"),
+                                        ("raise ValueError('boom')", "1"),
+                                        ("import os, signal; os.kill(os.getpid(), 9)", "-9")])
+def test_the_waiter_notes_when_a_rank_failed_and_how(agent, code, note):
+    """A rank that fails (an exit code, an exception, a signal: whatever gave its real end) has the
+    moment noted in failed.LOCAL_RANK in the run directory; one that succeeds notes nothing."""
     t0 = time.time()
-    r = subprocess.run([sys.executable, str(wrapper), "-c", "import sys; sys.exit(5)"], env=env, timeout=60)
-    at, code = (tmp_path / "failed.2").read_text().split()
-    assert r.returncode == 5 and code == "5" and t0 <= float(at) <= time.time()
-    assert sorted(p.name for p in tmp_path.glob("failed.*")) == ["failed.2"]  # nothing half-written left
+    d = start_rank(agent, f"n{abs(hash(code)) % 1000}@n1", ["-c", code], local_rank="2")
+    notes = sorted(p.name for p in d.glob("failed.*"))
+    if note is None:
+        assert notes == [] and (d / "exit_code").read_text() == "0"
+        return
+    assert notes == ["failed.2"]  # nothing half-written left
+    at, rc = (d / "failed.2").read_text().split()
+    # the status from /proc while the rank is a zombie; reaped first, the hook's word, and a
+    # signal's number is torchrun's alone
+    assert rc in ((note, "?") if note == "-9" else (note,)) and t0 <= float(at) <= float((d / "ended").read_text())
 
 
 def test_status_reports_when_a_rank_first_failed(agent):
     start(agent, "f1@n1", "import sys; sys.exit(5)")
     d = rundir(agent, "f1@n1")
     assert wait_for(lambda: (d / "exit_code").exists())
-    assert json.loads(agent("status", "f1@n1").stdout)["rank_failed"] is None  # no rank_lines.py: unknown
+    assert json.loads(agent("status", "f1@n1").stdout)["rank_failed"] is None  # no hook: unknown
     (d / "failed.1").write_text("1000.250000 1\n")
     (d / "failed.0").write_text("1000.125000 -15\n")
     (d / "failed.3.tmp").write_text("999.0 1\n")  # a note being written is not read
@@ -220,7 +240,9 @@ def test_status_reports_when_a_rank_first_failed(agent):
     assert json.loads(agent("status", "f1@n1").stdout)["rank_failed"] == 1000.125
 
 
-def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path, rank_lines):
+def test_a_rank_is_one_process_that_runs_modules_and_takes_signals_itself(agent, tmp_path):
+    """No wrapper between torchrun and the rank: the rank is torchrun's child, a `-m` target runs,
+    SIGTERM reaches the script and its last lines still reach the log."""
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -229,19 +251,19 @@ def test_rank_lines_runs_modules_and_passes_sigterm_on(tmp_path, rank_lines):
         "signal.signal(signal.SIGTERM, lambda *a: (print('checkpointed', flush=True), sys.exit(0)))\n"
         "print('up', sys.argv[1:], flush=True)\n"
         "time.sleep(60)\n")
-    p = subprocess.Popen([sys.executable, rank_lines, "-m", "mypkg", "--flag"], cwd=tmp_path,
-                         stdout=subprocess.PIPE, env=dict(os.environ, LOCAL_RANK="0"))
-    assert p.stdout.readline() == b"[default0]:up ['--flag']\n"
-    p.send_signal(signal.SIGTERM)
-    assert p.stdout.read() == b"[default0]:checkpointed\n"
-    assert p.wait(10) == 0
-
-
-def test_rank_lines_dies_of_the_scripts_signal(tmp_path, rank_lines):
-    p = subprocess.Popen([sys.executable, rank_lines, "-c", "import os, signal; os.kill(os.getpid(), 9)"],
-                         stdout=subprocess.PIPE)
-    p.communicate(timeout=30)
-    assert p.returncode == -9
+    spec = {"argv": [sys.executable, "-c", TORCHRUN, sys.executable, "-u", "-m", "mypkg", "--flag"],
+            "cwd": str(tmp_path), "env": {"TEST_LOCAL_RANK": "0"}, "hook": HOOK}
+    info = json.loads(agent("start", "m1@n1", json.dumps(spec).encode().hex()).stdout)
+    d = rundir(agent, "m1@n1")
+    assert wait_for(lambda: b"[default0]:up ['--flag']\n" in (d / "log").read_bytes(), timeout=30)
+    procs = pids_with("m1@n1")
+    assert len(procs) == 2 and info["pid"] in procs  # torchrun's stand-in and the rank, nothing beside it
+    rank = next(p for p in procs if p != info["pid"])
+    assert (Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[1]) == str(info["pid"])
+    os.kill(rank, signal.SIGTERM)
+    assert wait_for(lambda: (d / "exit_code").exists(), timeout=30)
+    assert (d / "exit_code").read_text() == "0" and not list(d.glob("failed.*"))
+    assert (d / "log").read_bytes() == b"[default0]:up ['--flag']\n[default0]:checkpointed\n"
 
 
 def test_spec_on_stdin_keeps_env_off_the_command_line_and_the_run_dir_private(agent):
@@ -452,3 +474,41 @@ def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(
     assert json.loads(agent("stop", "sv1@n1", 6).stdout) == {"left": 0}
     assert b"saved" in (d / "log").read_bytes()
     assert (d / "exit_code").read_text() == "0"
+
+
+def test_a_rank_reaped_before_the_waiter_read_its_status_is_judged_by_its_hooks_word():
+    ns = {"__name__": "node_agent"}
+    exec(AGENT, ns)
+    word = ns["hooks_word"]
+    assert word(b"x\n") == 0  # through Python's finalization, nothing said against it
+    assert word(b"e\nx\n") == 1 and word(b"s5\nx\n") == 5 and word(b"o3\n") == 3 and word(b"o0\n") == 0
+    assert word(b"") == "?"  # no finalization: a signal or a crash, its number torchrun's alone
+
+
+def test_a_rank_dies_with_torchrun_though_the_waiter_is_gone_too(agent):
+    """No wrapper arms the death signal any more: the hook does, in the rank itself."""
+    spec = {"argv": [sys.executable, "-c", TORCHRUN, sys.executable, "-u", "-c",
+                     "import time; print('up', flush=True); time.sleep(120)"],
+            "cwd": str(agent.home), "env": {"TEST_LOCAL_RANK": "0"}, "hook": HOOK}
+    info = json.loads(agent("start", "k1@n1", json.dumps(spec).encode().hex()).stdout)
+    d = rundir(agent, "k1@n1")
+    assert wait_for(lambda: b"[default0]:up" in (d / "log").read_bytes(), timeout=30)
+    assert len(pids_with("k1@n1")) == 2
+    os.kill(info["waiter"], signal.SIGKILL)  # nobody left to end the run by its key
+    os.kill(info["pid"], signal.SIGKILL)
+    assert wait_for(lambda: not pids_with("k1@n1"), timeout=10, what="the rank to die with torchrun")
+
+
+def test_a_run_directory_too_long_for_a_socket_address_still_gets_tagged_lines(tmp_path):
+    home = tmp_path / ("h" * 60) / ("o" * 60)  # RUNDIR/lines.sock past sun_path's 108 bytes
+    home.mkdir(parents=True)
+    env = dict(os.environ, HOME=str(home))
+
+    def call(*args):
+        return subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, env=env, capture_output=True,
+                              timeout=30)
+
+    call.home = home
+    d = start_rank(call, "long@n1", ["-c", "print('hello')"], local_rank="1")
+    assert len(str(d / "lines.sock")) > 108
+    assert (d / "log").read_bytes() == b"[default1]:hello\n"

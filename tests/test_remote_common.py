@@ -243,7 +243,6 @@ def test_every_shipped_program_runs_from_its_program_bytes(tmp_path):
         "nodeinfo": (("info", "-"), None, b'"python"'),
         "pyenv": (("probe", str(tmp_path / "venv"), str(tmp_path)), None, b'"venv": "absent"'),
         "portlisten": (("0", "1", "0"), None, b"listening"),
-        "rank_lines": (("-c", "print('hi')"), None, b"[default0]:hi"),
         "netprobe": (("serve", "0", "0.2"), None, b"listening"),
         "drill": (("left", "no-such-run"), None, b'{"pids": []}'),
     }

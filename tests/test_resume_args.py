@@ -26,11 +26,11 @@ def target(resume_args=(), args=("train.py", "--lr", "1")):
 
 
 def test_the_args_follow_the_jobs_own_only_when_the_launch_starts_from_a_checkpoint():
-    assert target() == ["{rundir}/rank_lines.py", "train.py", "--lr", "1"]
-    assert target(["--init_from=resume"]) == ["{rundir}/rank_lines.py", "train.py", "--lr", "1", "--init_from=resume"]
+    assert target() == ["train.py", "--lr", "1"]
+    assert target(["--init_from=resume"]) == ["train.py", "--lr", "1", "--init_from=resume"]
     # the inventory's train section as the job: its args first, the resume args last
     inv_job = target(["--resume", "auto"], args=())
-    assert inv_job[1:3] == ["-m", "trainer"] and inv_job[-2:] == ["--resume", "auto"]
+    assert inv_job[:2] == ["-m", "trainer"] and inv_job[-2:] == ["--resume", "auto"]
 
 
 def test_the_inventory_takes_a_list_and_refuses_a_string_with_an_example():

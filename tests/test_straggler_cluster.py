@@ -91,7 +91,7 @@ def worker(cluster, node, rank, is_job=lambda argv: "trainer" in argv):
             env, argv = p.environ(), p.cmdline()
         except psutil.Error:
             continue
-        if env.get("RANK") == str(rank) and is_job(argv) and not any(a.endswith("rank_lines.py") for a in argv):
+        if env.get("RANK") == str(rank) and is_job(argv):
             return p
     return None
 

@@ -309,3 +309,45 @@ def test_stop_is_graceful_the_trainer_checkpoints_on_sigterm(make_cluster, tmp_p
     # follows the rank's when the stop finds it already in its exit barrier
     t = cli("tail", run_dir.name, "-n", "80", "--no-follow", "--rank", "0")
     assert t.returncode == 130 and "SIGTERM received" in t.stdout
+
+
+def run_processes(cluster, node):
+    """{pid: what} for the processes of a run on a node: those with a run key (CLUSTERCTL_RUN_KEY)
+    in their environment (torchrun, its ranks), and the node agent's two that serve that key, the
+    waiter (`start KEY`) and the log stream (`tail KEY`)."""
+    procs = scan(cluster.processes(node), lambda p: (p.environ(), p.cmdline()))
+    keyed = {p.pid: env["CLUSTERCTL_RUN_KEY"] for p, (env, _) in procs if "CLUSTERCTL_RUN_KEY" in env}
+    agents = {p.pid: argv[2] for p, (_, argv) in procs
+              if argv[2:3] in (["start"], ["tail"]) and argv[3:4] and argv[3] in keyed.values()}
+    return {**{pid: "torchrun/rank" for pid in keyed}, **agents}
+
+
+def test_a_rank_is_one_process_and_its_lines_stay_whole(make_cluster, tmp_path, home):
+    """At most 3 + nproc processes of a run on a node (the waiter, torchrun, the log stream, one per
+    rank: no wrapper beside a rank), each rank's lines whole and in order in its own file."""
+    cluster = make_cluster(1, gpus=0)
+    inv = prepare(cluster, tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
+                             "--nproc-per-node", "4", "--", DDP, "--steps", "20", "--sleep", "0.2", "--lines", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = new_run_dir(home)
+    wait_for(lambda: all(log_has(run_dir / "nodes" / "node1.log", b"rank %d step 2 " % r) for r in range(4)),
+             120, "every rank stepping")
+    seen = [run_processes(cluster, cluster.nodes[0]) for _ in range(10)]
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    most = max(seen, key=len)
+    print("processes of the run on the node:", len(most), sorted(most.values()))
+    assert sorted(most.values()).count("torchrun/rank") <= 5 and len(most) <= 3 + 4, most
+    run_id = rec_of(run_dir)["id"]
+    timed = re.compile(rb"^\[default\d\]:\[[WIE]\d{4} \d\d:\d\d:\d\d\.\d+ ")  # torch's own warnings carry the time
+    node_log = [timed.sub(lambda m: m[0][:13] + b"TIME ", ln.replace(run_id.encode(), b"RUN"))
+                for ln in (run_dir / "nodes" / "node1.log").read_bytes().split(b"\n")]
+    import hashlib  # each rank's tagged lines in the node's log, in order: the same before and after
+    print("node log per rank:", {r: hashlib.sha256(b"\n".join(ln for ln in node_log if ln.startswith(
+        b"[default%d]:" % r))).hexdigest()[:16] for r in range(4)})
+    for r in range(4):
+        want = [f"rank {r} of 4 on node1 run={run_id}", *(f"rank {r} step {s} sum 10" for s in range(20)),
+                *(f"rank {r} line {i}" for i in range(200))]
+        got = (run_dir / "ranks" / f"rank{r}.log").read_text().splitlines()
+        assert [ln for ln in got if not timed.match(b"[default0]:" + ln.encode())] == want

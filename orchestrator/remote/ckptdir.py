@@ -79,7 +79,7 @@ STAGE = ".clusterctl-restore"  # restore's staging directory, beside PATH's entr
 PENDING = ".pending"  # a look's captures: the last path component the control side gives
 INDEX = ".index.json"  # in PENDING: {rel: the identity of the version captured}
 SAMPLE_S = 0.1  # between two samples of DIR while an entry is being written
-GUARD_S = 0.5  # a rank killed mid-save is noted (rank_lines.py) well within this of its death
+GUARD_S = 0.5  # a rank killed mid-save is noted (the waiter, node_agent.py RankLines) well within this of its death
 
 
 

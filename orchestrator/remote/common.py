@@ -11,7 +11,7 @@ define these names again (tests/test_remote_common.py looks).
   sha256             sha256_file, Hashed (a stream hashed and counted as it passes)
   tar                tar_member_ok (the one member rule), extract_member, send_tar (to a relay)
   files              write_atomic, safe_name
-  rank failures      RANK_FAILED, note_rank_failure (rank_lines.py), first_rank_failure (the
+  rank failures      RANK_FAILED, note_rank_failure (the node agent's RankLines), first_rank_failure (the
                      node agent's status): when a rank first exited non-zero, by the node's clock
   file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
   processes          marked_pids: this user's processes found by an environment marker (a
@@ -205,7 +205,8 @@ RANK_FAILED = "failed."  # + LOCAL_RANK, in the node's run directory: "TIME RC" 
 
 
 def note_rank_failure(rundir, local_rank, rc, at):
-    """rank_lines.py's note that the rank's script ended with rc != 0 at `at` (time.time())."""
+    """The waiter's note (node_agent.py RankLines) that a rank ended with rc != 0 at `at`
+    (time.time(), the moment it was seen to end)."""
     write_atomic(os.path.join(rundir, RANK_FAILED + str(local_rank)), f"{at:.6f} {rc}\n")
 
 
@@ -242,7 +243,7 @@ def umask_for(share_with_group):
 
 
 def private_files():
-    """The first call of every shipped program but rank_lines (which is the job's): from here on
+    """The first call of every shipped program: from here on
     what the program creates takes umask_for(GROUP_ENV=1 in its environment). Keeps the umask it
     found, the user's (an SSH session's, or a local node's: transport/local.py), in USER_UMASK
     and returns it."""

@@ -40,22 +40,12 @@ def _ppid(pid):
         return None
 
 
-def _is_wrapper(pid):
-    """The rank line writer (remote/rank_lines.py) between torchrun and a rank: not the rank."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return any(a.endswith("rank_lines.py") for a in argv[:3])
-
-
 def rank_pids(key):
     """{rank: [pids]} of the run's processes on this node that carry a RANK (torchrun does not)."""
     out = {}
     for pid in marked_pids(RUN_KEY, lambda k: k == key):
         env = proc_environ(pid, ("RANK",))
-        if "RANK" in env and not _is_wrapper(pid):
+        if "RANK" in env:
             out.setdefault(env["RANK"], []).append(pid)
     return out
 

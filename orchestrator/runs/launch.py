@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.errors import EXIT_FAILED, EXIT_UNREACHABLE, ConnectError, LaunchError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import REMOTE, program
+from orchestrator.probe import REMOTE
 from orchestrator.runs import agent
 from orchestrator.runs.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
@@ -25,9 +25,9 @@ from orchestrator.transport import Cluster
 if TYPE_CHECKING:
     from orchestrator.runs.record import Book
 
-# runs each worker so its lines reach the log whole and tagged `[default<local rank>]:`
-RANK_LINES = program("rank_lines").decode()
-# in every rank: answers the node agent's `snapshot` with its stacks and Flight Recorder (runs/hang.py)
+# in every rank: hands its output to the node's waiter, which writes it into the log as whole lines
+# tagged `[default<local rank>]:`, and answers the node agent's `snapshot` with its stacks and
+# Flight Recorder (runs/hang.py)
 HOOK = (REMOTE / "hook" / "sitecustomize.py").read_text()
 LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
 
@@ -231,9 +231,9 @@ class Launcher:
                  statuses: dict[str, NodeStatus], resume_args: Sequence[str] = ()):
         self.cluster, self.inv, self.run_id, self.statuses = cluster, inv, run_id, statuses
         self.extra_env: dict[str, dict[str, str]] = {}  # node -> its own additions (checkpoint dir, attempt)
-        # torchrun runs the wrapper as the script; it runs `python -u TARGET` as torchrun would have;
-        # `resume_args` (--resume-args) follow the job's own when the launch starts from a checkpoint
-        self.target = ["{rundir}/rank_lines.py", *target_argv(inv, spec.args), *resume_args]
+        # torchrun runs `python -u TARGET` for each rank; `resume_args` (--resume-args) follow the
+        # job's own when the launch starts from a checkpoint
+        self.target = [*target_argv(inv, spec.args), *resume_args]
 
     def start_spec(self, node: Node) -> agent.StartSpec:
         """What the node's agent starts: torchrun for the node's ranks, its environment (env: tokens
@@ -243,7 +243,7 @@ class Launcher:
                              master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
                              target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
         env = node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id, **self.extra_env.get(node.name, {})})
-        return agent.StartSpec(argv, node.workdir, env, {"rank_lines.py": RANK_LINES}, HOOK)
+        return agent.StartSpec(argv, node.workdir, env, {}, HOOK)
 
     def start(self, names: list[str]) -> None:
         started = agent.run(self.cluster, lambda n: agent.start(n, self.run_id, self.start_spec(n)), names)

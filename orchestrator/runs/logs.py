@@ -1,8 +1,9 @@
 """Reading a run's logs: byte-offset following and `node/rank` prefixes.
 
 The supervisor copies each node's torchrun output byte for byte into
-runs/RUN/nodes/NODE.log. Each worker runs under remote/rank_lines.py, which
-writes whole lines prefixed `[default<local_rank>]:` (torchrun's `--tee` format);
+runs/RUN/nodes/NODE.log. Each worker's output is written there by the node's waiter
+(remote/node_agent.py RankLines) as whole lines prefixed `[default<local_rank>]:`
+(torchrun's `--tee` format);
 the global rank is the node's first rank plus the local rank. Lines from torchrun
 itself keep the bare node label.
 """

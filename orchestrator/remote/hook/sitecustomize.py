@@ -3,8 +3,10 @@ stacks and its Flight Recorder, without the script's help and without ptrace.
 
 The node agent writes this file into the run directory (RUNDIR/py/) and puts that directory in
 front of the job's PYTHONPATH, so every Python process of the run imports it at start-up, before
-the script. In a rank (RANK is set; torchrun itself and clusterctl's rank_lines.py wrapper are
-left alone) it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
+the script. In a rank (RANK is set; torchrun itself is left alone) it first hands the rank's
+stdout and stderr to the node's waiter, which writes them into the run's log as whole lines
+tagged `[default<LOCAL_RANK>]:` and notes when a rank failed (_lines; node_agent.py RankLines):
+no process runs beside a rank. Then it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
 open() on it: no CPU is spent until the node agent's `snapshot` writes a request number N there.
 The thread then writes PID.N.json (whole, by rename): every thread's Python stack
 (sys._current_frames, which works while the main thread waits inside a collective) and, when
@@ -40,6 +42,10 @@ FRAMES = 40  # innermost frames sent per thread
 STEPS_KEPT = 512  # the newest steps a rank keeps for a progress answer
 SETTLE_S = 0.5  # the most a rank's exit waits for its other threads to stop running (_settle)
 _steps = []  # [(step, compute_s)], newest last: what clusterctl_step was told
+LINES_ENV = "CLUSTERCTL_LINES"  # the waiter's socket that takes the rank's output pipes (_lines)
+LINES_PID_ENV = "CLUSTERCTL_LINES_PID"  # set once a rank handed its output over: its children inherit it
+LINES_WAIT_S = 10.0  # how long the hand-over may take before the rank writes untagged
+_said = []  # [(the rank's pid, its connection to the waiter)]
 
 
 def clusterctl_step(step, compute_s):
@@ -252,7 +258,7 @@ def _leaving(fifo):
 
 def _install():
     d = os.environ.get(HOOK_ENV)
-    if not d or "RANK" not in os.environ or os.path.basename((sys.argv or [""])[0]) == "rank_lines.py":
+    if not d or "RANK" not in os.environ:
         return
     if os.environ.get("CLUSTERCTL_HOOK_PID") == str(os.getppid()):
         return  # a process the rank started (a data-loader worker): the rank answers for it
@@ -270,6 +276,88 @@ def _install():
     threading.Thread(target=_serve, args=(d, fifo), name="clusterctl-snapshot", daemon=True).start()
 
 
+def _lines():
+    """Hand this rank's output to the waiter (node_agent.py RankLines), which writes it into the
+    run's log as whole lines tagged `[default<LOCAL_RANK>]:`: two pipes, their read ends sent over
+    CLUSTERCTL_LINES (SCM_RIGHTS) with LOCAL_RANK, their write ends put on fd 1 and 2, before the
+    script writes anything. A process the rank starts inherits them (CLUSTERCTL_LINES_PID says it
+    is done). The connection stays open to say how the script ends (_say): e for an uncaught
+    exception, sN for sys.exit(N) with N non-zero, oN for os._exit(N), x for Python's
+    finalization: the waiter's word when torchrun reaped the rank before it read its status. Where the waiter
+    does not answer, the rank writes to the log untagged, as torchrun does."""
+    path = os.environ.get(LINES_ENV)
+    if not path or "RANK" not in os.environ or os.environ.get(LINES_PID_ENV):
+        return
+    _die_with_torchrun()
+    import socket
+
+    if len(path.encode()) >= 100:  # too long for sun_path: through a descriptor of its directory
+        path = f"/proc/self/fd/{os.open(os.path.dirname(path), os.O_RDONLY)}/{os.path.basename(path)}"
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pipes = []
+    try:
+        conn.settimeout(LINES_WAIT_S)
+        conn.connect(path)
+        pipes = [os.pipe(), os.pipe()]
+        socket.send_fds(conn, [os.environ.get("LOCAL_RANK", "0").encode()], [r for r, _ in pipes])
+        if conn.recv(1) != b"k":
+            raise OSError("the waiter did not take the pipes")
+    except OSError:
+        conn.close()
+        for fd in [fd for pair in pipes for fd in pair]:
+            os.close(fd)
+        return
+    for fd, (r, w) in zip((1, 2), pipes):
+        os.dup2(w, fd)
+        os.close(w)
+        os.close(r)
+    os.environ[LINES_PID_ENV] = str(os.getpid())
+    _said.append((os.getpid(), conn))
+    import atexit
+
+    atexit.register(_say, b"x")
+    hook, leave, hard = sys.excepthook, sys.exit, os._exit
+
+    def excepthook(*exc):
+        _say(b"e")
+        hook(*exc)
+
+    def exit(code=None):
+        if code not in (None, 0):
+            _say(b"s%d" % code if isinstance(code, int) else b"s1")
+        leave(code)
+
+    def _exit(code):
+        _say(b"o%d" % code)
+        hard(code)
+
+    sys.excepthook, sys.exit, os._exit = excepthook, exit, _exit
+
+
+def _die_with_torchrun():
+    """SIGKILL this rank when torchrun dies (PR_SET_PDEATHSIG), so a killed torchrun leaves no
+    worker even where the node's waiter is gone too (it ends what is left by the run key)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:  # noqa: BLE001 - not Linux, or no libc: the waiter still ends it by run key
+        return
+    if os.getppid() != parent:  # torchrun died before the signal was armed
+        os.kill(os.getpid(), 9)
+
+
+def _say(what):
+    """Tell the waiter how the script ends, a line (only from the rank itself, not a fork of it)."""
+    for pid, conn in _said:
+        if pid == os.getpid():
+            try:
+                conn.sendall(what + b"\n")
+            except OSError:
+                pass
+
+
 def _chain():
     """Run the sitecustomize this one shadows (Debian's, a venv's), as Python would have."""
     import importlib.machinery
@@ -284,6 +372,10 @@ def _chain():
     spec.loader.exec_module(module)
 
 
+try:
+    _lines()
+except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
+    pass
 try:
     _install()
 except Exception:  # noqa: BLE001 - the hook must never stop the job from starting

@@ -1,8 +1,7 @@
 """A light stand-in for `python -m torch.distributed.run` (stdlib only; runs on a test node).
 
 Lets the control plane be measured at hundreds of nodes x 8 ranks on one machine, where a real
-torchrun per node (~250 MB, ~1.5 s of CPU, 17 Python processes with the rank_lines wrapper and the
-script) does not fit. It keeps torchrun's launch contract as the node agent and the controller see
+torchrun per node (~250 MB, ~1.5 s of CPU, a Python process per rank) does not fit. It keeps torchrun's launch contract as the node agent and the controller see
 it, and nothing else:
 
 - the same argv (--nnodes --nproc-per-node --node-rank --master-addr --master-port --rdzv-id
@@ -10,21 +9,21 @@ it, and nothing else:
   waits for it), every other node connects, and no rank starts before all nnodes have joined;
 - one process per rank, each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
   GROUP_RANK, MASTER_ADDR, TORCHELASTIC_*, ... and everything it inherited, the run key included)
-  visible in /proc/PID/environ, dying with the stand-in (PR_SET_PDEATHSIG) as the rank_lines
-  wrapper makes a real rank do;
-- each rank writes its first line itself, `[default<LOCAL_RANK>]:rank R up`, the prefix rank_lines.py
-  gives a real rank's lines; then, every CLUSTERCTL_STANDIN_TICK seconds (default 1, 0: never), one
+  visible in /proc/PID/environ, dying with the stand-in (PR_SET_PDEATHSIG) as clusterctl's hook
+  makes a real rank do;
+- each rank writes its first line itself, `[default<LOCAL_RANK>]:rank R up`, the prefix the node
+  agent's waiter gives a real rank's lines; then, every CLUSTERCTL_STANDIN_TICK seconds (default 1, 0: never), one
   distinct line per live rank, `[default<L>]:rank R step K`, written by the stand-in on the ranks'
   behalf (a rank is `sleep`, which cannot);
 - exit codes and signals as torchrun's elastic agent: a rank that fails (non-zero, or killed) has
   the others sent SIGTERM (SIGKILL after 30 s) and the stand-in exits 1; SIGTERM/SIGINT/SIGHUP to
   the stand-in ends the ranks the same way and exits 1.
 
-Not kept: the TARGET is not run (neither rank_lines.py nor the script: no Python in a rank, so no
-snapshot hook answers and no stacks), no collectives (a rank does not notice a dead peer; only
+Not kept: the TARGET is not run (no Python in a rank, so no snapshot hook answers, no stacks, and
+no output handed to the waiter), no collectives (a rank does not notice a dead peer; only
 the control plane's teardown ends the other nodes), no TORCHELASTIC_ERROR_FILE is written, and a
-rank's failure time is not noted beside rank_lines.py (so the run's summary names the node that
-failed first, not the rank).
+rank's failure time is not noted (the waiter sees no hand-over: so the run's summary names the
+node that failed first, not the rank).
 """
 import argparse
 import os
@@ -49,6 +48,7 @@ def parse(argv):
     ap.add_argument("--master-port", "--master_port", type=int, required=True)
     ap.add_argument("--rdzv-id", "--rdzv_id", default="none")
     ap.add_argument("--log-dir", "--log_dir", default=None)
+    ap.add_argument("-m", "--module", action="store_true")  # TARGET is a module: `-m trainer` (not run either)
     ap.add_argument("target", nargs=argparse.REMAINDER)
     return ap.parse_args(argv)
 
