@@ -13,6 +13,7 @@ from orchestrator.runs.policy import root_cause
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
 from orchestrator.home import runs_dir
 from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, write_json
+from tests.conftest import write_record
 
 
 pytestmark = pytest.mark.usefixtures("home")  # every test gets its own CLUSTERCTL_HOME
@@ -36,7 +37,7 @@ def test_create_find_update_and_latest(home):
     assert not list(runs_dir().glob(".*"))  # the hidden build directory was renamed away
     assert Run.find(None).id == "beta-1"  # latest
     assert Run.find("alph").id == "alpha-1"  # unique prefix
-    a.update(state="running", nodes=[{"name": "n1"}])
+    write_record(a, state="running", nodes=[{"name": "n1"}])
     assert a.record["state"] == "running" and a.record["nodes"] == [{"name": "n1"}]
     assert [r.id for r in Run.all()] == ["alpha-1", "beta-1"]
     with pytest.raises(UsageError, match="no run 'zzz'"):
@@ -75,7 +76,7 @@ def test_a_dead_or_foreign_supervisor_pid_is_not_alive(home):
 
     r = Run.create("s-1", RunSpec())
     assert not r.supervisor_alive()
-    r.update(supervisor_pid=os.getpid())  # a live pid without CLUSTERCTL_SUPERVISOR=s-1: not ours
+    write_record(r, supervisor_pid=os.getpid())  # a live pid without CLUSTERCTL_SUPERVISOR=s-1: not ours
     assert not r.supervisor_alive()
 
 
