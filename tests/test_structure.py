@@ -26,7 +26,7 @@ EXCEPTIONS: dict[str, str] = {
     "orchestrator/remote/relay.py": "shipped as one program (`python3 -c`, remote/common.py in front, stdlib "
                                     "only): the relay's protocol, the gate that lets only the token's holder in "
                                     "and the tar pass-through run as one file on the node",
-    "orchestrator/runs/agent.py": "the control side's one client of the node agent: every verb's command line "
+    "orchestrator/node/agent.py": "the control side's one client of the node agent: every verb's command line "
                                   "and the reading of its answer live here, one small typed reply each, so no "
                                   "caller builds or parses an agent line by hand",
     "orchestrator/remote/ckptdir.py": "shipped as one program (`python -c` LOADER, remote/common.py in front, "
@@ -125,6 +125,8 @@ LAYERS: list[dict[str, str]] = [
     {"checks": "preflight: probe snippets, pure parsers, one probe per node; used by runs and platforms"},
     {"transfer": "the data plane: tar streams and node relays over the transport",
      "gpus": "the one GPU probe and its pure parsers, read by checks, top and launch --from-env"},
+    {"node": "the one door to the nodes: the command form of every shipped program, its replies read "
+             "into frozen types, one client per program of remote/; below everything that asks a node"},
     {"transport": "connections and the one fan-out engine: knows nodes, not what runs on them",
      "torchrun": "the launch contract (flags, per-node env, ranks): reads only the inventory"},
     {"inventory": "the frozen, validated models that every layer above is handed"},

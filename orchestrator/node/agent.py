@@ -1,12 +1,9 @@
-"""The control side's one client of the node agent (orchestrator/remote/node_agent.py).
+"""The node agent's client (orchestrator/remote/node_agent.py).
 
-Every agent command line is built here and every answer read here. The agent runs as
-`PYTHON - VERB ARGS` with its program on stdin (probe.program), each argument quoted by
-orchestrator/shell.py. One function per verb returns a Call: the node's command line, its stdin,
-its time limit and the reader that turns what came back into the verb's small frozen reply. `run`
-sends a call to many nodes at once through the cluster; `Call.over` sends it on one open
-connection. A node that could not be asked, or whose answer could not be read, still gets a
-reply: its `error` says why, so callers decide what that means and nothing is parsed twice.
+One function per verb returns a Call (wire.py): the node's command line (form.py: `PYTHON - VERB
+ARGS`, the agent on stdin), its time limit and the reader that turns what came back into the
+verb's small frozen reply. A node that could not be asked, or whose answer could not be read,
+still gets a reply: its `error` says why.
 
 On a node a run's processes carry the key RUN_ID[.aK]@NODE (the attempt's key, then the node);
 a node's claim is held under RUN_ID@NODE.
@@ -18,97 +15,58 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from functools import cache
-from typing import Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
-from orchestrator import probe, shell
 from orchestrator.inventory import Node
-from orchestrator.transport import Cluster, Connection, NodeResult, Proc, wait
+from orchestrator.node import artifacts, form
+from orchestrator.node.form import Exec
+from orchestrator.node.wire import BadReply, Call, run  # noqa: F401 - the agent's callers take them from here
+from orchestrator.node.wire import reply as _wire_reply
+from orchestrator.transport import NodeResult
 
 TIMEOUT = 60.0  # one agent command (claim, release, claims, live, start)
 STATUS_MARK = "clusterctl-status "  # the agent's STATUS_MARK: `tail KEY OFFSET status`'s last stderr line
 KEY_RE = re.compile(r"^(?P<run>[^@]+?)(?:\.a(?P<attempt>\d+))?@(?P<node>[^@]+)$")
 T = TypeVar("T")
+PROGRAM = "node_agent"
 
 
-@cache
 def program() -> bytes:
-    """The agent as the nodes run it, read once per process."""
-    return probe.program("node_agent")
+    """The agent as the nodes run it."""
+    return form.source(PROGRAM)
 
 
-@cache
+def stream_preface() -> str:
+    """What `tail ... stream` runs before the agent: remote/artifacts.py's text as ARTIFACTS_SRC,
+    whose rules the stream follows."""
+    return f"ARTIFACTS_SRC = {form.source(artifacts.PROGRAM).decode()!r}\n"
+
+
 def stream_program() -> bytes:
     """The agent with remote/artifacts.py in front as ARTIFACTS_SRC: `tail ... stream` runs its rules."""
-    return f"ARTIFACTS_SRC = {probe.program('artifacts').decode()!r}\n".encode() + program()
+    return stream_preface().encode() + program()
 
 
-class BadReply(ValueError):
-    """The agent printed something that is not the answer its verb gives."""
-
-
-# ------------------------------------------------------------------ calls
-
-
-@dataclass(frozen=True)
-class Exec:
-    """An agent command for one node: the shell line and the program on its stdin."""
-
-    command: str
-    stdin: bytes
-
-    def start(self, conn: Connection) -> Proc:
-        return conn.exec(self.command, stdin=self.stdin)
-
-
-@dataclass(frozen=True)
-class Call(Exec, Generic[T]):
-    """An agent command whose answer is read into a reply (also when the node could not be asked)."""
-
-    timeout: float
-    read: Callable[[NodeResult], T]
-
-    def over(self, conn: Connection) -> T:
-        """On one open connection; raises what `conn.exec` raises (ConnectionLost)."""
-        return self.read(wait(self.start(conn), self.timeout))
-
-
-def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] | None = None) -> dict[str, T]:
-    """`call` on each chosen node of the cluster (all when `nodes` is None), at once: node -> reply."""
-    chosen = None if nodes is None else set(nodes)
-    calls = {n.name: call(n) for n in cluster.nodes if chosen is None or n.name in chosen}
-    if not calls:
-        return {}
-    res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
-                      timeout=max(c.timeout for c in calls.values()))
-    return {name: calls[name].read(r) for name, r in res.items()}
-
-
-def _line(node: Node, verb: str, *args: object) -> str:
-    return f"{node.program_env}{shell.path(node.python)} - {shell.join([verb, *args])}"
+def _exec(node: Node, verb: str, *args: object, preface: str = "") -> Exec:
+    return form.command(node, PROGRAM, verb, *args, preface=preface)
 
 
 def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T],
           timeout: float = TIMEOUT) -> Call[T]:
-    return Call(_line(node, verb, *args), program(), timeout, read)
+    e = _exec(node, verb, *args)
+    return Call(e.command, e.stdin, timeout, read)
 
 
-def _key(key: str, node: Node) -> str:
+def node_key(key: str, node: Node) -> str:
+    """A run's (or attempt's) key on one node: KEY@NODE."""
     return f"{key}@{node.name}"
 
 
+_key = node_key
+
+
 def _reply(r: NodeResult, want: type, build: Callable[[object], T], failed: Callable[[str], T]) -> T:
-    """build(the JSON the agent printed last) when it ran and printed a `want` that reads; else
-    failed(why): the transport's word, or the exit code and the end of stderr, or what it printed."""
-    if not r.ok:
-        return failed(f"{r.describe()} {r.stderr.strip()[-500:]}".strip())
-    try:
-        doc = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
-        if not isinstance(doc, want):
-            raise BadReply(f"not a JSON {want.__name__}")
-        return build(doc)
-    except (LookupError, TypeError, ValueError, AttributeError) as e:
-        return failed(f"unreadable node agent answer ({type(e).__name__}: {e}): {r.stdout[-200:]!r}")
+    return _wire_reply(r, want, build, failed, program="node agent")
 
 
 # ------------------------------------------------------------------ run keys
@@ -353,8 +311,8 @@ def read_started(r: NodeResult) -> Started:
 def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
     """`start RUN_KEY -`: the spec goes in front of the program as SPEC_HEX, never on a command line
     (the inventory's env holds tokens, and `ps` on the node shows argv)."""
-    stdin = f"SPEC_HEX = {spec.hex()!r}\n".encode() + program()
-    return Call(_line(node, "start", _key(key, node), "-"), stdin, TIMEOUT, read_started)
+    e = _exec(node, "start", _key(key, node), "-", preface=f"SPEC_HEX = {spec.hex()!r}\n")
+    return Call(e.command, e.stdin, TIMEOUT, read_started)
 
 
 class Port(Enum):
@@ -398,11 +356,11 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
     the status last: AgentStatus.from_json). PROGRESS_S is left out when no progress is asked for:
     the line is then the one it always was."""
     if stream is None:
-        return Exec(_line(node, "tail", _key(key, node), offset, "status"), program())
+        return _exec(node, "tail", _key(key, node), offset, "status")
     have = json.dumps(dict(stream.have)).encode().hex()
     progress = [f"{stream.progress_s:g}"] if stream.progress_s > 0 else []
-    return Exec(_line(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
-                      have, *progress), stream_program())
+    return _exec(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
+                 have, *progress, preface=stream_preface())
 
 
 # ------------------------------------------------------------------ snapshots and links (runs/hang.py)
