@@ -81,6 +81,17 @@ def last_line_json(stdout: str) -> Any:
     return json.loads(lines[-1])
 
 
+def last_object(text: str) -> dict | None:
+    """The last JSON object a node-side script printed on a line of its own (None: none, or unreadable)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
 def reply(r: NodeResult, want: type, build: Callable[[Any], T], failed: Callable[[str], T],
           program: str = "node program", keep: int = 500) -> T:
     """build(the JSON the program printed last) when it ran and printed a `want` that reads; else
