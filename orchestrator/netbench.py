@@ -100,8 +100,12 @@ def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max
     if conn is None:
         raise NetbenchError(f"{master.name} (the master) is unreachable: {cluster.unreachable[master.name].error}")
     server = netprobe.serve(master, port, timeout).start(conn)
+    listen_port = None
     try:
-        word, listen_port = _first_line(server, 30).split()
+        first = _first_line(server, 30)
+        listen_port = netprobe.listening_port(first)
+        if listen_port is None:
+            raise NetbenchError(f"{master.name}: the network probe did not say where it listens: {first[-300:]!r}")
         addr = master.address if not master.is_local else "127.0.0.1"
         out = []
         for node in inv.nodes[1:]:
@@ -119,7 +123,8 @@ def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max
         return out
     finally:
         try:
-            wire.send(cluster, lambda n: netprobe.quit_server(n, listen_port), [master.name], timeout=10)
+            if listen_port is not None:
+                wire.send(cluster, lambda n: netprobe.quit_server(n, listen_port), [master.name], timeout=10)
         except Exception:  # noqa: BLE001 - the server also exits on its own timeout
             pass
         server.kill()

@@ -42,5 +42,11 @@ def serve(node: Node, port: int, timeout: float) -> Exec:
     return command(node, "serve", port, timeout)
 
 
+def listening_port(line: str) -> int | None:
+    """The server's first line, `listening PORT` -> PORT; None for anything else."""
+    words = line.split()
+    return int(words[1]) if len(words) == 2 and words[0] == "listening" and words[1].isdigit() else None
+
+
 def quit_server(node: Node, port: int | str) -> Exec:
     return command(node, "quit", "127.0.0.1", port)

@@ -8,6 +8,7 @@ A transfer's processes carry its id in CLUSTERCTL_XFER, so `stop` finds them aga
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from orchestrator.inventory import Node
 from orchestrator.node import form
@@ -40,6 +41,36 @@ def changed(node: Node, workdir: str) -> Exec:
     """`changed WORKDIR`: the bytes of the listed files (NUL-separated `SIZE MTIME PATH` on stdin)
     that differ there, and whether rsync is installed."""
     return command(node, "changed", NodePath(workdir))
+
+
+@dataclass(frozen=True)
+class Said:
+    """One protocol line of a relay end on its stdout: `port N` (where it listens), `linked` or
+    `link-failed WHY` (its downstream), `progress N` (bytes so far), `done N [FILES]`, or a sender's
+    `sent N SHA256`. `n` is the number the line carries; `text` its words after that."""
+
+    word: str
+    n: int | None = None
+    files: int = 0
+    text: str = ""
+
+
+def read_line(line: str) -> Said | None:
+    """A relay's stdout line -> Said; None for any other line (a blank one, a traceback's)."""
+    word, _, rest = line.partition(" ")
+    if word in ("port", "progress") and rest.isdigit():
+        return Said(word, int(rest))
+    if word == "linked":
+        return Said(word)
+    if word == "link-failed":
+        return Said(word, text=rest)
+    if word == "done":
+        n, _, files = rest.partition(" ")
+        return Said(word, int(n), int(files or 0)) if n.isdigit() and (files or "0").isdigit() else None
+    words = line.split()
+    if len(words) == 3 and words[0] == "sent" and words[1].isdigit():
+        return Said("sent", int(words[1]), text=words[2])
+    return None
 
 
 def read_changed(stdout: str) -> tuple[int, bool] | None:

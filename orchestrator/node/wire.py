@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from orchestrator.inventory import Node
+from orchestrator.probe import common
 from orchestrator.node.form import Exec
 from orchestrator.transport import Cluster, NodeResult, wait
 
@@ -90,6 +91,18 @@ def last_object(text: str) -> dict | None:
             except ValueError:
                 return None
     return None
+
+
+def progress_of(line: str) -> tuple[str, int | None] | None:
+    """A node-side program's progress line (remote/common.py `progress`) -> (step, bytes)."""
+    mark = common().PROGRESS
+    if not line.startswith(mark):
+        return None
+    try:
+        doc = json.loads(line[len(mark):])
+        return str(doc["step"]), doc.get("bytes") if isinstance(doc.get("bytes"), int) else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def reply(r: NodeResult, want: type, build: Callable[[Any], T], failed: Callable[[str], T],

@@ -149,19 +149,19 @@ class Chain:
         hop = self.by_name.get(name)
         if hop is None or stream != "stdout":
             return
-        word, _, rest = line.partition(" ")
+        said = door.read_line(line)
+        word = said.word if said is not None else ""
         with self.cond:
-            if word == "port" and rest.isdigit():
-                hop.port = int(rest)
+            if word == "port":
+                hop.port = said.n
             elif word == "linked":
                 hop.linked = True
             elif word == "link-failed":
-                hop.linked, hop.link_error = False, rest
-            elif word == "progress" and rest.isdigit():
-                hop.bytes = int(rest)
+                hop.linked, hop.link_error = False, said.text
+            elif word == "progress":
+                hop.bytes = said.n
             elif word == "done":
-                n, _, files = rest.partition(" ")
-                hop.done, hop.bytes, hop.files = True, int(n), int(files or 0)
+                hop.done, hop.bytes, hop.files = True, said.n, said.files
             self.cond.notify_all()
         if word in ("progress", "done") and self.on_bytes:
             self.on_bytes(name, hop.bytes)

@@ -74,14 +74,14 @@ class Pair:
             yield f"to {self.dst.address} {self.port} {self.token}\n".encode()
 
     def on_recv_line(self, _name: str, stream: str, line: str) -> None:
-        word, _, rest = line.partition(" ")
-        if stream == "stdout" and word == "port" and rest.isdigit():
-            self._set(port=int(rest))
+        said = door.read_line(line) if stream == "stdout" else None
+        if said is not None and said.word == "port":
+            self._set(port=said.n)
 
     def on_send_line(self, _name: str, stream: str, line: str) -> None:
-        words = line.split() if stream == "stdout" else []  # any line may come: a blank one, a traceback's
-        if len(words) == 3 and words[0] == "sent" and words[1].isdigit():
-            self._set(sent=(int(words[1]), words[2]))
+        said = door.read_line(line) if stream == "stdout" else None  # any line may come: a traceback's
+        if said is not None and said.word == "sent":
+            self._set(sent=(said.n, said.text))
 
     # ------------------------------------------------------------ running it
     def command(self, node: Node, mode: str, where: str, *names: str) -> str:
