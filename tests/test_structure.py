@@ -26,9 +26,6 @@ EXCEPTIONS: dict[str, str] = {
     "orchestrator/remote/relay.py": "shipped as one program (`python3 -c`, remote/common.py in front, stdlib "
                                     "only): the relay's protocol, the gate that lets only the token's holder in "
                                     "and the tar pass-through run as one file on the node",
-    "orchestrator/node/agent.py": "the control side's one client of the node agent: every verb's command line "
-                                  "and the reading of its answer live here, one small typed reply each, so no "
-                                  "caller builds or parses an agent line by hand",
     "orchestrator/remote/ckptdir.py": "shipped as one program (`python -c` LOADER, remote/common.py in front, "
                                       "stdlib only): the completeness rule (inotify, the /proc writers, the "
                                       "capture that a rewrite voids) and the verbs that restore, set aside and "

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 from orchestrator.inventory import Node
 from orchestrator.node import artifacts, form
 from orchestrator.node.form import Exec
-from orchestrator.node.wire import BadReply, Call, run  # noqa: F401 - the agent's callers take them from here
+from orchestrator.node.wire import BadReply, Call, call, run  # noqa: F401 - the agent's callers take them from here
 from orchestrator.node.wire import reply as _wire_reply
 from orchestrator.transport import NodeResult
 
@@ -51,18 +51,13 @@ def _exec(node: Node, verb: str, *args: object, preface: str = "") -> Exec:
     return form.command(node, PROGRAM, verb, *args, preface=preface)
 
 
-def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T],
-          timeout: float = TIMEOUT) -> Call[T]:
-    e = _exec(node, verb, *args)
-    return Call(e.command, e.stdin, timeout, read)
+def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T], timeout: float = TIMEOUT) -> Call[T]:
+    return call(_exec(node, verb, *args), timeout, read)
 
 
 def node_key(key: str, node: Node) -> str:
     """A run's (or attempt's) key on one node: KEY@NODE."""
     return f"{key}@{node.name}"
-
-
-_key = node_key
 
 
 def _reply(r: NodeResult, want: type, build: Callable[[object], T], failed: Callable[[str], T]) -> T:
@@ -145,7 +140,7 @@ def read_status(r: NodeResult) -> AgentStatus:
 
 def status(node: Node, key: str, timeout: float = 30) -> Call[AgentStatus]:
     """`status RUN_KEY`: the node's view of attempt `key` there."""
-    return _call(node, "status", _key(key, node), read=read_status, timeout=timeout)
+    return _call(node, "status", node_key(key, node), read=read_status, timeout=timeout)
 
 
 def end_status(line: str) -> AgentStatus | None:
@@ -176,7 +171,7 @@ def stop(node: Node, key: str, grace: float, peer_failed: bool = False) -> Call[
     stretches it over a checkpoint save). peer_failed: another node of the run failed, so no
     collective save can complete: the agent kills at once unless a checkpoint is being written."""
     mode = ["peer-failed"] if peer_failed else []
-    return _call(node, "stop", _key(key, node), grace, *mode, read=read_stop, timeout=grace + 30)
+    return _call(node, "stop", node_key(key, node), grace, *mode, read=read_stop, timeout=grace + 30)
 
 
 # ------------------------------------------------------------------ claims
@@ -215,7 +210,7 @@ def read_claimed(r: NodeResult) -> Claimed:
 
 def claim(node: Node, run_id: str, who: str) -> Call[Claimed]:
     """`claim NODE RUN_ID@NODE WHO`: take the node for the run (atomic on the node)."""
-    return _call(node, "claim", node.name, _key(run_id, node), who, read=read_claimed)
+    return _call(node, "claim", node.name, node_key(run_id, node), who, read=read_claimed)
 
 
 @dataclass(frozen=True)
@@ -249,7 +244,7 @@ def read_released(r: NodeResult) -> Released:
 
 def release(node: Node, run_id: str, timeout: float = TIMEOUT) -> Call[Released]:
     """`release NODE RUN_ID@NODE`: drop the run's claim on the node (another run's stays)."""
-    return _call(node, "release", node.name, _key(run_id, node), read=read_released, timeout=timeout)
+    return _call(node, "release", node.name, node_key(run_id, node), read=read_released, timeout=timeout)
 
 
 # ------------------------------------------------------------------ live runs, start, listening
@@ -311,8 +306,8 @@ def read_started(r: NodeResult) -> Started:
 def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
     """`start RUN_KEY -`: the spec goes in front of the program as SPEC_HEX, never on a command line
     (the inventory's env holds tokens, and `ps` on the node shows argv)."""
-    e = _exec(node, "start", _key(key, node), "-", preface=f"SPEC_HEX = {spec.hex()!r}\n")
-    return Call(e.command, e.stdin, TIMEOUT, read_started)
+    return call(_exec(node, "start", node_key(key, node), "-", preface=f"SPEC_HEX = {spec.hex()!r}\n"), TIMEOUT,
+                read_started)
 
 
 class Port(Enum):
@@ -331,7 +326,7 @@ def read_port(r: NodeResult) -> Port:
 
 def wait_listening(node: Node, key: str, port: int, seconds: float) -> Call[Port]:
     """`wait-listening RUN_KEY PORT S`: until the port listens, the run ends or `seconds` pass."""
-    return _call(node, "wait-listening", _key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
+    return _call(node, "wait-listening", node_key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
 
 
 # ------------------------------------------------------------------ the log stream
@@ -356,10 +351,10 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
     the status last: AgentStatus.from_json). PROGRESS_S is left out when no progress is asked for:
     the line is then the one it always was."""
     if stream is None:
-        return _exec(node, "tail", _key(key, node), offset, "status")
+        return _exec(node, "tail", node_key(key, node), offset, "status")
     have = json.dumps(dict(stream.have)).encode().hex()
     progress = [f"{stream.progress_s:g}"] if stream.progress_s > 0 else []
-    return _exec(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
+    return _exec(node, "tail", node_key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
                  have, *progress, preface=stream_preface())
 
 
@@ -383,7 +378,7 @@ def read_snapshot(r: NodeResult) -> Snapshot:
 def snapshot(node: Node, key: str, request: int, wait: float, progress: bool = False) -> Call[Snapshot]:
     """`snapshot RUN_KEY N WAIT [progress]`: every rank's /proc state and its hook's answer to
     request N (progress: the compute time of its newest steps, not its stacks)."""
-    return _call(node, "snapshot", _key(key, node), request, wait, *(["progress"] if progress else []),
+    return _call(node, "snapshot", node_key(key, node), request, wait, *(["progress"] if progress else []),
                  read=read_snapshot, timeout=wait + 30)
 
 
