@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator import shell
 from orchestrator.inventory import parse_inventory
-from orchestrator.node import artifacts, ckptdir, drill, form, netprobe, nodeinfo, portlisten, pyenv, relay, wire
+from orchestrator.node import (artifacts, ckptdir, drill, form, netprobe, nodeinfo, portlisten, preflight, pyenv, relay,
+                               wire)
 from orchestrator.probe import program
 from orchestrator.transport import NodeResult
 from orchestrator.transport.base import ErrorKind
@@ -90,6 +91,15 @@ def test_setup_drill_netbench_and_the_listener_lines():
         shell.exports(env) + " " + f"{shell.path(n.python)} - {shell.join(['allreduce', 0, 2, '10.0.0.5', 29500])}"
     assert portlisten.listen(n, 29500, 10.0, 2, "cc-listen-1").command == \
         f"{shell.path(n.python)} - {shell.join([29500, 10.0, 2, 'cc-listen-1'])}"
+
+
+def test_the_preflight_probe_line_is_the_one_it_had():
+    got = preflight.command("python_env,code_sync", "~/w x", "~/w x/runs", 29500, "", "10.0.0.1", "worker",
+                            "~/v b/python", 5.0, ["--output", "out", "--exclude", "a'b"])
+    assert got == "sh -s -- python_env,code_sync \"$HOME\"/'w x' \"$HOME\"/'w x/runs' 29500 '' 10.0.0.1 worker " \
+                  "\"$HOME\"/'v b/python' 5 --output out --exclude 'a'\"'\"'b'"
+    assert preflight.command("ssh", "/w", "/o", 1, "e", "m", "master", "py", 0, []) == "sh -s -- ssh /w /o 1 e m master py 0"
+    assert "want() {" in preflight.HEADER
 
 
 def test_the_preflight_heredoc_is_the_one_it_had_and_refuses_a_program_holding_its_end():

@@ -26,7 +26,6 @@ import threading
 import time
 from typing import Mapping
 
-from orchestrator import shell
 from orchestrator.checks import Ctx, CheckResult, fail, ok, retry, skip
 from orchestrator.checks.gpu import gpus_from_probe
 from orchestrator.checks.gpu_health import probe_options
@@ -37,6 +36,7 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.node import portlisten
+from orchestrator.node import preflight as preflight_probe
 from orchestrator.transfer.files import control_code, private_files, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
@@ -84,14 +84,12 @@ def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeou
                    never: tuple[str, ...] = ()) -> str:
     role = "master" if node.rank == 0 else "worker"
     names = ",".join(probe_options(inv, checks))  # the checks, and gpu_health's gpu_diag option
-    return "sh -s -- " + " ".join([
-        shell.quote(names), shell.path(node.workdir), shell.path(output_dir(inv, node)),
-        shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
-        role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
-        shell.join([a for d in probe_outputs(inv, node) for a in ("--output", d)]
-                   + [a for g in inv.sync.include for a in ("--include", g)]
-                   + [a for g in inv.sync.exclude for a in ("--exclude", g)]
-                   + [a for p in never for a in ("--never", p)])]).rstrip()
+    return preflight_probe.command(
+        names, node.workdir, output_dir(inv, node), inv.master_port, node.iface or "", inv.master.address, role,
+        node.python, connect_timeout, [a for d in probe_outputs(inv, node) for a in ("--output", d)]
+        + [a for g in inv.sync.include for a in ("--include", g)]
+        + [a for g in inv.sync.exclude for a in ("--exclude", g)]
+        + [a for p in never for a in ("--never", p)])
 
 
 class _Listener:

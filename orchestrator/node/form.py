@@ -40,7 +40,8 @@ def source(name: str) -> bytes:
     return probe.program(name)
 
 
-def _word(arg: object) -> str:
+def word(arg: object) -> str:
+    """One argument as one shell word (a NodePath keeps a leading `~` as the node's home)."""
     return shell.path(arg) if isinstance(arg, NodePath) else shell.quote(arg)
 
 
@@ -79,7 +80,7 @@ def command(node: Node, program: str, *args: object, travels: Travel = Travel.ST
         how, stdin = ["-c", shell.quote(LOADER)], str(len(body)).encode() + b"\n" + body
     else:
         how, stdin = ["-c", shell.quote(body.decode())], b""
-    words = [*head, shell.path(python or node.python), *flags, *how, *(_word(a) for a in args)]
+    words = [*head, shell.path(python or node.python), *flags, *how, *(word(a) for a in args)]
     return Exec((node.program_env if group_env else "") + " ".join(words), stdin)
 
 
