@@ -48,10 +48,11 @@ def word(arg: object) -> str:
 @dataclass(frozen=True)
 class Exec:
     """A node command: the shell line and what goes on its stdin in front of the caller's data
-    (the program itself, or its length-prefixed loader form; b"" when it travels as an argument)."""
+    (the program itself, or its length-prefixed loader form; None when it travels as an argument:
+    no stdin unless the caller gives one)."""
 
     command: str
-    stdin: bytes
+    stdin: bytes | None
 
     def then(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
         """The stdin with the caller's data after the program (Travel.LOADER, Travel.ARGUMENT)."""
@@ -79,7 +80,7 @@ def command(node: Node, program: str, *args: object, travels: Travel = Travel.ST
     elif travels is Travel.LOADER:
         how, stdin = ["-c", shell.quote(LOADER)], str(len(body)).encode() + b"\n" + body
     else:
-        how, stdin = ["-c", shell.quote(body.decode())], b""
+        how, stdin = ["-c", shell.quote(body.decode())], None
     words = [*head, shell.path(python or node.python), *flags, *how, *(word(a) for a in args)]
     return Exec((node.program_env if group_env else "") + " ".join(words), stdin)
 
