@@ -137,14 +137,3 @@ class Answer:
 def read_answer(r: NodeResult, want: type = dict, program: str = "node program", keep: int = 500) -> Answer:
     return reply(r, want, lambda d: Answer(d, None, r.exit_code), lambda why: Answer(None, why, r.exit_code),
                  program, keep)
-
-
-def answer_of(text: str, want: type = dict) -> Answer:
-    """Answer from a program's stdout alone (a run that already ended, a local subprocess)."""
-    try:
-        doc = last_line_json(text)
-        if not isinstance(doc, want):
-            raise BadReply(f"not a JSON {want.__name__}")
-        return Answer(doc)
-    except ValueError as e:
-        return Answer(error=f"unreadable answer ({e}): {text[-200:]!r}")
