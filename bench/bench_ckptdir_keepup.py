@@ -45,7 +45,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.runs.ckptdir import DirCopier, DirStore, _cmd  # noqa: E402
+from orchestrator.node import ckptdir as door  # noqa: E402
+from orchestrator.runs.ckptdir import DirCopier, DirStore  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
@@ -101,7 +102,7 @@ class QuietRule(DirCopier):
             yield data
 
     def look(self, nodes, final=False):
-        res = self.cluster.run(lambda n: _cmd(n, "state", self.paths[n.name], 0 if final else self.QUIET_S),
+        res = self.cluster.run(lambda n: door.command(n, "state", self.paths[n.name], 0 if final else self.QUIET_S).command,
                                stdin=lambda n: b"".join(self._then()), nodes=nodes, timeout=60)
         self.looks += 1
         out = {}
@@ -118,7 +119,7 @@ class QuietRule(DirCopier):
         line = json.dumps([[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(mine.items())]).encode() + b"\n"
         into = Unpacker(stage, checksums=True, name="unpack-before")
         try:
-            r = self.cluster.run(lambda n: _cmd(n, "send", self.paths[node]), stdin=lambda n: self._then(line),
+            r = self.cluster.run(lambda n: door.command(n, "send", self.paths[node]).command, stdin=lambda n: self._then(line),
                                  nodes=[node], timeout=600, capture=False,
                                  on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
         finally:

@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.runs.checkpoints import AGENT, ArtifactCopier, artifacts_cmd  # noqa: E402
+from orchestrator.node import artifacts, wire  # noqa: E402
+from orchestrator.runs.checkpoints import ArtifactCopier  # noqa: E402
 from orchestrator.transfer.files import sha256_file  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
@@ -145,8 +146,8 @@ def bench_poll(cl, inv, repeat: int, polls: int = 30) -> None:
                 b0 = cpu_machine()
                 for _ in range(polls):
                     for _ in range(calls):
-                        c.run(lambda n: artifacts_cmd(n, "poll", "/nonexistent/ck", "/nonexistent/tb", "7b7d"),
-                              stdin=AGENT, nodes=names, timeout=60)
+                        wire.send(c, lambda n: artifacts.poll(n, "/nonexistent/ck", "/nonexistent/tb", {}),
+                                  names, timeout=60)
                 per.append((cpu_machine() - b0) / polls * 1000)
             print(f"  {label:34s} {med(per):.0f} ms of CPU per poll of {len(names)} nodes")
 

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator.probe import program  # noqa: E402
-from orchestrator.runs import agent as agent_client  # noqa: E402
+from orchestrator.node import agent as agent_client  # noqa: E402
 from orchestrator.runs.straggler import PERIOD_S  # noqa: E402
 from orchestrator.runs.logcopy import FRAME_PROGRESS, Frames  # noqa: E402
 

@@ -8,21 +8,17 @@ own backend.  The result feeds `clusterctl plan --link FILE`.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
 import click
 
-from orchestrator import shell
 from orchestrator.errors import EXIT_FAILED, ClusterctlError, CommandFailed, CommandTimeout
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import program
+from orchestrator.node import netprobe, wire
 from orchestrator.torchrun import iface_env
+from orchestrator.node.form import Exec
 from orchestrator.transport import Cluster, Proc, first_line
-
-PROBE = program("netprobe")
-
 
 class NetbenchError(ClusterctlError):
     exit_code = EXIT_FAILED
@@ -77,10 +73,6 @@ class NetReport:
         return doc
 
 
-def _cmd(node: Node, *args: object) -> str:
-    return f"{shell.path(node.python)} - {shell.join(args)}"
-
-
 def _first_line(proc: Proc, timeout: float) -> str:
     """The probe server's first stdout line (where it listens), or NetbenchError."""
     try:
@@ -93,10 +85,10 @@ def _first_line(proc: Proc, timeout: float) -> str:
 
 
 def _client(cluster: Cluster, node: Node, *args, timeout: float) -> dict:
-    r = cluster.run(_cmd(node, "client", *args), nodes=[node.name], stdin=PROBE, timeout=timeout)[node.name]
-    if not r.ok:
-        raise NetbenchError(f"{node.name}: {r.describe()}: {r.stderr.strip()[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got = wire.run(cluster, lambda n: netprobe.client(n, *args, timeout=timeout), [node.name])[node.name]
+    if got.error is not None:
+        raise NetbenchError(f"{node.name}: {got.error}")
+    return got.doc
 
 
 def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max_bytes: int = 1 << 30,
@@ -107,9 +99,13 @@ def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max
     conn = cluster.connections.get(master.name)
     if conn is None:
         raise NetbenchError(f"{master.name} (the master) is unreachable: {cluster.unreachable[master.name].error}")
-    server = conn.exec(_cmd(master, "serve", port, timeout), stdin=PROBE)
+    server = netprobe.serve(master, port, timeout).start(conn)
+    listen_port = None
     try:
-        word, listen_port = _first_line(server, 30).split()
+        first = _first_line(server, 30)
+        listen_port = netprobe.listening_port(first)
+        if listen_port is None:
+            raise NetbenchError(f"{master.name}: the network probe did not say where it listens: {first[-300:]!r}")
         addr = master.address if not master.is_local else "127.0.0.1"
         out = []
         for node in inv.nodes[1:]:
@@ -127,8 +123,8 @@ def measure_links(cluster: Cluster, inv: Inventory, *, seconds: float = 2.0, max
         return out
     finally:
         try:
-            cluster.run(_cmd(master, "quit", "127.0.0.1", listen_port), nodes=[master.name], stdin=PROBE,
-                        timeout=10)
+            if listen_port is not None:
+                wire.send(cluster, lambda n: netprobe.quit_server(n, listen_port), [master.name], timeout=10)
         except Exception:  # noqa: BLE001 - the server also exits on its own timeout
             pass
         server.kill()
@@ -144,16 +140,19 @@ def measure_allreduce(cluster: Cluster, inv: Inventory, *, nbytes: int, iters: i
     port = port or inv.master_port
     world = len(inv.nodes)
 
-    def cmd(node: Node) -> str:
+    def cmd(node: Node) -> Exec:
         env = {**node.env, **iface_env(node.iface), "OMP_NUM_THREADS": node.env.get("OMP_NUM_THREADS", "1")}
-        return shell.exports(env) + " " + _cmd(node, "allreduce", node.rank, world, inv.master.address, port,
-                                               nbytes, iters, backend, dtype)
+        return netprobe.command(node, "allreduce", node.rank, world, inv.master.address, port, nbytes, iters,
+                                backend, dtype, env=env)
 
-    res = cluster.run(cmd, stdin=PROBE, timeout=timeout)
+    res = wire.send(cluster, cmd, timeout=timeout)
     if not res.all_ok:
         bad = "; ".join(f"{k}: {v.describe()} {v.stderr.strip()[-300:]}" for k, v in res.failed.items())
         raise NetbenchError(f"all-reduce failed: {bad}")
-    rank0 = json.loads(res[inv.master.name].stdout.strip().splitlines()[-1])
+    got = netprobe.read(res[inv.master.name])
+    if got.error is not None:
+        raise NetbenchError(f"all-reduce: {inv.master.name}: {got.error}")
+    rank0 = got.doc
     return AllreduceMeasure(rank0["bytes"], dtype, backend, world, rank0["times"])
 
 

@@ -39,7 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from orchestrator import shell
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import program
+from orchestrator.node import nodeinfo
+from orchestrator.node import relay as relay_door
+from orchestrator.node.form import NodePath
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
@@ -224,14 +226,13 @@ def _probe(cluster: Cluster, todo: list[Node], src: str, files: list[str]) -> di
         except OSError:
             continue
         recs.append(f"{st.st_size} {int(st.st_mtime)} ".encode() + rel.encode("utf-8", "surrogateescape"))
-    src_code = shell.quote(relay.relay_source())
-    res = cluster.run(lambda n: f"{shell.path(n.python)} -c {src_code} changed {shell.path(n.workdir)}",
+    res = cluster.run(lambda n: relay_door.changed(n, n.workdir).command,
                       stdin=b"\0".join(recs) + b"\0", nodes=[n.name for n in todo], timeout=60)
     out = {}
     for name, r in res.items():
-        m = re.search(r"^changed (\d+) \d+\nrsync (yes|no)$", r.stdout, re.M)
-        if r.ok and m:
-            out[name] = (int(m.group(1)), m.group(2) == "yes")
+        got = relay_door.read_changed(r.stdout) if r.ok else None
+        if got is not None:
+            out[name] = got
         else:
             out[name] = (r.error or r.stderr.strip()[-300:] or f"exit code {r.exit_code}")
     return out
@@ -313,8 +314,7 @@ def _push(cluster: Cluster, src: str, files: list[str], methods: dict[str, str],
 def prune_command(inv: Inventory, node: Node) -> str:
     """nodeinfo's prune of node's workdir (the manifest on stdin), the run's outputs named."""
     outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
-    return (f"{shell.path(node.python)} -c {shell.quote(program('nodeinfo').decode())} prune "
-            f"{shell.path(node.workdir)} {shell.join(outputs)}").rstrip()
+    return nodeinfo.command(node, "prune", NodePath(node.workdir), *outputs).command
 
 
 def _prune(cluster: Cluster, inv: Inventory, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:

@@ -1,4 +1,4 @@
-"""The node agent's one client (orchestrator/runs/agent.py): the real agent run locally through it,
+"""The node agent's one client (orchestrator/node/agent.py): the real agent run locally through it,
 over `connection: local` nodes (its program on stdin, HOME a temporary directory), and its readers
 on recorded answers."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.inventory import parse_inventory
-from orchestrator.runs import agent
-from orchestrator.runs.agent import (AgentStatus, Claim, Claimed, Claims, Live, Port, Released, RunKey, Started,
+from orchestrator.node import agent
+from orchestrator.node.agent import (AgentStatus, Claim, Claimed, Claims, Live, Port, Released, RunKey, Started,
                                      StartSpec, StopResult, StreamFrom)
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, wait
 

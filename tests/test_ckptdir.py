@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.inventory import parse_inventory
+from orchestrator.node.form import LOADER
 from orchestrator.runs import ckptdir
 from orchestrator.runs.ckptdir import DirCopier, DirStore, plan, restore_dir
 from orchestrator.transport import Cluster
@@ -20,7 +21,7 @@ from orchestrator.transport import Cluster
 
 def node_program(*args, stdin=b"", cwd=None):
     src = probe.program("ckptdir")
-    return subprocess.run([sys.executable, "-c", ckptdir.LOADER, *args], input=str(len(src)).encode() + b"\n" + src + stdin,
+    return subprocess.run([sys.executable, "-c", LOADER, *args], input=str(len(src)).encode() + b"\n" + src + stdin,
                           capture_output=True, timeout=60, cwd=cwd)
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from orchestrator import probe
+from orchestrator.node.form import LOADER
 from orchestrator.runs import ckptdir
 from orchestrator.runs.ckptdir import DirCopier, DirStore
 from tests.test_ckptdir import attach, local_cluster
@@ -181,7 +182,7 @@ def test_a_look_is_made_at_most_once_per_interval(copier, writer):
 
 def node_look(d, key, home):
     src = probe.program("ckptdir")
-    r = subprocess.run([sys.executable, "-c", ckptdir.LOADER, "look", str(d), str(d.parent / ckptdir.PENDING), "2",
+    r = subprocess.run([sys.executable, "-c", LOADER, "look", str(d), str(d.parent / ckptdir.PENDING), "2",
                         "0", key], input=str(len(src)).encode() + b"\n" + src, capture_output=True, timeout=60,
                        env={**os.environ, "HOME": str(home)})
     assert r.returncode == 0, r.stderr

@@ -3,7 +3,6 @@ is shipped (remote/artifacts.py prepended to the agent), and read by the control
 
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -14,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator import probe
-from orchestrator.runs import agent, logcopy
-from orchestrator.runs.agent import AgentStatus, StreamFrom
-from orchestrator.runs.checkpoints import AGENT as ARTIFACTS, ArtifactCopier
+from orchestrator.node import agent
+from orchestrator.runs import logcopy
+from orchestrator.node.agent import AgentStatus, StreamFrom
+from orchestrator.runs.checkpoints import ArtifactCopier
 from orchestrator.runs.logcopy import Frames, LogCopier
 from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 
@@ -110,7 +110,7 @@ def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_
     lists = [json.loads(b) for h, b in second if h["t"] == "ckpts"]
     assert lists[0] != [] and all(a != b for a, b in zip(lists, lists[1:]))
     poll = subprocess.run([sys.executable, "-", "poll", str(tmp_path / "ck"), str(tmp_path / "tb"), "-"],
-                          input=ARTIFACTS, capture_output=True, timeout=30, env=agent_env(tmp_path))
+                          input=probe.program("artifacts"), capture_output=True, timeout=30, env=agent_env(tmp_path))
     assert lists[-1] == json.loads(poll.stdout.split(b"\n", 1)[0])
     assert [c["name"] for c in lists[-1]] == ["ckpt_00000012.pt", "ckpt_00000008.pt", "ckpt_00000004.pt"]
 
@@ -242,10 +242,13 @@ def frame(head, body):
 
 
 def test_the_record_kinds_are_the_node_sides():
-    text = (REMOTE / "artifacts.py").read_text()
-    node = re.search(r"^FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = (.*)$", text, re.M).group(1)
-    assert eval(node) == (logcopy.FRAME_LOG, logcopy.FRAME_TB, logcopy.FRAME_CKPTS, logcopy.FRAME_PROGRESS,  # noqa: S307
-                          logcopy.FRAME_END)
+    """The control side reads the kinds from remote/artifacts.py itself (one definition)."""
+    from orchestrator.node import artifacts as door
+
+    node = probe.load("artifacts")
+    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END")
+    assert [getattr(door, k) for k in kinds] == [getattr(node, k) for k in kinds]
+    assert [getattr(logcopy, k) for k in kinds] == [getattr(node, k) for k in kinds]
 
 
 def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):

@@ -18,7 +18,7 @@ from orchestrator import probe
 from orchestrator.cli import main
 from orchestrator.home import USER_UMASK_ENV, runs_dir
 from orchestrator.inventory import parse_inventory
-from orchestrator.runs.checkpoints import LOADER
+from orchestrator.node.form import LOADER
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, run_umask, write_json
 from tests.conftest import wait_for, write_record

@@ -215,8 +215,9 @@ def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_th
     import yaml
 
     from orchestrator.inventory import parse_inventory
-    from orchestrator.runs.checkpoints import ArtifactCopier, artifacts_cmd
-    from orchestrator.runs.replicas import AGENT, Replicator, restore_from_nodes
+    from orchestrator.node import artifacts, wire
+    from orchestrator.runs.checkpoints import ArtifactCopier
+    from orchestrator.runs.replicas import Replicator, restore_from_nodes
     from orchestrator.transport import Cluster
 
     cluster = make_cluster(3, gpus=0)
@@ -225,8 +226,7 @@ def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_th
     manifest = "".join(f"{hashlib.sha256(v.encode()).hexdigest()}  {k}\n" for k, v in sorted(content.items()))
     own = [["__0_0.distcp", ".metadata", "extra.pt"], ["__1_0.distcp"], ["__2_0.distcp"]]
     with Cluster(inv) as c:
-        res = c.run(lambda n: artifacts_cmd(n, "prepare", "run-x"), stdin=AGENT)
-        dirs = {k: json.loads(r.stdout) for k, r in res.items()}
+        dirs = {k: dict(got.dirs) for k, got in wire.run(c, lambda n: artifacts.prepare(n, "run-x")).items()}
         for i, node in enumerate(cluster.nodes):
             d = dirs[node.name]["checkpoints"] + "/ckpt_00000020"
             node.run(f"mkdir -p {d}")

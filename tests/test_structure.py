@@ -26,9 +26,6 @@ EXCEPTIONS: dict[str, str] = {
     "orchestrator/remote/relay.py": "shipped as one program (`python3 -c`, remote/common.py in front, stdlib "
                                     "only): the relay's protocol, the gate that lets only the token's holder in "
                                     "and the tar pass-through run as one file on the node",
-    "orchestrator/runs/agent.py": "the control side's one client of the node agent: every verb's command line "
-                                  "and the reading of its answer live here, one small typed reply each, so no "
-                                  "caller builds or parses an agent line by hand",
     "orchestrator/remote/ckptdir.py": "shipped as one program (`python -c` LOADER, remote/common.py in front, "
                                       "stdlib only): the completeness rule (inotify, the /proc writers, the "
                                       "capture that a rewrite voids) and the verbs that restore, set aside and "
@@ -125,6 +122,8 @@ LAYERS: list[dict[str, str]] = [
     {"checks": "preflight: probe snippets, pure parsers, one probe per node; used by runs and platforms"},
     {"transfer": "the data plane: tar streams and node relays over the transport",
      "gpus": "the one GPU probe and its pure parsers, read by checks, top and launch --from-env"},
+    {"node": "the one door to the nodes: the command form of every shipped program, its replies read "
+             "into frozen types, one client per program of remote/; below everything that asks a node"},
     {"transport": "connections and the one fan-out engine: knows nodes, not what runs on them",
      "torchrun": "the launch contract (flags, per-node env, ranks): reads only the inventory"},
     {"inventory": "the frozen, validated models that every layer above is handed"},
@@ -307,6 +306,77 @@ def test_layer_check_is_not_vacuous():
     assert found.pop("orchestrator/remote/agent.py -> orchestrator.shell")
     assert found.pop("orchestrator/newthing.py on no layer")
     assert not found, found
+
+
+# ------------------------------------------------------------------ the one door to the nodes
+
+DOOR = ("orchestrator/node/", "orchestrator/remote/", "orchestrator/probe.py")
+# file -> why it may still build a node line or read a node answer itself, with the change that removes it
+DOOR_PENDING: dict[str, str] = {}
+# file -> why its json.loads of a `stdout` is not a node's answer
+NOT_A_NODE: dict[str, str] = {
+    "orchestrator/cli/drill.py": "reads the `clusterctl train --detach --json` it ran here as a subprocess",
+}
+
+
+def _calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def door_breaches(sources: dict[str, str]) -> dict[str, list[str]]:
+    """{file: ["file:line: what"]} of node command lines and node answers handled outside the door:
+    a call of `program(...)` (probe.program: a shipped program's bytes, taken to build a command
+    line), and a `json.loads(...)` of something's `.stdout` (a node's answer parsed by hand)."""
+    found: dict[str, list[str]] = {}
+    for rel, text in sorted(sources.items()):
+        if rel.startswith(DOOR):
+            continue
+        for call in _calls(ast.parse(text)):
+            name = _called(call)
+            if name == "program":
+                found.setdefault(rel, []).append(f"{rel}:{call.lineno}: program(): a shipped program outside "
+                                                 "orchestrator/node/")
+            elif name == "loads" and any(isinstance(a, ast.Attribute) and a.attr == "stdout"
+                                         for arg in call.args for a in ast.walk(arg)):
+                found.setdefault(rel, []).append(f"{rel}:{call.lineno}: json.loads of a stdout: a node's answer "
+                                                 "read outside orchestrator/node/")
+    return {rel: sorted(where, key=lambda w: int(w.split(":")[1])) for rel, where in found.items()}
+
+
+def test_only_the_door_builds_node_command_lines_or_reads_node_answers():
+    found = door_breaches(package_sources())
+    allowed = DOOR_PENDING | NOT_A_NODE
+    print("outside the door, allowed:\n" + "\n".join(f"  {k}: {v}" for k, v in allowed.items()))
+    new = {k: v for k, v in found.items() if k not in allowed}
+    assert not new, "node command lines or node answers outside orchestrator/node/ (add a client function " \
+                    "there, one per verb of the program, and call it):\n" + \
+        "\n".join(w for where in new.values() for w in where)
+    stale = [k for k in allowed if k not in found]
+    assert not stale, f"allowed breaches of the door that no longer happen (remove them): {stale}"
+
+
+def test_door_check_is_not_vacuous():
+    """Each kind of breach is found, with file:line; the door's own files are not."""
+    sources = {
+        "orchestrator/sync.py": "from orchestrator.probe import program\nX = program('nodeinfo')\n",
+        "orchestrator/runs/x.py": "import json\ndef f(r):\n    return json.loads(r.stdout.strip().splitlines()[-1])\n",
+        "orchestrator/checks/y.py": "from orchestrator import probe\nY = probe.program('portlisten')\n",
+        "orchestrator/node/agent.py": "import json\nZ = json.loads(r.stdout)\nP = program('node_agent')\n",
+        "orchestrator/probe.py": "def program(name):\n    return b''\nprogram('x')\n",
+    }
+    assert door_breaches(sources) == {
+        "orchestrator/checks/y.py": ["orchestrator/checks/y.py:2: program(): a shipped program outside "
+                                     "orchestrator/node/"],
+        "orchestrator/runs/x.py": ["orchestrator/runs/x.py:3: json.loads of a stdout: a node's answer read "
+                                   "outside orchestrator/node/"],
+        "orchestrator/sync.py": ["orchestrator/sync.py:2: program(): a shipped program outside orchestrator/node/"]}
 
 
 # ------------------------------------------------------------------ the documents

@@ -26,7 +26,6 @@ import threading
 import time
 from typing import Mapping
 
-from orchestrator import shell
 from orchestrator.checks import Ctx, CheckResult, fail, ok, retry, skip
 from orchestrator.checks.gpu import gpus_from_probe
 from orchestrator.checks.gpu_health import probe_options
@@ -36,11 +35,11 @@ from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, 
 from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import program
+from orchestrator.node import portlisten
+from orchestrator.node import preflight as preflight_probe
 from orchestrator.transfer.files import control_code, private_files, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
 
-LISTENER = program("portlisten")
 PROBE_TIMEOUT = 60.0
 # The control machine's own checks: everything else runs in the node's probe.
 CONTROL = ("ssh", "ping")
@@ -85,14 +84,12 @@ def _probe_command(inv: Inventory, node: Node, checks: list[str], connect_timeou
                    never: tuple[str, ...] = ()) -> str:
     role = "master" if node.rank == 0 else "worker"
     names = ",".join(probe_options(inv, checks))  # the checks, and gpu_health's gpu_diag option
-    return "sh -s -- " + " ".join([
-        shell.quote(names), shell.path(node.workdir), shell.path(output_dir(inv, node)),
-        shell.quote(inv.master_port), shell.quote(node.iface or ""), shell.quote(inv.master.address),
-        role, shell.path(node.python), shell.quote(f"{connect_timeout:g}"),
-        shell.join([a for d in probe_outputs(inv, node) for a in ("--output", d)]
-                   + [a for g in inv.sync.include for a in ("--include", g)]
-                   + [a for g in inv.sync.exclude for a in ("--exclude", g)]
-                   + [a for p in never for a in ("--never", p)])]).rstrip()
+    return preflight_probe.command(
+        names, node.workdir, output_dir(inv, node), inv.master_port, node.iface or "", inv.master.address, role,
+        node.python, connect_timeout, [a for d in probe_outputs(inv, node) for a in ("--output", d)]
+        + [a for g in inv.sync.include for a in ("--include", g)]
+        + [a for g in inv.sync.exclude for a in ("--exclude", g)]
+        + [a for p in never for a in ("--never", p)])
 
 
 class _Listener:
@@ -108,9 +105,8 @@ class _Listener:
             self.error = f"{master.name} (the master) is unreachable"
             return
         self.conn, self.token = conn, "cc-listen-" + secrets.token_hex(6)
-        cmd = f"{shell.path(master.python)} - {shell.join([port, seconds, expected, self.token])}"
         try:
-            self.proc = conn.exec(cmd, stdin=LISTENER)
+            self.proc = portlisten.listen(master, port, seconds, expected, self.token).start(conn)
         except Exception as e:  # noqa: BLE001 - any failure here only means the check is skipped
             self.error = f"cannot start the listener: {e}"
             return
@@ -118,12 +114,12 @@ class _Listener:
             line = first_line(self.proc, 10.0).strip()
         except CommandFailed as e:  # CommandTimeout too: it ended, or said nothing in time
             line = (e.result.stdout + e.result.stderr).strip()[-300:]
-        if line.startswith("listening"):
-            self.pid = int(line.split()[1])
-        elif line.startswith("busy"):
+        got = portlisten.read_first(line)
+        self.pid = got.pid
+        if got.busy:
             self.error = f"master_port {port} is taken on {master.name} (see port_free)"
-        else:
-            self.error = f"the listener did not start on {master.name}: {line or 'no answer'}"
+        elif got.error is not None:
+            self.error = f"the listener did not start on {master.name}: {got.error}"
 
     def close(self):
         """Stop the listener and wait until its port is free again: `train` may bind it next.

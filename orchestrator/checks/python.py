@@ -11,7 +11,7 @@ from collections import Counter
 
 from orchestrator.checks import Check, CheckResult, Ctx, Probe, fail, first_line, ok, section, skip, warn
 from orchestrator.checks.gpu import GPU, facts
-from orchestrator.probe import program
+from orchestrator.node import nodeinfo
 
 # ------------------------------------------------------------------ one node
 
@@ -244,10 +244,7 @@ def compare_code_sync(texts: dict[str, str], ctx_of: dict[str, Ctx], master: str
 
 # ------------------------------------------------------------------ probe and registration
 
-NODEINFO = program("nodeinfo").decode()
-assert "\nPYEOF\n" not in NODEINFO
-
-# -S: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
+# nodeinfo runs with -S: no site (its .pth imports cost ~14 ms a node); it finds site-packages itself.
 # The workdir digest only when code_sync is asked for ("-" skips it), of what a sync ships (the
 # probe's --include/--exclude/--never arguments); the run's outputs are not code (the probe's
 # --output arguments: the same directories sync leaves out, so a tracked runs/ package is code
@@ -255,9 +252,7 @@ assert "\nPYEOF\n" not in NODEINFO
 PYTHON = Probe("python", """pwd_arg=-
 if want code_sync; then pwd_arg=$wd; fi
 echo "@@python"
-"$py" -S - info "$pwd_arg" "$@" 2>&1 <<'PYEOF'
-""" + NODEINFO + """PYEOF
-echo "@@rc $?"
+""" + nodeinfo.probe_text() + """echo "@@rc $?"
 """)
 
 PYTHON_ENV = Check(

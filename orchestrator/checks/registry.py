@@ -5,8 +5,6 @@ orchestrator/checks/__init__.py) and one line here."""
 
 from __future__ import annotations
 
-from importlib import resources
-
 from orchestrator.checks import Check
 from orchestrator.checks.control import PING, SSH
 from orchestrator.checks.firewall import FIREWALL
@@ -18,6 +16,7 @@ from orchestrator.checks.output_shared import OUTPUT_SHARED
 from orchestrator.checks.python import CODE_SYNC, PYTHON_ENV
 from orchestrator.checks.shm import SHM
 from orchestrator.checks.system import CLOCK_SKEW, DISK
+from orchestrator.node import preflight as preflight_probe
 
 REGISTRY: tuple[Check, ...] = (
     SSH, PING, GPU_COUNT, GPU_IDLE, GPU_HEALTH, PORT_FREE, PORT_REACHABLE, FIREWALL, CLOCK_SKEW, CODE_SYNC,
@@ -43,7 +42,7 @@ def ordered(names) -> list[str]:
     return [c for c in CHECKS if c in wanted]
 
 
-_HEADER = resources.files("orchestrator").joinpath("remote", "preflight.sh").read_text()
+_HEADER = preflight_probe.HEADER
 _scripts: dict[tuple[str, ...], bytes] = {}
 
 

@@ -18,7 +18,7 @@ import click
 
 from orchestrator.cli.runs import _err, complete_run_ids
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, ClusterctlError, with_unreachable
-from orchestrator.runs import agent
+from orchestrator.node import agent
 from orchestrator.runs.hang import SNAPSHOT_WAIT_S, RankSnap, stacks_text
 from orchestrator.runs.record import AttemptRecord, load as load_record
 from orchestrator.runs.store import Run

@@ -16,8 +16,8 @@ from orchestrator.cli.options import ClusterOptions, cluster_options
 from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import UnreachableError
 from orchestrator.home import runs_dir
-from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus
+from orchestrator.node import agent
+from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.dirreplicas import newest_copied

@@ -20,7 +20,7 @@ import click
 from orchestrator.cli.jsonout import emit, run_doc
 from orchestrator.cli.runs import _err, _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import ClusterctlError, UnreachableError
-from orchestrator.runs import agent
+from orchestrator.node import agent
 from orchestrator.runs.launch import stray_processes
 from orchestrator.runs.policy import MAX_GRACE
 from orchestrator.runs.record import Book

@@ -9,13 +9,12 @@ without shipping or running anything else.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from orchestrator import shell
 from orchestrator.inventory import Inventory, SetupSection
-from orchestrator.probe import program
+from orchestrator.node import pyenv as door
 from orchestrator.pyenv import UNCHANGED, SetupReport, SetupResult, plan, pushes, target_of
 from orchestrator.pyenv.resolve import Lock, resolve
 from orchestrator.pyenv.selfwheel import addition
@@ -29,44 +28,14 @@ CACHE = "~/.cache/clusterctl"  # on the nodes: the wheel cache and the locks (re
 PROBE_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
 
-PYENV = program("pyenv").decode()
-
-
-def _script(setup: SetupSection, *args: str) -> str:
-    """The node-side script run by the interpreter that creates the venv; paths keep `~/`."""
-    return f"{shell.path(setup.base)} -c {shell.quote(PYENV)} " + " ".join(shell.path(a) for a in args)
-
-
-def last_json(text: str) -> dict | None:
-    """The last JSON object a node-side script printed on a line of its own (None: none, or unreadable)."""
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
-
-
-def _why(r: NodeResult, what: str) -> str:
-    """A failed node command as one line: the script's `error:` line, else its last words."""
-    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
-    errs = [ln.removeprefix("error: ") for ln in lines if ln.startswith("error: ")]
-    if errs:
-        return errs[-1]
-    if r.exit_code == 127 or any("not found" in ln for ln in lines[-2:]):
-        return f"{what}: {lines[-1] if lines else 'command not found'}"
-    return f"{what}: {r.error or (lines[-1] if lines else f'exit code {r.exit_code}')}"
-
-
 def probe(cluster: Cluster, nodes: list[str], setup: SetupSection) -> dict[str, dict | str]:
     """node -> its probe (see remote/pyenv.py) or why it could not be probed."""
-    res = cluster.run(lambda n: _script(setup, "probe", setup.venv, CACHE), nodes=nodes,
+    res = cluster.run(lambda n: door.command(n, setup.base, "probe", setup.venv, CACHE).command, nodes=nodes,
                       timeout=PROBE_TIMEOUT)
     out: dict[str, dict | str] = {}
     for name, r in res.items():
-        doc = last_json(r.stdout) if r.ok else None
-        out[name] = doc if doc is not None else _why(r, f"cannot run {setup.base}")
+        got = door.read(r, f"cannot run {setup.base}")
+        out[name] = got.doc if got.error is None else got.error
     return out
 
 
@@ -113,9 +82,9 @@ def _changes(doc: dict, created: bool) -> str:
 
 
 def _installed(name: str, r: NodeResult, probes: dict, lock: Lock, nbytes: int, wheels: list[str]) -> SetupResult:
-    doc = last_json(r.stdout) if r.ok else None
+    doc = door.read(r, "installing failed").doc
     if doc is None or doc.get("installed") != lock.hash:
-        return SetupResult(name, "failed", False, _why(r, "installing failed"), probes[name].get("hash"),
+        return SetupResult(name, "failed", False, door.why(r, "installing failed"), probes[name].get("hash"),
                            r.duration, nbytes, tuple(wheels))
     created = probes[name].get("venv") == "absent"
     steps = ", ".join(f"{k} {v:.1f}s" for k, v in doc.get("steps", {}).items())
@@ -136,7 +105,8 @@ def _install_command(s: SetupSection, lock: Lock, shipped: bool, online: bool, f
     """The node's install, with the node's env exported (an online install's index settings:
     PIP_INDEX_URL, UV_DEFAULT_INDEX, ...)."""
     flags = [f for f, on in (("--shipped", shipped), ("--online", online), ("--force", force)) if on]
-    return lambda n: (shell.exports(n.env) + " " + _script(s, "install", s.venv, CACHE, lock.short, *flags)).strip()
+    return lambda n: (shell.exports(n.env) + " " + door.command(n, s.base, "install", s.venv, CACHE, lock.short,
+                                                             *flags).command).strip()
 
 
 def _probed(cluster: Cluster, inv: Inventory, results: dict[str, SetupResult], local: list[str]) -> dict[str, dict]:

@@ -18,7 +18,7 @@ define these names again (tests/test_remote_common.py looks).
                      run's: RUN_KEY, its directory under NODE_RUNS); proc_environ: chosen
                      variables of one process's environment
   progress           PROGRESS, progress: a long step's name (and bytes) on stderr, as it starts
-                     (setup's install), read back by transfer/progress.py `progress_of`
+                     (setup's install), read back by node/wire.py `progress_of`
 """
 import os
 

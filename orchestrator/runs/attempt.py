@@ -22,8 +22,8 @@ from orchestrator.checks import retry
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
-from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus
+from orchestrator.node import agent
+from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.hang import HangVerdict
 from orchestrator.runs.hangsnap import RankSnap, snaps_of
 from orchestrator.runs.hangwatch import HangWatch

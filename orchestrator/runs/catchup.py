@@ -21,7 +21,7 @@ from typing import Callable
 
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs import agent
+from orchestrator.node import agent
 from orchestrator.runs.record import Book
 from orchestrator.runs.space import Space
 from orchestrator.transport import Cluster, Connection, stream

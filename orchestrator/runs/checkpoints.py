@@ -19,7 +19,6 @@ With train.checkpoint_replica the same thread also runs runs/replicas.py's `Repl
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import shutil
@@ -29,25 +28,20 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import shell
 from orchestrator.inventory import Node
-from orchestrator.probe import common, program
-from orchestrator.runs.agent import StreamFrom
+from orchestrator.node import artifacts, wire
+from orchestrator.node.agent import StreamFrom
+from orchestrator.probe import common
 from orchestrator.runs.curves import Curves
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
 from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
-AGENT = program("artifacts")
 MANIFEST: str = common().MANIFEST
 KEEP = 3  # complete checkpoints kept on the control machine
 POLL_S = 2.0  # how often a copy that failed is tried again (the nodes' streams say what is new)
 TIMEOUT = 600.0  # one copy of one checkpoint
-
-
-def artifacts_cmd(node: Node, *args: object) -> str:
-    return f"{node.program_env}{shell.path(node.python)} - {shell.join(args)}"
 
 
 def is_complete(path: Path, known: dict[Path, str] | None = None) -> bool:
@@ -220,21 +214,16 @@ class ArtifactCopier:
         have, bufs = {n: self.tb_have(n) for n in names}, {n: bytearray() for n in names}
         if not names:
             return {}
-        res = self.cluster.run(lambda n: artifacts_cmd(n, "poll", self.dirs[n.name]["checkpoints"] if want else "-",
-                                                       self.dirs[n.name]["tensorboard"],
-                                                       json.dumps(have[n.name]).encode().hex()),
-                               stdin=AGENT, nodes=names, timeout=60, capture=False,
-                               on_bytes=lambda n, stream, data: bufs[n].extend(data) if stream == "stdout" else None)
+        res = wire.send(self.cluster, lambda n: artifacts.poll(n, self.dirs[n.name]["checkpoints"] if want else None,
+                                                               self.dirs[n.name]["tensorboard"], have[n.name]),
+                        names, timeout=60, capture=False,
+                        on_bytes=lambda n, stream, data: bufs[n].extend(data) if stream == "stdout" else None)
         found = {}
         for node, r in res.items():
-            data = bytes(bufs[node])
-            if not r.ok or b"\n" not in data:
+            ckpts, frames = artifacts.read_poll(bytes(bufs[node])) if r.ok else (None, b"")
+            if ckpts is None:
                 continue
-            head, frames = data.split(b"\n", 1)
-            try:
-                found[node] = json.loads(head)
-            except ValueError:
-                continue
+            found[node] = ckpts
             self.curves.frames(frames)
         return found
 
@@ -258,9 +247,9 @@ class ArtifactCopier:
         into = self.store.receiving(name)
         failed = True
         try:
-            r = self.cluster.run(lambda n: artifacts_cmd(n, "send", self.dirs[node]["checkpoints"], name),
-                                 stdin=AGENT, nodes=[node], timeout=TIMEOUT, capture=False,
-                                 on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
+            r = wire.send(self.cluster, lambda n: artifacts.send(n, self.dirs[node]["checkpoints"], name), [node],
+                          timeout=TIMEOUT, capture=False,
+                          on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
             if not r.ok:
                 self.say(f"could not copy {name} from {node}: {r.describe()}")
                 return
@@ -374,10 +363,8 @@ def restore(cluster: Cluster, store: CheckpointStore, dirs: dict[str, dict], nod
     targets = nodes if kind == "dir" else nodes[:1]
     files = ([str(p.relative_to(store.dir)) for p in sorted((store.dir / name).rglob("*")) if p.is_file()]
              if kind == "dir" else list(common().checkpoint_parts(name)))
-    res = cluster.run(lambda n: f"{n.program_env}{shell.path(n.python)} -c {shell.quote(LOADER)} "
-                                f"receive {shell.quote(dirs[n.name]['checkpoints'])}",
-                      stdin=lambda n: _agent_then(TarStream(str(store.dir), files)),
-                      nodes=[n.name for n in targets], timeout=TIMEOUT)
+    res = wire.send(cluster, lambda n: artifacts.receive(n, dirs[n.name]["checkpoints"]), [n.name for n in targets],
+                    data=lambda n: TarStream(str(store.dir), files), timeout=TIMEOUT)
     bad = {k: v.describe() + " " + v.stderr.strip()[-300:] for k, v in res.items() if not v.ok}
     if bad:
         raise RestoreError(name, bad)
@@ -389,12 +376,3 @@ class RestoreError(Exception):
         self.name, self.failed = name, failed
         super().__init__(f"could not restore {name}: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
 
-
-# `python -c LOADER receive DIR`: the agent arrives first on stdin, length-prefixed, and the
-# tar stream follows on the same stdin (`python -` would read the tar as script)
-LOADER = "import sys;exec(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))"
-
-
-def _agent_then(chunks):
-    yield str(len(AGENT)).encode() + b"\n" + AGENT
-    yield from chunks

@@ -41,25 +41,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator import shell
 from orchestrator.inventory import Node
 from orchestrator.inventory.sections import TrainSection
-from orchestrator.probe import load, program
-from orchestrator.runs.agent import _key as node_key  # the attempt's run key on one node
-from orchestrator.runs.checkpoints import LOADER  # the program on stdin, length-prefixed, its data after it
+from orchestrator.node import ckptdir as door
+from orchestrator.node import wire
+from orchestrator.node.agent import node_key  # the attempt's run key on one node
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.files import sha256_file
 from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster
 
-PROGRAM = program("ckptdir")
 INTERVAL_S: float = TrainSection.model_fields["checkpoint_interval"].default  # at most one look per this
 SETTLE_S = 2.0  # a directory entry closed by its writers is complete once nothing under it changed this long
 WAIT_S = 1.0  # a look waits this long for a save in progress to be closed
 KEEP = 3  # snapshots kept on the control machine
 TIMEOUT = 600.0  # one node's part of one snapshot, or one node's restore
-CHANGED: int = load("ckptdir").CHANGED  # remote/ckptdir.py send/freeze: a file is not as listed
-PENDING: str = load("ckptdir").PENDING  # the last component of a node's captures directory
+CHANGED, PENDING = door.CHANGED, door.PENDING  # send/freeze's "not as listed"; the captures directory's name
 STEP = re.compile(r"(?:checkpoint|global_step|step|iter|ckpt)[-_=]?(\d+)", re.I)  # step=20: Lightning's epoch=0-step=20.ckpt
 
 
@@ -68,27 +65,15 @@ def node_path(node: Node, checkpoint_dir: str) -> str:
     return checkpoint_dir if checkpoint_dir.startswith(("/", "~")) else posixpath.join(node.workdir, checkpoint_dir)
 
 
-def _cmd(node: Node, *args: object) -> str:
-    return f"{node.program_env}{shell.path(node.python)} -c {shell.quote(LOADER)} {shell.join(args)}"
-
-
-def _then(data: bytes | None = None, chunks=()):
-    yield str(len(PROGRAM)).encode() + b"\n" + PROGRAM
-    if data:
-        yield data
-    yield from chunks
-
-
 def prepare(cluster: Cluster, nodes: list[Node], checkpoint_dir: str) -> dict[str, str]:
     """DIR made on every node -> {node: its absolute path there} (CLUSTERCTL_CHECKPOINT_DIR)."""
-    res = cluster.run(lambda n: _cmd(n, "prepare", node_path(n, checkpoint_dir)), stdin=lambda n: b"".join(_then()),
-                      nodes=[n.name for n in nodes], timeout=60)
+    res = wire.run(cluster, lambda n: door.prepare(n, node_path(n, checkpoint_dir)), [n.name for n in nodes])
     out, bad = {}, []
-    for name, r in res.items():
-        if r.ok:
-            out[name] = json.loads(r.stdout.strip().splitlines()[-1])["path"]
+    for name, got in res.items():
+        if got.ok and isinstance(got.doc.get("path"), str):
+            out[name] = got.doc["path"]
         else:
-            bad.append(f"{name}: {r.describe()} {r.stderr.strip()[-300:]}")
+            bad.append(f"{name}: {got.error or 'no path in its answer'}")
     if bad:
         from orchestrator.errors import LaunchError
 
@@ -284,21 +269,18 @@ class DirCopier:
         if not nodes:
             return None
 
-        def cmd(n: Node) -> str:
+        def look(n: Node) -> wire.Call[wire.Answer]:
             key = "-" if final or self.key is None else node_key(self.key, n)
-            return _cmd(n, "look", self.paths[n.name], self.pending[n.name], 0 if final else SETTLE_S,
-                        0 if final else WAIT_S, key)
+            return door.look(n, self.paths[n.name], self.pending[n.name], 0 if final else SETTLE_S,
+                             0 if final else WAIT_S, key)
 
-        res = self.cluster.run(cmd, stdin=lambda n: b"".join(_then()), nodes=nodes, timeout=60)
+        res = wire.run(self.cluster, look, nodes)
         self.looks += 1
         out = {}
-        for name, r in res.items():
-            if not r.ok:
+        for name, got in res.items():
+            if not got.ok:
                 return None
-            try:
-                out[name] = json.loads(r.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                return None
+            out[name] = got.doc
             self.torn += len(out[name]["torn"])
         return out
 
@@ -306,8 +288,7 @@ class DirCopier:
         """The nodes' captures removed (the attempt ended: the snapshots hold what is needed)."""
         live = [n for n in self.cluster.live(nodes) if n in self.pending]
         if live:
-            self.cluster.run(lambda n: _cmd(n, "forget", self.pending[n.name]), stdin=lambda n: b"".join(_then()),
-                             nodes=live, timeout=60)
+            wire.send(self.cluster, lambda n: door.forget(n, self.pending[n.name]), live, timeout=door.TIMEOUT)
 
     def take(self, files: dict) -> str | None:
         t0 = time.monotonic()
@@ -359,9 +340,9 @@ class DirCopier:
         line = json.dumps([[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(mine.items())]).encode() + b"\n"
         into = Unpacker(stage, checksums=True, name=f"unpack-ckptdir-{node}")
         try:
-            r = self.cluster.run(lambda n: _cmd(n, "send", self.pending[node]), stdin=lambda n: _then(line),
-                                 nodes=[node], timeout=TIMEOUT, capture=False,
-                                 on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
+            r = wire.send(self.cluster, lambda n: door.send(n, self.pending[node]), [node], data=lambda n: [line],
+                          timeout=TIMEOUT, capture=False,
+                          on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
         finally:
             error = into.close(TIMEOUT)
         if r.exit_code == CHANGED:
@@ -385,13 +366,13 @@ def restore_dir(cluster: Cluster, store: DirStore, name: str, paths: dict[str, s
     Raises RestoreDirError naming the nodes that failed."""
     files = sorted(store.doc(name)["files"])
     src = str(store.dir / name)
-    res = cluster.run(lambda n: _cmd(n, "restore", paths[n.name], aside[n.name]),
-                      stdin=lambda n: _then(chunks=TarStream(src, files)), nodes=[n.name for n in nodes],
-                      timeout=TIMEOUT)
-    bad = {k: f"{v.describe()} {v.stderr.strip()[-300:]}" for k, v in res.items() if not v.ok}
+    res = wire.send(cluster, lambda n: door.restore(n, paths[n.name], aside[n.name]), [n.name for n in nodes],
+                    data=lambda n: TarStream(src, files), timeout=TIMEOUT)
+    got = {k: wire.read_answer(v, dict, "ckptdir", 300) for k, v in res.items()}
+    bad = {k: a.error for k, a in got.items() if not a.ok}
     if bad:
         raise RestoreDirError(name, bad)
-    return {k: json.loads(v.stdout.strip().splitlines()[-1]) for k, v in res.items()}
+    return {k: a.doc for k, a in got.items()}
 
 
 class RestoreDirError(Exception):

@@ -26,7 +26,7 @@ from typing import Callable
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
-from orchestrator.runs import agent
+from orchestrator.node import agent
 from orchestrator.runs.launch import ClaimLost, claim_nodes
 from orchestrator.runs.record import Book, PendingStop
 from orchestrator.runs.stopping import Stopper

@@ -15,21 +15,19 @@ scalar however many attempts and nodes wrote it:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
 from pathlib import Path
 
+from orchestrator.node.artifacts import Frames
+
 
 def write_frames(data: bytes, root: Path) -> None:
-    """Apply `since` frames: each header line names a file, the offset and how many bytes follow."""
-    pos = 0
-    while pos < len(data):
-        nl = data.index(b"\n", pos)
-        head = json.loads(data[pos:nl])
-        write_frame(head, data[nl + 1: nl + 1 + head["size"]], root)
-        pos = nl + 1 + head["size"]
+    """Apply a poll's TensorBoard frames (node/artifacts.py Frames): each header names a file, the
+    offset and how many bytes follow; a frame cut short is not written."""
+    for head, body in Frames().feed(data):
+        write_frame(head, body, root)
 
 
 def write_frame(head: dict, body: bytes, root: Path) -> None:

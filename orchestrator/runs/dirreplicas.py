@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator import shell
+from orchestrator.node import ckptdir as door
+from orchestrator.node import wire
 from orchestrator.runs.checkpoints import ArtifactCopier, CheckpointStore
-from orchestrator.runs.ckptdir import CHANGED, INTERVAL_S, TIMEOUT, DirCopier, DirStore, _cmd, _then, roots_of, step_of_names
+from orchestrator.runs.ckptdir import CHANGED, INTERVAL_S, TIMEOUT, DirCopier, DirStore, roots_of, step_of_names
 from orchestrator.runs.replicas import Replicator, ring
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
@@ -142,20 +144,16 @@ class DirReplicas(DirCopier):
                 "prev": {rel: [m["size"], m["mtime_ns"], prev_name, old[rel]["sha256"]] for rel, m in mine.items()
                          if kept and rel in old and old[rel]["node"] == origin}}
         root = posixpath.join(self.roots[origin], origin)
-        r = self.cluster.run(lambda n: _cmd(n, "freeze", self.pending[origin], root, name),
-                             stdin=lambda n: _then(json.dumps(line).encode() + b"\n"), nodes=[origin],
-                             timeout=TIMEOUT)[origin]
-        if r.exit_code == CHANGED:
+        got = wire.run(self.cluster, lambda n: door.call(n, "freeze", self.pending[origin], root, name,
+                                                         data=json.dumps(line).encode() + b"\n", timeout=TIMEOUT),
+                       [origin])[origin]
+        if got.exit_code == CHANGED:
             return False  # the capture was replaced meanwhile: the next look's is taken
-        try:
-            digests = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else None
-        except (ValueError, IndexError):
-            digests = None
-        if digests is None or set(digests) != set(mine):
+        if not got.ok or set(got.doc) != set(mine):
             self.say(f"could not keep {origin}'s part of checkpoint {name} on {origin}: "
-                     f"{r.describe()} {r.stderr.strip()[-300:]}")
+                     f"{got.error or 'its answer names other files'}")
             return False
-        for rel, d in digests.items():
+        for rel, d in got.doc.items():
             mine[rel]["sha256"] = d
         return True
 
@@ -168,12 +166,9 @@ class DirReplicas(DirCopier):
                 and prev["files"].get(rel, {}).get("sha256") == m["sha256"] and prev["files"][rel]["node"] == origin]
         linked: list[str] = []
         if same:
-            r = self.cluster.run(lambda n: _cmd(n, "link", root, name, prev_name),
-                                 stdin=lambda n: _then(json.dumps(same).encode()), nodes=[holder], timeout=60)[holder]
-            try:
-                linked = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else []
-            except (ValueError, IndexError):
-                linked = []
+            got = wire.run(self.cluster, lambda n: door.call(n, "link", root, name, prev_name,
+                                                             data=json.dumps(same).encode(), want=list), [holder])[holder]
+            linked = got.doc if got.ok else []
         rest = sorted(set(mine) - set(linked))
         if rest:
             inv = self.cluster.inventory
@@ -192,8 +187,8 @@ class DirReplicas(DirCopier):
         where = {h: r for d in docs for h, r in d.get("roots", {}).items()} | self.roots
         nodes = self.cluster.live(where)
         if nodes:
-            self.cluster.run(lambda n: _cmd(n, "keep", where[n.name], keep), stdin=lambda n: _then(), nodes=nodes,
-                             timeout=60)
+            wire.send(self.cluster, lambda n: door.command(n, "keep", where[n.name], keep), nodes,
+                      timeout=door.TIMEOUT)
 
 
 class NodeRestoreDirError(Exception):
@@ -233,12 +228,9 @@ def _holders(cluster: Cluster, doc: dict, name: str, say) -> dict[str, list[str]
     def ask(oh):
         o, h = oh
         part = {rel: m["sha256"] for rel, m in doc["files"].items() if m["node"] == o}
-        r = cluster.run(lambda n: _cmd(n, "check", posixpath.join(doc["roots"][h], o), name),
-                        stdin=lambda n: _then(json.dumps(part).encode()), nodes=[h], timeout=TIMEOUT)[h]
-        try:
-            verdict = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else {"ok": False, "why": r.describe()}
-        except (ValueError, IndexError):
-            verdict = {"ok": False, "why": r.describe()}
+        got = wire.run(cluster, lambda n: door.call(n, "check", posixpath.join(doc["roots"][h], o), name,
+                                                    data=json.dumps(part).encode(), timeout=TIMEOUT), [h])[h]
+        verdict = got.doc if got.ok else {"ok": False, "why": got.error}
         if not verdict["ok"]:
             say(f"{h}: its copy of {o}'s part of checkpoint {name} is not usable: {verdict['why']}")
         return o, h, verdict["ok"]
@@ -279,12 +271,11 @@ def place(cluster: Cluster, doc: dict, name: str, found: dict[str, list[str]], p
             whose = f"{origin}'s part" + (f", a replica on {h}," if h != origin else "")
             say(f"checkpoint {name}: {whose} copied from {h} to {target}, node to node")
         want = {"files": {rel: m["sha256"] for rel, m in doc["files"].items()}, "from": local}
-        r = cluster.run(lambda n: _cmd(n, "place", paths[target], aside[target], staged),
-                        stdin=lambda n: _then(json.dumps(want).encode()), nodes=[target], timeout=TIMEOUT)[target]
-        if not r.ok:
-            raise NodeRestoreDirError(f"could not restore checkpoint {name} on {target}: {r.describe()} "
-                                      f"{r.stderr.strip()[-300:]}")
-        return target, json.loads(r.stdout.strip().splitlines()[-1])
+        got = wire.run(cluster, lambda n: door.call(n, "place", paths[target], aside[target], staged,
+                                                    data=json.dumps(want).encode(), timeout=TIMEOUT), [target])[target]
+        if not got.ok:
+            raise NodeRestoreDirError(f"could not restore checkpoint {name} on {target}: {got.error}")
+        return target, got.doc
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(paths)))) as pool:
         return dict(pool.map(one, sorted(paths)))

@@ -15,10 +15,9 @@ import json
 import signal
 import threading
 import time
-from functools import cache
 from typing import Callable
 
-from orchestrator import probe, shell
+from orchestrator.node import drill, wire
 from orchestrator.runs import goodput, stepjournal
 from orchestrator.runs.drillreport import Outcome
 from orchestrator.runs.liveview import SLOW
@@ -27,17 +26,11 @@ from orchestrator.runs.record import AttemptRecord, RunRecord, load as load_reco
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
-DRILL_MARK = "CLUSTERCTL_DRILL"  # remote/drill.py's marker: the drill's own processes on a node
 POLL_S = 0.5
 TRAINING_STEPS = 2  # progress points after an attempt's launch that say it trains
 TRAIN_WAIT_S = 900.0  # the longest a run may take to train (again)
 THROTTLE_S, STOP_S, RUN_S = 60.0, 0.05, 0.05  # a straggler: while it computes, stopped half the time (its hook still answers), for a minute
 CALL_S = 60.0  # one call of remote/drill.py (a throttle: its length more)
-
-
-@cache
-def program() -> bytes:
-    return probe.program("drill")
 
 
 class Hands:
@@ -51,24 +44,11 @@ class Hands:
         """`mark`: the program carries the drill's marker (`left` does not: it looks for the marked
         ones, and two nodes may share one machine, where each would find the other's look)."""
         spec = self.run.spec
-        marker = f"{DRILL_MARK}={shell.quote(self.run.id)} " if mark else ""
-
-        def line(node) -> str:
-            return f"{node.program_env}{marker}{shell.path(node.python)} - {shell.join([str(a) for a in args])}"
-
         with Cluster(spec.load_inventory(names), connect_timeout=spec.connect_timeout, fanout=spec.fanout,
                      accept_new_host_keys=spec.accept_new_host_keys) as cluster:
-            res = cluster.run(line, stdin=program(), timeout=timeout)
-        out: dict[str, dict | str] = {}
-        for name, r in res.items():
-            if not r.ok:
-                out[name] = f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
-                continue
-            try:
-                out[name] = json.loads(r.stdout.strip().splitlines()[-1])
-            except (IndexError, ValueError):
-                out[name] = f"unreadable answer: {r.stdout[-200:]!r}"
-        return out
+            res = wire.run(cluster, lambda n: drill.call(n, *args, run_id=self.run.id if mark else None,
+                                                          timeout=timeout))
+        return {name: got.doc if got.ok else got.error for name, got in res.items()}
 
 
 def key_on(a: AttemptRecord, node: str) -> str:

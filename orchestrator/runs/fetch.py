@@ -18,9 +18,10 @@ from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory
-from orchestrator.runs.checkpoints import artifacts_cmd
 from orchestrator.runs.store import Run
-from orchestrator.transfer.copy import Copied, pull, tree_cmd
+from orchestrator.node import artifacts
+from orchestrator.node.form import Exec
+from orchestrator.transfer.copy import Copied, pull
 from orchestrator.transport import Cluster
 
 TIMEOUT = 3600.0  # the default limit on one node's whole fetch
@@ -85,10 +86,10 @@ def fetch(run: Run, path: str | None = None, only: tuple[str, ...] | list[str] =
     root = out if out is not None else run.dir / "fetched"
     spec = run.spec
 
-    def command(n) -> str:
+    def command(n) -> Exec:
         if rel is None:
-            return artifacts_cmd(n, "pack", run.id, "-", *keys[n.name])
-        return tree_cmd(n, {"path": rel, "run": run.id, "workdir": n.workdir})
+            return artifacts.pack(n, run.id, *keys[n.name])
+        return artifacts.tree(n, {"path": rel, "run": run.id, "workdir": n.workdir})
 
     with Cluster(reach(run, list(keys), inventory), connect_timeout=connect_timeout or spec.connect_timeout,
                  fanout=spec.fanout) as cluster:

@@ -123,7 +123,7 @@ class RankSnap:
 
 
 def snaps_of(docs: Mapping[str, object], say=None) -> list[RankSnap]:
-    """Every rank of the nodes' `snapshot` replies (runs/agent.py Snapshot), each at its node's
+    """Every rank of the nodes' `snapshot` replies (node/agent.py Snapshot), each at its node's
     time; a node without a reply is said (`say`) and left out."""
     out: list[RankSnap] = []
     for name, sn in sorted(docs.items()):

@@ -1,4 +1,4 @@
-"""Starting a run on the nodes through the node agent (its client: runs/agent.py).
+"""Starting a run on the nodes through the node agent (its client: node/agent.py).
 
 A run's processes on a node are found by its key RUN_ID@NODE, never by name. The nodes are
 claimed for the run first, one at a time; `launch` starts the master first and the others once
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from orchestrator.errors import EXIT_FAILED, EXIT_UNREACHABLE, ConnectError, LaunchError
 from orchestrator.inventory import Inventory, Node
 from orchestrator.probe import REMOTE
-from orchestrator.runs import agent
-from orchestrator.runs.agent import Claim, RunKey
+from orchestrator.node import agent
+from orchestrator.node.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
 from orchestrator.runs.store import Run
 from orchestrator.torchrun import node_env, target_argv, torchrun_argv

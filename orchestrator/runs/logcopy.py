@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import IO, Callable, Iterator, Protocol
+from typing import IO, Callable, Protocol
 
-from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus, StreamFrom
+from orchestrator.node import agent
+from orchestrator.node.agent import AgentStatus, StreamFrom
+from orchestrator.node.artifacts import FRAME_CKPTS, FRAME_END, FRAME_LOG, FRAME_PROGRESS, FRAME_TB, Frames  # noqa: F401
 from orchestrator.runs.rankfiles import RankFiles
 from orchestrator.runs.space import Space, write_all
 from orchestrator.runs.stepjournal import StepJournal
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
-
-# the kinds of record on a node's stream: remote/artifacts.py's FRAME_* (a test holds them equal)
-FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 
 
 class Artifacts(Protocol):
@@ -34,25 +32,6 @@ class Artifacts(Protocol):
     def on_checkpoints(self, node: str, found: list[dict]) -> None: ...
 
     def on_tb(self, node: str, head: dict, body: bytes) -> None: ...
-
-
-class Frames:
-    """Splits a byte stream into records: a JSON header line with "size", then that many bytes."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.broken = False  # a record could not be read: the rest is ignored
-
-    def feed(self, data: bytes) -> Iterator[tuple[dict, bytes]]:
-        self.buf += data
-        while (nl := self.buf.find(b"\n")) >= 0:
-            head = json.loads(self.buf[:nl])
-            end = nl + 1 + int(head["size"])
-            if len(self.buf) < end:
-                return
-            body = bytes(self.buf[nl + 1:end])
-            del self.buf[:end]
-            yield head, body
 
 
 class LogCopier:

@@ -17,8 +17,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, LaunchError
-from orchestrator.runs import agent
-from orchestrator.runs.agent import Claim
+from orchestrator.node import agent
+from orchestrator.node.agent import Claim
 from orchestrator.runs.launch import NodeBusy, claim_nodes
 from orchestrator.runs.spec import RunState
 from orchestrator.runs.store import Run

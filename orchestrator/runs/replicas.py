@@ -14,18 +14,15 @@ node (each piece copied node to node from a node that holds it).
 
 from __future__ import annotations
 
-import json
 import posixpath
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator.probe import program
-from orchestrator.runs.checkpoints import KEEP, artifacts_cmd
+from orchestrator.node import artifacts, wire
+from orchestrator.runs.checkpoints import KEEP
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
-
-AGENT = program("artifacts")
 
 
 def ring(nodes: list[str]) -> dict[str, str]:
@@ -141,7 +138,7 @@ class Replicator:
         self.bytes += r.bytes
         self.events.append((time.time(), src, holder, name))
         self.say(f"checkpoint {name} of {src} replicated to {holder}")
-        cl.run(lambda n: artifacts_cmd(n, "prune", dst_dir, self.keep), stdin=AGENT, nodes=[holder], timeout=60)
+        wire.send(cl, lambda n: artifacts.prune(n, dst_dir, self.keep), [holder], timeout=artifacts.TIMEOUT)
         return True
 
 
@@ -154,15 +151,14 @@ def restore_from_nodes(cluster: Cluster, dirs: dict[str, dict], nodes: list[str]
     """Put the newest checkpoint the attempt's `nodes` hold (own or replica), if newer than step
     `newer_than`, where the trainer looks. Returns its name and the nodes written to; None:
     nothing newer on the nodes."""
-    res = cluster.run(lambda n: artifacts_cmd(n, "held", dirs[n.name]["checkpoints"], dirs[n.name]["replicas"]),
-                      stdin=AGENT, nodes=nodes, timeout=60)
+    res = wire.run(cluster, lambda n: artifacts.held(n, dirs[n.name]["checkpoints"], dirs[n.name]["replicas"]), nodes)
     pieces = []
-    for name, r in res.items():
-        if not r.ok:
-            say(f"{name}: could not list the checkpoints it holds: {r.describe()}")
+    for name, got in res.items():
+        if got.error is not None:
+            say(f"{name}: could not list the checkpoints it holds: {got.error}")
             continue
         try:
-            pieces += pieces_of(name, json.loads(r.stdout))
+            pieces += pieces_of(name, got.held)
         except (ValueError, KeyError, TypeError):
             say(f"{name}: could not read the checkpoints it holds")
     plan = plan_restore(pieces, nodes, newer_than)

@@ -16,7 +16,6 @@ its processes are found by id like any run's; its logs append to the same nodes/
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -24,11 +23,10 @@ from typing import TYPE_CHECKING
 
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
-from orchestrator.runs.checkpoints import AGENT as ARTIFACTS
+from orchestrator.node import artifacts, wire
 from orchestrator.runs.checkpoints import (
     CheckpointStore,
     RestoreError,
-    artifacts_cmd,
     restore,
     step_of,
 )
@@ -147,13 +145,11 @@ def ordered(inv: Inventory, names: list[str]) -> Inventory:
 def prepare_artifacts(cluster: "Cluster", run_id: str, names: list[str]) -> dict[str, dict]:
     """Each node's artifact directories for the run (created when missing): {node: {"checkpoints",
     "tensorboard", "replicas"}} as absolute paths on the node."""
-    res = cluster.run(lambda n: artifacts_cmd(n, "prepare", run_id), stdin=ARTIFACTS, nodes=names, timeout=60)
     dirs = {}
-    for name, r in res.items():
-        if not r.ok:
-            raise LaunchError(f"{name}: cannot create the run's checkpoint directory: {r.describe()} "
-                              f"{r.stderr.strip()[-300:]}")
-        dirs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, got in wire.run(cluster, lambda n: artifacts.prepare(n, run_id), names).items():
+        if got.error is not None:
+            raise LaunchError(f"{name}: cannot create the run's checkpoint directory: {got.error}")
+        dirs[name] = dict(got.dirs)
     return dirs
 
 

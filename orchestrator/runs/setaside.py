@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.errors import LaunchError
-from orchestrator.runs.ckptdir import _cmd, _then
+from orchestrator.node import ckptdir as door
+from orchestrator.node import wire
 from orchestrator.runs.dirreplicas import NodeRestoreDirError, place
 from orchestrator.runs.store import write_json
 from orchestrator.transport import Cluster
@@ -48,13 +49,12 @@ def set_aside(cluster: Cluster, paths: dict[str, str], asides: dict[str, str]) -
     """Every entry of DIR (`paths`: node -> DIR there) moved into `asides[node]` on each node.
     -> {node: {"path", "aside": [names moved now], "files": [[rel, size, mtime_ns]] of all there}}.
     LaunchError (nothing launched) when a node could not."""
-    res = cluster.run(lambda n: _cmd(n, "setaside", paths[n.name], asides[n.name]),
-                      stdin=lambda n: b"".join(_then()), nodes=list(paths), timeout=600)
-    bad = [f"{k}: {r.describe()} {r.stderr.strip()[-300:]}" for k, r in res.items() if not r.ok]
+    res = wire.run(cluster, lambda n: door.call(n, "setaside", paths[n.name], asides[n.name], timeout=600), list(paths))
+    bad = [f"{k}: {got.error}" for k, got in res.items() if not got.ok]
     if bad:
         raise LaunchError("could not set aside what the checkpoint directory held, nothing was started: "
                           + "; ".join(bad))
-    return {k: json.loads(r.stdout.strip().splitlines()[-1]) for k, r in res.items()}
+    return {k: got.doc for k, got in res.items()}
 
 
 def in_words(files: list, limit: int = 4) -> str:
@@ -117,9 +117,9 @@ def put_back(cluster: Cluster, doc: dict, paths: dict[str, str], aside: dict[str
     for origin in origins:
         part = [[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(files.items()) if m["node"] == origin]
         where = doc["nodes"][origin]["path"]
-        r = cluster.run(lambda n: _cmd(n, "digest", where), stdin=lambda n: _then(json.dumps(part).encode()),
-                        nodes=[origin], timeout=600)[origin]
-        got = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else {"why": f"{r.describe()} {r.stderr[-300:]}"}
+        ans = wire.run(cluster, lambda n: door.call(n, "digest", where, data=json.dumps(part).encode(), timeout=600),
+                       [origin])[origin]
+        got = ans.doc if ans.ok else {"why": ans.error}
         if got["why"]:
             raise LaunchError(f"cannot put back what was set aside on {origin} ({where}): {got['why']}. "
                               "Nothing was started.")

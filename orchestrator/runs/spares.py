@@ -22,42 +22,34 @@ import time
 from collections import Counter
 from typing import Callable
 
-from orchestrator import shell
 from orchestrator.errors import ClusterctlError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.probe import program
-from orchestrator.pyenv.nodes import last_json
+from orchestrator.node import nodeinfo, wire
 from orchestrator.sync import prune_command, sync
 from orchestrator.transfer.files import control_code, run_outputs
 from orchestrator.transfer.pair import copy_code
-from orchestrator.transport import Cluster, NodeResult
+from orchestrator.transport import Cluster
 
 LIST_TIMEOUT = 120.0  # a donor lists and hashes its code; a fresh node hashes its copy or prunes
 COPY_TIMEOUT = 600.0  # one node-to-node copy of the code
 
 
-def _nodeinfo(inv: Inventory, node: Node, mode: str, *extra: str) -> str:
+def _nodeinfo(inv: Inventory, node: Node, mode: str, *extra: str) -> wire.Call[nodeinfo.Workdir]:
     """nodeinfo MODE on node's workdir with the run's outputs named (and `extra` options)."""
     outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
-    return (f"{shell.path(node.python)} -S -c {shell.quote(program('nodeinfo').decode())} {mode} "
-            f"{shell.path(node.workdir)} {shell.join([*outputs, *extra])}").rstrip()
-
-
-def _why(r: NodeResult) -> str:
-    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    return err[-1].strip() if err else r.describe()
+    return nodeinfo.workdir(node, mode, outputs, *extra, timeout=LIST_TIMEOUT)
 
 
 def _listings(cluster: Cluster, inv: Inventory, donors: list[str]) -> dict[str, dict | str]:
     """donor -> {"files", "code"} (what it would hand over) or why it cannot say."""
     sel = [a for p in inv.sync.include for a in ("--include", p)] + \
           [a for p in inv.sync.exclude for a in ("--exclude", p)]
-    res = cluster.run(lambda n: _nodeinfo(inv, n, "select", *sel), nodes=donors, timeout=LIST_TIMEOUT)
+    res = wire.run(cluster, lambda n: _nodeinfo(inv, n, "select", *sel), donors)
     out: dict[str, dict | str] = {}
-    for name, r in res.items():
-        doc = last_json(r.stdout) if r.ok else None
+    for name, got in res.items():
+        doc = got.doc
         if doc is None:
-            out[name] = _why(r)
+            out[name] = got.error
         elif (doc.get("code") or {}).get("kind") == "missing":
             out[name] = f"its workdir {inv.node(name).workdir} does not exist"
         else:
@@ -84,13 +76,13 @@ def _settle(cluster: Cluster, inv: Inventory, node: Node, files: list[str], ref:
     r = cluster.run(lambda n: prune_command(inv, n), stdin=manifest, nodes=[node.name],
                     timeout=LIST_TIMEOUT)[node.name]
     if not r.ok:
-        return f"removing stale files failed: {_why(r)}"
+        return f"removing stale files failed: {nodeinfo.why(r)}"
     if ref is None:
         return None
-    r = cluster.run(lambda n: _nodeinfo(inv, n, "info"), nodes=[node.name], timeout=LIST_TIMEOUT)[node.name]
-    got = ((last_json(r.stdout) or {}).get("code") or {}).get("digest") if r.ok else None
+    info = wire.run(cluster, lambda n: _nodeinfo(inv, n, "info"), [node.name])[node.name]
+    got = ((info.doc or {}).get("code") or {}).get("digest")
     if got != ref:
-        return f"its code digest is {got or _why(r)} after the copy, the run's is {ref}"
+        return f"its code digest is {got or info.error or 'not said'} after the copy, the run's is {ref}"
     return None
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Inventory
-from orchestrator.runs import agent
+from orchestrator.node import agent
 from orchestrator.runs.catchup import complete_after_stop
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book, PendingStop

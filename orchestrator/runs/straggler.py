@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from orchestrator.runs import agent
+from orchestrator.node import agent
 
 DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 50

@@ -1,6 +1,6 @@
 """Copying every node's log into the run directory while the run goes on.
 
-One agent `tail KEY OFFSET` per running node (runs/agent.py `tail`), all driven by the
+One agent `tail KEY OFFSET` per running node (node/agent.py `tail`), all driven by the
 transport's engine: stdout bytes go to runs/RUN/nodes/NODE.log as they arrive (the same offsets
 as on the node), the agent's own stderr lines to the supervisor's log. `on_end` hears each node's
 end, with the node's AgentStatus when the agent's tail closed with it (`tail KEY OFFSET status`:
@@ -38,8 +38,8 @@ from typing import Callable
 
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Node
-from orchestrator.runs import agent
-from orchestrator.runs.agent import AgentStatus
+from orchestrator.node import agent
+from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.logcopy import Artifacts, LogCopier
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it

@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator import shell
 from orchestrator.inventory import Node
-from orchestrator.probe import program
+from orchestrator.node import relay as door
 from orchestrator.transfer import SyncResult
 from orchestrator.transfer.archive import TarStream, framed
 from orchestrator.transport import Cluster, NodeResult
@@ -33,10 +32,6 @@ from orchestrator.transport import Cluster, NodeResult
 START_TIMEOUT = 60.0  # every relay reports its port within this
 CONNECT_TIMEOUT = 5.0  # a node's connect to its downstream
 IDLE_TIMEOUT = 120.0  # a relay with no data (or protocol line) for this long gives up
-
-
-def relay_source() -> str:
-    return program("relay").decode()
 
 
 @dataclass
@@ -154,19 +149,19 @@ class Chain:
         hop = self.by_name.get(name)
         if hop is None or stream != "stdout":
             return
-        word, _, rest = line.partition(" ")
+        said = door.read_line(line)
+        word = said.word if said is not None else ""
         with self.cond:
-            if word == "port" and rest.isdigit():
-                hop.port = int(rest)
+            if word == "port":
+                hop.port = said.n
             elif word == "linked":
                 hop.linked = True
             elif word == "link-failed":
-                hop.linked, hop.link_error = False, rest
-            elif word == "progress" and rest.isdigit():
-                hop.bytes = int(rest)
+                hop.linked, hop.link_error = False, said.text
+            elif word == "progress":
+                hop.bytes = said.n
             elif word == "done":
-                n, _, files = rest.partition(" ")
-                hop.done, hop.bytes, hop.files = True, int(n), int(files or 0)
+                hop.done, hop.bytes, hop.files = True, said.n, said.files
             self.cond.notify_all()
         if word in ("progress", "done") and self.on_bytes:
             self.on_bytes(name, hop.bytes)
@@ -179,18 +174,16 @@ class Chain:
     # ------------------------------------------------------------------ running it
 
     def command(self, node: Node) -> str:
-        return (f"{node.program_env}CLUSTERCTL_XFER={self.xfer} {shell.path(self.python(node))} "
-                f"-c {shell.quote(relay_source())} "
-                f"recv {self.xfer} {shell.path(self.dest(node))} --idle {IDLE_TIMEOUT:g} "
-                f"--connect-timeout {CONNECT_TIMEOUT:g} --listen {shell.quote(node.address)}")
+        return door.end(node, self.xfer, "recv", self.dest(node), idle=IDLE_TIMEOUT, connect=CONNECT_TIMEOUT,
+                        listen=node.address, python=self.python(node)).command
 
     def run(self) -> list[SyncResult]:
         res = self.cluster.run(self.command, stdin=self.feed, nodes=[h.node.name for h in self.hops],
                                timeout=self.timeout, on_line=self.on_line, on_done=self.on_done)
         failed = [name for name, r in res.items() if not (r.ok and self.by_name[name].done)]
         if failed:  # stragglers of this transfer, found by its id, and their staging dirs
-            self.cluster.run(lambda n: f"{shell.path(self.python(n))} -c {shell.quote(relay_source())} stop "
-                             f"{self.xfer} {shell.path(self.dest(n))}", nodes=failed, timeout=30)
+            self.cluster.run(lambda n: door.stop(n, self.xfer, self.dest(n), python=self.python(n)).command,
+                             nodes=failed, timeout=30)
         return [self._result(h, res[h.node.name]) for h in self.hops]
 
     def _result(self, hop: _Hop, r: NodeResult) -> SyncResult:

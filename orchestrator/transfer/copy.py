@@ -11,7 +11,6 @@ node at once. Relative node paths are relative to the node's workdir; `~/` is th
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from dataclasses import dataclass
@@ -21,13 +20,13 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Node
-from orchestrator.probe import load, program
+from orchestrator.node import artifacts, wire
+from orchestrator.node.form import Exec
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.chain import push
 from orchestrator.transfer.unpack import Unpacker
 from orchestrator.transport import Cluster, NodeResult
 
-AGENT = program("artifacts")
 TIMEOUT = 3600.0  # the default limit on one whole copy
 PROBE_S = 30.0  # asking the nodes what their target path is
 JOIN_S = 60.0  # how long unpacking may take past a node's last byte
@@ -62,25 +61,19 @@ def node_path(node: Node, path: str) -> str:
     return node.workdir if path in ("", ".") else posixpath.join(node.workdir, path)
 
 
-def tree_cmd(node: Node, spec: dict) -> str:
-    """The node command that writes a tar of what `spec` names (remote/artifacts.py `tree`)."""
-    return f"{node.program_env}{shell.path(node.python)} - tree {shell.quote(json.dumps(spec))}"
-
-
 def _failed(f: Copied, r: NodeResult, err: str, path: str) -> None:
     kind = getattr(r.kind, "value", r.kind)
-    codes = load("artifacts")
-    if r.exit_code == codes.TREE_MISSING:
+    if r.exit_code == artifacts.TREE_MISSING:
         tried = err.removeprefix("no such file or directory: ")
         f.error, f.error_kind = f"{path} does not exist on {f.name}" + (f" (looked for {tried})" if err else ""), "missing"
-    elif r.exit_code == codes.TREE_OUTSIDE:
+    elif r.exit_code == artifacts.TREE_OUTSIDE:
         f.error, f.error_kind = f"{f.name}: {err}", "outside"
     else:
         f.error = r.describe() + (f": {err}" if err else "")
         f.error_kind = str(kind) if kind is not None else "failed"
 
 
-def pull(cluster: Cluster, command: Callable[[Node], str], dests: dict[str, Path], *, path: str,
+def pull(cluster: Cluster, command: Callable[[Node], Exec], dests: dict[str, Path], *, path: str,
          tree: bool = True, timeout: float = TIMEOUT) -> dict[str, Copied]:
     """Run `command` (a program of remote/artifacts.py, on stdin) on each node of `dests` and
     unpack the tar it writes into dests[node]. `path` names what was asked for, in errors."""
@@ -99,8 +92,7 @@ def pull(cluster: Cluster, command: Callable[[Node], str], dests: dict[str, Path
             del errs[node][:-4096]  # the end of it is what explains a failure
 
     try:
-        res = cluster.run(command, stdin=AGENT, nodes=list(dests), timeout=timeout, capture=False,
-                          on_bytes=on_bytes)
+        res = wire.send(cluster, command, list(dests), timeout=timeout, capture=False, on_bytes=on_bytes)
     finally:
         for u in unpackers.values():
             u.close(JOIN_S)
@@ -139,7 +131,7 @@ def download(cluster: Cluster, nodes: list[Node], path: str, dest: str, *,
     targets = {n.name: _local_target(dest, base, n.name if len(nodes) > 1 else None) for n in nodes}
     for n in nodes:
         _refuse_copy_onto_itself(n, path, targets[n.name])
-    res = pull(cluster, lambda n: tree_cmd(n, {"path": node_path(n, path), "name": targets[n.name][1]}),
+    res = pull(cluster, lambda n: artifacts.tree(n, {"path": node_path(n, path), "name": targets[n.name][1]}),
                {name: d for name, (d, _) in targets.items()}, path=path, timeout=timeout)
     for name, f in res.items():
         f.dest = str(targets[name][0] / targets[name][1])

@@ -16,10 +16,10 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from orchestrator import shell
 from orchestrator.inventory import Node
-from orchestrator.probe import program
-from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT, relay_source
+from orchestrator.node import nodeinfo
+from orchestrator.node import relay as door
+from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 IDLE_TIMEOUT = 60.0  # either end gives up after this long without data or a protocol line
@@ -74,29 +74,27 @@ class Pair:
             yield f"to {self.dst.address} {self.port} {self.token}\n".encode()
 
     def on_recv_line(self, _name: str, stream: str, line: str) -> None:
-        word, _, rest = line.partition(" ")
-        if stream == "stdout" and word == "port" and rest.isdigit():
-            self._set(port=int(rest))
+        said = door.read_line(line) if stream == "stdout" else None
+        if said is not None and said.word == "port":
+            self._set(port=said.n)
 
     def on_send_line(self, _name: str, stream: str, line: str) -> None:
-        words = line.split() if stream == "stdout" else []  # any line may come: a blank one, a traceback's
-        if len(words) == 3 and words[0] == "sent" and words[1].isdigit():
-            self._set(sent=(int(words[1]), words[2]))
+        said = door.read_line(line) if stream == "stdout" else None  # any line may come: a traceback's
+        if said is not None and said.word == "sent":
+            self._set(sent=(said.n, said.text))
 
     # ------------------------------------------------------------ running it
     def command(self, node: Node, mode: str, where: str, *names: str) -> str:
-        return (f"{node.program_env}CLUSTERCTL_XFER={self.xfer} {shell.path(node.python)} "
-                f"-c {shell.quote(relay_source())} "
-                f"{mode} {self.xfer} {shell.path(where)} {shell.join(names)} "
-                f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
+        return door.end(node, self.xfer, mode, where, *names, idle=IDLE_TIMEOUT, connect=CONNECT_TIMEOUT).command
 
     def send_command(self, _node: Node) -> str:
         return self.command(self.src, "send", self.src_dir, *self.names)
 
     def _receive(self) -> None:
         try:
-            res = self.cluster.run(lambda _n: self.command(self.dst, "recv", self.dst_dir) +
-                                   f" --listen {shell.quote(self.dst.address)}", stdin=self.recv_feed,
+            res = self.cluster.run(lambda _n: door.end(self.dst, self.xfer, "recv", self.dst_dir, idle=IDLE_TIMEOUT,
+                                                       connect=CONNECT_TIMEOUT, listen=self.dst.address).command,
+                                   stdin=self.recv_feed,
                                    nodes=[self.dst.name], timeout=self.timeout, on_line=self.on_recv_line)
             self.recv_result = res[self.dst.name]
         finally:
@@ -134,8 +132,8 @@ class Pair:
     def stop(self) -> None:
         """End this copy's relay processes (found by its id) and remove its staging directory."""
         ends = {self.src.name: self.src, self.dst.name: self.dst}
-        self.cluster.run(lambda n: f"{shell.path(ends[n.name].python)} -c {shell.quote(relay_source())} stop {self.xfer} "
-                                   f"{shell.path(self.dst_dir)}", nodes=list(ends), timeout=30)
+        self.cluster.run(lambda n: door.stop(ends[n.name], self.xfer, self.dst_dir).command, nodes=list(ends),
+                         timeout=30)
 
 
 class CodePair(Pair):
@@ -153,9 +151,7 @@ class CodePair(Pair):
             yield line + self.manifest
 
     def send_command(self, _node: Node) -> str:
-        return (f"CLUSTERCTL_XFER={self.xfer} {shell.path(self.src.python)} -c "
-                f"{shell.quote(program('nodeinfo').decode())} send {shell.path(self.src_dir)} "
-                f"--idle {IDLE_TIMEOUT:g} --connect-timeout {CONNECT_TIMEOUT:g}")
+        return nodeinfo.send(self.src, self.xfer, self.src_dir, idle=IDLE_TIMEOUT, connect=CONNECT_TIMEOUT).command
 
 
 def copy(cluster: Cluster, src: Node, src_dir: str, names: list[str], dst: Node, dst_dir: str,

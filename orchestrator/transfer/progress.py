@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import json
 
-from orchestrator.probe import common
+from orchestrator.node.wire import progress_of
 from orchestrator.transfer import SyncReport, SyncResult
 
 
@@ -30,18 +29,6 @@ class SyncEvents:
         got = progress_of(line) if stream == "stderr" else None
         if got is not None:
             self.step(node, *got)
-
-
-def progress_of(line: str) -> tuple[str, int | None] | None:
-    """A node-side program's progress line (remote/common.py `progress`) -> (step, bytes)."""
-    mark = common().PROGRESS
-    if not line.startswith(mark):
-        return None
-    try:
-        doc = json.loads(line[len(mark):])
-        return str(doc["step"]), doc.get("bytes") if isinstance(doc.get("bytes"), int) else None
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class RichEvents(SyncEvents):

@@ -1,12 +1,9 @@
-"""The control side's one client of the node agent (orchestrator/remote/node_agent.py).
+"""The node agent's client (orchestrator/remote/node_agent.py).
 
-Every agent command line is built here and every answer read here. The agent runs as
-`PYTHON - VERB ARGS` with its program on stdin (probe.program), each argument quoted by
-orchestrator/shell.py. One function per verb returns a Call: the node's command line, its stdin,
-its time limit and the reader that turns what came back into the verb's small frozen reply. `run`
-sends a call to many nodes at once through the cluster; `Call.over` sends it on one open
-connection. A node that could not be asked, or whose answer could not be read, still gets a
-reply: its `error` says why, so callers decide what that means and nothing is parsed twice.
+One function per verb returns a Call (wire.py): the node's command line (form.py: `PYTHON - VERB
+ARGS`, the agent on stdin), its time limit and the reader that turns what came back into the
+verb's small frozen reply. A node that could not be asked, or whose answer could not be read,
+still gets a reply: its `error` says why.
 
 On a node a run's processes carry the key RUN_ID[.aK]@NODE (the attempt's key, then the node);
 a node's claim is held under RUN_ID@NODE.
@@ -18,99 +15,53 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from functools import cache
-from typing import Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
-from orchestrator import probe, shell
 from orchestrator.inventory import Node
-from orchestrator.transport import Cluster, Connection, NodeResult, Proc, wait
+from orchestrator.node import artifacts, form
+from orchestrator.node.form import Exec
+from orchestrator.node.wire import BadReply, Call, call, run  # noqa: F401 - the agent's callers take them from here
+from orchestrator.node.wire import reply as _wire_reply
+from orchestrator.transport import NodeResult
 
 TIMEOUT = 60.0  # one agent command (claim, release, claims, live, start)
 STATUS_MARK = "clusterctl-status "  # the agent's STATUS_MARK: `tail KEY OFFSET status`'s last stderr line
 KEY_RE = re.compile(r"^(?P<run>[^@]+?)(?:\.a(?P<attempt>\d+))?@(?P<node>[^@]+)$")
 T = TypeVar("T")
+PROGRAM = "node_agent"
 
 
-@cache
 def program() -> bytes:
-    """The agent as the nodes run it, read once per process."""
-    return probe.program("node_agent")
+    """The agent as the nodes run it."""
+    return form.source(PROGRAM)
 
 
-@cache
+def stream_preface() -> str:
+    """What `tail ... stream` runs before the agent: remote/artifacts.py's text as ARTIFACTS_SRC,
+    whose rules the stream follows."""
+    return f"ARTIFACTS_SRC = {form.source(artifacts.PROGRAM).decode()!r}\n"
+
+
 def stream_program() -> bytes:
     """The agent with remote/artifacts.py in front as ARTIFACTS_SRC: `tail ... stream` runs its rules."""
-    return f"ARTIFACTS_SRC = {probe.program('artifacts').decode()!r}\n".encode() + program()
+    return stream_preface().encode() + program()
 
 
-class BadReply(ValueError):
-    """The agent printed something that is not the answer its verb gives."""
+def _exec(node: Node, verb: str, *args: object, preface: str = "") -> Exec:
+    return form.command(node, PROGRAM, verb, *args, preface=preface)
 
 
-# ------------------------------------------------------------------ calls
+def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T], timeout: float = TIMEOUT) -> Call[T]:
+    return call(_exec(node, verb, *args), timeout, read)
 
 
-@dataclass(frozen=True)
-class Exec:
-    """An agent command for one node: the shell line and the program on its stdin."""
-
-    command: str
-    stdin: bytes
-
-    def start(self, conn: Connection) -> Proc:
-        return conn.exec(self.command, stdin=self.stdin)
-
-
-@dataclass(frozen=True)
-class Call(Exec, Generic[T]):
-    """An agent command whose answer is read into a reply (also when the node could not be asked)."""
-
-    timeout: float
-    read: Callable[[NodeResult], T]
-
-    def over(self, conn: Connection) -> T:
-        """On one open connection; raises what `conn.exec` raises (ConnectionLost)."""
-        return self.read(wait(self.start(conn), self.timeout))
-
-
-def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] | None = None,
-        fanout: int | None = None) -> dict[str, T]:
-    """`call` on each chosen node of the cluster (all when `nodes` is None), at once (at most
-    `fanout` in flight, else the cluster's cap): node -> reply."""
-    chosen = None if nodes is None else set(nodes)
-    calls = {n.name: call(n) for n in cluster.nodes if chosen is None or n.name in chosen}
-    if not calls:
-        return {}
-    res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
-                      timeout=max(c.timeout for c in calls.values()), fanout=fanout)
-    return {name: calls[name].read(r) for name, r in res.items()}
-
-
-def _line(node: Node, verb: str, *args: object) -> str:
-    return f"{node.program_env}{shell.path(node.python)} - {shell.join([verb, *args])}"
-
-
-def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T],
-          timeout: float = TIMEOUT) -> Call[T]:
-    return Call(_line(node, verb, *args), program(), timeout, read)
-
-
-def _key(key: str, node: Node) -> str:
+def node_key(key: str, node: Node) -> str:
+    """A run's (or attempt's) key on one node: KEY@NODE."""
     return f"{key}@{node.name}"
 
 
 def _reply(r: NodeResult, want: type, build: Callable[[object], T], failed: Callable[[str], T]) -> T:
-    """build(the JSON the agent printed last) when it ran and printed a `want` that reads; else
-    failed(why): the transport's word, or the exit code and the end of stderr, or what it printed."""
-    if not r.ok:
-        return failed(f"{r.describe()} {r.stderr.strip()[-500:]}".strip())
-    try:
-        doc = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
-        if not isinstance(doc, want):
-            raise BadReply(f"not a JSON {want.__name__}")
-        return build(doc)
-    except (LookupError, TypeError, ValueError, AttributeError) as e:
-        return failed(f"unreadable node agent answer ({type(e).__name__}: {e}): {r.stdout[-200:]!r}")
+    return _wire_reply(r, want, build, failed, program="node agent")
 
 
 # ------------------------------------------------------------------ run keys
@@ -189,7 +140,7 @@ def read_status(r: NodeResult) -> AgentStatus:
 
 def status(node: Node, key: str, timeout: float = 30) -> Call[AgentStatus]:
     """`status RUN_KEY`: the node's view of attempt `key` there."""
-    return _call(node, "status", _key(key, node), read=read_status, timeout=timeout)
+    return _call(node, "status", node_key(key, node), read=read_status, timeout=timeout)
 
 
 def end_status(line: str) -> AgentStatus | None:
@@ -220,7 +171,7 @@ def stop(node: Node, key: str, grace: float, peer_failed: bool = False) -> Call[
     stretches it over a checkpoint save). peer_failed: another node of the run failed, so no
     collective save can complete: the agent kills at once unless a checkpoint is being written."""
     mode = ["peer-failed"] if peer_failed else []
-    return _call(node, "stop", _key(key, node), grace, *mode, read=read_stop, timeout=grace + 30)
+    return _call(node, "stop", node_key(key, node), grace, *mode, read=read_stop, timeout=grace + 30)
 
 
 # ------------------------------------------------------------------ claims
@@ -259,7 +210,7 @@ def read_claimed(r: NodeResult) -> Claimed:
 
 def claim(node: Node, run_id: str, who: str) -> Call[Claimed]:
     """`claim NODE RUN_ID@NODE WHO`: take the node for the run (atomic on the node)."""
-    return _call(node, "claim", node.name, _key(run_id, node), who, read=read_claimed)
+    return _call(node, "claim", node.name, node_key(run_id, node), who, read=read_claimed)
 
 
 @dataclass(frozen=True)
@@ -293,7 +244,7 @@ def read_released(r: NodeResult) -> Released:
 
 def release(node: Node, run_id: str, timeout: float = TIMEOUT) -> Call[Released]:
     """`release NODE RUN_ID@NODE`: drop the run's claim on the node (another run's stays)."""
-    return _call(node, "release", node.name, _key(run_id, node), read=read_released, timeout=timeout)
+    return _call(node, "release", node.name, node_key(run_id, node), read=read_released, timeout=timeout)
 
 
 # ------------------------------------------------------------------ live runs, start, listening
@@ -355,8 +306,8 @@ def read_started(r: NodeResult) -> Started:
 def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
     """`start RUN_KEY -`: the spec goes in front of the program as SPEC_HEX, never on a command line
     (the inventory's env holds tokens, and `ps` on the node shows argv)."""
-    stdin = f"SPEC_HEX = {spec.hex()!r}\n".encode() + program()
-    return Call(_line(node, "start", _key(key, node), "-"), stdin, TIMEOUT, read_started)
+    return call(_exec(node, "start", node_key(key, node), "-", preface=f"SPEC_HEX = {spec.hex()!r}\n"), TIMEOUT,
+                read_started)
 
 
 class Port(Enum):
@@ -375,7 +326,7 @@ def read_port(r: NodeResult) -> Port:
 
 def wait_listening(node: Node, key: str, port: int, seconds: float) -> Call[Port]:
     """`wait-listening RUN_KEY PORT S`: until the port listens, the run ends or `seconds` pass."""
-    return _call(node, "wait-listening", _key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
+    return _call(node, "wait-listening", node_key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
 
 
 # ------------------------------------------------------------------ the log stream
@@ -400,11 +351,11 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
     the status last: AgentStatus.from_json). PROGRESS_S is left out when no progress is asked for:
     the line is then the one it always was."""
     if stream is None:
-        return Exec(_line(node, "tail", _key(key, node), offset, "status"), program())
+        return _exec(node, "tail", node_key(key, node), offset, "status")
     have = json.dumps(dict(stream.have)).encode().hex()
     progress = [f"{stream.progress_s:g}"] if stream.progress_s > 0 else []
-    return Exec(_line(node, "tail", _key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
-                      have, *progress), stream_program())
+    return _exec(node, "tail", node_key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
+                 have, *progress, preface=stream_preface())
 
 
 # ------------------------------------------------------------------ snapshots and links (runs/hang.py)
@@ -427,7 +378,7 @@ def read_snapshot(r: NodeResult) -> Snapshot:
 def snapshot(node: Node, key: str, request: int, wait: float, progress: bool = False) -> Call[Snapshot]:
     """`snapshot RUN_KEY N WAIT [progress]`: every rank's /proc state and its hook's answer to
     request N (progress: the compute time of its newest steps, not its stacks)."""
-    return _call(node, "snapshot", _key(key, node), request, wait, *(["progress"] if progress else []),
+    return _call(node, "snapshot", node_key(key, node), request, wait, *(["progress"] if progress else []),
                  read=read_snapshot, timeout=wait + 30)
 
 
