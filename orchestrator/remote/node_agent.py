@@ -347,18 +347,30 @@ class RankLines:
 
     def serve(self):
         while self.until is None or ((self.pipes or self.alive) and time.time() < self.until):
-            if self.until is not None and self.srv is not None:
-                self.sel.unregister(self.srv)
-                self.srv.close()
-                self.srv = None
+            if self.until is not None:
+                self.close_listener()
             events = self.sel.select(0.2)
             # a rank's end before its output: its failure is noted at the moment it is seen
             events.sort(key=lambda e: e[0].data[0] != self.ended)
             for key, _ in events:
                 if key.fd in self.sel.get_map():  # not closed by an earlier event of this batch
                     key.data[0](key.fileobj, key.data[1])
+        self.close_listener()
         for fd in list(self.pipes):
             self.close_pipe(fd)
+
+    def close_listener(self):
+        """No new rank once the job ended: the socket closed and its name gone from the run
+        directory (a dead socket file is litter, and no one's to read)."""
+        if self.srv is None:
+            return
+        self.sel.unregister(self.srv)
+        self.srv.close()
+        self.srv = None
+        try:
+            os.unlink(os.path.join(self.d, LINES_SOCK))
+        except OSError:
+            pass
 
     def accept(self, srv, _):
         import selectors
