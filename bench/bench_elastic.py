@@ -39,7 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.harness import LogClock, PipeClock, record, run_dir_of, start, text_of, wait_for  # noqa: E402
+from bench.harness import (LogClock, PipeClock, end_supervisor, record, run_dir_of, start, text_of,  # noqa: E402
+                           wait_for)
 from tests.cluster import TestCluster  # noqa: E402
 
 STEP = re.compile(r"^step (\d+) \| loss ")
@@ -94,21 +95,6 @@ def ours(steps: int) -> dict:
         again = first_step(every, a2["started"])
         return {"cold": cold, "seen": a1["failed_at"] - t_cut, "again": again - t_cut,
                 "how": f"attempt 2 on {', '.join(a2['nodes'])} from {a2.get('checkpoint')}"}
-
-
-def end_supervisor(rec: dict) -> None:
-    """The supervisor waits (up to 5 min) for the cut node to answer, to stop the run there; the
-    test cluster goes away with this benchmark, so that wait is ended here."""
-    import psutil
-
-    from orchestrator.runs.store import SUPERVISOR_MARK
-
-    try:
-        p = psutil.Process(rec["supervisor_pid"])
-        if p.environ().get(SUPERVISOR_MARK) == rec["id"]:
-            p.kill()
-    except (psutil.Error, KeyError):
-        pass
 
 
 # ---------------------------------------------------------------- torch elastic

@@ -44,7 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.harness import LogClock, run_dir_of, start, wait_for  # noqa: E402
+from bench.harness import LogClock, end_supervisor, run_dir_of, start, wait_for  # noqa: E402
 from bench.harness import text_of as _text  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
@@ -85,28 +85,13 @@ def recovery(victim: int, steps: int) -> dict:
                 proc.kill()
         clock.stop()
         rec = json.loads((run_dir / "run.json").read_text())
-        _end_supervisor(rec)
+        end_supervisor(rec)
         if proc.returncode != 0 or len(rec.get("attempts", [])) != 2:
             pre = (run_dir / "preflight.txt").read_text() if (run_dir / "preflight.txt").exists() else ""
             sup = (run_dir / "supervisor.log").read_text()[-3000:]
             raise SystemExit(f"bench: the run did not recover (exit {proc.returncode}):\n{err[-3000:]}\n"
                              f"last preflight:\n{pre}\nsupervisor.log:\n{sup}")
         return phases(t_fail, rec["attempts"], clock.lines)
-
-
-def _end_supervisor(rec: dict) -> None:
-    """The supervisor waits (up to 5 min) for the cut node to answer, to stop the run there; the
-    test cluster goes away with this benchmark, so that wait is ended here."""
-    import psutil
-
-    from orchestrator.runs.store import SUPERVISOR_MARK
-
-    try:
-        p = psutil.Process(rec["supervisor_pid"])
-        if p.environ().get(SUPERVISOR_MARK) == rec["id"]:
-            p.kill()
-    except (psutil.Error, KeyError):
-        pass
 
 
 def phases(t_fail: float, attempts: list[dict], lines: dict[str, list]) -> dict:

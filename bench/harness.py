@@ -107,3 +107,19 @@ class PipeClock:
 
     def join(self, timeout: float = 5):
         self._thread.join(timeout)
+
+
+def end_supervisor(rec: dict) -> None:
+    """The supervisor waits (up to 5 min) for a cut node to answer, to stop the run there; the
+    test cluster goes away with the benchmark, so that wait is ended here (the supervisor found
+    by its pid and its run's mark, never by name)."""
+    import psutil
+
+    from orchestrator.runs.store import SUPERVISOR_MARK
+
+    try:
+        p = psutil.Process(rec["supervisor_pid"])
+        if p.environ().get(SUPERVISOR_MARK) == rec["id"]:
+            p.kill()
+    except (psutil.Error, KeyError):
+        pass

@@ -108,6 +108,22 @@ def kill_supervisors(h: Path) -> None:
             continue
 
 
+def run_envs(cluster, run_id, every_attempt=False) -> dict:
+    """{pid: environment} of every process on any test node whose run key is the run's first
+    attempt's (RUN@NODE), or with every_attempt any attempt's too (RUN.aK@NODE): found by the key,
+    never by name."""
+    out = {}
+    for p in cluster.processes():
+        try:
+            env = p.environ()
+        except VANISHED:
+            continue
+        key = env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0]
+        if key == run_id or (every_attempt and key.startswith(run_id + ".")):
+            out[p.pid] = env
+    return out
+
+
 def write_record(run, **changes) -> dict:
     """A test's hand on a run's record: run.json with `changes` merged in, written as is. The
     product writes the record only through runs/record.py's Book (named transitions)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VANISHED, wait_for
+from tests.conftest import run_envs, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -29,20 +29,6 @@ NODES = int(os.environ.get("CLUSTERCTL_SCALE_NODES", 12))
 NPROC = int(os.environ.get("CLUSTERCTL_SCALE_NPROC", 4))
 SCRIPT = Path(__file__).parent / "scripts" / "scale_ranks.py"
 SAME = "every rank says the same"
-
-
-def run_pids(cluster, run_id):
-    """{pid: environment} of every process on any node of any attempt of the run."""
-    out = {}
-    for p in cluster.processes():
-        try:
-            env = p.environ()
-        except VANISHED:
-            continue
-        key = env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0]
-        if key == run_id or key.startswith(run_id + "."):
-            out[p.pid] = env
-    return out
 
 
 def test_the_largest_real_torchrun_run_launches_folds_restarts_and_ends_clean(make_cluster, home, tmp_path):
@@ -65,7 +51,7 @@ def test_the_largest_real_torchrun_run_launches_folds_restarts_and_ends_clean(ma
             return "".join(p.read_text(errors="replace") for p in logs if p.exists())
         wait_for(lambda: all(f"rank {r} step 1\n" in copied() for r in range(world)), 300,
                  "two steps of every rank in the control copy of the logs")
-        ranks = {int(e["RANK"]): pid for pid, e in run_pids(cluster, run_id).items()
+        ranks = {int(e["RANK"]): pid for pid, e in run_envs(cluster, run_id, every_attempt=True).items()
                  if "RANK" in e and os.path.basename(e.get("_", "")) != "torchrun"
                  and e["CLUSTERCTL_RUN_KEY"].split("@")[0] == run_id}
         victim = wait_for(lambda: ranks.get(world - 1), 10, "the last rank's process")
@@ -85,4 +71,4 @@ def test_the_largest_real_torchrun_run_launches_folds_restarts_and_ends_clean(ma
     assert same and len(same) <= 4 * 24, f"{len(same)} lines of {SAME!r} for {2 * 24 * world} printed by the ranks"
     everyone = [ln for ln in same if ln.startswith(f"node[1-{NODES}]/r[0-{world - 1}] ")]
     assert everyone, "\n".join(same[:10])
-    wait_for(lambda: not run_pids(cluster, run_id), 60, "no process of the run left on any node")
+    wait_for(lambda: not run_envs(cluster, run_id, every_attempt=True), 60, "no process of the run left on any node")

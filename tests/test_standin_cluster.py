@@ -18,24 +18,11 @@ import psutil
 import pytest
 
 from tests.cluster.fakes import install_torchrun_standin
-from tests.conftest import VANISHED, wait_for
+from tests.conftest import run_envs, wait_for
 
 pytestmark = pytest.mark.cluster
 
 NPROC = 3
-
-
-def run_envs(cluster, run_id):
-    """{pid: environment} of every process on any node whose run key is one of this run's."""
-    out = {}
-    for p in cluster.processes():
-        try:
-            env = p.environ()
-        except VANISHED:
-            continue
-        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == run_id:
-            out[p.pid] = env
-    return out
 
 
 LOW_OPEN_FILES = 256
