@@ -859,7 +859,9 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     ranks = rank_procs(run_id, info.get("pid"), hook)
     asked = {}
-    busy_until = time.time() + 3.0  # how long a busy hook (another asker's request) is waited for
+    # how long a busy hook (answering another asker's request) is waited for: half the wait, at least
+    # 3 s; a rank spinning in Python lends its hook the GIL in 5 ms slices, so an answer can take seconds
+    busy_until = time.time() + max(3.0, float(wait) / 2)
     for pid, p in ranks.items():
         if p["state"] in "ZX" or (p["state"] in "Tt" and what != "progress"):
             p["error"] = "not asked: the process is stopped" if p["state"] in "Tt" else "not asked: it ended"

@@ -226,8 +226,9 @@ def analyze(snaps: list[RankSnap], world: Iterable[int], ranks_of: Mapping[int, 
         if r not in by_rank:
             culprits[r] = Culprit(r, (ranks_of or {}).get(r, "?"), None, "has no process left on its node")
     for s in snaps:
-        if not s.answered:
-            culprits[s.rank] = Culprit(s.rank, s.node, s.pid, unanswered_why(s))
+        if not s.answered:  # a rank spinning in its own code can starve its hook past the wait: still busy
+            doing = f"{busy[s.rank]} and " if busy and s.rank in busy else ""
+            culprits[s.rank] = Culprit(s.rank, s.node, s.pid, doing + unanswered_why(s))
 
     collective, mismatch, mismatch_text = None, False, ""
     for pg in _pg_ids(snaps):

@@ -3,8 +3,9 @@ state and CPU, its stacks and Flight Recorder), and `clusterctl stack`'s text of
 
 The Flight Recorder's pg_status gives, per process group, the newest collective the rank entered
 (last_enqueued_collective) and the newest one it came out of (last_completed_collective; gloo
-records the completion a moment after the call returned): a rank whose newest entered is past its
-newest completed is inside that collective, waiting for the others.
+records the completion a moment after the call returned, and can leave it one behind for good): a
+rank whose newest entered is past its newest completed, and whose main thread (when its stacks are
+known) waits in library code, is inside that collective, waiting for the others.
 """
 
 from __future__ import annotations
@@ -83,8 +84,13 @@ class RankSnap:
     def inside(self) -> dict[str, int]:
         """pg -> the collective the rank is inside now (entered, not completed); where the Flight
         Recorder says nothing of completions (an older torch), a rank of one process group whose main
-        thread waits in library code is taken to be inside the newest collective it entered."""
+        thread waits in library code is taken to be inside the newest collective it entered. A rank
+        whose stacks show its main thread in its own code is inside none, whatever the counters say:
+        torch 2.13's gloo writes "last completed" from two worker threads unordered, and an older
+        number written last stays (a rank computing alone read [3, 2] for as long as it was asked)."""
         if self.done:
+            if self.main and not self.in_library:
+                return {}
             return {pg: seq for pg, seq in self.pgs.items() if seq > self.done.get(pg, -1)}
         return dict(self.pgs) if len(self.pgs) == 1 and self.in_library else {}
 
