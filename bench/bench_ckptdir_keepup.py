@@ -5,7 +5,7 @@ it was against the one that ships, in the same run.
 
 On one test node (a network namespace with its own sshd) a job steps (20 matrix products on one
 thread) and torch.save()s a --mb MB checkpoint in place every --period s, as nanoGPT does with
-always_save_checkpoint. This process copies the node's DIR home over SSH with runs/ckptdir.py's
+always_save_checkpoint. This process copies the node's DIR home over SSH with runs/ckpt/jobdir_home.py's
 DirCopier under each rule, in turn, --seconds each, --repeat times:
 
   none    no copier: the job's own step time
@@ -46,7 +46,7 @@ import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
 from orchestrator.node import ckptdir as door  # noqa: E402
-from orchestrator.runs.ckptdir import DirCopier, DirStore  # noqa: E402
+from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402

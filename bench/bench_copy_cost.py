@@ -37,7 +37,7 @@ import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
 from orchestrator.node import artifacts, wire  # noqa: E402
-from orchestrator.runs.checkpoints import ArtifactCopier  # noqa: E402
+from orchestrator.runs.ckpt.given_home import ArtifactCopier  # noqa: E402
 from orchestrator.transfer.files import sha256_file  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.runs.checkpoints import ArtifactCopier, CheckpointStore
+from orchestrator.runs.ckpt.given_home import ArtifactCopier, CheckpointStore
 
 NAME = "ckpt_00000010"
 

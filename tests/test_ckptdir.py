@@ -1,5 +1,5 @@
 """A job's own checkpoint directory (train --checkpoint-dir): remote/ckptdir.py as shipped and
-runs/ckptdir.py's snapshots and restores, over `connection: local` nodes (the same code paths as
+runs/ckpt/jobdir_home.py's snapshots and restores, over `connection: local` nodes (the same code paths as
 over SSH), each node's DIR its own directory here."""
 
 import json
@@ -14,8 +14,8 @@ import pytest
 from orchestrator import probe
 from orchestrator.inventory import parse_inventory
 from orchestrator.node.form import LOADER
-from orchestrator.runs import ckptdir
-from orchestrator.runs.ckptdir import DirCopier, DirStore, plan, restore_dir
+from orchestrator.runs.ckpt import jobdir_home as ckptdir
+from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore, plan, restore_dir
 from orchestrator.transport import Cluster
 
 
@@ -281,8 +281,8 @@ def test_resume_from_restores_another_runs_snapshot_and_a_damaged_one_changes_no
     every node (Restorer.restore_dir); with every snapshot damaged it is LaunchError and no node's
     DIR is touched."""
     from orchestrator.errors import LaunchError
-    from orchestrator.runs.checkpoints import CheckpointStore
-    from orchestrator.runs.dirreplicas import newest_copied
+    from orchestrator.runs.ckpt.given_home import CheckpointStore
+    from orchestrator.runs.ckpt.jobdir_replicas import newest_copied
     from orchestrator.runs.restart import Restorer
     from orchestrator.runs.spec import RunSpec
     from orchestrator.runs.store import Run
@@ -315,7 +315,7 @@ def test_resume_from_restores_another_runs_snapshot_and_a_damaged_one_changes_no
 
 
 def test_the_step_of_a_checkpoints_names_in_every_common_form():
-    from orchestrator.runs.ckptdir import step_of_names
+    from orchestrator.runs.ckpt.jobdir_home import step_of_names
 
     assert step_of_names(["epoch=0-step=20.ckpt", "epoch=1-step=40.ckpt", "last.ckpt"]) == 40  # Lightning
     assert step_of_names(["checkpoint-500/trainer_state.json"]) == 500  # HF Trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.runs import ckptdir
+from orchestrator.runs.ckpt import jobdir_home as ckptdir
 from tests.test_restarts_cluster import cut_mid_run, sync_code
 
 pytestmark = pytest.mark.cluster

@@ -3,7 +3,7 @@ writer closed it, not after seconds of quiet, so a file the job rewrites every f
 is snapshotted whole; a rewrite that lands while a version is copied voids that copy, never tears
 it; nothing is taken from a node whose ranks began to end. remote/ckptdir.py `look` as shipped (or
 loaded here from the same bytes, where a test must land a write inside a copy), and
-runs/ckptdir.py's DirCopier over `connection: local` nodes."""
+runs/ckpt/jobdir_home.py's DirCopier over `connection: local` nodes."""
 
 import contextlib
 import hashlib
@@ -19,8 +19,8 @@ import torch
 
 from orchestrator import probe
 from orchestrator.node.form import LOADER
-from orchestrator.runs import ckptdir
-from orchestrator.runs.ckptdir import DirCopier, DirStore
+from orchestrator.runs.ckpt import jobdir_home as ckptdir
+from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore
 from tests.test_ckptdir import attach, local_cluster
 
 WRITER = """

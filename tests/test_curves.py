@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.curves import carry_over
 
 

@@ -1,5 +1,5 @@
 """A job's checkpoint directory kept on the nodes (`--checkpoint-dir` with copy_checkpoints false and
-checkpoint_replica true, runs/dirreplicas.py) over `connection: local` nodes: the node programs as
+checkpoint_replica true, runs/ckpt/jobdir_replicas.py) over `connection: local` nodes: the node programs as
 shipped, the node-to-node copies through the real relay over loopback. Nothing of the directory may
 reach the control machine's run directory but the manifests."""
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from orchestrator.runs import ckptdir
-from orchestrator.runs.dirreplicas import DirReplicas, NodeSnaps, restore_from_nodes
+from orchestrator.runs.ckpt import jobdir_home as ckptdir
+from orchestrator.runs.ckpt.jobdir_replicas import DirReplicas, NodeSnaps, restore_from_nodes
 from tests.test_ckptdir import PAST, attach, local_cluster, old
 
 
@@ -129,7 +129,7 @@ def test_a_save_after_the_look_changes_nothing_the_capture_is_what_is_frozen(rep
 
 
 def test_with_both_kept_home_and_on_the_nodes_one_look_at_the_nodes_serves_both(reps, tmp_path):
-    from orchestrator.runs.ckptdir import DirCopier, DirStore
+    from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore
 
     home = DirCopier(reps.cluster, DirStore(tmp_path / "run"), say=reps.told.append)
     attach(home, reps.paths, tmp_path)

@@ -16,7 +16,7 @@ from orchestrator import probe
 from orchestrator.node import agent
 from orchestrator.runs import logcopy
 from orchestrator.node.agent import AgentStatus, StreamFrom
-from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.logcopy import Frames, LogCopier
 from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 

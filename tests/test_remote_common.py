@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import probe
-from orchestrator.runs import checkpoints, policy
+from orchestrator.runs import policy
+from orchestrator.runs.ckpt import given_home as checkpoints
 
 REMOTE = Path(probe.__file__).resolve().parent / "remote"
 PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem != probe.COMMON)

@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from orchestrator.runs.checkpoints import CheckpointStore, is_complete
+from orchestrator.runs.ckpt.given_home import CheckpointStore, is_complete
 from orchestrator.runs.curves import write_frames
 from orchestrator.runs.restart import Outcome, classify, next_nodes
 
@@ -170,10 +170,10 @@ def test_tensorboard_frames_append_and_skip_what_is_out_of_step(tmp_path):
     assert not (tmp_path.parent / "evil").exists()
 
 
-# ------------------------------------------------------------------ replicas (runs/replicas.py)
+# ------------------------------------------------------------------ replicas (runs/ckpt/given_replicas.py)
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.runs.replicas import Move, Piece, pieces_of, plan_restore, ring  # noqa: E402
+from orchestrator.runs.ckpt.given_replicas import Move, Piece, pieces_of, plan_restore, ring  # noqa: E402
 
 
 def test_each_node_replicates_to_the_next_in_rank_order_wrapping_around():

@@ -216,8 +216,8 @@ def test_fsdp_pieces_replicate_around_the_ring_and_merge_node_to_node_without_th
 
     from orchestrator.inventory import parse_inventory
     from orchestrator.node import artifacts, wire
-    from orchestrator.runs.checkpoints import ArtifactCopier
-    from orchestrator.runs.replicas import Replicator, restore_from_nodes
+    from orchestrator.runs.ckpt.given_home import ArtifactCopier
+    from orchestrator.runs.ckpt.given_replicas import Replicator, restore_from_nodes
     from orchestrator.transport import Cluster
 
     cluster = make_cluster(3, gpus=0)

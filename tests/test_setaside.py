@@ -1,4 +1,4 @@
-"""A run's checkpoints are its own (runs/setaside.py): what the job's checkpoint directory holds when
+"""A run's checkpoints are its own (runs/ckpt/jobdir_setaside.py): what the job's checkpoint directory holds when
 a run starts is set aside on each node, never snapshotted nor restored as the run's; a relaunch with
 no snapshot starts from an empty directory; `--resume-from RUN:set-aside` puts it back on purpose;
 `--resume-from RUN` resumes what RUN ran. Over `connection: local` nodes (the node program as
@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.runs import ckptdir, setaside
-from orchestrator.runs.checkpoints import CheckpointStore
-from orchestrator.runs.ckptdir import DirCopier, DirStore
+from orchestrator.runs.ckpt import jobdir_home as ckptdir, jobdir_setaside as setaside
+from orchestrator.runs.ckpt.given_home import CheckpointStore
+from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore
 from orchestrator.runs.restart import Restorer
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import LaunchError
-from orchestrator.runs.checkpoints import CheckpointStore
+from orchestrator.runs.ckpt.given_home import CheckpointStore
 from orchestrator.runs.restart import Restorer
 
 

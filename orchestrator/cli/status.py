@@ -20,7 +20,7 @@ from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
-from orchestrator.runs.dirreplicas import newest_copied
+from orchestrator.runs.ckpt.jobdir_replicas import newest_copied
 from orchestrator.runs.goodput import of_run
 from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView
 from orchestrator.runs.store import Run

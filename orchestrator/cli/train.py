@@ -28,15 +28,15 @@ from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.inventory import check_local_files
 from orchestrator.inventory.read import decode_inventory, read_inventory_bytes
 from orchestrator.inventory.sections import check_checkpoint_dir
-from orchestrator.runs.dirreplicas import NodeSnaps
-from orchestrator.runs.checkpoints import CheckpointStore
-from orchestrator.runs.ckptdir import DirStore
+from orchestrator.runs.ckpt.jobdir_replicas import NodeSnaps
+from orchestrator.runs.ckpt.given_home import CheckpointStore
+from orchestrator.runs.ckpt.jobdir_home import DirStore
 from orchestrator.runs.curves import carry_over
 from orchestrator.runs.hang import ON_HANG
 from orchestrator.runs.straggler import ON_STRAGGLER
 from orchestrator.cli.events_options import event_options, save_events
-from orchestrator.runs.setaside import FORM as SET_ASIDE
-from orchestrator.runs.setaside import RECORD, Found
+from orchestrator.runs.ckpt.jobdir_setaside import FORM as SET_ASIDE
+from orchestrator.runs.ckpt.jobdir_setaside import RECORD, Found
 from orchestrator.runs.spec import DEFAULTS, RunSpec, RunState
 from orchestrator.runs.store import Run, new_run_id
 from orchestrator.runs.supervisor import spawn

@@ -48,11 +48,11 @@ class TrainSection(_Model):
     # while the other nodes answer: transport/liveness.py); false: only after --lost-timeout of silence
     lost_evidence: bool = True
     queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
-    # each complete checkpoint is copied to the control machine while the run trains (runs/checkpoints.py);
+    # each complete checkpoint is copied to the control machine while the run trains (runs/ckpt/given_home.py);
     # false keeps checkpoints on the nodes only (a shared filesystem, or checkpoints too big for the link)
     copy_checkpoints: bool = True
     # each node's complete checkpoints are also copied node to node to the next node in rank order
-    # (runs/replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
+    # (runs/ckpt/given_replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
     checkpoint_replica: bool = False
     # the hang watch's backstop: no rank made progress (no step, no collective) for this many
     # seconds: a hang, named and acted on (runs/hangwatch.py); 0 turns the watch off
@@ -74,7 +74,7 @@ class TrainSection(_Model):
     resume_args: list[str] = Field(default_factory=list)
     # the job's own checkpoint directory, relative to the workdir unless absolute: whatever the job
     # writes there (any names) is copied off the nodes once complete and put back on every node of
-    # a restart (runs/ckptdir.py); CLUSTERCTL_CHECKPOINT_DIR names it to the job
+    # a restart (runs/ckpt/jobdir_home.py); CLUSTERCTL_CHECKPOINT_DIR names it to the job
     checkpoint_dir: str | None = None
     # at most one snapshot of checkpoint_dir per this many seconds (each look at the nodes takes the
     # newest complete version of every entry, however often the job rewrites it)

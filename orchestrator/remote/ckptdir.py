@@ -47,7 +47,7 @@ then reads the capture at its own pace.
                             {rel: sha256}, "why": ""}, or "why" a file is missing or has changed
 
 With train.copy_checkpoints false and train.checkpoint_replica true the snapshots stay on the nodes
-(runs/dirreplicas.py): each node freezes its part of a snapshot beside its run's artifacts, a
+(runs/ckpt/jobdir_replicas.py): each node freezes its part of a snapshot beside its run's artifacts, a
 neighbour holds a replica, and a restore puts the parts together on every node:
 
   freeze PENDING ROOT NAME  stdin after the program: one JSON line {"files": [[rel, size, mtime_ns]],

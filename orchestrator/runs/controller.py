@@ -32,9 +32,9 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlEr
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs.catchup import ShortCopies
 from orchestrator.runs import nodefaults, quarantine
-from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.claims import Claims
-from orchestrator.runs.dirreplicas import artifact_copier
+from orchestrator.runs.ckpt.jobdir_replicas import artifact_copier
 from orchestrator.runs.launch import NodesNotReady, first_lineup, silent_nodes
 from orchestrator.runs.policy import hang_retried
 from orchestrator.runs.record import AttemptRecord, Book

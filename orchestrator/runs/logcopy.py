@@ -25,7 +25,7 @@ from orchestrator.runs.store import Run
 
 
 class Artifacts(Protocol):
-    """What a node's stream feeds besides the log (runs/checkpoints.py ArtifactCopier)."""
+    """What a node's stream feeds besides the log (runs/ckpt/given_home.py ArtifactCopier)."""
 
     def stream_from(self, node: str) -> StreamFrom | None: ...
 

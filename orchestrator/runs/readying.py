@@ -13,8 +13,8 @@ import time
 from typing import Callable
 
 from orchestrator.inventory import Inventory
-from orchestrator.runs import ckptdir
-from orchestrator.runs.checkpoints import ArtifactCopier
+from orchestrator.runs.ckpt import jobdir_home
+from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.launch import NodesNotReady, reopen
 from orchestrator.runs.record import AttemptRecord, Book
@@ -81,7 +81,7 @@ class Readying:
         """Each node's artifact directories, and with --checkpoint-dir the job's own ("ckptdir")."""
         dirs = prepare_artifacts(self.cluster, self.run.id, names)
         if self.spec.checkpoint_dir:
-            paths = ckptdir.prepare(self.cluster, [self.inv.node(n) for n in names], self.spec.checkpoint_dir)
+            paths = jobdir_home.prepare(self.cluster, [self.inv.node(n) for n in names], self.spec.checkpoint_dir)
             for n, p in paths.items():
                 dirs[n]["ckptdir"] = p
             for snaps in self.copier.snaps:

@@ -4,7 +4,7 @@
   by a signal (the OOM killer's SIGKILL included) or a collective error after a peer died is the
   infrastructure's: the run is launched again as attempt k+1 (at most --max-restarts times), with
   the newest complete checkpoint restored onto the nodes (the control machine's copy, or what the
-  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/replicas.py), on
+  surviving nodes hold when that is newer: an own checkpoint or a replica, runs/ckpt/given_replicas.py), on
   the healthy nodes plus spares (`spare: true` nodes take a lost node's place in rank order); with
   no spare left, --min-nodes lets the run go on with fewer nodes. The script's own failure (a Python exception that is not a
   communication error) is not retried: it would fail the same way again.
@@ -24,25 +24,25 @@ from typing import TYPE_CHECKING
 from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
 from orchestrator.node import artifacts, wire
-from orchestrator.runs.checkpoints import (
+from orchestrator.runs.ckpt.given_home import (
     CheckpointStore,
     RestoreError,
     restore,
     step_of,
 )
-from orchestrator.runs import setaside
-from orchestrator.runs.ckptdir import DirStore, RestoreDirError, restore_dir
-from orchestrator.runs.dirreplicas import NodeRestoreDirError, NodeSnaps
-from orchestrator.runs.dirreplicas import restore_from_nodes as restore_dir_from_nodes
+from orchestrator.runs.ckpt import jobdir_setaside
+from orchestrator.runs.ckpt.jobdir_home import DirStore, RestoreDirError, restore_dir
+from orchestrator.runs.ckpt.jobdir_replicas import NodeRestoreDirError, NodeSnaps
+from orchestrator.runs.ckpt.jobdir_replicas import restore_from_nodes as restore_dir_from_nodes
 from orchestrator.runs.logs import worker_failure
 from orchestrator.runs.policy import exit_code_retried
-from orchestrator.runs.replicas import NodeRestoreError, restore_from_nodes
+from orchestrator.runs.ckpt.given_replicas import NodeRestoreError, restore_from_nodes
 from orchestrator.runs.spec import NodeState, RunResult
 from orchestrator.runs.store import Run
 
 if TYPE_CHECKING:
-    from orchestrator.runs.ckptdir import DirCopier
-    from orchestrator.runs.dirreplicas import DirReplicas
+    from orchestrator.runs.ckpt.jobdir_home import DirCopier
+    from orchestrator.runs.ckpt.jobdir_replicas import DirReplicas
     from orchestrator.transport import Cluster
 
 # a worker's error that says a peer or the network went away, not that the script is wrong
@@ -158,7 +158,7 @@ class Restorer:
     nodes themselves (an own checkpoint or a replica, node to node) when one of them holds a newer
     one than this machine, else this run's newest here, else (attempt 1, or none copied yet)
     --resume-from's (`origin`; with `from_set_aside`, what the origin run found in its checkpoint
-    directory and set aside, runs/setaside.py). With --checkpoint-dir, attempt 1 first sets aside
+    directory and set aside, runs/ckpt/jobdir_setaside.py). With --checkpoint-dir, attempt 1 first sets aside
     what DIR holds: the run's checkpoints are its own. `tell`: a line of the run's story."""
 
     def __init__(self, cluster: "Cluster", inv: Inventory, store: CheckpointStore, origin: str | None, say,
@@ -186,18 +186,18 @@ class Restorer:
 
     def set_aside_found(self, dirs: dict[str, dict], nodes: list[str]) -> None:
         """What DIR holds on the first attempt's nodes, moved to set-aside/before-run/ there and
-        recorded (runs/setaside.py); the story says what, where, and how to get it back."""
+        recorded (runs/ckpt/jobdir_setaside.py); the story says what, where, and how to get it back."""
         run_dir = self.store.dir.parent
-        replies = setaside.set_aside(self.cluster, {n: dirs[n]["ckptdir"] for n in nodes},
-                                     {n: setaside.aside_dir(dirs[n], setaside.BEFORE_RUN) for n in nodes})
-        setaside.Found(run_dir).write(self.checkpoint_dir, nodes, replies)
+        replies = jobdir_setaside.set_aside(self.cluster, {n: dirs[n]["ckptdir"] for n in nodes},
+                                     {n: jobdir_setaside.aside_dir(dirs[n], jobdir_setaside.BEFORE_RUN) for n in nodes})
+        jobdir_setaside.Found(run_dir).write(self.checkpoint_dir, nodes, replies)
         held = [n for n in nodes if replies[n]["aside"]]
         for n in held:
-            self.tell(f"{n}: {self.checkpoint_dir} held {setaside.in_words(replies[n]['files'])} from before this "
+            self.tell(f"{n}: {self.checkpoint_dir} held {jobdir_setaside.in_words(replies[n]['files'])} from before this "
                       f"run: set aside, not taken as this run's checkpoint (kept in {replies[n]['path']} there)")
         if held:
             self.tell(f"to start a run from what was set aside, on purpose: clusterctl train --resume-from "
-                      f"{run_dir.name}:{setaside.FORM}")
+                      f"{run_dir.name}:{jobdir_setaside.FORM}")
 
     def restore(self, dirs: dict[str, dict], nodes: list[str], relaunch: bool) -> dict:
         """The attempt record's fields for what was restored (empty: nothing to restore). Every
@@ -240,11 +240,11 @@ class Restorer:
     def restore_dir(self, dirs: dict[str, dict], nodes: list[str]) -> dict:
         """--checkpoint-dir: the newest intact snapshot of the job's directory (this run's, else
         --resume-from's) into that directory on every node: one kept on the nodes
-        (runs/dirreplicas.py, node to node) when it is newer than this machine's newest intact copy
-        (runs/ckptdir.py restore_dir), else that copy."""
+        (runs/ckpt/jobdir_replicas.py, node to node) when it is newer than this machine's newest intact copy
+        (runs/ckpt/jobdir_home.py restore_dir), else that copy."""
         t0 = time.monotonic()
         own = run_dir = self.store.dir.parent
-        aside = {n: setaside.aside_dir(dirs[n], time.strftime("%Y%m%d-%H%M%S")) for n in nodes}
+        aside = {n: jobdir_setaside.aside_dir(dirs[n], time.strftime("%Y%m%d-%H%M%S")) for n in nodes}
         paths = {n: dirs[n]["ckptdir"] for n in nodes}
         if self.origin is not None and not DirStore(own).names() and not NodeSnaps(own).names():
             if self.from_set_aside:  # nothing of this run's yet: what --resume-from RUN:set-aside names
@@ -295,7 +295,7 @@ class Restorer:
     def from_scratch(self, paths: dict[str, str], aside: dict[str, str], nodes: list[str]) -> dict:
         """A relaunch with no snapshot of this run: it starts from an empty DIR (what the failed
         attempt left there, a torn or never-copied save, is set aside) and without --resume-args."""
-        replies = setaside.set_aside(self.cluster, paths, aside)
+        replies = jobdir_setaside.set_aside(self.cluster, paths, aside)
         moved = {n: r["aside"] for n, r in replies.items() if r["aside"]}
         self.say(f"restarting from scratch: no checkpoint of {self.checkpoint_dir} was copied in this run")
         for n, names in sorted(moved.items()):
@@ -305,14 +305,14 @@ class Restorer:
 
     def put_back(self, paths: dict[str, str], aside: dict[str, str], nodes: list[str], t0: float) -> dict:
         """--resume-from RUN:set-aside: what RUN found in its DIR and set aside, into DIR on `nodes`."""
-        found = setaside.Found(self.origin.dir.parent)
+        found = jobdir_setaside.Found(self.origin.dir.parent)
         doc = found.doc()
         if doc is None:
             raise LaunchError(f"run {self.origin_id} set nothing aside ({found.path} is missing). Nothing was started.")
-        replies = setaside.put_back(self.cluster, doc, paths, aside, self.say)
+        replies = jobdir_setaside.put_back(self.cluster, doc, paths, aside, self.say)
         about = f"{found.about()}, set aside when run {self.origin_id} started"
         self.say(f"put back {about}, into {self.checkpoint_dir} on {', '.join(nodes)}")
-        return {"checkpoint": setaside.FORM, "restored": list(nodes), "restore_s": round(time.monotonic() - t0, 3),
+        return {"checkpoint": jobdir_setaside.FORM, "restored": list(nodes), "restore_s": round(time.monotonic() - t0, 3),
                 "checkpoint_about": about, "resumed_from": self.origin_id,
                 "set_aside": {n: r["aside"] for n, r in replies.items() if r["aside"]}}
 

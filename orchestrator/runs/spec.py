@@ -102,7 +102,7 @@ class RunSpec:
     straggler_window: int = _TRAIN["straggler_window"].default  # --straggler-window, else train.straggler_window (steps)
     on_straggler: str = _TRAIN["on_straggler"].default  # --on-straggler, else train.on_straggler: warn | replace
     resume_args: tuple[str, ...] = ()  # --resume-args, else train.resume_args: added when a checkpoint was restored
-    checkpoint_dir: str | None = None  # --checkpoint-dir, else train.checkpoint_dir: the job's own (runs/ckptdir.py)
+    checkpoint_dir: str | None = None  # --checkpoint-dir, else train.checkpoint_dir: the job's own (runs/ckpt/jobdir_home.py)
     checkpoint_interval: float = _TRAIN["checkpoint_interval"].default  # --checkpoint-interval, else train.checkpoint_interval
     allow_unhealthy: bool = False  # --allow-unhealthy: quarantined nodes are used, and none is quarantined
     # the settings that grow with the cluster (runs/scaling.py), as train resolved them

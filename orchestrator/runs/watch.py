@@ -6,7 +6,7 @@ as on the node), the agent's own stderr lines to the supervisor's log. `on_end` 
 end, with the node's AgentStatus when the agent's tail closed with it (`tail KEY OFFSET status`:
 no second session is opened to ask how the run ended there).
 
-With `artifacts` (the run's ArtifactCopier, runs/checkpoints.py) the same process carries
+With `artifacts` (the run's ArtifactCopier, runs/ckpt/given_home.py) the same process carries
 everything else the control machine takes from the node while it trains: `tail KEY OFFSET
 stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read by
 runs/logcopy.py `LogCopier`): log bytes by offset, the node's complete checkpoints whenever they change (the

@@ -168,6 +168,6 @@ def copy_code(cluster: Cluster, src: Node, dst: Node, files: list[str], timeout:
 def copy_files(cluster: Cluster, src: Node, src_dir: str, dst: Node, dst_dir: str, files: list[str],
                timeout: float = 600.0) -> PairResult:
     """The regular files `files` (paths relative to src_dir) into dst_dir on dst, at the same
-    relative paths, node to node, installed only when the stream's sha256 matches (runs/dirreplicas.py:
+    relative paths, node to node, installed only when the stream's sha256 matches (runs/ckpt/jobdir_replicas.py:
     a snapshot's part to its replica holder, or to a node it is restored on)."""
     return CodePair(cluster, src, dst, files, timeout, src_dir=src_dir, dst_dir=dst_dir).run()

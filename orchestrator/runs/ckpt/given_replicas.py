@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator.node import artifacts, wire
-from orchestrator.runs.checkpoints import KEEP
+from orchestrator.runs.ckpt.given_home import KEEP
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
 

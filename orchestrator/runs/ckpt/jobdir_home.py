@@ -27,7 +27,7 @@ what restores.
 replace the node's, and the node's other entries (a half-written checkpoint, a newer one that was
 never complete everywhere) are moved to ~/.clusterctl/artifacts/RUN/set-aside/KEY/, kept but out of
 the job's way.
-With train.checkpoint_replica the snapshots are (also) kept on the nodes instead: runs/dirreplicas.py.
+With train.checkpoint_replica the snapshots are (also) kept on the nodes instead: runs/ckpt/jobdir_replicas.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A job's checkpoint directory carried node to node (`--checkpoint-dir` with train.copy_checkpoints
 false and train.checkpoint_replica true): no byte of it crosses the control machine.
 
-The snapshots are the ones runs/ckptdir.py takes (the same completeness rule, the same looks that
+The snapshots are the ones runs/ckpt/jobdir_home.py takes (the same completeness rule, the same looks that
 capture each complete version on its node, the same union of the nodes' entries), but they are
 kept on the nodes. When there is something new, every node that wrote part of it freezes its part
 (remote/ckptdir.py `freeze`): the look's captures are linked beside its run's artifacts,
@@ -17,7 +17,7 @@ every file's sha256 and which nodes hold which part, written once both copies ar
 (each holder checks its copy against the manifest's sha256) into DIR on every node of the next
 attempt: a part this node holds is copied locally, the others node to node from a holder, into a
 staging directory beside DIR's entries; then every file is checked again and DIR is swapped as
-runs/ckptdir.py's restore does (other entries set aside). So the cut of any one node loses no
+runs/ckpt/jobdir_home.py's restore does (other entries set aside). So the cut of any one node loses no
 snapshot: what it wrote is on its neighbour too.
 """
 
@@ -33,9 +33,9 @@ from typing import Callable
 from orchestrator import shell
 from orchestrator.node import ckptdir as door
 from orchestrator.node import wire
-from orchestrator.runs.checkpoints import ArtifactCopier, CheckpointStore
-from orchestrator.runs.ckptdir import CHANGED, INTERVAL_S, TIMEOUT, DirCopier, DirStore, roots_of, step_of_names
-from orchestrator.runs.replicas import Replicator, ring
+from orchestrator.runs.ckpt.given_home import ArtifactCopier, CheckpointStore
+from orchestrator.runs.ckpt.jobdir_home import CHANGED, INTERVAL_S, TIMEOUT, DirCopier, DirStore, roots_of, step_of_names
+from orchestrator.runs.ckpt.given_replicas import Replicator, ring
 from orchestrator.transfer import pair
 from orchestrator.transport import Cluster
 

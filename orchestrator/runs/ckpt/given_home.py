@@ -12,7 +12,7 @@ a shared filesystem is spread over the nodes (each holds its ranks' shards, the 
 them all): the pieces are merged into one directory here, complete once the manifest checks.
 The names and marks are remote/common.py's, the rules the nodes' artifacts.py applies.
 Before a relaunch, `restore` streams the newest complete checkpoint to the nodes that need it.
-With train.checkpoint_replica the same thread also runs runs/replicas.py's `Replicator`
+With train.checkpoint_replica the same thread also runs runs/ckpt/given_replicas.py's `Replicator`
 (node-to-node copies that never pass through this machine).
 """
 
@@ -167,9 +167,9 @@ class ArtifactCopier:
                  checkpoints: bool = True):
         self.cluster, self.dirs, self.say = cluster, dirs, say
         self.checkpoints = checkpoints  # False (train.copy_checkpoints): TensorBoard files only
-        self.replicator = None  # a runs/replicas.py Replicator (train.checkpoint_replica): node-to-node copies
-        self.dirsnap = None  # a runs/ckptdir.py DirCopier (--checkpoint-dir): the job's own directory
-        self.dirreplica = None  # a runs/dirreplicas.py DirReplicas (--checkpoint-dir, checkpoint_replica)
+        self.replicator = None  # a runs/ckpt/given_replicas.py Replicator (train.checkpoint_replica): node-to-node copies
+        self.dirsnap = None  # a runs/ckpt/jobdir_home.py DirCopier (--checkpoint-dir): the job's own directory
+        self.dirreplica = None  # a runs/ckpt/jobdir_replicas.py DirReplicas (--checkpoint-dir, checkpoint_replica)
         self.space = None  # the control machine's disk (runs/space.py Space): no copy while it has no room
         self.store = CheckpointStore(run_dir)
         self.curves = Curves(run_dir)  # one TensorBoard run: every node's, every attempt's files

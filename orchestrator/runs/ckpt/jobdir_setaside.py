@@ -13,7 +13,7 @@ mtime); the story says what was set aside and how to get it back.
 it (`digest`, which also sees a file changed since), and the union (a file several nodes hold
 from the first in RUN's rank order, as snapshots are made) is placed into DIR on every node of the
 new run's first attempt, node to node, each file checked against that sha256
-(runs/dirreplicas.py `place`). The set-aside itself stays where it is.
+(runs/ckpt/jobdir_replicas.py `place`). The set-aside itself stays where it is.
 
 A relaunch with no snapshot of the run moves what the failed attempt left in DIR aside in the same
 way (set-aside/TIME/, runs/restart.py): a torn save, or one never complete everywhere, is not the
@@ -31,7 +31,7 @@ from typing import Callable
 from orchestrator.errors import LaunchError
 from orchestrator.node import ckptdir as door
 from orchestrator.node import wire
-from orchestrator.runs.dirreplicas import NodeRestoreDirError, place
+from orchestrator.runs.ckpt.jobdir_replicas import NodeRestoreDirError, place
 from orchestrator.runs.store import write_json
 from orchestrator.transport import Cluster
 
@@ -94,7 +94,7 @@ class Found:
 
 def union(doc: dict) -> dict[str, dict]:
     """A Found doc's files as one directory: {rel: {"node", "size", "mtime_ns"}}, a file several
-    nodes hold from the first in rank order (as runs/ckptdir.py `plan` makes a snapshot)."""
+    nodes hold from the first in rank order (as runs/ckpt/jobdir_home.py `plan` makes a snapshot)."""
     files: dict[str, dict] = {}
     for node in doc["order"]:
         for rel, size, mtime_ns in doc["nodes"][node]["files"]:
