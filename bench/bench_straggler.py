@@ -20,7 +20,7 @@ fresh Python per request, its CPU (children included) plus the ranks' answers. O
 The step time: torchrun --nproc-per-node 2 -m trainer --preset nano with the hook in every rank,
 as `train` starts it, under the same stream. Arms, alternating --repeat times: nothing asked
 (PROGRESS_S=0); the stream asking every P s (PROGRESS_S=P: what ships); a fresh `snapshot ...
-progress` agent every P s (the old way). P = 10 is the watch's own period (runs/straggler.py
+progress` agent every P s (the old way). P = 10 is the watch's own period (runs/judge/straggler.py
 PERIOD_S), shorter ones magnify the cost. Each run's figure is the median of the trainer's own
 `step N ms` (rank 0, every 10 steps); the ratios of the medians are printed (target <= 1.01 at
 the watch's period). Also printed: the trainer's compute clock alone, nano's step with and
@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.probe import program  # noqa: E402
 from orchestrator.node import agent as agent_client  # noqa: E402
-from orchestrator.runs.straggler import PERIOD_S  # noqa: E402
+from orchestrator.runs.judge.straggler import PERIOD_S  # noqa: E402
 from orchestrator.runs.logcopy import FRAME_PROGRESS, Frames  # noqa: E402
 
 AGENT = program("node_agent")

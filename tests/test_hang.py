@@ -1,4 +1,4 @@
-"""The hang verdict (runs/hang.py) from snapshots recorded on real runs, the watch's decisions, and
+"""The hang verdict (runs/judge/hang.py) from snapshots recorded on real runs, the watch's decisions, and
 the node side (the hook in a rank and the agent's `snapshot`) run as shipped.
 
 tests/fixtures/hangs/*.json are runs/RUN/hangs/1/snapshots.json of three runs of
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runs.hang import HangVerdict, analyze, link_ends, with_links
-from orchestrator.runs.hangrule import Tracker
-from orchestrator.runs.hangsnap import Frame, RankSnap, stacks_text
+from orchestrator.runs.judge.hang import HangVerdict, analyze, link_ends, with_links
+from orchestrator.runs.judge.hangrule import Tracker
+from orchestrator.runs.judge.hangsnap import Frame, RankSnap, stacks_text
 from tests.conftest import wait_for
 from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
 
@@ -65,7 +65,7 @@ def test_a_mismatch_names_the_collective_most_ranks_entered_whatever_the_hash_se
     """The verdict's collective was taken from a set of names, whose order changes with
     PYTHONHASHSEED: the cluster test read gloo:broadcast (the odd rank's) about half the time."""
     code = ("import json,sys; sys.path.insert(0, '.'); from tests.test_hang import recorded, last; "
-            "from orchestrator.runs.hang import analyze, RankSnap; import dataclasses; "
+            "from orchestrator.runs.judge.hang import analyze, RankSnap; import dataclasses; "
             "s = recorded('skip', last('skip')); s = s + [dataclasses.replace(s[0], rank=2, node='local2')]; "
             "print(analyze(s, [0, 1, 2]).collective)")
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -1,7 +1,7 @@
 """Hangs named at default settings, on the real test cluster (gloo on CPU), and what is not a hang.
 
 No --hang-timeout in these runs: the watch's 300 s backstop is far beyond each test's time, so what
-names a hang here is the rule over the ranks' progress (runs/hangrule.py): a stopped worker named
+names a hang here is the rule over the ranks' progress (runs/judge/hangrule.py): a stopped worker named
 within 30 s of its stall though every rank's heartbeat thread keeps printing; a rank stuck before
 the first barrier named; a rank spinning in its own code named after --hang-busy-limit; a broken
 link between two workers named as the link, and --on-hang restart going on without one end of

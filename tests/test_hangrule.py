@@ -1,11 +1,11 @@
-"""The hang rule (runs/hangrule.py): what each rank is, from its observations on its node's clock,
+"""The hang rule (runs/judge/hangrule.py): what each rank is, from its observations on its node's clock,
 and the Standing they make. Observations are built as the nodes' progress records and the
-watch's snapshots give them (runs/hangsnap.py RankSnap)."""
+watch's snapshots give them (runs/judge/hangsnap.py RankSnap)."""
 
 import pytest
 
-from orchestrator.runs.hangrule import GONE_S, IDLE_S, Tracker, gone
-from orchestrator.runs.hangsnap import RankSnap
+from orchestrator.runs.judge.hangrule import GONE_S, IDLE_S, Tracker, gone
+from orchestrator.runs.judge.hangsnap import RankSnap
 
 
 def obs(rank, t, pgs=None, state="S", cpu=1.0, io=0, step=None):

@@ -1,4 +1,4 @@
-"""The hang watch (runs/hangwatch.py): when it looks closer and what it concludes, driven by progress
+"""The hang watch (runs/judge/hangwatch.py): when it looks closer and what it concludes, driven by progress
 records shaped as the nodes' streams bring them (node agent `snapshot_doc`, what=progress) and by
 snapshots it takes through a stand-in for the node agents. `tick` is called directly; the pause
 between a check's two snapshots is taken out."""
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from orchestrator.runs.hangsnap import Frame, RankSnap
-from orchestrator.runs.hangwatch import EDGE_S, HangWatch
+from orchestrator.runs.judge.hangsnap import Frame, RankSnap
+from orchestrator.runs.judge.hangwatch import EDGE_S, HangWatch
 from tests.conftest import wait_for
 
 AR = ("gloo:all_reduce", "[[4]]")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.runs.controller import Controller
-from orchestrator.runs.hang import Culprit, HangVerdict
+from orchestrator.runs.judge.hang import Culprit, HangVerdict
 from orchestrator.runs.policy import RETRY_RULES, exit_code_retried, hang_retried
 from orchestrator.runs.restart import Outcome, classify
 from orchestrator.runs.spec import RunResult, RunSpec, RunState

@@ -1,4 +1,4 @@
-"""Stragglers (runs/straggler.py): the rule on recorded-shape numbers, the watch's naming and
+"""Stragglers (runs/judge/straggler.py): the rule on recorded-shape numbers, the watch's naming and
 recovery, the rank's side (the hook's progress answer through the node agent as shipped) and the
 trainer's compute clock, which leaves the waits out."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from orchestrator.runs.straggler import CONFIRM, Slow, StragglerWatch, describe, judge, merge
+from orchestrator.runs.judge.straggler import CONFIRM, Slow, StragglerWatch, describe, judge, merge
 from tests.conftest import wait_for
 from tests.test_hang import HOOK
 from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
@@ -292,7 +292,7 @@ def entries(compute: dict[int, float], n: int, first: int = 1, skew: dict[int, f
 
 
 def test_a_script_reporting_no_compute_is_judged_from_when_its_ranks_enter_each_collective():
-    from orchestrator.runs.straggler import fr_compute, merge_entered
+    from orchestrator.runs.judge.straggler import fr_compute, merge_entered
 
     into = {}
     merge_entered(into, entries({0: 0.1, 1: 0.1, 2: 0.26, 3: 0.1}, 60), {}, NODES, keep=1000)
@@ -308,7 +308,7 @@ def test_a_script_reporting_no_compute_is_judged_from_when_its_ranks_enter_each_
 def test_the_nodes_clock_offsets_are_taken_off_before_ranks_are_compared():
     """Rank 2's node runs 0.5 s ahead: uncorrected, it looks like it enters every collective last
     by far; with the measured offset it is as fast as the others."""
-    from orchestrator.runs.straggler import fr_compute, merge_entered
+    from orchestrator.runs.judge.straggler import fr_compute, merge_entered
 
     even = {r: 0.1 for r in range(4)}
     raw, fixed = {}, {}

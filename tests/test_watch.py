@@ -12,7 +12,7 @@ from orchestrator.cli import main
 from orchestrator.runs.liveview import LiveView, RankTail, slow_ranks
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, write_json
-from orchestrator.runs.straggler import Slow, describe
+from orchestrator.runs.judge.straggler import Slow, describe
 
 T0 = 1795000000.0
 

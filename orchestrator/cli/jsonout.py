@@ -83,7 +83,7 @@ def ledger_of(rec: dict) -> dict | None:
 
 
 def last_hang(rec: dict) -> dict | None:
-    """The newest attempt's hang verdict (runs/hang.py), as run_doc reports it."""
+    """The newest attempt's hang verdict (runs/judge/hang.py), as run_doc reports it."""
     for a in reversed(rec.get("attempts") or []):
         if a.get("hang"):
             return {"attempt": a.get("attempt", 1), "text": a["hang"], "snapshots": a.get("hang_dir")}

@@ -3,7 +3,7 @@
 Asks each node of the run's current attempt (node agent `snapshot`) for its ranks: the hook
 clusterctl puts on every rank's PYTHONPATH answers with all its threads' stacks and its Flight
 Recorder (remote/hook/sitecustomize.py), a stopped or D-state rank is named by its /proc state.
-Identical stacks print once under their ranks, like `exec -b` (runs/hang.py stacks_text). The
+Identical stacks print once under their ranks, like `exec -b` (runs/judge/hang.py stacks_text). The
 same snapshot the hang watch takes, on demand and without stopping anything.
 """
 
@@ -19,7 +19,7 @@ import click
 from orchestrator.cli.runs import _err, complete_run_ids
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, ClusterctlError, with_unreachable
 from orchestrator.node import agent
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S, RankSnap, stacks_text
+from orchestrator.runs.judge.hang import SNAPSHOT_WAIT_S, RankSnap, stacks_text
 from orchestrator.runs.record import AttemptRecord, load as load_record
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster

@@ -110,7 +110,7 @@ def status_command(run_id, as_json):
     if a is not None and a.hang:
         _err(f"clusterctl: attempt {a.attempt}: {a.hang}" + (f" (snapshots: {run.dir / a.hang_dir})"
                                                              if a.hang_dir else ""))
-    if a is not None and a.straggler:  # named now by the straggler watch (runs/straggler.py)
+    if a is not None and a.straggler:  # named now by the straggler watch (runs/judge/straggler.py)
         _err(f"clusterctl: attempt {a.attempt}: {a.straggler}")
     if typed.recovering:
         _err(f"clusterctl: recovering after {typed.recovering}")

@@ -32,8 +32,8 @@ from orchestrator.runs.ckpt.jobdir_replicas import NodeSnaps
 from orchestrator.runs.ckpt.given_home import CheckpointStore
 from orchestrator.runs.ckpt.jobdir_home import DirStore
 from orchestrator.runs.curves import carry_over
-from orchestrator.runs.hang import ON_HANG
-from orchestrator.runs.straggler import ON_STRAGGLER
+from orchestrator.runs.judge.hang import ON_HANG
+from orchestrator.runs.judge.straggler import ON_STRAGGLER
 from orchestrator.cli.events_options import event_options, save_events
 from orchestrator.runs.ckpt.jobdir_setaside import FORM as SET_ASIDE
 from orchestrator.runs.ckpt.jobdir_setaside import RECORD, Found

@@ -86,7 +86,7 @@ def table(rows: list[Row], by_rank: bool):
 
 
 def stack_lines(text: str, room: int, width: int) -> list[str]:
-    """`clusterctl stack`'s text (runs/hang.py stacks_text) in at most `room` lines of `width`:
+    """`clusterctl stack`'s text (runs/judge/hang.py stacks_text) in at most `room` lines of `width`:
     each thread's innermost frames, the ones that say where it is, with the outer ones elided
     (main thread first, the others as room is left), its header and collectives kept; a frame's
     path cut from the left, so its line number and function stay."""
@@ -154,7 +154,7 @@ class StackAsk:
 
     def _ask(self, run: Run) -> None:
         from orchestrator.cli.stack import take_stacks
-        from orchestrator.runs.hang import stacks_text
+        from orchestrator.runs.judge.hang import stacks_text
 
         try:
             a = load_record(run).current

@@ -55,13 +55,13 @@ class TrainSection(_Model):
     # (runs/ckpt/given_replicas.py), so a checkpoint outlives the node that wrote it without crossing this machine
     checkpoint_replica: bool = False
     # the hang watch's backstop: no rank made progress (no step, no collective) for this many
-    # seconds: a hang, named and acted on (runs/hangwatch.py); 0 turns the watch off
+    # seconds: a hang, named and acted on (runs/judge/hangwatch.py); 0 turns the watch off
     hang_timeout: float = Field(default=300.0, ge=0, le=86400)
     # a rank busy in its own code this long while the others wait for it in a collective is a hang
     hang_busy_limit: float = Field(default=600.0, gt=0, le=86400)
     on_hang: Literal["fail", "restart", "observe"] = "fail"  # restart: without the culprit's node
     # a rank whose median compute per step over the last straggler_window steps is this many times
-    # the median of every rank's is a straggler (runs/straggler.py); 0 turns the watch off
+    # the median of every rank's is a straggler (runs/judge/straggler.py); 0 turns the watch off
     straggler_factor: float = Field(default=1.3, ge=0, le=100)
     straggler_window: int = Field(default=50, ge=3, le=100000)
     on_straggler: Literal["warn", "replace"] = "warn"  # replace: restart without its node, onto a spare

@@ -358,12 +358,12 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
                  have, *progress, preface=stream_preface())
 
 
-# ------------------------------------------------------------------ snapshots and links (runs/hang.py)
+# ------------------------------------------------------------------ snapshots and links (runs/judge/hang.py)
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """`snapshot`: each rank of the run on the node, as the agent's JSON has it (runs/hang.py
+    """`snapshot`: each rank of the run on the node, as the agent's JSON has it (runs/judge/hang.py
     RankSnap.from_agent reads one)."""
 
     ranks: tuple[Mapping, ...] = ()

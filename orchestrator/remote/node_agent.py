@@ -805,7 +805,7 @@ def rank_procs(run_id, torchrun_pid, hook=None):
     rank of the run on this node: of the processes with that RANK that are not torchrun (a rank's
     data-loader workers carry its RANK too), the topmost one whose hook listens in `hook`, else the
     topmost; tree_cpu_s and io (disk bytes) are those of all of them together, read at `at` (the
-    hang watch's sign that a rank works: runs/hangrule.py)."""
+    hang watch's sign that a rank works: runs/judge/hangrule.py)."""
     found = {}
     for pid in run_pids(run_id):
         if pid == torchrun_pid:

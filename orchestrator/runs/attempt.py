@@ -24,9 +24,9 @@ from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
-from orchestrator.runs.hang import HangVerdict
-from orchestrator.runs.hangsnap import RankSnap, snaps_of
-from orchestrator.runs.hangwatch import HangWatch
+from orchestrator.runs.judge.hang import HangVerdict
+from orchestrator.runs.judge.hangsnap import RankSnap, snaps_of
+from orchestrator.runs.judge.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.progresslog import ProgressLog
@@ -35,7 +35,7 @@ from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResul
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.transfer import synced
 from orchestrator.transfer.files import control_code
-from orchestrator.runs.straggler import PERIOD_S, Slow, StragglerWatch, clock_offsets, progress
+from orchestrator.runs.judge.straggler import PERIOD_S, Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.watch import Artifacts, copy_logs
@@ -130,7 +130,7 @@ class AttemptRunner:
             return RunResult(RunState.FAILED, EXIT_FAILED, self.straggler[0], r.first_failure)
         return r
 
-    # ---------------------------------------------------------------- hangs (runs/hang.py)
+    # ---------------------------------------------------------------- hangs (runs/judge/hang.py)
     def watch_hangs(self, names: list[str], armed: bool = False) -> HangWatch | None:
         """The hang watch over this attempt's ranks, started (None when --hang-timeout is 0)."""
         if self.spec.hang_timeout <= 0:
@@ -187,7 +187,7 @@ class AttemptRunner:
         node = next((c.node for c in v.culprits if c.node in self.statuses), next(iter(self.statuses)))
         self.policy.failed(node, None, v.text)
 
-    # ---------------------------------------------------------------- stragglers (runs/straggler.py)
+    # ---------------------------------------------------------------- stragglers (runs/judge/straggler.py)
     def watch_stragglers(self, names: list[str]) -> StragglerWatch | None:
         """The straggler watch over this attempt's ranks, started (None when the factor is 0). With
         the artifact copier the nodes' log streams carry the ranks' progress (`watch` hands them

@@ -35,7 +35,7 @@ HANG = "hang"
 LOST_LINE = re.compile(r"^(\S+) lost: no answer for ([\d.]+)s")
 SILENT_LINE = re.compile(r"^(\S+): silent for ([\d.]+)s")
 QUIET_LINE = re.compile(r"^no rank wrote a line for ([\d.]+)s")
-# runs/straggler.py describe(): one part per node
+# runs/judge/straggler.py describe(): one part per node
 SLOW_PART = re.compile(r"(\S+) ranks? ([\d,]+) computes? [\d.]+x the median \(([\d.]+) ms vs ([\d.]+) ms over "
                        r"the last \d+ (steps|collectives)\)")
 RECOVERED = re.compile(r"^straggler: (\S+) rank (\d+) no longer computes slower")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # in every rank: hands its output to the node's waiter, which writes it into the log as whole lines
 # tagged `[default<local rank>]:`, and answers the node agent's `snapshot` with its stacks and
-# Flight Recorder (runs/hang.py)
+# Flight Recorder (runs/judge/hang.py)
 HOOK = (REMOTE / "hook" / "sitecustomize.py").read_text()
 LISTEN_WAIT = 120  # how long the master's rendezvous port may take to listen
 

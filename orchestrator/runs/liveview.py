@@ -16,7 +16,7 @@ Flags:
   than the run's hang timeout (60 s when the hang watch is off): what the hang watch is about to
   look at, or has;
 - `HANG why`: the hang watch's verdict (runs/RUN/hangs/N/verdict.json) names the rank;
-- `slow 2.6x`: the straggler watch names it (the attempt's `straggler` line, runs/straggler.py).
+- `slow 2.6x`: the straggler watch names it (the attempt's `straggler` line, runs/judge/straggler.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from orchestrator.runs.spec import NodeState, NodeStatus
 
 STEP_MS = re.compile(r"\bstep ([\d.]+) ?ms\b")
 TOKENS = re.compile(r"\b(?:tok/s|tokens/s)[ :=]+([\d,.]+)")
-# runs/straggler.py describe(): "straggler: node3 ranks 2,3 compute 2.6x the median (...)"
+# runs/judge/straggler.py describe(): "straggler: node3 ranks 2,3 compute 2.6x the median (...)"
 SLOW = re.compile(r"(\S+) ranks? ([\d,]+) computes? ([\d.]+)x the median")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's cursor and colour codes (tqdm's nested bars)
 COLLECTIVES_NOTE = "cN: collectives the rank entered (its Flight Recorder), where its log says no step"
@@ -143,7 +143,7 @@ class Row:
 
 
 def hang_culprits(run_dir: Path, hang_dir: str | None) -> dict[int, str]:
-    """rank -> why, from the attempt's hang verdict (runs/hang.py HangVerdict.to_json)."""
+    """rank -> why, from the attempt's hang verdict (runs/judge/hang.py HangVerdict.to_json)."""
     if not hang_dir:
         return {}
     try:

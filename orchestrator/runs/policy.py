@@ -72,7 +72,7 @@ def exit_code_retried(code: int | None, listed: Iterable[int]) -> bool:
 
 def hang_retried(on_hang: str, culprit_nodes: tuple[str, ...]) -> bool:
     """A hang is retried only under --on-hang restart and when nodes can be left out: its culprits',
-    or for a broken link one end of it (runs/hang.py HangVerdict.nodes; a mismatch or a deadlock
+    or for a broken link one end of it (runs/judge/hang.py HangVerdict.nodes; a mismatch or a deadlock
     names none: the script's own bug)."""
     return on_hang == "restart" and bool(culprit_nodes)
 

@@ -82,9 +82,9 @@ class AttemptRecord:
     retry: bool | None = None  # the verdict: another attempt is worth it
     bad_nodes: list[str] = field(default_factory=list)  # the verdict: not to be used again
     copy_s: float | None = None
-    hang: str | None = None  # the hang verdict's line (runs/hang.py), when the watch found one
+    hang: str | None = None  # the hang verdict's line (runs/judge/hang.py), when the watch found one
     hang_dir: str | None = None  # its snapshots, under the run directory (hangs/N)
-    straggler: str | None = None  # the stragglers named now (runs/straggler.py), one line
+    straggler: str | None = None  # the stragglers named now (runs/judge/straggler.py), one line
 
     @classmethod
     def from_json(cls, doc: dict) -> "AttemptRecord":

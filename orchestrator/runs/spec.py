@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.inventory import Inventory, load_inventory, parse_inventory
 from orchestrator.inventory.sections import TrainSection
-from orchestrator.runs.hang import SNAPSHOT_WAIT_S
+from orchestrator.runs.judge.hang import SNAPSHOT_WAIT_S
 from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
 from orchestrator.transport.liveness import PROBE_S, SUSPECT_S
 

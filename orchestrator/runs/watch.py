@@ -12,7 +12,7 @@ stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `f
 runs/logcopy.py `LogCopier`): log bytes by offset, the node's complete checkpoints whenever they change (the
 copier fetches and replicates them on its own thread), TensorBoard bytes (appended here at
 once), with a `progress` sink every rank's progress every `progress_s` s (the straggler
-watch's, runs/straggler.py: asked by the node's stream process, not a process started per
+watch's, runs/judge/straggler.py: asked by the node's stream process, not a process started per
 request) and last the status. No poll process is started on the nodes while the run trains.
 
 SSH is not the job: when a node's connection drops, it is reopened with backoff and its tail

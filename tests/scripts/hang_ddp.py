@@ -1,4 +1,4 @@
-"""A DDP-shaped gloo job that hangs on purpose, for the hang watch's tests (runs/hang.py).
+"""A DDP-shaped gloo job that hangs on purpose, for the hang watch's tests (runs/judge/hang.py).
 
 --mode loader    rank --rank blocks in slow_data_loader() at step --at; the others wait in all_reduce
 --mode stop      rank --rank SIGSTOPs itself at step --at

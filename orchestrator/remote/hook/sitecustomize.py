@@ -16,7 +16,7 @@ profiling_name). A rank that cannot run Python (stopped, in D state) does not an
 reports its /proc state instead.
 
 A request pN (the nodes' log streams ask every few seconds: the straggler and hang watches,
-runs/straggler.py, runs/hangwatch.py) is answered with the rank's progress only, PID.pN.json: the
+runs/judge/straggler.py, runs/judge/hangwatch.py) is answered with the rank's progress only, PID.pN.json: the
 compute time of its newest steps, as the script reported them through `clusterctl_step(step,
 compute_s)` (the shipped trainer does: trainer/progress.py), about 1 ms of the rank's CPU, and per
 process group the newest collective entered and the newest completed (the Flight Recorder's

@@ -1,6 +1,6 @@
-"""Hangs: the verdict from every rank's snapshot (runs/hangsnap.py RankSnap), and what a restart
-leaves out. When to take the snapshots is the watch's (runs/hangwatch.py, its rule in
-runs/hangrule.py).
+"""Hangs: the verdict from every rank's snapshot (runs/judge/hangsnap.py RankSnap), and what a restart
+leaves out. When to take the snapshots is the watch's (runs/judge/hangwatch.py, its rule in
+runs/judge/hangrule.py).
 
 `analyze` turns the ranks' snapshots into one verdict. Per process group (the Flight Recorder's
 pg_status, by pg id) the collective the most advanced ranks entered last (last_enqueued_collective,
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
-from orchestrator.runs.hangsnap import Frame, RankSnap, stacks_text, unanswered_why, word
+from orchestrator.runs.judge.hangsnap import Frame, RankSnap, stacks_text, unanswered_why, word
 
 __all__ = ["Frame", "RankSnap", "stacks_text", "Culprit", "HangVerdict", "analyze", "with_links", "link_ends"]
 

@@ -1,5 +1,5 @@
-"""The hang watch over one attempt: when to look (its rule: runs/hangrule.py) and what it found
-(the verdict: runs/hang.py analyze).
+"""The hang watch over one attempt: when to look (its rule: runs/judge/hangrule.py) and what it found
+(the verdict: runs/judge/hang.py analyze).
 
 Every rank's progress arrives every few seconds on its node's log stream (`feed`: the stream asks
 the ranks' hooks, runs/watch.py) into a Tracker. The watch looks closer, at once, when its
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from orchestrator.runs.hang import HangVerdict, analyze, with_links
-from orchestrator.runs.hangrule import DEFAULT_BUSY_LIMIT, LEAVING, Standing, Tracker, gone
-from orchestrator.runs.hangsnap import RankSnap, stacks_text, word
+from orchestrator.runs.judge.hang import HangVerdict, analyze, with_links
+from orchestrator.runs.judge.hangrule import DEFAULT_BUSY_LIMIT, LEAVING, Standing, Tracker, gone
+from orchestrator.runs.judge.hangsnap import RankSnap, stacks_text, word
 
 CONFIRM_S = 3.0  # between a check's two snapshots
 EDGE_S = 60.0  # the backstop's least wait at a run's edges: before any rank entered a collective or

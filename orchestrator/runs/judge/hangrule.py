@@ -1,6 +1,6 @@
 """The hang rule: from what each rank was seen doing, whether ranks wait for others that make no
-progress. Pure: observations in (runs/hangsnap.py RankSnap, from the nodes' progress records every
-few seconds and from the watch's own snapshots), a Standing out; runs/hangwatch.py acts on it.
+progress. Pure: observations in (runs/judge/hangsnap.py RankSnap, from the nodes' progress records every
+few seconds and from the watch's own snapshots), a Standing out; runs/judge/hangwatch.py acts on it.
 
 Progress is a rank's steps (what the script told `clusterctl_step`) and its collectives (the
 Flight Recorder's newest entered and completed, per process group), never its log: a thread that
@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
-from orchestrator.runs.hangsnap import RankSnap, word
+from orchestrator.runs.judge.hangsnap import RankSnap, word
 
 WAIT_S = 3.0  # inside one collective this long, with no progress: the rank waits (node clock)
 IDLE_S = 20.0  # idle this long while others wait for it: stuck (a rank that waits on the network for
