@@ -153,6 +153,8 @@ def test_a_rendezvous_conf_torchrun_would_refuse_is_an_inventory_error(tmp_path,
 @pytest.mark.parametrize("flag", ["0", "-5", "soon", "86401"])
 def test_a_bad_rendezvous_timeout_flag_exits_2(tmp_path, home, capsys, flag):
     path = write(tmp_path, 2)
+    assert main(["train", "-i", str(path), "--dry-run", "--rendezvous-timeout", "30"]) == 0  # the flag exists
+    capsys.readouterr()
     assert main(["train", "-i", str(path), "--dry-run", "--rendezvous-timeout", flag]) == 2
     assert "--rendezvous-timeout" in capsys.readouterr().err
 
