@@ -6,7 +6,7 @@ moves between SSH, SLURM and Kubernetes without being rewritten.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from orchestrator.inventory import Inventory, Node
 
@@ -20,6 +20,43 @@ def dist_timeout_s(nnodes: int) -> int:
     if nnodes < 8:
         return 7200
     return 14400
+
+
+# torchrun's rendezvous timeout unless told: its LaunchConfig sets 900 s (torch/distributed/launcher/api.py;
+# the static handler's own 600 s is never reached through torchrun)
+RDZV_TIMEOUT_S = 900
+RDZV_CONF_ENV = "PET_RDZV_CONF"  # torchrun's --rdzv-conf when the flag is not given (torch's argparse_util.env)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """torchrun's rendezvous configuration `key=value,key=value` as torch reads it
+    (rendezvous/utils.py): keys and values stripped, an empty text is none. ValueError for a part
+    without a key or a value, which torchrun would refuse on every node."""
+    out: dict[str, str] = {}
+    for part in text.strip().split(",") if text.strip() else []:
+        key, _, value = part.partition("=")
+        if not key.strip() or not value.strip():
+            raise ValueError(f"{part.strip()!r} is not key=value (torchrun's form: timeout=900,key=value)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def rdzv_timeout_given(env: Mapping[str, str]) -> int | None:
+    """The rendezvous timeout a node's environment sets through PET_RDZV_CONF, if it does;
+    ValueError when that is not a whole number of seconds or the text is not torchrun's form."""
+    value = parse_rdzv_conf(env.get(RDZV_CONF_ENV, "")).get("timeout")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"timeout={value} is not a whole number of seconds, at least 1")
+    return int(value)
+
+
+def rdzv_conf(env: Mapping[str, str], timeout: int) -> str:
+    """torchrun's --rdzv-conf for a node: what its environment's PET_RDZV_CONF says (the flag
+    replaces that variable whole, so its other keys are carried over), with `timeout`."""
+    conf = {**parse_rdzv_conf(env.get(RDZV_CONF_ENV, "")), "timeout": str(int(timeout))}
+    return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 def nccl_buffsize(nnodes: int) -> int:
@@ -109,14 +146,15 @@ def target_argv(inv: Inventory, user_args: Sequence[str] = ()) -> list[str]:
 
 def torchrun_argv(*, python: str, nnodes: int, nproc: int, node_rank: int | str, master_addr: str,
                   master_port: int | str, run_id: str, target: Sequence[str],
-                  extra: Sequence[str] = ()) -> list[str]:
+                  extra: Sequence[str] = (), rdzv: str | None = None) -> list[str]:
     """`python -m torch.distributed.run` (the interpreter's own torchrun, whatever PATH says)
     with a static rendezvous: ranks are node_rank * nproc + local_rank, node_rank being the position among
-    the nodes of the run (`Inventory.select` renumbers a subset from 0)."""
+    the nodes of the run (`Inventory.select` renumbers a subset from 0). `rdzv`: its --rdzv-conf
+    (`rdzv_conf`: the rendezvous timeout); None leaves torchrun's own (PET_RDZV_CONF, else 900 s)."""
     return [python, "-m", "torch.distributed.run",
             "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank", str(node_rank),
             "--master-addr", master_addr, "--master-port", str(master_port), "--rdzv-id", run_id,
-            *extra, *target]
+            *(["--rdzv-conf", rdzv] if rdzv is not None else []), *extra, *target]
 
 
 def rank_map(inv: Inventory, nprocs: dict[str, int]) -> list[tuple[Node, int, int]]:

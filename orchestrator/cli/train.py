@@ -214,9 +214,7 @@ def _split_args(text: str, flag: str) -> list[str]:
                    "one), else the GPUs found, else 1. More than a node's GPUs exits 2 unless --force.")
 @click.option("--grace", type=click.FloatRange(0, 3600), default=DEFAULTS.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
-@click.option("--lost-timeout", type=click.FloatRange(1, 3600), default=DEFAULTS.lost_timeout,
-              help="A node that does not answer for this long is lost, and the run is torn down [default: 30, "
-                   "+30 per doubling of the nodes past 64: `train --dry-run` shows it].")
+@trainscale.options
 @click.option("--lost-evidence/--no-lost-evidence", default=None,
               help="Declare a silent node lost within seconds when its SSH port answers no TCP handshake "
                    "while the other nodes answer; --no-lost-evidence waits --lost-timeout of silence "
@@ -296,7 +294,7 @@ def _split_args(text: str, flag: str) -> list[str]:
                                             "into one under their ranks (the logs on disk keep every line).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, lost_evidence, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
+                  lost_timeout, rendezvous_timeout, lost_evidence, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, checkpoint_interval, allow_unhealthy, hang_timeout, hang_busy_limit,
                   on_hang, on_straggler, straggler_factor, straggler_window, dry_run, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
@@ -312,7 +310,8 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
     path = os.path.abspath(opts.inventory_path) if opts.inventory_path else None
     checkpoints, script = _checkpoints(inv, resume_from, resume_args, checkpoint_dir, script)
     scaled = trainscale.resolve(click.get_current_context(), inv, nproc_per_node=nproc_per_node, fanout=opts.fanout,
-                                lost_timeout=lost_timeout, hang_timeout=hang_timeout)
+                                lost_timeout=lost_timeout, hang_timeout=hang_timeout,
+                                rendezvous_timeout=rendezvous_timeout)
     if dry_run:
         return trainscale.dry_run(inv, nproc_per_node, scaled, as_json)
     run = Run.create(new_run_id(name), RunSpec(

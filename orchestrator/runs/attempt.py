@@ -112,7 +112,8 @@ class AttemptRunner:
             self.short = copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained,
                                    key=self.key, start_at=start_at, artifacts=self.artifacts,
                                    after_write=hw.heard if hw else None, tell=self.book.tell, progress=progress_sink,
-                                   progress_s=PERIOD_S, space=self.book.space, stopping=self.stopping)
+                                   progress_s=PERIOD_S, space=self.book.space, stopping=self.stopping,
+                                   stall_s=self.spec.stream_stall)
         finally:
             for w in (hw, sw):
                 if w is not None:

@@ -19,7 +19,7 @@ from orchestrator.node import agent
 from orchestrator.node.agent import Claim, RunKey
 from orchestrator.runs.spec import NodeState, NodeStatus, RunSpec
 from orchestrator.runs.store import Run
-from orchestrator.torchrun import node_env, target_argv, torchrun_argv
+from orchestrator.torchrun import node_env, rdzv_conf, target_argv, torchrun_argv
 from orchestrator.transport import Cluster
 
 if TYPE_CHECKING:
@@ -234,15 +234,17 @@ class Launcher:
         # torchrun runs `python -u TARGET` for each rank; `resume_args` (--resume-args) follow the
         # job's own when the launch starts from a checkpoint
         self.target = [*target_argv(inv, spec.args), *resume_args]
+        self.rendezvous_timeout = spec.rendezvous_timeout  # torchrun's --rdzv-conf timeout (runs/scaling.py)
 
     def start_spec(self, node: Node) -> agent.StartSpec:
         """What the node's agent starts: torchrun for the node's ranks, its environment (env: tokens
         stay off every command line)."""
         inv, st = self.inv, self.statuses[node.name]
+        env = node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id, **self.extra_env.get(node.name, {})})
         argv = torchrun_argv(python=node.python, nnodes=len(inv.nodes), nproc=st.nproc, node_rank=st.rank,
                              master_addr=inv.master.address, master_port=inv.master_port, run_id=self.run_id,
-                             target=self.target, extra=["--log-dir", "{rundir}/torchrun"])
-        env = node_env(inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id, **self.extra_env.get(node.name, {})})
+                             target=self.target, extra=["--log-dir", "{rundir}/torchrun"],
+                             rdzv=rdzv_conf(env, self.rendezvous_timeout))
         return agent.StartSpec(argv, node.workdir, env, {}, HOOK)
 
     def start(self, names: list[str]) -> None:

@@ -18,6 +18,27 @@ count); this module is that tuning as a rule, so `train` needs no flags to run a
                                                                           ranks' hooks (hang snapshots);
                                                                           x ranks per node / 8 above 8
   hang timeout        300 s               +60 s                           the hang watch's backstop
+  rendezvous timeout  900 s               +300 s                          torchrun's static rendezvous:
+                                                                          how long node 0's store waits
+                                                                          for every node's torchrun, and
+                                                                          a node's torchrun tries to join
+                                                                          (--rdzv-conf timeout=N)
+  stream stall        30 s                +30 s                           a node's log stream silent this
+                                                                          long while its node answers is
+                                                                          started again (runs/watch.py)
+
+The rendezvous timeout is torchrun's own default (900 s) up to 64 nodes, so nothing changes there.
+It runs from node 0's torchrun opening its store until the last node's torchrun joined: the
+launcher starting every other node (one agent call each, under the fan-out; the launch grew
+linearly, about 0.3 s per node, to 38 s at 128 nodes with the test cluster's torchrun stand-in) and
+each node's interpreter and torch import, which all nodes do at once from what may be one shared
+filesystem (a real torchrun's first line took 51-58 s at 32 nodes on the test machine:
+docs/performance.md). +300 s per doubling keeps the margin while both grow with the nodes; a node
+that cannot reach node 0 still fails the run within the timeout. A static rendezvous has no
+separate join timeout: the same `timeout` bounds each joining node's connect and node 0's wait.
+The stream stall grows like the lost timeout: both are silences that a loaded control machine
+reading N streams lengthens (at 128 nodes the test machine's streams sat silent 48 s while their
+nodes answered), and a needless restart costs the node a session while it is busiest.
 
 Doublings count from 64 nodes (log2(nodes / 64), so 128 nodes is one, 256 two, fractions between).
 A setting the user gave (a flag, or the inventory's train: value) is kept as given: `derive`
@@ -30,9 +51,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from orchestrator.torchrun import dist_timeout_s
+from orchestrator.torchrun import RDZV_TIMEOUT_S, dist_timeout_s
 
 BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
+STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/watch.py)
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,8 @@ class Scaled:
     probe_s: float
     snapshot_wait: float
     hang_timeout: float
+    rendezvous_timeout: int
+    stream_stall: float
 
 
 WHAT = {  # the words `train --dry-run` prints for each setting, and the flag or inventory key that sets it
@@ -56,6 +80,8 @@ WHAT = {  # the words `train --dry-run` prints for each setting, and the flag or
     "probe_s": ("probe timeout", "-"),
     "snapshot_wait": ("snapshot wait", "-"),
     "hang_timeout": ("hang timeout", "--hang-timeout, train.hang_timeout"),
+    "rendezvous_timeout": ("rendezvous timeout", "--rendezvous-timeout, inventory env PET_RDZV_CONF"),
+    "stream_stall": ("stream stall", "-"),
 }
 
 
@@ -76,6 +102,8 @@ def derive(nodes: int, ranks: int) -> Scaled:
         probe_s=round(1.0 + 0.5 * d, 1),
         snapshot_wait=round((10.0 + 5.0 * d) * max(1.0, per_node / 8), 1),
         hang_timeout=round(300.0 + 60.0 * d, 1),
+        rendezvous_timeout=round(RDZV_TIMEOUT_S + 300 * d),
+        stream_stall=round(STREAM_STALL_S + 30.0 * d, 1),
     )
 
 
@@ -108,5 +136,6 @@ def record_doc(spec) -> dict:
     doc = dict(spec.scaling)
     doc["values"] = {**doc.get("values", {}), "fanout": spec.fanout, "lost_timeout": spec.lost_timeout,
                      "suspect_s": spec.suspect_s, "probe_s": spec.probe_s, "snapshot_wait": spec.snapshot_wait,
-                     "hang_timeout": spec.hang_timeout}
+                     "hang_timeout": spec.hang_timeout, "rendezvous_timeout": spec.rendezvous_timeout,
+                     "stream_stall": spec.stream_stall}
     return doc

@@ -15,8 +15,10 @@ from typing import Any
 from orchestrator.inventory import Inventory, load_inventory, parse_inventory
 from orchestrator.inventory.sections import TrainSection
 from orchestrator.runs.judge.hang import SNAPSHOT_WAIT_S
+from orchestrator.runs.scaling import STREAM_STALL_S
 from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
 from orchestrator.transport.liveness import PROBE_S, SUSPECT_S
+from orchestrator.torchrun import RDZV_TIMEOUT_S
 
 
 class RunState(str, enum.Enum):
@@ -109,6 +111,8 @@ class RunSpec:
     suspect_s: float = SUSPECT_S  # an unanswered ping makes its node a suspect after this long
     probe_s: float = PROBE_S  # the suspect's TCP handshake must come within this
     snapshot_wait: float = SNAPSHOT_WAIT_S  # each node's wait for its ranks' hooks in a hang snapshot
+    rendezvous_timeout: int = RDZV_TIMEOUT_S  # --rendezvous-timeout: torchrun's static rendezvous (--rdzv-conf)
+    stream_stall: float = STREAM_STALL_S  # a log stream silent this long while its node answers is restarted
     scaling: dict | None = None  # {nodes, ranks, values, source}: what the rule derived and what was given
 
     @classmethod

@@ -22,8 +22,8 @@ when its connection was closed on the evidence that it is gone (transport/livene
 port answers no TCP handshake while the other nodes answer). A tail
 is started again at the copy's size the same way when the control machine's disk had no room for
 its bytes and has room again (runs/space.py), and when its stream, asked for progress, sent
-nothing for STREAM_STALL_S while its node answers (the stream process there is stuck) and the
-attempt is not being stopped: once `stopping` is set, a node's stream going quiet is the node
+nothing for `stall_s` while its node answers (the stream process there is stuck; the run's stream
+stall grows with the cluster: runs/scaling.py) and the attempt is not being stopped: once `stopping` is set, a node's stream going quiet is the node
 doing its part of the stop (its ranks ending, its sshd and agents crowded by every node's stop at
 once), and a restart would only add a session to each node while they end.
 """
@@ -41,13 +41,13 @@ from orchestrator.inventory import Node
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.logcopy import Artifacts, LogCopier
+from orchestrator.runs.scaling import STREAM_STALL_S  # the default below 64 nodes: the run's own is its spec's
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
-STREAM_STALL_S = 30.0  # the least silence of a progress-asking stream, its node answering, that restarts it
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
@@ -95,7 +95,7 @@ class _Copy:
     def __init__(self, cluster: Cluster, run: Run, nodes: list[Node],
                  on_end: Callable[[NodeResult, AgentStatus | None], None],
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str,
-                 stopping: threading.Event | None = None):
+                 stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
         self.stopping = stopping  # set once the attempt is being stopped: silence is expected then
@@ -111,7 +111,7 @@ class _Copy:
         # a stream that asks for progress sends a record every progress_s at least: silent far
         # longer while its node answers, the stream process is stuck (not the script)
         asked = copier.progress_s if copier is not None and copier.progress is not None else 0.0
-        self.stall_s = max(STREAM_STALL_S, 3 * asked) if asked > 0 else None
+        self.stall_s = max(stall_s, 3 * asked) if asked > 0 else None
 
     def start_tail(self, name: str) -> Proc:
         tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), self.copier.tail_stream(name))
@@ -233,7 +233,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
               tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
               progress_s: float = 0.0, space: Space | None = None,
-              stopping: threading.Event | None = None) -> set[str]:
+              stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S) -> set[str]:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
@@ -245,14 +245,15 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     `tell`: where a node's silence, reconnection and loss are told (the run's story, record.py
     Book.tell; else echoed); `space`: the control machine's disk (runs/space.py), whose want of room
     holds the copies back until there is room again; `stopping`: set once the attempt is being
-    stopped (no stream is then restarted for its silence). Returns the nodes whose copy ended short of
+    stopped (no stream is then restarted for its silence); `stall_s`: the silence of a stream, its node
+    answering, that restarts it (at least 3 progress periods). Returns the nodes whose copy ended short of
     their log (no room when their run ended there: runs/catchup.py completes them later)."""
     if not nodes:
         return set()
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s,
                        space)
     try:
-        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id, stopping)
+        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id, stopping, stall_s)
         if tell is not None:
             copy.tell = tell
         copy.copy()

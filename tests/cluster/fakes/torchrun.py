@@ -5,7 +5,8 @@ torchrun per node (~250 MB, ~1.5 s of CPU, a Python process per rank) does not f
 it, and nothing else:
 
 - the same argv (--nnodes --nproc-per-node --node-rank --master-addr --master-port --rdzv-id
-  --log-dir TARGET...) and a static rendezvous: node 0 listens on the master port (the launcher
+  --rdzv-conf --log-dir TARGET...) and a static rendezvous (waiting --rdzv-conf's timeout=N, else
+  CLUSTERCTL_STANDIN_RDZV_TIMEOUT, else torchrun's 900 s): node 0 listens on the master port (the launcher
   waits for it), every other node connects, and no rank starts before all nnodes have joined;
 - one process per rank, each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
   GROUP_RANK, MASTER_ADDR, TORCHELASTIC_*, ... and everything it inherited, the run key included)
@@ -47,6 +48,7 @@ def parse(argv):
     ap.add_argument("--master-addr", "--master_addr", required=True)
     ap.add_argument("--master-port", "--master_port", type=int, required=True)
     ap.add_argument("--rdzv-id", "--rdzv_id", default="none")
+    ap.add_argument("--rdzv-conf", "--rdzv_conf", default="")  # key=value,...: its timeout bounds the rendezvous
     ap.add_argument("--log-dir", "--log_dir", default=None)
     ap.add_argument("-m", "--module", action="store_true")  # TARGET is a module: `-m trainer` (not run either)
     ap.add_argument("target", nargs=argparse.REMAINDER)
@@ -56,7 +58,8 @@ def parse(argv):
 def rendezvous(a):
     """Block until every node joined: node 0 serves (and keeps its listening socket, as the TCPStore
     lives as long as torchrun), the others connect, retrying until the rendezvous timeout."""
-    deadline = time.monotonic() + RDZV_TIMEOUT_S
+    conf = dict(kv.split("=", 1) for kv in a.rdzv_conf.split(",") if "=" in kv)
+    deadline = time.monotonic() + float(conf.get("timeout", RDZV_TIMEOUT_S))
     if a.node_rank == 0:
         srv = socket.create_server((a.master_addr, a.master_port), backlog=max(128, a.nnodes))
         peers = []
