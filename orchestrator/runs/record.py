@@ -16,17 +16,16 @@ Any live state may end (failed, stopped); preflight, launching and running may g
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from orchestrator.runs.space import Space, write_all
+from orchestrator.runs.space import Space
 from orchestrator.runs.spec import NodeStatus, RunResult, RunState, fields_of
 from orchestrator.runs.store import Run, read_json, write_json
+from orchestrator.runs.storyfile import STORY, UNTOLD_MAX, append_lines, story  # noqa: F401 - `story`: its readers import it here
 
 S = RunState
 LIVE_END = frozenset({S.FAILED, S.STOPPED})
@@ -352,41 +351,3 @@ class Book:
                       event="disk_room", seconds=round(gap["until"] - gap["since"], 1))
             self._write()
 
-
-STORY = "story.jsonl"
-UNTOLD_MAX = 10_000  # story lines kept in memory while the disk has no room (the oldest go first)
-
-
-def append_lines(path, docs: list[dict]) -> None:
-    """Append one JSON line per doc, whole or not at all (a full disk must not leave half a line
-    that the next line would be glued to)."""
-    data = "".join(json.dumps(d) + "\n" for d in docs).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            with open(fd, "ab", buffering=0, closefd=False) as f:
-                write_all(f, data)
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
-
-
-def story(run: Run, offset: int = 0) -> tuple[list[str], int]:
-    """The story's lines from byte `offset` on (whole lines only) and the offset after them."""
-    try:
-        with open(run.dir / STORY, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    out = []
-    for raw in data[:end].splitlines():
-        try:
-            out.append(str(json.loads(raw)["text"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out, offset + end
