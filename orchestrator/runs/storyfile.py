@@ -5,12 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from pathlib import Path
 
-from orchestrator.runs.space import write_all
+from orchestrator.runs.space import Space, write_all
 from orchestrator.runs.store import Run
 
 STORY = "story.jsonl"
 UNTOLD_MAX = 10_000  # story lines kept in memory while the disk has no room (the oldest go first)
+
+
+def add_line(path: Path, doc: dict, untold: deque[dict], space: Space | None) -> None:
+    """Append `doc` behind the lines held in `untold` for want of room (the story keeps its order),
+    or, the disk being full (`space`: runs/space.py), hold it there too."""
+    if untold and space is not None and space.is_full:
+        untold.append(doc)
+        return
+    try:
+        append_lines(path, [*untold, doc])
+        untold.clear()
+    except OSError as e:
+        if space is None or not space.full(e, "the run's story"):
+            raise
+        untold.append(doc)
 
 
 def append_lines(path, docs: list[dict]) -> None:
