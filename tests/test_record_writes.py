@@ -36,12 +36,12 @@ class Stopper:
         return []
 
 
-def running(n=N, stop_requests=0):
-    """A run of `n` nodes, attempt 1 running on every one of them."""
+def running(n=N, stop_requests=0, run_id="r-w"):
+    """A run of `n` nodes, attempt 1 running on every one of them (bench/bench_record_writes.py too)."""
     names = [f"n{i}" for i in range(1, n + 1)]
     inv = parse_inventory(yaml.safe_dump({"nodes": [{"name": m, "host": f"10.0.{i // 250}.{i % 250 + 1}"}
                                                     for i, m in enumerate(names)]}), "<t>")
-    run = Run.create("r-w", RunSpec())
+    run = Run.create(run_id, RunSpec())
     book = Book(run)
     a = AttemptRecord(1, run.id, names)
     runner = AttemptRunner(run=run, spec=RunSpec(), book=book, cluster=Cluster(), inv=inv, record=a,
