@@ -71,8 +71,8 @@ class AttemptRunner:
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/catchup.py
 
-    def save(self) -> None:
-        self.book.nodes_changed(list(self.statuses.values()))
+    def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
+        self.book.nodes_changed(list(self.statuses.values()), later=later)
 
     # ---------------------------------------------------------------- the attempt
     def run_attempt(self, env: dict[str, str], node_env: dict[str, dict[str, str]]) -> RunResult:
@@ -359,19 +359,19 @@ class AttemptRunner:
         st = self.statuses[name]
         if res.kind is ErrorKind.STOPPED and now.alive:
             st.error = "still running when the log copy was given up"
-            self.save()
+            self.save(later=True)
             return
         if now.exists and not now.alive:  # reachable, but no process and no exit code
             st.state, st.error = NodeState.GONE, "the run vanished on the node without an exit code"
             self.policy.failed(name, None, st.error)
-            self.save()
+            self.save(later=True)
             return
         # a lost node's result carries the words its loss was told in (runs/watch.py reconnect)
         reason = (res.error if res.kind is ErrorKind.LOST else None) or (conn.lost_reason if conn else None) \
             or res.error or "the SSH connection was lost"
         st.state, st.exit_code, st.error = NodeState.LOST, None, reason
         self.policy.failed(name, None, reason)
-        self.save()
+        self.save(later=True)
         if self.policy.first is not None or self.policy.stop_requests:  # its pending stop, too
             threading.Thread(target=self.teardown, args=("lost after the failure or stop", self.policy.first is not None),
                              daemon=True).start()
@@ -387,7 +387,7 @@ class AttemptRunner:
             code, time.time(), now.ended, now.rank_failed, now.error_file)
         if code != 0:
             self.policy.failed(name, code, exit_meaning(code), ended=st.failed_at)
-        self.save()
+        self.save(later=True)
 
     def _first_failure(self, ff: FirstFailure) -> None:
         self.book.tell(f"stopping every node of attempt {self.record.attempt} after the hang" if self.hang is not None
