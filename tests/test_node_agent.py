@@ -476,6 +476,49 @@ def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(
     assert (d / "exit_code").read_text() == "0"
 
 
+# torchrun in its exit barrier: its rank ended, it waits for the other nodes' torchruns
+LINGERER = """
+import os, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", os.environ["CHILD"]], env=dict(os.environ, RANK="0", LOCAL_RANK="0"))
+rank.wait()
+time.sleep(600)
+"""
+ENDS_ON_TERM = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit({code}))
+print('up', flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code, recorded", [(0, "0"), (3, "143")], ids=["ranks-ended-well", "a-rank-failed"])
+def test_torchrun_ended_by_a_stop_after_its_ranks_exited_0_records_their_0(agent, code, recorded):
+    """On a loaded cluster a node's torchrun can outlive its ranks' clean exit on a stop (its exit
+    barrier waits for the other nodes, and fails when node 0's torchrun leaves first); the stop
+    then ends it with SIGTERM. The ranks' 0 is the job's verdict, not torchrun's 143 (CI,
+    test_a_stop_of_a_job_that_saves_on_sigterm_…: node2 143 after 'saved at step 15')."""
+    spec = {"argv": [sys.executable, "-c", LINGERER, "--nproc-per-node", "1"], "cwd": str(agent.home),
+            "env": {"CHILD": ENDS_ON_TERM.format(code=code)}, "hook": HOOK}
+    assert agent("start", "lg1@n1", json.dumps(spec).encode().hex()).returncode == 0
+    d = rundir(agent, "lg1@n1")
+    assert wait_for(lambda: b"up" in (d / "log").read_bytes(), 30)
+    assert json.loads(agent("stop", "lg1@n1", 10, timeout=60).stdout) == {"left": 0}
+    assert wait_for(lambda: (d / "exit_code").exists(), 30)
+    assert (d / "exit_code").read_text() == recorded
+    said = b"the stop ended torchrun (signal 15) after every rank on this node had exited 0" in (d / "log").read_bytes()
+    assert said == (code == 0)
+
+
+def test_nproc_of_reads_torchruns_flag_in_either_spelling():
+    ns = {"__name__": "node_agent"}
+    exec(AGENT, ns)
+    assert ns["nproc_of"](["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "t.py"]) == 8
+    assert ns["nproc_of"](["--nproc_per_node=4"]) == 4
+    assert ns["nproc_of"](["--nproc-per-node", "gpu"]) is None and ns["nproc_of"](["t.py"]) is None
+
+
 def test_a_rank_reaped_before_the_waiter_read_its_status_is_judged_by_its_hooks_word():
     ns = {"__name__": "node_agent"}
     exec(AGENT, ns)

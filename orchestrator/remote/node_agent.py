@@ -231,6 +231,14 @@ def waiter(d, run_id, spec, notify_fd):
     if lines is not None:  # every rank's last lines are in the log before the exit code says it ended
         lines.finish(LINES_DRAIN_S)
     code = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
+    if rc in (-signal.SIGTERM, -signal.SIGKILL) and lines is not None and os.path.exists(os.path.join(d, "stop")) \
+            and lines.ended_well(nproc_of(argv)):
+        # a stop ended torchrun after every rank here had exited 0: it was still leaving (its exit
+        # barrier waits for the other nodes' torchruns, and loses the store when node 0's leaves
+        # first). The job ended well; torchrun's signal is not its verdict.
+        log.write(f"clusterctl: the stop ended torchrun (signal {-rc}) after every rank on this node had "
+                  f"exited 0; exit code 0 recorded, the ranks' own\n".encode())
+        code = 0
     write_atomic(os.path.join(d, "exit_code"), str(code))
     os._exit(0)
 
@@ -334,6 +342,7 @@ class RankLines:
         self.sel.register(srv, selectors.EVENT_READ, (self.accept, None))
         self.pipes = {}  # read end -> [prefix, bytes not yet a whole line]
         self.alive = {}  # pidfd -> the rank: {"pid", "local", "said"}
+        self.ends = {}  # LOCAL_RANK -> how its newest process ended (0, an exit code, "?")
         self.until = None  # set by finish(): drain what is left until then, take no new rank
         self.thread = None
 
@@ -358,6 +367,11 @@ class RankLines:
         self.close_listener()
         for fd in list(self.pipes):
             self.close_pipe(fd)
+
+    def ended_well(self, nproc):
+        """Every one of the node's `nproc` ranks handed its output over and exited 0, none left."""
+        return bool(nproc) and not self.alive and sorted(self.ends, key=int) == [str(i) for i in range(nproc)] \
+            and all(rc == 0 for rc in self.ends.values())
 
     def close_listener(self):
         """No new rank once the job ended: the socket closed and its name gone from the run
@@ -426,6 +440,7 @@ class RankLines:
         rc = zombie_status(rank["pid"])
         if rc is None:  # reaped by torchrun already: the hook's word
             rc = hooks_word(rank["said"])
+        self.ends[rank["local"]] = rc
         if rc != 0:
             try:
                 note_rank_failure(self.d, rank["local"], rc, at)
@@ -458,6 +473,17 @@ class RankLines:
         os.close(fd)
         if held:  # the rank ended without a final newline
             write_all(self.log, prefix + held + b"\n")
+
+
+def nproc_of(argv):
+    """The ranks a node's torchrun starts (its --nproc-per-node), or None when argv does not say."""
+    for i, a in enumerate(argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            value = argv[i + 1] if a == flag and i + 1 < len(argv) else a[len(flag) + 1:] \
+                if a.startswith(flag + "=") else None
+            if value is not None:
+                return int(value) if value.isdigit() else None
+    return None
 
 
 def hooks_word(said):
