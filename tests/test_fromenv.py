@@ -212,11 +212,13 @@ def test_dry_run_prints_the_same_command_train_would(platform_env, capsys):
     lines = out.splitlines()
     assert lines[-1] == shlex.join(torchrun_argv(
         python=sys.executable, nnodes=2, nproc=8, node_rank=1, master_addr="worker-0", master_port=29511,
-        run_id="42", target=["-m", "trainer", "--preset", "small", "--epochs", "3", "--run-name", "it's mine"]))
+        run_id="42", target=["-m", "trainer", "--preset", "small", "--epochs", "3", "--run-name", "it's mine"],
+        rdzv="timeout=900"))
     exports = dict(shlex.split(ln[len("export "):])[0].split("=", 1) for ln in lines[:-1])
     assert exports == {**node_env(inv, inv.nodes[1]), "CLUSTERCTL_RUN_ID": "42"}
     for words in ("nodes          2", "this node      1", "GPUs per node  8", "total GPUs     16",
-                  "collective 7200 s", "NCCL_BUFFSIZE 16 MiB", "config         -m trainer --preset small"):
+                  "collective 7200 s", "NCCL_BUFFSIZE 16 MiB, rendezvous 900 s",
+                  "config         -m trainer --preset small"):
         assert words in err
 
 
@@ -225,7 +227,32 @@ def test_dry_run_without_inventory_uses_trainer_defaults_and_scaled_timeouts(pla
     assert main(["launch", "--from-env", "--dry-run", "--master-port", "29999", "--nproc-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "export NCCL_TIMEOUT=14400" in out and "export NCCL_BUFFSIZE=33554432" in out  # 8 nodes: seed 004
-    assert out.splitlines()[-1].endswith("--master-port 29999 --rdzv-id ctl-127.0.0.1-29999 -m trainer")
+    assert out.splitlines()[-1].endswith("--master-port 29999 --rdzv-id ctl-127.0.0.1-29999 --rdzv-conf timeout=900 "
+                                         "-m trainer")
+
+
+def test_the_rendezvous_timeout_follows_the_platforms_node_count_as_train_derives_it(platform_env, capsys):
+    # every node of a 256-node SLURM job derives the same timeout train would (runs/scaling.py)
+    platform_env(SLURM_JOB_ID="7", SLURM_NNODES=256, SLURM_NODEID=3, MASTER_ADDR="gpu000")
+    assert main(["launch", "--from-env", "--dry-run", "--nproc-per-node", "8"]) == 0
+    out, err = capsys.readouterr()
+    argv = shlex.split(out.splitlines()[-1])
+    assert argv[argv.index("--rdzv-conf") + 1] == "timeout=1500" and argv.count("--rdzv-conf") == 1
+    assert "rendezvous 1500 s" in err
+
+
+def test_the_jobs_own_rdzv_conf_wins_and_keeps_its_other_keys(platform_env, capsys):
+    platform_env(WORLD_SIZE=256, RANK=0, MASTER_ADDR="m", PET_RDZV_CONF="read_timeout=90,timeout=60")
+    assert main(["launch", "--from-env", "--dry-run", "--nproc-per-node", "1"]) == 0
+    argv = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert argv[argv.index("--rdzv-conf") + 1] == "read_timeout=90,timeout=60" and argv.count("--rdzv-conf") == 1
+
+
+def test_a_rdzv_conf_torchrun_would_refuse_exits_2_in_one_paragraph(platform_env, capsys):
+    platform_env(WORLD_SIZE=2, RANK=0, MASTER_ADDR="m", PET_RDZV_CONF="timeout=soon")
+    assert main(["launch", "--from-env", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "PET_RDZV_CONF='timeout=soon'" in err and "Nothing was started" in err and "Traceback" not in err
 
 
 def test_exported_env_wins_over_defaults(platform_env, capsys):

@@ -17,7 +17,8 @@ from orchestrator.platforms.fromenv import (
     local_checks,
     visible,
 )
-from orchestrator.torchrun import nproc_for, target_argv, torchrun_argv
+from orchestrator.runs.scaling import derive
+from orchestrator.torchrun import RDZV_CONF_ENV, nproc_for, rdzv_conf, rdzv_timeout_given, target_argv, torchrun_argv
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})
@@ -69,10 +70,11 @@ def launch_command(from_env, inventory_path, dry_run, nproc_per_node, nnodes, no
     env = launch_env(plat, os.environ, inv, iface)
     target = target_argv(inv, script_args) if inv is not None else (list(script_args) or ["-m", "trainer"])
     checks = local_checks(plat, nproc, local, env, inv)
+    rendezvous_s = _rendezvous_timeout(env, plat.nnodes, plat.nnodes * nproc)
     argv = torchrun_argv(python=sys.executable, nnodes=plat.nnodes, nproc=nproc, node_rank=plat.node_rank,
                          master_addr=plat.master_addr, master_port=plat.master_port, run_id=plat.run_id,
-                         target=target)
-    click.echo(checklist(plat, nproc, local, gpus, target, env, checks), err=True)
+                         target=target, rdzv=rdzv_conf(env, rendezvous_s))
+    click.echo(checklist(plat, nproc, local, gpus, target, env, checks, rendezvous_s), err=True)
     failed = [c for c in checks if c.status == "fail"]
     if dry_run:
         for k, v in env.items():
@@ -87,3 +89,15 @@ def launch_command(from_env, inventory_path, dry_run, nproc_per_node, nnodes, no
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, env)
+
+
+def _rendezvous_timeout(env, nnodes: int, ranks: int) -> int:
+    """torchrun's rendezvous timeout on this node: the one PET_RDZV_CONF gives (a render, the job's
+    own environment), else `train`'s rule for the platform's node count (runs/scaling.py), so
+    every node of the job derives the same value."""
+    try:
+        given = rdzv_timeout_given(env)
+    except ValueError as e:
+        raise UsageError(f"{RDZV_CONF_ENV}={env.get(RDZV_CONF_ENV)!r} in this node's environment is not what "
+                         f"torchrun accepts: {e}. Nothing was started.") from None
+    return given if given is not None else derive(nnodes, ranks).rendezvous_timeout

@@ -287,7 +287,8 @@ def launch_env(plat: Platform, base: Mapping[str, str], inv=None, iface: str | N
     return env
 
 
-def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, checks) -> str:
+def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, checks,
+              rendezvous_s: int | None = None) -> str:
     first = plat.node_rank * nproc
     ranks = f"rank {first}" if nproc == 1 else f"ranks {first}-{first + nproc - 1}"
     found = (f"{local.tool} sees {len(gpus)}" + (f": {gpus[0].name}" if gpus else "")) if local.tool \
@@ -304,7 +305,7 @@ def checklist(plat: Platform, nproc: int, local: LocalGpus, gpus, target, env, c
         f"  master         {plat.master_addr}:{plat.master_port}, run id {plat.run_id}",
         f"  config         {shell.join(target)}",
         f"  timeouts       collective {t} s (NCCL_TIMEOUT {env.get('NCCL_TIMEOUT', '-')}), "
-        f"NCCL_BUFFSIZE {buf}",
+        f"NCCL_BUFFSIZE {buf}" + (f", rendezvous {rendezvous_s} s" if rendezvous_s is not None else ""),
     ]
     for c in checks:
         lines.append(f"  check {c.status.upper() if c.status == 'fail' else c.status:4}     {c.check}: {c.detail}")
