@@ -230,16 +230,7 @@ def waiter(d, run_id, spec, notify_fd):
     reap_until_gone(run_id, 5.0)
     if lines is not None:  # every rank's last lines are in the log before the exit code says it ended
         lines.finish(LINES_DRAIN_S)
-    code = 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N
-    if rc in (-signal.SIGTERM, -signal.SIGKILL) and lines is not None and os.path.exists(os.path.join(d, "stop")) \
-            and lines.ended_well(nproc_of(argv)):
-        # a stop ended torchrun after every rank here had exited 0: it was still leaving (its exit
-        # barrier waits for the other nodes' torchruns, and loses the store when node 0's leaves
-        # first). The job ended well; torchrun's signal is not its verdict.
-        log.write(f"clusterctl: the stop ended torchrun (signal {-rc}) after every rank on this node had "
-                  f"exited 0; exit code 0 recorded, the ranks' own\n".encode())
-        code = 0
-    write_atomic(os.path.join(d, "exit_code"), str(code))
+    write_atomic(os.path.join(d, "exit_code"), str(recorded_exit(d, rc, lines, argv, log)))
     os._exit(0)
 
 
@@ -473,6 +464,19 @@ class RankLines:
         os.close(fd)
         if held:  # the rank ended without a final newline
             write_all(self.log, prefix + held + b"\n")
+
+
+def recorded_exit(d, rc, lines, argv, log):
+    """The node's exit code from torchrun's wait status (killed by signal N -> 128+N), except
+    where a stop ended torchrun after every rank here had exited 0: torchrun was still leaving
+    (its exit barrier waits for the other nodes' torchruns, and loses the store when node 0's
+    leaves first), and the job ended well; its signal is not the job's verdict (said in the log)."""
+    if rc in (-signal.SIGTERM, -signal.SIGKILL) and lines is not None and os.path.exists(os.path.join(d, "stop")) \
+            and lines.ended_well(nproc_of(argv)):
+        log.write(f"clusterctl: the stop ended torchrun (signal {-rc}) after every rank on this node had "
+                  f"exited 0; exit code 0 recorded, the ranks' own\n".encode())
+        return 0
+    return 128 - rc if rc < 0 else rc
 
 
 def nproc_of(argv):
