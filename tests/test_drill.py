@@ -16,6 +16,7 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.runs.drillreport import Outcome, Report, goodput_at, line, parse_faults, plan
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "orchestrator" / "schemas" / "drill.json").read_text())
@@ -149,7 +150,8 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
     try:
         frozen = drill_program("freeze", "r1.a2@n")["pids"]
         assert sorted(frozen) == sorted([rank3.pid, launcher.pid, busy.pid, stream.pid]) and state(launcher.pid) == "T"
-        assert state(stream.pid) == "T" and state(other_stream.pid) != "T"
+        # a SIGSTOP lands a moment after kill() returns: a process on a busy core reads R until then
+        assert wait_for(lambda: state(stream.pid) == "T", 10, "the stream stopped") and state(other_stream.pid) != "T"
         drill_program("thaw", "r1.a2@n")
         assert state(rank3.pid) != "T" and state(launcher.pid) != "T" and state(stream.pid) != "T"
     finally:

@@ -477,7 +477,7 @@ def test_a_stop_records_the_exit_of_ranks_that_saved_and_ended_within_the_grace(
 
 
 # torchrun in its exit barrier: its rank ended, it waits for the other nodes' torchruns
-LINGERER = """
+IN_EXIT_BARRIER = """
 import os, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", os.environ["CHILD"]], env=dict(os.environ, RANK="0", LOCAL_RANK="0"))
 rank.wait()
@@ -499,7 +499,7 @@ def test_torchrun_ended_by_a_stop_after_its_ranks_exited_0_records_their_0(agent
     barrier waits for the other nodes, and fails when node 0's torchrun leaves first); the stop
     then ends it with SIGTERM. The ranks' 0 is the job's verdict, not torchrun's 143 (CI,
     test_a_stop_of_a_job_that_saves_on_sigterm_…: node2 143 after 'saved at step 15')."""
-    spec = {"argv": [sys.executable, "-c", LINGERER, "--nproc-per-node", "1"], "cwd": str(agent.home),
+    spec = {"argv": [sys.executable, "-c", IN_EXIT_BARRIER, "--nproc-per-node", "1"], "cwd": str(agent.home),
             "env": {"CHILD": ENDS_ON_TERM.format(code=code)}, "hook": HOOK}
     assert agent("start", "lg1@n1", json.dumps(spec).encode().hex()).returncode == 0
     d = rundir(agent, "lg1@n1")
