@@ -129,7 +129,15 @@ def test_ranks_deadlocked_in_different_collectives_are_named_with_each_collectiv
     rec = json.loads((runs[-1] / "run.json").read_text())
     verdict = json.loads((runs[-1] / hang["snapshots"] / "verdict.json").read_text())
     assert verdict["deadlock"] and [c["rank"] for c in verdict["culprits"]] == [0, 1]
-    assert any(d.startswith("so: rank 0 (node1, pid ") and "that ranks 2-3 wait in" in d for d in verdict["details"])
+    # what ranks 2-3 wait for: ranks 0 and 1, each unless torch 2.13's gloo left its default group's
+    # "last completed" one behind for good (two worker threads write it unordered; seen in a full
+    # run: rank 0 at [6, 5] while it waited in group 1), which reads as still inside that group's #6
+    last = json.loads((runs[-1] / hang["snapshots"] / "snapshots.json").read_text())
+    last = last[max(last, key=int)]
+    fresh = [int(r["rank"]) for ranks in last.values() for r in ranks if int(r["rank"]) in (0, 1)
+             and len({v for k, v in r["answer"]["fr"]["pg_status"]["0"].items() if k != "last_started_collective"}) == 1]
+    so = [d for d in verdict["details"] if d.startswith("so: ") and "that ranks 2-3 wait in" in d]
+    assert so and all(f"rank {r} (node{r + 1}, pid " in so[0] for r in fresh), (fresh, verdict["details"])
     assert len(rec["attempts"]) == 1 and not rec["attempts"][0]["retry"]  # it would deadlock again anywhere
     assert wait_for(lambda: no_job_left(cluster4), 30, "the run's processes to go")
 
