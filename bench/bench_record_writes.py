@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from orchestrator.runs import record  # noqa: E402
 from orchestrator.runs.attempt import AttemptRunner  # noqa: E402
-from tests.test_record_writes import end, running  # noqa: E402 - the tests' run of N nodes, reused as is
+from tests.recordrun import end, running  # noqa: E402 - the run of N nodes the tests count over too
 
 
 def burst(n: int, later: bool, k: int) -> dict:

@@ -4,57 +4,17 @@ crash must not lose (the first failure, the teardown, the run's end) is still wr
 carries the node ends that wait. Pure: the real Book and AttemptRunner over a run directory; the
 nodes' ends are handed in as the log copies' loop hands them (AttemptRunner.node_ended)."""
 
-import threading
 import time
 
 import pytest
-import yaml
 
-from orchestrator.inventory import parse_inventory
-from orchestrator.node.agent import AgentStatus
 from orchestrator.runs import record
-from orchestrator.runs.attempt import AttemptRunner
-from orchestrator.runs.record import AttemptRecord, Book, load
-from orchestrator.runs.spec import NodeState, RunResult, RunSpec, RunState
-from orchestrator.runs.store import Run
-from orchestrator.transport import NodeResult
+from orchestrator.runs.record import load
+from orchestrator.runs.spec import NodeState, RunResult, RunState
+
+from tests.recordrun import N, end, running
 
 pytestmark = pytest.mark.usefixtures("home")
-N = 64
-
-
-class Cluster:
-    connections: dict = {}  # the log copies handed in each node's final status: nobody is asked
-
-
-class Stopper:
-    def __init__(self):
-        self.asked = threading.Event()
-
-    def stop(self, key, nodes, grace, unreached_ok=(), peer_failed=False):
-        self.asked.set()
-        return []
-
-
-def running(n=N, stop_requests=0, run_id="r-w"):
-    """A run of `n` nodes, attempt 1 running on every one of them (bench/bench_record_writes.py too)."""
-    names = [f"n{i}" for i in range(1, n + 1)]
-    inv = parse_inventory(yaml.safe_dump({"nodes": [{"name": m, "host": f"10.0.{i // 250}.{i % 250 + 1}"}
-                                                    for i, m in enumerate(names)]}), "<t>")
-    run = Run.create(run_id, RunSpec())
-    book = Book(run)
-    a = AttemptRecord(1, run.id, names)
-    runner = AttemptRunner(run=run, spec=RunSpec(), book=book, cluster=Cluster(), inv=inv, record=a,
-                           stopper=Stopper(), stop_requests=stop_requests, say=lambda s: None)
-    book.connecting()
-    book.claimed(names)
-    book.attempt_started(a, list(runner.statuses.values()))
-    for i, st in enumerate(runner.statuses.values()):
-        st.state, st.pid, st.nproc, st.first_rank, st.last_rank = NodeState.RUNNING, 1000 + i, 1, i, i
-    runner.save()
-    book.launching("ranks", n)
-    book.running()
-    return run, book, runner
 
 
 @pytest.fixture
@@ -70,10 +30,6 @@ def writes(monkeypatch):
 
     monkeypatch.setattr(record, "write_json", counted)
     return seen
-
-
-def end(runner, name, code, at):
-    runner.node_ended(NodeResult(name, code), AgentStatus(exists=True, exit_code=code, ended=at))
 
 
 def test_a_teardowns_node_ends_cost_one_write_of_the_record_not_one_each(writes, monkeypatch):

@@ -14,7 +14,7 @@ from orchestrator.errors import InventoryError
 from orchestrator.inventory import Inventory
 from orchestrator.runs import scaling
 from orchestrator.runs.spec import DEFAULTS
-from orchestrator.torchrun import RDZV_CONF_ENV, nproc_for, rank_map_text, rdzv_timeout_given
+from orchestrator.torchrun import RDZV_CONF_ENV, node_env, nproc_for, rank_map_text, rdzv_timeout_given
 
 
 def options(f):
@@ -53,7 +53,7 @@ def _rendezvous_given(inv: Inventory) -> int | None:
     A value torchrun would refuse on the nodes is an inventory error here (exit 2)."""
     found = []
     for node in inv.nodes:
-        env = {**inv.env, **node.env, **inv.train.env}
+        env = node_env(inv, node)  # the environment the node's torchrun gets, one layering rule
         try:
             found.append(rdzv_timeout_given(env))
         except ValueError as e:
