@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/bench_stepjournal.py [--lines 200000] [--repeat 3]
 
-1. The supervisor splits every node's log into the rank files as it arrives (runs/rankfiles.py);
+1. The supervisor splits every node's log into the rank files as it arrives (runs/logs/rankfiles.py);
    with the journal, each of rank 0's lines is also parsed for its step (runs/stepjournal.py).
    The same node log (the shipped trainer's lines: rank 0 a step line every step, rank 1 none) is
    split with and without the journal, in chunks as a stream delivers them: the CPU per line, and
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from orchestrator.runs import goodput
-from orchestrator.runs.rankfiles import RankFiles
+from orchestrator.runs.logs.rankfiles import RankFiles
 from orchestrator.runs.stepjournal import StepJournal
 
 LINE = ("[default0]:step {s} | loss 2.123456 | lr 3.000e-04 | tok/s 12,345 | mfu n/a | step 52 ms\n"

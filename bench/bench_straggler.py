@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from orchestrator.probe import program  # noqa: E402
 from orchestrator.node import agent as agent_client  # noqa: E402
 from orchestrator.runs.judge.straggler import PERIOD_S  # noqa: E402
-from orchestrator.runs.logcopy import FRAME_PROGRESS, Frames  # noqa: E402
+from orchestrator.runs.logs.copier import FRAME_PROGRESS, Frames  # noqa: E402
 
 AGENT = program("node_agent")
 HOOK = (REPO / "orchestrator" / "remote" / "hook" / "sitecustomize.py").read_text()

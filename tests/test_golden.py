@@ -25,7 +25,7 @@ from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.cli import main
 from orchestrator.gpus.records import Gpu, GpuProcess
 from orchestrator.inventory import parse_inventory
-from orchestrator.runs.rankfiles import RankFiles
+from orchestrator.runs.logs.rankfiles import RankFiles
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, write_json
 from orchestrator.top import NodeGpus, table
@@ -133,7 +133,7 @@ def stopped_run(home: Path) -> Run:
 
 
 def split_ranks(run: Run, nodes: list[dict]) -> None:
-    """The per-rank files the supervisor writes from the node logs (runs/rankfiles.py), where
+    """The per-rank files the supervisor writes from the node logs (runs/logs/rankfiles.py), where
     `status` reads each rank's step."""
     RankFiles(run.dir, {nd["name"]: run.node_log(nd["name"]) for nd in nodes},
               {nd["name"]: nd["first_rank"] for nd in nodes}).close()
@@ -237,7 +237,7 @@ def test_preflight_table(width):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_end_summary(home, capsys, monkeypatch, width):
-    from orchestrator.runs.rankfiles import RankFiles
+    from orchestrator.runs.logs.rankfiles import RankFiles
 
     run = Run.create("train-20261118-082640-a1b2", RunSpec())
     write_json(run.dir / "run.json", {

@@ -1,4 +1,4 @@
-"""A lost node is told in one set of words (runs/watch.py reconnect, runs/attempt.py node_ended):
+"""A lost node is told in one set of words (runs/logs/streams.py reconnect, runs/attempt.py node_ended):
 the failure recorded after "node2 lost: no answer for 5.3s (...)" is that, not the first
 silence's "no answer from the node for 2.5s". Pure: the connection is a fake that never answers."""
 
@@ -8,7 +8,7 @@ import yaml
 
 from orchestrator.errors import ConnectError
 from orchestrator.inventory import parse_inventory
-from orchestrator.runs.watch import _Copy
+from orchestrator.runs.logs.streams import _Copy
 from orchestrator.transport import ErrorKind, NodeResult
 
 INV = parse_inventory(yaml.safe_dump({"nodes": [{"name": "node2", "host": "10.0.0.2"}]}), "<t>")

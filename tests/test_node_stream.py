@@ -14,10 +14,10 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.node import agent
-from orchestrator.runs import logcopy
+from orchestrator.runs.logs import copier as log_copier
 from orchestrator.node.agent import AgentStatus, StreamFrom
 from orchestrator.runs.ckpt.given_home import ArtifactCopier
-from orchestrator.runs.logcopy import Frames, LogCopier
+from orchestrator.runs.logs.copier import Frames, LogCopier
 from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 
 REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
@@ -248,7 +248,7 @@ def test_the_record_kinds_are_the_node_sides():
     node = probe.load("artifacts")
     kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END")
     assert [getattr(door, k) for k in kinds] == [getattr(node, k) for k in kinds]
-    assert [getattr(logcopy, k) for k in kinds] == [getattr(node, k) for k in kinds]
+    assert [getattr(log_copier, k) for k in kinds] == [getattr(node, k) for k in kinds]
 
 
 def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):

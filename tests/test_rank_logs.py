@@ -1,7 +1,7 @@
 """Logs at 64 x 8 ranks: identical lines of many ranks fold on screen under their ranges
-(runs/logs.py LineFold), `tail --ranks/--node` filter, `--no-fold` prints every line, and every
+(runs/logs/follow.py LineFold), `tail --ranks/--node` filter, `--no-fold` prints every line, and every
 rank's lines are split into runs/RUN/ranks/rankN.log as they arrive, exactly once, also across a
-controller crash (runs/rankfiles.py)."""
+controller crash (runs/logs/rankfiles.py)."""
 
 import io
 import json
@@ -12,12 +12,12 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.output import Prefixer
-from orchestrator.runs.logs import Follower, NodeLog
-from orchestrator.runs.rankfiles import RankFiles, rank_file
-from orchestrator.runs.linefold import LineFold
+from orchestrator.runs.logs.follow import Follower, NodeLog
+from orchestrator.runs.logs.rankfiles import RankFiles, rank_file
+from orchestrator.runs.logs.fold import LineFold
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
-from orchestrator.runs.logcopy import LogCopier
+from orchestrator.runs.logs.copier import LogCopier
 from tests.conftest import write_record
 
 NODES = [f"n{i}" for i in range(1, 9)]  # 8 nodes x 8 ranks = 64 ranks

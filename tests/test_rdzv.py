@@ -1,7 +1,7 @@
 """torchrun's rendezvous timeout on the launch's command line (torchrun.py `rdzv_conf`,
 runs/launch.py Launcher): `--rdzv-conf timeout=N` with the run's value, once, the inventory's other
 PET_RDZV_CONF keys carried over, read back by torch's own parser; and the log stream's stall limit
-the run's spec carries to the watch (runs/watch.py)."""
+the run's spec carries to the watch (runs/logs/streams.py)."""
 
 import pytest
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -9,10 +9,10 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from orchestrator.inventory import parse_inventory
 from orchestrator.runs.launch import Launcher
-from orchestrator.runs.logcopy import LogCopier
+from orchestrator.runs.logs.copier import LogCopier
 from orchestrator.runs.spec import NodeStatus, RunSpec
 from orchestrator.runs.store import Run, new_run_id
-from orchestrator.runs.watch import _Copy
+from orchestrator.runs.logs.streams import _Copy
 from orchestrator.torchrun import RDZV_TIMEOUT_S, parse_rdzv_conf, rdzv_conf, rdzv_timeout_given, torchrun_argv
 
 pytestmark = pytest.mark.usefixtures("home")

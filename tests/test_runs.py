@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import UsageError
-from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
+from orchestrator.runs.logs.follow import Follower, NodeLog, last_lines_offset
 from orchestrator.cli.output import Prefixer
 from orchestrator.runs.policy import root_cause
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
@@ -173,7 +173,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "torchrun_child_failed.log"
 
 def test_torchrun_root_cause_block_names_the_failing_worker():
     """A real node log: rank 5 (local 1) exits 3, torchrun SIGTERMs local rank 0 and exits 1."""
-    from orchestrator.runs.logs import rank_tail, worker_failure
+    from orchestrator.runs.logs.follow import rank_tail, worker_failure
 
     log = FIXTURE.read_bytes()
     assert worker_failure(log) == {"rank": 5, "local_rank": 1, "exitcode": 3}

@@ -1,4 +1,4 @@
-"""One error said once (runs/screen.py, runs/logs.py Follower, the end of `tail`/`train`), from
+"""One error said once (runs/logs/screen.py, runs/logs/follow.py Follower, the end of `tail`/`train`), from
 torchrun's output recorded on the test cluster: tests/fixtures/torchrun_crash/ (a RuntimeError at
 step 0 on 3 nodes of 1 rank) and torchrun_crash_nproc2/ (the same on 2 nodes of 2 ranks), the node
 logs byte for byte as clusterctl copied them (tests/scripts/crash_step0.py)."""
@@ -11,10 +11,10 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.output import Prefixer
-from orchestrator.runs.logs import Follower, NodeLog
+from orchestrator.runs.logs.follow import Follower, NodeLog
 from orchestrator.runs.policy import root_cause
-from orchestrator.runs.linefold import LineFold
-from orchestrator.runs.screen import Screen
+from orchestrator.runs.logs.fold import LineFold
+from orchestrator.runs.logs.screen import Screen
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
 from orchestrator.runs.store import Run
 from tests.conftest import write_record

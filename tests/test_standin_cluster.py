@@ -93,8 +93,8 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
     silent longer than the stall limit, the teardown going on meanwhile: the story must tell no
     restarted stream, and that node's end and log must still arrive through the same stream."""
     from orchestrator.runs.judge.straggler import PERIOD_S
-    from orchestrator.runs.watch import STREAM_STALL_S
-    stall_s = max(STREAM_STALL_S, 3 * PERIOD_S)  # runs/watch.py _Copy: the silence that restarts a stream
+    from orchestrator.runs.logs.streams import STREAM_STALL_S
+    stall_s = max(STREAM_STALL_S, 3 * PERIOD_S)  # runs/logs/streams.py _Copy: the silence that restarts a stream
     cluster = make_cluster(3, gpus=2, name_prefix="ccsq")
     for nd in cluster.nodes:
         nd.run("mkdir -p ~/gpt_train")

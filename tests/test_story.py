@@ -1,13 +1,13 @@
 """The run's story on screen: what clusterctl tells (record.py Book.tell, story), the folding of
-stopped ranks' tracebacks (runs/screen.py Screen), which nodes are quiet, and how a restart's node
+stopped ranks' tracebacks (runs/logs/screen.py Screen), which nodes are quiet, and how a restart's node
 change reads."""
 
 import json
 
 from orchestrator.runs.controller import _changes
-from orchestrator.runs.logs import Follower, NodeLog, quiet_nodes
+from orchestrator.runs.logs.follow import Follower, NodeLog, quiet_nodes
 from orchestrator.runs.record import Book, story
-from orchestrator.runs.screen import Screen
+from orchestrator.runs.logs.screen import Screen
 from orchestrator.runs.store import Run
 
 # rank 2's lines as torchrun's tee wrote them when clusterctl stopped it (recorded on the test

@@ -51,7 +51,7 @@ def test_a_node_of_one_rank_is_rank_n_not_ranks_n_n():
 
 # ---------------------------------------------------------------- the supervisor's log
 def test_the_supervisors_log_lines_carry_one_prefix(tmp_path, capsys):
-    from orchestrator.runs.logcopy import LogCopier
+    from orchestrator.runs.logs.copier import LogCopier
 
     class Run:
         dir, record = tmp_path, {"nodes": []}
@@ -60,7 +60,7 @@ def test_the_supervisors_log_lines_carry_one_prefix(tmp_path, capsys):
             return tmp_path / f"{name}.log"
 
     copier = LogCopier(Run(), ["n1"])  # the default echo is the supervisor's
-    copier.frames["n1"] = __import__("orchestrator.runs.logcopy", fromlist=["Frames"]).Frames()
+    copier.frames["n1"] = __import__("orchestrator.runs.logs.copier", fromlist=["Frames"]).Frames()
     copier.on_bytes("n1", "stdout", b"not json\n")
     copier.on_line("n1", "stderr", "the agent says hello")
     copier.close()

@@ -24,9 +24,9 @@ from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.ckpt.jobdir_replicas import NodeSnaps, newest_copied
 from orchestrator.runs.goodput import of_run
 from orchestrator.runs.record import story
-from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
+from orchestrator.runs.logs.follow import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
 from orchestrator.runs.policy import TAIL_LINES, log_tail
-from orchestrator.runs.rankfiles import rank_file
+from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.ckpt.jobdir_setaside import BEFORE_RUN, FORM, Found
 from orchestrator.runs.store import Run
 from orchestrator.runs.supervisor import spawn

@@ -14,9 +14,9 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.runs.logs import last_lines_offset
-from orchestrator.runs.rankfiles import RANK_TAG
-from orchestrator.runs.screen import job_text
+from orchestrator.runs.logs.follow import last_lines_offset
+from orchestrator.runs.logs.rankfiles import RANK_TAG
+from orchestrator.runs.logs.screen import job_text
 from orchestrator.runs.spec import NodeState, NodeStatus
 
 # torchrun's, c10d's and torch's own chatter (`W1124 20:13:59.129000 4242 torch/...`, `[W1128

@@ -12,7 +12,7 @@ to `Watcher` (its `sink`). The record is typed, so most events are read from wha
     straggler          the straggler watch named ranks             (the attempt's straggler line)
     finished, failed, stopped   the run ended                       (a final state)
 
-Two come from story lines that carry their data (runs/watch.py): node_silent, node_reconnected.
+Two come from story lines that carry their data (runs/logs/streams.py): node_silent, node_reconnected.
 Two are seen by the dispatcher's own thread (delivery.py), in files other parts of clusterctl own:
 quarantined (the control home's quarantine.json gains an entry of this run) and checkpoint_copied
 (a new complete copy in runs/RUN/checkpoints). heartbeat: every --heartbeat seconds while the run

@@ -19,7 +19,7 @@ from orchestrator import __version__
 from orchestrator.observe.runview import RunFacts, RunView
 from orchestrator.observe.svg import line_chart, timeline
 from orchestrator.probe import common
-from orchestrator.runs.rankfiles import rank_file
+from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.record import RunRecord
 from orchestrator.runs.store import Run
 

@@ -20,7 +20,7 @@ from orchestrator.runs import goodput, stepjournal
 from orchestrator.runs.faults import story_lines
 from orchestrator.runs.goodput import Ledger
 from orchestrator.runs.liveview import RankTail, hang_culprits, slow_ranks
-from orchestrator.runs.rankfiles import rank_file
+from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.record import RunRecord
 from orchestrator.runs.spec import NodeState, NodeStatus
 

@@ -38,7 +38,7 @@ from orchestrator.transfer.files import control_code
 from orchestrator.runs.judge.straggler import PERIOD_S, Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
-from orchestrator.runs.watch import Artifacts, copy_logs
+from orchestrator.runs.logs.streams import Artifacts, copy_logs
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 
@@ -69,7 +69,7 @@ class AttemptRunner:
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
         self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
-        self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/catchup.py
+        self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
         self.book.nodes_changed(list(self.statuses.values()), later=later)
@@ -366,7 +366,7 @@ class AttemptRunner:
             self.policy.failed(name, None, st.error)
             self.save(later=True)
             return
-        # a lost node's result carries the words its loss was told in (runs/watch.py reconnect)
+        # a lost node's result carries the words its loss was told in (runs/logs/streams.py reconnect)
         reason = (res.error if res.kind is ErrorKind.LOST else None) or (conn.lost_reason if conn else None) \
             or res.error or "the SSH connection was lost"
         st.state, st.exit_code, st.error = NodeState.LOST, None, reason

@@ -30,7 +30,7 @@ import psutil
 
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
-from orchestrator.runs.catchup import ShortCopies
+from orchestrator.runs.logs.catchup import ShortCopies
 from orchestrator.runs import nodefaults, quarantine
 from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.claims import Claims

@@ -21,7 +21,7 @@ from orchestrator.node import drill, wire
 from orchestrator.runs import goodput, stepjournal
 from orchestrator.runs.drillreport import Outcome
 from orchestrator.runs.liveview import SLOW
-from orchestrator.runs.logs import worker_failure
+from orchestrator.runs.logs.follow import worker_failure
 from orchestrator.runs.record import AttemptRecord, RunRecord, load as load_record
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster

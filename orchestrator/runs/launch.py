@@ -178,9 +178,9 @@ def reopen(cluster: Cluster, names: list[str]) -> None:
 def silent_nodes(cluster: Cluster, names: list[str], tell: Callable[[str], None]) -> dict[str, str]:
     """Those of `names` that do not answer now, {node: why}: each is asked to run `true` (within
     the lost timeout), and a node whose connection dropped is reconnected with the backoff a
-    running node gets (runs/watch.py `reconnect`), until the lost timeout after it was last
+    running node gets (runs/logs/streams.py `reconnect`), until the lost timeout after it was last
     heard from. A launch that failed on them failed because they went away."""
-    from orchestrator.runs.watch import reconnect
+    from orchestrator.runs.logs.streams import reconnect
 
     out = {n: (cluster.unreachable[n].error if n in cluster.unreachable else None) or "not connected"
            for n in names if n not in cluster.connections}

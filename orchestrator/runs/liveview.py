@@ -32,8 +32,8 @@ from typing import Iterable
 from orchestrator.runs import progresslog
 from orchestrator.runs.progress import Progress, parse
 from orchestrator.runs.progresslog import RankProgress
-from orchestrator.runs.rankfiles import rank_file
-from orchestrator.runs.screen import job_text
+from orchestrator.runs.logs.rankfiles import rank_file
+from orchestrator.runs.logs.screen import job_text
 from orchestrator.runs.spec import NodeState, NodeStatus
 
 STEP_MS = re.compile(r"\bstep ([\d.]+) ?ms\b")

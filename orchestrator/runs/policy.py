@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.probe import common
-from orchestrator.runs.logs import rank_tail, worker_failure
+from orchestrator.runs.logs.follow import rank_tail, worker_failure
 from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import exit_hint, exit_meaning
 

@@ -2,7 +2,7 @@
 read it: runs/RUN/progress/NODE.json (this machine's files only: a frozen node never freezes a
 view).
 
-The nodes' log streams bring each rank's progress answer every PERIOD_S (runs/watch.py: the
+The nodes' log streams bring each rank's progress answer every PERIOD_S (runs/logs/streams.py: the
 stream process asks the hooks, remote/hook/sitecustomize.py `_progress`): the steps a script told
 `clusterctl_step` (the shipped trainer does, on every rank), and the collectives it entered (its
 Flight Recorder: each newest entry when it told no steps, else its process groups' newest
@@ -51,7 +51,7 @@ class ProgressLog:
         self.steps = StepJournal(run_dir, attempt_of(key))  # the slowest rank's progress, when it came
 
     def feeder(self, *then: Callable[[str, Mapping], None] | None) -> Callable[[str, Mapping], None]:
-        """The sink for the nodes' streams (runs/watch.py copy_logs `progress`): each document
+        """The sink for the nodes' streams (runs/logs/streams.py copy_logs `progress`): each document
         kept here, then handed to each of `then` that is not None (the straggler watch's feed, the
         hang watch's)."""
         sinks = [t for t in then if t is not None]

@@ -34,7 +34,7 @@ from orchestrator.runs.ckpt import jobdir_setaside
 from orchestrator.runs.ckpt.jobdir_home import DirStore, RestoreDirError, restore_dir
 from orchestrator.runs.ckpt.jobdir_replicas import NodeRestoreDirError, NodeSnaps
 from orchestrator.runs.ckpt.jobdir_replicas import restore_from_nodes as restore_dir_from_nodes
-from orchestrator.runs.logs import worker_failure
+from orchestrator.runs.logs.follow import worker_failure
 from orchestrator.runs.policy import exit_code_retried
 from orchestrator.runs.ckpt.given_replicas import NodeRestoreError, restore_from_nodes
 from orchestrator.runs.spec import NodeState, RunResult

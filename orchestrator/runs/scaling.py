@@ -25,7 +25,7 @@ count); this module is that tuning as a rule, so `train` needs no flags to run a
                                                                           (--rdzv-conf timeout=N)
   stream stall        30 s                +30 s                           a node's log stream silent this
                                                                           long while its node answers is
-                                                                          started again (runs/watch.py)
+                                                                          started again (runs/logs/streams.py)
 
 The rendezvous timeout is torchrun's own default (900 s) up to 64 nodes, so nothing changes there.
 It runs from node 0's torchrun opening its store until the last node's torchrun joined: the
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from orchestrator.torchrun import RDZV_TIMEOUT_S, dist_timeout_s
 
 BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
-STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/watch.py)
+STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/logs/streams.py)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ nodes. A node that cannot be reached is recorded as a PendingStop(node, key) in 
 retried on a fresh connection, with backoff (1 s doubling to 8 s, to 60 s for a node that refuses
 us), until it answers; then that attempt's processes are
 stopped there, whatever attempt the run is on by then, and that attempt's log copy completed from
-the node (runs/catchup.py). So a node lost in attempt 1 that comes back while attempt 2 runs
+the node (runs/logs/catchup.py). So a node lost in attempt 1 that comes back while attempt 2 runs
 elsewhere keeps nothing of the run, and its log here ends as its log there does.
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Inventory
 from orchestrator.node import agent
-from orchestrator.runs.catchup import complete_after_stop
+from orchestrator.runs.logs.catchup import complete_after_stop
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book, PendingStop
 from orchestrator.transport import Cluster, retry_wait

@@ -3,7 +3,7 @@
 `clusterctl train` starts it in its own session, so it outlives the terminal, a closed laptop lid
 or a killed `clusterctl`. It runs the run loop (orchestrator/runs/controller.py): it owns the run's
 connections, takes the nodes' claims, launches each attempt, copies every node's log byte for byte
-into the run directory (runs/watch.py), applies the failure policy (runs/policy.py) and restarts
+into the run directory (runs/logs/streams.py), applies the failure policy (runs/policy.py) and restarts
 from checkpoints onto spares (runs/restart.py).
 
 It can be replaced: `tail`, `status` and `stop` start one with --adopt when the recorded one is

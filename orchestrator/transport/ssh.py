@@ -210,7 +210,7 @@ class SSHConnection(Connection):
         for SUSPECT_S with the evidence of transport/liveness.py (other nodes answered since,
         this node's kernel answers no TCP handshake) closes the transport at once, with
         `evidence` set: the node is lost. Unanswered for half of `lost_timeout` it closes the
-        transport too; the other half is for reconnecting (runs/watch.py): the node is lost once
+        transport too; the other half is for reconnecting (runs/logs/streams.py): the node is lost once
         it has been silent for `lost_timeout` in all. Closing ends every channel on it."""
         t = self._conn.transport
         every = min(PING_S, self.lost_timeout / 4)  # a short lost_timeout is not outwaited by the pings

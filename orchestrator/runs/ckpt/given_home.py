@@ -2,7 +2,7 @@
 
 The job writes checkpoints to CLUSTERCTL_CHECKPOINT_DIR and TensorBoard events to
 CLUSTERCTL_TENSORBOARD_DIR (~/.clusterctl/artifacts/RUN/ on each node, see
-orchestrator/remote/artifacts.py). While it trains, each node's log stream (runs/watch.py,
+orchestrator/remote/artifacts.py). While it trains, each node's log stream (runs/logs/streams.py,
 the agent's `tail ... stream`) tells `ArtifactCopier` what finished there and carries the new
 TensorBoard bytes (into one directory for the whole run: runs/curves.py); the copier copies new
 checkpoints here over the run's SSH connections, on its own thread, as a tar stream unpacked as it arrives (transfer/unpack.py: each file written once
@@ -182,7 +182,7 @@ class ArtifactCopier:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------ a node's stream (runs/watch.py)
+    # ------------------------------------------------------------ a node's stream (runs/logs/streams.py)
     def stream_from(self, node: str) -> StreamFrom | None:
         """What `node`'s log stream carries besides the log: its checkpoints (when they are copied or
         replicated) and its TensorBoard files from their sizes here; None before its directories are known."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from orchestrator.runs.linefold import rank_ranges
+from orchestrator.runs.logs.fold import rank_ranges
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 (the verdict: runs/judge/hang.py analyze).
 
 Every rank's progress arrives every few seconds on its node's log stream (`feed`: the stream asks
-the ranks' hooks, runs/watch.py) into a Tracker. The watch looks closer, at once, when its
+the ranks' hooks, runs/logs/streams.py) into a Tracker. The watch looks closer, at once, when its
 Standing says ranks wait inside a collective for a rank that is stuck (stopped, gone, in D state,
 idle), when a rank is stopped (`early`: before the others are even seen waiting), or when
 every rank is inside a collective; when a rank has been busy in its own code for the busy limit

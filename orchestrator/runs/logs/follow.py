@@ -16,9 +16,9 @@ from itertools import repeat
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Protocol
 
-from orchestrator.runs.screen import Screen
+from orchestrator.runs.logs.screen import Screen
 
-_RANK_RE = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # as runs/rankfiles.py RANK_TAG
+_RANK_RE = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # as runs/logs/rankfiles.py RANK_TAG
 
 
 class NodeLog:
@@ -105,7 +105,7 @@ class LinePrinter(Protocol):
 
 
 def quiet_nodes(rec: dict) -> set[str]:
-    """The nodes whose tracebacks are noise on screen (runs/screen.py): every node but the one
+    """The nodes whose tracebacks are noise on screen (runs/logs/screen.py): every node but the one
     that failed first once clusterctl tears the attempt down (a user's stop: every node), and
     every node once one finished cleanly (torchrun's shutdown after a success)."""
     names = {nd.get("name") for nd in rec.get("nodes") or []}
@@ -122,7 +122,7 @@ READ_MAX = 1 << 20  # the most of one node's log read per look (a final poll rea
 
 class Follower:
     """Prints every node's new lines with `node/rN | ` prefixes, filtered by nodes or ranks;
-    on screen (runs/screen.py) tracebacks and identical lines of many ranks fold, stopped ranks'
+    on screen (runs/logs/screen.py) tracebacks and identical lines of many ranks fold, stopped ranks'
     tracebacks fold, and torchrun's noise is hidden, unless `fold` is False. Lines are written a
     poll's worth at a time."""
 

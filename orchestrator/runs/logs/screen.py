@@ -7,8 +7,8 @@ runs/RUN/ranks/rankN.log) and --json keep every line; this decides only what is 
   tracebacks of many ranks print once under their ranges (`node[1-3]/r[0-2]`), and one that
   arrives after its twin was printed is one line that refers to it.
 - Identical lines from many ranks within FOLD_WINDOW_S print once under their node and rank
-  ranges (runs/linefold.py LineFold).
-- On a quiet node (runs/logs.py quiet_nodes: stopped by clusterctl after another node failed) a
+  ranges (runs/logs/fold.py LineFold).
+- On a quiet node (runs/logs/follow.py quiet_nodes: stopped by clusterctl after another node failed) a
   traceback, C++ frames or torchrun's shutdown lines that are not a traceback already shown are
   counted, and told as one line.
 - Noise is hidden, and said once with where it is kept (NOTES): c10d's "hostname of the client
@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from orchestrator.runs.linefold import FOLD_WINDOW_S, LineFold
+from orchestrator.runs.logs.fold import FOLD_WINDOW_S, LineFold
 
 BLOCK_IDLE_S = 1.0  # a traceback with no new line for this long is complete
 FOLD_FLUSH_S = 2.0  # a quiet node's folded lines with no new one for this long are told

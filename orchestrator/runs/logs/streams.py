@@ -9,7 +9,7 @@ no second session is opened to ask how the run ended there).
 With `artifacts` (the run's ArtifactCopier, runs/ckpt/given_home.py) the same process carries
 everything else the control machine takes from the node while it trains: `tail KEY OFFSET
 stream CKPTDIR|- TBDIR OFFSETS_HEX` sends framed records (remote/artifacts.py `frame`, read by
-runs/logcopy.py `LogCopier`): log bytes by offset, the node's complete checkpoints whenever they change (the
+runs/logs/copier.py `LogCopier`): log bytes by offset, the node's complete checkpoints whenever they change (the
 copier fetches and replicates them on its own thread), TensorBoard bytes (appended here at
 once), with a `progress` sink every rank's progress every `progress_s` s (the straggler
 watch's, runs/judge/straggler.py: asked by the node's stream process, not a process started per
@@ -40,7 +40,7 @@ from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Node
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
-from orchestrator.runs.logcopy import Artifacts, LogCopier
+from orchestrator.runs.logs.copier import Artifacts, LogCopier
 from orchestrator.runs.scaling import STREAM_STALL_S  # the default below 64 nodes: the run's own is its spec's
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
@@ -247,7 +247,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     holds the copies back until there is room again; `stopping`: set once the attempt is being
     stopped (no stream is then restarted for its silence); `stall_s`: the silence of a stream, its node
     answering, that restarts it (at least 3 progress periods). Returns the nodes whose copy ended short of
-    their log (no room when their run ended there: runs/catchup.py completes them later)."""
+    their log (no room when their run ended there: runs/logs/catchup.py completes them later)."""
     if not nodes:
         return set()
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s,

@@ -1,6 +1,6 @@
 """Identical lines from many ranks, printed once under their node and rank ranges
 (`n[1-8]/r[0-63] | text`), as `clush -b` gathers its nodes' output; the screen's last step
-(runs/screen.py Screen feeds it). Lines that differ are never folded, and each rank's lines keep
+(runs/logs/screen.py Screen feeds it). Lines that differ are never folded, and each rank's lines keep
 their order."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The node log copies (runs/RUN/nodes/NODE.log) stay the byte-for-byte truth; this splits their
 complete lines by the rank tag each worker's line writer puts in front (`[default<local>]:`,
-runs/logs.py) into one file per global rank (the node's first rank + the local rank), the tag
+runs/logs/follow.py) into one file per global rank (the node's first rank + the local rank), the tag
 left out. At 64 nodes x 8 ranks, rank 0's file is the one place to read rank 0. Lines torchrun
 itself prints carry no rank and stay in the node's log only.
 

@@ -1,11 +1,11 @@
 """A node's log stream read into the run directory: the byte and record sinks of the engine.
 
 `LogCopier` appends each node's log bytes to runs/RUN/nodes/NODE.log at the node's own offsets
-and splits them into the per-rank files (runs/rankfiles.py); with `artifacts` the stream's other
+and splits them into the per-rank files (runs/logs/rankfiles.py); with `artifacts` the stream's other
 records (remote/artifacts.py `frame`, read by `Frames`) go to the run's ArtifactCopier
 (checkpoints, TensorBoard bytes) and its progress sink. On a control machine whose disk has no room
 (runs/space.py) a node's bytes are dropped and the node marked `behind`: its tail is started again
-at the copy's size once there is room (runs/watch.py), so the copy stays byte for byte the node's.
+at the copy's size once there is room (runs/logs/streams.py), so the copy stays byte for byte the node's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import IO, Callable, Protocol
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus, StreamFrom
 from orchestrator.node.artifacts import FRAME_CKPTS, FRAME_END, FRAME_LOG, FRAME_PROGRESS, FRAME_TB, Frames  # noqa: F401
-from orchestrator.runs.rankfiles import RankFiles
+from orchestrator.runs.logs.rankfiles import RankFiles
 from orchestrator.runs.space import Space, write_all
 from orchestrator.runs.stepjournal import StepJournal
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
@@ -51,14 +51,14 @@ class LogCopier:
         self.space = space  # the control machine's disk (runs/space.py): full, the copies wait for room
         self.behind: set[str] = set()  # nodes whose bytes found no room: their tail starts again at the copy's size
         self.run, self.names = run, names
-        self.ranks: RankFiles | None = None  # the per-rank files (runs/rankfiles.py), split as bytes land
+        self.ranks: RankFiles | None = None  # the per-rank files (runs/logs/rankfiles.py), split as bytes land
         self.ranks_wait = False  # stopped by a full disk: made again (from their index) once there is room
         # when rank 0's steps arrived (the goodput ledger's); a full disk costs the ledger points, not the run
         self.steps = StepJournal(run.dir, int(run.record.get("attempt") or 1))
         self.split_ranks()
 
     def split_ranks(self) -> None:
-        """The per-rank files, from where their index left them (runs/rankfiles.py)."""
+        """The per-rank files, from where their index left them (runs/logs/rankfiles.py)."""
         first = {nd.get("name"): nd.get("first_rank") for nd in self.run.record.get("nodes") or []}
         try:
             self.ranks = RankFiles(self.run.dir, {name: self.run.node_log(name) for name in self.names}, first,
