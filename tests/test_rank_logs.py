@@ -1,5 +1,5 @@
 """Logs at 64 x 8 ranks: identical lines of many ranks fold on screen under their ranges
-(runs/logs/follow.py LineFold), `tail --ranks/--node` filter, `--no-fold` prints every line, and every
+(runs/logs/fold.py LineFold), `tail --ranks/--node` filter, `--no-fold` prints every line, and every
 rank's lines are split into runs/RUN/ranks/rankN.log as they arrive, exactly once, also across a
 controller crash (runs/logs/rankfiles.py)."""
 

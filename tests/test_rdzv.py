@@ -1,7 +1,7 @@
 """torchrun's rendezvous timeout on the launch's command line (torchrun.py `rdzv_conf`,
 runs/launch.py Launcher): `--rdzv-conf timeout=N` with the run's value, once, the inventory's other
 PET_RDZV_CONF keys carried over, read back by torch's own parser; and the log stream's stall limit
-the run's spec carries to the watch (runs/logs/streams.py)."""
+the run's spec carries to the log streams (runs/logs/streams.py)."""
 
 import pytest
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config

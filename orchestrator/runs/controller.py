@@ -233,7 +233,7 @@ class Controller:
             return a.attempt, a.nodes, (RunResult(RunState.FAILED, a.exit_code or 1, a.detail or ""),
                                         Verdict(True, a.verdict or "?", a.detail or "", tuple(a.bad_nodes)))
         runner = self.runner(a)
-        # a node that does not answer now is not asked: the watch declares it lost, as a running one
+        # a node that does not answer now is not asked: its log stream declares it lost, as a running one
         self.copier.dirs.update(self.readying.dirs(self.cluster.live(a.nodes)))
         if rec.state is not RunState.RUNNING:  # died while launching: stop what started, relaunch
             runner.statuses.update({st.name: st for st in rec.nodes if st.name in runner.statuses})

@@ -267,7 +267,7 @@ class Launcher:
 
     def launch(self) -> None:
         """Node 0 first: the others start once its rendezvous store listens. When the master
-        exits or never listens, the others are not started and the log watch reports it."""
+        exits or never listens, the others are not started and the master's log stream reports it."""
         master = self.inv.master
         self.start([master.name])
         if len(self.inv.nodes) > 1 and self.master_listening():

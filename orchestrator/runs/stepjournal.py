@@ -3,7 +3,7 @@ the clock of the goodput ledger (runs/goodput.py).
 
 Nothing else in a run's record says *when* a step happened: the log copies keep every byte but no
 time, and the progress files (runs/progresslog.py) keep only the newest step. So the supervisor
-notes, as they arrive, rank 0's lines (runs/logs/streams.py hands each line the rank files' splitter
+notes, as they arrive, rank 0's lines (runs/logs/copier.py hands each line the rank files' splitter
 takes, runs/logs/rankfiles.py) and the steps the ranks' hooks report (runs/progresslog.py), one JSON
 object a line, on this machine's clock (the clock of the story and the record):
 
