@@ -129,7 +129,7 @@ def write_record(run, **changes) -> dict:
     product writes the record only through runs/record.py's Book (named transitions)."""
     from orchestrator.runs.store import write_json
 
-    doc = dict(run.record, **changes)
+    doc = dict(run.record.to_json(), **changes)
     write_json(run.dir / "run.json", doc)
     return doc
 

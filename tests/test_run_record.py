@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from orchestrator.runs.record import TRANSITIONS, AttemptRecord, Book, PendingStop, RunRecord, TransitionError, load
+from orchestrator.runs.record import TRANSITIONS, Book, TransitionError
+from orchestrator.runs.runrecord import AttemptRecord, PendingStop, RunRecord
 from orchestrator.runs.spec import NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
 
@@ -25,12 +26,12 @@ def test_a_restarted_run_goes_through_recovering_and_every_step_is_on_disk():
     book.attempt_changed(verdict="node lost", retry=True, bad_nodes=["b"])
     book.leave_out({"b": "attempt 1: node lost"})
     book.recovering("attempt 1: node lost")
-    assert load(book.run).state is RunState.RECOVERING and load(book.run).recovering == "attempt 1: node lost"
+    assert book.run.record.state is RunState.RECOVERING and book.run.record.recovering == "attempt 1: node lost"
     book.attempt_started(AttemptRecord(2, "r-1.a2", ["a", "c"], prepared=["c"]), [NodeStatus("a", 0, "h")])
     book.launching("rank 0 → a", 2)
     book.running()
     book.ended(RunResult(RunState.FINISHED, 0, "every node finished"))
-    rec = load(book.run)
+    rec = book.run.record
     assert rec.state is RunState.FINISHED and rec.exit_code == 0 and rec.recovering is None
     assert [(a.attempt, a.key, a.nodes, a.prepared) for a in rec.attempts] == \
         [(1, "r-1", ["a", "b"], []), (2, "r-1.a2", ["a", "c"], ["c"])]
@@ -73,7 +74,7 @@ def test_pending_stops_name_the_attempt_they_are_for_and_the_names_stay_readable
     doc = json.loads((book.run.dir / "run.json").read_text())
     assert doc["stop_pending"] == ["n2", "n4"]
     assert [(p["node"], p["key"]) for p in doc["pending_stops"]] == [("n2", "r-1"), ("n4", "r-1.a2")]
-    assert load(book.run).pending_stops[1] == PendingStop("n4", "r-1.a2", 5.0, 2.0)
+    assert book.run.record.pending_stops[1] == PendingStop("n4", "r-1.a2", 5.0, 2.0)
 
 
 def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
@@ -82,6 +83,6 @@ def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
                                                   "attempts": [{"attempt": 1, "key": "r-2", "nodes": ["a"],
                                                                 "old_field": 3}],
                                                   "nodes": [{"name": "a", "state": "running"}]}))
-    rec = load(run)
+    rec = run.record
     assert rec.state is RunState.RUNNING and rec.current.nodes == ["a"] and rec.pending_stops == []
     assert RunRecord.from_json(None, "x").state is RunState.UNKNOWN

@@ -10,7 +10,7 @@ from orchestrator.errors import UsageError
 from orchestrator.runs.logs import Follower, NodeLog, last_lines_offset
 from orchestrator.cli.output import Prefixer
 from orchestrator.runs.policy import root_cause
-from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec, RunState
 from orchestrator.home import runs_dir
 from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, write_json
 from tests.conftest import write_record
@@ -33,12 +33,12 @@ def test_create_find_update_and_latest(home):
     a = Run.create("alpha-1", RunSpec(args=("x.py",)))
     b = Run.create("beta-1", RunSpec(args=()))
     assert (a.dir / "nodes").is_dir() and a.spec == RunSpec(args=("x.py",))
-    assert a.record["state"] == "starting"
+    assert a.record.state is RunState.STARTING
     assert not list(runs_dir().glob(".*"))  # the hidden build directory was renamed away
     assert Run.find(None).id == "beta-1"  # latest
     assert Run.find("alph").id == "alpha-1"  # unique prefix
     write_record(a, state="running", nodes=[{"name": "n1"}])
-    assert a.record["state"] == "running" and a.record["nodes"] == [{"name": "n1"}]
+    assert a.record.state is RunState.RUNNING and [nd.name for nd in a.record.nodes] == ["n1"]
     assert [r.id for r in Run.all()] == ["alpha-1", "beta-1"]
     with pytest.raises(UsageError, match="no run 'zzz'"):
         Run.find("zzz")
