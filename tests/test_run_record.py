@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.runs.record import TRANSITIONS, Book, TransitionError
 from orchestrator.runs.runrecord import AttemptRecord, PendingStop, RunRecord
-from orchestrator.runs.spec import NodeStatus, RunResult, RunSpec, RunState
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
 
 pytestmark = pytest.mark.usefixtures("home")
@@ -86,3 +86,36 @@ def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
     rec = run.record
     assert rec.state is RunState.RUNNING and rec.current.nodes == ["a"] and rec.pending_stops == []
     assert RunRecord.from_json(None, "x").state is RunState.UNKNOWN
+
+
+def test_a_record_that_is_not_a_json_object_reads_as_unknown(home):
+    run = Run.create("r-3", RunSpec())
+    (run.dir / "run.json").write_text("[1, 2]")
+    assert run.record.state is RunState.UNKNOWN and run.record.id == "r-3"
+
+
+def test_the_key_is_the_current_attempts_after_a_restart():
+    """What `status` asks the nodes under once the supervisor is gone (cli/status.py ask_nodes):
+    attempt 2's processes are known there as RUN.a2@NODE, attempt 1's have ended."""
+    book = new_book()
+    assert book.run.record.key == "r-1"  # before any attempt: the run id
+    book.connecting()
+    book.attempt_started(AttemptRecord(1, "r-1", ["a", "b"]), [NodeStatus("a", 0, "h"), NodeStatus("b", 1, "h")])
+    assert book.run.record.key == "r-1"
+    book.recovering("attempt 1: node lost")
+    book.attempt_started(AttemptRecord(2, "r-1.a2", ["a", "c"]), [NodeStatus("a", 0, "h"), NodeStatus("c", 1, "h")])
+    assert book.run.record.key == "r-1.a2"
+    older = RunRecord.from_json({"id": "r-9", "attempts": [{"attempt": 1, "nodes": ["a"]}]})
+    assert older.key == "r-9"  # a record written before attempts had keys
+
+
+def test_the_first_failure_reads_back_typed_and_prints_as_written():
+    book = new_book()
+    book.connecting()
+    book.attempt_started(AttemptRecord(1, "r-1", ["a"]), [NodeStatus("a", 0, "h")])
+    ff = FirstFailure("a", 1, "the training script failed", at=5.0, ended=4.5)
+    book.ended(RunResult(RunState.FAILED, 1, "a failed first", ff))
+    rec = book.run.record
+    assert rec.first_failure == ff
+    assert json.loads((book.run.dir / "run.json").read_text())["first_failure"] == ff.to_json() == rec.to_json()["first_failure"]
+    assert FirstFailure.from_json(None) is None and FirstFailure.from_json({"reason": "no node"}) is None
