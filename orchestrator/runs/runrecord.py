@@ -1,8 +1,8 @@
 """The run record's typed document, runs/RUN/run.json: RunRecord and its parts (AttemptRecord,
 PendingStop, and spec.py's NodeStatus), and how JSON becomes them and back.
 
-Every reader gets the record through `Run.record` (runs/store.py), typed; `Book` (runs/record.py)
-is its only writer. A record written by an older clusterctl lacks keys, and they take the defaults
+Every reader gets the record through `Run.record` (runs/store.py), typed; `Run.create` writes the
+first one (state starting) and `Book` (runs/record.py) every later one. A record written by an older clusterctl lacks keys, and they take the defaults
 here; keys this one does not know are left out.
 """
 
