@@ -52,7 +52,7 @@ def burst(n: int, later: bool, k: int) -> dict:
         on_disk = time.perf_counter() - t0
     finally:
         record.write_json = real
-    assert all(nd.exit_code is not None for nd in record.load(run).nodes), "a node's end missing on disk"
+    assert all(nd.exit_code is not None for nd in run.record.nodes), "a node's end missing on disk"
     return {"writes": writes.count("run.json"), "held": held, "on_disk": on_disk}
 
 

@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from orchestrator.runs.runrecord import RunRecord  # noqa: E402
 from tests.cluster import TestCluster, require_root  # noqa: E402
 
 
@@ -100,7 +101,7 @@ def kill_supervisors(h: Path) -> None:
     command line so a reused pid is left alone)."""
     for rec_path in (h / "runs").glob("*/run.json") if (h / "runs").is_dir() else ():
         try:
-            pid = json.loads(rec_path.read_text()).get("supervisor_pid")
+            pid = RunRecord.from_json(json.loads(rec_path.read_text())).supervisor_pid
             proc = psutil.Process(pid) if pid else None
             if proc is not None and "orchestrator" in " ".join(proc.cmdline()):
                 proc.kill()
@@ -129,7 +130,7 @@ def write_record(run, **changes) -> dict:
     product writes the record only through runs/record.py's Book (named transitions)."""
     from orchestrator.runs.store import write_json
 
-    doc = dict(run.record, **changes)
+    doc = dict(run.record.to_json(), **changes)
     write_json(run.dir / "run.json", doc)
     return doc
 

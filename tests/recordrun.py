@@ -9,7 +9,8 @@ import yaml
 from orchestrator.inventory import parse_inventory
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.attempt import AttemptRunner
-from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.spec import NodeState, RunSpec
 from orchestrator.runs.store import Run
 from orchestrator.transport import NodeResult

@@ -4,17 +4,18 @@ import pytest
 
 from orchestrator.errors import UsageError
 from orchestrator.runs.fetch import check_path, run_keys
+from orchestrator.runs.runrecord import RunRecord
 
 
 def test_a_restarted_run_fetches_every_attempts_directory_of_every_node_it_used():
     rec = {"id": "r1", "nodes": [{"name": "n1"}, {"name": "n3"}],
            "attempts": [{"attempt": 1, "key": "r1", "nodes": ["n1", "n2"]},
                         {"attempt": 2, "key": "r1.a2", "nodes": ["n1", "n3"]}]}
-    assert run_keys(rec) == {"n1": ["r1@n1", "r1.a2@n1"], "n2": ["r1@n2"], "n3": ["r1.a2@n3"]}
+    assert run_keys(RunRecord.from_json(rec)) == {"n1": ["r1@n1", "r1.a2@n1"], "n2": ["r1@n2"], "n3": ["r1.a2@n3"]}
 
 
 def test_a_run_without_attempts_has_one_directory_per_node():
-    assert run_keys({"id": "r1", "nodes": [{"name": "a"}, {"name": "b"}]}) == {"a": ["r1@a"], "b": ["r1@b"]}
+    assert run_keys(RunRecord.from_json({"id": "r1", "nodes": [{"name": "a"}, {"name": "b"}]})) == {"a": ["r1@a"], "b": ["r1@b"]}
 
 
 @pytest.mark.parametrize("path,want", [(None, None), ("", None), (".", None), ("checkpoints", "checkpoints"),

@@ -13,7 +13,8 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.runs import faults, goodput, stepjournal
 from orchestrator.runs.goodput import CATEGORIES, Facts, ledger, of_dir
-from orchestrator.runs.record import RunRecord
+from orchestrator.runs.runrecord import RunRecord
+from orchestrator.runs.spec import RunState
 from orchestrator.runs.stepjournal import StepJournal, Steps
 
 FIXTURES = Path(__file__).parent / "fixtures" / "goodput"
@@ -297,12 +298,12 @@ def test_the_end_of_a_run_in_json_carries_its_ledger(home):
     from orchestrator.cli.jsonout import run_doc
 
     rid = put(home, "hang")
-    doc = run_doc(json.loads((home / "runs" / rid / "run.json").read_text()))
+    doc = run_doc(RunRecord.from_json(json.loads((home / "runs" / rid / "run.json").read_text())))
     assert doc["goodput"] == of_dir(home / "runs" / rid).to_json()
     schema = json.loads((SCHEMAS / "train.json").read_text())
     jsonschema.validate(doc, {**schema, "$ref": "#/$defs/end"})
     jsonschema.validate(doc["goodput"], SCHEMA)
-    assert run_doc({"id": "gone", "state": "finished"})["goodput"] is None
+    assert run_doc(RunRecord("gone", RunState.FINISHED))["goodput"] is None
 
 
 def test_goodput_of_an_unknown_run_is_a_usage_error(home, capsys):

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from orchestrator.cli.runs import _Show
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run
 
@@ -34,9 +35,9 @@ def test_the_foreground_prints_an_attempts_rank_map_once_it_launched(tmp_path, m
     rec = {"id": run.id, "state": "launching", "rank_map": MAP, "nodes": nodes,
            "attempts": [{"attempt": 1, "key": run.id, "nodes": ["local0", "local1"]}]}
     show = _Show(run, None, (), (), show_preflight=False)
-    show.header(rec)  # launching: its torchrun may never start (a node lost on the way)
+    show.header(RunRecord.from_json(rec))  # launching: its torchrun may never start (a node lost on the way)
     assert MAP not in capsys.readouterr().err and show.follower is None
     rec["attempts"][0]["launched"] = 1.0
     rec["state"] = "running"
-    show.header(rec)
+    show.header(RunRecord.from_json(rec))
     assert MAP in capsys.readouterr().err and show.follower is not None

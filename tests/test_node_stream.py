@@ -18,6 +18,7 @@ from orchestrator.runs.logs import copier as log_copier
 from orchestrator.node.agent import AgentStatus, StreamFrom
 from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.logs.copier import Frames, LogCopier
+from orchestrator.runs.runrecord import RunRecord
 from tests.test_straggler import LAUNCH  # the hooked rank under the process the waiter starts
 
 REMOTE = Path(__file__).parent.parent / "orchestrator" / "remote"
@@ -184,7 +185,7 @@ def test_the_control_side_demultiplexes_a_stream_cut_anywhere(tmp_path):
     (tmp_path / "nodes").mkdir()
 
     class Run:
-        dir, record = tmp_path, {"nodes": [{"name": "n1", "first_rank": 0}]}
+        dir, record = tmp_path, RunRecord.from_json({"nodes": [{"name": "n1", "first_rank": 0}]})
 
         def node_log(self, name):
             return tmp_path / "nodes" / f"{name}.log"
@@ -213,7 +214,7 @@ def test_a_progress_sink_asks_the_streams_for_progress_and_gets_their_records(tm
     (tmp_path / "nodes").mkdir()
 
     class Run:
-        dir, record = tmp_path, {"nodes": [{"name": "n1", "first_rank": 0}]}
+        dir, record = tmp_path, RunRecord.from_json({"nodes": [{"name": "n1", "first_rank": 0}]})
 
         def node_log(self, name):
             return tmp_path / "nodes" / f"{name}.log"

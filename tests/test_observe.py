@@ -25,7 +25,8 @@ from orchestrator.observe.metrics import FAMILIES, registry
 from orchestrator.observe.report import render
 from orchestrator.observe.runview import TAIL_BYTES, Home
 from orchestrator.observe.targets import target_groups
-from orchestrator.runs.record import AttemptRecord, Book, RunRecord
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.spec import NodeState, NodeStatus, RunResult, RunState
 from orchestrator.runs.store import Run
 

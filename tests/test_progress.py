@@ -15,6 +15,7 @@ from orchestrator.runs import progresslog
 from orchestrator.runs.liveview import LiveView, RankTail
 from orchestrator.runs.progress import Progress, collectives, parse
 from orchestrator.runs.progresslog import ProgressLog
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.spec import NodeState, NodeStatus
 
 FIXTURES = Path(__file__).parent / "fixtures" / "progress"
@@ -105,7 +106,7 @@ def test_a_script_logging_on_rank_0_only_shows_progress_on_every_node_and_its_st
     log.feed("n1", doc({0: {"entered": [["0", 90, 1]]}, 1: {"entered": [["0", 90, 1]]}}), now=now - 5)
     log.feed("n2", doc({2: {"entered": [["0", 90, 1]]}, 3: {"entered": [["0", 88, 1]]}}), now=now - 100)
     v = LiveView(tmp_path, 60)
-    v.look([node("n1", 0, 1), node("n2", 2, 3)], {"key": "k"}, now=now)
+    v.look([node("n1", 0, 1), node("n2", 2, 3)], AttemptRecord(1, "k", []), now=now)
     rows = {r.name: r for r in v.rows(now=now)}
     assert rows["n1"].progress == "45" and rows["n1"].flags == ()
     assert rows["n2"].progress == "c90" and rows["n2"].flags == ("stall 100s",)  # its collectives stopped
@@ -114,7 +115,7 @@ def test_a_script_logging_on_rank_0_only_shows_progress_on_every_node_and_its_st
     doc_ = {d["rank"]: d for d in v.ranks_json(now=now)}
     assert doc_[0]["step"] == 45 and doc_[0]["step_from"] == "log" and doc_[0]["last_line"] == "step=45 loss=2.0"
     assert doc_[3]["collectives"] == 88 and doc_[3]["stall"] and doc_[3]["step"] is None
-    v.look([node("n1", 0, 1), node("n2", 2, 3, NodeState.FINISHED)], {"key": "k"}, now=now)
+    v.look([node("n1", 0, 1), node("n2", 2, 3, NodeState.FINISHED)], AttemptRecord(1, "k", []), now=now)
     assert {r.name: r.flags for r in v.rows(now=now)}["n2"] == ()  # an ended node does not stall
 
 
@@ -124,11 +125,11 @@ def test_a_rank_whose_step_stopped_moving_stalls_though_it_still_prints(tmp_path
     p.write_text("step 5\n")
     os.utime(p, (1000.0, 1000.0))
     v = LiveView(tmp_path, 30)
-    v.look([node("n1", 0, 0)], {"key": "k"}, now=1010.0)
+    v.look([node("n1", 0, 0)], AttemptRecord(1, "k", []), now=1010.0)
     with open(p, "a") as f:
         f.write("waiting for the data loader\n")  # heard, but no progress
     os.utime(p, (1040.0, 1040.0))
-    v.look([node("n1", 0, 0)], {"key": "k"}, now=1041.0)
+    v.look([node("n1", 0, 0)], AttemptRecord(1, "k", []), now=1041.0)
     assert v.rows(now=1041.0)[0].flags == ("stall 41s",)
 
 

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from orchestrator.runs import record
-from orchestrator.runs.record import load
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 
 from tests.recordrun import N, end, running
@@ -44,7 +43,7 @@ def test_a_teardowns_node_ends_cost_one_write_of_the_record_not_one_each(writes,
     assert len(writes) == 1
     book.flush()  # nothing waits: nothing written
     assert len(writes) == 1
-    rec = load(run)  # every node's end reached the disk with that one write
+    rec = run.record  # every node's end reached the disk with that one write
     assert [(n.state, n.exit_code, n.node_ended) for n in rec.nodes] == \
         [(NodeState.FINISHED if i % 2 else NodeState.FAILED, 0 if i % 2 else 143, 100.0 + i) for i in range(N)]
 
@@ -56,9 +55,9 @@ def test_node_ends_reach_the_disk_by_themselves_within_the_flush(writes, monkeyp
     for i, name in enumerate(runner.statuses):
         end(runner, name, 0, 100.0 + i)
     deadline = time.monotonic() + 30  # a bounded wait for the timer's write, not a timing check
-    while time.monotonic() < deadline and not all(n.state is NodeState.FINISHED for n in load(run).nodes):
+    while time.monotonic() < deadline and not all(n.state is NodeState.FINISHED for n in run.record.nodes):
         time.sleep(0.02)
-    assert all(n.state is NodeState.FINISHED and n.exit_code == 0 for n in load(run).nodes)
+    assert all(n.state is NodeState.FINISHED and n.exit_code == 0 for n in run.record.nodes)
     assert 1 <= len(writes) < N
 
 
@@ -68,21 +67,21 @@ def test_the_first_failure_the_teardown_and_the_runs_end_are_written_at_once_wit
     run, book, runner = running()
     names = list(runner.statuses)
     end(runner, names[0], 0, 100.0)  # a node finished before the failure: its end waits
-    assert load(run).nodes[0].state is NodeState.RUNNING
+    assert run.record.nodes[0].state is NodeState.RUNNING
     end(runner, names[5], 1, 101.0)  # the first failure: written before the teardown acts on it
-    rec = load(run)
+    rec = run.record
     assert rec.current.failed_at is not None and rec.nodes[5].exit_code == 1 and rec.nodes[0].exit_code == 0
     assert runner.stopper.asked.wait(30)  # the teardown's thread asked the nodes to stop, recorded first
     runner.close()
-    assert load(run).teardown == f"{names[5]} failed"
+    assert run.record.teardown == f"{names[5]} failed"
     writes.clear()
     for i, name in enumerate(names[6:], 6):  # the peers' ends, killed by the teardown: deferred
         end(runner, name, 143, 102.0 + i)
     assert writes == []
     book.ended(runner.result())  # the run's end: at once, whatever waits, and with every end that waited
     assert writes == ["failed"]
-    rec = load(run)
-    assert rec.state is RunState.FAILED and rec.exit_code == 1 and rec.first_failure["node"] == names[5]
+    rec = run.record
+    assert rec.state is RunState.FAILED and rec.exit_code == 1 and rec.first_failure.node == names[5]
     assert all(n.exit_code is not None for i, n in enumerate(rec.nodes) if i not in range(1, 5))
 
 
@@ -94,4 +93,4 @@ def test_an_older_snapshot_written_late_never_replaces_a_newer_record(monkeypatc
         old = book._snapshot()
     book.ended(RunResult(RunState.STOPPED, 130, "stopped on request"))
     book._put(*old)  # the flush's write comes last: skipped, the newer record stays
-    assert load(run).state is RunState.STOPPED
+    assert run.record.state is RunState.STOPPED

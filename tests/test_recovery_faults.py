@@ -15,7 +15,8 @@ from orchestrator.cli import tables
 from orchestrator.inventory import parse_inventory
 from orchestrator.runs import record
 from orchestrator.runs.readying import fresh_nodes
-from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.space import RESERVE, RESERVE_BYTES, Space, end_writes
 from orchestrator.runs.spec import NodeState, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
@@ -144,11 +145,11 @@ def test_with_no_reserve_or_one_too_small_for_the_record_the_end_waits_for_room(
 
 
 def test_status_counts_attempts_that_never_launched_and_shows_unstarted_nodes_of_an_ended_run():
-    rec = {"state": "finished", "attempts": [{"launched": 1.0}, {}, {"launched": 2.0}]}
+    rec = RunRecord.from_json({"state": "finished", "attempts": [{"launched": 1.0}, {}, {"launched": 2.0}]})
     assert tables.at_most(rec, 1) == 3
-    assert tables.at_most({"attempts": [{"launched": 1.0}, {}]}, 0) == 1  # the current one is not counted
-    assert tables.shown_state(NodeState.PENDING, {"state": "failed"}) == "not started"
-    assert tables.shown_state(NodeState.PENDING, {"state": "preflight"}) == "pending"
+    assert tables.at_most(RunRecord.from_json({"attempts": [{"launched": 1.0}, {}]}), 0) == 1  # the current one is not counted
+    assert tables.shown_state(NodeState.PENDING, RunRecord("r", RunState.FAILED)) == "not started"
+    assert tables.shown_state(NodeState.PENDING, RunRecord("r", RunState.PREFLIGHT)) == "pending"
 
 
 def test_a_progress_file_that_finds_no_room_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from orchestrator.runs.record import TRANSITIONS, AttemptRecord, Book, PendingStop, RunRecord, TransitionError, load
-from orchestrator.runs.spec import NodeStatus, RunResult, RunSpec, RunState
+from orchestrator.runs.record import TRANSITIONS, Book, TransitionError
+from orchestrator.runs.runrecord import AttemptRecord, PendingStop, RunRecord
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.store import Run
 
 pytestmark = pytest.mark.usefixtures("home")
@@ -25,12 +26,12 @@ def test_a_restarted_run_goes_through_recovering_and_every_step_is_on_disk():
     book.attempt_changed(verdict="node lost", retry=True, bad_nodes=["b"])
     book.leave_out({"b": "attempt 1: node lost"})
     book.recovering("attempt 1: node lost")
-    assert load(book.run).state is RunState.RECOVERING and load(book.run).recovering == "attempt 1: node lost"
+    assert book.run.record.state is RunState.RECOVERING and book.run.record.recovering == "attempt 1: node lost"
     book.attempt_started(AttemptRecord(2, "r-1.a2", ["a", "c"], prepared=["c"]), [NodeStatus("a", 0, "h")])
     book.launching("rank 0 → a", 2)
     book.running()
     book.ended(RunResult(RunState.FINISHED, 0, "every node finished"))
-    rec = load(book.run)
+    rec = book.run.record
     assert rec.state is RunState.FINISHED and rec.exit_code == 0 and rec.recovering is None
     assert [(a.attempt, a.key, a.nodes, a.prepared) for a in rec.attempts] == \
         [(1, "r-1", ["a", "b"], []), (2, "r-1.a2", ["a", "c"], ["c"])]
@@ -73,7 +74,7 @@ def test_pending_stops_name_the_attempt_they_are_for_and_the_names_stay_readable
     doc = json.loads((book.run.dir / "run.json").read_text())
     assert doc["stop_pending"] == ["n2", "n4"]
     assert [(p["node"], p["key"]) for p in doc["pending_stops"]] == [("n2", "r-1"), ("n4", "r-1.a2")]
-    assert load(book.run).pending_stops[1] == PendingStop("n4", "r-1.a2", 5.0, 2.0)
+    assert book.run.record.pending_stops[1] == PendingStop("n4", "r-1.a2", 5.0, 2.0)
 
 
 def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
@@ -82,6 +83,39 @@ def test_an_older_record_reads_with_defaults_and_unknown_keys_are_ignored(home):
                                                   "attempts": [{"attempt": 1, "key": "r-2", "nodes": ["a"],
                                                                 "old_field": 3}],
                                                   "nodes": [{"name": "a", "state": "running"}]}))
-    rec = load(run)
+    rec = run.record
     assert rec.state is RunState.RUNNING and rec.current.nodes == ["a"] and rec.pending_stops == []
     assert RunRecord.from_json(None, "x").state is RunState.UNKNOWN
+
+
+def test_a_record_that_is_not_a_json_object_reads_as_unknown(home):
+    run = Run.create("r-3", RunSpec())
+    (run.dir / "run.json").write_text("[1, 2]")
+    assert run.record.state is RunState.UNKNOWN and run.record.id == "r-3"
+
+
+def test_the_key_is_the_current_attempts_after_a_restart():
+    """What `status` asks the nodes under once the supervisor is gone (cli/status.py ask_nodes):
+    attempt 2's processes are known there as RUN.a2@NODE, attempt 1's have ended."""
+    book = new_book()
+    assert book.run.record.key == "r-1"  # before any attempt: the run id
+    book.connecting()
+    book.attempt_started(AttemptRecord(1, "r-1", ["a", "b"]), [NodeStatus("a", 0, "h"), NodeStatus("b", 1, "h")])
+    assert book.run.record.key == "r-1"
+    book.recovering("attempt 1: node lost")
+    book.attempt_started(AttemptRecord(2, "r-1.a2", ["a", "c"]), [NodeStatus("a", 0, "h"), NodeStatus("c", 1, "h")])
+    assert book.run.record.key == "r-1.a2"
+    older = RunRecord.from_json({"id": "r-9", "attempts": [{"attempt": 1, "nodes": ["a"]}]})
+    assert older.key == "r-9"  # a record written before attempts had keys
+
+
+def test_the_first_failure_reads_back_typed_and_prints_as_written():
+    book = new_book()
+    book.connecting()
+    book.attempt_started(AttemptRecord(1, "r-1", ["a"]), [NodeStatus("a", 0, "h")])
+    ff = FirstFailure("a", 1, "the training script failed", at=5.0, ended=4.5)
+    book.ended(RunResult(RunState.FAILED, 1, "a failed first", ff))
+    rec = book.run.record
+    assert rec.first_failure == ff
+    assert json.loads((book.run.dir / "run.json").read_text())["first_failure"] == ff.to_json() == rec.to_json()["first_failure"]
+    assert FirstFailure.from_json(None) is None and FirstFailure.from_json({"reason": "no node"}) is None

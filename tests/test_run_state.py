@@ -72,10 +72,10 @@ def test_states_are_readable_strings_in_the_record(home):
     assert NodeStatus.from_json({"name": "n2", "state": "something new"}).state is NodeState.PENDING
     assert f"{NodeState.RUNNING}" == "running"
     run = Run.create("r-2", RunSpec())
-    assert run.state() is RunState.STARTING and not run.terminal
+    assert run.record.state is RunState.STARTING and not run.terminal
     write_record(run, state=RunState.FAILED, nodes=[st.to_json()])
     assert json.loads((run.dir / "run.json").read_text())["state"] == "failed"
-    assert run.terminal and run.nodes() == [st]
+    assert run.terminal and run.record.nodes == [st]
 
 
 def test_the_first_failure_is_the_root_cause_and_stops_once():

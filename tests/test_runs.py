@@ -10,7 +10,7 @@ from orchestrator.errors import UsageError
 from orchestrator.runs.logs.follow import Follower, NodeLog, last_lines_offset
 from orchestrator.cli.output import Prefixer
 from orchestrator.runs.policy import root_cause
-from orchestrator.runs.spec import FirstFailure, NodeStatus, RunSpec
+from orchestrator.runs.spec import FirstFailure, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.home import runs_dir
 from orchestrator.runs.store import Run, exit_meaning, new_run_id, read_json, write_json
 from tests.conftest import write_record
@@ -33,12 +33,12 @@ def test_create_find_update_and_latest(home):
     a = Run.create("alpha-1", RunSpec(args=("x.py",)))
     b = Run.create("beta-1", RunSpec(args=()))
     assert (a.dir / "nodes").is_dir() and a.spec == RunSpec(args=("x.py",))
-    assert a.record["state"] == "starting"
+    assert a.record.state is RunState.STARTING
     assert not list(runs_dir().glob(".*"))  # the hidden build directory was renamed away
     assert Run.find(None).id == "beta-1"  # latest
     assert Run.find("alph").id == "alpha-1"  # unique prefix
     write_record(a, state="running", nodes=[{"name": "n1"}])
-    assert a.record["state"] == "running" and a.record["nodes"] == [{"name": "n1"}]
+    assert a.record.state is RunState.RUNNING and [nd.name for nd in a.record.nodes] == ["n1"]
     assert [r.id for r in Run.all()] == ["alpha-1", "beta-1"]
     with pytest.raises(UsageError, match="no run 'zzz'"):
         Run.find("zzz")
@@ -214,3 +214,37 @@ def test_runs_table_never_cuts_a_run_id_short(home, monkeypatch, capsys):
     out = capsys.readouterr().out
     for rid in ids:
         assert rid in out
+
+
+def test_the_json_of_runs_status_and_tail_is_the_record_as_written(home, capsys):
+    """What --json prints of a record is run.json as Book wrote it (status adds its own keys), and
+    the end document's first failure is the record's, as JSON: one serialiser, RunRecord.to_json."""
+    import jsonschema
+
+    from orchestrator.cli import main
+    from orchestrator.runs.record import Book
+    from orchestrator.runs.runrecord import AttemptRecord
+
+    schemas = Path(__file__).resolve().parent.parent / "orchestrator" / "schemas"
+    book = Book(Run.create("r-json", RunSpec()))
+    book.connecting()
+    book.attempt_started(AttemptRecord(1, "r-json", ["a", "b"]), [NodeStatus("a", 0, "h"), NodeStatus("b", 1, "h")])
+    book.recovering("attempt 1: node lost")
+    book.attempt_started(AttemptRecord(2, "r-json.a2", ["a", "c"]), [NodeStatus("a", 0, "h", first_rank=0, last_rank=0),
+                                                                    NodeStatus("c", 1, "h", first_rank=1, last_rank=1)])
+    ff = FirstFailure("c", 1, "the training script failed", at=5.0)
+    book.ended(RunResult(RunState.FAILED, 1, "c failed first", ff))
+    written = json.loads((book.run.dir / "run.json").read_text())
+    assert main(["runs", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == [written]
+    jsonschema.validate(doc, json.loads((schemas / "runs.json").read_text()))
+    assert main(["status", "r-json", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {k: v for k, v in doc.items() if k not in ("supervisor_alive", "nodes_now", "ranks_now", "goodput")} == written
+    jsonschema.validate(doc, json.loads((schemas / "status.json").read_text()))
+    assert main(["tail", "r-json", "--no-follow", "--json"]) == 1  # the run's exit code
+    end = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert end["first_failure"] == written["first_failure"] == ff.to_json() and end["state"] == "failed"
+    assert [n["name"] for n in end["nodes"]] == ["a", "c"]
+    jsonschema.validate(end, json.loads((schemas / "tail.json").read_text()))

@@ -176,7 +176,7 @@ def crash_run(tmp_path, monkeypatch) -> Run:
 
 def test_the_summary_names_the_traceback_just_shown_instead_of_repeating_it(tmp_path, monkeypatch, capsys):
     run = crash_run(tmp_path, monkeypatch)
-    assert ERROR in run.record["summary"]  # what runs/policy.py quotes
+    assert ERROR in run.record.summary  # what runs/policy.py quotes
     assert main(["tail", run.id, "--no-follow"]) == 1
     cap = capsys.readouterr()
     assert (cap.out + cap.err).count(ERROR) == 1, cap.out + cap.err

@@ -6,6 +6,7 @@ import json
 
 from orchestrator.runs.controller import _changes
 from orchestrator.runs.logs.follow import Follower, NodeLog, quiet_nodes
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.record import Book, story
 from orchestrator.runs.logs.screen import Screen
 from orchestrator.runs.store import Run
@@ -89,11 +90,11 @@ def test_a_block_is_told_once_it_has_been_idle(tmp_path):
 
 def test_quiet_nodes_follow_the_teardown_and_a_clean_finish():
     nodes = [{"name": "n1", "state": "running"}, {"name": "n2", "state": "failed"}, {"name": "n3", "state": "running"}]
-    assert quiet_nodes({"nodes": nodes}) == set()
-    assert quiet_nodes({"nodes": nodes, "teardown": "n2 failed"}) == {"n1", "n3"}
-    assert quiet_nodes({"nodes": nodes, "teardown": "stop"}) == {"n1", "n2", "n3"}
+    assert quiet_nodes(RunRecord.from_json({"nodes": nodes})) == set()
+    assert quiet_nodes(RunRecord.from_json({"nodes": nodes, "teardown": "n2 failed"})) == {"n1", "n3"}
+    assert quiet_nodes(RunRecord.from_json({"nodes": nodes, "teardown": "stop"})) == {"n1", "n2", "n3"}
     done = [{"name": "n1", "state": "finished"}, {"name": "n2", "state": "running"}]
-    assert quiet_nodes({"nodes": done}) == {"n1", "n2"}  # torchrun's shutdown noise after a success
+    assert quiet_nodes(RunRecord.from_json({"nodes": done})) == {"n1", "n2"}  # torchrun's shutdown noise after a success
 
 
 def test_the_story_is_appended_and_read_back_by_offset(tmp_path, monkeypatch, capsys):

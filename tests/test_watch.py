@@ -85,7 +85,7 @@ def test_stall_hang_and_straggler_flags(home):
     for r in range(4):
         rank_lines(run, r, f"rank {r} step 5\n", age=45 if r >= 2 else 1)
     v = LiveView(run.dir, run.spec.hang_timeout)
-    v.look(run.nodes(), run.record["attempts"][-1])
+    v.look(run.record.nodes, run.record.current)
     rows = {r.name: r for r in v.rows()}
     assert rows["node1"].flags == ("slow r1 2.6x",) and rows["node1"].step == 5
     assert rows["node2"].flags[0].startswith("stall 4") and "HANG r3 stopped" in rows["node2"].flags

@@ -20,6 +20,7 @@ from orchestrator.cli import main
 from orchestrator.errors import InventoryError
 from orchestrator.inventory import parse_inventory
 from orchestrator.runs.policy import root_cause
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.spec import FirstFailure, NodeStatus
 from tests.probe_text import read_gpu, sec
 
@@ -54,7 +55,7 @@ def test_the_supervisors_log_lines_carry_one_prefix(tmp_path, capsys):
     from orchestrator.runs.logs.copier import LogCopier
 
     class Run:
-        dir, record = tmp_path, {"nodes": []}
+        dir, record = tmp_path, RunRecord("r")
 
         def node_log(self, name):
             return tmp_path / f"{name}.log"

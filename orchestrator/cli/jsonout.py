@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:  # the commands that print a run's end import the runs package; the others need not
+    from orchestrator.runs.runrecord import RunRecord
 
 
 def emit(doc, *, compact: bool = False) -> None:
@@ -54,37 +58,33 @@ def json_lines(label: str, stream: str, text: str, node: str | None = None) -> N
     emit(line_event(label, stream, text, node), compact=True)
 
 
-def run_doc(rec: dict) -> dict:
+def run_doc(rec: RunRecord) -> dict:
     """A run record as `train`/`tail`/`stop` report its end: {"event": "end", "ok", "run_id", ...}."""
-    code = rec.get("exit_code")
-    nodes = []
-    for nd in rec.get("nodes", []):
-        ncode = nd.get("exit_code")
-        nodes.append({"name": nd.get("name"), "rank": nd.get("rank"), "ok": ncode == 0,
-                      "exit_code": ncode, "error": nd.get("error"),
-                      "error_kind": "lost" if nd.get("state") in ("lost", "unreachable") else
-                      ("failed" if ncode not in (0, None) else None),
-                      "state": nd.get("state"), "first_rank": nd.get("first_rank"),
-                      "last_rank": nd.get("last_rank")})
-    return {"event": "end", "ok": code == 0, "run_id": rec.get("id"), "state": rec.get("state"),
-            "exit_code": code, "summary": rec.get("summary"), "error": rec.get("error"),
-            "first_failure": rec.get("first_failure"), "hang": last_hang(rec), "nodes": nodes,
+    from orchestrator.runs.spec import NodeState
+
+    nodes = [{"name": nd.name, "rank": nd.rank, "ok": nd.exit_code == 0, "exit_code": nd.exit_code, "error": nd.error,
+              "error_kind": "lost" if nd.state in (NodeState.LOST, NodeState.UNREACHABLE) else
+              ("failed" if nd.exit_code not in (0, None) else None),
+              "state": nd.state.value, "first_rank": nd.first_rank, "last_rank": nd.last_rank} for nd in rec.nodes]
+    return {"event": "end", "ok": rec.exit_code == 0, "run_id": rec.id, "state": rec.state.value,
+            "exit_code": rec.exit_code, "summary": rec.summary, "error": rec.error,
+            "first_failure": rec.first_failure.to_json() if rec.first_failure is not None else None, "hang": last_hang(rec), "nodes": nodes,
             "goodput": ledger_of(rec)}
 
 
-def ledger_of(rec: dict) -> dict | None:
+def ledger_of(rec: RunRecord) -> dict | None:
     """The run's goodput ledger (runs/goodput.py) as `goodput --json` prints it; None without a
     run directory."""
     from orchestrator.runs.goodput import of_run
     from orchestrator.runs.store import Run
 
-    run = Run(str(rec.get("id") or ""))
-    return of_run(run).to_json() if rec.get("id") and (run.dir / "run.json").exists() else None
+    run = Run(rec.id)
+    return of_run(run).to_json() if rec.id and (run.dir / "run.json").exists() else None
 
 
-def last_hang(rec: dict) -> dict | None:
+def last_hang(rec: RunRecord) -> dict | None:
     """The newest attempt's hang verdict (runs/judge/hang.py), as run_doc reports it."""
-    for a in reversed(rec.get("attempts") or []):
-        if a.get("hang"):
-            return {"attempt": a.get("attempt", 1), "text": a["hang"], "snapshots": a.get("hang_dir")}
+    for a in reversed(rec.attempts):
+        if a.hang:
+            return {"attempt": a.attempt, "text": a.hang, "snapshots": a.hang_dir}
     return None

@@ -22,18 +22,17 @@ def queue_command(as_json):
     from rich.console import Console
     from rich.table import Table
 
-    rows = [(r, rec) for r in Run.all() for rec in [r.record] if not r.state(rec).terminal]
+    rows = [(r, rec) for r in Run.all() for rec in [r.record] if not rec.state.terminal]
     if as_json:
-        click.echo(json.dumps([rec for _, rec in rows], indent=2))
+        click.echo(json.dumps([rec.to_json() for _, rec in rows], indent=2))
         return
     t = Table(title="queue")
     t.add_column("run", no_wrap=True, min_width=max((len(r.id) for r, _ in rows), default=3))
     for c in ("state", "nodes", "created", "waiting for"):
         t.add_column(c, no_wrap=c in ("state", "created"))
     for run, rec in rows:
-        nodes = rec.get("queue_nodes") or [n.get("name", "?") for n in rec.get("nodes", [])]
-        t.add_row(run.id, str(rec.get("state", "?")), ",".join(nodes), _when(rec.get("created")),
-                  rec.get("waiting_for") or "-")
+        nodes = rec.queue_nodes or [n.name for n in rec.nodes]
+        t.add_row(run.id, str(rec.state), ",".join(nodes), _when(rec.created), rec.waiting_for or "-")
     Console().print(t)
 
 

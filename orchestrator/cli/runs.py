@@ -24,6 +24,7 @@ from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.ckpt.jobdir_replicas import NodeSnaps, newest_copied
 from orchestrator.runs.goodput import of_run
 from orchestrator.runs.record import story
+from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.logs.follow import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
 from orchestrator.runs.policy import TAIL_LINES, log_tail
 from orchestrator.runs.logs.rankfiles import rank_file
@@ -47,39 +48,39 @@ def complete_run_ids(ctx, param, incomplete: str):
 
     try:
         runs = reversed(Run.all())
-        return [CompletionItem(r.id, help=str(r.record.get("state", ""))) for r in runs if r.id.startswith(incomplete)]
+        return [CompletionItem(r.id, help=str(r.record.state)) for r in runs if r.id.startswith(incomplete)]
     except Exception:  # noqa: BLE001 - completion never fails loudly
         return []
 
 
-def _logs_for(run: Run, rec: dict, n: int | None) -> list[NodeLog]:
+def _logs_for(run: Run, rec: RunRecord, n: int | None) -> list[NodeLog]:
     """One NodeLog per node of the run: from the start, or from each log's last `n` lines."""
     return [NodeLog(nd.name, path, nd.first_rank, 0 if n is None else last_lines_offset(path, n))
-            for nd in run.nodes(rec) for path in [run.node_log(nd.name)]]
+            for nd in rec.nodes for path in [run.node_log(nd.name)]]
 
 
-def _ranks(rec: dict) -> tuple:
-    return tuple((nd["name"], nd.get("first_rank")) for nd in rec.get("nodes", []))
+def _ranks(rec: RunRecord) -> tuple:
+    return tuple((nd.name, nd.first_rank) for nd in rec.nodes)
 
 
-def _printer(rec: dict) -> Prefixer:
-    return Prefixer([f"{nd['name']}/r{nd.get('last_rank', 0)}" for nd in rec.get("nodes", [])])
+def _printer(rec: RunRecord) -> Prefixer:
+    return Prefixer([f"{nd.name}/r{nd.last_rank or 0}" for nd in rec.nodes])
 
 
-def _summary(rec: dict, shown: tuple[str, str] | None = None) -> None:
+def _summary(rec: RunRecord, shown: tuple[str, str] | None = None) -> None:
     """The run's end in one line (and its root cause's lines). `shown`: (the failed rank's last
     lines that end the summary, where the screen just showed them): named, not repeated."""
-    state, code = rec.get("state"), rec.get("exit_code")
-    if shown is not None and str(rec.get("summary") or "").endswith("\n" + shown[0]):
-        rec = dict(rec, summary=rec["summary"][:-len(shown[0]) - 1].rstrip() + "\n" + shown[1])
-    if rec.get("error"):
-        _err(f"clusterctl: run {rec.get('id')} {state}: {rec['error']}")
-    elif str(rec.get("summary") or "").startswith(f"{state} "):  # 'stopped on request': said once
-        _err(f"clusterctl: run {rec.get('id')} {rec['summary']} (exit code {code})")
-    elif rec.get("summary"):
-        _err(f"clusterctl: run {rec.get('id')} {state} (exit code {code}): {rec['summary']}")
+    state, code, summary = rec.state, rec.exit_code, rec.summary or ""
+    if shown is not None and summary.endswith("\n" + shown[0]):
+        summary = summary[:-len(shown[0]) - 1].rstrip() + "\n" + shown[1]
+    if rec.error:
+        _err(f"clusterctl: run {rec.id} {state}: {rec.error}")
+    elif summary.startswith(f"{state} "):  # 'stopped on request': said once
+        _err(f"clusterctl: run {rec.id} {summary} (exit code {code})")
+    elif summary:
+        _err(f"clusterctl: run {rec.id} {state} (exit code {code}): {summary}")
     else:
-        _err(f"clusterctl: run {rec.get('id')} {state} (exit code {code})")
+        _err(f"clusterctl: run {rec.id} {state} (exit code {code})")
 
 
 class _Show:
@@ -96,68 +97,67 @@ class _Show:
         self.follower: Follower | None = None
         self.ranks: tuple = ()  # (node, first rank) of the attempt being followed
 
-    def header(self, rec: dict) -> None:
+    def header(self, rec: RunRecord) -> None:
         pf = self.run.dir / "preflight.txt"
         if not self.shown_pf and pf.exists():
             self.pf_text = pf.read_text()
             click.echo(self.pf_text.rstrip(), err=True)
             self.shown_pf = True
-        for a in rec.get("attempts") or []:  # a relaunch's failed preflight: the table says what was wrong
-            f = a.get("preflight_file")
-            if a.get("attempt", 1) > 1 and a.get("preflight_ok") is False and a.get("verdict") and f \
-                    and f not in self.shown_tables:
+        for a in rec.attempts:  # a relaunch's failed preflight: the table says what was wrong
+            f = a.preflight_file
+            if a.attempt > 1 and a.preflight_ok is False and a.verdict and f and f not in self.shown_tables:
                 self.shown_tables.add(f)
                 if (self.run.dir / f).exists():
-                    click.echo(f"clusterctl: attempt {a['attempt']}'s preflight failed on "
-                               f"{', '.join(a.get('bad_nodes') or []) or 'a node'}:", err=True)
+                    click.echo(f"clusterctl: attempt {a.attempt}'s preflight failed on "
+                               f"{', '.join(a.bad_nodes) or 'a node'}:", err=True)
                     click.echo((self.run.dir / f).read_text().rstrip(), err=True)
         lines, self.story_at = story(self.run, self.story_at)
         if lines and self.follower is not None:
             self.follower.flush()  # the job's lines held for folding came first: they print first
         for line in lines:  # what clusterctl saw and did, as it happened (record.py Book.tell)
             click.echo(f"clusterctl: {line}", err=True)
-        for a in rec.get("attempts") or []:
+        for a in rec.attempts:
             self.announce(a)
         if self.follower is not None:
             self.follower.quiet = quiet_nodes(rec)
-        last = (rec.get("attempts") or [{}])[-1]
+        last = rec.current
         # an attempt not launched (yet, or ever: its launch failed) gets no map; a record that does not
         # say (an older one) by its state
-        launched = last["launched"] if "launched" in last else \
-            rec.get("state") not in ("starting", "queued", "connecting", "preflight", "launching")
-        if self.follower is None and rec.get("rank_map") and launched:
+        launched = last.launched if last is not None and last.launched is not None else \
+            rec.state.value not in ("starting", "queued", "connecting", "preflight", "launching")
+        if self.follower is None and rec.rank_map and launched:
             # the preflight table already shows the same map unless --nproc-per-node changed it
-            if " ".join(rec["rank_map"].split()) not in " ".join(self.pf_text.split()):  # the table wraps it
-                click.echo(rec["rank_map"], err=True)
+            if " ".join(rec.rank_map.split()) not in " ".join(self.pf_text.split()):  # the table wraps it
+                click.echo(rec.rank_map, err=True)
             self.start(rec)
         elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
             self.ranks = ranks  # a restart: the next attempt's nodes and ranks
             self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
 
-    def announce(self, a: dict) -> None:
+    def announce(self, a: AttemptRecord) -> None:
         """Once an attempt is launched: what it starts from, and any damaged copy passed over."""
-        k = a.get("attempt", 1)
-        if k in self.announced or not a.get("launched") or (k == 1 and not a.get("resumed_from")):
+        k = a.attempt
+        if k in self.announced or not a.launched or (k == 1 and not a.resumed_from):
             return
         self.announced.add(k)
-        if a.get("skipped"):
-            click.echo(f"clusterctl: attempt {k}: skipping checkpoint {', '.join(a['skipped'])} on this machine: "
+        if a.skipped:
+            click.echo(f"clusterctl: attempt {k}: skipping checkpoint {', '.join(a.skipped)} on this machine: "
                        "the bytes no longer match their checksums (damaged after the copy)", err=True)
-        where = {"nodes": "the nodes"}.get(a.get("restored_from") or "", "this machine")
-        if a.get("resumed_from"):
-            where = f"run {a['resumed_from']}"
-        told = f" with {shlex.join(a['resume_args'])}" if a.get("resume_args") else ""
-        about = f": {a['checkpoint_about']}" if a.get("checkpoint_about") else ""
-        for node, names in sorted((a.get("set_aside") or {}).items() if a.get("checkpoint") else ()):
+        where = "the nodes" if a.restored_from == "nodes" else "this machine"
+        if a.resumed_from:
+            where = f"run {a.resumed_from}"
+        told = f" with {shlex.join(a.resume_args)}" if a.resume_args else ""
+        about = f": {a.checkpoint_about}" if a.checkpoint_about else ""
+        for node, names in sorted(a.set_aside.items() if a.checkpoint else ()):
             click.echo(f"clusterctl: attempt {k}: {node}: set aside {', '.join(names)} (not in the checkpoint; "
                        f"kept under ~/.clusterctl/artifacts/{self.run.id}/set-aside/ there)", err=True)
-        click.echo(f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from checkpoint "
-                   f"{a['checkpoint']} ({where}{about}){told}" if a.get("checkpoint") else
-                   f"clusterctl: attempt {k} on {', '.join(a.get('nodes') or [])} starts from scratch: no "
+        click.echo(f"clusterctl: attempt {k} on {', '.join(a.nodes)} starts from checkpoint "
+                   f"{a.checkpoint} ({where}{about}){told}" if a.checkpoint else
+                   f"clusterctl: attempt {k} on {', '.join(a.nodes)} starts from scratch: no "
                    "checkpoint of this run was copied" + (" (--resume-args not added)" if self.run.spec.resume_args
                                                            else ""), err=True)
 
-    def start(self, rec: dict) -> Follower:
+    def start(self, rec: RunRecord) -> Follower:
         if self.follower is None:
             self.ranks = _ranks(rec)
             self.follower = Follower(_logs_for(self.run, rec, self.n), _printer(rec), nodes=self.nodes,
@@ -169,14 +169,14 @@ def ensure_supervisor(run: Run) -> subprocess.Popen | None:
     """Start a supervisor that adopts the run when the recorded one is gone and the run still
     needs one (not ended, or a stop still pending); returns it once it has recorded itself."""
     rec = run.record
-    if run.supervisor_alive() or time.time() - rec.get("created", 0) < SUPERVISOR_GRACE_S:
+    if run.supervisor_alive() or time.time() - rec.created < SUPERVISOR_GRACE_S:
         return None
-    if run.state(rec).terminal and not rec.get("stop_pending"):
+    if rec.state.terminal and not rec.pending_stops:
         return None
     _err(f"clusterctl: the supervisor of {run.id} is gone; starting one that takes the run over")
     proc = spawn(run, adopt=True)
     deadline = time.time() + SUPERVISOR_START_S
-    while time.time() < deadline and proc.poll() is None and run.record.get("supervisor_pid") != proc.pid:
+    while time.time() < deadline and proc.poll() is None and run.record.supervisor_pid != proc.pid:
         time.sleep(0.1)
     return proc
 
@@ -186,7 +186,7 @@ def _settled(run: Run) -> None:
     journal's last steps among them): it records its CPU time once they are, so the goodput line
     printed at the end is the one `clusterctl goodput` gives afterwards."""
     deadline = time.time() + END_SETTLE_S
-    while time.time() < deadline and "supervisor_cpu_s" not in run.record and run.supervisor_alive():
+    while time.time() < deadline and run.record.supervisor_cpu_s is None and run.supervisor_alive():
         time.sleep(0.1)
 
 
@@ -201,14 +201,14 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
         try:
             rec = run.record
             show.header(rec)
-            terminal = run.state(rec).terminal
+            terminal = rec.state.terminal
             if show.follower:
                 show.follower.poll(final=terminal or not keep_following)
             if terminal or not keep_following:
                 break
             if supervisor is not None:
                 supervisor.poll()  # reap it, so a dead supervisor is seen as dead
-            if not run.supervisor_alive() and time.time() - rec.get("created", 0) > SUPERVISOR_GRACE_S:
+            if not run.supervisor_alive() and time.time() - rec.created > SUPERVISOR_GRACE_S:
                 if restarts >= MAX_RESTARTS:
                     raise ClusterctlError(f"the supervisor of {run.id} keeps dying; see "
                                           f"{run.dir / 'supervisor.log'}")
@@ -228,15 +228,14 @@ def follow(run: Run, *, keep_following: bool = True, n: int | None = None, nodes
     if (line := tables.goodput_line(of_run(run))) is not None:  # where the time went: `clusterctl goodput`
         _err(f"clusterctl: {line}")
     _results(run)
-    code = run.record.get("exit_code")
+    code = run.record.exit_code
     return 1 if code is None else int(code)
 
 
-def _shown_tail(run: Run, rec: dict, follower: Follower | None) -> tuple[str, str] | None:
+def _shown_tail(run: Run, rec: RunRecord, follower: Follower | None) -> tuple[str, str] | None:
     """When the run's summary ends with the failed rank's last lines (runs/policy.py root_cause)
     and the screen has just shown every line of that rank: (those lines, what to say instead)."""
-    ff = rec.get("first_failure") or {}
-    nd = next((n for n in run.nodes(rec) if n.name == ff.get("node")), None)
+    nd = rec.node(rec.first_failure.node) if rec.first_failure is not None else None
     if follower is None or nd is None or nd.first_rank is None:
         return None
     log = log_tail(run.node_log(nd.name))
@@ -300,8 +299,7 @@ def _node_filter(run: Run, value: str | None) -> frozenset[str]:
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--node'") from None
     rec = run.record
-    known = list(dict.fromkeys([nd.name for nd in run.nodes(rec)] +
-                               [n for a in rec.get("attempts") or [] for n in a.get("nodes") or []]))
+    known = list(dict.fromkeys([nd.name for nd in rec.nodes] + [n for a in rec.attempts for n in a.nodes]))
     unknown = [n for n in names if n not in known]
     if unknown and known:
         raise click.BadParameter(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a node of run "

@@ -20,7 +20,7 @@ from orchestrator.cli.runs import _err, complete_run_ids
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, ClusterctlError, with_unreachable
 from orchestrator.node import agent
 from orchestrator.runs.judge.hang import SNAPSHOT_WAIT_S, RankSnap, stacks_text
-from orchestrator.runs.record import AttemptRecord, load as load_record
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
@@ -59,7 +59,7 @@ def stack_command(run_id, nodes, ranks, wait, as_json):
     Exits 1 when a rank did not answer (stopped, in D state, no hook), 3 when a node could not
     be reached."""
     run = Run.find(run_id)
-    rec = load_record(run)
+    rec = run.record
     a = rec.current
     if a is None or rec.state.terminal:
         where = f"; its last hang's stacks: {run.dir / a.hang_dir / 'stacks.txt'}" if a and a.hang_dir else ""

@@ -18,25 +18,25 @@ from orchestrator.errors import UnreachableError
 from orchestrator.home import runs_dir
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
-from orchestrator.runs.record import load as load_record
 from orchestrator.runs.spec import NodeState
 from orchestrator.runs.ckpt.jobdir_replicas import newest_copied
 from orchestrator.runs.goodput import of_run
 from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
 
-def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus], now: float, view: LiveView,
+def _nodes_table(run: Run, rec: RunRecord, from_nodes: dict[str, AgentStatus], now: float, view: LiveView,
                  note: str = ""):
     """The attempt, its nodes in rank order, each node's state (the nodes' own word when they
     were asked), pid, exit, runtime, step (runs/liveview.py: the log's, else the hook's, else
     its collectives) and the job's last line there."""
-    a = typed.current
+    a = rec.current
     tries = f", attempt {a.attempt} of at most {tables.at_most(rec, run.spec.max_restarts)}" if a is not None else ""
     steps = {r.name: r.progress for r in view.rows(now=now)}
     rows = []
-    for nd in run.nodes(rec):
+    for nd in rec.nodes:
         state, code, last = nd.state, nd.exit_code, tables.last_line(run.node_log(nd.name), nd.first_rank)
         asked = from_nodes.get(nd.name)
         if asked is not None:  # the nodes' own word beats a stale record (its last line: the job's)
@@ -44,18 +44,17 @@ def _nodes_table(run: Run, rec: dict, typed, from_nodes: dict[str, AgentStatus],
             state = _node_state_now(asked, code)
         rows.append((nd.name, nd.ranks, tables.shown_state(state, rec), str(nd.pid or "-"),
                      "-" if code is None else str(code), tables.runtime(nd, rec, now), steps.get(nd.name, "-"), last))
-    return tables.status_table(f"{run.id}: {rec.get('state')}{tries}{note}", rows)
+    return tables.status_table(f"{run.id}: {rec.state}{tries}{note}", rows)
 
 
-def ask_nodes(run: Run) -> dict[str, AgentStatus]:
+def ask_nodes(run: Run, rec: RunRecord) -> dict[str, AgentStatus]:
     """Each started node's own view of the run's current attempt (node agent `status` under that
-    attempt's key: RUN, then RUN.aK), for when the supervisor is gone."""
+    attempt's key, RunRecord.key: RUN, then RUN.aK), for when the supervisor is gone."""
     spec = run.spec
-    started = [nd.name for nd in run.nodes() if nd.pid]
+    started = [nd.name for nd in rec.nodes if nd.pid]
     if not started:
         return {}
-    current = load_record(run).current
-    key = current.key if current is not None and current.key else run.id
+    key = rec.key
     with Cluster(spec.load_inventory(started), connect_timeout=spec.connect_timeout, fanout=spec.fanout) as cluster:
         out = agent.run(cluster, lambda n: agent.status(n, key))
         for name, r in cluster.unreachable.items():
@@ -83,21 +82,20 @@ def status_command(run_id, as_json):
 
     run = Run.find(run_id)
     rec = run.record
-    alive, terminal = run.supervisor_alive(), run.state(rec).terminal
-    from_nodes = {} if alive or terminal else ask_nodes(run)
+    alive, terminal = run.supervisor_alive(), rec.state.terminal
+    from_nodes = {} if alive or terminal else ask_nodes(run, rec)
     if not alive:
         ensure_supervisor(run)
     view = LiveView(run.dir, run.spec.hang_timeout)
-    view.look(run.nodes(rec), (rec.get("attempts") or [None])[-1])
+    view.look(rec.nodes, rec.current)
     ledger = of_run(run)
     if as_json:
         nodes_now = {name: s.as_json() for name, s in from_nodes.items()}
-        click.echo(json.dumps(dict(rec, supervisor_alive=alive, nodes_now=nodes_now, ranks_now=view.ranks_json(),
-                                   goodput=ledger.to_json()), indent=2))
+        click.echo(json.dumps({**rec.to_json(), "supervisor_alive": alive, "nodes_now": nodes_now,
+                               "ranks_now": view.ranks_json(), "goodput": ledger.to_json()}, indent=2))
         return
-    typed = load_record(run)
-    a = typed.current
-    Console().print(_nodes_table(run, rec, typed, from_nodes, time.time(), view,
+    a = rec.current
+    Console().print(_nodes_table(run, rec, from_nodes, time.time(), view,
                                  "" if alive or terminal else " (supervisor gone: asked the nodes and started one "
                                  "that takes the run over)"))
     if any(r.collectives is not None for r in view.rows()):
@@ -112,13 +110,13 @@ def status_command(run_id, as_json):
                                                              if a.hang_dir else ""))
     if a is not None and a.straggler:  # named now by the straggler watch (runs/judge/straggler.py)
         _err(f"clusterctl: attempt {a.attempt}: {a.straggler}")
-    if typed.recovering:
-        _err(f"clusterctl: recovering after {typed.recovering}")
+    if rec.recovering:
+        _err(f"clusterctl: recovering after {rec.recovering}")
     if (line := tables.goodput_line(ledger)) is not None:  # `clusterctl goodput` has the whole ledger
         _err(f"clusterctl: {line}")
-    if rec.get("summary") or rec.get("error"):
+    if rec.summary or rec.error:
         _summary(rec)
-    for p in typed.pending_stops:
+    for p in rec.pending_stops:
         why = f": {p.why} (try {p.tries}" + (f", next in {max(0, p.next_try - time.time()):.0f}s)"
                                              if p.next_try else ")") if p.why else ""
         _err(f"clusterctl: stop pending on {p.node} ({p.key}){why}: not confirmed yet; it is carried out as "
@@ -139,7 +137,7 @@ def runs_command(opts: ClusterOptions, on_cluster, as_json):
         return _cluster_runs(opts, as_json)
     rows = [r.record for r in Run.all()]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([rec.to_json() for rec in rows], indent=2))
         return
     click.echo(f"runs recorded in the control home {runs_dir().parent}")  # CLUSTERCTL_HOME picks another
     Console().print(tables.runs_table(rows))

@@ -24,13 +24,13 @@ from orchestrator.node import agent
 from orchestrator.runs.launch import stray_processes
 from orchestrator.runs.policy import MAX_GRACE
 from orchestrator.runs.record import Book
-from orchestrator.runs.record import load as load_record
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.stopping import LOG_DRAIN_S
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
 
-def _wait_ended(run: Run, timeout: float) -> dict:
+def _wait_ended(run: Run, timeout: float) -> RunRecord:
     """Wait until the run's record says it ended; returns the record."""
     deadline = time.time() + timeout
     while not run.terminal:
@@ -62,7 +62,7 @@ def stop_command(run_id, grace, timeout, as_json):
         emit(run_doc(run.record))
 
 
-def run_nodes(rec) -> list[str]:
+def run_nodes(rec: RunRecord) -> list[str]:
     """Every node an ended run may have left something on: its attempts' nodes, the nodes it
     claimed, left out, or still has a stop pending on."""
     return sorted({n for a in rec.attempts for n in a.nodes} | {nd.name for nd in rec.nodes} | set(rec.claimed)
@@ -74,7 +74,7 @@ def clear_ended(run: Run, grace: float | None) -> tuple[dict[str, list[str]], di
     processes stopped (an attempt whose stop never reached the node), its claim dropped (a node
     that did not answer when the run ended). Returns ({node: [what was cleared]}, {node: why it
     was not asked})."""
-    rec = load_record(run)
+    rec = run.record
     spec = run.spec
     cleared: dict[str, list[str]] = {}
     # every node of its inventory: a spare it claimed may be in no attempt of the record; one
@@ -105,16 +105,16 @@ def _stop_ended(run: Run, grace: float | None) -> None:
     """`stop` of a run that already ended: what is left of it on its nodes is cleared, and said."""
     rec = run.record
     cleared, failed = clear_ended(run, grace)
-    if rec.get("stop_pending") and not run.supervisor_alive():
+    if rec.pending_stops and not run.supervisor_alive():
         ensure_supervisor(run)  # it carries out the stops still pending as their nodes answer
-    state = rec.get("state")
+    state = rec.state
     if cleared:
         where = "; ".join(f"{n}: {', '.join(what)}" for n, what in cleared.items())
         _err(f"clusterctl: run {run.id} had already {state}; cleared what was left of it: {where}")
     elif not failed:
         _err(f"clusterctl: run {run.id} already {state}; no process of it is left on its nodes, and no claim")
     if failed:
-        pending = set(rec.get("stop_pending") or [])
+        pending = set(rec.stop_pending)
         later = ("a stop pending in its record clears it there once it answers again" if set(failed) <= pending
                  else f"run `clusterctl stop {run.id}` again once it answers")
         raise UnreachableError(failed, f"so processes or a claim of run {run.id} may be left there: {later}")
@@ -122,18 +122,18 @@ def _stop_ended(run: Run, grace: float | None) -> None:
 
 def _stop(run: Run, grace: float | None, timeout: float | None) -> None:
     rec = run.record
-    if run.terminal:
+    if rec.state.terminal:
         _stop_ended(run, grace)
         return
     run.request_stop(grace, by=f"{getpass.getuser()}@{socket.gethostname()}")
     if run.supervisor_alive():
-        os.kill(rec["supervisor_pid"], signal.SIGTERM)
+        os.kill(rec.supervisor_pid, signal.SIGTERM)
     else:
         ensure_supervisor(run)  # a replacement reads the request when it starts
     spec = run.spec
     wait = timeout or (max(spec.grace, grace or 0, MAX_GRACE) + LOG_DRAIN_S + spec.lost_timeout + 60)
     rec = _wait_ended(run, wait)
-    pending = rec.get("stop_pending") or []
+    pending = rec.stop_pending
     if pending:
         raise UnreachableError({n: "not reachable" for n in pending},
                                f"so run {run.id} could not be confirmed stopped there. The stop stays "

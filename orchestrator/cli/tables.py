@@ -17,7 +17,8 @@ from rich.text import Text
 from orchestrator.runs.logs.follow import last_lines_offset
 from orchestrator.runs.logs.rankfiles import RANK_TAG
 from orchestrator.runs.logs.screen import job_text
-from orchestrator.runs.spec import NodeState, NodeStatus
+from orchestrator.runs.runrecord import RunRecord
+from orchestrator.runs.spec import NodeState, NodeStatus, RunState
 
 # torchrun's, c10d's and torch's own chatter (`W1124 20:13:59.129000 4242 torch/...`, `[W1128
 # 19:22:04.564295190 reducer.cpp:1529] Warning: ...`): not the job's last word
@@ -27,11 +28,11 @@ _REPORT = re.compile(r"^[=-]{20}|^\s*(?:time|host|rank|exitcode|error_file|trace
                      r"^\[\d+\]:$|<NO_OTHER_FAILURES>| FAILED$|ChildFailedError")
 
 
-def runtime(nd: NodeStatus, rec: dict, now: float) -> str:
-    start = rec.get("started")
+def runtime(nd: NodeStatus, rec: RunRecord, now: float) -> str:
+    start = rec.started
     if not start:
         return "-"
-    s = int((nd.ended or rec.get("ended") or now) - start)
+    s = int((nd.ended or rec.ended or now) - start)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
@@ -73,21 +74,18 @@ def node_line(line: str, first_rank: int | None) -> tuple[str, bool]:
     return ("" if _REPORT.search(text) else text), False
 
 
-ENDED = ("finished", "failed", "stopped")
-
-
-def at_most(rec: dict, max_restarts: int) -> int:
+def at_most(rec: RunRecord, max_restarts: int) -> int:
     """The highest attempt number the run may reach: an attempt before the current one that never
     launched spent no restart (runs/controller.py), so the last number grows by one for each."""
-    return max_restarts + 1 + sum(1 for a in (rec.get("attempts") or [])[:-1] if not a.get("launched"))
+    return max_restarts + 1 + sum(1 for a in rec.attempts[:-1] if not a.launched)
 
 
-def shown_state(state: NodeState, rec: dict) -> str:
+def shown_state(state: NodeState, rec: RunRecord) -> str:
     """A node torchrun left non-zero because the user stopped the run was stopped, not failed;
     one whose attempt ended before it launched there was never started, not still pending."""
-    if state is NodeState.PENDING and rec.get("state") in ENDED:
+    if state is NodeState.PENDING and rec.state.terminal:
         return "not started"
-    by_user = rec.get("state") == "stopped" or rec.get("teardown") == "stop"
+    by_user = rec.state is RunState.STOPPED or rec.teardown == "stop"
     return "stopped" if by_user and state is NodeState.FAILED else str(state)
 
 
@@ -114,20 +112,19 @@ def status_table(title: str, rows: list[tuple[str, ...]]) -> Table:
     return t
 
 
-def runs_table(recs: list[dict]) -> Table:
+def runs_table(recs: list[RunRecord]) -> Table:
     """run, state, tries (attempts), nodes, world, created (month-day time), exit: one line per run."""
     t = _table()
     # the id is what `tail`/`status`/`stop` take: never cut short, the other columns give way (they
     # wrap only on a screen too narrow for one line, which 80 columns is not)
-    t.add_column("run", no_wrap=True, min_width=max((len(r.get("id", "?")) for r in recs), default=3))
+    t.add_column("run", no_wrap=True, min_width=max((len(r.id) for r in recs), default=3))
     for c in ("state", "tries", "nodes", "world", "created", "exit"):
         t.add_column(c, justify="right" if c in ("tries", "nodes", "world", "exit") else "left")
     for rec in recs:
-        created = time.strftime("%m-%d %H:%M", time.localtime(rec.get("created", 0)))
-        tries = len(rec.get("attempts") or []) or "-"
-        t.add_row(rec.get("id", "?"), rec.get("state", "?"), str(tries), str(len(rec.get("nodes", []))),
-                  str(rec.get("world_size", "-")), created,
-                  "-" if rec.get("exit_code") is None else str(rec["exit_code"]))
+        created = time.strftime("%m-%d %H:%M", time.localtime(rec.created))
+        t.add_row(rec.id, rec.state.value, str(len(rec.attempts) or "-"), str(len(rec.nodes)),
+                  "-" if rec.world_size is None else str(rec.world_size), created,
+                  "-" if rec.exit_code is None else str(rec.exit_code))
     return t
 
 

@@ -68,8 +68,7 @@ def wait_launching(run: Run, sup: subprocess.Popen) -> int:
     """--detach: wait until the run holds its nodes and launches (0), or ended before (its code)."""
     deadline = time.time() + DETACH_WAIT_S
     while time.time() < deadline:
-        rec = run.record
-        state = run.state(rec)
+        state = run.record.state
         if state in (RunState.LAUNCHING, RunState.RUNNING):
             return 0
         if state is RunState.QUEUED:
@@ -77,10 +76,10 @@ def wait_launching(run: Run, sup: subprocess.Popen) -> int:
             return 0
         if state.terminal or sup.poll() is not None:
             rec = run.record
-            _err(f"clusterctl: run {run.id} {rec.get('state')}: {rec.get('error') or rec.get('summary') or ''}")
-            return int(rec.get("exit_code") or 1)
+            _err(f"clusterctl: run {run.id} {rec.state}: {rec.error or rec.summary or ''}")
+            return int(rec.exit_code or 1)
         time.sleep(0.1)
-    _err(f"clusterctl: run {run.id} still {run.state()} after {DETACH_WAIT_S}s; it goes on "
+    _err(f"clusterctl: run {run.id} still {run.record.state} after {DETACH_WAIT_S}s; it goes on "
          f"(`clusterctl tail {run.id}`)")
     return 0
 
@@ -351,7 +350,7 @@ def _interrupter(run: Run, sup, presses: list[float]):
     def interrupt():
         presses.append(time.time())
         run.request_stop(None, by=f"{getpass.getuser()}@{socket.gethostname()}")
-        pid = run.record.get("supervisor_pid") if run.supervisor_alive() else sup.pid
+        pid = run.record.supervisor_pid if run.supervisor_alive() else sup.pid
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:

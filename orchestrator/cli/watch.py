@@ -28,7 +28,8 @@ from orchestrator.cli.runs import _summary, complete_run_ids, ensure_supervisor
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.goodput import Ledger, of_run
 from orchestrator.runs.liveview import COLLECTIVES_NOTE, LiveView, Row
-from orchestrator.runs.record import load as load_record, story
+from orchestrator.runs.record import story
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 
 STACK_WAIT_S = 10.0  # how long the rank's hook has to answer
@@ -157,8 +158,9 @@ class StackAsk:
         from orchestrator.runs.judge.hang import stacks_text
 
         try:
-            a = load_record(run).current
-            if a is None or load_record(run).state.terminal:
+            rec = run.record
+            a = rec.current
+            if a is None or rec.state.terminal:
                 self.text = f"the run has ended: {self.node} has no rank {self.rank} to ask"
                 return
             snaps, _, unreachable = take_stacks(run, a, [self.node], [self.rank], STACK_WAIT_S)
@@ -183,12 +185,11 @@ class Screen:
         self.ledger: Ledger | None = None
         self.ledger_at = float("-inf")
 
-    def look(self, rec: dict) -> None:
-        attempts = rec.get("attempts") or []
-        self.view.look(self.run.nodes(rec), attempts[-1] if attempts else None)
+    def look(self, rec: RunRecord) -> None:
+        self.view.look(rec.nodes, rec.current)
         lines, self.story_at = story(self.run, self.story_at)
         self.told = (self.told + lines)[-2:]
-        if time.monotonic() - self.ledger_at >= GOODPUT_EVERY_S or self.run.state(rec).terminal:
+        if time.monotonic() - self.ledger_at >= GOODPUT_EVERY_S or rec.state.terminal:
             self.ledger, self.ledger_at = of_run(self.run), time.monotonic()
 
     def goodput(self) -> str | None:
@@ -218,13 +219,13 @@ class Screen:
             self.typed, self.detail = "", None if ch == "\x1b" else self.detail
         return True
 
-    def render(self, rec: dict, width: int, height: int, live: bool = True):
+    def render(self, rec: RunRecord, width: int, height: int, live: bool = True):
         from rich.console import Group
         from rich.text import Text
 
-        a = (rec.get("attempts") or [{}])[-1]
-        head = Text(f"{self.run.id}: {rec.get('state')}" + (f", attempt {a.get('attempt')} of at most "
-                    f"{tables.at_most(rec, self.run.spec.max_restarts)}" if a else ""), style="bold", overflow="ellipsis", no_wrap=True)
+        a = rec.current
+        head = Text(f"{self.run.id}: {rec.state}" + (f", attempt {a.attempt} of at most "
+                    f"{tables.at_most(rec, self.run.spec.max_restarts)}" if a is not None else ""), style="bold", overflow="ellipsis", no_wrap=True)
         parts = [head]
         gp = self.goodput()
         if gp:
@@ -286,7 +287,7 @@ def _live(screen: Screen, console, interval: float) -> bool:
             rec = screen.run.record
             screen.look(rec)
             live.update(screen.render(rec, console.width, console.height), refresh=True)
-            if screen.run.state(rec).terminal:
+            if rec.state.terminal:
                 return True
             deadline = time.monotonic() + interval
             while (left := deadline - time.monotonic()) > 0:
@@ -336,9 +337,9 @@ def watch_command(run_id, by_rank, rank, once, interval):
     rec = run.record
     screen.look(rec)  # after the stack's wait: the table says now, not when it was asked
     console.print(screen.render(rec, console.width, console.height, live=False))
-    if run.state(rec).terminal or live:
+    if rec.state.terminal or live:
         _summary(rec)
-        code = rec.get("exit_code")
+        code = rec.exit_code
         sys.exit(1 if code is None else int(code))
 
 

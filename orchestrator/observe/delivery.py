@@ -33,7 +33,7 @@ from orchestrator.home import home
 from orchestrator.observe.events import END, KINDS, Watcher, dumps, event, parse_kinds
 from orchestrator.observe.runview import RunView, newest_checkpoint
 from orchestrator.runs import notify, quarantine
-from orchestrator.runs.record import RunRecord, load
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run, read_json, write_json
 
 CONFIG = "events.json"
@@ -286,7 +286,7 @@ def end_event(run: Run) -> bytes | None:
     """The end's event for the --notify command run once at the end (no --notify-on); None when the
     record cannot be read."""
     try:
-        rec = load(run)
+        rec = run.record
     except Exception:  # noqa: BLE001 - the notification goes out without it
         return None
     kind = rec.state.value if rec.state.value in END else "failed"

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from orchestrator.runs.record import RunRecord
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.spec import NodeState, RunState
 
 END = ("finished", "failed", "stopped")

@@ -20,7 +20,7 @@ from orchestrator.observe.runview import RunFacts, RunView
 from orchestrator.observe.svg import line_chart, timeline
 from orchestrator.probe import common
 from orchestrator.runs.logs.rankfiles import rank_file
-from orchestrator.runs.record import RunRecord
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 
 LOSS = re.compile(r"\bstep (\d+)\b.*?\bloss[ :=]+([-+\d.eE]+)")

@@ -21,7 +21,7 @@ from orchestrator.runs.faults import story_lines
 from orchestrator.runs.goodput import Ledger
 from orchestrator.runs.liveview import RankTail, hang_culprits, slow_ranks
 from orchestrator.runs.logs.rankfiles import rank_file
-from orchestrator.runs.record import RunRecord
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.spec import NodeState, NodeStatus
 
 TAIL_BYTES = 64 << 10  # a rank file seen for the first time is read from this far before its end

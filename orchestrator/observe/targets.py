@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from orchestrator.inventory import Inventory, Node
-from orchestrator.runs.record import RunRecord
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 
 DEFAULT_PORTS = {"node_exporter": 9100, "dcgm_exporter": 9400}
@@ -63,9 +63,7 @@ def target_groups(inv: Inventory, ports: dict[str, int], records: list[RunRecord
 
 
 def live_records() -> list[RunRecord]:
-    from orchestrator.runs.record import load
-
-    return [load(r) for r in Run.all()]
+    return [r.record for r in Run.all()]
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -127,7 +127,7 @@ def end(run: Run, say: Callable[[str], None]) -> None:
     """The run ended: its MLflow runs end the same way (END_STATUS). Never raises."""
     try:
         rec = run.record
-        status = END_STATUS.get(str(rec.get("state")))
+        status = END_STATUS.get(rec.state.value)
         settings = mlflow_settings(run.spec.load_inventory())
         if status is None or "MLFLOW_TRACKING_URI" not in settings or _usable(settings):
             return

@@ -30,7 +30,8 @@ from orchestrator.runs.judge.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
 from orchestrator.runs.progresslog import ProgressLog
-from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResult, RunSpec, RunState
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.transfer import synced

@@ -28,7 +28,8 @@ from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
 from orchestrator.node import agent
 from orchestrator.runs.launch import ClaimLost, claim_nodes
-from orchestrator.runs.record import Book, PendingStop
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import PendingStop
 from orchestrator.runs.stopping import Stopper
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster

@@ -37,7 +37,8 @@ from orchestrator.runs.claims import Claims
 from orchestrator.runs.ckpt.jobdir_replicas import artifact_copier
 from orchestrator.runs.launch import NodesNotReady, first_lineup, silent_nodes
 from orchestrator.runs.policy import hang_retried
-from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.readying import Readying, fresh_nodes
 from orchestrator.runs.restart import Verdict, classify, next_nodes, ordered, outcomes, summary
 from orchestrator.runs.space import Space, end_writes

@@ -22,7 +22,7 @@ from orchestrator.runs import goodput, stepjournal
 from orchestrator.runs.drillreport import Outcome
 from orchestrator.runs.liveview import SLOW
 from orchestrator.runs.logs.follow import worker_failure
-from orchestrator.runs.record import AttemptRecord, RunRecord, load as load_record
+from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster
 
@@ -62,14 +62,11 @@ class Drill:
         self.run, self.say, self.hands = run, say, Hands(run)
 
     # ------------------------------------------------------------ waiting on the record
-    def record(self) -> RunRecord:
-        return load_record(self.run)
-
     def _until(self, cond: Callable[[RunRecord], object], timeout: float):
         """cond(record)'s first truthy value within `timeout` s; None at the timeout or once the run ended."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            rec = self.record()
+            rec = self.run.record
             got = cond(rec)
             if got or rec.state.terminal:
                 return got or None
@@ -190,7 +187,7 @@ class Drill:
             m = next(m for m in SLOW.finditer(seen.straggler or "") if str(o.rank) in m.group(2).split(","))
             o.culprit_node, o.culprit_rank = m.group(1), o.rank
         else:
-            cur = self.record().current
+            cur = self.run.record.current
             o.notes.append(f"the straggler watch did not name rank {o.rank} within the throttle's {THROTTLE_S:g}s"
                            + (f" ({cur.straggler})" if cur is not None and cur.straggler else ""))
         t.join(THROTTLE_S + CALL_S)
@@ -223,7 +220,7 @@ def stop_run(run: Run, timeout: float) -> bool:
 
     if not run.terminal:
         run.request_stop(None, by="clusterctl drill")
-        pid = run.record.get("supervisor_pid")
+        pid = run.record.supervisor_pid
         if pid and run.supervisor_alive():
             try:
                 os.kill(pid, signal.SIGTERM)

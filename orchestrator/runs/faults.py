@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.runs.record import STORY, AttemptRecord
+from orchestrator.runs.record import STORY
+from orchestrator.runs.runrecord import AttemptRecord
 
 NO_FAULT = (None, "finished", "stopped")
 LOST = "node lost"

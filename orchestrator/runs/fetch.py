@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 from orchestrator.node import artifacts
 from orchestrator.node.form import Exec
@@ -41,15 +42,15 @@ def check_path(path: str | None) -> str | None:
     return None if str(p) == "." else str(p)
 
 
-def run_keys(rec: dict) -> dict[str, list[str]]:
+def run_keys(rec: RunRecord) -> dict[str, list[str]]:
     """Every node the run used, in first-use order, with the node-runs keys (KEY@NODE) it has:
     one per attempt the node took part in (`attempts`), else the run id's."""
     out: dict[str, list[str]] = {}
-    for attempt in rec.get("attempts") or []:
-        for name in attempt.get("nodes") or []:
-            out.setdefault(name, []).append(f"{attempt.get('key') or rec['id']}@{name}")
-    for nd in rec.get("nodes") or []:
-        out.setdefault(nd["name"], [f"{rec['id']}@{nd['name']}"])
+    for attempt in rec.attempts:
+        for name in attempt.nodes:
+            out.setdefault(name, []).append(f"{attempt.key or rec.id}@{name}")
+    for nd in rec.nodes:
+        out.setdefault(nd.name, [f"{rec.id}@{nd.name}"])
     return out
 
 

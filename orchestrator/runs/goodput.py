@@ -42,7 +42,7 @@ from pathlib import Path
 from orchestrator.probe import common
 from orchestrator.runs import stepjournal
 from orchestrator.runs.faults import Fault, fault_of, story_lines, straggler_spans
-from orchestrator.runs.record import AttemptRecord, RunRecord
+from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.stepjournal import Steps, seconds_per_step, value_at
 from orchestrator.runs.store import Run, read_json

@@ -34,6 +34,7 @@ from orchestrator.runs.progress import Progress, parse
 from orchestrator.runs.progresslog import RankProgress
 from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.logs.screen import job_text
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.spec import NodeState, NodeStatus
 
 STEP_MS = re.compile(r"\bstep ([\d.]+) ?ms\b")
@@ -186,16 +187,15 @@ class LiveView:
             return range(0)
         return range(nd.first_rank, (nd.last_rank if nd.last_rank is not None else nd.first_rank) + 1)
 
-    def look(self, nodes: list[NodeStatus], attempt: dict | None, now: float | None = None) -> None:
+    def look(self, nodes: list[NodeStatus], attempt: AttemptRecord | None, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.nodes = nodes
         for nd in nodes:
             for r in self.ranks_of(nd):
                 self.tails.setdefault(r, RankTail(rank_file(self.dir, r))).read(now)
-        attempt = attempt or {}
-        self.hooked = progresslog.read(self.dir, attempt.get("key"))
-        self.hang = hang_culprits(self.dir, attempt.get("hang_dir"))
-        self.slow = slow_ranks(attempt.get("straggler"))
+        self.hooked = progresslog.read(self.dir, attempt.key if attempt is not None else None)
+        self.hang = hang_culprits(self.dir, attempt.hang_dir if attempt is not None else None)
+        self.slow = slow_ranks(attempt.straggler if attempt is not None else None)
 
     def moved(self, rank: int) -> float | None:
         """When the rank's progress last moved (its log's step, its hook's step or collectives);

@@ -23,6 +23,7 @@ import subprocess
 from typing import Callable
 
 from orchestrator.home import user_umask, users_env
+from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import SUPERVISOR_MARK, Run, read_json, write_json
 
 NOTIFY_TIMEOUT = 60.0
@@ -46,17 +47,16 @@ def notify_command(run: Run) -> str | None:
         return None
 
 
-def failure_text(rec: dict) -> str:
-    ff = rec.get("first_failure") or {}
-    if ff:
-        code = ff.get("exit_code")
-        return f"{ff.get('node')}: {ff.get('reason')}" + ("" if code is None else f" (exit code {code})")
-    return rec.get("error") or ("" if rec.get("exit_code") == 0 else rec.get("summary") or "")
+def failure_text(rec: RunRecord) -> str:
+    ff = rec.first_failure
+    if ff is not None:
+        return f"{ff.node}: {ff.reason}" + ("" if ff.exit_code is None else f" (exit code {ff.exit_code})")
+    return rec.error or ("" if rec.exit_code == 0 else rec.summary or "")
 
 
-def notify_env(rec: dict) -> dict[str, str]:
-    code = rec.get("exit_code")
-    return {"CLUSTERCTL_RUN_ID": str(rec.get("id", "")), "CLUSTERCTL_STATUS": str(rec.get("state", "")),
+def notify_env(rec: RunRecord) -> dict[str, str]:
+    code = rec.exit_code
+    return {"CLUSTERCTL_RUN_ID": rec.id, "CLUSTERCTL_STATUS": str(rec.state),
             "CLUSTERCTL_EXIT_CODE": "" if code is None else str(code),
             "CLUSTERCTL_FAILURE": " ".join(failure_text(rec).split())[:1000]}
 
@@ -105,7 +105,7 @@ def notify_end(run: Run, say: Callable[[str], None] = print, timeout: float = NO
         if not command:
             return None
         rec = run.record
-        say(f"notify: {command} (run {rec.get('state')}, exit code {rec.get('exit_code')})")
+        say(f"notify: {command} (run {rec.state}, exit code {rec.exit_code})")
         return run_command(run, command, notify_env(rec), stdin, say, timeout)
     except Exception as e:  # noqa: BLE001 - a notification never changes how the run ended
         say(f"notify: failed: {type(e).__name__}: {e}")

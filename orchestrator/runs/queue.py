@@ -44,14 +44,14 @@ def holders(cluster: "Cluster", names: list[str]) -> tuple[dict[str, Claim], dic
 
 def ahead_of(run: Run, names: list[str]) -> list[str]:
     """Earlier queued runs of this control machine that want any of these nodes, and are alive."""
-    created = run.record.get("created", 0)
+    created = run.record.created
     out = []
     for other in Run.all():
         rec = other.record
-        if other.id == run.id or rec.get("created", 0) >= created or other.state(rec) is not RunState.QUEUED:
+        if other.id == run.id or rec.created >= created or rec.state is not RunState.QUEUED:
             continue
-        young = time.time() - rec.get("created", 0) < YOUNG_S
-        if set(rec.get("queue_nodes") or []) & set(names) and (young or other.supervisor_alive()):
+        young = time.time() - rec.created < YOUNG_S
+        if set(rec.queue_nodes) & set(names) and (young or other.supervisor_alive()):
             out.append(other.id)
     return out
 

@@ -17,7 +17,8 @@ from orchestrator.runs.ckpt import jobdir_home
 from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.launch import NodesNotReady, reopen
-from orchestrator.runs.record import AttemptRecord, Book
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import AttemptRecord
 from orchestrator.runs.restart import Restorer, prepare_artifacts
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run

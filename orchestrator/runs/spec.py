@@ -212,6 +212,16 @@ class FirstFailure:
     at: float = field(default_factory=time.time)  # when the supervisor saw it (control clock)
     ended: float | None = None  # when the node failed (node clock: NodeStatus.failed_at), when known
 
+    @classmethod
+    def from_json(cls, doc: dict | None) -> "FirstFailure | None":
+        """None for a record without one (or one too damaged to name its node)."""
+        kw = fields_of(cls, doc) if isinstance(doc, dict) else {}
+        if not kw.get("node"):
+            return None
+        kw.setdefault("exit_code", None)
+        kw.setdefault("reason", "")
+        return cls(**kw)
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -22,7 +22,8 @@ from orchestrator.inventory import Inventory
 from orchestrator.node import agent
 from orchestrator.runs.logs.catchup import complete_after_stop
 from orchestrator.runs.policy import stop_grace
-from orchestrator.runs.record import Book, PendingStop
+from orchestrator.runs.record import Book
+from orchestrator.runs.runrecord import PendingStop
 from orchestrator.transport import Cluster, retry_wait
 
 LOST_PATIENCE = 300.0  # how long a lost node is retried, to stop the run there once it answers

@@ -30,7 +30,8 @@ import psutil
 
 from orchestrator.errors import ClusterctlError, UsageError
 from orchestrator.home import own_runs_dir, runs_dir, set_umask
-from orchestrator.runs.spec import NodeStatus, RunSpec, RunState
+from orchestrator.runs.runrecord import RunRecord
+from orchestrator.runs.spec import RunSpec
 
 SUPERVISOR_MARK = "CLUSTERCTL_SUPERVISOR"  # in the supervisor's environment: its run id
 
@@ -82,9 +83,9 @@ def _ids() -> list[str]:
         return []
     found = []
     for p in d.iterdir():
-        rec = None if p.name.startswith(".") else read_json(p / "run.json")
-        if rec is not None:
-            found.append((rec.get("created", 0), p.name))
+        doc = None if p.name.startswith(".") else read_json(p / "run.json")
+        if doc is not None:
+            found.append((RunRecord.from_json(doc, p.name).created, p.name))
     return [i for _, i in sorted(found)]
 
 
@@ -107,7 +108,7 @@ class Run:
             tmp = r.dir.with_name(f".{run_id}.tmp")
             (tmp / "nodes").mkdir(parents=True)
             write_json(tmp / "spec.json", spec.to_json(), mode=0o600)
-            write_json(tmp / "run.json", {"id": run_id, "state": RunState.STARTING, "created": time.time()})
+            write_json(tmp / "run.json", RunRecord(run_id, created=time.time()).to_json())
             os.rename(tmp, r.dir)
         finally:
             os.umask(umask)
@@ -141,15 +142,10 @@ class Run:
         return RunSpec.from_json(read_json(self.dir / "spec.json"))
 
     @property
-    def record(self) -> dict:
-        return read_json(self.dir / "run.json") or {"id": self.id, "state": RunState.UNKNOWN.value}
-
-    def state(self, record: dict | None = None) -> RunState:
-        st = (record or self.record).get("state")
-        return RunState(st) if st in RunState._value2member_map_ else RunState.UNKNOWN
-
-    def nodes(self, record: dict | None = None) -> list[NodeStatus]:
-        return [NodeStatus.from_json(d) for d in (record or self.record).get("nodes", [])]
+    def record(self) -> RunRecord:
+        """The run's record as it is on disk now (each read reads the file); state `unknown` when
+        there is none or it does not parse. The one way to read a record: `Book` writes it."""
+        return RunRecord.from_json(read_json(self.dir / "run.json"), self.id)
 
     def clean_temporaries(self) -> list[str]:
         """Remove the temporary files (NAME.tmpPID) a writer that died mid-write left in the run
@@ -195,21 +191,21 @@ class Run:
         environment, and (when recorded) was created when the supervisor was, so a reused pid
         is never taken for it."""
         rec = self.record
-        pid = rec.get("supervisor_pid")
+        pid = rec.supervisor_pid
         if not pid:
             return False
         try:
             p = psutil.Process(pid)
             if p.status() == psutil.STATUS_ZOMBIE or p.environ().get(SUPERVISOR_MARK) != self.id:
                 return False
-            born = rec.get("supervisor_created")
+            born = rec.supervisor_created
             return born is None or abs(p.create_time() - born) < 1.0
         except psutil.Error:
             return False
 
     @property
     def terminal(self) -> bool:
-        return self.state().terminal
+        return self.record.state.terminal
 
 
 def exit_meaning(code: int | None) -> str:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = run.lock_supervisor()
     if lock is None:  # another supervisor runs the run
         return 0
-    if "--adopt" in argv and run.state().terminal and not run.record.get("pending_stops"):
+    if "--adopt" in argv and (rec := run.record).state.terminal and not rec.pending_stops:
         return 0  # nothing left to do: it ended between the check and this start
     events = None
     try:

@@ -54,12 +54,12 @@ class LogCopier:
         self.ranks: RankFiles | None = None  # the per-rank files (runs/logs/rankfiles.py), split as bytes land
         self.ranks_wait = False  # stopped by a full disk: made again (from their index) once there is room
         # when rank 0's steps arrived (the goodput ledger's); a full disk costs the ledger points, not the run
-        self.steps = StepJournal(run.dir, int(run.record.get("attempt") or 1))
+        self.steps = StepJournal(run.dir, run.record.attempt or 1)
         self.split_ranks()
 
     def split_ranks(self) -> None:
         """The per-rank files, from where their index left them (runs/logs/rankfiles.py)."""
-        first = {nd.get("name"): nd.get("first_rank") for nd in self.run.record.get("nodes") or []}
+        first = {nd.name: nd.first_rank for nd in self.run.record.nodes}
         try:
             self.ranks = RankFiles(self.run.dir, {name: self.run.node_log(name) for name in self.names}, first,
                                    on_line=self.steps.rank_line)

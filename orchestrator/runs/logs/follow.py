@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Collection, Iterable, Protocol
 
 from orchestrator.runs.logs.screen import Screen
+from orchestrator.runs.runrecord import RunRecord
+from orchestrator.runs.spec import NodeState
 
 _RANK_RE = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # as runs/logs/rankfiles.py RANK_TAG
 
@@ -104,15 +106,15 @@ class LinePrinter(Protocol):
     def widen(self, label: str) -> None: ...
 
 
-def quiet_nodes(rec: dict) -> set[str]:
+def quiet_nodes(rec: RunRecord) -> set[str]:
     """The nodes whose tracebacks are noise on screen (runs/logs/screen.py): every node but the one
     that failed first once clusterctl tears the attempt down (a user's stop: every node), and
     every node once one finished cleanly (torchrun's shutdown after a success)."""
-    names = {nd.get("name") for nd in rec.get("nodes") or []}
-    why = rec.get("teardown") or ""
+    names = {nd.name for nd in rec.nodes}
+    why = rec.teardown or ""
     if why:
         return names - {why[:-len(" failed")]} if why.endswith(" failed") else names
-    if any(nd.get("state") == "finished" for nd in rec.get("nodes") or []):
+    if any(nd.state is NodeState.FINISHED for nd in rec.nodes):
         return names
     return set()
 
