@@ -35,7 +35,7 @@ from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, 
 from orchestrator.checks.report import NodeReport, PreflightReport
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.node import portlisten
+from orchestrator.node import form, portlisten
 from orchestrator.node import preflight as preflight_probe
 from orchestrator.transfer.files import control_code, private_files, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
@@ -197,6 +197,7 @@ class _Probes:
             # it outlives the round's probes (close() ends it): a late worker finds it listening
             self.listener = _Listener(cluster, self.inv.master, self.inv.master_port, len(workers), timeout + 5)
             self.own_pids.update([self.listener.pid] if self.listener.pid else [])
+        form.place(cluster, names)  # the probe runs nodeinfo from the node code (node/form.py)
         try:
             res = cluster.run(self.command, stdin=probe_script(self.checks), timeout=timeout, nodes=names,
                               on_line=self.on_line if "clock_skew" in self.checks else None)

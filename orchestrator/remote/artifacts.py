@@ -48,6 +48,11 @@ import shutil
 import sys
 import tarfile
 
+from .common import (
+    MANIFEST, NODE_RUNS, SIDECAR, checkpoint_kind, checkpoint_parts, checkpoint_step, extract_member,
+    own_dir, private_files, safe_name, tar_member_ok,
+)
+
 BASE = os.path.expanduser("~/.clusterctl/artifacts")
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
@@ -302,8 +307,8 @@ def poll(d, tb, offsets_hex):
     since(tb, offsets_hex)
 
 
-if __name__ == "__main__":
+def main(argv):
     private_files()
-    cmd, args = sys.argv[1], sys.argv[2:]
+    cmd, args = argv[0], argv[1:]
     {"prepare": prepare, "held": held, "prune": prune, "send": send, "receive": receive, "poll": poll,
      "pack": pack, "tree": tree}[cmd](*args)
