@@ -86,7 +86,8 @@ class FakeCluster:
         data = self.streams[node]
         on_bytes(node, "stdout", data[: len(data) // 2] if node in self.cut else data)
         ok = node not in self.cut
-        return {node: SimpleNamespace(ok=ok, describe=lambda: "connection lost" if not ok else "exit 0")}
+        return {node: SimpleNamespace(ok=ok, exit_code=0 if ok else None, stderr="",
+                                      describe=lambda: "connection lost" if not ok else "exit 0")}
 
 
 def copier(tmp_path, cluster):
