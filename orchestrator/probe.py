@@ -1,6 +1,6 @@
 """The node side read on the control machine: the `@@name` sections its probes print, the node
-code (orchestrator/remote/ as one zip keyed by its hash: `node_code`, and the `BOOT` line that
-starts one of its programs on a node), and those programs loaded here as modules (`load`,
+code (orchestrator/remote/ as one package, a tar keyed by its hash: `node_code`, and the `BOOT`
+line that starts one of its programs on a node), and those programs loaded here as modules (`load`,
 `common`, `load_nodeinfo`): the same files, imported.
 
 A probe (the preflight script, the GPU probe, nodeinfo) prints each tool's output under an
@@ -16,7 +16,8 @@ import os
 import re
 import sys
 import tempfile
-import zipfile
+import shutil
+import tarfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -65,19 +66,24 @@ def section(text: str, name: str) -> Section | None:
 
 REMOTE = Path(__file__).resolve().parent / "remote"
 COMMON = "common"  # remote/common.py: the rules every shipped program imports, and the control side too
-PACKAGE = "clusterctl_node"  # the package's name inside the zip the nodes run (remote/'s imports are relative)
-CACHE = "~/.clusterctl/node-code"  # on a node: the zips, one per version, named HASH.pyz
-MISSING = "clusterctl-node-code-missing"  # the boot's word on stderr (exit MISSING_EXIT) when the zip is not there
+PACKAGE = "clusterctl_node"  # the node code's package name on a node (remote/'s imports are relative)
+CACHE = "~/.clusterctl/node-code"  # on a node: one directory per version, named HASH, holding PACKAGE
+COMPLETE = ".complete"  # PACKAGE's last file in the tar: a version is on a node once this file is
+MISSING = "clusterctl-node-code-missing"  # the boot's word on stderr (exit MISSING_EXIT) when the code is not there
 MISSING_EXIT = 97
 
-# How every shipped program starts on a node: `PYTHON [FLAGS] -c BOOT ZIP PROGRAM ARGS`. ZIP (a
-# `~/` path: the node's home) goes first on sys.path; PROGRAM's `main(ARGS)` is called and its
-# return is the exit code. Nothing but the interpreter's own start-up is imported (-S keeps it so).
+# How every shipped program starts on a node: `PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS`. CODE (a
+# `~/` path: the node user's home) goes first on sys.path; PROGRAM's `main(ARGS)` is called and
+# its return is the exit code. Nothing but the interpreter's own start-up is imported (-S keeps it
+# so). The node's Python caches the program's bytecode beside it (__pycache__, written even where
+# PYTHONDONTWRITEBYTECODE is set: the directory is clusterctl's), so a program's source is
+# compiled once per node and version, not on every start.
 BOOT = ('import os,sys\n'
         'p=os.path.expanduser(sys.argv[1])\n'
-        'if not os.path.isfile(p):sys.stderr.write("%s "+p+"\\n");sys.stderr.flush();os._exit(%d)\n'
-        'sys.path.insert(0,p);n=sys.argv[2];sys.argv[:3]=[n]\n'
-        'sys.exit(__import__("%s."+n,fromlist=["main"]).main(sys.argv[1:]))') % (MISSING, MISSING_EXIT, PACKAGE)
+        'if not os.path.isfile(p+"/%s/%s"):sys.stderr.write("%s "+p+"\\n");sys.stderr.flush();os._exit(%d)\n'
+        'sys.path.insert(0,p);n=sys.argv[2];sys.argv[:3]=[n];b=sys.dont_write_bytecode;sys.dont_write_bytecode=0\n'
+        'm=__import__("%s."+n,fromlist=["main"]);sys.dont_write_bytecode=b\n'
+        'sys.exit(m.main(sys.argv[1:]))') % (PACKAGE, COMPLETE, MISSING, MISSING_EXIT, PACKAGE)
 
 
 def programs() -> list[str]:
@@ -87,39 +93,43 @@ def programs() -> list[str]:
 
 @cache
 def node_code() -> tuple[str, bytes]:
-    """(HASH, the zip's bytes): orchestrator/remote/*.py as the package PACKAGE, stored (no
-    compression: a node reads it without zlib) with fixed dates, so the same sources give the same
-    bytes and the same HASH (sha256, 20 hex digits) on every control machine. Read once per process."""
+    """(HASH, the tar's bytes): orchestrator/remote/*.py as the package PACKAGE, COMPLETE last,
+    every header fixed (owner, mode, date), so the same sources give the same bytes and the same
+    HASH (sha256, 20 hex digits) on every control machine. Read once per process."""
     buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for name in programs():
-            info = zipfile.ZipInfo(f"{PACKAGE}/{name}.py", date_time=(2020, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            z.writestr(info, (REMOTE / f"{name}.py").read_bytes())
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in [*((f"{n}.py", (REMOTE / f"{n}.py").read_bytes()) for n in programs()), (COMPLETE, b"")]:
+            info = tarfile.TarInfo(f"{PACKAGE}/{name}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 1_577_836_800  # 2020-01-01
+            tar.addfile(info, io.BytesIO(data))
     data = buf.getvalue()
     return hashlib.sha256(data).hexdigest()[:20], data
 
 
 def node_code_path() -> str:
-    """Where a node keeps this version's zip (a `~/` path: the node user's home)."""
-    return f"{CACHE}/{node_code()[0]}.pyz"
+    """Where a node keeps this version (a `~/` path: the node user's home): CACHE/HASH."""
+    return f"{CACHE}/{node_code()[0]}"
 
 
 def local_code() -> Path:
-    """This version's zip written on this machine (once, under the temporary directory), for a
-    program run here exactly as a node runs it (tests, benches): `local_argv`."""
+    """This version unpacked on this machine (once, under the temporary directory), for a program
+    run here exactly as a node runs it (tests, benches): `local_argv`."""
     h, data = node_code()
-    path = Path(tempfile.gettempdir()) / f"clusterctl-node-code-{os.getuid()}" / f"{h}.pyz"
-    if not path.is_file():
+    path = Path(tempfile.gettempdir()) / f"clusterctl-node-code-{os.getuid()}" / h
+    if not (path / PACKAGE / COMPLETE).is_file():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{h}.{os.getpid()}")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".in."))
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp)  # our own members, built above: no name or link to refuse
+        try:
+            tmp.rename(path)
+        except OSError:  # another process placed it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def local_argv(name: str, *args: str, python: str = sys.executable, flags: tuple[str, ...] = ()) -> list[str]:
-    """The argv that runs remote/NAME.py here as a node runs it (the boot, the zip, the program)."""
+    """The argv that runs remote/NAME.py here as a node runs it (the boot, the code, the program)."""
     return [python, *flags, "-c", BOOT, str(local_code()), name, *args]
 
 

@@ -1,5 +1,5 @@
-"""The node agent, run locally exactly as a node runs it: the node code's zip and its boot line
-(probe.local_argv: `python -c BOOT ZIP node_agent CMD ARGS`)."""
+"""The node agent, run locally exactly as a node runs it: the node code and its boot line
+(probe.local_argv: `python -c BOOT CODE node_agent CMD ARGS`)."""
 
 import json
 import os

@@ -1,13 +1,16 @@
 """orchestrator/node/: the one command form and the one reading of a node's answer.
 
 The command lines are held byte for byte (the strings below are the wire's record): every
-program runs from the node code's zip through the one boot line, its arguments one shell word
+program runs from the node code through the one boot line, its arguments one shell word
 each."""
 
+import io
 import json
 import os
 import shlex
+import shutil
 import sys
+import tarfile
 
 import pytest
 
@@ -26,7 +29,7 @@ def node(share: bool = False, python: str = "~/venv/bin/python"):
 
 
 def boot(python: str, program: str, flags: str = "") -> str:
-    """The head of every node program's line: `PYTHON [FLAGS] -c BOOT ZIP PROGRAM`."""
+    """The head of every node program's line: `PYTHON [FLAGS] -c BOOT CODE PROGRAM`."""
     return f"{python} {flags + ' ' if flags else ''}-c {shell.quote(probe.BOOT)} " \
            f"{shell.path(probe.node_code_path())} {program}"
 
@@ -34,7 +37,7 @@ def boot(python: str, program: str, flags: str = "") -> str:
 # ------------------------------------------------------------------ the form, byte for byte
 
 
-def test_every_program_runs_from_the_zip_with_every_argument_one_word():
+def test_every_program_runs_from_the_node_code_with_every_argument_one_word():
     n = node(share=True)
     e = artifacts.command(n, "prune", "/d i r", 3)
     assert e.command == f"{n.program_env}{boot(chr(34) + '$HOME' + chr(34) + '/venv/bin/python', 'artifacts')} " \
@@ -104,7 +107,7 @@ def test_the_preflight_probe_line_is_the_one_it_had():
     assert "want() {" in preflight.HEADER
 
 
-def test_the_preflight_probe_runs_nodeinfo_from_the_zip_without_site():
+def test_the_preflight_probe_runs_nodeinfo_from_the_node_code_without_site():
     assert nodeinfo.probe_text() == f'{boot(chr(34) + "$py" + chr(34), "nodeinfo", "-S")} info "$pwd_arg" "$@" 2>&1\n'
 
 
@@ -158,7 +161,7 @@ def test_the_line_readers():
     assert wire.progress_of('clusterctl-progress: {"step": "x", "bytes": 3}') == ("x", 3)
 
 
-# ------------------------------------------------------------------ the zip placed on the nodes, once
+# ------------------------------------------------------------------ the code placed on the nodes, once
 
 
 def local_cluster(tmp_path, monkeypatch, n: int = 2):
@@ -181,45 +184,48 @@ class Counting:
         return self.conn.exec(command, stdin=stdin)
 
 
-def test_the_zip_is_sent_where_it_is_missing_once_per_connection_and_again_after_it_went(tmp_path, monkeypatch):
-    zipped = tmp_path / probe.node_code_path().removeprefix("~/")
+def test_the_code_is_sent_where_it_is_missing_once_per_connection_and_again_after_it_went(tmp_path, monkeypatch):
+    placed = tmp_path / probe.node_code_path().removeprefix("~/")
     with local_cluster(tmp_path, monkeypatch) as cluster:
         counted = {name: Counting(c) for name, c in cluster.connections.items()}
         cluster.connections.update(counted)
         assert form.place(cluster) == {}
-        assert zipped.read_bytes() == probe.node_code()[1]
-        assert zipped.stat().st_mode & 0o777 == 0o600 and zipped.parent.stat().st_mode & 0o777 == 0o700
+        with tarfile.open(fileobj=io.BytesIO(probe.node_code()[1])) as tar:
+            sent = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        assert {p.relative_to(placed).as_posix(): p.read_bytes() for p in placed.rglob("*") if p.is_file()} == sent
+        assert placed.parent.stat().st_mode & 0o777 == 0o700
         # two local nodes share one home: the first sent it (or both raced to), each looked once
         assert all(c.lines[0] == form.check_command() for c in counted.values())
         assert sum(len(c.lines) for c in counted.values()) in (3, 4)
         before = {name: len(c.lines) for name, c in counted.items()}
         assert agent.run(cluster, agent.claims)["n0"].error is None  # placed: only the agent's own line
         assert {name: len(c.lines) - before[name] for name, c in counted.items()} == {"n0": 1, "n1": 1}
-        zipped.unlink()  # removed by hand under open connections
+        assert list(placed.glob(f"{probe.PACKAGE}/__pycache__/node_agent.*.pyc"))  # compiled once, kept
+        shutil.rmtree(placed)  # removed by hand under open connections
         got = agent.run(cluster, agent.claims, ["n0"])["n0"]
-        assert got.error is None and zipped.is_file()  # found missing, placed again, asked again
-        assert [form.missing(r) for r in [NodeResult("n0", 97, stderr=f"{probe.MISSING} ~/x")]] == [True]
+        assert got.error is None and (placed / probe.PACKAGE / probe.COMPLETE).is_file()  # placed again, asked again
+        assert not list(placed.parent.glob(".in.*")) and not list(placed.glob(".in.*"))
+    assert form.missing(NodeResult("n0", 97, stderr=f"{probe.MISSING} ~/x")) and not form.missing(NodeResult("n0", 97))
 
 
 def test_a_nodes_cache_keeps_the_newest_versions(tmp_path, monkeypatch):
     cache = tmp_path / probe.CACHE.removeprefix("~/")
     cache.mkdir(parents=True)
     for i in range(form.KEEP + 4):  # older versions, oldest first
-        old = cache / f"{i:020x}.pyz"
-        old.write_bytes(b"old")
+        old = cache / f"{i:020x}"
+        old.mkdir()
         os.utime(old, (1_600_000_000 + i, 1_600_000_000 + i))
     with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
         assert form.place(cluster) == {}
-    kept = sorted(p.name for p in cache.glob("*.pyz"))
-    assert len(kept) == form.KEEP and f"{probe.node_code()[0]}.pyz" in kept
-    assert f"{0:020x}.pyz" not in kept and f"{form.KEEP + 3:020x}.pyz" in kept
-    assert not list(cache.glob(".in.*"))
+    kept = sorted(p.name for p in cache.iterdir())
+    assert len(kept) == form.KEEP and probe.node_code()[0] in kept
+    assert f"{0:020x}" not in kept and f"{form.KEEP + 3:020x}" in kept
 
 
-def test_a_cut_upload_leaves_no_zip_behind(tmp_path, monkeypatch):
-    """The install checks the size before the rename: a stream cut short is never taken for the zip."""
+def test_a_cut_upload_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Its last member marks a whole copy: a stream cut short is never taken for the code."""
     with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
-        r = wait(cluster.connections["n0"].exec(form.install_command(), stdin=probe.node_code()[1][:1000]), 30)
+        r = wait(cluster.connections["n0"].exec(form.install_command(), stdin=probe.node_code()[1][:20000]), 30)
     assert r.exit_code == 1 and "could not write its node code" in r.stderr
     cache = tmp_path / probe.CACHE.removeprefix("~/")
     assert not list(cache.iterdir())

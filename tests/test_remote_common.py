@@ -1,5 +1,5 @@
 """remote/common.py: the node side's shared rules, written once, imported by every program of the
-node code (one zip: probe.node_code) and by the control side (probe.common)."""
+node code (one package: probe.node_code) and by the control side (probe.common)."""
 
 import ast
 import hashlib
@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import zipfile
 import time
 from pathlib import Path
 
@@ -224,13 +223,13 @@ def test_the_marker_scan_skips_a_process_that_ends_mid_scan(monkeypatch):
 
 
 def _run(name: str, *args: str, cwd: Path, stdin: bytes = b"", flags=()) -> subprocess.CompletedProcess:
-    """The program as a node runs it: the boot line, the node code's zip, the program's name."""
+    """The program as a node runs it: the boot line, the node code, the program's name."""
     return subprocess.run(probe.local_argv(name, *args, flags=flags), input=stdin, cwd=cwd,
                           env=dict(os.environ, HOME=str(cwd)), capture_output=True, timeout=60)
 
 
-def test_every_shipped_program_runs_from_the_zip(tmp_path):
-    """Each program's cheapest verb, run from the node code's zip as a node runs it."""
+def test_every_shipped_program_runs_from_the_node_code(tmp_path):
+    """Each program's cheapest verb, run from the node code as a node runs it."""
     cheapest = {
         "node_agent": (("live",), b"[]"),
         "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), b'"own": []'),
@@ -260,24 +259,25 @@ def test_every_name_a_program_uses_is_defined_or_imported():
         assert not undefined, undefined
 
 
-def test_the_zip_holds_the_same_files_the_control_side_imports():
-    """The nodes run the package the control side imports: the same files, byte for byte, and the
-    same sources always give the same zip and hash."""
+def test_the_node_code_holds_the_same_files_the_control_side_imports():
+    """The nodes run the package the control side imports: the same files, byte for byte, the mark
+    of a whole copy last, and the same sources always give the same tar and hash."""
     h, data = probe.node_code()
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        members = {i.filename: z.read(i) for i in z.infolist()}
-        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())  # read without zlib
-    assert members == {f"{probe.PACKAGE}/{p.name}": p.read_bytes() for p in REMOTE.glob("*.py")}
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+        assert {(m.mtime, m.uid, m.uname) for m in tar.getmembers()} == {(1_577_836_800, 0, "")}
+    assert members[-1] == (f"{probe.PACKAGE}/{probe.COMPLETE}", b"")
+    assert dict(members[:-1]) == {f"{probe.PACKAGE}/{p.name}": p.read_bytes() for p in REMOTE.glob("*.py")}
     ni = probe.load_nodeinfo()
     assert Path(ni.__file__) == REMOTE / "nodeinfo.py" and ni.sha256_file is probe.common().sha256_file
     assert h == hashlib.sha256(data).hexdigest()[:20] and len(h) == 20
-    assert probe.node_code_path() == f"{probe.CACHE}/{h}.pyz"
+    assert probe.node_code_path() == f"{probe.CACHE}/{h}"
 
 
-def test_a_missing_zip_is_said_with_its_own_exit_code(tmp_path):
-    """The boot line on a node without the zip: exit probe.MISSING_EXIT and probe.MISSING on
-    stderr, which node/form.py `missing` reads (and then places the zip again)."""
-    r = subprocess.run([sys.executable, "-S", "-c", probe.BOOT, str(tmp_path / "gone.pyz"), "nodeinfo", "info", "-"],
+def test_missing_node_code_is_said_with_its_own_exit_code(tmp_path):
+    """The boot line on a node without the code: exit probe.MISSING_EXIT and probe.MISSING on
+    stderr, which node/form.py `missing` reads (and then places the code again)."""
+    r = subprocess.run([sys.executable, "-S", "-c", probe.BOOT, str(tmp_path / "gone"), "nodeinfo", "info", "-"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == probe.MISSING_EXIT and r.stderr.startswith(probe.MISSING) and r.stdout == ""
 

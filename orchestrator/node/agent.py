@@ -1,7 +1,7 @@
 """The node agent's client (orchestrator/remote/node_agent.py).
 
 One function per verb returns a Call (wire.py): the node's command line (form.py: `PYTHON -c BOOT
-ZIP node_agent VERB ARGS`), its time limit and the reader that turns what came back into the
+CODE node_agent VERB ARGS`), its time limit and the reader that turns what came back into the
 verb's small frozen reply. A node that could not be asked, or whose answer could not be read,
 still gets a reply: its `error` says why.
 

@@ -47,7 +47,7 @@ class Frames:
 
 
 def command(node: Node, verb: str, *args: object) -> Exec:
-    """`PYTHON -c BOOT ZIP artifacts VERB ARGS` (form.py)."""
+    """`PYTHON -c BOOT CODE artifacts VERB ARGS` (form.py)."""
     return form.command(node, PROGRAM, verb, *args)
 
 

@@ -21,7 +21,7 @@ TIMEOUT = 60.0  # one short verb (prepare, look, link, forget, keep)
 
 
 def command(node: Node, verb: str, *args: object) -> Exec:
-    """`PYTHON -c BOOT ZIP ckptdir VERB ARGS` (form.py); the verb's data is its stdin."""
+    """`PYTHON -c BOOT CODE ckptdir VERB ARGS` (form.py); the verb's data is its stdin."""
     return form.command(node, PROGRAM, verb, *args)
 
 

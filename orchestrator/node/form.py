@@ -1,17 +1,23 @@
 """The one command form: how a program of orchestrator/remote/ is run on a node.
 
-orchestrator/remote/ is a package, and a node runs it as one zip keyed by its hash (probe.py
-`node_code`), kept in ~/.clusterctl/node-code/HASH.pyz there: `PYTHON [FLAGS] -c BOOT ZIP PROGRAM
+orchestrator/remote/ is a package, and a node keeps it once per version, keyed by its hash
+(probe.py `node_code`), in ~/.clusterctl/node-code/HASH: `PYTHON [FLAGS] -c BOOT CODE PROGRAM
 ARGS`, every argument quoted by orchestrator/shell.py (`NodePath` arguments keep a leading `~/` as
 the node user's home, everything else is one literal word). Stdin is the caller's (a spec, a
 manifest, a tar stream, nothing).
 
-The zip crosses the wire once per version and node: `place` looks on each connection once (`test
--f`, one round trip), sends the zip only where it is missing, and remembers the connection. The
-door's runners (node/wire.py `run`, `send`, `Call.over`, `Exec.start`) place it before they run; a
-caller that runs a command line of its own calls `place` first. A node whose zip went missing
-after all (removed by hand while a connection was open) answers with probe.MISSING, which
-`missing` reads: the connection is forgotten, and the next call places the zip again.
+The code crosses the wire once per version and node, as a tar: `place` looks on each connection
+once (`test -f`, one round trip), sends it only where it is missing, and remembers the
+connection. The door's runners (node/wire.py `run`, `send`, `Call.over`, `Exec.start`) place it
+before they run; a caller that runs a command line of its own calls `place` first. A node whose
+code went missing after all (removed by hand while a connection was open) answers with
+probe.MISSING, which `missing` reads: the connection is forgotten, and the next call places the
+code again.
+
+Why a directory and not a zipapp: Python's zipimport compiles every module twice per start
+(get_filename, then get_code) and can cache no bytecode, which made each program's start 1.3-1.6x
+slower than sending its text; unpacked, the node's Python compiles a module once per version
+(bench/bench_node_code.py).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from orchestrator.transport import wait
 KEEP = 16  # versions of the node code a node keeps (the newest; an upgrade or a downgrade finds its own)
 PLACE_TIMEOUT = 60.0
 
-_placed: "weakref.WeakSet" = weakref.WeakSet()  # connections whose node holds this version's zip
+_placed: "weakref.WeakSet" = weakref.WeakSet()  # connections whose node holds this version
 _lock = threading.Lock()
 
 
@@ -62,7 +68,7 @@ class Exec:
 
 
 def boot(program: str, *args: str, python: str, flags: tuple[str, ...] = ()) -> str:
-    """`PYTHON [FLAGS] -c BOOT ZIP PROGRAM ARGS`: args are shell words as they stand (a script's
+    """`PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS`: args are shell words as they stand (a script's
     "$@", or words quoted by the caller)."""
     return " ".join([python, *flags, "-c", shell.quote(probe.BOOT), shell.path(probe.node_code_path()),
                      program, *args])
@@ -71,7 +77,7 @@ def boot(program: str, *args: str, python: str, flags: tuple[str, ...] = ()) -> 
 def command(node: Node, program: str, *args: object, python: str | None = None,
             env: Mapping[str, object] | None = None, flags: tuple[str, ...] = (), group_env: bool = True,
             stdin: bytes | None = None) -> Exec:
-    """`[GROUP_ENV=1 ][K=V ...]PYTHON [FLAGS] -c BOOT ZIP PROGRAM ARGS` running remote/PROGRAM.py on
+    """`[GROUP_ENV=1 ][K=V ...]PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS` running remote/PROGRAM.py on
     `node`. python: the interpreter (default the node's); env: assignments in front of it (names
     are the house's, values quoted); group_env: the node's program_env (share_with_group) in
     front; stdin: bytes the program reads (a spec that must not appear on a command line: `ps`
@@ -82,33 +88,36 @@ def command(node: Node, program: str, *args: object, python: str | None = None,
 
 
 def script_line(program: str, python: str, *args: str, flags: tuple[str, ...] = ()) -> str:
-    """A line of a node-side `sh` script that runs remote/PROGRAM.py (`PYTHON [FLAGS] -c BOOT ZIP
+    """A line of a node-side `sh` script that runs remote/PROGRAM.py (`PYTHON [FLAGS] -c BOOT CODE
     PROGRAM ARGS 2>&1`). python and args are shell words as the script has them ("$py", "$@"):
-    the script's own variables, not values from here. The caller places the zip first."""
+    the script's own variables, not values from here. The caller places the code first."""
     return boot(program, *args, python=python, flags=flags) + " 2>&1\n"
 
 
-# ------------------------------------------------------------------ placing the zip on the nodes
+# ------------------------------------------------------------------ placing the code on the nodes
 
 
 def check_command() -> str:
-    """Exit 0 when the node holds this version's zip, 1 when not."""
-    return f"test -f {shell.path(probe.node_code_path())}"
+    """Exit 0 when the node holds this version, 1 when not."""
+    return f"test -f {shell.path(probe.node_code_path())}/{probe.PACKAGE}/{probe.COMPLETE}"
 
 
 def install_command() -> str:
-    """The zip from stdin into the node's cache, whole or not at all (its size checked before the
-    rename), then only the KEEP newest versions kept."""
-    h, data = probe.node_code()
-    d = shell.path(probe.CACHE)
-    return (f"umask 077; d={d}; mkdir -p \"$d\" || exit 1; t=\"$d/.in.$$\"; "
-            f"if cat > \"$t\" && [ \"$(wc -c < \"$t\")\" -eq {len(data)} ] && mv -f \"$t\" \"$d/{h}.pyz\"; then "
-            f"ls -t \"$d\" | grep '\\.pyz$' | tail -n +{KEEP + 1} | while read -r f; do rm -f \"$d/$f\"; done; "
-            f"else rm -f \"$t\"; echo \"clusterctl: could not write its node code into $d\" >&2; exit 1; fi")
+    """The tar from stdin unpacked beside the node's versions and renamed into place: whole or not
+    at all (COMPLETE is its last member: a stream cut short never has it); a version another
+    command placed meanwhile is kept. Then only the KEEP newest versions stay. POSIX sh and tar:
+    the interpreter that will run the code may not exist yet (setup makes it)."""
+    h = probe.node_code()[0]
+    return (f"umask 077; d={shell.path(probe.CACHE)}; v=\"$d/{h}\"; t=\"$d/.in.$$\"; "
+            f"mkdir -p \"$d\" && rm -rf \"$t\" && mkdir \"$t\" || exit 1; "
+            f"if tar -xf - -C \"$t\" && [ -f \"$t/{probe.PACKAGE}/{probe.COMPLETE}\" ]; then "
+            f"if [ -d \"$v\" ]; then rm -rf \"$t\"; else mv \"$t\" \"$v\"; rm -rf \"$v/.in.$$\"; fi; "
+            f"ls -t \"$d\" | grep -v '^\\.' | tail -n +{KEEP + 1} | while read -r f; do rm -rf \"$d/$f\"; done; "
+            f"else rm -rf \"$t\"; echo \"clusterctl: could not write its node code into $d\" >&2; exit 1; fi")
 
 
 def place_on(conn, timeout: float = PLACE_TIMEOUT) -> str | None:
-    """This version's zip on the node of one open connection (looked for once per connection):
+    """This version on the node of one open connection (looked for once per connection):
     None when it is there, else why not. Raises what `conn.exec` raises (ConnectionLost)."""
     if conn in _placed:
         return None
@@ -123,8 +132,8 @@ def place_on(conn, timeout: float = PLACE_TIMEOUT) -> str | None:
 
 
 def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TIMEOUT) -> dict[str, str]:
-    """This version's zip on each chosen node of the cluster (all when None) that is connected and
-    not known to hold it: one `test -f` each, at once, then the zip sent to those without it.
+    """This version on each chosen node of the cluster (all when None) that is connected and
+    not known to hold it: one `test -f` each, at once, then the code sent to those without it.
     -> node -> why it could not be placed (the node's own command will fail and say so too)."""
     chosen = list(cluster.connections) if names is None else [n for n in names if n in cluster.connections]
     todo = [n for n in chosen if cluster.connections[n] not in _placed]
@@ -146,12 +155,12 @@ def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TI
 
 
 def missing(r) -> bool:
-    """A node command's result (transport NodeResult) that says the zip was not on the node."""
+    """A node command's result (transport NodeResult) that says the code was not on the node."""
     return r.exit_code == probe.MISSING_EXIT and probe.MISSING in (r.stderr or "")
 
 
 def forget(conn) -> None:
-    """The connection's node may no longer hold the zip: the next call looks again."""
+    """The connection's node may no longer hold the code: the next call looks again."""
     if conn is not None:
         with _lock:
             _placed.discard(conn)

@@ -1,6 +1,6 @@
 """remote/netprobe.py's client: netbench's TCP server and client on the nodes and its all-reduce.
 
-`PYTHON -c BOOT ZIP netprobe VERB ARGS` (form.py); it answers with one JSON line, read here into
+`PYTHON -c BOOT CODE netprobe VERB ARGS` (form.py); it answers with one JSON line, read here into
 a wire.Answer.
 """
 
@@ -19,7 +19,7 @@ PROGRAM = "netprobe"
 
 
 def command(node: Node, verb: str, *args: object, env: Mapping[str, str] | None = None) -> Exec:
-    """`[export K=V; ... ]PYTHON -c BOOT ZIP netprobe VERB ARGS` (env: exported first, for the
+    """`[export K=V; ... ]PYTHON -c BOOT CODE netprobe VERB ARGS` (env: exported first, for the
     all-reduce's backend)."""
     e = form.command(node, PROGRAM, verb, *args, group_env=False)
     return Exec(shell.exports(env) + " " + e.command, e.stdin) if env is not None else e

@@ -1,7 +1,7 @@
 """remote/nodeinfo.py's client: a node's Python and torch facts (inside the preflight probe), its
 workdir's code listed, digested, pruned and sent node to node.
 
-`PYTHON [-S] -c BOOT ZIP nodeinfo MODE ARGS` (form.py; stdin carries a manifest or a file list),
+`PYTHON [-S] -c BOOT CODE nodeinfo MODE ARGS` (form.py; stdin carries a manifest or a file list),
 or the same line inside the preflight's shell probe (`probe_text`). `-S` where start-up counts: no
 site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
 """
@@ -22,7 +22,7 @@ NO_SITE = ("-S",)
 
 
 def command(node: Node, mode: str, *args: object, flags: tuple[str, ...] = (), xfer: str | None = None) -> Exec:
-    """`[CLUSTERCTL_XFER=ID ]PYTHON [FLAGS] -c BOOT ZIP nodeinfo MODE ARGS` on the node's interpreter."""
+    """`[CLUSTERCTL_XFER=ID ]PYTHON [FLAGS] -c BOOT CODE nodeinfo MODE ARGS` on the node's interpreter."""
     return form.command(node, PROGRAM, mode, *args, flags=flags,
                         env={"CLUSTERCTL_XFER": xfer} if xfer else None, group_env=False)
 

@@ -1,6 +1,6 @@
 """remote/pyenv.py's client: a node's Python environment probed and installed (`setup`).
 
-The program is run by the interpreter that creates the venv (setup.base): `BASE -c BOOT ZIP pyenv
+The program is run by the interpreter that creates the venv (setup.base): `BASE -c BOOT CODE pyenv
 VERB ARGS` (form.py); every argument is a node path or a flag (`~/` keeps meaning the node's
 home). Its answer is the last JSON object it prints; a failure is told by its `error:` line.
 """
@@ -20,7 +20,7 @@ PROGRAM = "pyenv"
 
 
 def command(node: Node, base: str, verb: str, *args: str) -> Exec:
-    """`BASE -c BOOT ZIP pyenv VERB ARGS`: BASE the interpreter that makes the venv."""
+    """`BASE -c BOOT CODE pyenv VERB ARGS`: BASE the interpreter that makes the venv."""
     return form.command(node, PROGRAM, verb, *(NodePath(a) for a in args), python=base, group_env=False)
 
 

@@ -36,7 +36,7 @@ class Call(Exec, Generic[T]):
     def over(self, conn) -> T:
         """On one open connection; raises what `conn.exec` raises (ConnectionLost)."""
         r = wait(self.start(conn), self.timeout)
-        if form.missing(r):  # the zip went missing under the open connection: placed again, asked once more
+        if form.missing(r):  # the code went missing under the open connection: placed again, asked once more
             form.forget(conn)
             r = wait(self.start(conn), self.timeout)
         return self.read(r)
@@ -58,7 +58,7 @@ def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] 
     res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
                       timeout=timeout, **kw)
     again = [name for name, r in res.items() if form.missing(r)]
-    if again:  # the zip went missing under an open connection: placed again, asked once more
+    if again:  # the code went missing under an open connection: placed again, asked once more
         for name in again:
             form.forget(cluster.connections.get(name))
         form.place(cluster, again)
@@ -82,7 +82,7 @@ def send(cluster: Cluster, exe: Callable[[Node], Exec], nodes: Iterable[str] | N
     stdin = (lambda n: of(n).then(data(n))) if data is not None else (lambda n: of(n).stdin)
     form.place(cluster, nodes)
     res = cluster.run(lambda n: of(n).command, stdin=stdin, nodes=None if nodes is None else list(nodes), **kw)
-    for name, r in res.items():  # a stream is not sent twice: the next command places the zip again
+    for name, r in res.items():  # a stream is not sent twice: the next command places the code again
         if form.missing(r):
             form.forget(cluster.connections.get(name))
     return res

@@ -1,4 +1,4 @@
-"""clusterctl's node agent: a module of the node code (probe.py `node_code`: `PYTHON -c BOOT ZIP
+"""clusterctl's node agent: a module of the node code (probe.py `node_code`: `PYTHON -c BOOT CODE
 node_agent CMD ARGS`), stdlib only; write_atomic, marked_pids, stop_grace and safe_name come from
 common.py, the stream's frames from artifacts.py.
 
