@@ -229,3 +229,26 @@ def test_a_cut_upload_leaves_nothing_behind(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "could not write its node code" in r.stderr
     cache = tmp_path / probe.CACHE.removeprefix("~/")
     assert not list(cache.iterdir())
+
+
+def test_preflight_places_the_code_only_where_its_probe_found_none_and_asks_no_more(tmp_path, monkeypatch):
+    """The probe runs nodeinfo from the node code without a `test -f` first: a node without the
+    code answers probe.MISSING, gets it and is asked again in the same round; a warm node costs
+    the probe alone, and the commands after it on the same connection place nothing."""
+    from orchestrator.checks.preflight import run_preflight
+
+    placed = tmp_path / probe.node_code_path().removeprefix("~/")
+    for run in ("cold", "warm"):
+        with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
+            counted = Counting(cluster.connections["n0"])
+            cluster.connections["n0"] = counted
+            rep = run_preflight(cluster, cluster.inventory, ["python_env"])
+            env = rep.nodes[0].results["python_env"]
+            assert env.status != "fail" or probe.MISSING not in env.detail, env.detail
+            assert (placed / probe.PACKAGE / probe.COMPLETE).is_file()
+            probes = [line for line in counted.lines if line.startswith("sh -s")]
+            assert len(probes) == (2 if run == "cold" else 1), counted.lines
+            assert any(line == form.check_command() for line in counted.lines) == (run == "cold")
+            n = len(counted.lines)
+            assert agent.run(cluster, agent.claims)["n0"].error is None
+            assert len(counted.lines) == n + 1  # known from the probe: no `test -f` before the agent

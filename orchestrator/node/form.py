@@ -15,8 +15,8 @@ probe.MISSING, which `missing` reads: the connection is forgotten, and the next 
 code again.
 
 Why a directory and not a zipapp: Python's zipimport compiles every module twice per start
-(get_filename, then get_code) and can cache no bytecode, which made each program's start 1.3-1.6x
-slower than sending its text; unpacked, the node's Python compiles a module once per version
+(get_filename, then get_code) and can cache no bytecode, which made each program's start
+1.1-1.6x slower than sending its text; unpacked, the node's Python compiles a module once per version
 (bench/bench_node_code.py).
 """
 
@@ -152,6 +152,12 @@ def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TI
         elif not r.ok:
             errors[name] = f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
     return errors
+
+
+def known(conn) -> None:
+    """The connection's node holds this version (a program of it just ran there)."""
+    with _lock:
+        _placed.add(conn)
 
 
 def missing(r) -> bool:
