@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.node import ckptdir as door  # noqa: E402
+from orchestrator import shell  # noqa: E402
 from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore  # noqa: E402
 from orchestrator.transfer.unpack import Unpacker  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
@@ -87,6 +87,15 @@ def old_program() -> bytes:
         show("orchestrator/remote/ckptdir.py")
 
 
+# The rule before ran its program as `PYTHON -c LOADER VERB ARGS`, the program length-prefixed on
+# stdin in front of the verb's data (the node code was text then, not a zip)
+LOADER = "import sys;exec(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))"
+
+
+def old_line(node, *words) -> str:
+    return f"{shell.path(node.python)} -c {shell.quote(LOADER)} " + " ".join(shell.quote(w) for w in words)
+
+
 class QuietRule(DirCopier):
     """The rule before: `state PATH 5` every 3 s, copies read from DIR itself by `send`."""
 
@@ -102,7 +111,7 @@ class QuietRule(DirCopier):
             yield data
 
     def look(self, nodes, final=False):
-        res = self.cluster.run(lambda n: door.command(n, "state", self.paths[n.name], 0 if final else self.QUIET_S).command,
+        res = self.cluster.run(lambda n: old_line(n, "state", self.paths[n.name], 0 if final else self.QUIET_S),
                                stdin=lambda n: b"".join(self._then()), nodes=nodes, timeout=60)
         self.looks += 1
         out = {}
@@ -119,7 +128,7 @@ class QuietRule(DirCopier):
         line = json.dumps([[rel, m["size"], m["mtime_ns"]] for rel, m in sorted(mine.items())]).encode() + b"\n"
         into = Unpacker(stage, checksums=True, name="unpack-before")
         try:
-            r = self.cluster.run(lambda n: door.command(n, "send", self.paths[node]).command, stdin=lambda n: self._then(line),
+            r = self.cluster.run(lambda n: old_line(n, "send", self.paths[node]), stdin=lambda n: self._then(line),
                                  nodes=[node], timeout=600, capture=False,
                                  on_bytes=lambda _n, stream, data: into.feed(data) if stream == "stdout" else None)[node]
         finally:

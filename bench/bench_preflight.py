@@ -89,9 +89,11 @@ def bench(n, repeat):
             with Cluster(inv) as c:
                 rep = run_preflight(c, inv)
                 assert c.handshakes == n
+            # the test cluster's nodes have fake NVIDIA GPUs and this machine's CPU torch: python_env
+            # rightly fails on that, and only that is expected
             bad = [(x.node.name, r.check, r.detail) for x in rep.nodes for r in x.results.values()
-                   if r.status == "fail"]
-            assert rep.ok, bad[:5]
+                   if r.status == "fail" and not (r.check == "python_env" and "CPU-only build" in r.detail)]
+            assert not bad, bad[:5]
 
         best = {}
         for _ in range(repeat):

@@ -45,12 +45,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.probe import program  # noqa: E402
-from orchestrator.node import agent as agent_client  # noqa: E402
+from orchestrator.probe import local_argv  # noqa: E402
 from orchestrator.runs.judge.straggler import PERIOD_S  # noqa: E402
 from orchestrator.runs.logs.copier import FRAME_PROGRESS, Frames  # noqa: E402
 
-AGENT = program("node_agent")
 HOOK = (REPO / "orchestrator" / "remote" / "hook" / "sitecustomize.py").read_text()
 STEP_MS = re.compile(rb"\| step (\d+) ms")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,7 +68,8 @@ IDLE_LAUNCH = ("import os, subprocess, sys\n"
 
 
 def agent(home: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, capture_output=True, timeout=120,
+    return subprocess.run(local_argv("node_agent", *map(str, args)), stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=120,
                           env=dict(os.environ, HOME=str(home)))
 
 
@@ -96,10 +95,8 @@ class Stream:
 
     def __init__(self, home: Path, key: str, progress_s: float):
         args = ["tail", key, "0", "stream", "-", str(home / "tb-none"), "-", f"{progress_s:g}"]
-        self.proc = subprocess.Popen([sys.executable, "-", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(local_argv("node_agent", *args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=dict(os.environ, HOME=str(home)))
-        self.proc.stdin.write(agent_client.stream_program())
-        self.proc.stdin.close()
         self.progress = 0
         self.thread = threading.Thread(target=self.read, daemon=True)
         self.thread.start()

@@ -1,6 +1,7 @@
-"""The node side read on the control machine: the `@@name` sections its probes print, the bytes
-of each program shipped to the nodes (`program`: remote/common.py in front of it), and those
-programs loaded here as modules from the same bytes (`load`, `common`, `load_nodeinfo`).
+"""The node side read on the control machine: the `@@name` sections its probes print, the node
+code (orchestrator/remote/ as one package, a tar keyed by its hash: `node_code`, and the `BOOT`
+line that starts one of its programs on a node), and those programs loaded here as modules (`load`,
+`common`, `load_nodeinfo`): the same files, imported.
 
 A probe (the preflight script, the GPU probe, nodeinfo) prints each tool's output under an
 `@@name [arg]` line and may close it with `@@rc N`, the tool's exit code. The checks' parsers, the
@@ -9,8 +10,16 @@ GPU parsers and sync's file lists all read that one format here.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
 import re
+import sys
+import tempfile
+import shutil
+import tarfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 _SECTION = re.compile(r"^@@([A-Za-z0-9_-]+)(?: (.*))?$")
@@ -56,53 +65,79 @@ def section(text: str, name: str) -> Section | None:
 
 
 REMOTE = Path(__file__).resolve().parent / "remote"
-COMMON = "common"  # remote/common.py: the helpers every shipped program is sent with
+COMMON = "common"  # remote/common.py: the rules every shipped program imports, and the control side too
+PACKAGE = "clusterctl_node"  # the node code's package name on a node (remote/'s imports are relative)
+CACHE = "~/.clusterctl/node-code"  # on a node: one directory per version, named HASH, holding PACKAGE
+COMPLETE = ".complete"  # PACKAGE's last file in the tar: a version is on a node once this file is
+MISSING = "clusterctl-node-code-missing"  # the boot's word on stderr (exit MISSING_EXIT) when the code is not there
+MISSING_EXIT = 97
+
+# How every shipped program starts on a node: `PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS`. CODE (a
+# `~/` path: the node user's home) goes first on sys.path; PROGRAM's `main(ARGS)` is called and
+# its return is the exit code. Nothing but the interpreter's own start-up is imported (-S keeps it
+# so). The node's Python caches the program's bytecode beside it (__pycache__, written even where
+# PYTHONDONTWRITEBYTECODE is set: the directory is clusterctl's), so a program's source is
+# compiled once per node and version, not on every start.
+BOOT = ('import os,sys\n'
+        'p=os.path.expanduser(sys.argv[1])\n'
+        'if not os.path.isfile(p+"/%s/%s"):sys.stderr.write("%s "+p+"\\n");sys.stderr.flush();os._exit(%d)\n'
+        'sys.path.insert(0,p);n=sys.argv[2];sys.argv[:3]=[n];b=sys.dont_write_bytecode;sys.dont_write_bytecode=0\n'
+        'm=__import__("%s."+n,fromlist=["main"]);sys.dont_write_bytecode=b\n'
+        'sys.exit(m.main(sys.argv[1:]))') % (PACKAGE, COMPLETE, MISSING, MISSING_EXIT, PACKAGE)
 
 
-def program(name: str) -> bytes:
-    """The bytes a node runs for orchestrator/remote/NAME.py (`python3 - ARGS` with them on stdin,
-    `python -c` with them as text, or exec'd by the node agent): remote/common.py's text, then the
-    program's, so the shared helpers are the program's globals there. The one place a shipped
-    program is read: every caller, and every module loaded from one here, takes these bytes."""
-    head = (REMOTE / f"{COMMON}.py").read_bytes()
-    return head + f"\n# ---- orchestrator/remote/{name}.py\n".encode() + (REMOTE / f"{name}.py").read_bytes()
+def programs() -> list[str]:
+    """The modules of orchestrator/remote/ (the package the nodes run), by name."""
+    return sorted(p.stem for p in REMOTE.glob("*.py"))
 
 
-class _Program:
-    """The loader of a shipped program run here as a module: the same bytes the nodes run."""
+@cache
+def node_code() -> tuple[str, bytes]:
+    """(HASH, the tar's bytes): orchestrator/remote/*.py as the package PACKAGE, COMPLETE last,
+    every header fixed (owner, mode, date), so the same sources give the same bytes and the same
+    HASH (sha256, 20 hex digits) on every control machine. Read once per process."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in [*((f"{n}.py", (REMOTE / f"{n}.py").read_bytes()) for n in programs()), (COMPLETE, b"")]:
+            info = tarfile.TarInfo(f"{PACKAGE}/{name}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 1_577_836_800  # 2020-01-01
+            tar.addfile(info, io.BytesIO(data))
+    data = buf.getvalue()
+    return hashlib.sha256(data).hexdigest()[:20], data
 
-    def __init__(self, name: str):
-        self.name = name
 
-    def get_source(self, fullname: str) -> str:  # tracebacks show the program's lines through it
-        return (REMOTE / f"{COMMON}.py").read_text() if self.name == COMMON else program(self.name).decode()
+def node_code_path() -> str:
+    """Where a node keeps this version (a `~/` path: the node user's home): CACHE/HASH."""
+    return f"{CACHE}/{node_code()[0]}"
 
-    def create_module(self, spec):
-        return None
 
-    def exec_module(self, module) -> None:
-        code = compile(self.get_source(module.__name__), module.__spec__.origin, "exec")
-        exec(code, module.__dict__)
+def local_code() -> Path:
+    """This version unpacked on this machine (once, under the temporary directory), for a program
+    run here exactly as a node runs it (tests, benches): `local_argv`."""
+    h, data = node_code()
+    path = Path(tempfile.gettempdir()) / f"clusterctl-node-code-{os.getuid()}" / h
+    if not (path / PACKAGE / COMPLETE).is_file():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".in."))
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp)  # our own members, built above: no name or link to refuse
+        try:
+            tmp.rename(path)
+        except OSError:  # another process placed it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def local_argv(name: str, *args: str, python: str = sys.executable, flags: tuple[str, ...] = ()) -> list[str]:
+    """The argv that runs remote/NAME.py here as a node runs it (the boot, the code, the program)."""
+    return [python, *flags, "-c", BOOT, str(local_code()), name, *args]
 
 
 def load(name: str):
-    """orchestrator/remote/NAME.py as a module here, built from `program(NAME)` (the same code the
-    nodes run, common.py's helpers included); common.py alone for NAME "common"."""
-    import importlib.util
-    import sys
+    """orchestrator/remote/NAME.py as a module here: the same code the nodes run."""
+    import importlib
 
-    modname = f"orchestrator.probes.{name}"
-    if modname not in sys.modules:
-        origin = str(REMOTE / (f"{name}.py" if name == COMMON else f"{COMMON}.py+{name}.py"))
-        spec = importlib.util.spec_from_loader(modname, _Program(name), origin=origin)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[modname]
-            raise
-    return sys.modules[modname]
+    return importlib.import_module(f"orchestrator.remote.{name}")
 
 
 def common():

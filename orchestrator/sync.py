@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from orchestrator import shell
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.node import nodeinfo
+from orchestrator.node import nodeinfo, wire
 from orchestrator.node import relay as relay_door
-from orchestrator.node.form import NodePath
+from orchestrator.node.form import Exec, NodePath
 from orchestrator.transfer import SyncReport, SyncResult
 from orchestrator.transfer import chain as relay
 from orchestrator.transfer.archive import estimate
@@ -226,8 +226,9 @@ def _probe(cluster: Cluster, todo: list[Node], src: str, files: list[str]) -> di
         except OSError:
             continue
         recs.append(f"{st.st_size} {int(st.st_mtime)} ".encode() + rel.encode("utf-8", "surrogateescape"))
-    res = cluster.run(lambda n: relay_door.changed(n, n.workdir).command,
-                      stdin=b"\0".join(recs) + b"\0", nodes=[n.name for n in todo], timeout=60)
+    payload = b"\0".join(recs) + b"\0"
+    res = wire.send(cluster, lambda n: relay_door.changed(n, n.workdir), [n.name for n in todo],
+                    data=lambda n: [payload], timeout=60)
     out = {}
     for name, r in res.items():
         got = relay_door.read_changed(r.stdout) if r.ok else None
@@ -311,10 +312,10 @@ def _push(cluster: Cluster, src: str, files: list[str], methods: dict[str, str],
     return pushed, sent, notes
 
 
-def prune_command(inv: Inventory, node: Node) -> str:
+def prune_command(inv: Inventory, node: Node) -> Exec:
     """nodeinfo's prune of node's workdir (the manifest on stdin), the run's outputs named."""
     outputs = [a for d in run_outputs(inv, node) for a in ("--output", d)]
-    return nodeinfo.command(node, "prune", NodePath(node.workdir), *outputs).command
+    return nodeinfo.command(node, "prune", NodePath(node.workdir), *outputs)
 
 
 def _prune(cluster: Cluster, inv: Inventory, pushed: list[tuple[str, SyncResult]], files: list[str], done) -> None:
@@ -330,7 +331,8 @@ def _prune(cluster: Cluster, inv: Inventory, pushed: list[tuple[str, SyncResult]
         done(p if r.ok else SyncResult(p.node, p.method, False, "pushed, but removing stale files failed: "
                                        + (r.error or r.stderr.strip()[-300:]), p.bytes, p.seconds))
 
-    cluster.run(lambda n: prune_command(inv, n), stdin=manifest, nodes=list(by), timeout=600, on_done=on_prune)
+    wire.send(cluster, lambda n: prune_command(inv, n), list(by), data=lambda n: [manifest], timeout=600,
+              on_done=on_prune)
 
 
 def sync(cluster: Cluster, inv: Inventory, src: str, *, method: str = "auto", include=(), exclude=(),

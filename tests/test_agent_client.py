@@ -19,6 +19,7 @@ from orchestrator.node.agent import (AgentStatus, Claim, Claimed, Claims, Live, 
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, wait
 
 RUN = "run-20261124-101428-e58f"
+BOOT = ["-c", probe.BOOT, probe.node_code_path().replace("~", "$HOME", 1), "node_agent"]  # every verb's line starts so
 
 
 def local_inv(python: str, n: int = 2):
@@ -140,36 +141,34 @@ def test_every_argument_is_one_word_on_the_command_line():
     node = local_inv("~/venv/bin/python").node("n0")
     call = agent.claim(node, RUN, "a b'c;$(x)")
     assert call.command.startswith('"$HOME"/')
-    assert shlex.split(call.command)[1:] == ["-", "claim", "n0", f"{RUN}@n0", "a b'c;$(x)"]
-    assert call.stdin == agent.program() == probe.program("node_agent")
+    assert shlex.split(call.command)[1:] == [*BOOT, "claim", "n0", f"{RUN}@n0", "a b'c;$(x)"]
+    assert call.stdin is None
     stop = agent.stop(node, f"{RUN}.a3", 5.0, peer_failed=True)
-    assert shlex.split(stop.command)[1:] == ["-", "stop", f"{RUN}.a3@n0", "5.0", "peer-failed"]
+    assert shlex.split(stop.command)[1:] == [*BOOT, "stop", f"{RUN}.a3@n0", "5.0", "peer-failed"]
     assert stop.timeout == 35.0
 
 
-def test_start_puts_the_spec_in_front_of_the_program_not_on_the_command_line():
+def test_start_sends_the_spec_on_stdin_not_on_the_command_line():
     node = local_inv("python3").node("n1")
     spec = StartSpec(["torchrun", "x.py"], "~/w", {"TOKEN": "secret"}, {"rank_lines.py": "print()"})
     call = agent.start(node, RUN, spec)
-    assert "secret" not in call.command and shlex.split(call.command)[1:] == ["-", "start", f"{RUN}@n1", "-"]
-    head, rest = call.stdin.split(b"\n", 1)
-    assert rest == agent.program()
-    doc = json.loads(bytes.fromhex(re.fullmatch(r"SPEC_HEX = '([0-9a-f]+)'", head.decode()).group(1)))
+    assert "secret" not in call.command and shlex.split(call.command)[1:] == [*BOOT, "start", f"{RUN}@n1", "-"]
+    doc = json.loads(call.stdin)
     assert doc == {"argv": ["torchrun", "x.py"], "cwd": "~/w", "files": {"rank_lines.py": "print()"},
                    "env": {"TOKEN": "secret"}}
 
 
-def test_tail_streams_the_log_alone_or_with_the_artifacts_rules():
+def test_tail_streams_the_log_alone_or_framed_with_the_artifacts():
     node = local_inv("python3").node("n0")
     plain = agent.tail(node, RUN, 123)
-    assert shlex.split(plain.command)[1:] == ["-", "tail", f"{RUN}@n0", "123", "status"]
-    assert plain.stdin == agent.program()
+    assert shlex.split(plain.command)[1:] == [*BOOT, "tail", f"{RUN}@n0", "123", "status"]
+    assert plain.stdin is None
     framed = agent.tail(node, RUN, 0, StreamFrom(None, "/tb", {"a/events": 7}))
-    args = shlex.split(framed.command)[1:]
-    assert args[:6] == ["-", "tail", f"{RUN}@n0", "0", "stream", "-"] and args[6] == "/tb"
-    assert json.loads(bytes.fromhex(args[7])) == {"a/events": 7}
-    assert framed.stdin == agent.stream_program() and framed.stdin.endswith(agent.program())
-    assert shlex.split(agent.tail(node, RUN, 0, StreamFrom("/ck", "/tb")).command)[6] == "/ck"
+    args = shlex.split(framed.command)[1 + len(BOOT):]
+    assert args[:5] == ["tail", f"{RUN}@n0", "0", "stream", "-"] and args[5] == "/tb"
+    assert json.loads(bytes.fromhex(args[6])) == {"a/events": 7}
+    assert framed.stdin is None
+    assert shlex.split(agent.tail(node, RUN, 0, StreamFrom("/ck", "/tb")).command)[1 + len(BOOT) + 4] == "/ck"
 
 
 # ------------------------------------------------------------------ readers, on recorded answers
@@ -222,7 +221,7 @@ def test_the_tail_status_line_and_the_stream_end_record():
 
 
 def test_the_status_mark_is_the_node_agents():
-    text = probe.program("node_agent").decode()
+    text = (probe.REMOTE / "node_agent.py").read_text()
     assert re.search(r'^STATUS_MARK = "(.*?)"', text, re.M).group(1) == agent.STATUS_MARK
 
 

@@ -72,7 +72,10 @@ def test_an_fsdp_checkpoint_stays_staged_while_its_pieces_arrive_and_clean_parti
 
 
 class FakeCluster:
-    """cluster.run for `artifacts.py send`: feeds each node's stream, cut short where asked."""
+    """cluster.run for `artifacts.py send`: feeds each node's stream, cut short where asked. No
+    connections: the node code is not placed (node/form.py `place` finds nothing to do)."""
+
+    connections: dict = {}
 
     def __init__(self, streams: dict[str, bytes], cut: set[str] = frozenset()):
         self.streams, self.cut, self.sent = streams, set(cut), []
@@ -83,7 +86,8 @@ class FakeCluster:
         data = self.streams[node]
         on_bytes(node, "stdout", data[: len(data) // 2] if node in self.cut else data)
         ok = node not in self.cut
-        return {node: SimpleNamespace(ok=ok, describe=lambda: "connection lost" if not ok else "exit 0")}
+        return {node: SimpleNamespace(ok=ok, exit_code=0 if ok else None, stderr="",
+                                      describe=lambda: "connection lost" if not ok else "exit 0")}
 
 
 def copier(tmp_path, cluster):

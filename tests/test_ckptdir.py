@@ -13,16 +13,13 @@ import pytest
 
 from orchestrator import probe
 from orchestrator.inventory import parse_inventory
-from orchestrator.node.form import LOADER
 from orchestrator.runs.ckpt import jobdir_home as ckptdir
 from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore, plan, restore_dir
 from orchestrator.transport import Cluster
 
 
 def node_program(*args, stdin=b"", cwd=None):
-    src = probe.program("ckptdir")
-    return subprocess.run([sys.executable, "-c", LOADER, *args], input=str(len(src)).encode() + b"\n" + src + stdin,
-                          capture_output=True, timeout=60, cwd=cwd)
+    return subprocess.run(probe.local_argv("ckptdir", *args), input=stdin, capture_output=True, timeout=60, cwd=cwd)
 
 
 def look(path, pending=None, settle_s=ckptdir.SETTLE_S, wait_s=0, key="-"):

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from orchestrator import probe
-from orchestrator.node.form import LOADER
 from orchestrator.runs.ckpt import jobdir_home as ckptdir
 from orchestrator.runs.ckpt.jobdir_home import DirCopier, DirStore
 from tests.test_ckptdir import attach, local_cluster
@@ -50,7 +49,7 @@ def loads_whole(path) -> int:
 
 @pytest.fixture
 def node_side(monkeypatch):
-    """remote/ckptdir.py as a module here (the same bytes the nodes run), 4 KiB copy pieces."""
+    """remote/ckptdir.py as a module here (the same module the nodes run), 4 KiB copy pieces."""
     mod = probe.load("ckptdir")
     monkeypatch.setattr(mod, "CHUNK", 4096)
     return mod
@@ -181,10 +180,8 @@ def test_a_look_is_made_at_most_once_per_interval(copier, writer):
 
 
 def node_look(d, key, home):
-    src = probe.program("ckptdir")
-    r = subprocess.run([sys.executable, "-c", LOADER, "look", str(d), str(d.parent / ckptdir.PENDING), "2",
-                        "0", key], input=str(len(src)).encode() + b"\n" + src, capture_output=True, timeout=60,
-                       env={**os.environ, "HOME": str(home)})
+    r = subprocess.run(probe.local_argv("ckptdir", "look", str(d), str(d.parent / ckptdir.PENDING), "2", "0", key),
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env={**os.environ, "HOME": str(home)})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

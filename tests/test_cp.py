@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from orchestrator.cli.cp import split_side
-from orchestrator.probe import load, program
+from orchestrator.probe import load, local_argv
 from orchestrator.transfer.archive import TarStream
 from orchestrator.transfer.unpack import Unpacker
 
@@ -48,8 +48,8 @@ def make_tree(root: Path) -> None:
 
 
 def node_tree(spec: dict, cwd: Path) -> subprocess.CompletedProcess:
-    """remote/artifacts.py `tree`, run as a node runs it (program bytes on stdin)."""
-    return subprocess.run([sys.executable, "-", "tree", json.dumps(spec)], input=program("artifacts"),
+    """remote/artifacts.py `tree`, run as a node runs it (the node code's zip, probe.local_argv)."""
+    return subprocess.run(local_argv("artifacts", "tree", json.dumps(spec)), stdin=subprocess.DEVNULL,
                           capture_output=True, cwd=cwd, env=dict(os.environ, HOME=str(cwd)), timeout=60)
 
 

@@ -125,7 +125,7 @@ def marked():
 
 
 def drill_program(*args):
-    r = subprocess.run([sys.executable, "-", *args], input=probe.program("drill"), capture_output=True, timeout=30)
+    r = subprocess.run(probe.local_argv("drill", *args), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.decode().splitlines()[-1])
 
@@ -172,10 +172,8 @@ def test_a_throttle_stops_a_computing_rank_in_turn_and_ends_with_it_running(mark
     asleep = drill_program("throttle", "r1.a2@n", "3", "1.0", "0.2", "0.1")  # never computing: never stopped
     assert asleep == {"cycles": 0}
     # ended by SIGTERM (the drill's connection closed, a stop) while the rank is stopped: it runs again
-    p = subprocess.Popen([sys.executable, "-", "throttle", "r1.a2@n", "4", "60", "30", "0.1"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE)
-    p.stdin.write(probe.program("drill"))
-    p.stdin.close()
+    p = subprocess.Popen(probe.local_argv("drill", "throttle", "r1.a2@n", "4", "60", "30", "0.1"),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 20
     while state(busy.pid) != "T" and time.monotonic() < deadline:
         time.sleep(0.05)

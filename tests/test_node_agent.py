@@ -1,4 +1,5 @@
-"""The node agent, run locally exactly as it is shipped: the script on stdin, `python - CMD ARGS`."""
+"""The node agent, run locally exactly as a node runs it: the node code and its boot line
+(probe.local_argv: `python -c BOOT CODE node_agent CMD ARGS`)."""
 
 import json
 import os
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.probe import REMOTE, program
+from orchestrator.probe import REMOTE, load, local_argv
 from tests.conftest import wait_for
 
-AGENT = program("node_agent")  # as shipped: remote/common.py in front
+AGENT = load("node_agent")  # the module the nodes run
 
 
 @pytest.fixture
@@ -22,8 +23,8 @@ def agent(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path))
 
     def call(*args, timeout=30, text=True):
-        r = subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, env=env, capture_output=True,
-                           timeout=timeout)
+        r = subprocess.run(local_argv("node_agent", *map(str, args)), stdin=subprocess.DEVNULL, env=env,
+                           capture_output=True, timeout=timeout)
         return r if not text else subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(),
                                                               r.stderr.decode())
 
@@ -267,12 +268,11 @@ def test_a_rank_is_one_process_that_runs_modules_and_takes_signals_itself(agent,
 
 
 def test_spec_on_stdin_keeps_env_off_the_command_line_and_the_run_dir_private(agent):
-    """The controller prepends SPEC_HEX to the script: no env value in any process's argv."""
+    """The controller sends the spec on stdin: no env value in any process's argv."""
     spec = {"argv": [sys.executable, "-c", "import os, time; print(os.environ['API_TOKEN'], flush=True); "
                      "time.sleep(600)"], "cwd": str(agent.home), "env": {"API_TOKEN": "tok-s3cr3t"}}
-    script = f"SPEC_HEX = {json.dumps(spec).encode().hex()!r}\n".encode() + AGENT
-    r = subprocess.run([sys.executable, "-", "start", "p1@n1", "-"], input=script, env=agent.env,
-                       capture_output=True, timeout=30)
+    r = subprocess.run(local_argv("node_agent", "start", "p1@n1", "-"), input=json.dumps(spec).encode(),
+                       env=agent.env, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     d = rundir(agent, "p1@n1")
     try:
@@ -287,7 +287,7 @@ def test_spec_on_stdin_keeps_env_off_the_command_line_and_the_run_dir_private(ag
         assert (d.stat().st_mode & 0o777) == 0o700 and (d.parent.stat().st_mode & 0o777) == 0o700
     finally:
         agent("stop", "p1@n1", 1)
-    missing = subprocess.run([sys.executable, "-", "start", "p2@n1", "-"], input=AGENT, env=agent.env,
+    missing = subprocess.run(local_argv("node_agent", "start", "p2@n1", "-"), input=b"", env=agent.env,
                              capture_output=True, timeout=30)
     assert missing.returncode != 0 and b"no spec" in missing.stderr
 
@@ -512,17 +512,14 @@ def test_torchrun_ended_by_a_stop_after_its_ranks_exited_0_records_their_0(agent
 
 
 def test_nproc_of_reads_torchruns_flag_in_either_spelling():
-    ns = {"__name__": "node_agent"}
-    exec(AGENT, ns)
+    ns = vars(AGENT)
     assert ns["nproc_of"](["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "t.py"]) == 8
     assert ns["nproc_of"](["--nproc_per_node=4"]) == 4
     assert ns["nproc_of"](["--nproc-per-node", "gpu"]) is None and ns["nproc_of"](["t.py"]) is None
 
 
 def test_a_rank_reaped_before_the_waiter_read_its_status_is_judged_by_its_hooks_word():
-    ns = {"__name__": "node_agent"}
-    exec(AGENT, ns)
-    word = ns["hooks_word"]
+    word = AGENT.hooks_word
     assert word(b"x\n") == 0  # through Python's finalization, nothing said against it
     assert word(b"e\nx\n") == 1 and word(b"s5\nx\n") == 5 and word(b"o3\n") == 3 and word(b"o0\n") == 0
     assert word(b"") == "?"  # no finalization: a signal or a crash, its number torchrun's alone
@@ -548,8 +545,8 @@ def test_a_run_directory_too_long_for_a_socket_address_still_gets_tagged_lines(t
     env = dict(os.environ, HOME=str(home))
 
     def call(*args):
-        return subprocess.run([sys.executable, "-", *map(str, args)], input=AGENT, env=env, capture_output=True,
-                              timeout=30)
+        return subprocess.run(local_argv("node_agent", *map(str, args)), stdin=subprocess.DEVNULL, env=env,
+                              capture_output=True, timeout=30)
 
     call.home = home
     d = start_rank(call, "long@n1", ["-c", "print('hello')"], local_rank="1")

@@ -1,20 +1,24 @@
 """orchestrator/node/: the one command form and the one reading of a node's answer.
 
-The command lines are held to what each caller built by hand before the door (the strings below
-are those builders' f-strings, kept here as the wire's record), so moving them changed no byte a
-node receives, except where noted."""
+The command lines are held byte for byte (the strings below are the wire's record): every
+program runs from the node code through the one boot line, its arguments one shell word
+each."""
 
+import io
 import json
+import os
 import shlex
+import shutil
+import sys
+import tarfile
 
 import pytest
 
-from orchestrator import shell
+from orchestrator import probe, shell
 from orchestrator.inventory import parse_inventory
-from orchestrator.node import (artifacts, ckptdir, drill, form, netprobe, nodeinfo, portlisten, preflight, pyenv, relay,
-                               wire)
-from orchestrator.probe import program
-from orchestrator.transport import NodeResult
+from orchestrator.node import (agent, artifacts, ckptdir, drill, form, netprobe, nodeinfo, portlisten, preflight, pyenv,
+                               relay, wire)
+from orchestrator.transport import Cluster, NodeResult, wait
 from orchestrator.transport.base import ErrorKind
 
 
@@ -24,73 +28,74 @@ def node(share: bool = False, python: str = "~/venv/bin/python"):
     return inv.node("n0")
 
 
-def src(name: str) -> str:
-    return program(name).decode()
+def boot(python: str, program: str, flags: str = "") -> str:
+    """The head of every node program's line: `PYTHON [FLAGS] -c BOOT CODE PROGRAM`."""
+    return f"{python} {flags + ' ' if flags else ''}-c {shell.quote(probe.BOOT)} " \
+           f"{shell.path(probe.node_code_path())} {program}"
 
 
 # ------------------------------------------------------------------ the form, byte for byte
 
 
-def test_a_program_on_stdin_with_every_argument_one_word():
+def test_every_program_runs_from_the_node_code_with_every_argument_one_word():
     n = node(share=True)
     e = artifacts.command(n, "prune", "/d i r", 3)
-    assert e.command == f"{n.program_env}\"$HOME\"/venv/bin/python - prune '/d i r' 3"
-    assert e.stdin == program("artifacts")
+    assert e.command == f"{n.program_env}{boot(chr(34) + '$HOME' + chr(34) + '/venv/bin/python', 'artifacts')} " \
+                        "prune '/d i r' 3"
+    assert e.stdin is None  # the program is on the node already: stdin is the caller's
     assert n.program_env  # the share_with_group assignment went in front
     hostile = artifacts.tree(n, {"path": "a'b;$(rm -rf ~)"})
     assert shlex.split(hostile.command)[-1] == json.dumps({"path": "a'b;$(rm -rf ~)"})
+    words = shlex.split(hostile.command)
+    at = words.index("-c")
+    assert words[at + 1:at + 4] == [probe.BOOT, probe.node_code_path().replace("~", "$HOME", 1), "artifacts"]
 
 
-def test_the_loader_form_puts_the_program_length_prefixed_before_the_callers_data():
+def test_a_verbs_data_is_the_whole_stdin():
     n = node()
     e = ckptdir.command(n, "look", "/ck", "/p", 2.0, 1.0, "-")
-    assert e.command == f"\"$HOME\"/venv/bin/python -c {shell.quote(form.LOADER)} look /ck /p 2.0 1.0 -"
-    body = program("ckptdir")
-    assert e.stdin == str(len(body)).encode() + b"\n" + body
-    assert b"".join(e.then([b"DATA"])) == e.stdin + b"DATA"
+    assert e.command == f"{boot(shell.path(n.python), 'ckptdir')} look /ck /p 2.0 1.0 -"
+    assert e.stdin is None and b"".join(e.then([b"DATA"])) == b"DATA"
     call = ckptdir.call(n, "digest", "/d", data=b"[1]")
-    assert call.stdin == e.stdin + b"[1]" and call.timeout == ckptdir.TIMEOUT
+    assert call.stdin == b"[1]" and call.timeout == ckptdir.TIMEOUT
 
 
-def test_the_relay_and_nodeinfo_lines_are_the_ones_sync_and_the_pair_built():
+def test_the_relay_and_nodeinfo_lines():
     n = node(share=True)
+    py = shell.path(n.python)
     got = relay.end(n, "ab12", "recv", "~/dst", idle=120.0, connect=5.0, listen=n.address).command
-    assert got == (f"{n.program_env}CLUSTERCTL_XFER=ab12 {shell.path(n.python)} -c {shell.quote(src('relay'))} "
+    assert got == (f"{n.program_env}CLUSTERCTL_XFER=ab12 {boot(py, 'relay')} "
                    f"recv ab12 {shell.path('~/dst')} --idle 120 --connect-timeout 5 --listen {shell.quote(n.address)}")
     assert relay.stop(n, "ab12", "~/dst", python="/opt/py").command == \
-        f"{shell.path('/opt/py')} -c {shell.quote(src('relay'))} stop ab12 {shell.path('~/dst')}"
-    assert relay.changed(n, n.workdir).command == \
-        f"{shell.path(n.python)} -c {shell.quote(src('relay'))} changed {shell.path(n.workdir)}"
+        f"{boot(shell.path('/opt/py'), 'relay')} stop ab12 {shell.path('~/dst')}"
+    assert relay.changed(n, n.workdir).command == f"{boot(py, 'relay')} changed {shell.path(n.workdir)}"
     outputs = ["--output", "~/w x/runs"]
     assert nodeinfo.prune(n, outputs).command == (
-        f"{shell.path(n.python)} -c {shell.quote(src('nodeinfo'))} prune "
-        f"{shell.path(n.workdir)} {shell.join(outputs)}").rstrip()
-    assert nodeinfo.prune(n, []).command == (
-        f"{shell.path(n.python)} -c {shell.quote(src('nodeinfo'))} prune {shell.path(n.workdir)} ").rstrip()
+        f"{boot(py, 'nodeinfo')} prune {shell.path(n.workdir)} {shell.join(outputs)}")
+    assert nodeinfo.prune(n, []).command == f"{boot(py, 'nodeinfo')} prune {shell.path(n.workdir)}"
     assert nodeinfo.workdir(n, "select", outputs, "--include", "*.py", timeout=5).command == (
-        f"{shell.path(n.python)} -S -c {shell.quote(src('nodeinfo'))} select "
-        f"{shell.path(n.workdir)} {shell.join([*outputs, '--include', '*.py'])}")
+        f"{boot(py, 'nodeinfo', '-S')} select {shell.path(n.workdir)} {shell.join([*outputs, '--include', '*.py'])}")
     assert nodeinfo.send(n, "ab12", "~/w x", idle=120.0, connect=5.0).command == (
-        f"CLUSTERCTL_XFER=ab12 {shell.path(n.python)} -c {shell.quote(src('nodeinfo'))} send "
-        f"{shell.path('~/w x')} --idle 120 --connect-timeout 5")
+        f"CLUSTERCTL_XFER=ab12 {boot(py, 'nodeinfo')} send {shell.path('~/w x')} --idle 120 --connect-timeout 5")
 
 
 def test_setup_drill_netbench_and_the_listener_lines():
     n = node(share=True)
+    py = shell.path(n.python)
     assert pyenv.command(n, "~/base/python3", "install", "~/.venv", "~/.cache/clusterctl", "abc", "--online").command \
-        == f"{shell.path('~/base/python3')} -c {shell.quote(src('pyenv'))} " + \
+        == f"{boot(shell.path('~/base/python3'), 'pyenv')} " + \
         " ".join(shell.path(a) for a in ("install", "~/.venv", "~/.cache/clusterctl", "abc", "--online"))
     marked = drill.call(n, "signal", "r1.a2@n0", 19, "3", run_id="r 1", timeout=60)
-    assert marked.command == f"{n.program_env}CLUSTERCTL_DRILL={shell.quote('r 1')} {shell.path(n.python)} - " \
+    assert marked.command == f"{n.program_env}CLUSTERCTL_DRILL={shell.quote('r 1')} {boot(py, 'drill')} " \
                              f"{shell.join(['signal', 'r1.a2@n0', '19', '3'])}"
-    assert marked.stdin == program("drill")
+    assert marked.stdin is None
     assert drill.call(n, "left", "r1", run_id=None, timeout=60).command == \
-        f"{n.program_env}{shell.path(n.python)} - left r1"
+        f"{n.program_env}{boot(py, 'drill')} left r1"
     env = {"NCCL_X": "a b"}
     assert netprobe.command(n, "allreduce", 0, 2, "10.0.0.5", 29500, env=env).command == \
-        shell.exports(env) + " " + f"{shell.path(n.python)} - {shell.join(['allreduce', 0, 2, '10.0.0.5', 29500])}"
+        shell.exports(env) + " " + f"{boot(py, 'netprobe')} {shell.join(['allreduce', 0, 2, '10.0.0.5', 29500])}"
     assert portlisten.listen(n, 29500, 10.0, 2, "cc-listen-1").command == \
-        f"{shell.path(n.python)} - {shell.join([29500, 10.0, 2, 'cc-listen-1'])}"
+        f"{boot(py, 'portlisten')} {shell.join([29500, 10.0, 2, 'cc-listen-1'])}"
 
 
 def test_the_preflight_probe_line_is_the_one_it_had():
@@ -102,11 +107,8 @@ def test_the_preflight_probe_line_is_the_one_it_had():
     assert "want() {" in preflight.HEADER
 
 
-def test_the_preflight_heredoc_is_the_one_it_had_and_refuses_a_program_holding_its_end():
-    text = src("nodeinfo")
-    assert nodeinfo.probe_text() == '"$py" -S - info "$pwd_arg" "$@" 2>&1 <<\'PYEOF\'\n' + text + "PYEOF\n"
-    with pytest.raises(ValueError, match="heredoc end"):
-        form.heredoc("nodeinfo", '"$py"', end=text.splitlines()[3])
+def test_the_preflight_probe_runs_nodeinfo_from_the_node_code_without_site():
+    assert nodeinfo.probe_text() == f'{boot(chr(34) + "$py" + chr(34), "nodeinfo", "-S")} info "$pwd_arg" "$@" 2>&1\n'
 
 
 # ------------------------------------------------------------------ replies
@@ -157,3 +159,96 @@ def test_the_line_readers():
     assert portlisten.read_first("busy 98 Address in use").busy
     assert portlisten.read_first("") == portlisten.Listening(error="no answer")
     assert wire.progress_of('clusterctl-progress: {"step": "x", "bytes": 3}') == ("x", 3)
+
+
+# ------------------------------------------------------------------ the code placed on the nodes, once
+
+
+def local_cluster(tmp_path, monkeypatch, n: int = 2):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    nodes = "\n".join(f"  - {{name: n{i}, connection: local, gpus: 0}}" for i in range(n))
+    return Cluster(parse_inventory(f"python: {json.dumps(sys.executable)}\nnodes:\n{nodes}\n"))
+
+
+class Counting:
+    """A connection that counts the commands run on it."""
+
+    def __init__(self, conn):
+        self.conn, self.lines = conn, []
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+    def exec(self, command, *, stdin=None):
+        self.lines.append(command)
+        return self.conn.exec(command, stdin=stdin)
+
+
+def test_the_code_is_sent_where_it_is_missing_once_per_connection_and_again_after_it_went(tmp_path, monkeypatch):
+    placed = tmp_path / probe.node_code_path().removeprefix("~/")
+    with local_cluster(tmp_path, monkeypatch) as cluster:
+        counted = {name: Counting(c) for name, c in cluster.connections.items()}
+        cluster.connections.update(counted)
+        assert form.place(cluster) == {}
+        with tarfile.open(fileobj=io.BytesIO(probe.node_code()[1])) as tar:
+            sent = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        assert {p.relative_to(placed).as_posix(): p.read_bytes() for p in placed.rglob("*") if p.is_file()} == sent
+        assert placed.parent.stat().st_mode & 0o777 == 0o700
+        # two local nodes share one home: the first sent it (or both raced to), each looked once
+        assert all(c.lines[0] == form.check_command() for c in counted.values())
+        assert sum(len(c.lines) for c in counted.values()) in (3, 4)
+        before = {name: len(c.lines) for name, c in counted.items()}
+        assert agent.run(cluster, agent.claims)["n0"].error is None  # placed: only the agent's own line
+        assert {name: len(c.lines) - before[name] for name, c in counted.items()} == {"n0": 1, "n1": 1}
+        assert list(placed.glob(f"{probe.PACKAGE}/__pycache__/node_agent.*.pyc"))  # compiled once, kept
+        shutil.rmtree(placed)  # removed by hand under open connections
+        got = agent.run(cluster, agent.claims, ["n0"])["n0"]
+        assert got.error is None and (placed / probe.PACKAGE / probe.COMPLETE).is_file()  # placed again, asked again
+        assert not list(placed.parent.glob(".in.*")) and not list(placed.glob(".in.*"))
+    assert form.missing(NodeResult("n0", 97, stderr=f"{probe.MISSING} ~/x")) and not form.missing(NodeResult("n0", 97))
+
+
+def test_a_nodes_cache_keeps_the_newest_versions(tmp_path, monkeypatch):
+    cache = tmp_path / probe.CACHE.removeprefix("~/")
+    cache.mkdir(parents=True)
+    for i in range(form.KEEP + 4):  # older versions, oldest first
+        old = cache / f"{i:020x}"
+        old.mkdir()
+        os.utime(old, (1_600_000_000 + i, 1_600_000_000 + i))
+    with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
+        assert form.place(cluster) == {}
+    kept = sorted(p.name for p in cache.iterdir())
+    assert len(kept) == form.KEEP and probe.node_code()[0] in kept
+    assert f"{0:020x}" not in kept and f"{form.KEEP + 3:020x}" in kept
+
+
+def test_a_cut_upload_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Its last member marks a whole copy: a stream cut short is never taken for the code."""
+    with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
+        r = wait(cluster.connections["n0"].exec(form.install_command(), stdin=probe.node_code()[1][:20000]), 30)
+    assert r.exit_code == 1 and "could not write its node code" in r.stderr
+    cache = tmp_path / probe.CACHE.removeprefix("~/")
+    assert not list(cache.iterdir())
+
+
+def test_preflight_places_the_code_only_where_its_probe_found_none_and_asks_no_more(tmp_path, monkeypatch):
+    """The probe runs nodeinfo from the node code without a `test -f` first: a node without the
+    code answers probe.MISSING, gets it and is asked again in the same round; a warm node costs
+    the probe alone, and the commands after it on the same connection place nothing."""
+    from orchestrator.checks.preflight import run_preflight
+
+    placed = tmp_path / probe.node_code_path().removeprefix("~/")
+    for run in ("cold", "warm"):
+        with local_cluster(tmp_path, monkeypatch, n=1) as cluster:
+            counted = Counting(cluster.connections["n0"])
+            cluster.connections["n0"] = counted
+            rep = run_preflight(cluster, cluster.inventory, ["python_env"])
+            env = rep.nodes[0].results["python_env"]
+            assert env.status != "fail" or probe.MISSING not in env.detail, env.detail
+            assert (placed / probe.PACKAGE / probe.COMPLETE).is_file()
+            probes = [line for line in counted.lines if line.startswith("sh -s")]
+            assert len(probes) == (2 if run == "cold" else 1), counted.lines
+            assert any(line == form.check_command() for line in counted.lines) == (run == "cold")
+            n = len(counted.lines)
+            assert agent.run(cluster, agent.claims)["n0"].error is None
+            assert len(counted.lines) == n + 1  # known from the probe: no `test -f` before the agent

@@ -50,21 +50,20 @@ def agent_env(tmp_path):
 def start_job(tmp_path, key):
     (tmp_path / "ck").mkdir()
     spec = {"argv": [sys.executable, "-c", JOB], "cwd": str(tmp_path), "env": {}}
-    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=agent.program(),
-                       env=agent_env(tmp_path), capture_output=True, timeout=30)
+    r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
+                       stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
 
 def stream(tmp_path, key, offset, tb_have, ckdir=None, progress_s=None):
     args = ["tail", key, str(offset), "stream", ckdir or str(tmp_path / "ck"), str(tmp_path / "tb"),
             json.dumps(tb_have).encode().hex(), *([str(progress_s)] if progress_s is not None else [])]
-    return subprocess.Popen([sys.executable, "-", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    return subprocess.Popen(probe.local_argv("node_agent", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=agent_env(tmp_path))
 
 
 def records(proc, stop_after=None):
     """(head, body) records as they arrive; `stop_after(records)` true: the stream is cut there."""
-    proc.stdin.write(agent.stream_program())
     proc.stdin.close()
     frames, out = Frames(), []
     while chunk := os.read(proc.stdout.fileno(), 7001):  # odd pieces: records split anywhere
@@ -110,8 +109,8 @@ def test_log_checkpoints_tensorboard_and_status_on_one_stream_resumed_where_the_
     # the checkpoint list is the one `artifacts.py poll` prints, and only when it changed
     lists = [json.loads(b) for h, b in second if h["t"] == "ckpts"]
     assert lists[0] != [] and all(a != b for a, b in zip(lists, lists[1:]))
-    poll = subprocess.run([sys.executable, "-", "poll", str(tmp_path / "ck"), str(tmp_path / "tb"), "-"],
-                          input=probe.program("artifacts"), capture_output=True, timeout=30, env=agent_env(tmp_path))
+    poll = subprocess.run(probe.local_argv("artifacts", "poll", str(tmp_path / "ck"), str(tmp_path / "tb"), "-"),
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30, env=agent_env(tmp_path))
     assert lists[-1] == json.loads(poll.stdout.split(b"\n", 1)[0])
     assert [c["name"] for c in lists[-1]] == ["ckpt_00000012.pt", "ckpt_00000008.pt", "ckpt_00000004.pt"]
 
@@ -142,8 +141,8 @@ def test_with_progress_s_the_stream_carries_the_ranks_progress_and_without_it_no
     for none (an older control side) sends none."""
     key = "nsp1@n1"
     spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(tmp_path), "env": {"CHILD": RANK}, "hook": HOOK}
-    r = subprocess.run([sys.executable, "-", "start", key, json.dumps(spec).encode().hex()], input=agent.program(),
-                       env=agent_env(tmp_path), capture_output=True, timeout=30)
+    r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
+                       stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     with_progress, without = stream(tmp_path, key, 0, {}, "-", 0.5), stream(tmp_path, key, 0, {}, "-")
     got = {}
@@ -237,9 +236,7 @@ def test_a_progress_sink_asks_the_streams_for_progress_and_gets_their_records(tm
 
 
 def frame(head, body):
-    ns = {"__name__": "x"}
-    exec((REMOTE / "artifacts.py").read_text(), ns)
-    return ns["frame"](head, body)
+    return probe.load("artifacts").frame(head, body)
 
 
 def test_the_record_kinds_are_the_node_sides():
@@ -283,10 +280,3 @@ def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_
     assert len(calls) >= 2
     assert copier.stream_from("n1") == StreamFrom("/c", "/t", {}) and copier.stream_from("n2") is None
 
-
-def test_the_stream_agent_is_the_agent_with_artifacts_rules_before_it():
-    stream = agent.stream_program()
-    assert stream.endswith(agent.program())
-    ns = {}
-    exec(stream[:-len(agent.program())], ns)
-    assert ns["ARTIFACTS_SRC"].encode() == probe.program("artifacts")

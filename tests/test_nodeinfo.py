@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from orchestrator.checks import load_nodeinfo
-from orchestrator.probe import program
+from orchestrator.probe import local_argv
 
-NODEINFO = program("nodeinfo").decode()  # as shipped: remote/common.py in front
 
 VERSION_PY = '''from typing import Optional
 
@@ -26,8 +25,8 @@ hip: Optional[str] = None
 
 
 def info(python, *args, env=None):
-    out = subprocess.run([str(python), "-S", "-c", NODEINFO, "info", "-", *args], capture_output=True,
-                         text=True, check=True, env=env)
+    out = subprocess.run(local_argv("nodeinfo", "info", "-", *args, python=str(python), flags=("-S",)),
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout)
 
 

@@ -43,7 +43,7 @@ def test_registry_drives_names_fast_subset_and_one_probe_script():
     assert "python_env" not in FAST_CHECKS
     script = probe_script(["gpu_count", "gpu_idle", "python_env", "code_sync", "clock_skew"]).decode()
     # the GPU snippet is read by three checks and the python one by two: each runs once
-    assert script.count("--query-gpu=") == 1 and script.count('"$py" -S - info') == 1
+    assert script.count("--query-gpu=") == 1 and script.count(' nodeinfo info "$pwd_arg"') == 1
     assert script.index('echo "@@time"') < script.index("@@nvidia-gpus")  # the clock first
     assert script.rstrip().endswith('echo "@@end"')
     # a check that is not asked for adds nothing to what the node runs

@@ -18,7 +18,6 @@ from orchestrator import probe
 from orchestrator.cli import main
 from orchestrator.home import USER_UMASK_ENV, runs_dir
 from orchestrator.inventory import parse_inventory
-from orchestrator.node.form import LOADER
 from orchestrator.runs.spec import RunSpec
 from orchestrator.runs.store import Run, run_umask, write_json
 from tests.conftest import wait_for, write_record
@@ -135,11 +134,9 @@ def node_env(home: Path, share: bool = False) -> dict:
     return dict(env, HOME=str(home), **(SHARE if share else {}))
 
 
-def shipped(name, *args, home, share=False, stdin=b"", flag="-"):
-    """`python - ARGS` with the program on stdin as the nodes run it, under a user's umask 022."""
-    code = probe.program(name)
-    argv = [sys.executable, "-", *map(str, args)] if flag == "-" else [sys.executable, "-c", code.decode(), *args]
-    r = subprocess.run(argv, input=code + stdin if flag == "-" else stdin, env=node_env(home, share),
+def shipped(name, *args, home, share=False, stdin=b""):
+    """The program as the nodes run it (the node code's zip, probe.local_argv), under a user's umask 022."""
+    r = subprocess.run(probe.local_argv(name, *map(str, args)), input=stdin, env=node_env(home, share),
                        capture_output=True, timeout=60, umask=0o022)
     assert r.returncode == 0, r.stderr.decode()
     return r
@@ -174,11 +171,9 @@ def ckpt_tar() -> bytes:
 
 @pytest.mark.parametrize("share", [False, True], ids=["private", "share_with_group"])
 def test_a_restored_checkpoint_is_never_wider_than_the_umask(tmp_path, share):
-    """`receive` (a restore) as checkpoints.restore ships it: the agent, then the tar, on stdin."""
-    agent = probe.program("artifacts")
+    """`receive` (a restore) as checkpoints.restore ships it: the tar on stdin."""
     dest = tmp_path / "ck"
-    stdin = str(len(agent)).encode() + b"\n" + agent + ckpt_tar()
-    r = subprocess.run([sys.executable, "-c", LOADER, "receive", str(dest)], input=stdin, capture_output=True,
+    r = subprocess.run(probe.local_argv("artifacts", "receive", str(dest)), input=ckpt_tar(), capture_output=True,
                        env=node_env(tmp_path, share), timeout=60, umask=0o022)
     assert r.returncode == 0, r.stderr.decode()
     d, f = (0o750, 0o640) if share else (0o700, 0o600)
@@ -228,8 +223,7 @@ def test_the_relay_installs_what_it_receives_no_wider_than_the_umask(tmp_path, s
             tar.addfile(info, io.BytesIO(b"abc"))
     data = buf.getvalue()
     wd = tmp_path / "wd"
-    p = subprocess.Popen([sys.executable, "-c", probe.program("relay").decode(), "recv", "x1", str(wd), "--idle",
-                          "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen(probe.local_argv("relay", "recv", "x1", str(wd), "--idle", "20"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=node_env(tmp_path, share), umask=0o022)
     port = int(p.stdout.readline().split()[1])
     p.stdin.write(b"token tok\nlast\nsource tcp\n")

@@ -20,14 +20,13 @@ import yaml
 from orchestrator.cli import main
 from orchestrator.errors import InventoryError
 from orchestrator.inventory import parse_inventory
-from orchestrator.probe import program
+from orchestrator.probe import local_argv
 from orchestrator.sync import choose_methods, sync
 from orchestrator.transfer.archive import CHUNK, TarStream, framed
 from orchestrator.transfer.files import select_files
 from orchestrator.transport import Cluster
 from tests.conftest import scan
 
-RELAY = program("relay").decode()  # as shipped: remote/common.py in front
 
 
 def data_tree(root: Path, mb: int = 3, files: int = 3) -> Path:
@@ -95,7 +94,7 @@ def test_auto_picks_rsync_only_for_small_updates():
 
 
 def _relay(tmp_path, *args):
-    return subprocess.Popen([sys.executable, "-c", RELAY, "recv", "abc123", str(tmp_path / "wd"), *args],
+    return subprocess.Popen(local_argv("relay", "recv", "abc123", str(tmp_path / "wd"), *args),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -145,7 +144,7 @@ def test_relay_refuses_a_stream_whose_digest_differs(tmp_path):
 
 
 def _send(src, *names, idle="20"):
-    return subprocess.Popen([sys.executable, "-c", RELAY, "send", "abc124", str(src), *names, "--idle", idle],
+    return subprocess.Popen(local_argv("relay", "send", "abc124", str(src), *names, "--idle", idle),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

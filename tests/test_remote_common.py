@@ -1,7 +1,8 @@
-"""remote/common.py: the node side's shared rules, written once and shipped in front of every
-program (probe.program), loaded here from the same bytes (probe.common)."""
+"""remote/common.py: the node side's shared rules, written once, imported by every program of the
+node code (one package: probe.node_code) and by the control side (probe.common)."""
 
 import ast
+import hashlib
 import io
 import os
 import signal
@@ -18,7 +19,7 @@ from orchestrator.runs import policy
 from orchestrator.runs.ckpt import given_home as checkpoints
 
 REMOTE = Path(probe.__file__).resolve().parent / "remote"
-PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem != probe.COMMON)
+PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem not in (probe.COMMON, "__init__"))
 
 
 # ------------------------------------------------------------------ (a) written once
@@ -176,8 +177,8 @@ def test_extraction_refuses_before_anything_lands(tmp_path):
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
         tar.addfile(_member("evil", tarfile.SYMTYPE, "/"))
-    r = subprocess.run([sys.executable, "-c", probe.program("artifacts").decode(), "receive", str(tmp_path / "d")],
-                       input=buf.getvalue(), capture_output=True, timeout=60)
+    r = subprocess.run(probe.local_argv("artifacts", "receive", str(tmp_path / "d")), input=buf.getvalue(),
+                       capture_output=True, timeout=60)
     assert r.returncode != 0 and b"refusing tar member evil" in r.stderr
     assert os.listdir(tmp_path / "d") == []
 
@@ -221,54 +222,64 @@ def test_the_marker_scan_skips_a_process_that_ends_mid_scan(monkeypatch):
 # ------------------------------------------------------------------ (d) every program runs as shipped
 
 
-def _run(name: str, *args: str, cwd: Path, stdin: bytes | None = None, flags=()) -> subprocess.CompletedProcess:
-    """`python - ARGS` with the program on stdin (or -c, when the program reads stdin itself)."""
-    src = probe.program(name)
-    env = dict(os.environ, HOME=str(cwd))
-    if stdin is None:
-        return subprocess.run([sys.executable, *flags, "-", *args], input=src, cwd=cwd, env=env,
-                              capture_output=True, timeout=60)
-    return subprocess.run([sys.executable, *flags, "-c", src.decode(), *args], input=stdin, cwd=cwd, env=env,
-                          capture_output=True, timeout=60)
+def _run(name: str, *args: str, cwd: Path, stdin: bytes = b"", flags=()) -> subprocess.CompletedProcess:
+    """The program as a node runs it: the boot line, the node code, the program's name."""
+    return subprocess.run(probe.local_argv(name, *args, flags=flags), input=stdin, cwd=cwd,
+                          env=dict(os.environ, HOME=str(cwd)), capture_output=True, timeout=60)
 
 
-def test_every_shipped_program_runs_from_its_program_bytes(tmp_path):
-    """Each program's cheapest verb, run from probe.program's bytes (common.py in front)."""
+def test_every_shipped_program_runs_from_the_node_code(tmp_path):
+    """Each program's cheapest verb, run from the node code as a node runs it."""
     cheapest = {
-        "node_agent": (("live",), None, b"[]"),
-        "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), None, b'"own": []'),
-        "ckptdir": (("look", str(tmp_path / "none"), str(tmp_path / ".pending"), "2", "0", "-"), None,
-                    b'"entries": {}'),
-        "relay": (("changed", str(tmp_path / "wd")), b"", b"changed 0 0"),
-        "nodeinfo": (("info", "-"), None, b'"python"'),
-        "pyenv": (("probe", str(tmp_path / "venv"), str(tmp_path)), None, b'"venv": "absent"'),
-        "portlisten": (("0", "1", "0"), None, b"listening"),
-        "netprobe": (("serve", "0", "0.2"), None, b"listening"),
-        "drill": (("left", "no-such-run"), None, b'{"pids": []}'),
+        "node_agent": (("live",), b"[]"),
+        "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), b'"own": []'),
+        "ckptdir": (("look", str(tmp_path / "none"), str(tmp_path / ".pending"), "2", "0", "-"), b'"entries": {}'),
+        "relay": (("changed", str(tmp_path / "wd")), b"changed 0 0"),
+        "nodeinfo": (("info", "-"), b'"python"'),
+        "pyenv": (("probe", str(tmp_path / "venv"), str(tmp_path)), b'"venv": "absent"'),
+        "portlisten": (("0", "1", "0"), b"listening"),
+        "netprobe": (("serve", "0", "0.2"), b"listening"),
+        "drill": (("left", "no-such-run"), b'{"pids": []}'),
     }
     assert sorted(cheapest) == PROGRAMS, "a shipped program without a check here"
-    for name, (args, stdin, want) in cheapest.items():
-        r = _run(name, *args, cwd=tmp_path, stdin=stdin, flags=("-S",) if name == "nodeinfo" else ())
+    for name, (args, want) in cheapest.items():
+        r = _run(name, *args, cwd=tmp_path, flags=("-S",) if name == "nodeinfo" else ())
         assert r.returncode == 0 and want in r.stdout, (name, r.stdout[-500:], r.stderr[-2000:])
 
 
-def test_every_name_a_program_uses_is_defined_once_shipped():
-    """pyflakes over the shipped bytes: a helper a program calls is common.py's (nothing undefined)."""
+def test_every_name_a_program_uses_is_defined_or_imported():
+    """pyflakes over each module of the node code: what a program calls it defines or imports."""
     from pyflakes.api import check
     from pyflakes.reporter import Reporter
 
-    for name in PROGRAMS:
+    for name in [*PROGRAMS, probe.COMMON]:
         out = io.StringIO()
-        check(probe.program(name).decode(), name, Reporter(out, out))
+        check((REMOTE / f"{name}.py").read_text(), name, Reporter(out, out))
         undefined = [ln for ln in out.getvalue().splitlines() if "undefined name" in ln]
         assert not undefined, undefined
 
 
-def test_the_control_side_loads_the_same_bytes():
+def test_the_node_code_holds_the_same_files_the_control_side_imports():
+    """The nodes run the package the control side imports: the same files, byte for byte, the mark
+    of a whole copy last, and the same sources always give the same tar and hash."""
+    h, data = probe.node_code()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+        assert {(m.mtime, m.uid, m.uname) for m in tar.getmembers()} == {(1_577_836_800, 0, "")}
+    assert members[-1] == (f"{probe.PACKAGE}/{probe.COMPLETE}", b"")
+    assert dict(members[:-1]) == {f"{probe.PACKAGE}/{p.name}": p.read_bytes() for p in REMOTE.glob("*.py")}
     ni = probe.load_nodeinfo()
-    assert ni.__loader__.get_source(ni.__name__) == probe.program("nodeinfo").decode()
-    assert ni.sha256_file is not probe.common().sha256_file  # its own copy, as on a node
-    assert ni.send_tar.__code__.co_code == probe.common().send_tar.__code__.co_code
+    assert Path(ni.__file__) == REMOTE / "nodeinfo.py" and ni.sha256_file is probe.common().sha256_file
+    assert h == hashlib.sha256(data).hexdigest()[:20] and len(h) == 20
+    assert probe.node_code_path() == f"{probe.CACHE}/{h}"
+
+
+def test_missing_node_code_is_said_with_its_own_exit_code(tmp_path):
+    """The boot line on a node without the code: exit probe.MISSING_EXIT and probe.MISSING on
+    stderr, which node/form.py `missing` reads (and then places the code again)."""
+    r = subprocess.run([sys.executable, "-S", "-c", probe.BOOT, str(tmp_path / "gone"), "nodeinfo", "info", "-"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == probe.MISSING_EXIT and r.stderr.startswith(probe.MISSING) and r.stdout == ""
 
 
 def test_a_stop_signal_reaches_a_marked_relay(tmp_path):

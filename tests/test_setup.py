@@ -17,12 +17,11 @@ import pytest
 
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.inventory import parse_inventory
-from orchestrator.probe import program
+from orchestrator.probe import local_argv
 from orchestrator.pyenv import plan, pushes, target_of
 from orchestrator.pyenv.resolve import LOCK_FORMAT, RequirementError, ResolveError, Target, explain_pip_failure, uv_binary
 from orchestrator.pyenv.wheels import import_name, lock_hash, requirement_names, wheel_fits, wheel_name
 
-PYENV = program("pyenv").decode()  # as shipped: remote/common.py in front
 NODES = "nodes: [{name: a, host: h1}, {name: b, host: h2, python: /opt/py}]\n"
 
 
@@ -192,8 +191,8 @@ def cache(root: Path, pins: dict[str, str], body: str = "", with_uv: bool = True
 
 
 def node(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PYENV, *args], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run(local_argv("pyenv", *args), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def built(venv: Path) -> list[str]:

@@ -134,8 +134,9 @@ LAYERS: list[dict[str, str]] = [
      "home": "where clusterctl keeps its state on the control machine",
      "__init__": "the package's version"},
 ]
-# Scripts shipped to the nodes and run there alone (stdlib, or torch where one runs): no imports
-# of the package, which is not installed on a node.
+# The node code, shipped to the nodes as one zip and run there alone (stdlib, or torch where one
+# runs): its modules import each other (relatively), nothing else of the package, which is not
+# installed on a node.
 SHIPPED = "orchestrator.remote"
 
 # Every import counts, at module level, inside a function, or under `if TYPE_CHECKING:`. A
@@ -233,15 +234,17 @@ def violations(sources: dict[str, str]) -> dict[str, list[str]]:
     edges: dict[str, dict[str, list[str]]] = {}
     for rel, text in sorted(sources.items()):
         me = module_name(rel)
-        if not me.startswith(SHIPPED + ".") and _layer(me) is None:
+        shipped = me == SHIPPED or me.startswith(SHIPPED + ".")
+        if not shipped and _layer(me) is None:
             found.setdefault(f"{rel} on no layer", []).append(f"{rel}: add it to LAYERS, with why")
         for target, line, typing_only in imports(rel, text, known):
             note = " (under TYPE_CHECKING)" if typing_only else ""
             where = f"{rel}:{line}: imports {target}{note}"
             if target != me:
                 edges.setdefault(me, {}).setdefault(target, []).append(where)
-            if me.startswith(SHIPPED + "."):
-                found.setdefault(f"{rel} -> {target}", []).append(where + ": a shipped script runs alone")
+            if shipped and not target.startswith(SHIPPED + "."):
+                found.setdefault(f"{rel} -> {target}", []).append(where + ": the node code runs alone (it may "
+                                                                  "import only its own modules)")
             elif (mine := _layer(me)) is not None and (theirs := _layer(target)) is not None and theirs < mine:
                 found.setdefault(f"{rel} -> {target}", []).append(where + ": a higher layer")
     for comp in _circles({m: set(t) for m, t in edges.items()}):
@@ -332,16 +335,22 @@ def _called(call: ast.Call) -> str:
 
 def door_breaches(sources: dict[str, str]) -> dict[str, list[str]]:
     """{file: ["file:line: what"]} of node command lines and node answers handled outside the door:
-    a call of `program(...)` (probe.program: a shipped program's bytes, taken to build a command
-    line), and a `json.loads(...)` of something's `.stdout` (a node's answer parsed by hand)."""
+    the node code's boot line or zip taken to build a command line (`BOOT`, `node_code(...)`,
+    `node_code_path(...)`: probe.py), and a `json.loads(...)` of something's `.stdout` (a node's
+    answer parsed by hand)."""
     found: dict[str, list[str]] = {}
     for rel, text in sorted(sources.items()):
         if rel.startswith(DOOR):
             continue
-        for call in _calls(ast.parse(text)):
+        tree = ast.parse(text)
+        for ref in ast.walk(tree):
+            if (isinstance(ref, ast.Name) and ref.id == "BOOT") or (isinstance(ref, ast.Attribute) and ref.attr == "BOOT"):
+                found.setdefault(rel, []).append(f"{rel}:{ref.lineno}: BOOT: a node program's line built outside "
+                                                 "orchestrator/node/")
+        for call in _calls(tree):
             name = _called(call)
-            if name == "program":
-                found.setdefault(rel, []).append(f"{rel}:{call.lineno}: program(): a shipped program outside "
+            if name in ("node_code", "node_code_path"):
+                found.setdefault(rel, []).append(f"{rel}:{call.lineno}: {name}(): the node code taken outside "
                                                  "orchestrator/node/")
             elif name == "loads" and any(isinstance(a, ast.Attribute) and a.attr == "stdout"
                                          for arg in call.args for a in ast.walk(arg)):
@@ -365,18 +374,18 @@ def test_only_the_door_builds_node_command_lines_or_reads_node_answers():
 def test_door_check_is_not_vacuous():
     """Each kind of breach is found, with file:line; the door's own files are not."""
     sources = {
-        "orchestrator/sync.py": "from orchestrator.probe import program\nX = program('nodeinfo')\n",
+        "orchestrator/sync.py": "from orchestrator.probe import BOOT\nX = f'python -c {BOOT} nodeinfo'\n",
         "orchestrator/runs/x.py": "import json\ndef f(r):\n    return json.loads(r.stdout.strip().splitlines()[-1])\n",
-        "orchestrator/checks/y.py": "from orchestrator import probe\nY = probe.program('portlisten')\n",
-        "orchestrator/node/agent.py": "import json\nZ = json.loads(r.stdout)\nP = program('node_agent')\n",
-        "orchestrator/probe.py": "def program(name):\n    return b''\nprogram('x')\n",
+        "orchestrator/checks/y.py": "from orchestrator import probe\nY = probe.node_code()[1]\n",
+        "orchestrator/node/agent.py": "import json\nZ = json.loads(r.stdout)\nP = probe.BOOT\n",
+        "orchestrator/probe.py": "BOOT = ''\ndef node_code():\n    return BOOT\nnode_code()\n",
     }
     assert door_breaches(sources) == {
-        "orchestrator/checks/y.py": ["orchestrator/checks/y.py:2: program(): a shipped program outside "
+        "orchestrator/checks/y.py": ["orchestrator/checks/y.py:2: node_code(): the node code taken outside "
                                      "orchestrator/node/"],
         "orchestrator/runs/x.py": ["orchestrator/runs/x.py:3: json.loads of a stdout: a node's answer read "
                                    "outside orchestrator/node/"],
-        "orchestrator/sync.py": ["orchestrator/sync.py:2: program(): a shipped program outside orchestrator/node/"]}
+        "orchestrator/sync.py": ["orchestrator/sync.py:2: BOOT: a node program's line built outside orchestrator/node/"]}
 
 
 # ------------------------------------------------------------------ the documents

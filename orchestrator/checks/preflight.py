@@ -33,9 +33,10 @@ from orchestrator.checks.net import attribute_port_reachable
 from orchestrator.checks.ping import ping_all, ping_result
 from orchestrator.checks.registry import BY_NAME, CHECKS, fast_checks, ordered, probe_script
 from orchestrator.checks.report import NodeReport, PreflightReport
+from orchestrator import probe
 from orchestrator.errors import CommandFailed, UsageError
 from orchestrator.inventory import Inventory, Node
-from orchestrator.node import portlisten
+from orchestrator.node import form, portlisten
 from orchestrator.node import preflight as preflight_probe
 from orchestrator.transfer.files import control_code, private_files, run_outputs
 from orchestrator.transport import Cluster, Proc, first_line, wait
@@ -186,9 +187,14 @@ class _Probes:
         elif line == "@@time":
             self._at_time.add(name)
 
-    def run(self, cluster: Cluster, nodes: list[Node], timeout: float = PROBE_TIMEOUT) -> None:
+    def run(self, cluster: Cluster, nodes: list[Node], timeout: float = PROBE_TIMEOUT, placed: bool = False) -> None:
+        """One round on `nodes`. The probe runs nodeinfo from the node code, which is not placed
+        first (a round trip per node on every preflight): a node without it answers with
+        probe.MISSING, gets it (node/form.py `place`) and is asked again at once, in the same
+        round (placed=True); a node whose nodeinfo ran is known to hold it for the commands after."""
         names = [n.name for n in nodes]
-        self.rounds.append(names)
+        if not placed:
+            self.rounds.append(names)
         for name in names:
             self.t_recv.pop(name, None)
             self._at_time.discard(name)
@@ -208,6 +214,12 @@ class _Probes:
             if r.exit_code is None or "@@end" not in r.stdout:
                 self.errors[name] = r.error or f"probe exited {r.exit_code}: {r.stderr.strip()[-200:]}"
             self.texts[name] = r.stdout
+            if "@@python" in r.stdout and probe.MISSING not in r.stdout and name in cluster.connections:
+                form.known(cluster.connections[name])
+        lacking = [n for n in nodes if probe.MISSING in self.texts.get(n.name, "")]
+        if lacking and not placed:
+            form.place(cluster, [n.name for n in lacking])
+            self.run(cluster, lacking, timeout, placed=True)
 
     def tries(self, name: str) -> int:
         return sum(name in r for r in self.rounds)

@@ -1,7 +1,7 @@
 """The node agent's client (orchestrator/remote/node_agent.py).
 
-One function per verb returns a Call (wire.py): the node's command line (form.py: `PYTHON - VERB
-ARGS`, the agent on stdin), its time limit and the reader that turns what came back into the
+One function per verb returns a Call (wire.py): the node's command line (form.py: `PYTHON -c BOOT
+CODE node_agent VERB ARGS`), its time limit and the reader that turns what came back into the
 verb's small frozen reply. A node that could not be asked, or whose answer could not be read,
 still gets a reply: its `error` says why.
 
@@ -31,24 +31,8 @@ T = TypeVar("T")
 PROGRAM = "node_agent"
 
 
-def program() -> bytes:
-    """The agent as the nodes run it."""
-    return form.source(PROGRAM)
-
-
-def stream_preface() -> str:
-    """What `tail ... stream` runs before the agent: remote/artifacts.py's text as ARTIFACTS_SRC,
-    whose rules the stream follows."""
-    return f"ARTIFACTS_SRC = {form.source(artifacts.PROGRAM).decode()!r}\n"
-
-
-def stream_program() -> bytes:
-    """The agent with remote/artifacts.py in front as ARTIFACTS_SRC: `tail ... stream` runs its rules."""
-    return stream_preface().encode() + program()
-
-
-def _exec(node: Node, verb: str, *args: object, preface: str = "") -> Exec:
-    return form.command(node, PROGRAM, verb, *args, preface=preface)
+def _exec(node: Node, verb: str, *args: object, stdin: bytes | None = None) -> Exec:
+    return form.command(node, PROGRAM, verb, *args, stdin=stdin)
 
 
 def _call(node: Node, verb: str, *args: object, read: Callable[[NodeResult], T], timeout: float = TIMEOUT) -> Call[T]:
@@ -282,11 +266,11 @@ class StartSpec:
     files: Mapping[str, str] = field(default_factory=dict)
     hook: str = ""  # remote/hook/sitecustomize.py's text: every rank answers `snapshot` ("" none)
 
-    def hex(self) -> str:
+    def encoded(self) -> bytes:
         doc = {"argv": list(self.argv), "cwd": self.cwd, "files": dict(self.files), "env": dict(self.env)}
         if self.hook:
             doc["hook"] = self.hook
-        return json.dumps(doc).encode().hex()
+        return json.dumps(doc).encode()
 
 
 @dataclass(frozen=True)
@@ -304,10 +288,9 @@ def read_started(r: NodeResult) -> Started:
 
 
 def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
-    """`start RUN_KEY -`: the spec goes in front of the program as SPEC_HEX, never on a command line
-    (the inventory's env holds tokens, and `ps` on the node shows argv)."""
-    return call(_exec(node, "start", node_key(key, node), "-", preface=f"SPEC_HEX = {spec.hex()!r}\n"), TIMEOUT,
-                read_started)
+    """`start RUN_KEY -`: the spec's JSON on stdin, never on a command line (the inventory's env
+    holds tokens, and `ps` on the node shows argv)."""
+    return call(_exec(node, "start", node_key(key, node), "-", stdin=spec.encoded()), TIMEOUT, read_started)
 
 
 class Port(Enum):
@@ -355,7 +338,7 @@ def tail(node: Node, key: str, offset: int, stream: StreamFrom | None = None) ->
     have = json.dumps(dict(stream.have)).encode().hex()
     progress = [f"{stream.progress_s:g}"] if stream.progress_s > 0 else []
     return _exec(node, "tail", node_key(key, node), offset, "stream", stream.checkpoints or "-", stream.tensorboard,
-                 have, *progress, preface=stream_preface())
+                 have, *progress)
 
 
 # ------------------------------------------------------------------ snapshots and links (runs/judge/hang.py)

@@ -2,7 +2,7 @@
 received and pruned, TensorBoard bytes, and trees packed for `fetch`/`cp`.
 
 The stream's frame kinds and `tree`'s exit codes are read from the program itself (probe.load:
-the same bytes the nodes run), so the two sides cannot name them differently.
+the same module the nodes run), so the two sides cannot name them differently.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 from orchestrator import probe
 from orchestrator.inventory import Node
 from orchestrator.node import form
-from orchestrator.node.form import Exec, Travel
+from orchestrator.node.form import Exec
 from orchestrator.node.wire import Call, reply
 from orchestrator.transport import NodeResult
 
@@ -47,7 +47,7 @@ class Frames:
 
 
 def command(node: Node, verb: str, *args: object) -> Exec:
-    """`PYTHON - VERB ARGS`, the program on stdin."""
+    """`PYTHON -c BOOT CODE artifacts VERB ARGS` (form.py)."""
     return form.command(node, PROGRAM, verb, *args)
 
 
@@ -123,7 +123,6 @@ def tree(node: Node, spec: Mapping) -> Exec:
 
 
 def receive(node: Node, checkpoints: str) -> Exec:
-    """`receive DIR`: a tar stream unpacked into DIR. The program travels length-prefixed in front
-    of the stream on the same stdin (Exec.then)."""
-    return form.command(node, PROGRAM, "receive", checkpoints, travels=Travel.LOADER)
+    """`receive DIR`: a tar stream (the caller's stdin) unpacked into DIR."""
+    return form.command(node, PROGRAM, "receive", checkpoints)
 

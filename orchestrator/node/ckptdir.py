@@ -1,8 +1,7 @@
 """remote/ckptdir.py's client: a job's own checkpoint directory looked at, captured, sent,
 restored, set aside, frozen into replicas and checked on the nodes.
 
-The program travels length-prefixed on stdin (form.Travel.LOADER): what a verb reads (a file
-list, a tar stream) follows it on the same stdin. A verb that answers with JSON is a `Call`
+What a verb reads (a file list, a tar stream) is its stdin. A verb that answers with JSON is a `Call`
 whose reply is a wire.Answer (its `doc`, or the `error` that says why there is none).
 """
 
@@ -11,7 +10,7 @@ from __future__ import annotations
 from orchestrator import probe
 from orchestrator.inventory import Node
 from orchestrator.node import form
-from orchestrator.node.form import Exec, Travel
+from orchestrator.node.form import Exec
 from orchestrator.node.wire import Answer, Call, read_answer
 
 PROGRAM = "ckptdir"
@@ -22,16 +21,16 @@ TIMEOUT = 60.0  # one short verb (prepare, look, link, forget, keep)
 
 
 def command(node: Node, verb: str, *args: object) -> Exec:
-    """`PYTHON -c LOADER VERB ARGS`, the program first on stdin (Exec.then: the verb's data after it)."""
-    return form.command(node, PROGRAM, verb, *args, travels=Travel.LOADER)
+    """`PYTHON -c BOOT CODE ckptdir VERB ARGS` (form.py); the verb's data is its stdin."""
+    return form.command(node, PROGRAM, verb, *args)
 
 
 def call(node: Node, verb: str, *args: object, data: bytes = b"", timeout: float = TIMEOUT,
          want: type = dict) -> Call[Answer]:
-    """`verb` with `data` after the program on stdin, its last JSON line (a `want`) read into an
+    """`verb` with `data` on stdin, its last JSON line (a `want`) read into an
     Answer (a node that failed: its exit and the end of its stderr)."""
     e = command(node, verb, *args)
-    return Call(e.command, e.stdin + data, timeout, lambda r: read_answer(r, want, "ckptdir", 300))
+    return Call(e.command, data or None, timeout, lambda r: read_answer(r, want, "ckptdir", 300))
 
 
 def prepare(node: Node, path: str) -> Call[Answer]:

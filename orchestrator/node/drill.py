@@ -1,7 +1,7 @@
 """remote/drill.py's client: the drill's hands on a node (a rank's processes found, signalled,
 frozen, thawed, throttled; the drill's leftovers found).
 
-`[CLUSTERCTL_DRILL=RUN ]PYTHON - VERB ARGS`, the program on stdin (form.Travel.STDIN). The marker
+`[CLUSTERCTL_DRILL=RUN ]PYTHON -c BOOT CODE drill VERB ARGS` (form.py). The marker
 in its environment makes the drill's own processes findable (`left` looks for the marked ones, so
 `left` itself runs unmarked: two nodes may share one machine, where each would find the other's
 look). Each verb answers with one JSON object, read into a wire.Answer.

@@ -1,43 +1,45 @@
 """The one command form: how a program of orchestrator/remote/ is run on a node.
 
-Every node command line for a shipped program is built by `command` (or, inside a shell probe,
-`heredoc`), every argument quoted by orchestrator/shell.py: `NodePath` arguments keep a leading
-`~/` as the node user's home, everything else is one literal word. How the program's bytes reach
-the node is the `Travel`; a change of that (a cached copy on the node, keyed by its hash) is made
-here and nowhere else.
+orchestrator/remote/ is a package, and a node keeps it once per version, keyed by its hash
+(probe.py `node_code`), in ~/.clusterctl/node-code/HASH: `PYTHON [FLAGS] -c BOOT CODE PROGRAM
+ARGS`, every argument quoted by orchestrator/shell.py (`NodePath` arguments keep a leading `~/` as
+the node user's home, everything else is one literal word). Stdin is the caller's (a spec, a
+manifest, a tar stream, nothing).
+
+The code crosses the wire once per version and node, as a tar: `place` looks on each connection
+once (`test -f`, one round trip), sends it only where it is missing, and remembers the
+connection. The door's runners (node/wire.py `run`, `send`, `Call.over`, `Exec.start`) place it
+before they run; a caller that runs a command line of its own calls `place` first. A node whose
+code went missing after all (removed by hand while a connection was open) answers with
+probe.MISSING, which `missing` reads: the connection is forgotten, and the next call places the
+code again.
+
+Why a directory and not a zipapp: Python's zipimport compiles every module twice per start
+(get_filename, then get_code) and can cache no bytecode, which made each program's start
+1.1-1.6x slower than sending its text; unpacked, the node's Python compiles a module once per version
+(bench/bench_node_code.py).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
-from enum import Enum
-from functools import cache
 from typing import Iterable, Iterator, Mapping
 
 from orchestrator import probe, shell
 from orchestrator.inventory import Node
+from orchestrator.transport import wait
 
-# `python -c LOADER ARGS`: the program arrives first on stdin, length-prefixed, and the caller's
-# data (a tar stream, a manifest) follows on the same stdin (`python -` would read it as script)
-LOADER = "import sys;exec(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))"
+KEEP = 16  # versions of the node code a node keeps (the newest; an upgrade or a downgrade finds its own)
+PLACE_TIMEOUT = 60.0
 
-
-class Travel(Enum):
-    """How the program reaches the node."""
-
-    STDIN = "stdin"  # `PYTHON - ARGS`: the program is the whole stdin
-    LOADER = "loader"  # `PYTHON -c LOADER ARGS`: the program length-prefixed on stdin, the caller's data after it
-    ARGUMENT = "argument"  # `PYTHON -c PROGRAM ARGS`: stdin is the caller's (a feed, a manifest, nothing)
+_placed: "weakref.WeakSet" = weakref.WeakSet()  # connections whose node holds this version
+_lock = threading.Lock()
 
 
 class NodePath(str):
     """An argument that is a path on the node: a leading `~` is the node user's home there."""
-
-
-@cache
-def source(name: str) -> bytes:
-    """orchestrator/remote/NAME.py as the nodes run it (probe.program), read once per process."""
-    return probe.program(name)
 
 
 def word(arg: object) -> str:
@@ -47,49 +49,124 @@ def word(arg: object) -> str:
 
 @dataclass(frozen=True)
 class Exec:
-    """A node command: the shell line and what goes on its stdin in front of the caller's data
-    (the program itself, or its length-prefixed loader form; None when it travels as an argument:
-    no stdin unless the caller gives one)."""
+    """A node command: the shell line and the bytes on its stdin (None: nothing)."""
 
     command: str
     stdin: bytes | None
 
     def then(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
-        """The stdin with the caller's data after the program (Travel.LOADER, Travel.ARGUMENT)."""
+        """The stdin: this command's own bytes, then the caller's data."""
         if self.stdin:
             yield self.stdin
         yield from chunks
 
     def start(self, conn):
-        """Started on one open connection (transport Connection); raises what `conn.exec` raises."""
+        """Started on one open connection (transport Connection), the node code placed on it
+        first; raises what `conn.exec` raises."""
+        place_on(conn)
         return conn.exec(self.command, stdin=self.stdin)
 
 
-def command(node: Node, program: str, *args: object, travels: Travel = Travel.STDIN, python: str | None = None,
+def boot(program: str, *args: str, python: str, flags: tuple[str, ...] = ()) -> str:
+    """`PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS`: args are shell words as they stand (a script's
+    "$@", or words quoted by the caller)."""
+    return " ".join([python, *flags, "-c", shell.quote(probe.BOOT), shell.path(probe.node_code_path()),
+                     program, *args])
+
+
+def command(node: Node, program: str, *args: object, python: str | None = None,
             env: Mapping[str, object] | None = None, flags: tuple[str, ...] = (), group_env: bool = True,
-            preface: str = "") -> Exec:
-    """`[GROUP_ENV=1 ][K=V ...]PYTHON [FLAGS] (-|-c ...) ARGS` running remote/PROGRAM.py on `node`.
-    python: the interpreter (default the node's); env: assignments in front of it (names are the
-    house's, values quoted); group_env: the node's program_env (share_with_group) in front;
-    preface: Python text run before the program (values the program reads as globals), which
-    never appears on a command line (`ps` shows argv)."""
-    body = (preface.encode() if preface else b"") + source(program)
+            stdin: bytes | None = None) -> Exec:
+    """`[GROUP_ENV=1 ][K=V ...]PYTHON [FLAGS] -c BOOT CODE PROGRAM ARGS` running remote/PROGRAM.py on
+    `node`. python: the interpreter (default the node's); env: assignments in front of it (names
+    are the house's, values quoted); group_env: the node's program_env (share_with_group) in
+    front; stdin: bytes the program reads (a spec that must not appear on a command line: `ps`
+    shows argv)."""
     head = [f"{k}={shell.quote(v)}" for k, v in (env or {}).items()]
-    if travels is Travel.STDIN:
-        how, stdin = ["-"], body
-    elif travels is Travel.LOADER:
-        how, stdin = ["-c", shell.quote(LOADER)], str(len(body)).encode() + b"\n" + body
-    else:
-        how, stdin = ["-c", shell.quote(body.decode())], None
-    words = [*head, shell.path(python or node.python), *flags, *how, *(word(a) for a in args)]
-    return Exec((node.program_env if group_env else "") + " ".join(words), stdin)
+    line = boot(program, *(word(a) for a in args), python=shell.path(python or node.python), flags=flags)
+    return Exec((node.program_env if group_env else "") + " ".join([*head, line]), stdin)
 
 
-def heredoc(program: str, python: str, *args: str, flags: tuple[str, ...] = (), end: str = "PYEOF") -> str:
-    """Shell text that runs remote/PROGRAM.py inside a node-side `sh` script: `PYTHON [FLAGS] - ARGS
-    2>&1 <<'END'`, the program, END. python and args are shell words as the script has them
-    ("$py", "$@"): the script's own variables, not values from here."""
-    text = source(program).decode()
-    if f"\n{end}\n" in text:
-        raise ValueError(f"remote/{program}.py holds its own heredoc end {end!r}")
-    return f"{' '.join([python, *flags, '-', *args])} 2>&1 <<'{end}'\n{text}{end}\n"
+def script_line(program: str, python: str, *args: str, flags: tuple[str, ...] = ()) -> str:
+    """A line of a node-side `sh` script that runs remote/PROGRAM.py (`PYTHON [FLAGS] -c BOOT CODE
+    PROGRAM ARGS 2>&1`). python and args are shell words as the script has them ("$py", "$@"):
+    the script's own variables, not values from here. The caller places the code first."""
+    return boot(program, *args, python=python, flags=flags) + " 2>&1\n"
+
+
+# ------------------------------------------------------------------ placing the code on the nodes
+
+
+def check_command() -> str:
+    """Exit 0 when the node holds this version, 1 when not."""
+    return f"test -f {shell.path(probe.node_code_path())}/{probe.PACKAGE}/{probe.COMPLETE}"
+
+
+def install_command() -> str:
+    """The tar from stdin unpacked beside the node's versions and renamed into place: whole or not
+    at all (COMPLETE is its last member: a stream cut short never has it); a version another
+    command placed meanwhile is kept. Then only the KEEP newest versions stay. POSIX sh and tar:
+    the interpreter that will run the code may not exist yet (setup makes it)."""
+    h = probe.node_code()[0]
+    return (f"umask 077; d={shell.path(probe.CACHE)}; v=\"$d/{h}\"; t=\"$d/.in.$$\"; "
+            f"mkdir -p \"$d\" && rm -rf \"$t\" && mkdir \"$t\" || exit 1; "
+            f"if tar -xf - -C \"$t\" && [ -f \"$t/{probe.PACKAGE}/{probe.COMPLETE}\" ]; then "
+            f"if [ -d \"$v\" ]; then rm -rf \"$t\"; else mv \"$t\" \"$v\"; rm -rf \"$v/.in.$$\"; fi; "
+            f"ls -t \"$d\" | grep -v '^\\.' | tail -n +{KEEP + 1} | while read -r f; do rm -rf \"$d/$f\"; done; "
+            f"else rm -rf \"$t\"; echo \"clusterctl: could not write its node code into $d\" >&2; exit 1; fi")
+
+
+def place_on(conn, timeout: float = PLACE_TIMEOUT) -> str | None:
+    """This version on the node of one open connection (looked for once per connection):
+    None when it is there, else why not. Raises what `conn.exec` raises (ConnectionLost)."""
+    if conn in _placed:
+        return None
+    r = wait(conn.exec(check_command()), timeout)
+    if r.exit_code == 1:
+        r = wait(conn.exec(install_command(), stdin=probe.node_code()[1]), timeout)
+    if r.ok:
+        with _lock:
+            _placed.add(conn)
+        return None
+    return f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
+
+
+def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TIMEOUT) -> dict[str, str]:
+    """This version on each chosen node of the cluster (all when None) that is connected and
+    not known to hold it: one `test -f` each, at once, then the code sent to those without it.
+    -> node -> why it could not be placed (the node's own command will fail and say so too)."""
+    chosen = list(cluster.connections) if names is None else [n for n in names if n in cluster.connections]
+    todo = [n for n in chosen if cluster.connections[n] not in _placed]
+    if not todo:
+        return {}
+    res = cluster.run(check_command(), nodes=todo, timeout=timeout)
+    missing = [n for n, r in res.items() if r.exit_code == 1]
+    if missing:
+        res.update(cluster.run(install_command(), stdin=probe.node_code()[1], nodes=missing, timeout=timeout))
+    errors = {}
+    for name, r in res.items():
+        conn = cluster.connections.get(name)
+        if r.ok and conn is not None:
+            with _lock:
+                _placed.add(conn)
+        elif not r.ok:
+            errors[name] = f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
+    return errors
+
+
+def known(conn) -> None:
+    """The connection's node holds this version (a program of it just ran there)."""
+    with _lock:
+        _placed.add(conn)
+
+
+def missing(r) -> bool:
+    """A node command's result (transport NodeResult) that says the code was not on the node."""
+    return r.exit_code == probe.MISSING_EXIT and probe.MISSING in (r.stderr or "")
+
+
+def forget(conn) -> None:
+    """The connection's node may no longer hold the code: the next call looks again."""
+    if conn is not None:
+        with _lock:
+            _placed.discard(conn)

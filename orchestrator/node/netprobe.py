@@ -1,7 +1,7 @@
 """remote/netprobe.py's client: netbench's TCP server and client on the nodes and its all-reduce.
 
-The program is the whole stdin (`PYTHON - VERB ARGS`, form.Travel.STDIN); it answers with one
-JSON line, read here into a wire.Answer.
+`PYTHON -c BOOT CODE netprobe VERB ARGS` (form.py); it answers with one JSON line, read here into
+a wire.Answer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ PROGRAM = "netprobe"
 
 
 def command(node: Node, verb: str, *args: object, env: Mapping[str, str] | None = None) -> Exec:
-    """`[export K=V; ... ]PYTHON - VERB ARGS` (env: exported first, for the all-reduce's backend)."""
+    """`[export K=V; ... ]PYTHON -c BOOT CODE netprobe VERB ARGS` (env: exported first, for the
+    all-reduce's backend)."""
     e = form.command(node, PROGRAM, verb, *args, group_env=False)
     return Exec(shell.exports(env) + " " + e.command, e.stdin) if env is not None else e
 

@@ -1,9 +1,9 @@
 """remote/nodeinfo.py's client: a node's Python and torch facts (inside the preflight probe), its
 workdir's code listed, digested, pruned and sent node to node.
 
-The program travels as its `-c` argument (form.Travel.ARGUMENT; stdin carries a manifest or a
-file list), or inside the preflight's shell probe as a heredoc (`probe_text`). `-S` where start-up
-counts: no site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
+`PYTHON [-S] -c BOOT CODE nodeinfo MODE ARGS` (form.py; stdin carries a manifest or a file list),
+or the same line inside the preflight's shell probe (`probe_text`). `-S` where start-up counts: no
+site (its .pth imports cost ~14 ms a node); nodeinfo finds site-packages itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.inventory import Node
 from orchestrator.node import form
-from orchestrator.node.form import Exec, NodePath, Travel
+from orchestrator.node.form import Exec, NodePath
 from orchestrator.node.wire import Call, last_object
 from orchestrator.transport import NodeResult
 
@@ -22,8 +22,8 @@ NO_SITE = ("-S",)
 
 
 def command(node: Node, mode: str, *args: object, flags: tuple[str, ...] = (), xfer: str | None = None) -> Exec:
-    """`[CLUSTERCTL_XFER=ID ]PYTHON [FLAGS] -c NODEINFO MODE ARGS` on the node's interpreter."""
-    return form.command(node, PROGRAM, mode, *args, travels=Travel.ARGUMENT, flags=flags,
+    """`[CLUSTERCTL_XFER=ID ]PYTHON [FLAGS] -c BOOT CODE nodeinfo MODE ARGS` on the node's interpreter."""
+    return form.command(node, PROGRAM, mode, *args, flags=flags,
                         env={"CLUSTERCTL_XFER": xfer} if xfer else None, group_env=False)
 
 
@@ -69,4 +69,4 @@ def workdir(node: Node, mode: str, outputs: list[str], *extra: str, timeout: flo
 def probe_text() -> str:
     """nodeinfo's `info` inside the preflight's `sh` probe: run by the probe's "$py" with no site,
     the workdir ("$pwd_arg", "-" skips the digest) and the probe's own arguments ("$@")."""
-    return form.heredoc(PROGRAM, '"$py"', "info", '"$pwd_arg"', '"$@"', flags=NO_SITE)
+    return form.script_line(PROGRAM, '"$py"', "info", '"$pwd_arg"', '"$@"', flags=NO_SITE)

@@ -1,6 +1,6 @@
 """remote/portlisten.py's client: preflight's temporary listener on the master's port.
 
-`PYTHON - PORT SECONDS EXPECTED TOKEN`, the program on stdin (form.Travel.STDIN); the token sits
+`PYTHON -c BOOT CODE portlisten PORT SECONDS EXPECTED TOKEN` (form.py); the token sits
 on its command line so that the listener is found again by it (/proc/PID/cmdline) before it is
 killed. Its first line says whether it listens (`Listening`).
 """

@@ -2,7 +2,7 @@
 
 `sh -s -- CHECKS WORKDIR OUTPUT PORT IFACE MASTER ROLE PYTHON CONNECT_S [--output D ...]`, the
 script on stdin: remote/preflight.sh (its arguments, `want`, `has`), then the checks' snippets
-(checks/registry.py assembles them, nodeinfo's heredoc among them: node/nodeinfo.py probe_text).
+(checks/registry.py assembles them, nodeinfo's line among them: node/nodeinfo.py probe_text).
 Its output is `@@name` sections, read by probe.sections.
 """
 

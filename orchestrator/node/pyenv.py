@@ -1,7 +1,7 @@
 """remote/pyenv.py's client: a node's Python environment probed and installed (`setup`).
 
-The program is run by the interpreter that creates the venv (setup.base), as its `-c` argument
-(form.Travel.ARGUMENT); every argument is a node path or a flag (`~/` keeps meaning the node's
+The program is run by the interpreter that creates the venv (setup.base): `BASE -c BOOT CODE pyenv
+VERB ARGS` (form.py); every argument is a node path or a flag (`~/` keeps meaning the node's
 home). Its answer is the last JSON object it prints; a failure is told by its `error:` line.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from orchestrator.inventory import Node
 from orchestrator.node import form
-from orchestrator.node.form import Exec, NodePath, Travel
+from orchestrator.node.form import Exec, NodePath
 from orchestrator.node.wire import last_object
 from orchestrator.transport import NodeResult
 
@@ -20,9 +20,8 @@ PROGRAM = "pyenv"
 
 
 def command(node: Node, base: str, verb: str, *args: str) -> Exec:
-    """`BASE -c PYENV VERB ARGS`: BASE the interpreter that makes the venv."""
-    return form.command(node, PROGRAM, verb, *(NodePath(a) for a in args), travels=Travel.ARGUMENT, python=base,
-                        group_env=False)
+    """`BASE -c BOOT CODE pyenv VERB ARGS`: BASE the interpreter that makes the venv."""
+    return form.command(node, PROGRAM, verb, *(NodePath(a) for a in args), python=base, group_env=False)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """remote/relay.py's client: the relay that carries sync's, setup's and cp's tar streams node to
 node (transfer/chain.py, transfer/pair.py), and sync's first look at a workdir (`changed`).
 
-The program travels as its `-c` argument (form.Travel.ARGUMENT): stdin is the stream it relays.
+`PYTHON -c BOOT CODE relay VERB ARGS` (form.py): stdin is the stream it relays.
 A transfer's processes carry its id in CLUSTERCTL_XFER, so `stop` finds them again by it.
 """
 
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 from orchestrator.inventory import Node
 from orchestrator.node import form
-from orchestrator.node.form import Exec, NodePath, Travel
+from orchestrator.node.form import Exec, NodePath
 
 PROGRAM = "relay"
 
 
 def command(node: Node, verb: str, *args: object, python: str | None = None, xfer: str | None = None,
             group_env: bool = False) -> Exec:
-    """`[CLUSTERCTL_XFER=ID ]PYTHON -c RELAY VERB ARGS` (python: the node's unless named)."""
-    return form.command(node, PROGRAM, verb, *args, travels=Travel.ARGUMENT, python=python,
+    """`[CLUSTERCTL_XFER=ID ]PYTHON -c BOOT CODE relay VERB ARGS` (python: the node's unless named)."""
+    return form.command(node, PROGRAM, verb, *args, python=python,
                         env={"CLUSTERCTL_XFER": xfer} if xfer else None, group_env=group_env)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from orchestrator.inventory import Node
 from orchestrator.probe import common
+from orchestrator.node import form
 from orchestrator.node.form import Exec
 from orchestrator.transport import Cluster, NodeResult, wait
 
@@ -34,7 +35,11 @@ class Call(Exec, Generic[T]):
 
     def over(self, conn) -> T:
         """On one open connection; raises what `conn.exec` raises (ConnectionLost)."""
-        return self.read(wait(self.start(conn), self.timeout))
+        r = wait(self.start(conn), self.timeout)
+        if form.missing(r):  # the code went missing under the open connection: placed again, asked once more
+            form.forget(conn)
+            r = wait(self.start(conn), self.timeout)
+        return self.read(r)
 
 
 def call(exe: Exec, timeout: float, read: Callable[[NodeResult], T]) -> Call[T]:
@@ -48,8 +53,17 @@ def run(cluster: Cluster, call: Callable[[Node], Call[T]], nodes: Iterable[str] 
     calls = {n.name: call(n) for n in cluster.nodes if chosen is None or n.name in chosen}
     if not calls:
         return {}
+    timeout = max(c.timeout for c in calls.values())
+    form.place(cluster, calls)
     res = cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=list(calls),
-                      timeout=max(c.timeout for c in calls.values()), **kw)
+                      timeout=timeout, **kw)
+    again = [name for name, r in res.items() if form.missing(r)]
+    if again:  # the code went missing under an open connection: placed again, asked once more
+        for name in again:
+            form.forget(cluster.connections.get(name))
+        form.place(cluster, again)
+        res.update(cluster.run(lambda n: calls[n.name].command, stdin=lambda n: calls[n.name].stdin, nodes=again,
+                               timeout=timeout, **kw))
     return {name: calls[name].read(r) for name, r in res.items()}
 
 
@@ -66,11 +80,18 @@ def send(cluster: Cluster, exe: Callable[[Node], Exec], nodes: Iterable[str] | N
         return built[node.name]
 
     stdin = (lambda n: of(n).then(data(n))) if data is not None else (lambda n: of(n).stdin)
-    return cluster.run(lambda n: of(n).command, stdin=stdin, nodes=None if nodes is None else list(nodes), **kw)
+    form.place(cluster, nodes)
+    res = cluster.run(lambda n: of(n).command, stdin=stdin, nodes=None if nodes is None else list(nodes), **kw)
+    for name, r in res.items():  # a stream is not sent twice: the next command places the code again
+        if form.missing(r):
+            form.forget(cluster.connections.get(name))
+    return res
 
 
 def failure(r: NodeResult, keep: int = 500) -> str:
     """Why a node's command did not answer: the transport's word, or the exit code and the end of stderr."""
+    if form.missing(r):
+        return f"clusterctl's node code was not on the node ({r.stderr.strip()[-keep:]}); the next command sends it again"
     return f"{r.describe()} {r.stderr.strip()[-keep:]}".strip()
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from orchestrator import shell
 from orchestrator.inventory import Inventory, SetupSection
 from orchestrator.node import pyenv as door
+from orchestrator.node import wire
+from orchestrator.node.form import Exec
 from orchestrator.pyenv import UNCHANGED, SetupReport, SetupResult, plan, pushes, target_of
 from orchestrator.pyenv.resolve import Lock, resolve
 from orchestrator.pyenv.selfwheel import addition
@@ -30,8 +32,8 @@ INSTALL_TIMEOUT = 3600.0
 
 def probe(cluster: Cluster, nodes: list[str], setup: SetupSection) -> dict[str, dict | str]:
     """node -> its probe (see remote/pyenv.py) or why it could not be probed."""
-    res = cluster.run(lambda n: door.command(n, setup.base, "probe", setup.venv, CACHE).command, nodes=nodes,
-                      timeout=PROBE_TIMEOUT)
+    res = wire.send(cluster, lambda n: door.command(n, setup.base, "probe", setup.venv, CACHE), nodes,
+                    timeout=PROBE_TIMEOUT)
     out: dict[str, dict | str] = {}
     for name, r in res.items():
         got = door.read(r, f"cannot run {setup.base}")
@@ -105,8 +107,8 @@ def _install_command(s: SetupSection, lock: Lock, shipped: bool, online: bool, f
     """The node's install, with the node's env exported (an online install's index settings:
     PIP_INDEX_URL, UV_DEFAULT_INDEX, ...)."""
     flags = [f for f, on in (("--shipped", shipped), ("--online", online), ("--force", force)) if on]
-    return lambda n: (shell.exports(n.env) + " " + door.command(n, s.base, "install", s.venv, CACHE, lock.short,
-                                                             *flags).command).strip()
+    return lambda n: Exec((shell.exports(n.env) + " " + door.command(n, s.base, "install", s.venv, CACHE, lock.short,
+                                                                  *flags).command).strip(), None)
 
 
 def _probed(cluster: Cluster, inv: Inventory, results: dict[str, SetupResult], local: list[str]) -> dict[str, dict]:
@@ -162,8 +164,8 @@ def setup_nodes(cluster: Cluster, inv: Inventory, requirements: Path, *, force: 
     todo = [name for name in good if name not in results]
     if todo:
         cmds = {shipped: _install_command(s, lock, shipped, online, force) for shipped in (True, False)}
-        res = cluster.run(lambda n: cmds[n.name in got](n), nodes=todo, timeout=INSTALL_TIMEOUT,
-                          on_line=events.node_line)  # each node's steps, shown as they start
+        res = wire.send(cluster, lambda n: cmds[n.name in got](n), todo, timeout=INSTALL_TIMEOUT,
+                        on_line=events.node_line)  # each node's steps, shown as they start
         for name, r in res.items():
             wheels = [f for f in lacking.get(name, []) if f.endswith(".whl")]
             results[name] = _installed(name, r, good, lock, got.get(name, 0), wheels)

@@ -48,10 +48,15 @@ import shutil
 import sys
 import tarfile
 
+from .common import (
+    MANIFEST, NODE_RUNS, SIDECAR, checkpoint_kind, checkpoint_parts, checkpoint_step, extract_member,
+    own_dir, private_files, safe_name, tar_member_ok,
+)
+
 BASE = os.path.expanduser("~/.clusterctl/artifacts")
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
-# the kinds of record on a node's stream (orchestrator/runs/watch.py reads the same names)
+# the kinds of record on a node's stream (orchestrator/node/artifacts.py `Frames` reads the same names)
 FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads this file for them)
 
@@ -302,8 +307,8 @@ def poll(d, tb, offsets_hex):
     since(tb, offsets_hex)
 
 
-if __name__ == "__main__":
+def main(argv):
     private_files()
-    cmd, args = sys.argv[1], sys.argv[2:]
+    cmd, args = argv[0], argv[1:]
     {"prepare": prepare, "held": held, "prune": prune, "send": send, "receive": receive, "poll": poll,
      "pack": pack, "tree": tree}[cmd](*args)

@@ -73,6 +73,11 @@ import sys
 import tarfile
 import time
 
+from .common import (
+    NODE_RUNS, RUN_KEY, extract_member, first_rank_failure, Hashed, marked_pids, own_dir,
+    private_files, safe_name, user_umask, sha256_file, tar_member_ok, write_atomic,
+)
+
 CHUNK = 1 << 20
 CHANGED = 6  # `send`'s and `freeze`'s exit code when a file is not as listed
 STAGE = ".clusterctl-restore"  # restore's staging directory, beside PATH's entries
@@ -88,8 +93,8 @@ def _abs(path):
 
 
 def prepare(path):
-    if USER_UMASK is not None:
-        os.umask(USER_UMASK)  # the job's directory: the user's umask, as if the job had made it
+    if user_umask() is not None:
+        os.umask(user_umask())  # the job's directory: the user's umask, as if the job had made it
     path = _abs(path)
     os.makedirs(path, exist_ok=True)
     print(json.dumps({"path": path}))
@@ -631,6 +636,3 @@ def main(argv):
                  "keep ROOT NAMES | place PATH ASIDE STAGED | setaside PATH ASIDE | digest PATH")
     verbs[argv[0]][0](*argv[1:])
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -254,6 +254,11 @@ def private_files():
     return found
 
 
+def user_umask():
+    """The umask the program found when it started (private_files), the user's; None before."""
+    return USER_UMASK
+
+
 def current_umask():
     """The umask in force. Reading it means setting it: for that moment it is PRIVATE_UMASK, so a
     file another thread creates meanwhile is never wider than it would have been."""

@@ -28,6 +28,8 @@ import signal
 import sys
 import time
 
+from .common import RUN_KEY, marked_pids, proc_environ
+
 DRILL_MARK = "CLUSTERCTL_DRILL"
 ATTEMPT = re.compile(r"\.a\d+$")
 
@@ -165,6 +167,6 @@ def cmd_left(run_id):
     print(json.dumps({"pids": sorted(pids)}))
 
 
-if __name__ == "__main__":
+def main(argv):
     {"ranks": cmd_ranks, "signal": cmd_signal, "freeze": cmd_freeze, "thaw": cmd_thaw,
-     "throttle": cmd_throttle, "left": cmd_left}[sys.argv[1]](*sys.argv[2:])
+     "throttle": cmd_throttle, "left": cmd_left}[argv[0]](*argv[1:])

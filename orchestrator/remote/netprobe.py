@@ -137,8 +137,8 @@ def _allreduce(rank, world, addr, port, nbytes, iters, backend, dtype):
                       "backend": backend}))
 
 
-if __name__ == "__main__":
-    mode, args = sys.argv[1], sys.argv[2:]
+def main(argv):
+    mode, args = argv[0], argv[1:]
     if mode == "serve":
         serve(int(args[0]), float(args[1]))
     elif mode == "client":

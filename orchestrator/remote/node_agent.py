@@ -1,6 +1,6 @@
-"""clusterctl's node agent: shipped on stdin (`python3 - CMD ARGS`), stdlib only, with
-remote/common.py in front of it (probe.py `program`): write_atomic, marked_pids, stop_grace and
-safe_name come from there.
+"""clusterctl's node agent: a module of the node code (probe.py `node_code`: `PYTHON -c BOOT CODE
+node_agent CMD ARGS`), stdlib only; write_atomic, marked_pids, stop_grace and safe_name come from
+common.py, the stream's frames from artifacts.py.
 
 Everything a run leaves on a node lives in ~/.clusterctl/node-runs/KEY/, KEY = RUN_ID@NODE
 (two `connection: local` nodes share one machine and one home):
@@ -28,7 +28,7 @@ environment, so the run is found again by id (scanning /proc/*/environ of this u
 processes), never by name pattern.
 
   start KEY SPEC_JSON_HEX|-    detach torchrun (own session), print {"pid", "pgid"}; with -, the
-                               spec is SPEC_HEX, prepended to this script (off the command line)
+                               spec's JSON is on stdin (off the command line)
   stop KEY GRACE [peer-failed] SIGTERM the run, SIGKILL after GRACE s; print {"left": n}. With
                                peer-failed (the run goes down because another node's part
                                died: no collective can complete, so nothing is left to save),
@@ -42,8 +42,7 @@ processes), never by name pattern.
                                checkpoints and TensorBoard bytes and, last, the status (Stream);
                                with PROGRESS_S > 0, also every rank's progress (`snapshot ...
                                progress`'s document) asked every PROGRESS_S s in this process,
-                               for the straggler watch (absent or 0: none); needs ARTIFACTS_SRC
-                               (probe.py `program("artifacts")`, text) prepended to this script
+                               for the straggler watch (absent or 0: none)
   live                         print the keys of runs still alive on this node
   claim NODE KEY WHO           take the node for run KEY, or renew KEY's own claim: print {"ok": true,
                                ...} or {"ok": false, the holder's record}; a stale claim is replaced
@@ -65,6 +64,11 @@ import os
 import signal
 import sys
 import time
+
+from .common import (
+    NODE_RUNS, PRIVATE_UMASK, RUN_KEY, first_rank_failure, marked_pids, note_rank_failure,
+    own_dir, private_files, proc_environ, safe_name, stop_grace, user_umask, write_atomic,
+)
 
 BASE = NODE_RUNS  # common.py
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
@@ -112,11 +116,14 @@ def pgid_of(pid):
 
 
 def start(run_id, spec_hex="-"):
-    # "-": the controller prepends `SPEC_HEX = "..."` to this script on stdin, so the spec (the
-    # inventory's env: tokens, keys) never shows on a command line in `ps` on the node
+    # "-": the spec (JSON) is on stdin, so it (the inventory's env: tokens, keys) never shows on a
+    # command line in `ps` on the node
     if spec_hex == "-":
-        spec_hex = globals().get("SPEC_HEX") or sys.exit("no spec: expected SPEC_HEX before the script")
-    spec = json.loads(bytes.fromhex(spec_hex).decode())
+        spec = json.loads(sys.stdin.buffer.read().decode() or "null")
+        if not isinstance(spec, dict):
+            sys.exit("no spec: expected the spec's JSON on stdin")
+    else:
+        spec = json.loads(bytes.fromhex(spec_hex).decode())
     d = rundir(run_id)
     own_dir(os.path.dirname(BASE))  # ~/.clusterctl: an older clusterctl's 0755 is tightened
     own_dir(BASE)
@@ -166,8 +173,8 @@ def default_signals():
     and the user's umask: what the job writes is the user's, not clusterctl's (private_files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    if USER_UMASK is not None:
-        os.umask(USER_UMASK)
+    if user_umask() is not None:
+        os.umask(user_umask())
 
 
 def prctl(option, arg):
@@ -743,14 +750,13 @@ class Stream(Plain):
     by offset, the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past
     OFFSETS_HEX (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process,
     with PROGRESS_S every rank's progress (`snapshot_doc`, asked every PROGRESS_S s), and last the
-    run's status. artifacts.py as shipped (common.py in front) comes prepended as ARTIFACTS_SRC:
-    its rules, run in their own namespace, are the ones its `poll` applies."""
+    run's status, by artifacts.py's rules (the ones its `poll` applies)."""
 
     def __init__(self, run_id, ckpt_dir, tb_dir, offsets_hex, progress_s="0"):
         super().__init__("stream")
-        src = globals().get("ARTIFACTS_SRC") or sys.exit("stream: expected ARTIFACTS_SRC before the script")
-        self.art = {"__name__": "clusterctl_artifacts"}
-        exec(src, self.art)
+        from . import artifacts  # only the stream needs its rules: the agent's other verbs start without them
+
+        self.art = artifacts
         self.ckpt_dir, self.tb_dir, self.last = ckpt_dir, tb_dir, {}
         self.have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
         self.next_scan = 0.0
@@ -760,7 +766,7 @@ class Stream(Plain):
         self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
 
     def log(self, pos, chunk):
-        self.out.write(self.art["frame"]({"t": self.art["FRAME_LOG"], "offset": pos}, chunk))
+        self.out.write(self.art.frame({"t": self.art.FRAME_LOG, "offset": pos}, chunk))
         self.out.flush()
         self.tick()  # a log that never pauses still gets its checkpoints seen
         return pos + len(chunk)
@@ -769,8 +775,8 @@ class Stream(Plain):
         self.progress()
         if not now and time.time() < self.next_scan:
             return
-        self.next_scan = time.time() + self.art["SCAN_S"]
-        for rec in self.art["stream_records"](self.ckpt_dir, self.tb_dir, self.have, self.last):
+        self.next_scan = time.time() + self.art.SCAN_S
+        for rec in self.art.stream_records(self.ckpt_dir, self.tb_dir, self.have, self.last):
             self.out.write(rec)
         self.out.flush()
 
@@ -781,7 +787,7 @@ class Stream(Plain):
             return
         while self.answers:
             doc = self.answers.pop(0)
-            self.out.write(self.art["frame"]({"t": self.art["FRAME_PROGRESS"]}, json.dumps(doc).encode()))
+            self.out.write(self.art.frame({"t": self.art.FRAME_PROGRESS}, json.dumps(doc).encode()))
             self.out.flush()
         if (self.asking is not None and self.asking.is_alive()) or time.time() < self.next_ask:
             return
@@ -797,7 +803,7 @@ class Stream(Plain):
 
     def end(self, doc):
         self.tick(now=True)  # what the run wrote last
-        self.out.write(self.art["frame"]({"t": self.art["FRAME_END"]}, json.dumps(doc).encode()))
+        self.out.write(self.art.frame({"t": self.art.FRAME_END}, json.dumps(doc).encode()))
         self.out.flush()
 
 
@@ -1148,9 +1154,9 @@ def wait_listening(run_id, port, seconds):
     print("timeout")
 
 
-if __name__ == "__main__":
+def main(argv):
     private_files()
-    cmd, args = sys.argv[1], sys.argv[2:]
+    cmd, args = argv[0], argv[1:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
      "wait-listening": wait_listening, "claim": claim, "release": release,
      "claims": claims, "snapshot": snapshot, "reach": reach}[cmd](*args)

@@ -36,6 +36,8 @@ file's short hash, so preflight's code_sync can name the files that differ.
 import os
 import sys
 
+from .common import Hashed, send_tar, sha256_file, write_atomic
+
 # Lazy imports (re, subprocess, hashlib, tarfile), and no json (it pulls in re and enum: 8 ms):
 # preflight starts this on every node with -S (no site: 14 ms saved), and every stdlib import it
 # skips is 1-8 ms more, per node and per command.
@@ -625,6 +627,3 @@ def main(argv):
             print(dumps({"files": sorted(doc.pop("hashes", {})), "code": doc}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

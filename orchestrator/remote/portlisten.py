@@ -14,7 +14,7 @@ import sys
 import time
 
 
-def main(port, seconds, expected):
+def listen(port, seconds, expected):
     signal.alarm(max(1, int(seconds) + 1))
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,5 +45,6 @@ def main(port, seconds, expected):
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])))
+def main(argv):
+    """PORT SECONDS EXPECTED [TOKEN]: the token only marks the process (`ps` shows it)."""
+    return listen(int(argv[0]), float(argv[1]), int(argv[2]))

@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from .common import progress, sha256_file, write_atomic
+
 RECORD = ".clusterctl-setup.json"
 DIR_RE = re.compile(r"^[0-9a-f]{12}-[0-9a-z]{6}$")
 LOCK_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -376,7 +378,7 @@ def install(venv, root, short, flags):
 FLAGS = ("--shipped", "--online", "--force")
 
 
-def main(argv):
+def run(argv):
     if len(argv) == 3 and argv[0] == "probe":
         probe(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
         return 0
@@ -387,9 +389,9 @@ def main(argv):
     return 2
 
 
-if __name__ == "__main__":
+def main(argv):
     try:
-        sys.exit(main(sys.argv[1:]))
+        return run(argv)
     except (Failed, OSError, ValueError, KeyError) as e:
         sys.stderr.write(f"error: {e}\n")
-        sys.exit(1)
+        return 1

@@ -39,6 +39,11 @@ import struct
 import sys
 import time
 
+from .common import (
+    checkpoint_parts, checkpoint_step, extract_member, Hashed, marked_pids, private_files, send_tar,
+    tar_member_ok,
+)
+
 CHUNK = 1 << 20
 CORRUPT_ENV = "CLUSTERCTL_RELAY_CORRUPT_AT"  # test knob: flip the forwarded byte at this offset
 
@@ -427,7 +432,7 @@ def stop(xfer, workdir):
     emit(f"stopped {n}")
 
 
-def main(argv):
+def run(argv):
     opts = {"--idle": 120.0, "--connect-timeout": 5.0, "--listen": None}
     while len(argv) >= 2 and argv[-2] in opts:
         opts[argv[-2]] = argv[-1] if argv[-2] == "--listen" else float(argv[-1])
@@ -447,13 +452,13 @@ def main(argv):
     return 0
 
 
-if __name__ == "__main__":
+def main(argv):
     private_files()  # what it installs, a node's code and replicas, is the user's alone (or the group's too)
     try:
-        sys.exit(main(sys.argv[1:]))
+        return run(argv)
     except socket.timeout:
         sys.stderr.write("relay: the stream stalled (no data within the idle timeout)\n")
-        sys.exit(1)
+        return 1
     except (Failed, OSError) as e:
         sys.stderr.write(f"relay: {e}\n")
-        sys.exit(1)
+        return 1

@@ -73,8 +73,8 @@ def _settle(cluster: Cluster, inv: Inventory, node: Node, files: list[str], ref:
     """Prune what files does not list from node's workdir (marking its outputs), then check its
     code digest against ref. None when it matches (or there is no ref), else why not."""
     manifest = "\0".join(files).encode("utf-8", "surrogateescape")
-    r = cluster.run(lambda n: prune_command(inv, n), stdin=manifest, nodes=[node.name],
-                    timeout=LIST_TIMEOUT)[node.name]
+    r = wire.send(cluster, lambda n: prune_command(inv, n), [node.name], data=lambda n: [manifest],
+                  timeout=LIST_TIMEOUT)[node.name]
     if not r.ok:
         return f"removing stale files failed: {nodeinfo.why(r)}"
     if ref is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator.inventory import Node
+from orchestrator.node import form
 from orchestrator.node import relay as door
 from orchestrator.transfer import SyncResult
 from orchestrator.transfer.archive import TarStream, framed
@@ -178,6 +179,7 @@ class Chain:
                         listen=node.address, python=self.python(node)).command
 
     def run(self) -> list[SyncResult]:
+        form.place(self.cluster, [h.node.name for h in self.hops])
         res = self.cluster.run(self.command, stdin=self.feed, nodes=[h.node.name for h in self.hops],
                                timeout=self.timeout, on_line=self.on_line, on_done=self.on_done)
         failed = [name for name, r in res.items() if not (r.ok and self.by_name[name].done)]

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from orchestrator.inventory import Node
-from orchestrator.node import nodeinfo
+from orchestrator.node import form, nodeinfo
 from orchestrator.node import relay as door
 from orchestrator.transfer.chain import CONNECT_TIMEOUT, START_TIMEOUT
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
@@ -101,6 +101,7 @@ class Pair:
             self._set(recv_exited=True)
 
     def run(self) -> PairResult:
+        form.place(self.cluster, [self.src.name, self.dst.name])
         receiver = threading.Thread(target=self._receive, daemon=True, name=f"replica-recv-{self.dst.name}")
         receiver.start()
         try:
