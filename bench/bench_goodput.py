@@ -167,7 +167,7 @@ def quota(share: float):
     all-reduce anyway (a bursty pause, not a slow CPU: in a trial it halved the whole run for 133 s
     and the straggler watch, which times compute, named nobody). 1.5 ms every 10 ms stretches every
     compute window, as a slow or throttled node does."""
-    from tests.test_straggler_cluster import Quota
+    from tests.cluster.quota import Quota
 
     def missing(why: str):
         raise SystemExit(f"bench: {why} for the straggler")

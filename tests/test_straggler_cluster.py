@@ -14,12 +14,12 @@ import re
 import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.cluster.quota import Quota
 from tests.conftest import wait_for
 from tests.test_train_cluster import cli
 
@@ -46,41 +46,6 @@ def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
                                              "--block-size", "64", "--log-every", "10", "--ckpt-every", str(ckpt_every),
                                              "--eval-every", "0", "--eval-steps", "1", "--sample-tokens", "0",
                                              "--output-dir", "out"]}))
-
-
-class Quota:
-    """A CPU quota on some processes: a fresh cgroup (v2 cpu.max, else v1 cpu.cfs_quota_us) with
-    `share` of a core every `period_us` (bench/bench_goodput.py uses a shorter period than the
-    kernel's default 100 ms). Without a writable cpu controller, `missing(why)` (a test is skipped
-    rather than faked)."""
-
-    def __init__(self, share: float, period_us: int = 100000, missing=pytest.skip):
-        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
-        name = f"cct-straggler-{uuid.uuid4().hex[:8]}"
-        quota = int(share * period_us)
-        if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").exists() else False:
-            self.dir = v2 / name
-            self.dir.mkdir()
-            (self.dir / "cpu.max").write_text(f"{quota} {period_us}")
-        elif (v1 / "cpu.cfs_quota_us").exists():
-            self.dir = v1 / name
-            self.dir.mkdir()
-            (self.dir / "cpu.cfs_period_us").write_text(str(period_us))
-            (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
-        else:
-            missing("no writable cgroup cpu controller")
-
-    def add(self, pid: int) -> None:
-        (self.dir / "cgroup.procs").write_text(str(pid))
-
-    def close(self) -> None:
-        root = self.dir.parent
-        for pid in (self.dir / "cgroup.procs").read_text().split():
-            try:
-                (root / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass  # it exited meanwhile
-        self.dir.rmdir()
 
 
 def worker(cluster, node, rank, is_job=lambda argv: "trainer" in argv):
@@ -120,7 +85,7 @@ def run_id_of(err):
 def test_a_worker_held_to_15_percent_of_a_core_is_named_a_straggler(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path, 100000)
     p, err = start(inv, "--straggler-window", "20")
-    quota = Quota(QUOTA, PERIOD_US)
+    quota = Quota(QUOTA, PERIOD_US, pytest.skip)
     try:
         w = wait_for(lambda: worker(cluster4, cluster4.nodes[2], 2), 120, "rank 2's worker on node3")
         assert wait_for(lambda: reached(home, 30), 180, "step 30")
@@ -156,7 +121,7 @@ def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(clu
         n.run("mkdir -p ~/gpt_train")
     inv = str(cluster4.write_inventory(tmp_path / "nodes.yaml", env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}))
     p, err = start(inv, "--straggler-window", "20", "--", DDP_COMPUTE, "--size", "256")
-    quota = Quota(QUOTA, PERIOD_US)
+    quota = Quota(QUOTA, PERIOD_US, pytest.skip)
     try:
         w = wait_for(lambda: worker(cluster4, cluster4.nodes[2], 2, lambda argv: any(a.endswith("ddp_compute.py")
                                                                                    for a in argv)),
@@ -185,7 +150,7 @@ def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(clu
 def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path, 2500, spare=True, ckpt_every=50)
     p, err = start(inv, "--straggler-window", "20", "--on-straggler", "replace", "--max-restarts", "1")
-    quota = Quota(QUOTA, PERIOD_US)
+    quota = Quota(QUOTA, PERIOD_US, pytest.skip)
     try:
         w = wait_for(lambda: worker(cluster4, cluster4.nodes[1], 1), 120, "rank 1's worker on node2")
         assert wait_for(lambda: reached(home, 60), 180, "step 60")
