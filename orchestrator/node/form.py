@@ -108,10 +108,12 @@ def install_command() -> str:
     command placed meanwhile is kept. Then only the KEEP newest versions stay. POSIX sh and tar:
     the interpreter that will run the code may not exist yet (setup makes it)."""
     h = probe.node_code()[0]
-    return (f"umask 077; d={shell.path(probe.CACHE)}; v=\"$d/{h}\"; t=\"$d/.in.$$\"; "
-            f"mkdir -p \"$d\" && rm -rf \"$t\" && mkdir \"$t\" || exit 1; "
+    # the staging name carries the host as well as the pid: nodes that share one home (NFS) may
+    # place the same version at once, with the same pid on two hosts
+    return (f"umask 077; d={shell.path(probe.CACHE)}; v=\"$d/{h}\"; n=\".in.$(hostname 2>/dev/null).$$\"; "
+            f"t=\"$d/$n\"; mkdir -p \"$d\" && rm -rf \"$t\" && mkdir \"$t\" || exit 1; "
             f"if tar -xf - -C \"$t\" && [ -f \"$t/{probe.PACKAGE}/{probe.COMPLETE}\" ]; then "
-            f"if [ -d \"$v\" ]; then rm -rf \"$t\"; else mv \"$t\" \"$v\"; rm -rf \"$v/.in.$$\"; fi; "
+            f"if [ -d \"$v\" ]; then rm -rf \"$t\"; else mv \"$t\" \"$v\"; rm -rf \"$v/$n\"; fi; "
             f"ls -t \"$d\" | grep -v '^\\.' | tail -n +{KEEP + 1} | while read -r f; do rm -rf \"$d/$f\"; done; "
             f"else rm -rf \"$t\"; echo \"clusterctl: could not write its node code into $d\" >&2; exit 1; fi")
 
