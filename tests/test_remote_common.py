@@ -19,7 +19,16 @@ from orchestrator.runs import policy
 from orchestrator.runs.ckpt import given_home as checkpoints
 
 REMOTE = Path(probe.__file__).resolve().parent / "remote"
-PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem not in (probe.COMMON, "__init__"))
+# every module of the node code but common.py: a program (one with a `main`, started by the boot
+# line) or a module of one (node_agent's agent_*.py, ckptdir's, nodeinfo's, relay's)
+MODULES = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem not in (probe.COMMON, "__init__"))
+
+
+def _has_main(path: Path) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(path.read_text()).body)
+
+
+PROGRAMS = [m for m in MODULES if _has_main(REMOTE / f"{m}.py")]
 
 
 # ------------------------------------------------------------------ (a) written once
@@ -75,12 +84,13 @@ def _own_rules(path: Path) -> list[str]:
 
 
 def test_no_program_writes_a_shared_rule_again():
-    """Each shipped program uses common.py's tar member rule, sha256, atomic write, marker scan,
-    checkpoint names and stop grace: neither a helper of the same name nor a rule of its own."""
+    """Each shipped program, and each module of one, uses common.py's tar member rule, sha256,
+    atomic write, marker scan, checkpoint names and stop grace: neither a helper of the same name
+    nor a rule of its own."""
     shared = set(_defined(REMOTE / "common.py"))
     shared.discard("__doc__")
     again, own = [], []
-    for name in PROGRAMS:
+    for name in MODULES:
         path = REMOTE / f"{name}.py"
         again += [f"{path.name}:{line}: {n} (common.py has it)" for n, line in _defined(path).items() if n in shared]
         own += _own_rules(path)
@@ -241,18 +251,19 @@ def test_every_shipped_program_runs_from_the_node_code(tmp_path):
         "netprobe": (("serve", "0", "0.2"), b"listening"),
         "drill": (("left", "no-such-run"), b'{"pids": []}'),
     }
-    assert sorted(cheapest) == PROGRAMS, "a shipped program without a check here"
+    assert sorted(cheapest) == PROGRAMS, "a shipped program (a module with a main) without a check here"
+    assert len(PROGRAMS) < len(MODULES) and "node_agent" in PROGRAMS and "agent_waiter" not in PROGRAMS
     for name, (args, want) in cheapest.items():
         r = _run(name, *args, cwd=tmp_path, flags=("-S",) if name == "nodeinfo" else ())
         assert r.returncode == 0 and want in r.stdout, (name, r.stdout[-500:], r.stderr[-2000:])
 
 
 def test_every_name_a_program_uses_is_defined_or_imported():
-    """pyflakes over each module of the node code: what a program calls it defines or imports."""
+    """pyflakes over each module of the node code: what a module calls it defines or imports."""
     from pyflakes.api import check
     from pyflakes.reporter import Reporter
 
-    for name in [*PROGRAMS, probe.COMMON]:
+    for name in [*MODULES, probe.COMMON]:
         out = io.StringIO()
         check((REMOTE / f"{name}.py").read_text(), name, Reporter(out, out))
         undefined = [ln for ln in out.getvalue().splitlines() if "undefined name" in ln]
