@@ -68,7 +68,16 @@ import os
 import sys
 import time
 
+# every module a verb uses, imported with this one: the boot writes the package's bytecode on the
+# node only while it imports the program (even where PYTHONDONTWRITEBYTECODE is set), so a module
+# imported later, inside a verb, would be compiled again on every start; and a long-lived verb
+# (start's waiter) must hold all it needs before it runs, since its version may be pruned meanwhile
 from .agent_base import BASE, read, rundir, run_pids
+from .agent_claims import claim, claims, release
+from .agent_snapshot import snapshot
+from .agent_stop import stop
+from .agent_tail import Plain, follow, status
+from .agent_waiter import start
 from .common import private_files
 
 
@@ -79,11 +88,10 @@ def tail(run_id, offset, report="", *watch):
     if report not in ("", "status", "stream") or len(watch) not in ((3, 4) if report == "stream" else (0,)):
         sys.exit(f"unknown tail report {report!r}: expected status, or stream CKPTDIR|- TBDIR OFFSETS_HEX "
                  "[PROGRESS_S]")
-    from .agent_tail import Plain, follow
-
     rundir(run_id)  # a bad run id is refused before anything else
     if report == "stream":
-        from .agent_stream import Stream  # at the start: only the stream needs artifacts.py's rules
+        # at the start, and only here: artifacts.py's tarfile would cost every other verb milliseconds
+        from .agent_stream import Stream
 
         sink = Stream(run_id, *watch)
     else:
@@ -150,27 +158,9 @@ def wait_listening(run_id, port, seconds):
     print("timeout")
 
 
-def verb(cmd):
-    """The function of verb `cmd`, its module imported now, at the start: a verb loads only the
-    modules it uses (every command to a node pays for its start), and a long-lived one (start's
-    waiter, tail's stream) holds all it needs before it runs, though its version of the node code
-    may be pruned from the node meanwhile."""
-    if cmd == "start":
-        from . import agent_waiter as mod
-    elif cmd == "stop":
-        from . import agent_stop as mod
-    elif cmd == "status":
-        from . import agent_tail as mod
-    elif cmd == "snapshot":
-        from . import agent_snapshot as mod
-    elif cmd in ("claim", "release", "claims"):
-        from . import agent_claims as mod
-    else:
-        return {"tail": tail, "live": live, "wait-listening": wait_listening, "reach": reach}[cmd]
-    return getattr(mod, cmd)
-
-
 def main(argv):
     private_files()
     cmd, args = argv[0], argv[1:]
-    verb(cmd)(*args)
+    {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
+     "wait-listening": wait_listening, "claim": claim, "release": release,
+     "claims": claims, "snapshot": snapshot, "reach": reach}[cmd](*args)

@@ -41,6 +41,7 @@ from .codefiles import digest, ignored, output_dirs, parse_gitignore, pushed_fil
 from .codefiles import git_files, select  # noqa: F401 - the control side's (probe.load_nodeinfo), read here
 from .common import send_tar
 from .common import sha256_file  # noqa: F401 - the control side hashes with nodeinfo's sha256_file
+from .pyfacts import versions
 
 # Lazy imports (re, subprocess, hashlib, tarfile), and no json (it pulls in re and enum: 8 ms):
 # preflight starts this on every node with -S (no site: 14 ms saved), and every stdlib import it
@@ -173,8 +174,6 @@ def main(argv):
     wd, opts = _options(argv[1:])
     code = {"include": opts["--include"], "exclude": opts["--exclude"], "never": opts["--never"], "pushed": True}
     if mode == "info":
-        from .pyfacts import versions  # at the start, and only for info: select, prune and send do without it
-
         doc = versions()
         doc["code"] = None if wd == "-" else digest(wd, output_dirs(wd, opts["--output"]), listing=True, **code)
         print(dumps(doc))
