@@ -221,7 +221,7 @@ def test_the_tail_status_line_and_the_stream_end_record():
 
 
 def test_the_status_mark_is_the_node_agents():
-    text = (probe.REMOTE / "node_agent.py").read_text()
+    text = (probe.REMOTE / "agent_tail.py").read_text()
     assert re.search(r'^STATUS_MARK = "(.*?)"', text, re.M).group(1) == agent.STATUS_MARK
 
 

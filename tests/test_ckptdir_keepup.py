@@ -49,8 +49,9 @@ def loads_whole(path) -> int:
 
 @pytest.fixture
 def node_side(monkeypatch):
-    """remote/ckptdir.py as a module here (the same module the nodes run), 4 KiB copy pieces."""
-    mod = probe.load("ckptdir")
+    """remote/ckpt_capture.py (ckptdir.py's look) as a module here (the same module the nodes run), 4 KiB
+    copy pieces."""
+    mod = probe.load("ckpt_capture")  # where look, its copy pieces (CHUNK, _copy_chunk) and Watch are
     monkeypatch.setattr(mod, "CHUNK", 4096)
     return mod
 

@@ -15,7 +15,8 @@ import pytest
 from orchestrator.probe import REMOTE, load, local_argv
 from tests.conftest import wait_for
 
-AGENT = load("node_agent")  # the module the nodes run
+WAITER = load("agent_waiter")  # the node agent's modules, as the nodes run them
+LINES = load("agent_lines")
 
 
 @pytest.fixture
@@ -512,14 +513,14 @@ def test_torchrun_ended_by_a_stop_after_its_ranks_exited_0_records_their_0(agent
 
 
 def test_nproc_of_reads_torchruns_flag_in_either_spelling():
-    ns = vars(AGENT)
+    ns = vars(WAITER)
     assert ns["nproc_of"](["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "t.py"]) == 8
     assert ns["nproc_of"](["--nproc_per_node=4"]) == 4
     assert ns["nproc_of"](["--nproc-per-node", "gpu"]) is None and ns["nproc_of"](["t.py"]) is None
 
 
 def test_a_rank_reaped_before_the_waiter_read_its_status_is_judged_by_its_hooks_word():
-    word = AGENT.hooks_word
+    word = LINES.hooks_word
     assert word(b"x\n") == 0  # through Python's finalization, nothing said against it
     assert word(b"e\nx\n") == 1 and word(b"s5\nx\n") == 5 and word(b"o3\n") == 3 and word(b"o0\n") == 0
     assert word(b"") == "?"  # no finalization: a signal or a crash, its number torchrun's alone

@@ -1,4 +1,4 @@
-"""The relay's accept (remote/relay.py accept_upstream, the code the nodes run) under hostile
+"""The relay's accept (remote/relay_gate.py accept_upstream, relay.py recv's, the code the nodes run) under hostile
 clients: a slow-loris that trickles bytes, a flood of idle connections, wrong tokens. The real
 upstream is let in all the same, and nobody else is. Before, the relay read each connection's
 token in turn with up to 10 s per read: one trickling client held it until its idle deadline
@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.probe import load
 
-relay = load("relay")
+relay = load("relay_gate")  # relay.py recv's port and token gate
 TOKEN = "a" * 32
 
 

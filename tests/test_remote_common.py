@@ -5,6 +5,7 @@ import ast
 import hashlib
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,16 @@ from orchestrator.runs import policy
 from orchestrator.runs.ckpt import given_home as checkpoints
 
 REMOTE = Path(probe.__file__).resolve().parent / "remote"
-PROGRAMS = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem not in (probe.COMMON, "__init__"))
+# every module of the node code but common.py: a program (one with a `main`, started by the boot
+# line) or a module of one (node_agent's agent_*.py, ckptdir's, nodeinfo's, relay's)
+MODULES = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem not in (probe.COMMON, "__init__"))
+
+
+def _has_main(path: Path) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(path.read_text()).body)
+
+
+PROGRAMS = [m for m in MODULES if _has_main(REMOTE / f"{m}.py")]
 
 
 # ------------------------------------------------------------------ (a) written once
@@ -75,12 +85,13 @@ def _own_rules(path: Path) -> list[str]:
 
 
 def test_no_program_writes_a_shared_rule_again():
-    """Each shipped program uses common.py's tar member rule, sha256, atomic write, marker scan,
-    checkpoint names and stop grace: neither a helper of the same name nor a rule of its own."""
+    """Each shipped program, and each module of one, uses common.py's tar member rule, sha256,
+    atomic write, marker scan, checkpoint names and stop grace: neither a helper of the same name
+    nor a rule of its own."""
     shared = set(_defined(REMOTE / "common.py"))
     shared.discard("__doc__")
     again, own = [], []
-    for name in PROGRAMS:
+    for name in MODULES:
         path = REMOTE / f"{name}.py"
         again += [f"{path.name}:{line}: {n} (common.py has it)" for n, line in _defined(path).items() if n in shared]
         own += _own_rules(path)
@@ -228,9 +239,9 @@ def _run(name: str, *args: str, cwd: Path, stdin: bytes = b"", flags=()) -> subp
                           env=dict(os.environ, HOME=str(cwd)), capture_output=True, timeout=60)
 
 
-def test_every_shipped_program_runs_from_the_node_code(tmp_path):
-    """Each program's cheapest verb, run from the node code as a node runs it."""
-    cheapest = {
+def _cheapest(tmp_path: Path) -> dict[str, tuple[tuple[str, ...], bytes]]:
+    """Each program's cheapest verb: its arguments and a piece of its answer."""
+    return {
         "node_agent": (("live",), b"[]"),
         "artifacts": (("held", str(tmp_path / "none"), str(tmp_path / "none")), b'"own": []'),
         "ckptdir": (("look", str(tmp_path / "none"), str(tmp_path / ".pending"), "2", "0", "-"), b'"entries": {}'),
@@ -241,18 +252,55 @@ def test_every_shipped_program_runs_from_the_node_code(tmp_path):
         "netprobe": (("serve", "0", "0.2"), b"listening"),
         "drill": (("left", "no-such-run"), b'{"pids": []}'),
     }
-    assert sorted(cheapest) == PROGRAMS, "a shipped program without a check here"
+
+
+def test_every_shipped_program_runs_from_the_node_code(tmp_path):
+    """Each program's cheapest verb, run from the node code as a node runs it."""
+    cheapest = _cheapest(tmp_path)
+    assert sorted(cheapest) == PROGRAMS, "a shipped program (a module with a main) without a check here"
+    assert len(PROGRAMS) < len(MODULES) and "node_agent" in PROGRAMS and "agent_waiter" not in PROGRAMS
     for name, (args, want) in cheapest.items():
         r = _run(name, *args, cwd=tmp_path, flags=("-S",) if name == "nodeinfo" else ())
         assert r.returncode == 0 and want in r.stdout, (name, r.stdout[-500:], r.stderr[-2000:])
 
 
+def test_a_programs_modules_are_compiled_once_even_where_bytecode_is_off(tmp_path):
+    """The boot writes the package's bytecode beside it even where PYTHONDONTWRITEBYTECODE is set
+    (the directory is clusterctl's), but only while it imports the program: a module of the
+    package imported later, inside a verb, would be compiled again on every start on such a node.
+    Each program's cheapest verb, and the agent's verbs whose modules are their own (status,
+    claims, snapshot) and nodeinfo's info, run from a fresh copy of the code with bytecode off:
+    every module of the package each one imported has its bytecode there. (tail's stream alone
+    imports agent_stream.py and artifacts.py when it starts: tarfile costs every other verb
+    milliseconds, a stream starts once per node and attempt.)"""
+    _, data = probe.node_code()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tmp_path / "code")
+    cache = tmp_path / "code" / probe.PACKAGE / "__pycache__"
+    runs = [(name, args, b"") for name, (args, _) in _cheapest(tmp_path).items()] + [
+        ("node_agent", ("status", "none@n1"), b""), ("node_agent", ("claims",), b""),
+        ("node_agent", ("snapshot", "none@n1", "1", "0"), b""), ("nodeinfo", ("info", str(tmp_path)), b"")]
+    checked = set()
+    for name, args, stdin in runs:
+        argv = [sys.executable, *(("-S",) if name == "nodeinfo" else ()), "-X", "importtime", "-c", probe.BOOT,
+                str(tmp_path / "code"), name, *args]
+        r = subprocess.run(argv, input=stdin, cwd=tmp_path, capture_output=True, timeout=60,
+                           env=dict(os.environ, HOME=str(tmp_path), PYTHONDONTWRITEBYTECODE="1"))
+        assert r.returncode == 0, (name, args, r.stderr[-2000:])
+        imported = set(re.findall(rf"\| +{probe.PACKAGE}\.(\w+)$", r.stderr.decode(), re.M))
+        assert name in imported, (name, r.stderr[-500:])
+        cached = {p.name.split(".")[0] for p in cache.glob("*.pyc")} if cache.is_dir() else set()
+        assert imported <= cached, f"{name} {args[0]}: compiled on every start: {sorted(imported - cached)}"
+        checked |= imported
+    assert {"agent_tail", "agent_claims", "agent_snapshot", "pyfacts", "ckpt_capture", "relay_gate"} <= checked
+
+
 def test_every_name_a_program_uses_is_defined_or_imported():
-    """pyflakes over each module of the node code: what a program calls it defines or imports."""
+    """pyflakes over each module of the node code: what a module calls it defines or imports."""
     from pyflakes.api import check
     from pyflakes.reporter import Reporter
 
-    for name in [*PROGRAMS, probe.COMMON]:
+    for name in [*MODULES, probe.COMMON]:
         out = io.StringIO()
         check((REMOTE / f"{name}.py").read_text(), name, Reporter(out, out))
         undefined = [ln for ln in out.getvalue().splitlines() if "undefined name" in ln]

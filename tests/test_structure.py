@@ -18,22 +18,7 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # "path" or "path:qualname" -> why it may be longer
-EXCEPTIONS: dict[str, str] = {
-    "orchestrator/remote/nodeinfo.py": "shipped as one program (probe.program: remote/common.py, then this "
-                                       "file; python -S, where each module more costs start-up on every node): "
-                                       "the shared rules live in common.py, what is left is what code is "
-                                       "(gitignore, digest, selection) and the torch facts",
-    "orchestrator/remote/relay.py": "shipped as one program (`python3 -c`, remote/common.py in front, stdlib "
-                                    "only): the relay's protocol, the gate that lets only the token's holder in "
-                                    "and the tar pass-through run as one file on the node",
-    "orchestrator/remote/ckptdir.py": "shipped as one program (`python -c` LOADER, remote/common.py in front, "
-                                      "stdlib only): the completeness rule (inotify, the /proc writers, the "
-                                      "capture that a rewrite voids) and the verbs that restore, set aside and "
-                                      "freeze share its helpers on the node; split once node code ships as a package",
-    "orchestrator/remote/node_agent.py": "shipped as one program on stdin (probe.program: remote/common.py, then "
-                                         "this file, nothing else); the shared rules live in common.py, what is "
-                                         "left is the agent's own verbs over one run directory",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def product_files() -> list[Path]:

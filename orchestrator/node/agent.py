@@ -92,7 +92,7 @@ class AgentStatus:
     save_seconds: float = 0.0  # how long the job's last checkpoint took
     stop_requested: bool = False
     error: str | None = None  # the node could not be asked, or its answer not read
-    rank_failed: float | None = None  # when a rank first exited non-zero, node clock (node_agent.py RankLines)
+    rank_failed: float | None = None  # when a rank first exited non-zero, node clock (remote/agent_lines.py RankLines)
 
     @classmethod
     def from_doc(cls, doc: dict) -> AgentStatus:

@@ -27,7 +27,7 @@ level 0700 (0750 under share_with_group: common.py private_files, own_dir).
                             runs `stream_records` every SCAN_S s in its one process (records: see
                             `frame`; kinds FRAME_*), so no poll process is started while a run trains;
                             the same stream carries the ranks' progress for the straggler watch
-                            (FRAME_PROGRESS, node_agent.py Stream), so no snapshot process either
+                            (FRAME_PROGRESS, agent_stream.py Stream), so no snapshot process either
   pack RUN_ID REL KEY...    an uncompressed tar on stdout of the run's artifacts (REL: one relative
                             path inside them, - for all) as artifacts/..., and of each node-runs
                             directory KEY (RUN_ID@NODE, one per attempt) as node-runs/KEY/...;

@@ -205,7 +205,7 @@ RANK_FAILED = "failed."  # + LOCAL_RANK, in the node's run directory: "TIME RC" 
 
 
 def note_rank_failure(rundir, local_rank, rc, at):
-    """The waiter's note (node_agent.py RankLines) that a rank ended with rc != 0 at `at`
+    """The waiter's note (agent_lines.py RankLines) that a rank ended with rc != 0 at `at`
     (time.time(), the moment it was seen to end)."""
     write_atomic(os.path.join(rundir, RANK_FAILED + str(local_rank)), f"{at:.6f} {rc}\n")
 

@@ -1,7 +1,8 @@
 """clusterctl's sync relay: receive a tar stream, forward it to the next node, write it into the
-workdir. Stdlib only; shipped as `python3 -c <this> MODE ...`, never installed, with
-remote/common.py in front of it (probe.py `program`): the tar member rule, Hashed, send_tar,
-checkpoint names and marked_pids come from there.
+workdir. A program of the node code, stdlib only. This module holds the verbs; the protocol's
+reading and events are relay_wire.py's, the port and its token gate relay_gate.py's, the tar
+pass-through relay_stream.py's; the tar member rule, Hashed, send_tar, checkpoint names and
+marked_pids common.py's.
 
     recv XFER WORKDIR [--listen ADDR]
                             the relay; its stdin is the control protocol below. It listens on
@@ -30,254 +31,15 @@ The stream is extracted into WORKDIR/.clusterctl-relay-XFER while it passes thro
 into WORKDIR only when its sha256 matches the announced one, so a corrupted stream changes nothing.
 Every wait has a timeout (--idle seconds without progress, --connect-timeout for the downstream).
 """
-import hmac
 import os
-import select
 import shutil
 import socket
-import struct
 import sys
-import time
 
-from .common import (
-    checkpoint_parts, checkpoint_step, extract_member, Hashed, marked_pids, private_files, send_tar,
-    tar_member_ok,
-)
-
-CHUNK = 1 << 20
-CORRUPT_ENV = "CLUSTERCTL_RELAY_CORRUPT_AT"  # test knob: flip the forwarded byte at this offset
-
-
-class Failed(Exception):
-    pass
-
-
-def emit(line):
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-class Stdin:
-    """fd 0 read with a timeout per wait: lines and length-prefixed frames."""
-
-    def __init__(self, idle):
-        self.buf, self.idle, self.eof = bytearray(), idle, False
-
-    def _fill(self):
-        if self.eof:
-            return False
-        if not select.select([0], [], [], self.idle)[0]:
-            raise Failed(f"nothing from the control machine for {self.idle:g}s")
-        data = os.read(0, CHUNK)
-        self.eof = not data
-        self.buf += data
-        return bool(data)
-
-    def line(self):
-        while b"\n" not in self.buf:
-            if not self._fill():
-                raise Failed("the control machine closed the connection mid-protocol")
-        i = self.buf.index(b"\n")
-        out = bytes(self.buf[:i]).decode()
-        del self.buf[:i + 1]
-        return out.split()
-
-    def exact(self, n):
-        while len(self.buf) < n:
-            if not self._fill():
-                raise Failed("the stream from the control machine ended early")
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        return out
-
-    def frame(self):
-        (n,) = struct.unpack(">I", self.exact(4))
-        return self.exact(n) if n else b""
-
-
-def expect(words, key, count):
-    if not words or words[0] != key or len(words) != count:
-        raise Failed(f"protocol error: expected {key!r}, got {' '.join(words)[:80]!r}")
-    return words[1:]
-
-
-TOKEN_S = 5.0  # a connection has this long to present the 33-byte token, whatever else arrives
-MAX_PENDING = 64  # connections not yet authenticated; past this the oldest is dropped
-LISTEN_BACKLOG = 512  # connections the kernel holds until accepted (the loop takes them all at once)
-
-
-class Gate:
-    """The connections to a relay's port not yet authenticated (accept_upstream's state)."""
-
-    def __init__(self, lsock, want, allowed=None):
-        import selectors
-
-        self.lsock, self.want, self.read_event = lsock, want, selectors.EVENT_READ
-        self.allowed = allowed  # the upstream's addresses: any other source is closed unread (None: any)
-        self.sel = selectors.DefaultSelector()
-        self.pending = {}  # socket -> [bytes so far, when it must have sent the token]
-        lsock.setblocking(False)
-        self.sel.register(lsock, self.read_event)
-
-    def drop(self, conn):
-        self.sel.unregister(conn)
-        self.pending.pop(conn, None)
-        conn.close()
-
-    def expire(self, now):
-        for conn in [c for c, (_, until) in self.pending.items() if until <= now]:
-            self.drop(conn)
-
-    def take_all(self):
-        """Accept everything waiting (a flood must not fill the backlog), the oldest dropped past
-        MAX_PENDING."""
-        while True:
-            try:
-                conn, peer = self.lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            if self.allowed is not None and plain_ip(peer[0]) not in self.allowed:
-                conn.close()  # not the upstream: nothing is read from it
-                continue
-            conn.setblocking(False)
-            if len(self.pending) >= MAX_PENDING:
-                self.drop(min(self.pending, key=lambda c: self.pending[c][1]))
-            self.pending[conn] = [b"", time.monotonic() + TOKEN_S]
-            self.sel.register(conn, self.read_event)
-
-    def read(self, conn):
-        """conn once it presented the whole token (then no longer pending), else None."""
-        try:
-            part = conn.recv(len(self.want) - len(self.pending[conn][0]))
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            part = b""
-        got = self.pending[conn][0] + part
-        if part and len(got) < len(self.want):  # no early word on a wrong prefix: compared whole only
-            self.pending[conn][0] = got
-            return None
-        if part and hmac.compare_digest(got, self.want):
-            self.sel.unregister(conn)
-            del self.pending[conn]
-            return conn
-        self.drop(conn)
-        return None
-
-    def close(self):
-        for conn in list(self.pending):
-            self.drop(conn)
-        self.sel.close()
-        self.lsock.setblocking(True)
-
-
-def accept_upstream(lsock, token, idle, allowed=None):
-    """The first connection that presents `token` within TOKEN_S of connecting; others are closed
-    (at once, unread, when they do not come from one of the `allowed` addresses). Every connection is read at once, none in turn (selectors): a client that trickles bytes or
-    never sends any holds only its own slot for TOKEN_S, a flood of connections only the oldest
-    of MAX_PENDING slots, so neither keeps the real upstream out."""
-    deadline = time.monotonic() + idle
-    gate = Gate(lsock, token.encode() + b"\n", allowed)
-    try:
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise Failed(f"no upstream node connected within {idle:g}s")
-            gate.expire(now)
-            soonest = min([deadline] + [until for _, until in gate.pending.values()])
-            for key, _ in gate.sel.select(max(0.0, soonest - now)):
-                if key.fileobj is lsock:
-                    gate.take_all()
-                elif key.fileobj in gate.pending and (conn := gate.read(key.fileobj)) is not None:
-                    conn.setblocking(True)
-                    conn.settimeout(idle)
-                    return conn
-    finally:
-        gate.close()
-
-
-class Pass:
-    """The stream as a file for tarfile: each chunk is hashed and forwarded before it is read."""
-
-    def __init__(self, pull, down, idle):
-        self.pull, self.down, self.idle = pull, down, idle
-        self.seen, self.pending = Hashed(), b""
-        self.forward_error = None
-        self.corrupt_at = int(os.environ.get(CORRUPT_ENV, "-1"))
-        self.last_report = 0.0
-
-    def next_chunk(self):
-        data = self.pull()
-        if not data:
-            return False
-        if self.down is not None:
-            self.forward(data)
-        self.seen.update(data)
-        now = time.monotonic()
-        if now - self.last_report > 0.25:
-            self.last_report = now
-            emit(f"progress {self.seen.total}")
-        self.pending = data
-        return True
-
-    def forward(self, data):
-        done = self.seen.total
-        if done <= self.corrupt_at < done + len(data):
-            i = self.corrupt_at - done
-            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
-        try:
-            self.down.sendall(data)
-        except OSError as e:  # the downstream fails on its own; this node keeps its copy
-            self.forward_error = f"forwarding to the next node failed: {e}"
-            emit("forward-failed " + self.forward_error)
-            self.down.close()
-            self.down = None
-
-    def read(self, n=-1):
-        if not self.pending and not self.next_chunk():
-            return b""
-        if n < 0 or n >= len(self.pending):
-            out, self.pending = self.pending, b""
-        else:
-            out, self.pending = self.pending[:n], self.pending[n:]
-        return out
-
-    def drain(self):
-        self.pending = b""
-        while self.next_chunk():
-            self.pending = b""
-
-
-def extract(stream, staging):
-    """Unpack the tar stream into staging (its files, symbolic links and directories, an empty one
-    too); returns the number of files and links."""
-    import tarfile
-
-    root = os.path.realpath(staging)
-    count = 0
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
-        for m in tar:
-            if not tar_member_ok(m, root, links=True):
-                raise Failed("refusing unsafe path in the stream: " + m.name)
-            if m.isfile() or m.issym() or m.isdir():
-                extract_member(tar, m, root, links=True)
-                count += not m.isdir()
-    return count
-
-
-def install(staging, workdir):
-    """Move every staged file over its place in workdir (same filesystem: renames)."""
-    for d, dirs, files in os.walk(staging):
-        rel = os.path.relpath(d, staging)
-        dest_dir = workdir if rel == "." else os.path.join(workdir, rel)
-        os.makedirs(dest_dir, exist_ok=True)
-        # checksum files last: a checkpoint's .sha256 or MANIFEST.sha256 marks it complete
-        for name in sorted(files, key=lambda n: n.endswith(".sha256")) + \
-                [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-            dest = os.path.join(dest_dir, name)
-            if os.path.isdir(dest) and not os.path.islink(dest):
-                raise Failed(f"cannot replace the directory {dest} with a file")
-            os.replace(os.path.join(d, name), dest)
+from .common import checkpoint_parts, checkpoint_step, marked_pids, private_files, send_tar
+from .relay_gate import accept_upstream, listen, resolve
+from .relay_stream import Pass, extract, install
+from .relay_wire import CHUNK, Failed, Stdin, emit, expect
 
 
 def link_downstream(words, connect_timeout):
@@ -293,44 +55,6 @@ def link_downstream(words, connect_timeout):
         return None
     emit("linked")
     return down
-
-
-def plain_ip(text):
-    """An address as compared here: no %scope, an IPv4-mapped IPv6 address as its IPv4 one."""
-    import ipaddress
-
-    try:
-        ip = ipaddress.ip_address(text.split("%")[0])
-    except ValueError:
-        return text
-    return str(ip.ipv4_mapped) if ip.version == 6 and ip.ipv4_mapped else str(ip)
-
-
-def resolve(name):
-    """The addresses `name` resolves to here: getaddrinfo's, as plain_ip writes them; None when it
-    does not resolve."""
-    try:
-        return {plain_ip(info[4][0]) for info in socket.getaddrinfo(name.strip("[]"), None, type=socket.SOCK_STREAM)}
-    except (OSError, UnicodeError):
-        return None
-
-
-def listen(address):
-    """A socket listening on an ephemeral port of `address`, the one the other nodes use to reach
-    this node, so the port is not offered on its other networks. When that address is not one of
-    this node's own (a NAT in between, a name that resolves elsewhere or to several addresses, of
-    which the peers may pick any) or none is given: every address."""
-    infos = socket.getaddrinfo(address.strip("[]"), 0, type=socket.SOCK_STREAM) if address else []
-    if len({info[4][0] for info in infos}) == 1:
-        try:
-            return socket.create_server(infos[0][4], family=infos[0][0], backlog=LISTEN_BACKLOG)
-        except OSError:
-            pass
-    if address:
-        sys.stderr.write(f"relay: {address} is not one address of this node; listening on every address\n")
-    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-    return socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6,
-                                backlog=LISTEN_BACKLOG)
 
 
 def recv(xfer, workdir, idle, connect_timeout, address=None):

@@ -5,7 +5,7 @@ The node agent writes this file into the run directory (RUNDIR/py/) and puts tha
 front of the job's PYTHONPATH, so every Python process of the run imports it at start-up, before
 the script. In a rank (RANK is set; torchrun itself is left alone) it first hands the rank's
 stdout and stderr to the node's waiter, which writes them into the run's log as whole lines
-tagged `[default<LOCAL_RANK>]:` and notes when a rank failed (_lines; node_agent.py RankLines):
+tagged `[default<LOCAL_RANK>]:` and notes when a rank failed (_lines; agent_lines.py RankLines):
 no process runs beside a rank. Then it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
 open() on it: no CPU is spent until the node agent's `snapshot` writes a request number N there.
 The thread then writes PID.N.json (whole, by rename): every thread's Python stack
@@ -277,7 +277,7 @@ def _install():
 
 
 def _lines():
-    """Hand this rank's output to the waiter (node_agent.py RankLines), which writes it into the
+    """Hand this rank's output to the waiter (agent_lines.py RankLines), which writes it into the
     run's log as whole lines tagged `[default<LOCAL_RANK>]:`: two pipes, their read ends sent over
     CLUSTERCTL_LINES (SCM_RIGHTS) with LOCAL_RANK, their write ends put on fd 1 and 2, before the
     script writes anything. A process the rank starts inherits them (CLUSTERCTL_LINES_PID says it

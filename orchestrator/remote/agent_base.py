@@ -1,0 +1,64 @@
+"""The node agent's shared ground (node_agent.py and its modules): where a run's directory is
+(~/.clusterctl/node-runs/KEY), reading its files, finding its processes by the run key, and the
+small waits and threads every part of the agent uses.
+"""
+import os
+import sys
+import time
+
+from .common import NODE_RUNS, RUN_KEY, marked_pids, safe_name
+
+BASE = NODE_RUNS  # common.py
+HOOK = "hook"  # RUNDIR/hook: the ranks' snapshot FIFOs (PID.fifo) and answers (PID.N.json)
+
+
+def rundir(run_id):
+    if not safe_name(run_id):
+        sys.exit("bad run id")
+    return os.path.join(BASE, run_id)
+
+
+def read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+def run_pids(run_id, match=None):
+    """This user's processes whose environment carries CLUSTERCTL_RUN_KEY=key (or, with
+    `match`, a run key for which match(key) is true)."""
+    return marked_pids(RUN_KEY, match or (lambda key: key == run_id))
+
+
+def pgid_of(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def save_seconds(d):
+    try:
+        return float(read(os.path.join(d, "save_seconds"), "") or 0)
+    except ValueError:
+        return 0.0
+
+
+def wait_until(done, until):
+    """Poll done() until it is true or the time `until` passes, every 10 ms at first, then
+    less often (each poll may scan /proc); done()'s last value."""
+    step = 0.01
+    while not (ok := done()) and time.time() < until:
+        time.sleep(min(step, max(0.0, until - time.time())))
+        step = min(step * 2, 0.1)
+    return ok
+
+
+def threading_start(fn, *args):
+    import threading
+
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    return t

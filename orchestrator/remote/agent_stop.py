@@ -1,0 +1,108 @@
+"""The node agent's stop: `stop KEY GRACE [peer-failed]` and end_run, which ends a run's processes
+(workers first, with the grace, then torchrun, then SIGKILL); the waiter (agent_waiter.py) calls
+end_run too, once torchrun ended, and to carry out a stop request it finds in the run directory.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+from .agent_base import pgid_of, read, rundir, run_pids, save_seconds, wait_until
+from .common import stop_grace, write_atomic
+
+TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
+# its monitor interval is 0.1 s, then its exit barrier (the other nodes, stopped at the same moment)
+# and ~1 s of CPU tearing its interpreter down. Signalled sooner, it records a failure (1, 143)
+# for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
+
+
+def writing_checkpoint(pids):
+    """Whether one of `pids` has a file open for writing under a temporary name (a path part
+    ending in .tmp or holding .tmp.): a checkpoint being written, to be renamed into place whole
+    (trainer/checkpoint.py writes ckpt_N.pt.tmp.PID, and FSDP shards into ckpt_N.tmp/)."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                flags = int((read(f"/proc/{pid}/fdinfo/{fd}", "") or "").split("flags:")[1].split()[0], 8)
+            except (OSError, IndexError, ValueError):
+                continue  # closed meanwhile
+            if path.startswith("/") and flags & 3 and any(part.endswith(".tmp") or ".tmp." in part
+                                                           for part in path.split("/")):
+                return True
+    return False
+
+
+def end_run(run_id, info, grace, peer_failed=False):
+    """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
+    after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared.
+    peer_failed: another node's part of the run died, so no collective (and no collective
+    checkpoint) can complete: SIGKILL at once, unless a checkpoint is being written here (then
+    it gets the grace to finish it, as on any stop)."""
+    waiter, torchrun = info.get("waiter"), info.get("pid")
+
+    def targets():
+        return [p for p in run_pids(run_id) if p != waiter]
+
+    def workers():
+        return [p for p in targets() if p != torchrun]
+
+    def signal_all(sig):
+        pids = targets()
+        # the group only while a process of this run is still in it: a pgid can be reused
+        if info.get("pgid") and any(pgid_of(p) == info["pgid"] for p in pids):
+            try:
+                os.killpg(info["pgid"], sig)
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    deadline = time.time() + float(grace)
+    if peer_failed and not writing_checkpoint(targets()):
+        deadline = time.time()
+    # the workers first, with the whole grace: they stop (the trainer checkpoints) and torchrun,
+    # seeing them done, exits on its own with their verdict; torchrun is signalled itself only
+    # when it has no workers (yet), or once the grace is over
+    started = workers() if deadline > time.time() else []
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    if started and wait_until(lambda: not workers(), deadline):
+        # workers done: torchrun exits on its own with their verdict, the code recorded
+        wait_until(lambda: not targets() or workers(), time.time() + TORCHRUN_EXIT_S)
+    signal_all(signal.SIGTERM if deadline > time.time() else signal.SIGKILL)
+    if not wait_until(lambda: not targets(), deadline):
+        signal_all(signal.SIGKILL)
+        wait_until(lambda: not targets(), time.time() + 5)
+    return len(targets())
+
+
+def stop(run_id, grace, mode=""):
+    if mode not in ("", "peer-failed"):
+        sys.exit(f"unknown stop mode {mode!r}: expected peer-failed")
+    d = rundir(run_id)
+    if not os.path.isdir(d):
+        print(json.dumps({"left": len(run_pids(run_id))}))
+        return
+    grace = stop_grace(grace, save_seconds(d))
+    if read(os.path.join(d, "stop")) is None:  # first: the waiter finishes the stop if we are cut off
+        write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time(),
+                                                          "peer_failed": mode == "peer-failed"}))
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    left = end_run(run_id, info, grace, mode == "peer-failed")
+    # the waiter records the exit code once torchrun is reaped and the run is cleaned up
+    wait_until(lambda: read(os.path.join(d, "exit_code")) is not None, time.time() + 8)
+    if read(os.path.join(d, "exit_code")) is None and not run_pids(run_id):
+        write_atomic(os.path.join(d, "exit_code"), "137")
+    print(json.dumps({"left": left}))

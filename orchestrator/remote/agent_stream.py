@@ -1,0 +1,75 @@
+"""The node agent's framed stream (`tail KEY OFFSET stream ...`): Stream, the sink that writes the
+log's bytes, the node's new checkpoints and TensorBoard bytes, every rank's progress and last the
+run's status as artifacts.py's frames. A stream lives as long as the run: what it uses is imported
+here at its start.
+"""
+import json
+import time
+
+from . import artifacts
+from .agent_base import threading_start
+from .agent_snapshot import snapshot_doc
+from .agent_tail import Plain
+
+PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
+
+
+class Stream(Plain):
+    """`tail KEY OFFSET stream CKPTDIR|- TBDIR OFFSETS_HEX [PROGRESS_S]`: one stream for everything
+    the control machine takes from a running node. Records (artifacts.py `frame`): the log's bytes
+    by offset, the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past
+    OFFSETS_HEX (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process,
+    with PROGRESS_S every rank's progress (`snapshot_doc`, asked every PROGRESS_S s), and last the
+    run's status, by artifacts.py's rules (the ones its `poll` applies)."""
+
+    def __init__(self, run_id, ckpt_dir, tb_dir, offsets_hex, progress_s="0"):
+        super().__init__("stream")
+        self.art = artifacts
+        self.ckpt_dir, self.tb_dir, self.last = ckpt_dir, tb_dir, {}
+        self.have = json.loads(bytes.fromhex(offsets_hex).decode()) if offsets_hex != "-" else {}
+        self.next_scan = 0.0
+        self.run_id, self.progress_s = run_id, float(progress_s)
+        self.next_ask = time.time() + self.progress_s  # the ranks' hooks are made as they start: not at once
+        self.asking = None  # the thread asking the ranks now
+        self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
+
+    def log(self, pos, chunk):
+        self.out.write(self.art.frame({"t": self.art.FRAME_LOG, "offset": pos}, chunk))
+        self.out.flush()
+        self.tick()  # a log that never pauses still gets its checkpoints seen
+        return pos + len(chunk)
+
+    def tick(self, now=False):
+        self.progress()
+        if not now and time.time() < self.next_scan:
+            return
+        self.next_scan = time.time() + self.art.SCAN_S
+        for rec in self.art.stream_records(self.ckpt_dir, self.tb_dir, self.have, self.last):
+            self.out.write(rec)
+        self.out.flush()
+
+    def progress(self):
+        """Write the progress answers that came in; every PROGRESS_S s, ask again on a thread of
+        its own (a hook waited for must not hold up the log), never two requests at once."""
+        if self.progress_s <= 0:
+            return
+        while self.answers:
+            doc = self.answers.pop(0)
+            self.out.write(self.art.frame({"t": self.art.FRAME_PROGRESS}, json.dumps(doc).encode()))
+            self.out.flush()
+        if (self.asking is not None and self.asking.is_alive()) or time.time() < self.next_ask:
+            return
+        self.next_ask = time.time() + self.progress_s
+        self.asking = threading_start(self.ask, time.time_ns() // 1_000_000)  # unique on the node, as elsewhere
+
+    def ask(self, request):
+        try:
+            doc = snapshot_doc(self.run_id, request, PROGRESS_WAIT_S, "progress")
+        except Exception as e:  # noqa: BLE001 - said in the record; the stream goes on
+            doc = {"ranks": [], "time": time.time(), "error": f"{type(e).__name__}: {e}"}
+        self.answers.append(doc)
+
+    def end(self, doc):
+        self.tick(now=True)  # what the run wrote last
+        self.out.write(self.art.frame({"t": self.art.FRAME_END}, json.dumps(doc).encode()))
+        self.out.flush()
