@@ -177,7 +177,7 @@ def quota(share: float):
 
 def worker(cluster, node, key: str):
     """The trainer process of attempt `key` on `node`: its environment carries the attempt's run
-    key and RANK; torchrun has no RANK (the rule of remote/node_agent.py's snapshot)."""
+    key and RANK; torchrun has no RANK (the rule of remote/agent_snapshot.py's snapshot)."""
     for p in cluster.processes(node):
         try:
             env = p.environ()

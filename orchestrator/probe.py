@@ -76,14 +76,14 @@ MISSING_EXIT = 97
 # `~/` path: the node user's home) goes first on sys.path; PROGRAM's `main(ARGS)` is called and
 # its return is the exit code. Nothing but the interpreter's own start-up is imported (-S keeps it
 # so). The node's Python caches the program's bytecode beside it (__pycache__, written even where
-# PYTHONDONTWRITEBYTECODE is set: the directory is clusterctl's), so a program's source is
-# compiled once per node and version, not on every start.
+# PYTHONDONTWRITEBYTECODE is set, for the whole program: a module a verb imports late, the
+# stream's, is cached too; the directory is clusterctl's), so a program's source is compiled once
+# per node and version, not on every start.
 BOOT = ('import os,sys\n'
         'p=os.path.expanduser(sys.argv[1])\n'
         'if not os.path.isfile(p+"/%s/%s"):sys.stderr.write("%s "+p+"\\n");sys.stderr.flush();os._exit(%d)\n'
-        'sys.path.insert(0,p);n=sys.argv[2];sys.argv[:3]=[n];b=sys.dont_write_bytecode;sys.dont_write_bytecode=0\n'
-        'm=__import__("%s."+n,fromlist=["main"]);sys.dont_write_bytecode=b\n'
-        'sys.exit(m.main(sys.argv[1:]))') % (PACKAGE, COMPLETE, MISSING, MISSING_EXIT, PACKAGE)
+        'sys.path.insert(0,p);n=sys.argv[2];sys.argv[:3]=[n];sys.dont_write_bytecode=0\n'
+        'sys.exit(__import__("%s."+n,fromlist=["main"]).main(sys.argv[1:]))') % (PACKAGE, COMPLETE, MISSING, MISSING_EXIT, PACKAGE)
 
 
 def programs() -> list[str]:

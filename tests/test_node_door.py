@@ -252,3 +252,16 @@ def test_preflight_places_the_code_only_where_its_probe_found_none_and_asks_no_m
             n = len(counted.lines)
             assert agent.run(cluster, agent.claims)["n0"].error is None
             assert len(counted.lines) == n + 1  # known from the probe: no `test -f` before the agent
+
+
+def test_a_probe_run_here_places_the_code_here_first(tmp_path, monkeypatch):
+    """`launch --from-env` probes its own machine: the node code is placed under this HOME first,
+    so its nodeinfo runs (before, a machine without this version answered MISSING)."""
+    from orchestrator.checks.preflight import probe_locally
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    inv = parse_inventory(f"python: {json.dumps(sys.executable)}\nnodes:\n  - {{name: a, connection: local}}\n")
+    text = probe_locally(inv, inv.nodes[0], ["python_env"])
+    assert probe.MISSING not in text and '"python"' in text, text[-2000:]
+    assert (tmp_path / probe.node_code_path().removeprefix("~/") / probe.PACKAGE / probe.COMPLETE).is_file()
+    assert form.place_here() is None  # there now: nothing to do

@@ -119,7 +119,7 @@ LAYERS: list[dict[str, str]] = [
      "home": "where clusterctl keeps its state on the control machine",
      "__init__": "the package's version"},
 ]
-# The node code, shipped to the nodes as one zip and run there alone (stdlib, or torch where one
+# The node code, shipped to the nodes as one package and run there alone (stdlib, or torch where one
 # runs): its modules import each other (relatively), nothing else of the package, which is not
 # installed on a node.
 SHIPPED = "orchestrator.remote"

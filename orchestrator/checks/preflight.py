@@ -352,8 +352,11 @@ def node_results(checks: list[str], text: str, ctx: Ctx) -> dict[str, CheckResul
 
 def probe_locally(inv: Inventory, node: Node, checks: list[str], env: Mapping[str, str] | None = None,
                   timeout: float = PROBE_TIMEOUT) -> str:
-    """The same probe, run on this machine (`launch --from-env` checks its own node)."""
+    """The same probe, run on this machine (`launch --from-env` checks its own node), the node
+    code placed here first (its nodeinfo runs from it; a failure to place it shows as that
+    probe's error)."""
     checks = ordered(checks)
+    form.place_here(env)
     try:
         p = subprocess.run(["/bin/sh", "-c", _probe_command(inv, node, checks, 0)], input=probe_script(checks),
                            capture_output=True, timeout=timeout, env=dict(env) if env is not None else None)

@@ -22,6 +22,7 @@ Why a directory and not a zipapp: Python's zipimport compiles every module twice
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import weakref
 from dataclasses import dataclass
@@ -154,6 +155,21 @@ def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TI
         elif not r.ok:
             errors[name] = f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
     return errors
+
+
+def place_here(env: Mapping[str, str] | None = None, timeout: float = PLACE_TIMEOUT) -> str | None:
+    """This version on this machine, for a program run here as on a node (`launch --from-env`'s
+    own preflight probe): the same look and the same install, through /bin/sh, under `env` (its
+    HOME) or this process's environment. None when it is there, else why not."""
+    environ = dict(env) if env is not None else None
+    try:
+        r = subprocess.run(["/bin/sh", "-c", check_command()], env=environ, capture_output=True, timeout=timeout)
+        if r.returncode == 1:
+            r = subprocess.run(["/bin/sh", "-c", install_command()], input=probe.node_code()[1], env=environ,
+                               capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not place clusterctl's node code here: {e}"
+    return None if r.returncode == 0 else r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}"
 
 
 def known(conn) -> None:

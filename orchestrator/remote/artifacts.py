@@ -23,7 +23,7 @@ level 0700 (0750 under share_with_group: common.py private_files, own_dir).
                             Then every file under TBDIR past the offset the control machine already
                             has ({rel: offset} as hex JSON), as frames: a JSON header line
                             {"rel", "offset", "size"} then `size` bytes
-  (no command)              shipped inside node_agent.py as ARTIFACTS_SRC: `tail KEY OFFSET stream`
+  (no command)              imported by the node agent's stream (agent_stream.py): `tail KEY OFFSET stream`
                             runs `stream_records` every SCAN_S s in its one process (records: see
                             `frame`; kinds FRAME_*), so no poll process is started while a run trains;
                             the same stream carries the ranks' progress for the straggler watch

@@ -101,7 +101,7 @@ class RankSnap:
     @classmethod
     def from_agent(cls, node: str, doc: Mapping, t: float | None = None) -> RankSnap:
         ans = doc.get("answer") or {}
-        outside = not ans.get("stacks") and isinstance(doc.get("pyspy"), list)  # node_agent.py py_spy_stacks
+        outside = not ans.get("stacks") and isinstance(doc.get("pyspy"), list)  # remote/agent_snapshot.py py_spy_stacks
         threads = []
         for th in (doc["pyspy"] if outside else ans.get("stacks") or []):
             frames = tuple(Frame(str(f.get("file") or "?"), f.get("line"), str(f.get("func") or "?"),

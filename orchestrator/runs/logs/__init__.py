@@ -2,7 +2,7 @@
 
 How a line travels: node -> stream -> copy home -> follow -> screen -> fold.
 
-- On the node, the waiter (remote/node_agent.py RankLines) writes each rank's whole lines,
+- On the node, the waiter (remote/agent_lines.py RankLines) writes each rank's whole lines,
   tagged `[default<local_rank>]:`, into the node's log.
 - streams.py: one agent `tail` per node, driven by the transport's engine, reconnected when its
   connection drops and started again when it stalls; the node is lost after `lost_timeout`.

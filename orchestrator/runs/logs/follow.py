@@ -2,7 +2,7 @@
 
 The supervisor copies each node's torchrun output byte for byte into
 runs/RUN/nodes/NODE.log. Each worker's output is written there by the node's waiter
-(remote/node_agent.py RankLines) as whole lines prefixed `[default<local_rank>]:`
+(remote/agent_lines.py RankLines) as whole lines prefixed `[default<local_rank>]:`
 (torchrun's `--tee` format);
 the global rank is the node's first rank plus the local rank. Lines from torchrun
 itself keep the bare node label.
