@@ -124,6 +124,12 @@ def marked():
         p.wait()
 
 
+def agent_line(*args):
+    """A process whose command line is the node agent's as the node code starts it (`PYTHON -c BOOT
+    CODE node_agent ARGS`), sleeping in place of the boot."""
+    return [sys.executable, "-c", "import time; time.sleep(60)", str(probe.local_code()), "node_agent", *args]
+
+
 def drill_program(*args):
     r = subprocess.run(probe.local_argv("drill", *args), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
@@ -141,12 +147,8 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
     assert drill_program("signal", "r1.a2@n", str(int(signal.SIGSTOP)), "3") == {"pids": [rank3.pid]}
     assert state(rank3.pid) == "T" and state(other.pid) != "T"
     # the node agent's log stream of the attempt carries no marker: found by its verb and key
-    stream = subprocess.Popen([sys.executable, "-", "tail", "r1.a2@n", "0", "stream"], stdin=subprocess.PIPE)
-    stream.stdin.write(b"import time; time.sleep(60)\n")
-    stream.stdin.close()
-    other_stream = subprocess.Popen([sys.executable, "-", "tail", "r10@n", "0", "stream"], stdin=subprocess.PIPE)
-    other_stream.stdin.write(b"import time; time.sleep(60)\n")
-    other_stream.stdin.close()
+    stream = subprocess.Popen(agent_line("tail", "r1.a2@n", "0", "stream"))
+    other_stream = subprocess.Popen(agent_line("tail", "r10@n", "0", "stream"))
     try:
         frozen = drill_program("freeze", "r1.a2@n")["pids"]
         assert sorted(frozen) == sorted([rank3.pid, launcher.pid, busy.pid, stream.pid]) and state(launcher.pid) == "T"

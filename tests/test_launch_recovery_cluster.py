@@ -132,10 +132,11 @@ HOLD_LOCK = ("import fcntl, os, time; os.makedirs(os.path.expanduser('~/.cluster
 
 
 def agent_verb_on(cluster, node, verb):
-    """A node agent `VERB` running on the node (`python - VERB ...`), by its command line."""
+    """A node agent `VERB` running on the node (`python -c BOOT CODE node_agent VERB ...`), by its
+    command line."""
     from tests.conftest import scan
 
-    return [p for p, cmd in scan(cluster.processes(node)) if f" - {verb} " in f"{cmd} "]
+    return [p for p, cmd in scan(cluster.processes(node)) if f" node_agent {verb} " in f"{cmd} "]
 
 
 def copying_to(cluster, node):

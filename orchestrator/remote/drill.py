@@ -70,9 +70,16 @@ def stream_pids(key):
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if len(argv) > 3 and argv[1] == "-" and argv[2] == "tail" and argv[3] == key:
+        if is_stream(argv, key):
             out.append(int(name))
     return out
+
+
+def is_stream(argv, key):
+    """argv is the agent's `tail KEY ...` as the node code starts it: `PYTHON [FLAGS] -c BOOT CODE
+    node_agent tail KEY ...` (probe.py BOOT)."""
+    at = argv.index("-c") if "-c" in argv else -1
+    return at > 0 and argv[at + 3:at + 6] == ["node_agent", "tail", key]
 
 
 def send(pids, sig):
