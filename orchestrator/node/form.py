@@ -119,19 +119,34 @@ def install_command() -> str:
             f"else rm -rf \"$t\"; echo \"clusterctl: could not write its node code into $d\" >&2; exit 1; fi")
 
 
+def _why(r) -> str:
+    """Why a placing command failed: the transport's word, or its exit code, and the end of stderr."""
+    return f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
+
+
+def _ensure(run) -> str | None:
+    """The one placing rule, on one node: look (`test -f`), send the tar only when it is missing.
+    run(command, stdin) -> (ok, exit code, why not); -> None when the code is there, else why not."""
+    ok, code, why = run(check_command(), None)
+    if code == 1:
+        ok, code, why = run(install_command(), probe.node_code()[1])
+    return None if ok else why
+
+
 def place_on(conn, timeout: float = PLACE_TIMEOUT) -> str | None:
     """This version on the node of one open connection (looked for once per connection):
     None when it is there, else why not. Raises what `conn.exec` raises (ConnectionLost)."""
     if conn in _placed:
         return None
-    r = wait(conn.exec(check_command()), timeout)
-    if r.exit_code == 1:
-        r = wait(conn.exec(install_command(), stdin=probe.node_code()[1]), timeout)
-    if r.ok:
-        with _lock:
-            _placed.add(conn)
-        return None
-    return f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
+
+    def run(command, stdin):
+        r = wait(conn.exec(command, stdin=stdin), timeout)
+        return r.ok, r.exit_code, _why(r)
+
+    why = _ensure(run)
+    if why is None:
+        known(conn)
+    return why
 
 
 def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TIMEOUT) -> dict[str, str]:
@@ -150,10 +165,9 @@ def place(cluster, names: Iterable[str] | None = None, timeout: float = PLACE_TI
     for name, r in res.items():
         conn = cluster.connections.get(name)
         if r.ok and conn is not None:
-            with _lock:
-                _placed.add(conn)
+            known(conn)
         elif not r.ok:
-            errors[name] = f"{r.describe()} {r.stderr.strip()[-300:]}".strip()
+            errors[name] = _why(r)
     return errors
 
 
@@ -162,14 +176,16 @@ def place_here(env: Mapping[str, str] | None = None, timeout: float = PLACE_TIME
     own preflight probe): the same look and the same install, through /bin/sh, under `env` (its
     HOME) or this process's environment. None when it is there, else why not."""
     environ = dict(env) if env is not None else None
+
+    def run(command, stdin):
+        r = subprocess.run(["/bin/sh", "-c", command], input=stdin or b"", env=environ, capture_output=True,
+                           timeout=timeout)
+        return r.returncode == 0, r.returncode, r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}"
+
     try:
-        r = subprocess.run(["/bin/sh", "-c", check_command()], env=environ, capture_output=True, timeout=timeout)
-        if r.returncode == 1:
-            r = subprocess.run(["/bin/sh", "-c", install_command()], input=probe.node_code()[1], env=environ,
-                               capture_output=True, timeout=timeout)
+        return _ensure(run)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"could not place clusterctl's node code here: {e}"
-    return None if r.returncode == 0 else r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}"
 
 
 def known(conn) -> None:
