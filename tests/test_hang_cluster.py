@@ -186,11 +186,11 @@ def test_on_hang_restart_goes_on_without_the_culprits_node(cluster4, tmp_path, h
 def test_a_quiet_run_that_still_enters_collectives_is_left_alone(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path)
     r = cli("train", "-i", inv, "--skip-preflight", "--nproc-per-node", "1", "--hang-timeout", "3", "--nodes", "node1,node2", "--json",
-            "--", HANG, "--mode", "quiet", "--at", "2", "--quiet", "20", "--steps", "4")
+            "--", HANG, "--mode", "quiet", "--at", "2", "--quiet", "10", "--steps", "4")
     assert r.returncode == 0, r.stderr
     assert end_event(r)["hang"] is None
     d, rec = record(home)
-    # its collectives are its progress: 20 s without a line is never even looked at (a watch counting
+    # its collectives are its progress: 10 s without a line is never even looked at (a watch counting
     # log bytes took snapshots after 3 s of it)
     assert "taking a snapshot" not in (d / "supervisor.log").read_text()
     assert not (d / "hangs").exists()
