@@ -99,6 +99,14 @@ class Pair:
             self.recv_result = res[self.dst.name]
         finally:
             self._set(recv_exited=True)
+        if (self.recv_result is None or not self.recv_result.ok) and not self.send_exited:
+            self.stop_sender()
+
+    def stop_sender(self) -> None:
+        """A receiver that failed (its node lost mid-copy: the sender's TCP then stalls until its idle
+        timeout) ends the sender at once: the copy fails in seconds, not after IDLE_TIMEOUT."""
+        self.cluster.run(lambda n: door.stop(self.src, self.xfer, self.dst_dir).command, nodes=[self.src.name],
+                         timeout=30)
 
     def run(self) -> PairResult:
         form.place(self.cluster, [self.src.name, self.dst.name])
