@@ -13,6 +13,10 @@ node (the whole machine's busy CPU minus the control process's: sshd, the probe,
 runs). Every "node" here shares this machine's cores, so node-side CPU adds to the wall time;
 on real nodes each one spends it on its own cores, in parallel. No assertions on seconds.
 Target (issue 3): pre <= 0.5 x pdsh and <= 1.5 x bare at 64 nodes.
+
+--without CHECK[,CHECK]: a fourth row in the same alternation, the preflight without those checks
+(what they cost here: gpu_health runs the test cluster's fake nvidia-smi twice more and its fake
+dmesg, each a Python start on the node, where a real node runs the C tools).
 """
 
 import argparse
@@ -29,7 +33,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.inventory import parse_inventory  # noqa: E402
-from orchestrator.checks.preflight import run_preflight  # noqa: E402
+from orchestrator.checks.preflight import CHECKS, run_preflight  # noqa: E402
 from orchestrator.transport import Cluster  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
@@ -65,12 +69,12 @@ def pdsh_wrapper(cluster, d: Path) -> Path:
     return w
 
 
-def bench(n, repeat):
+def bench(n, repeat, without=()):
     with TestCluster(n=n, gpus=8, name_prefix="ccbp") as cluster, tempfile.TemporaryDirectory() as td:
         for nd in cluster.nodes:
             nd.run("mkdir -p ~/gpt_train && echo 'print(1)' > ~/gpt_train/train.py")
         inv = parse_inventory(yaml.safe_dump(cluster.inventory(checks={"disk_min_gb": 0.1})), "<bench>")
-        wrapper = pdsh_wrapper(cluster, Path(td))
+        pdsh_wrapper(cluster, Path(td))  # the `ssh` first on pdsh's PATH
         hosts = ",".join(nd.host for nd in cluster.nodes)
         env = dict(os.environ, PDSH_SSH_ARGS="", PDSH_RCMD_TYPE="ssh", PATH=f"{td}:{os.environ['PATH']}")
 
@@ -85,9 +89,9 @@ def bench(n, repeat):
                 res = c.run("hostname")
                 assert res.all_ok and c.handshakes == n
 
-        def pre():
+        def pre(checks=None):
             with Cluster(inv) as c:
-                rep = run_preflight(c, inv)
+                rep = run_preflight(c, inv, checks)
                 assert c.handshakes == n
             # the test cluster's nodes have fake NVIDIA GPUs and this machine's CPU torch: python_env
             # rightly fails on that, and only that is expected
@@ -95,9 +99,12 @@ def bench(n, repeat):
                    if r.status == "fail" and not (r.check == "python_env" and "CPU-only build" in r.detail)]
             assert not bad, bad[:5]
 
+        rows = [("pdsh", pdsh, cpu_children), ("bare", bare, cpu_self), ("pre", pre, cpu_self)]
+        if without:
+            rows.append(("less", lambda: pre([c for c in CHECKS if c not in without]), cpu_self))
         best = {}
         for _ in range(repeat):
-            for name, fn, cpu in (("pdsh", pdsh, cpu_children), ("bare", bare, cpu_self), ("pre", pre, cpu_self)):
+            for name, fn, cpu in rows:
                 wall, c, m, _ = timed(fn, cpu)
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, c, m)
@@ -108,6 +115,11 @@ def bench(n, repeat):
               f"pdsh(ssh children) {pc / n * 1000:5.1f} ms  "
               f"node-side CPU/node (machine minus control): preflight {(fm - fc) / n * 1000:5.1f} ms, "
               f"bare {(bm - bc) / n * 1000:5.1f} ms, pdsh {(pm - pc) / n * 1000:5.1f} ms", flush=True)
+        if without:
+            lw, lc, lm = best["less"]
+            print(f"{n:4d} nodes  preflight without {','.join(without)} {lw:6.2f}s  ÷pdsh {lw / pw:4.2f}  "
+                  f"control CPU/node {lc / n * 1000:5.1f} ms  node-side CPU/node {(lm - lc) / n * 1000:5.1f} ms",
+                  flush=True)
         return best
 
 
@@ -115,10 +127,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sizes", type=int, nargs="*", default=[8, 64, 256])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--without", default="", help="a comma list of checks: also time the preflight without them")
     args = ap.parse_args(argv)
+    without = tuple(c for c in args.without.split(",") if c)
+    unknown = [c for c in without if c not in CHECKS]
+    if unknown:
+        ap.error(f"unknown check(s) {', '.join(unknown)}; the checks: {', '.join(CHECKS)}")
     print(f"control: {os.cpu_count()} CPUs; best of {args.repeat}; fan-out 64 everywhere")
     for n in args.sizes:
-        bench(n, args.repeat)
+        bench(n, args.repeat, without)
 
 
 if __name__ == "__main__":
