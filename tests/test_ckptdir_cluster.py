@@ -78,7 +78,7 @@ def test_nanogpt_s_ckpt_pt_resumes_on_a_spare_and_a_save_cut_mid_write_is_never_
     run_dir, before_cut, out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[0], mid_save, "node1 in its slow save after a first checkpoint home",
         flags=("--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT, "--max_iters=70",
-               "--iter_s=0.5", "--slow_save_at=60", "--slow_save_s=120"))
+               "--iter_s=0.5", "--slow_save_at=60", "--slow_save_s=120", "--resumed_iter_s=0.05"))
     assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])
@@ -143,7 +143,7 @@ def test_a_trainer_checkpoint_written_by_every_node_is_gathered_and_restored_who
     sync_code(inv, tmp_path, names[:2])
     run_dir, (snap, step), out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[1], gathered, "a checkpoint with node2's rng state copied home",
-        flags=("--", HF, "--max_steps", "150", "--save_steps", "30", "--step_s", "0.3"))
+        flags=("--", HF, "--max_steps", "150", "--save_steps", "30", "--step_s", "0.3", "--resumed_step_s", "0.05"))
     assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:2], [names[0], names[2]]], attempts
@@ -197,7 +197,8 @@ def test_nanogpt_saving_every_second_is_carried_while_it_trains_and_a_cut_costs_
     run_dir, before_cut, out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[0], two_home_then_a_random_moment, "two snapshots home while it trains",
         flags=("--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT, "--max_iters=300",
-               "--eval_interval=10", "--iter_s=0.1", "--always_save_checkpoint=True", "--n_embd=256"))
+               "--eval_interval=10", "--iter_s=0.1", "--always_save_checkpoint=True", "--n_embd=256",
+               "--resumed_iter_s=0.03"))
     assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:2], [names[2], names[1]]], (attempts, err[-3000:])

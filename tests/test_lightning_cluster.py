@@ -62,7 +62,7 @@ def test_a_stock_lightning_trainer_survives_a_lost_worker_and_the_next_train_nee
     run_dir, _, out, err, code, rec = cut_mid_run(
         inv, home, cluster.nodes[1], saved, "Lightning's last.ckpt copied home",
         flags=("--checkpoint-dir", "out/ckpt", "--resume-args", "--ckpt_path out/ckpt/last.ckpt", "--",
-               LIGHTNING, "--max_steps", "200", "--every_n_steps", "20", "--step_s", "0.3"))
+               LIGHTNING, "--max_steps", "200", "--every_n_steps", "20", "--step_s", "0.3", "--resumed_step_s", "0.05"))
     assert code == 0, err[-4000:]
     attempts = rec["attempts"]
     assert [a["nodes"] for a in attempts] == [names[:3], [names[0], names[3], names[2]]], (attempts, err[-3000:])

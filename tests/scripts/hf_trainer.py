@@ -3,7 +3,9 @@ with transformers.Trainer (DDP over gloo on CPU), checkpoint-N/ directories in -
 --save_steps (rank 0 writes the model, optimizer, scheduler and trainer state; every rank writes its
 own rng_state_R.pth on its own node; rank 0 alone rotates old ones), and `--resume` to go on with
 trainer.train(resume_from_checkpoint=True), which loads the newest checkpoint-N/ on every rank.
-Nothing is downloaded: the model is built from a config and trained on generated tokens."""
+Nothing is downloaded: the model is built from a config and trained on generated tokens.
+--step_s: seconds each step sleeps; --resumed_step_s: instead, with --resume (a test's relaunch runs
+to its end quickly)."""
 
 import argparse
 import os
@@ -17,8 +19,11 @@ p.add_argument("--output_dir", default="out")
 p.add_argument("--max_steps", type=int, default=120)
 p.add_argument("--save_steps", type=int, default=30)
 p.add_argument("--step_s", type=float, default=0.2)
+p.add_argument("--resumed_step_s", type=float, default=None)
 p.add_argument("--resume", action="store_true")
 args = p.parse_args()
+if args.resume and args.resumed_step_s is not None:
+    args.step_s = args.resumed_step_s
 rank = int(os.environ.get("RANK", "0"))
 
 

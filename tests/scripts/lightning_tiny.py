@@ -4,7 +4,8 @@
 the way Lightning's docs show. DDP over gloo on CPU; the node and process counts come from
 torchrun's environment as Lightning reads them. No CLUSTERCTL_ variable is read.
 
---step_s: seconds each step sleeps (so a test can cut a node mid-run).
+--step_s: seconds each step sleeps (so a test can cut a node mid-run); --resumed_step_s: instead,
+once resumed (--ckpt_path given), so a test's relaunch runs to its end quickly.
 --hang_at=N --hang_rank=R --hang_once=FILE: at global step N rank R stops answering (the other
 ranks wait in DDP's all-reduce) unless FILE exists; FILE is created first, so a relaunch in the
 same directory does not hang again.
@@ -23,12 +24,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--max_steps", type=int, default=60)
 p.add_argument("--every_n_steps", type=int, default=10)
 p.add_argument("--step_s", type=float, default=0.2)
+p.add_argument("--resumed_step_s", type=float, default=None)
 p.add_argument("--dirpath", default="out/ckpt")
 p.add_argument("--ckpt_path", default=None)
 p.add_argument("--hang_at", type=int, default=-1)
 p.add_argument("--hang_rank", type=int, default=1)
 p.add_argument("--hang_once", default="")
 args = p.parse_args()
+if args.ckpt_path and args.resumed_step_s is not None:
+    args.step_s = args.resumed_step_s
 
 
 class Tiny(L.LightningModule):

@@ -5,6 +5,9 @@ goes on from its iter_num. Arguments as nanoGPT's configurator takes them (--key
 CLUSTERCTL_ variable is read. --n_embd sets the model's width (the checkpoint is ~12 * n_embd^2
 bytes: weights and AdamW's two moments); --eval_interval=10 --iter_s=0.1 rewrites it every ~1 s.
 
+--resumed_iter_s=S: each iteration sleeps S instead of iter_s with --init_from=resume (a test's
+relaunch runs to its end quickly; -1: iter_s).
+
 --slow_save_at=N: the save at iteration N writes half of ckpt.pt, waits --slow_save_s with the file
 open, then writes the rest (a checkpoint caught mid-write when its node dies)."""
 
@@ -16,11 +19,15 @@ import torch
 import torch.distributed as dist
 
 config = {"out_dir": "out", "max_iters": 120, "eval_interval": 30, "init_from": "scratch", "iter_s": 0.25,
-          "always_save_checkpoint": True, "n_embd": 16, "slow_save_at": -1, "slow_save_s": 60.0}
+          "always_save_checkpoint": True, "n_embd": 16, "slow_save_at": -1, "slow_save_s": 60.0,
+          "resumed_iter_s": -1.0}
 for arg in sys.argv[1:]:
     key, _, val = arg[2:].partition("=")
     assert key in config, f"unknown config key {key}"
     config[key] = val == "True" if isinstance(config[key], bool) else type(config[key])(val)
+
+if config["init_from"] == "resume" and config["resumed_iter_s"] >= 0:
+    config["iter_s"] = config["resumed_iter_s"]
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
