@@ -34,6 +34,12 @@ QUOTA = 0.15  # of one core
 PERIOD_US = 10000
 
 
+def trainer_args(steps, ckpt_every=0):
+    return ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "4", "--block-size", "64", "--log-every",
+            "10", "--ckpt-every", str(ckpt_every), "--eval-every", "0", "--eval-steps", "1", "--sample-tokens", "0",
+            "--output-dir", "out"]
+
+
 def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
     for n in cluster.nodes:
         n.run("mkdir -p ~/gpt_train")
@@ -42,10 +48,7 @@ def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
         nodes[-1]["spare"] = True
     return str(cluster.write_inventory(
         tmp_path / "nodes.yaml", nodes=nodes, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
-        train={"module": "trainer", "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "4",
-                                             "--block-size", "64", "--log-every", "10", "--ckpt-every", str(ckpt_every),
-                                             "--eval-every", "0", "--eval-steps", "1", "--sample-tokens", "0",
-                                             "--output-dir", "out"]}))
+        train={"module": "trainer", "args": trainer_args(steps, ckpt_every)}))
 
 
 def worker(cluster, node, rank, is_job=lambda argv: "trainer" in argv):
@@ -147,12 +150,19 @@ def test_a_script_that_reports_no_compute_is_judged_from_the_flight_recorder(clu
                     "the run's processes to go")
 
 
+RESUMED_SHORT = str(Path(REPO) / "tests" / "scripts" / "trainer_resumed_short.py")
+
+
 def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, tmp_path, home):
     inv = inventory(cluster4, tmp_path, 2500, spare=True, ckpt_every=50)
-    p, err = start(inv, "--straggler-window", "20", "--on-straggler", "replace", "--max-restarts", "1")
+    # attempt 1 has 2,500 steps to be named a straggler in (it was at step 300-700 when named);
+    # attempt 2 resumes and trains to step 1,200
+    p, err = start(inv, "--straggler-window", "20", "--on-straggler", "replace", "--max-restarts", "1",
+                   "--", RESUMED_SHORT, *trainer_args(2500, 50), "--resumed-max-steps", "1200")
     quota = Quota(QUOTA, PERIOD_US, pytest.skip)
     try:
-        w = wait_for(lambda: worker(cluster4, cluster4.nodes[1], 1), 120, "rank 1's worker on node2")
+        w = wait_for(lambda: worker(cluster4, cluster4.nodes[1], 1, lambda argv: RESUMED_SHORT in argv), 120,
+                     "rank 1's worker on node2")
         assert wait_for(lambda: reached(home, 60), 180, "step 60")
         quota.add(w.pid)
         assert p.wait(timeout=400) == 0, "".join(err)
@@ -166,6 +176,9 @@ def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, t
     assert a1["verdict"] == "straggler" and a1["bad_nodes"] == ["node2"] and a1["detail"].startswith("node2 rank 1 ")
     assert a2["nodes"] == ["node1", "node4", "node3"] and a2["verdict"] == "finished" and a2["checkpoint"], a2
     assert rec["left_out"] == ["node2"]
+    # attempt 2 resumed from the checkpoint
+    resumed = re.findall(r"resuming from \S+ \(step (\d+)\)", (d / "nodes" / "node1.log").read_text())
+    assert resumed and int(resumed[-1]) > 0, resumed
     assert any("--on-straggler replace: restarting from the newest checkpoint without node2" in ln for ln in err)
 
 
