@@ -35,8 +35,8 @@ class Section:
 
 def sections(text: str) -> list[Section]:
     """Split probe output into sections. `@@rc N` closes the section before it. A node's output is
-    split once for all the checks that read it (each check's parser asks again: with 8 GPUs'
-    `nvidia-smi -q`, ~75 KB, the splits were half the preflight's CPU here)."""
+    split once for all the checks that read it (each check's parser asks again: 18 splits of a node
+    with 8 GPUs' `nvidia-smi -q`, ~75 KB, took ~8 ms of control CPU)."""
     return list(_split(text))
 
 
