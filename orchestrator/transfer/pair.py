@@ -52,6 +52,7 @@ class Pair:
         self.sent: tuple[int, str] | None = None  # (bytes, sha256) the sender reported
         self.recv_exited = self.send_exited = False
         self.recv_result: NodeResult | None = None
+        self.stopped: set[str] = set()  # the ends whose relay processes were ended already
 
     def _set(self, **kw) -> None:
         with self.cond:
@@ -99,14 +100,10 @@ class Pair:
             self.recv_result = res[self.dst.name]
         finally:
             self._set(recv_exited=True)
+        # a receiver that failed (its node lost mid-copy: the sender's TCP then stalls until its idle
+        # timeout) ends the sender at once: the copy fails in seconds, not after IDLE_TIMEOUT
         if (self.recv_result is None or not self.recv_result.ok) and not self.send_exited:
-            self.stop_sender()
-
-    def stop_sender(self) -> None:
-        """A receiver that failed (its node lost mid-copy: the sender's TCP then stalls until its idle
-        timeout) ends the sender at once: the copy fails in seconds, not after IDLE_TIMEOUT."""
-        self.cluster.run(lambda n: door.stop(self.src, self.xfer, self.dst_dir).command, nodes=[self.src.name],
-                         timeout=30)
+            self.stop(self.src)
 
     def run(self) -> PairResult:
         form.place(self.cluster, [self.src.name, self.dst.name])
@@ -138,11 +135,15 @@ class Pair:
             return _why(sent, f"sending from {self.src.name}")
         return _why(r, f"receiving on {self.dst.name}")
 
-    def stop(self) -> None:
-        """End this copy's relay processes (found by its id) and remove its staging directory."""
-        ends = {self.src.name: self.src, self.dst.name: self.dst}
-        self.cluster.run(lambda n: door.stop(ends[n.name], self.xfer, self.dst_dir).command, nodes=list(ends),
-                         timeout=30)
+    def stop(self, *nodes: Node) -> None:
+        """End this copy's relay processes (found by its id) on `nodes` (both ends by default) and
+        remove its staging directory; an end already stopped is not asked again."""
+        with self.cond:
+            ends = {n.name: n for n in (nodes or (self.src, self.dst)) if n.name not in self.stopped}
+            self.stopped |= set(ends)
+        if ends:
+            self.cluster.run(lambda n: door.stop(ends[n.name], self.xfer, self.dst_dir).command, nodes=list(ends),
+                             timeout=30)
 
 
 class CodePair(Pair):
