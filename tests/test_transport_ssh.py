@@ -245,3 +245,63 @@ def test_a_larger_clusters_suspect_and_probe_times_are_the_ones_used(make_cluste
     assert "(no TCP handshake within 0.5s) while node1 does" in err, err
     silent = float(re.search(r"no answer for ([\d.]+)s", err).group(1))
     assert silent >= 5.0, err  # not a suspect before its suspect time (the default is 2 s)
+
+
+def _wakeups(tid: int) -> int:
+    """How many times thread `tid` of this process went to sleep and was woken (voluntary switches)."""
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches for thread {tid}")
+
+
+def test_an_idle_connection_s_reader_is_not_woken_ten_times_a_second_and_still_ends_on_close(make_cluster):
+    """paramiko's reader thread polls its socket every 0.1 s by default: at 64 nodes that is 640
+    wake-ups a second in the supervisor for nothing. An open connection's reader waits up to
+    IDLE_READ_S (a wake-up a second, plus one per ping's answer), still answers a command at once,
+    and its thread still ends when the connection is closed."""
+    import time
+
+    from orchestrator.transport import ssh
+
+    cluster = make_cluster(1)
+    with Cluster(inv_of(cluster), lost_timeout=60) as c:  # pings every PING_S (1 s): one answer a second
+        conn = c.connections["node1"]
+        t = conn.transport
+        assert t.sock.gettimeout() == ssh.IDLE_READ_S
+        before = _wakeups(t.native_id)
+        time.sleep(4.0)
+        woken = _wakeups(t.native_id) - before
+        # 0.1 s polls alone would be ~40 in 4 s; a second's poll and a ping's answer each second ~8
+        assert woken <= 20, f"the reader thread was woken {woken} times in 4 s"
+        assert c.run("hostname")["node1"].stdout == "node1\n"
+    t.join(ssh.IDLE_READ_S + 5)
+    assert not t.is_alive(), "the reader thread outlived its closed connection"
+
+
+def test_a_node_that_streams_bytes_is_not_pinged_and_is_still_found_lost_when_cut(make_cluster):
+    """Bytes read from a node's channel answer for it as a ping would: while it prints every 0.2 s
+    its connection sends no ping. Once its link is cut the bytes stop, the pings start again, and
+    the node is found lost on evidence as a silent one is."""
+    import threading
+    import time
+
+    cluster = make_cluster(2)
+    with Cluster(inv_of(cluster), lost_timeout=8) as c:
+        conn = c.connections["node2"]
+        t = conn.transport
+        pings, real = [], t.global_request
+        t.global_request = lambda *a, **kw: (pings.append(time.monotonic()), real(*a, **kw))[1]
+        started = time.monotonic()
+        cut = threading.Timer(4.0, cluster.nodes[1].link_down)
+        cut.start()
+        try:
+            r = c.run(lambda n: "while :; do echo tick; sleep 0.2; done" if n.rank == 1 else "sleep 6", timeout=45)
+        finally:
+            cut.join()
+            cluster.nodes[1].link_up()
+    streaming = [p for p in pings if started + 1.5 < p < started + 3.5]  # after the first ping, before the cut
+    assert streaming == [], f"{len(streaming)} pings while the node was printing"
+    assert r["node1"].ok
+    assert r["node2"].stdout.count("tick") >= 10
+    assert "does not answer" in r["node2"].error and "while node1 does" in r["node2"].error, r["node2"].error
