@@ -203,3 +203,36 @@ def test_a_bad_filter_is_a_usage_error_that_says_why(ended_run, capsys, args, sa
     assert main(["tail", ended_run.id, "--no-follow", *args]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_the_index_is_written_at_most_once_a_second_and_a_crash_still_writes_no_line_twice(tmp_path, monkeypatch):
+    """A burst of chunks writes its lines at once but the index once per SAVE_S; a splitter that
+    starts from that older index (the crash right after the burst) cuts the rank files back and
+    writes each line once."""
+    from orchestrator.runs.logs import rankfiles
+
+    run = make_run(tmp_path, monkeypatch)
+    copier = LogCopier(run, NODES, echo=lambda s: None)
+    now = [copier.ranks.saved + rankfiles.SAVE_S]  # a second after the index its start wrote
+    copier.ranks.clock = lambda: now[0]
+    saves = []
+    real_save = copier.ranks.save
+    copier.ranks.save = lambda: (saves.append(now[0]), real_save())
+    text = {name: node_text(i).encode() for i, name in enumerate(NODES)}
+    for name in NODES:  # the first halves: one index write for the burst
+        copier.write_log(name, text[name][:len(text[name]) // 2])
+    assert len(saves) == 1
+    assert rank_lines(run.dir, 0)[:1] == ["data: 1000 batches of 8"]  # the lines themselves are not held back
+    now[0] += rankfiles.SAVE_S
+    copier.write_log("n1", text["n1"][len(text["n1"]) // 2:])
+    assert len(saves) == 2
+    for name in NODES[1:]:  # the rest of the burst, not indexed: the crash comes now
+        copier.write_log(name, text[name][len(text[name]) // 2:])
+    assert len(saves) == 2
+    copier.close()
+    index = json.loads((run.dir / "ranks" / "index.json").read_text())
+    assert index["at"]["n2"] < len(text["n2"])  # behind what the rank files hold
+    again = LogCopier(run, NODES, echo=lambda s: None)  # the adopting supervisor's copier
+    again.close()
+    for r in range(64):
+        assert rank_lines(run.dir, r) == expected(r), r

@@ -48,6 +48,7 @@ from orchestrator.runs.store import Run
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
+LOOK_S = 0.5  # how often the tails are looked over for one to start again (_Copy.look)
 
 
 def reconnect(cluster: Cluster, node: Node, lost: NodeResult, tell: Callable[..., None],
@@ -108,6 +109,7 @@ class _Copy:
         self.restarting: set[str] = set()  # tails ended on purpose: started again at the copy's size
         self.again_at_end: dict[str, int] = {}  # tails started again after their end, to catch up
         self.short: set[str] = set()  # nodes whose copy ended short of their log (no room at their end)
+        self.looked = float("-inf")  # when `look` last went over the nodes (monotonic)
         # a stream that asks for progress sends a record every progress_s at least: silent far
         # longer while its node answers, the stream process is stuck (not the script)
         asked = copier.progress_s if copier is not None and copier.progress is not None else 0.0
@@ -136,8 +138,12 @@ class _Copy:
 
     def look(self) -> None:
         """Tails to start again: a node behind once there is room, a stream stuck while its node
-        answers and the attempt is not being stopped."""
+        answers and the attempt is not being stopped. At most every LOOK_S: the engine asks on
+        every turn of its loop (every chunk of every node's log), and a stall is tens of seconds."""
         now = time.monotonic()
+        if now - self.looked < LOOK_S:
+            return
+        self.looked = now
         stopping = self.stopping is not None and self.stopping.is_set()
         for name in [n for n in self.active if n in self.procs and n not in self.restarting]:
             conn = self.cluster.connections.get(name)
