@@ -553,3 +553,47 @@ def test_a_run_directory_too_long_for_a_socket_address_still_gets_tagged_lines(t
     d = start_rank(call, "long@n1", ["-c", "print('hello')"], local_rank="1")
     assert len(str(d / "lines.sock")) > 108
     assert (d / "log").read_bytes() == b"[default1]:hello\n"
+
+
+def test_a_run_s_processes_are_waited_for_by_pid_with_one_scan_to_confirm_they_are_gone():
+    """A run ending on a node is waited for by the stop and the waiter at once; each /proc scan
+    reads every process of the node (quadratic on the test cluster, whose nodes share one /proc).
+    wait_gone watches what one scan found by pid and start time, and scans again only once those
+    are gone: for what they started meanwhile, which it then waits for as well."""
+    from orchestrator.remote.agent_base import started_at, wait_gone
+
+    first = subprocess.Popen(["sleep", "30"])
+    later = []
+    scans = []
+
+    def find():  # the stand-in for a /proc scan: the run's live processes
+        scans.append(time.monotonic())
+        return [p.pid for p in [first, *later] if p.poll() is None]
+
+    def end_first_then_start_another():
+        time.sleep(0.3)
+        later.append(subprocess.Popen(["sleep", "30"]))  # started by the run before it ended
+        first.kill()
+        first.wait()
+        time.sleep(0.3)
+        later[0].kill()
+        later[0].wait()
+
+    import threading
+    t = threading.Thread(target=end_first_then_start_another)
+    t.start()
+    try:
+        assert wait_gone(find, time.time() + 20) is True
+    finally:
+        t.join()
+    # one scan to start, one once the first was gone (it finds the later one), one to confirm
+    assert len(scans) == 3, scans
+    assert started_at(first.pid) is None  # a pid that ended reads as gone
+
+    stuck = subprocess.Popen(["sleep", "30"])
+    try:
+        assert wait_gone(lambda: [stuck.pid], time.time() + 0.3) is False  # the deadline holds
+        assert started_at(stuck.pid) is not None
+    finally:
+        stuck.kill()
+        stuck.wait()

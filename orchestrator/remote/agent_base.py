@@ -32,6 +32,38 @@ def run_pids(run_id, match=None):
     return marked_pids(RUN_KEY, match or (lambda key: key == run_id))
 
 
+def started_at(pid):
+    """The start time of process `pid` (clock ticks since boot), or None when it is gone or a zombie:
+    with the pid, what tells a process from a later one given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def wait_gone(find, until, found=None):
+    """Wait until find() (a /proc scan for a run's processes) finds none, or the time `until`
+    passes; whether none is left. The processes one scan found (`found`: those of a scan just
+    made) are watched by pid and start time (a read of /proc/PID/stat each) until they are gone;
+    only then is the scan repeated, for any they started meanwhile: a scan reads every process
+    of the node, and while a run ends there the stop and the waiter each wait like this."""
+    step = 0.01
+    while True:
+        left = {pid: started_at(pid) for pid in (find() if found is None else found)}
+        found = None
+        left = {pid: at for pid, at in left.items() if at is not None}
+        if not left:
+            return True
+        while left and time.time() < until:
+            time.sleep(min(step, max(0.0, until - time.time())))
+            step = min(step * 2, 0.1)
+            left = {pid: at for pid, at in left.items() if started_at(pid) == at}
+        if left:
+            return False
+
+
 def pgid_of(pid):
     try:
         return os.getpgid(pid)

@@ -8,13 +8,15 @@ import signal
 import sys
 import time
 
-from .agent_base import pgid_of, read, rundir, run_pids, save_seconds, wait_until
+from .agent_base import pgid_of, read, rundir, run_pids, save_seconds, wait_gone, wait_until
 from .common import stop_grace, write_atomic
 
 TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
 # its monitor interval is 0.1 s, then its exit barrier (the other nodes, stopped at the same moment)
 # and ~1 s of CPU tearing its interpreter down. Signalled sooner, it records a failure (1, 143)
 # for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
+KILLED_S = 1.0  # SIGKILLed processes are gone within moments; after this, what is left (or was
+# started meanwhile) is SIGKILLed again
 
 
 def writing_checkpoint(pids):
@@ -52,8 +54,8 @@ def end_run(run_id, info, grace, peer_failed=False):
     def workers():
         return [p for p in targets() if p != torchrun]
 
-    def signal_all(sig):
-        pids = targets()
+    def signal_all(sig, pids=None):
+        pids = targets() if pids is None else pids
         # the group only while a process of this run is still in it: a pgid can be reused
         if info.get("pgid") and any(pgid_of(p) == info["pgid"] for p in pids):
             try:
@@ -65,27 +67,31 @@ def end_run(run_id, info, grace, peer_failed=False):
                 os.kill(pid, sig)
             except OSError:
                 pass
+        return pids
 
     deadline = time.time() + float(grace)
-    if peer_failed and not writing_checkpoint(targets()):
+    found = targets()  # one scan for the first steps (a scan reads every process of the node)
+    if peer_failed and not writing_checkpoint(found):
         deadline = time.time()
     # the workers first, with the whole grace: they stop (the trainer checkpoints) and torchrun,
     # seeing them done, exits on its own with their verdict; torchrun is signalled itself only
     # when it has no workers (yet), or once the grace is over
-    started = workers() if deadline > time.time() else []
+    started = [p for p in found if p != torchrun] if deadline > time.time() else []
     for pid in started:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
             pass
-    if started and wait_until(lambda: not workers(), deadline):
+    if started and wait_gone(workers, deadline):
         # workers done: torchrun exits on its own with their verdict, the code recorded
         wait_until(lambda: not targets() or workers(), time.time() + TORCHRUN_EXIT_S)
-    signal_all(signal.SIGTERM if deadline > time.time() else signal.SIGKILL)
-    if not wait_until(lambda: not targets(), deadline):
-        signal_all(signal.SIGKILL)
-        wait_until(lambda: not targets(), time.time() + 5)
-    return len(targets())
+    if deadline > time.time():
+        gone = wait_gone(targets, deadline, signal_all(signal.SIGTERM))
+    else:  # no grace left (or none given: a peer failed); with nothing waited for since the scan, what it found
+        gone = wait_gone(targets, time.time() + KILLED_S, signal_all(signal.SIGKILL, None if started else found))
+    if not gone:  # and anything started meanwhile
+        gone = wait_gone(targets, time.time() + 5, signal_all(signal.SIGKILL))
+    return 0 if gone else len(targets())
 
 
 def stop(run_id, grace, mode=""):

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from .agent_base import BASE, HOOK, read, rundir, run_pids, threading_start, wait_until
+from .agent_base import BASE, HOOK, read, rundir, run_pids, threading_start, wait_gone
 from .agent_lines import LINES_DRAIN_S, RankLines
 from .agent_stop import end_run
 from .common import PRIVATE_UMASK, RUN_KEY, own_dir, user_umask, write_atomic
@@ -196,12 +196,16 @@ def nproc_of(argv):
 
 def reap_until_gone(run_id, seconds):
     """Reap our children until no process of the run is left (or `seconds` pass)."""
-    def gone():
+    def reap():
         try:
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
         except ChildProcessError:
             pass
-        return not [p for p in run_pids(run_id) if p != os.getpid()]
 
-    wait_until(gone, time.time() + seconds)
+    def find():
+        reap()
+        return [p for p in run_pids(run_id) if p != os.getpid()]
+
+    wait_gone(find, time.time() + seconds)
+    reap()
