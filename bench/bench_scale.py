@@ -139,13 +139,71 @@ def cpu_s(p: psutil.Process) -> float:
     return t.user + t.system
 
 
-def steady(sup: psutil.Process, fg: psutil.Process, window: float) -> dict:
+def thread_cpu(pid: int) -> dict[int, float]:
+    """Each thread's CPU seconds (user+sys) from /proc/PID/task/TID/stat."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """tid -> the Python thread's name, with the node's name taken out (`ping-node7` -> `ping-*`),
+    from one `py-spy dump` (its threads are listed by their native id)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's (requirements-test)
+    out = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=120).stdout
+    names, tid, frames = {}, None, []
+    for line in out.splitlines() + ["Thread 0 (end): \"\""]:
+        m = re.match(r'Thread (\d+) \((?:idle|active|gil)[^)]*\): "(.*)"', line) or re.match(r'Thread (\d+) \(end\)', line)
+        if m:
+            if tid is not None and tid in names and names[tid].startswith("Thread-") and frames:
+                names[tid] = frames[-1]  # an unnamed thread: its outermost frame below the bootstrap
+            tid, frames = int(m.group(1)), []
+            if m.lastindex == 2:
+                names[tid] = re.sub(r"node\d+", "*", m.group(2)) or "?"
+            continue
+        fn = line.strip().split(" (")[0]
+        if fn and not fn.startswith("Thread.") and not fn.startswith("Thread._"):
+            frames.append(fn)
+    return names
+
+
+def steady(sup: psutil.Process, fg: psutil.Process, window: float, profile: Path | None = None) -> dict:
+    threads0 = thread_cpu(sup.pid) if profile is not None else {}
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
     c0, f0, t0 = cpu_s(sup), cpu_s(fg), time.monotonic()
+    spy = None
+    if profile is not None:  # where the GIL's holder is, sampled through the window: the Python work itself
+        spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        spy = subprocess.Popen([spy_bin, "record", "--pid", str(sup.pid), "--gil", "--nonblocking", "--rate", "100",
+                                "--duration", str(int(window)), "--format", "raw",
+                                "--output", str(profile.with_suffix(".gil.txt"))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(window)
     dt = time.monotonic() - t0
-    return {"sup CPU %": 100 * (cpu_s(sup) - c0) / dt, "train CPU %": 100 * (cpu_s(fg) - f0) / dt,
-            "sup RSS MiB": sup.memory_info().rss / 2**20, "sup threads": sup.num_threads(),
-            "sup fds": sup.num_fds()}
+    out = {"sup CPU %": 100 * (cpu_s(sup) - c0) / dt, "train CPU %": 100 * (cpu_s(fg) - f0) / dt,
+           "sup RSS MiB": sup.memory_info().rss / 2**20, "sup threads": sup.num_threads(),
+           "sup fds": sup.num_fds()}
+    if profile is not None:  # the window's CPU by thread kind (after it: py-spy's dump costs the machine, not the window)
+        threads1, names = thread_cpu(sup.pid), thread_names(sup.pid)
+        kinds: dict[str, list] = {}
+        for tid, c in threads1.items():
+            k = kinds.setdefault(names.get(tid, "?"), [0.0, 0])
+            k[0] += c - threads0.get(tid, 0.0)
+            k[1] += 1
+        try:
+            spy.wait(120)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+        with open(profile, "w") as f:
+            for name, (c, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+                f.write(f"{100 * c / dt:7.2f} %  {n:4d} threads  {name}\n")
+    return out
 
 
 SCAN = """
@@ -229,7 +287,8 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         sup = psutil.Process(json.loads((run_dir / "run.json").read_text())["supervisor_pid"])
         out["launch sup CPU s"] = cpu_s(sup)  # from its start: connect, claim, start, first lines
         time.sleep(args.settle)
-        out.update(steady(sup, psutil.Process(fg.proc.pid), args.window))
+        profile = (Path(args.profile) / f"sup-{cluster.n}-{time.strftime('%H%M%S')}.txt") if args.profile else None
+        out.update(steady(sup, psutil.Process(fg.proc.pid), args.window, profile))
         out.update(node_scan(cluster))
         out.update(status_paint(run_dir.name, fg.env))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
@@ -292,6 +351,9 @@ def one_size(n: int, args) -> dict:
         for _ in range(repeat):
             try:
                 trials.append(trial(cluster, inv, Path(td) / "home", args))
+                print(json.dumps({"nodes": n, "trial": len(trials), **{k: round(v, 4) if isinstance(v, float) else v
+                                                                        for k, v in trials[-1].items() if k != "verdict"}}),
+                      flush=True)
             except SystemExit as e:  # this size failed: say why, keep the others
                 print(f"bench: {n} nodes: {str(e)[:1500]}", flush=True)
                 trials.append({"failed": str(e).splitlines()[0][:200]})
@@ -331,6 +393,9 @@ def main(argv=None):
     ap.add_argument("--launch-timeout", type=float, default=600.0)
     ap.add_argument("--real", action="store_true",
                     help="the real torchrun (and a small script per rank) instead of the stand-in")
+    ap.add_argument("--profile", metavar="DIR", help="the supervisor's steady-window CPU by thread kind "
+                    "(/proc per thread, names from py-spy dump) written to DIR/sup-N-HHMMSS.txt, and "
+                    "py-spy's samples of the GIL's holder (raw) to DIR/sup-N-HHMMSS.gil.txt")
     ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
     args = ap.parse_args(argv)
