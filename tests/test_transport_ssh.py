@@ -19,6 +19,19 @@ def inv_of(cluster, **over):
     return parse_inventory(yaml.safe_dump(cluster.inventory(**over)), "test-inventory")
 
 
+def run_while_cut(c, node, after, commands, timeout=45):
+    """c.run(commands) while `node`'s link goes down `after` s in; the link is up again after."""
+    import threading
+
+    cut = threading.Timer(after, node.link_down)
+    cut.start()
+    try:
+        return c.run(commands, timeout=timeout)
+    finally:
+        cut.join()
+        node.link_up()
+
+
 def test_exec_prints_every_hostname_with_its_prefix(make_cluster, tmp_path, capsys):
     cluster = make_cluster(4)
     path = cluster.write_inventory(tmp_path / "nodes.yaml")
@@ -112,11 +125,7 @@ def test_connection_lost_mid_command_is_reported_not_hung(make_cluster):
     with Cluster(inv, lost_timeout=4) as c:
         # take the node's link down while a command runs: TCP alone would take minutes to
         # notice, the liveness probe notices within lost_timeout and the run ends
-        import threading
-        t = threading.Timer(1.0, cluster.nodes[1].link_down)
-        t.start()
-        r = c.run(lambda n: "sleep 60" if n.rank == 1 else "sleep 2", timeout=45)
-        t.join()
+        r = run_while_cut(c, cluster.nodes[1], 1.0, lambda n: "sleep 60" if n.rank == 1 else "sleep 2")
     assert r["node1"].ok
     assert r["node2"].exit_code is None
     # lost on evidence (transport/liveness.py): node1 answered, node2's port gave no handshake
@@ -214,33 +223,21 @@ def test_an_ssh_proc_offers_a_list_of_fds_and_types_a_lost_connection(make_clust
         assert isinstance(p.fds(), list) and len(p.fds()) == 1
         assert stream([p], timeout=30)["node1"].stdout == "node1\n"
         assert p.lost_reason() is None and conn.lost_reason is None
-        import threading
-        t = threading.Timer(1.0, cluster.nodes[0].link_down)  # while the command runs
-        t.start()
-        r = c.run("sleep 60", timeout=45)["node1"]
-        t.join()
+        r = run_while_cut(c, cluster.nodes[0], 1.0, "sleep 60")["node1"]  # cut while the command runs
         assert r.kind is ErrorKind.LOST and "connection lost" in r.error, r
         assert isinstance(r.exception(), ConnectionLost)
         with pytest.raises(ConnectionLost):
             conn.exec("true")
-    cluster.nodes[0].link_up()
 
 
 def test_a_larger_clusters_suspect_and_probe_times_are_the_ones_used(make_cluster):
     """A cluster given longer suspect and probe times (runs/scaling.py, past 64 nodes) makes a
     silent node a suspect only after its own suspect time, and probes it with its own timeout."""
     import re
-    import threading
     cluster = make_cluster(2)
     inv = inv_of(cluster)
     with Cluster(inv, lost_timeout=60, suspect_s=5.0, probe_s=0.5) as c:
-        t = threading.Timer(1.0, cluster.nodes[1].link_down)
-        t.start()
-        try:
-            r = c.run(lambda n: "sleep 60" if n.rank == 1 else "sleep 8", timeout=45)
-        finally:
-            t.join()
-            cluster.nodes[1].link_up()
+        r = run_while_cut(c, cluster.nodes[1], 1.0, lambda n: "sleep 60" if n.rank == 1 else "sleep 8")
     err = r["node2"].error or ""
     assert "(no TCP handshake within 0.5s) while node1 does" in err, err
     silent = float(re.search(r"no answer for ([\d.]+)s", err).group(1))
@@ -283,7 +280,6 @@ def test_a_node_that_streams_bytes_is_not_pinged_and_is_still_found_lost_when_cu
     """Bytes read from a node's channel answer for it as a ping would: while it prints every 0.2 s
     its connection sends no ping. Once its link is cut the bytes stop, the pings start again, and
     the node is found lost on evidence as a silent one is."""
-    import threading
     import time
 
     cluster = make_cluster(2)
@@ -293,13 +289,8 @@ def test_a_node_that_streams_bytes_is_not_pinged_and_is_still_found_lost_when_cu
         pings, real = [], t.global_request
         t.global_request = lambda *a, **kw: (pings.append(time.monotonic()), real(*a, **kw))[1]
         started = time.monotonic()
-        cut = threading.Timer(4.0, cluster.nodes[1].link_down)
-        cut.start()
-        try:
-            r = c.run(lambda n: "while :; do echo tick; sleep 0.2; done" if n.rank == 1 else "sleep 6", timeout=45)
-        finally:
-            cut.join()
-            cluster.nodes[1].link_up()
+        r = run_while_cut(c, cluster.nodes[1], 4.0,
+                          lambda n: "while :; do echo tick; sleep 0.2; done" if n.rank == 1 else "sleep 6")
     streaming = [p for p in pings if started + 1.5 < p < started + 3.5]  # after the first ping, before the cut
     assert streaming == [], f"{len(streaming)} pings while the node was printing"
     assert r["node1"].ok
