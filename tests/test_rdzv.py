@@ -3,6 +3,8 @@ runs/launch.py Launcher): `--rdzv-conf timeout=N` with the run's value, once, th
 PET_RDZV_CONF keys carried over, read back by torch's own parser; and the log stream's stall limit
 the run's spec carries to the log streams (runs/logs/streams.py)."""
 
+import tempfile
+
 import pytest
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import config_from_args, get_args_parser
@@ -44,7 +46,12 @@ def parse_as_torchrun(argv, monkeypatch, env=None):
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
-    config, _, _ = config_from_args(get_args_parser().parse_args(argv[3:]))
+    # torchrun makes its --log-dir as it reads the flags: {rundir}/ is put in as the node's waiter
+    # does (remote/agent_waiter.py), here a temporary run directory (left as is, it made a
+    # "{rundir}/torchrun" directory in the working directory, the repository's root)
+    with tempfile.TemporaryDirectory() as d:
+        args = [d + a[len("{rundir}"):] if a.startswith("{rundir}/") else a for a in argv[3:]]
+        config, _, _ = config_from_args(get_args_parser().parse_args(args))
     return config.rdzv_configs
 
 
