@@ -26,6 +26,7 @@ from orchestrator.transport.engine import (
     Engine,
     connection_for,
     first_line,
+    open_all,
     stream,
     wait,
 )
@@ -36,5 +37,5 @@ from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "BytesCallback",
            "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "Fault", "LineCallback", "LocalConnection",
-           "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "quiet_paramiko",
+           "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "open_all", "quiet_paramiko",
            "retry_wait", "stream", "wait"]

@@ -33,6 +33,7 @@ from orchestrator.transport.ssh import SSHConnection
 
 DEFAULT_FANOUT = 64  # the most nodes contacted at once, by anything (ClusterShell's default too)
 SWEEP_S = 0.2  # how often every running command is checked for deadlines, lost links and stop
+OPEN_AT_ONCE = 32  # channels opened at once when a command starts on many nodes (see `open_all`)
 
 
 def connection_for(node: Node, **kw) -> Connection:
@@ -240,6 +241,18 @@ def wait(proc: Proc, timeout: float) -> NodeResult:
     return stream([proc], timeout=timeout)[proc.node]
 
 
+def open_all(items: list, open_one: Callable[[object], Proc | None], at_once: int = OPEN_AT_ONCE) -> list[Proc]:
+    """open_one(item) for each item, up to `at_once` at the same time: the procs it returned (None:
+    it could not, and recorded why itself), in the order given. Starting a command on a node waits
+    for two round trips (the channel's open, then the exec's reply, which sshd sends once it
+    forked the session): one node after the other, 64 nodes waited 64 times over (3.5 s on the
+    64-node test cluster)."""
+    if len(items) <= 1 or at_once <= 1:
+        return [p for p in map(open_one, items) if p is not None]
+    with ThreadPoolExecutor(max_workers=min(at_once, len(items)), thread_name_prefix="open") as ex:
+        return [p for p in ex.map(open_one, items) if p is not None]
+
+
 # ------------------------------------------------------------------ the cluster
 
 
@@ -332,17 +345,29 @@ class Cluster:
                 results[n.name] = self.unreachable[n.name]
             elif n.name not in self.connections:
                 results[n.name] = NodeResult(n.name, None, error="not connected", kind=ErrorKind.CONNECT)
-        queue = iter([n for n in wanted if n.name in self.connections])
+        todo = [n for n in wanted if n.name in self.connections]
+        width = max(1, len(wanted)) if follow else fanout or self.fanout
+        ready: list[Proc] = []
+
+        def open_one(node: Node) -> Proc | None:
+            try:
+                return self.connections[node.name].exec(command(node) if callable(command) else command,
+                                                        stdin=stdin(node) if callable(stdin) else stdin)
+            except ConnectError as e:  # ConnectionLost: the node went away since connect()
+                results[node.name] = NodeResult(node.name, None, error=e.message, kind=ErrorKind.LOST)
+                return None
 
         def pending() -> Proc | None:
-            for node in queue:
-                try:
-                    return self.connections[node.name].exec(command(node) if callable(command) else command,
-                                                            stdin=stdin(node) if callable(stdin) else stdin)
-                except ConnectError as e:  # ConnectionLost: the node went away since connect()
-                    results[node.name] = NodeResult(node.name, None, error=e.message, kind=ErrorKind.LOST)
-            return None
+            # the first ask fills every slot, its nodes' channels opened at once; each later one
+            # takes the slot one node's end freed
+            while not ready and todo:
+                batch = todo[:1] if started else todo[:width]
+                del todo[:len(batch)]
+                started.append(True)
+                ready.extend(open_all(batch, open_one))
+            return ready.pop(0) if ready else None
 
+        started: list[bool] = []  # the first ask came
         results.update(stream((), on_line=on_line, on_bytes=on_bytes, timeout=timeout, capture=capture,
                               stop=stop, on_done=on_done, pending=pending,
                               fanout=max(1, len(wanted)) if follow else fanout or self.fanout))

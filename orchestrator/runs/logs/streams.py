@@ -45,7 +45,7 @@ from orchestrator.runs.scaling import STREAM_STALL_S  # the default below 64 nod
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
 from orchestrator.runs.store import Run
-from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, retry_wait, stream
+from orchestrator.transport import Cluster, ErrorKind, NodeResult, Proc, open_all, retry_wait, stream
 
 BACKOFF_S = (0.5, 1, 2, 4)  # waits between reconnect attempts; the last repeats
 LOOK_S = 0.5  # how often the tails are looked over for one to start again (_Copy.look)
@@ -116,6 +116,8 @@ class _Copy:
         self.stall_s = max(stall_s, 3 * asked) if asked > 0 else None
 
     def start_tail(self, name: str) -> Proc:
+        """The node's tail, started from the copy's size (raises what the connection's exec raises).
+        Several nodes' at once: each on its own thread (`copy`), each touching only its node's entries."""
         tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), self.copier.tail_stream(name))
         proc = tail.start(self.cluster.connections[name])
         self.copier.behind.discard(name)  # from the copy's size: whatever found no room comes again
@@ -210,6 +212,7 @@ class _Copy:
             self.ended(item)
 
     def copy(self) -> None:
+        reached = []
         for name in list(self.active):
             if name not in self.cluster.connections:  # an adopted run's node that did not answer its supervisor
                 err = self.cluster.unreachable.get(name)
@@ -217,11 +220,21 @@ class _Copy:
                        f"({err.error if err is not None and err.error else 'not connected'})")
                 self.tell(f"{name} lost: {why}")  # the loss a running node's silence ends in (reconnect)
                 self.ended(NodeResult(name, None, error=why, kind=ErrorKind.LOST))
-                continue
+            else:
+                reached.append(name)
+        dropped: dict[str, ClusterctlError] = {}
+
+        def one(name: str) -> Proc | None:
             try:
-                self.events.put(self.start_tail(name))
+                return self.start_tail(name)
             except ClusterctlError as e:
-                self.on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
+                dropped[name] = e
+                return None
+
+        for proc in open_all(reached, one):  # every node's tail at once (transport/engine.py open_all)
+            self.events.put(proc)
+        for name, e in dropped.items():
+            self.on_done(NodeResult(name, None, error=str(e), kind=ErrorKind.LOST))
         while self.active:
             # one more slot than nodes: the engine asks `pending` each turn, also with every tail running
             stream((), on_bytes=self.on_bytes, on_line=self.copier.on_line, on_done=self.on_done,
