@@ -117,6 +117,11 @@ def test_start_live_wait_listening_status_stop_and_tail_of_a_job(nodes, tmp_path
         port_now = agent.run(nodes, lambda n: agent.wait_listening(n, key, port, 20), ["n0"])["n0"]
         assert port_now is Port.LISTENING
         assert agent.run(nodes, agent.live) == {"n0": Live((RunKey(f"{key}@n0", RUN, 2, "n0"),)), "n1": Live()}
+        other = "run-20261124-111111-abcd"  # a launch's claim says the same in its one command
+        claimed = agent.run(nodes, lambda n: agent.claim(n, other, "bob@ctl", live=True))
+        assert {n: (c.ok, c.live) for n, c in claimed.items()} == \
+            {"n0": (True, Live((RunKey(f"{key}@n0", RUN, 2, "n0"),))), "n1": (True, Live())}
+        agent.run(nodes, lambda n: agent.release(n, other))
         st = agent.run(nodes, lambda n: agent.status(n, key), ["n0"])["n0"]
         assert st.exists and st.pid == started.pid and st.alive >= 1 and st.exit_code is None and st.error is None
         spec_on_node = json.load(open(os.path.join(node_dir(f"{key}@n0"), "spec.json")))
@@ -143,6 +148,7 @@ def test_every_argument_is_one_word_on_the_command_line():
     assert call.command.startswith('"$HOME"/')
     assert shlex.split(call.command)[1:] == [*BOOT, "claim", "n0", f"{RUN}@n0", "a b'c;$(x)"]
     assert call.stdin is None
+    assert shlex.split(agent.claim(node, RUN, "x@y", live=True).command)[-1] == "live"
     stop = agent.stop(node, f"{RUN}.a3", 5.0, peer_failed=True)
     assert shlex.split(stop.command)[1:] == [*BOOT, "stop", f"{RUN}.a3@n0", "5.0", "peer-failed"]
     assert stop.timeout == 35.0
@@ -242,6 +248,10 @@ def test_claim_replies():
     assert agent.read_claimed(ok('{"ok": true, ' + CLAIM[1:] + "\n")) == Claimed(True, mine)
     assert agent.read_claimed(ok('{"ok": false, ' + CLAIM[1:] + "\n")) == Claimed(False, mine)
     assert agent.read_claimed(NodeResult("n0", 2, stderr="bad node name\n")).error == "exit code 2 bad node name"
+    asked = '{"ok": true, "live": ["%s@n0", "%s@n1"], ' % (RUN, RUN) + CLAIM[1:] + "\n"
+    assert agent.read_claimed(ok(asked), "n0") == Claimed(True, mine, live=Live((RunKey(f"{RUN}@n0", RUN, 1, "n0"),)))
+    assert agent.read_claimed(ok(asked)).live is None  # not asked with live
+    assert agent.read_claimed(ok('{"ok": true, "live": 3}\n'), "n0").error.startswith("unreadable")
     held = agent.read_claims(ok('{"n0": %s, "n1": %s}\n' % (CLAIM[:-1] + ', "stale": true}', CLAIM)))
     assert held == Claims({"n0": Claim(RUN, f"{RUN}@n0", "ann@ctl", 1764000000.0, True), "n1": mine})
     assert agent.read_claims(ok('{"n0": "x"}\n')).error.startswith("unreadable")

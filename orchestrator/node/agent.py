@@ -180,21 +180,31 @@ class Claim:
 
 @dataclass(frozen=True)
 class Claimed:
-    """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim."""
+    """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim; asked
+    with `live`, also the runs alive on the node then (None when not asked)."""
 
     ok: bool
     claim: Claim = Claim()
     error: str | None = None
+    live: Live | None = None
 
 
-def read_claimed(r: NodeResult) -> Claimed:
-    return _reply(r, dict, lambda d: Claimed(d.get("ok") is True, Claim.from_doc(d)),
-                  lambda why: Claimed(False, error=why))
+def read_claimed(r: NodeResult, node: str | None = None) -> Claimed:
+    """`node`: the claim was asked with `live` (the node's keys are kept: two local nodes share a machine)."""
+    def build(d: dict) -> Claimed:
+        live = None if node is None else _live_of(node, d.get("live"))
+        return Claimed(d.get("ok") is True, Claim.from_doc(d), live=live)
+
+    return _reply(r, dict, build, lambda why: Claimed(False, error=why))
 
 
-def claim(node: Node, run_id: str, who: str) -> Call[Claimed]:
-    """`claim NODE RUN_ID@NODE WHO`: take the node for the run (atomic on the node)."""
-    return _call(node, "claim", node.name, node_key(run_id, node), who, read=read_claimed)
+def claim(node: Node, run_id: str, who: str, live: bool = False) -> Call[Claimed]:
+    """`claim NODE RUN_ID@NODE WHO [live]`: take the node for the run (atomic on the node); with
+    `live`, the answer also says which runs are alive on the node (what `live` answers)."""
+    if not live:
+        return _call(node, "claim", node.name, node_key(run_id, node), who, read=read_claimed)
+    return _call(node, "claim", node.name, node_key(run_id, node), who, "live",
+                 read=lambda r: read_claimed(r, node.name))
 
 
 @dataclass(frozen=True)
@@ -242,13 +252,17 @@ class Live:
     error: str | None = None
 
 
-def read_live(node: str, r: NodeResult) -> Live:
-    """The node's keys only: two `connection: local` nodes share one machine."""
-    def build(keys: list) -> Live:
-        mine = [k for k in keys if isinstance(k, str) and k.endswith("@" + node)]
-        return Live(tuple(RunKey.parse(k) or RunKey(k, k.rpartition("@")[0], 1, node) for k in mine))
+def _live_of(node: str, keys: object) -> Live:
+    """The node's keys only: two `connection: local` nodes share one machine. BadReply when
+    `keys` is not a list."""
+    if not isinstance(keys, list):
+        raise BadReply(f"not a list of run keys: {str(keys)[-200:]!r}")
+    mine = [k for k in keys if isinstance(k, str) and k.endswith("@" + node)]
+    return Live(tuple(RunKey.parse(k) or RunKey(k, k.rpartition("@")[0], 1, node) for k in mine))
 
-    return _reply(r, list, build, lambda why: Live(error=why))
+
+def read_live(node: str, r: NodeResult) -> Live:
+    return _reply(r, list, lambda keys: _live_of(node, keys), lambda why: Live(error=why))
 
 
 def live(node: Node) -> Call[Live]:

@@ -83,22 +83,24 @@ def _locked_claim(path):
     return held()
 
 
-def claim(node, key, who):
+def claim(node, key, who, extra=None):
     """Take the node for run KEY, or renew the run's own claim (a new attempt begins here). Check
     and write happen under an exclusive lock on the node, so of two claims at once exactly one
-    wins; a stale claim is replaced."""
+    wins; a stale claim is replaced. `extra`: more of the answer's fields, asked for once the
+    claim is decided (node_agent.py `claim ... live`)."""
     path = node_name_ok(node)
     os.makedirs(CLAIMS, mode=0o700, exist_ok=True)
     with _locked_claim(path) as held:
         if held and held.get("key") != key and not claim_stale(held):
-            print(json.dumps({"ok": False, **held}))
-            return
-        if held.get("key") != key:
-            held = {"run": key.split("@")[0], "key": key, "who": who, "since": time.time()}
+            doc = {"ok": False, **held}
         else:
-            held["renewed"] = time.time()
-        write_atomic(path, json.dumps(held))
-        print(json.dumps({"ok": True, **held}))
+            if held.get("key") != key:
+                held = {"run": key.split("@")[0], "key": key, "who": who, "since": time.time()}
+            else:
+                held["renewed"] = time.time()
+            write_atomic(path, json.dumps(held))
+            doc = {"ok": True, **held}
+    print(json.dumps({**doc, **(extra() if extra is not None else {})}))
 
 
 def release(node, key):

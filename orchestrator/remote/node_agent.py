@@ -49,8 +49,10 @@ processes), never by name pattern.
                                progress`'s document) asked every PROGRESS_S s in this process,
                                for the straggler watch (absent or 0: none)
   live                         print the keys of runs still alive on this node
-  claim NODE KEY WHO           take the node for run KEY, or renew KEY's own claim: print {"ok": true,
-                               ...} or {"ok": false, the holder's record}; a stale claim is replaced
+  claim NODE KEY WHO [live]    take the node for run KEY, or renew KEY's own claim: print {"ok": true,
+                               ...} or {"ok": false, the holder's record}; a stale claim is replaced.
+                               With live, also "live": what `live` prints (a launch's check for
+                               runs that hold no claim, in the same command)
   release NODE KEY             drop the node's claim if run KEY holds it
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
@@ -73,7 +75,7 @@ import time
 # imported later, inside a verb, would be compiled again on every start; and a long-lived verb
 # (start's waiter) must hold all it needs before it runs, since its version may be pruned meanwhile
 from .agent_base import BASE, read, rundir, run_pids
-from .agent_claims import claim, claims, release
+from .agent_claims import claim as take, claims, release
 from .agent_snapshot import snapshot
 from .agent_stop import stop
 from .agent_tail import Plain, follow, status
@@ -99,13 +101,23 @@ def tail(run_id, offset, report="", *watch):
     follow(run_id, int(offset), sink)
 
 
-def live():
+def live_keys():
     out = []
     for run_id in sorted(os.listdir(BASE)) if os.path.isdir(BASE) else []:
         d = os.path.join(BASE, run_id)
         if read(os.path.join(d, "exit_code")) is None and run_pids(run_id):
             out.append(run_id)
-    print(json.dumps(out))
+    return out
+
+
+def live():
+    print(json.dumps(live_keys()))
+
+
+def claim(node, key, who, *more):
+    if more not in ((), ("live",)):
+        sys.exit(f"unknown claim option {' '.join(more)!r}: expected live")
+    take(node, key, who, (lambda: {"live": live_keys()}) if more else None)
 
 
 def reach(timeout, *targets):

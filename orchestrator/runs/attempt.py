@@ -70,6 +70,7 @@ class AttemptRunner:
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
         self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
+        self.live_found: Callable[[], dict[str, agent.Live]] = dict  # runs/claims.py's: set by the run loop
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
@@ -83,7 +84,7 @@ class AttemptRunner:
         if not self.spec.skip_preflight:
             gpus_found = self.preflight()
         self.book.attempt_changed(preflight_s=round(time.monotonic() - t0, 3))
-        check_free(self.cluster, self.inv, self.spec.force)
+        check_free(self.cluster, self.inv, self.spec.force, self.live_found())
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)

@@ -24,10 +24,9 @@ import socket
 import time
 from typing import Callable
 
-from orchestrator.errors import LaunchError
 from orchestrator.inventory import Inventory
 from orchestrator.node import agent
-from orchestrator.runs.launch import ClaimLost, claim_nodes
+from orchestrator.runs.launch import ClaimFailed, claim_nodes, claim_round, refusal
 from orchestrator.runs.record import Book
 from orchestrator.runs.runrecord import PendingStop
 from orchestrator.runs.stopping import Stopper
@@ -45,17 +44,22 @@ class Claims:
                  tell: Callable[[str], None]):
         self.run, self.book, self.cluster, self.inv, self.stopper, self.tell = run, book, cluster, inv, stopper, tell
         self.force = run.spec.force
+        # the runs alive on attempt 1's nodes as `take` claimed them (the launch's check_free
+        # reads it instead of asking again); empty once a later attempt renews its claims
+        self.live_found: dict[str, agent.Live] = {}
 
     def take(self, names: list[str]) -> None:
         """Attempt 1's nodes, all or none (launch.claim_nodes): NodeBusy names the run holding one;
-        ClaimLost a node that went away while it was claimed (its claim may land there all the
-        same: it is recorded as held, so the run's end drops it)."""
+        ClaimLost a node that went away while it was claimed (its claim, and that of any other
+        node lost meanwhile, may land there all the same: recorded as held, so the run's end drops it)."""
         if self.force:
             return
         try:
-            claim_nodes(self.cluster, self.inv.select(names), self.run.id, who(), self.tell)
-        except ClaimLost as e:
-            self.book.claimed([e.node])
+            got = claim_nodes(self.cluster, self.inv.select(names), self.run.id, who(), self.tell, live=True)
+            self.live_found = {n: c.live for n, c in got.items() if c.live is not None}
+        except ClaimFailed as e:
+            if e.maybe_held:
+                self.book.claimed(list(e.maybe_held))
             raise
         self.book.claimed(names)
 
@@ -69,19 +73,14 @@ class Claims:
     def renew(self, names: list[str]) -> dict[str, str]:
         """Claim each node for the attempt beginning now (its own claim renewed, a spare's taken):
         {node: why not} for those held by another run or not answering; the others are the run's."""
+        self.live_found = {}  # asked again after this attempt's preparation: the last one's may still be ending
         if self.force:
             return {}
-        why: dict[str, str] = {}
-        for name in names:
-            try:
-                claim_nodes(self.cluster, self.inv.select([name]), self.run.id, who(), self.tell)
-            except ClaimLost as e:  # may hold it all the same: recorded, so it is dropped later
-                why[name] = str(e)
-                self.book.claimed([name])
-            except LaunchError as e:  # NodeBusy, or no node agent there
-                why[name] = str(e)
-        self.book.claimed([n for n in names if n not in why])
-        return why
+        got = claim_round(self.cluster, names, self.run.id, who(), self.tell)  # at once: each node is its own
+        why = {n: refusal(self.cluster, self.inv, n, g) for n, g in got.items() if g.error is not None or not g.ok}
+        # taken, or lost while it was asked (it may hold the claim all the same: dropped at the end)
+        self.book.claimed([n for n in names if n not in why or why[n].maybe_held])
+        return {n: str(e) for n, e in why.items()}
 
     def last_key(self, node: str) -> str:
         """The key of the last attempt that ran on `node` (the run's id when none did)."""
