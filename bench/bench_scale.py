@@ -20,6 +20,11 @@ detached supervisor, the node agent, the log streams, the fail-fast teardown.
                test nodes share this machine's /proc and one user, so each scan reads every
                node's processes; a real node's reads its own alone
   status       `clusterctl status RUN` -> its first byte of output, and -> its exit
+  logs klines/s  every node's stand-in writes --burst-lines lines at once, shared out among its
+               ranks (SIGUSR1: distinct lines; SIGUSR2: the same lines from every rank), timed from
+               the signals to the last rank's closing line printed by the foreground `train`
+               (folding on, the default; --no-fold for the other column). The bench reads
+               the foreground's output on the same cores
   teardown     SIGKILL of the last rank (on the last node) -> no process carrying the run's
                CLUSTERCTL_RUN_KEY left on any node (/proc scanned every few ms: the nodes share
                this machine's pid namespace); foreground `train` exit beside it
@@ -69,19 +74,22 @@ while True:
     print(f"rank {rank} step {step}", flush=True)
 """
 UP = re.compile(rb"rank (\d+) up")
+BURST_DONE = re.compile(rb"rank (\d+) burst (distinct|same) done")
 
 
 class Foreground:
     """`clusterctl train` in the foreground; its output read as it comes, each rank's first line timed."""
 
-    def __init__(self, inv: Path, home: Path, world: int):
+    def __init__(self, inv: Path, home: Path, world: int, fold: bool = True):
         self.env = dict(os.environ, CLUSTERCTL_HOME=str(home), PYTHONPATH=str(REPO))
         self.world, self.seen, self.tail = world, {}, []
         self.all_up = threading.Event()
+        self.burst_done = {k: {} for k in ("distinct", "same")}  # kind -> rank -> when its `done` line was printed
+        self.bursts_over = {k: threading.Event() for k in self.burst_done}
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv),
-                                      "--skip-preflight"], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                      "--skip-preflight", *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -89,10 +97,18 @@ class Foreground:
         for line in self.proc.stdout:
             now = time.monotonic()
             self.tail = (self.tail + [line])[-40:]
-            for m in UP.finditer(line):
-                self.seen.setdefault(int(m.group(1)), now)
-            if len(self.seen) >= self.world:
-                self.all_up.set()
+            if b" burst " in line:  # the bench's reading costs the shared cores too: one look per line
+                for m in BURST_DONE.finditer(line):
+                    got = self.burst_done[m.group(2).decode()]
+                    got.setdefault(int(m.group(1)), now)
+                    if len(got) >= self.world:
+                        self.bursts_over[m.group(2).decode()].set()
+                continue
+            if b" up" in line:
+                for m in UP.finditer(line):
+                    self.seen.setdefault(int(m.group(1)), now)
+                if len(self.seen) >= self.world:
+                    self.all_up.set()
 
     def wait_all_up(self, timeout: float) -> float | None:
         """Seconds from the command to the last rank's first line printed; None when not every rank's
@@ -237,6 +253,23 @@ def status_paint(run_id: str, env: dict) -> dict:
     return {"status first s": first, "status done s": time.monotonic() - t0}
 
 
+def log_bursts(fg: Foreground, run_id: str, per_rank: int) -> dict:
+    """Every node's stand-in signalled to write `per_rank` lines from each of its ranks at once
+    (SIGUSR1: distinct lines; SIGUSR2: the same lines from every rank, which folding prints once):
+    lines/s from the signals to the last rank's `done` line printed by the foreground train."""
+    standins = [pid for pid in run_pids(run_id) if "torchrun_standin" in " ".join(psutil.Process(pid).cmdline())]
+    out = {}
+    for kind, sig in (("distinct", signal.SIGUSR1), ("same", signal.SIGUSR2)):
+        t0 = time.monotonic()
+        for pid in standins:
+            os.kill(pid, sig)
+        if not fg.bursts_over[kind].wait(300):
+            out[f"logs {kind} klines/s"] = None  # the foreground fell behind by minutes: no figure
+            continue
+        out[f"logs {kind} klines/s"] = per_rank * fg.world / (max(fg.burst_done[kind].values()) - t0) / 1000
+    return out
+
+
 def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id):
         try:
@@ -274,7 +307,7 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
     world = cluster.n * RANKS_PER_NODE
     for old in (home / "runs").glob("*") if (home / "runs").exists() else ():
         shutil.rmtree(old)  # the previous trial's run: the watchers read only this one's
-    fg = Foreground(inv, home, world)
+    fg = Foreground(inv, home, world, fold=not args.no_fold)
     copy = ControlCopy(home, fg.t0, world)
     sup = None
     try:
@@ -291,6 +324,8 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out.update(steady(sup, psutil.Process(fg.proc.pid), args.window, profile))
         out.update(node_scan(cluster))
         out.update(status_paint(run_dir.name, fg.env))
+        if args.burst_lines and not args.real:
+            out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n)))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
     finally:
         copy.done.set()
@@ -329,6 +364,10 @@ def median(trials: list[dict]) -> dict:
     return out
 
 
+def burst_per_rank(args, n: int) -> int:
+    return max(1, args.burst_lines // (n * RANKS_PER_NODE))
+
+
 def one_size(n: int, args) -> dict:
     t_up = time.monotonic()
     with TestCluster(n=n, gpus=RANKS_PER_NODE, name_prefix="ccsc") as cluster, \
@@ -337,7 +376,8 @@ def one_size(n: int, args) -> dict:
         for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
             (nd.home / "gpt_train").mkdir()
             os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
-        env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1"}
+        env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1",
+               "CLUSTERCTL_STANDIN_BURST": str(burst_per_rank(args, n))}
         if args.real:  # the real chain: torchrun and a script per rank that prints what the stand-in does
             script = cluster.base_dir / "ranks.py"
             script.write_text(REAL_SCRIPT)
@@ -396,12 +436,15 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="DIR", help="the supervisor's steady-window CPU by thread kind "
                     "(/proc per thread, names from py-spy dump) written to DIR/sup-N-HHMMSS.txt, and "
                     "py-spy's samples of the GIL's holder (raw) to DIR/sup-N-HHMMSS.gil.txt")
+    ap.add_argument("--burst-lines", type=int, default=200_000,
+                    help="lines of each log burst, shared out among the ranks (0: no bursts)")
+    ap.add_argument("--no-fold", action="store_true", help="the foreground train with --no-fold")
     ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
     args = ap.parse_args(argv)
     what = "real torchrun" if args.real else "torchrun stand-in"
     print(f"bench_scale: N nodes x {RANKS_PER_NODE} ranks ({what}), tick {args.tick}s, window "
-          f"{args.window}s. The nodes share this machine's {psutil.cpu_count()} cores with the control "
+          f"{args.window}s, folding {'off' if args.no_fold else 'on'}, log bursts of {args.burst_lines} lines. The nodes share this machine's {psutil.cpu_count()} cores with the control "
           "process: node-side CPU lengthens every wall-clock figure.", flush=True)
     results = {}
     for n in args.sizes:

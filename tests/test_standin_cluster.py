@@ -38,7 +38,8 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     for nd in cluster.nodes:
         nd.run("mkdir -p ~/gpt_train")
     python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "0.5"})
+    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python),
+                                  env={"CLUSTERCTL_STANDIN_TICK": "0.5", "CLUSTERCTL_STANDIN_BURST": "40"})
     env = dict(os.environ, CLUSTERCTL_HOME=str(home))
     fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -74,6 +75,20 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
         assert scaled["values"]["fanout"] == 64 and scaled["values"]["lost_timeout"] == 30.0
         assert scaled["values"]["snapshot_wait"] == 10.0 and scaled["values"]["collective_timeout"] == 7200
         assert set(scaled["source"].values()) == {"derived"}
+        # bench_scale's log bursts: SIGUSR1 to a stand-in, 40 distinct lines from each of its ranks;
+        # SIGUSR2, 40 lines the same from every rank (the foreground folds each into one)
+        standins = [pid for pid, e in run_envs(cluster, run_id).items() if "RANK" not in e
+                    and any("torchrun_standin" in a for a in psutil.Process(pid).cmdline())]
+        assert len(standins) == 2
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            for pid in standins:
+                os.kill(pid, sig)
+            kind = "distinct" if sig == signal.SIGUSR1 else "same"
+            wait_for(lambda: all(f"rank {r} burst {kind} done" in copied() for r in range(world)), 60,
+                     f"every rank's {kind} burst in the control copy")
+        text = copied()
+        assert all(f"[default{r % NPROC}]:rank {r} line {i}\n" in text for r in range(world) for i in (0, 39))
+        assert all(text.count(f"[default{lo}]:line {i} of every rank\n") == 2 for lo in range(NPROC) for i in (0, 39))
         os.kill(ranks[world - 1][0], signal.SIGKILL)
         out, _ = fg.communicate(timeout=120)
     finally:
@@ -82,6 +97,8 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     said = out.decode(errors="replace")
     assert fg.returncode == 1, said[-3000:]
     assert f"{cluster.nodes[1].name} (ranks {NPROC}-{world - 1}) failed first: exit code 1" in said, said[-3000:]
+    folded = [ln for ln in said.splitlines() if ln.endswith("| line 7 of every rank")]
+    assert len(folded) == 1 and f"/r[0-{world - 1}]" in folded[0], folded  # one line for every rank's
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
 
 

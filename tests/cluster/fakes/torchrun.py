@@ -16,6 +16,9 @@ it, and nothing else:
   agent's waiter gives a real rank's lines; then, every CLUSTERCTL_STANDIN_TICK seconds (default 1, 0: never), one
   distinct line per live rank, `[default<L>]:rank R step K`, written by the stand-in on the ranks'
   behalf (a rank is `sleep`, which cannot);
+- on SIGUSR1 (SIGUSR2), CLUSTERCTL_STANDIN_BURST lines (default 1000) from every live rank written
+  at once, distinct (`rank R line I`) or the same text from every rank (`line I of every rank`),
+  then each rank's `rank R burst distinct|same done`: bench_scale's log throughput;
 - exit codes and signals as torchrun's elastic agent: a rank that fails (non-zero, or killed) has
   the others sent SIGTERM (SIGKILL after 30 s) and the stand-in exits 1; SIGTERM/SIGINT/SIGHUP to
   the stand-in ends the ranks the same way and exits 1.
@@ -138,6 +141,26 @@ def end_ranks(live):
             pass
 
 
+def write_all(data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view):]
+
+
+def burst(kind, per, live):
+    """`per` lines from every live rank, interleaved line by line as ranks writing at once are,
+    then each rank's `done` line (see the module's docstring)."""
+    ranks = sorted(live.values(), key=lambda lr: lr[1])
+    buf = []
+    for i in range(per):
+        buf += [f"[default{lo}]:rank {r} line {i}\n" if kind == "distinct" else f"[default{lo}]:line {i} of every rank\n"
+                for lo, r in ranks]
+        if len(buf) >= 8192:
+            write_all("".join(buf).encode())
+            buf.clear()
+    write_all("".join(buf + [f"[default{lo}]:rank {r} burst {kind} done\n" for lo, r in ranks]).encode())
+
+
 def main(argv):
     a = parse(argv)
     tick = float(os.environ.get("CLUSTERCTL_STANDIN_TICK", "1"))
@@ -150,6 +173,9 @@ def main(argv):
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda signum, frame: stop.append(signum))
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    bursts, per = [], int(os.environ.get("CLUSTERCTL_STANDIN_BURST", "1000"))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: bursts.append("distinct"))
+    signal.signal(signal.SIGUSR2, lambda signum, frame: bursts.append("same"))
     live = start_ranks(a)
     step, next_tick = 0, time.monotonic() + tick
     while True:
@@ -165,6 +191,8 @@ def main(argv):
                 stop.append(0)
         if stop or not live:
             break
+        while bursts:
+            burst(bursts.pop(0), per, live)
         if tick > 0 and time.monotonic() >= next_tick:
             step += 1
             os.write(1, b"".join(f"[default{lo}]:rank {r} step {step}\n".encode() for lo, r in live.values()))
