@@ -149,6 +149,7 @@ def test_every_argument_is_one_word_on_the_command_line():
     assert shlex.split(call.command)[1:] == [*BOOT, "claim", "n0", f"{RUN}@n0", "a b'c;$(x)"]
     assert call.stdin is None
     assert shlex.split(agent.claim(node, RUN, "x@y", live=True).command)[-1] == "live"
+    assert shlex.split(agent.claim(node, RUN, "x@y", live=True, dirs=True).command)[-2:] == ["live", "dirs"]
     stop = agent.stop(node, f"{RUN}.a3", 5.0, peer_failed=True)
     assert shlex.split(stop.command)[1:] == [*BOOT, "stop", f"{RUN}.a3@n0", "5.0", "peer-failed"]
     assert stop.timeout == 35.0

@@ -2,13 +2,14 @@
 real node agent over `connection: local` nodes (one machine, each node its own claim file), HOME a
 temporary directory."""
 
+import os
 import sys
 import threading
 
 import pytest
 
 from orchestrator.inventory import parse_inventory
-from orchestrator.node import agent
+from orchestrator.node import agent, artifacts
 from orchestrator.errors import LaunchError
 from orchestrator.runs.launch import ClaimFailed, NodeBusy, check_free, claim_nodes, claim_round, refusal
 from orchestrator.transport import Cluster
@@ -54,9 +55,16 @@ def test_every_node_is_claimed_in_two_rounds_the_first_node_alone(six, monkeypat
     claim_nodes(six, six.inventory, A, "ann@ctl")
     assert rounds == [1, 5]  # not one round trip per node
     assert holders(six) == {f"n{i}": A for i in range(6)}
-    got = claim_nodes(six, six.inventory, A, "ann@ctl", live=True)  # the run's own claim is renewed
+    got = claim_nodes(six, six.inventory, A, "ann@ctl", live=True, dirs=True)  # the run's own claim is renewed
     assert holders(six) == {f"n{i}": A for i in range(6)}
     assert {n: (c.ok, c.live) for n, c in got.items()} == {f"n{i}": (True, agent.Live()) for i in range(6)}
+    # the run's artifact directories, made by the claim's own command (artifacts.py `prepare`'s answer)
+    home = os.environ["HOME"]
+    want = {k: f"{home}/.clusterctl/artifacts/{A}/{k}" for k in ("checkpoints", "tensorboard", "replicas")}
+    assert {n: dict(c.dirs.dirs) for n, c in got.items()} == {f"n{i}": want for i in range(6)}
+    assert all(os.path.isdir(d) and os.stat(d).st_mode & 0o777 == 0o700 for d in want.values())
+    prepared = agent.run(six, lambda n: artifacts.prepare(n, A), ["n0"])["n0"]
+    assert dict(prepared.dirs) == want  # the same as the program's own verb
 
 
 @pytest.mark.parametrize("held", ["n0", "n4"])
@@ -98,6 +106,9 @@ def test_a_later_attempt_renews_each_node_on_its_own_in_one_round(six, monkeypat
     assert rounds == [6]
     refused = {n: refusal(six, six.inventory, n, g) for n, g in got.items() if not g.ok}
     assert list(refused) == ["n2"] and isinstance(refused["n2"], NodeBusy)
+    again = claim_round(six, ["n1", "n2"], A, "ann@ctl", dirs=True)
+    assert again["n1"].dirs.dirs["checkpoints"].endswith(f"/artifacts/{A}/checkpoints")
+    assert again["n2"].dirs is None  # refused: nothing of the run is made there
     assert holders(six) == {f"n{i}": (B if i == 2 else A) for i in range(6)}  # each node is its own
 
 

@@ -181,30 +181,34 @@ class Claim:
 @dataclass(frozen=True)
 class Claimed:
     """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim; asked
-    with `live`, also the runs alive on the node then (None when not asked)."""
+    with `live`, also the runs alive on the node then, and with `dirs` (the claim taken) the run's
+    artifact directories there, made (None when not asked)."""
 
     ok: bool
     claim: Claim = Claim()
     error: str | None = None
     live: Live | None = None
+    dirs: artifacts.Dirs | None = None
 
 
 def read_claimed(r: NodeResult, node: str | None = None) -> Claimed:
     """`node`: the claim was asked with `live` (the node's keys are kept: two local nodes share a machine)."""
     def build(d: dict) -> Claimed:
         live = None if node is None else _live_of(node, d.get("live"))
-        return Claimed(d.get("ok") is True, Claim.from_doc(d), live=live)
+        dirs = artifacts.Dirs(dict(d["dirs"])) if isinstance(d.get("dirs"), dict) else None
+        return Claimed(d.get("ok") is True, Claim.from_doc(d), live=live, dirs=dirs)
 
     return _reply(r, dict, build, lambda why: Claimed(False, error=why))
 
 
-def claim(node: Node, run_id: str, who: str, live: bool = False) -> Call[Claimed]:
-    """`claim NODE RUN_ID@NODE WHO [live]`: take the node for the run (atomic on the node); with
-    `live`, the answer also says which runs are alive on the node (what `live` answers)."""
-    if not live:
-        return _call(node, "claim", node.name, node_key(run_id, node), who, read=read_claimed)
-    return _call(node, "claim", node.name, node_key(run_id, node), who, "live",
-                 read=lambda r: read_claimed(r, node.name))
+def claim(node: Node, run_id: str, who: str, live: bool = False, dirs: bool = False) -> Call[Claimed]:
+    """`claim NODE RUN_ID@NODE WHO [live] [dirs]`: take the node for the run (atomic on the node);
+    with `live`, the answer also says which runs are alive on the node (what `live` answers); with
+    `dirs`, once the claim is taken, the run's artifact directories are made and named
+    (artifacts.prepare's answer)."""
+    more = [*(["live"] if live else []), *(["dirs"] if dirs else [])]
+    return _call(node, "claim", node.name, node_key(run_id, node), who, *more,
+                 read=(lambda r: read_claimed(r, node.name)) if live else read_claimed)
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,8 @@ def _locked_claim(path):
 def claim(node, key, who, extra=None):
     """Take the node for run KEY, or renew the run's own claim (a new attempt begins here). Check
     and write happen under an exclusive lock on the node, so of two claims at once exactly one
-    wins; a stale claim is replaced. `extra`: more of the answer's fields, asked for once the
-    claim is decided (node_agent.py `claim ... live`)."""
+    wins; a stale claim is replaced. `extra(ok)`: more of the answer's fields, asked for once the
+    claim is decided and its lock let go (node_agent.py `claim ... live dirs`)."""
     path = node_name_ok(node)
     os.makedirs(CLAIMS, mode=0o700, exist_ok=True)
     with _locked_claim(path) as held:
@@ -100,7 +100,7 @@ def claim(node, key, who, extra=None):
                 held["renewed"] = time.time()
             write_atomic(path, json.dumps(held))
             doc = {"ok": True, **held}
-    print(json.dumps({**doc, **(extra() if extra is not None else {})}))
+    print(json.dumps({**doc, **(extra(doc["ok"]) if extra is not None else {})}))
 
 
 def release(node, key):

@@ -50,10 +50,10 @@ import tarfile
 
 from .common import (
     MANIFEST, NODE_RUNS, SIDECAR, checkpoint_kind, checkpoint_parts, checkpoint_step, extract_member,
-    own_dir, private_files, safe_name, tar_member_ok,
+    ARTIFACTS, private_files, run_dirs, safe_name, tar_member_ok,
 )
 
-BASE = os.path.expanduser("~/.clusterctl/artifacts")
+BASE = ARTIFACTS
 CHUNK = 1 << 20
 SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBoard bytes
 # the kinds of record on a node's stream (orchestrator/node/artifacts.py `Frames` reads the same names)
@@ -62,14 +62,7 @@ TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads
 
 
 def prepare(run_id):
-    if not safe_name(run_id):
-        sys.exit("bad run id")
-    out = {}
-    for top in (os.path.dirname(BASE), BASE, os.path.join(BASE, run_id)):
-        own_dir(top)  # ~/.clusterctl, artifacts/, RUN_ID/: 0700 (0750 under share_with_group)
-    for sub in ("checkpoints", "tensorboard", "replicas"):
-        out[sub] = own_dir(os.path.join(BASE, run_id, sub))
-    print(json.dumps(out))
+    print(json.dumps(run_dirs(run_id)))
 
 
 def _files(root, rel=""):

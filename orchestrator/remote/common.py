@@ -13,7 +13,8 @@ define these names again (tests/test_remote_common.py looks).
   files              write_atomic, safe_name
   rank failures      RANK_FAILED, note_rank_failure (the node agent's RankLines), first_rank_failure (the
                      node agent's status): when a rank first exited non-zero, by the node's clock
-  file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV
+  file modes         private_files (each program's first call), own_dir, current_umask, GROUP_ENV;
+                     run_dirs: a run's artifact directories (under ARTIFACTS), made
   processes          marked_pids: this user's processes found by an environment marker (a
                      run's: RUN_KEY, its directory under NODE_RUNS); proc_environ: chosen
                      variables of one process's environment
@@ -267,6 +268,17 @@ def current_umask():
     return mask
 
 
+def run_dirs(run_id):
+    """The run's artifact directories on this node (ARTIFACTS/RUN_ID/{checkpoints, tensorboard,
+    replicas}), made when missing, each dir on the way the user's own: {kind: absolute path}.
+    artifacts.py `prepare` prints it; the node agent's `claim ... dirs` answers it with the claim."""
+    if not safe_name(run_id):
+        raise SystemExit("bad run id")
+    for top in (os.path.dirname(ARTIFACTS), ARTIFACTS, os.path.join(ARTIFACTS, run_id)):
+        own_dir(top)  # ~/.clusterctl, artifacts/, RUN_ID/: 0700 (0750 under share_with_group)
+    return {sub: own_dir(os.path.join(ARTIFACTS, run_id, sub)) for sub in ("checkpoints", "tensorboard", "replicas")}
+
+
 def own_dir(path):
     """Directory `path` (made with its parents when missing) with the mode the umask gives a new
     one: 0700, or 0750 under share_with_group. One an older clusterctl made 0755 is tightened, and
@@ -303,6 +315,7 @@ def proc_environ(pid, names):
 
 RUN_KEY = "CLUSTERCTL_RUN_KEY"  # the environment marker every process of a run carries (node_agent.py)
 NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")  # KEY/: what one attempt leaves on a node
+ARTIFACTS = os.path.expanduser("~/.clusterctl/artifacts")  # RUN_ID/: a run's checkpoints, TensorBoard files, replicas
 
 
 def marked_pids(var, want):

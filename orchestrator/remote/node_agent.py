@@ -49,10 +49,12 @@ processes), never by name pattern.
                                progress`'s document) asked every PROGRESS_S s in this process,
                                for the straggler watch (absent or 0: none)
   live                         print the keys of runs still alive on this node
-  claim NODE KEY WHO [live]    take the node for run KEY, or renew KEY's own claim: print {"ok": true,
-                               ...} or {"ok": false, the holder's record}; a stale claim is replaced.
-                               With live, also "live": what `live` prints (a launch's check for
-                               runs that hold no claim, in the same command)
+  claim NODE KEY WHO [live] [dirs]  take the node for run KEY, or renew KEY's own claim: print
+                               {"ok": true, ...} or {"ok": false, the holder's record}; a stale
+                               claim is replaced. With live, also "live": what `live` prints (a
+                               launch's check for runs that hold no claim); with dirs and the
+                               claim taken, also "dirs": the run's artifact directories, made
+                               (artifacts.py `prepare`): one command where there were three
   release NODE KEY             drop the node's claim if run KEY holds it
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
@@ -80,7 +82,7 @@ from .agent_snapshot import snapshot
 from .agent_stop import stop
 from .agent_tail import Plain, follow, status
 from .agent_waiter import start
-from .common import private_files
+from .common import private_files, run_dirs
 
 
 def tail(run_id, offset, report="", *watch):
@@ -115,9 +117,16 @@ def live():
 
 
 def claim(node, key, who, *more):
-    if more not in ((), ("live",)):
-        sys.exit(f"unknown claim option {' '.join(more)!r}: expected live")
-    take(node, key, who, (lambda: {"live": live_keys()}) if more else None)
+    if any(m not in ("live", "dirs") for m in more):
+        sys.exit(f"unknown claim option {' '.join(more)!r}: expected live, dirs")
+
+    def extra(ok):
+        out = {"live": live_keys()} if "live" in more else {}
+        if "dirs" in more and ok:  # the run's, not the attempt's: KEY is RUN_ID@NODE
+            out["dirs"] = run_dirs(key.rpartition("@")[0])
+        return out
+
+    take(node, key, who, extra if more else None)
 
 
 def reach(timeout, *targets):

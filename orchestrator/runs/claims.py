@@ -47,6 +47,8 @@ class Claims:
         # the runs alive on attempt 1's nodes as `take` claimed them (the launch's check_free
         # reads it instead of asking again); empty once a later attempt renews its claims
         self.live_found: dict[str, agent.Live] = {}
+        # the run's artifact directories on each node, made by its claim's command (runs/readying.py dirs)
+        self.dirs_found: dict[str, dict[str, str]] = {}
 
     def take(self, names: list[str]) -> None:
         """Attempt 1's nodes, all or none (launch.claim_nodes): NodeBusy names the run holding one;
@@ -55,8 +57,9 @@ class Claims:
         if self.force:
             return
         try:
-            got = claim_nodes(self.cluster, self.inv.select(names), self.run.id, who(), self.tell, live=True)
+            got = claim_nodes(self.cluster, self.inv.select(names), self.run.id, who(), self.tell, live=True, dirs=True)
             self.live_found = {n: c.live for n, c in got.items() if c.live is not None}
+            self.found_dirs(got)
         except ClaimFailed as e:
             if e.maybe_held:
                 self.book.claimed(list(e.maybe_held))
@@ -76,11 +79,16 @@ class Claims:
         self.live_found = {}  # asked again after this attempt's preparation: the last one's may still be ending
         if self.force:
             return {}
-        got = claim_round(self.cluster, names, self.run.id, who(), self.tell)  # at once: each node is its own
+        got = claim_round(self.cluster, names, self.run.id, who(), self.tell, dirs=True)  # at once: each node is its own
+        self.found_dirs(got)
         why = {n: refusal(self.cluster, self.inv, n, g) for n, g in got.items() if g.error is not None or not g.ok}
         # taken, or lost while it was asked (it may hold the claim all the same: dropped at the end)
         self.book.claimed([n for n in names if n not in why or why[n].maybe_held])
         return {n: str(e) for n, e in why.items()}
+
+    def found_dirs(self, got: dict[str, agent.Claimed]) -> None:
+        self.dirs_found.update({n: dict(c.dirs.dirs) for n, c in got.items() if c.ok and c.dirs is not None
+                                and c.dirs.error is None})
 
     def last_key(self, node: str) -> str:
         """The key of the last attempt that ran on `node` (the run's id when none did)."""

@@ -73,12 +73,14 @@ def no_agent(node: Node, why: str) -> LaunchError:
 
 
 def claim_round(cluster: Cluster, names: list[str], run_id: str, who: str,
-                tell: Callable[[str], None] | None = None, live: bool = False) -> dict[str, agent.Claimed]:
+                tell: Callable[[str], None] | None = None, live: bool = False, dirs: bool = False
+                ) -> dict[str, agent.Claimed]:
     """The node agent's `claim` (atomic on the node) on each of `names` at once: {node: its
-    answer}; with `live`, each answer also holds the runs alive on its node. A node refused by
+    answer}; with `live`, each answer also holds the runs alive on its node, with `dirs` (the
+    claim taken) the run's artifact directories there. A node refused by
     the claim of a run recorded on this machine that has ended with no supervisor left to
     release it (`left_over`) has that claim dropped, told, and is claimed again."""
-    got = agent.run(cluster, lambda n: agent.claim(n, run_id, who, live), names)
+    got = agent.run(cluster, lambda n: agent.claim(n, run_id, who, live, dirs), names)
     stale = {n: got[n].claim.run for n in names if got[n].error is None and not got[n].ok and left_over(got[n].claim)}
     if stale:
         agent.run(cluster, lambda n: agent.release(n, stale[n.name]), stale)
@@ -86,7 +88,7 @@ def claim_round(cluster: Cluster, names: list[str], run_id: str, who: str,
             if tell is not None:
                 tell(f"{name}: dropped the claim run {holder} left there (it ended, and nothing "
                      "of it was left to release it)")
-        got.update(agent.run(cluster, lambda n: agent.claim(n, run_id, who, live), stale))
+        got.update(agent.run(cluster, lambda n: agent.claim(n, run_id, who, live, dirs), stale))
     return got
 
 
@@ -102,7 +104,8 @@ def refusal(cluster: Cluster, inv: Inventory, name: str, got: agent.Claimed, may
 
 
 def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
-                tell: Callable[[str], None] | None = None, live: bool = False) -> dict[str, agent.Claimed]:
+                tell: Callable[[str], None] | None = None, live: bool = False, dirs: bool = False
+                ) -> dict[str, agent.Claimed]:
     """Take every node for this run, all or none: the first node in rank order alone, then the
     others at once (`claim_round`). Two launches at once on the same nodes both ask for the first
     node first, and the node agent gives it to exactly one, so that one gets them all and the
@@ -110,14 +113,15 @@ def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
     per node (one at a time, 64 test nodes took 11.5 s). The run's own claim is renewed.
     Refused: the claims taken are released and ClaimFailed says why, naming the first node in
     rank order that was refused (NodeBusy: the run holding it; ClaimLost: it went away). Returns
-    each node's answer (with `live`, the runs alive there: `check_free` need not ask again)."""
+    each node's answer (with `live`, the runs alive there: `check_free` need not ask again; with
+    `dirs`, the run's artifact directories: runs/restart.py `prepare_artifacts` need not make them)."""
     names = [n.name for n in inv.nodes]
     taken: list[str] = []
     answers: dict[str, agent.Claimed] = {}
     for part in (names[:1], names[1:]):
         if not part:
             continue
-        answers.update(got := claim_round(cluster, part, run_id, who, tell, live))
+        answers.update(got := claim_round(cluster, part, run_id, who, tell, live, dirs))
         taken += [n for n in part if got[n].error is None and got[n].ok]
         refused = [n for n in part if n not in taken]
         if refused:

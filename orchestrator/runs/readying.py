@@ -79,8 +79,11 @@ class Readying:
         return dirs
 
     def dirs(self, names: list[str]) -> dict[str, dict]:
-        """Each node's artifact directories, and with --checkpoint-dir the job's own ("ckptdir")."""
-        dirs = prepare_artifacts(self.cluster, self.run.id, names)
+        """Each node's artifact directories (made by its claim's command when it was claimed: no
+        round of their own), and with --checkpoint-dir the job's own ("ckptdir")."""
+        found = self.claims.dirs_found
+        dirs = {n: dict(found[n]) for n in names if n in found}
+        dirs.update(prepare_artifacts(self.cluster, self.run.id, [n for n in names if n not in found]))
         if self.spec.checkpoint_dir:
             paths = jobdir_home.prepare(self.cluster, [self.inv.node(n) for n in names], self.spec.checkpoint_dir)
             for n, p in paths.items():
