@@ -19,7 +19,11 @@ detached supervisor, the node agent, the log streams, the fail-fast teardown.
                stop, waiter and stream repeat while a run ends there), run as the nodes' user: the
                test nodes share this machine's /proc and one user, so each scan reads every
                node's processes; a real node's reads its own alone
-  status       `clusterctl status RUN` -> its first byte of output, and -> its exit
+  status       `clusterctl status RUN` -> its first byte of output, and -> its exit; `runs` and
+  runs, watch  `watch RUN --once` the same (the live view's first paint, off a terminal)
+  straggler round ms  the straggler judge's round over every rank's newest steps, in this process
+               (StragglerWatch.check, one rank 3x slower: "straggler named" 1 when it is named, and
+               alone); the progress reaching the supervisor is in its CPU above
   logs klines/s  every node's stand-in writes --burst-lines lines at once, shared out among its
                ranks (SIGUSR1: distinct lines; SIGUSR2: the same lines from every rank), timed from
                the signals to the last rank's closing line printed by the foreground `train`
@@ -242,15 +246,44 @@ def node_scan(cluster) -> dict:
     return {"node scan ms": float(ms), "marked procs": int(marked)}
 
 
-def status_paint(run_id: str, env: dict) -> dict:
+def paint(name: str, argv: list[str], env: dict) -> dict:
+    """`clusterctl ARGV` -> its first byte of output, and -> its exit."""
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "status", run_id], cwd=REPO, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv], cwd=REPO, env=env,
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     p.stdout.read(1)
     first = time.monotonic() - t0
     p.stdout.read()
     p.wait(120)
-    return {"status first s": first, "status done s": time.monotonic() - t0}
+    return {f"{name} first s": first, f"{name} done s": time.monotonic() - t0}
+
+
+def status_paint(run_id: str, env: dict) -> dict:
+    """`status RUN`, `runs` and `watch RUN --once` of the running run, each first byte and exit."""
+    return {**paint("status", ["status", run_id], env), **paint("runs", ["runs"], env),
+            **paint("watch", ["watch", run_id, "--once"], env)}
+
+
+def straggler_round(world: int, rounds: int = 5) -> dict:
+    """The straggler judge's round over `world` ranks (runs/judge/straggler.py StragglerWatch.check,
+    what the supervisor's watch thread does every PERIOD_S s with the streams' documents): each
+    rank reports a window of new steps per round, rank world // 2 computing 3x the others; the
+    median round's milliseconds here, and whether that rank was named (the check's own answer)."""
+    from orchestrator.runs.judge.straggler import DEFAULT_WINDOW, StragglerWatch
+
+    named: list = []
+    w = StragglerWatch(snap=list, node_of={r: f"node{r // RANKS_PER_NODE + 1}" for r in range(world)},
+                       tell=lambda text: None, on_straggler=lambda new, cur: named.extend(new), say=lambda text: None,
+                       streamed=True)
+    took = []
+    for k in range(rounds):
+        docs = [{"rank": r, "answer": {"steps": [[k * DEFAULT_WINDOW + i, 0.3 if r == world // 2 else 0.1]
+                                                 for i in range(DEFAULT_WINDOW)]}} for r in range(world)]
+        t0 = time.perf_counter()
+        w.check(docs)
+        took.append(time.perf_counter() - t0)
+    return {"straggler round ms": 1000 * statistics.median(took),
+            "straggler named": int([s.rank for s in named] == [world // 2])}
 
 
 def log_bursts(fg: Foreground, run_id: str, per_rank: int) -> dict:
@@ -324,6 +357,7 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out.update(steady(sup, psutil.Process(fg.proc.pid), args.window, profile))
         out.update(node_scan(cluster))
         out.update(status_paint(run_dir.name, fg.env))
+        out.update(straggler_round(world))
         if args.burst_lines and not args.real:
             out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n)))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
