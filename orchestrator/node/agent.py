@@ -203,9 +203,8 @@ def read_claimed(r: NodeResult, node: str | None = None) -> Claimed:
 
 def claim(node: Node, run_id: str, who: str, live: bool = False, dirs: bool = False) -> Call[Claimed]:
     """`claim NODE RUN_ID@NODE WHO [live] [dirs]`: take the node for the run (atomic on the node);
-    with `live`, the answer also says which runs are alive on the node (what `live` answers); with
-    `dirs`, once the claim is taken, the run's artifact directories are made and named
-    (artifacts.prepare's answer)."""
+    with `live`, the answer also says which runs are alive on the node; with `dirs`, once the claim
+    is taken, the run's artifact directories are made and named (artifacts.prepare's answer)."""
     more = [*(["live"] if live else []), *(["dirs"] if dirs else [])]
     return _call(node, "claim", node.name, node_key(run_id, node), who, *more,
                  read=(lambda r: read_claimed(r, node.name)) if live else read_claimed)
