@@ -50,3 +50,26 @@ def test_a_drill_of_kill_and_hang_on_three_nodes_and_a_spare_recovers_from_both_
     assert "node4" in rec["attempts"][2]["nodes"] and hang["node"] not in rec["attempts"][2]["nodes"]
     # nothing of the run on any node, seen from the test's side too (not only the drill's own check)
     assert wait_for(lambda: no_job_left(cluster4), 10, "the run's processes to go")
+
+
+def test_a_rank_throttled_while_it_computes_is_named_a_straggler_without_a_restart(cluster4, tmp_path, home):
+    """The straggler fault: one rank of a job whose steps compute on the CPU (step_logger --busy) is
+    stopped half the time it computes; the straggler watch, judging from the Flight Recorder (the
+    job reports no compute of its own), names that rank on that node while the throttle lasts, and
+    the run goes on without a restart."""
+    inv = inventory(cluster4, tmp_path, spare=True)
+    r = cli("drill", "-i", inv, "--faults", "straggler", "--json", "--", STEPS, "--steps", "4000", "--step-s", "0.05",
+            "--busy", timeout=420)
+    print(r.stderr[-4000:])
+    assert r.returncode == 0, r.stdout[-3000:]
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    (s,) = doc["faults"]
+    assert s["fault"] == "straggler" and s["ok"] and s["named_right"] and s["detected_by"] == "straggler", s
+    assert s["culprit"] == {"node": s["node"], "rank": s["rank"]} and 0 < s["detected_s"] < 90, s
+    assert s["relaunch_s"] is None and s["steps_redone"] is None, s  # warned, not restarted
+    run_dir = home / "runs" / doc["run_id"]
+    assert len(json.loads((run_dir / "run.json").read_text())["attempts"]) == 1
+    told = [json.loads(ln)["text"] for ln in (run_dir / "story.jsonl").read_text().splitlines() if ln.strip()]
+    assert any(t.startswith(f"straggler: {s['node']} rank {s['rank']} computes") for t in told), told
+    assert doc["left"] == {} and wait_for(lambda: no_job_left(cluster4), 10, "the run's processes to go")

@@ -24,7 +24,7 @@ from orchestrator.runs.drillreport import FAULTS, RESTARTS, WHAT, Outcome, Plann
 
 DRILL_HANG_TIMEOUT_S = 60.0  # the hang watch's backstop during a drill (a stopped rank is named within seconds anyway)
 DEFAULT_FAULTS = ("kill", "hang", "lost")  # straggler: only when asked for (see the --faults help)
-STRAGGLER_WINDOW = 10  # steps: a throttled rank is named within a drill's minute
+STRAGGLER_WINDOW = 10  # steps: a throttled rank is named within the drill's throttle (runs/drill.py THROTTLE_S)
 STOP_WAIT_S = 300.0
 START_WAIT_S = 900.0  # train --detach: preflight, sync, setup and the start on every node
 LEFT_WAIT_S = 60.0
@@ -110,8 +110,8 @@ def _run_faults(drill, planned: list[Planned], detect_wait: float, say) -> list[
 @cluster_options
 @click.option("--faults", default=",".join(DEFAULT_FAULTS), show_default=True, callback=_faults, metavar="LIST",
               help="The faults to inject, in order, comma-separated: " + "; ".join(f"{f}: {w}" for f, w in WHAT.items())
-              + ". hang and lost each need a spare node. straggler is not detected today (the straggler watch "
-                "does not ask a rank that is stopped when it asks): not in the default.")
+              + ". hang and lost each need a spare node. straggler slows a rank only while it computes on the CPU "
+                "(a step that sleeps, or waits asleep on a GPU, is not stretched by it): not in the default.")
 @click.option("--name", default="drill", show_default=True, help="The run's name (its id is NAME-DATE-TIME-XXXX).")
 @click.option("--hang-timeout", type=click.FloatRange(5, 3600), default=DRILL_HANG_TIMEOUT_S, show_default=True,
               metavar="SECONDS", help="The hang watch's backstop while drilling.")

@@ -1,6 +1,8 @@
 """A script that is not the shipped trainer, as a DCP or FSDP job logs: every rank all-reduces
 each step, rank 0 alone prints `step=N loss=...`; at --stop-at it stops making progress (no
-collective, no line) for --pause seconds, then goes on."""
+collective, no line) for --pause seconds, then goes on. With --busy a step computes (spins on the
+CPU) for --step-s instead of sleeping: a rank stopped while it computes then falls behind, as a
+straggler does (`clusterctl drill`'s straggler fault)."""
 import argparse
 import time
 
@@ -12,6 +14,7 @@ p.add_argument("--steps", type=int, default=100)
 p.add_argument("--step-s", type=float, default=0.3)
 p.add_argument("--stop-at", type=int, default=-1)
 p.add_argument("--pause", type=float, default=0.0)
+p.add_argument("--busy", action="store_true")
 a = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -23,5 +26,10 @@ for step in range(a.steps):
     dist.all_reduce(t)
     if rank == 0:
         print(f"step={step} loss={4.0 / (step + 1):.3f}", flush=True)
-    time.sleep(a.step_s)
+    if a.busy:
+        until = time.process_time() + a.step_s  # the rank's own CPU time: stopped, it does not advance
+        while time.process_time() < until:
+            pass
+    else:
+        time.sleep(a.step_s)
 dist.destroy_process_group()
