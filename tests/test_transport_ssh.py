@@ -296,3 +296,21 @@ def test_a_node_that_streams_bytes_is_not_pinged_and_is_still_found_lost_when_cu
     assert r["node1"].ok
     assert r["node2"].stdout.count("tick") >= 10
     assert "does not answer" in r["node2"].error and "while node1 does" in r["node2"].error, r["node2"].error
+
+
+def test_a_reopened_connection_counts_no_bytes_of_the_transport_it_replaced(make_cluster):
+    """Bytes a node sent answer for it as a ping would (`data_at`), but only on the transport they
+    came over: a reopened connection starts with none, and a proc of the old transport read
+    afterwards does not count for the new one."""
+    cluster = make_cluster(1)
+    with Cluster(inv_of(cluster), lost_timeout=60) as c:
+        conn = c.connections["node1"]
+        old = conn.exec("echo before; sleep 0.5; echo after")
+        assert c.run("echo hi")["node1"].stdout == "hi\n"
+        assert conn.data_at > float("-inf")
+        conn.reopen()
+        assert conn.data_at == float("-inf")
+        old.read()  # whatever of the old transport's channel is left: not the new one's answer
+        assert conn.data_at == float("-inf")
+        assert c.run("echo again")["node1"].stdout == "again\n"
+        assert conn.data_at > float("-inf")

@@ -74,8 +74,8 @@ class _SSHProc(Proc):
             out += c.recv(1 << 20)
         while c.recv_stderr_ready():
             err += c.recv_stderr(1 << 20)
-        if out or err:  # the node answers: its connection's next ping can wait (SSHConnection._watch)
-            self.conn.data_at = time.monotonic()
+        if (out or err) and c.get_transport() is self.conn._transport_now():  # the node answers: its
+            self.conn.data_at = time.monotonic()  # connection's next ping can wait (SSHConnection._watch)
         return out, err
 
     def done(self):
@@ -214,6 +214,7 @@ class SSHConnection(Connection):
         self.close()
         self._closing = threading.Event()
         self._lost, self._conn, self.evidence = None, None, None
+        self.data_at = float("-inf")  # bytes the old transport read answer nothing for the new one
         configured = self.connect_timeout
         if timeout is not None:
             self.connect_timeout = max(1.0, min(configured, timeout))
@@ -289,6 +290,10 @@ class SSHConnection(Connection):
     @property
     def transport(self) -> paramiko.Transport:
         return self._conn.transport
+
+    def _transport_now(self) -> paramiko.Transport | None:
+        """The open transport (None while there is none): a proc of one replaced by `reopen` is not its."""
+        return None if self._conn is None else self._conn.transport
 
     def exec(self, command, *, stdin=None):
         if not self.alive:
