@@ -2,12 +2,12 @@
 
     sudo .venv/bin/python bench/bench_scale.py [8 32 64 256] [--repeat 3] [--tick 1] [--window 10]
 
-For each N, one test cluster of N nodes (network namespaces with sshd, 8 fake GPUs each), whose
+For each N, one test cluster of N nodes and a spare (network namespaces with sshd, 8 fake GPUs each), whose
 inventory's `python:` runs tests/cluster/fakes/torchrun.py for `-m torch.distributed.run` (a
 static rendezvous, 8 `sleep` ranks per node carrying torchrun's environment, each writing its
 own first line `[default<L>]:rank R up`, then one distinct line per rank every --tick seconds
 written on its behalf; see that file for what it keeps of torchrun and what it does not).
-Everything else is the product: `clusterctl train --skip-preflight` in the foreground, its
+Everything else is the product: `clusterctl train --skip-preflight --max-restarts 1` in the foreground, its
 detached supervisor, the node agent, the log streams, the fail-fast teardown.
 
   first line   train command -> every rank's `rank R up` printed by the foreground `train`
@@ -29,7 +29,10 @@ detached supervisor, the node agent, the log streams, the fail-fast teardown.
                the signals to the last rank's closing line printed by the foreground `train`
                (folding on, the default; --no-fold for the other column). The bench reads
                the foreground's output on the same cores
-  teardown     SIGKILL of the last rank (on the last node) -> no process carrying the run's
+  cut: ...     the last ranked node's link cut (ip link down): lost declared (attempt 1's recorded
+               failure, this machine's clock) and every rank's first line of the attempt the spare
+               joins, from the cut; the link then comes back and its part of attempt 1 is stopped
+  teardown     SIGKILL of the last rank (on the spare, after the cut) -> no process carrying the run's
                CLUSTERCTL_RUN_KEY left on any node (/proc scanned every few ms: the nodes share
                this machine's pid namespace); foreground `train` exit beside it
   ... sup CPU s  the supervisor's own CPU seconds for the launch (its start -> every rank's first
@@ -63,7 +66,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_failfast import run_pids, wait_for  # noqa: E402
+from bench_failfast import wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
@@ -79,6 +82,29 @@ while True:
 """
 UP = re.compile(rb"rank (\d+) up")
 BURST_DONE = re.compile(rb"rank (\d+) burst (distinct|same) done")
+KEY = "CLUSTERCTL_RUN_KEY"
+
+
+def run_pids(run_id: str) -> dict[int, str]:
+    """pid -> its run key, for every live process of any attempt of the run (RUN_ID@NODE,
+    RUN_ID.aK@NODE): the nodes share this machine's /proc."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone mid-scan, or a kernel thread
+            continue
+        for item in env:
+            if item.startswith(KEY.encode() + b"="):
+                key = item[len(KEY) + 1:].decode(errors="replace")
+                attempt = key.rpartition("@")[0]
+                if attempt == run_id or re.fullmatch(re.escape(run_id) + r"\.a\d+", attempt):
+                    out[int(name)] = key
+                break
+    return out
 
 
 class Foreground:
@@ -87,12 +113,13 @@ class Foreground:
     def __init__(self, inv: Path, home: Path, world: int, fold: bool = True):
         self.env = dict(os.environ, CLUSTERCTL_HOME=str(home), PYTHONPATH=str(REPO))
         self.world, self.seen, self.tail = world, {}, []
+        self.ups: list[tuple[float, int]] = []  # every `rank R up` printed, of every attempt
         self.all_up = threading.Event()
         self.burst_done = {k: {} for k in ("distinct", "same")}  # kind -> rank -> when its `done` line was printed
         self.bursts_over = {k: threading.Event() for k in self.burst_done}
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv),
-                                      "--skip-preflight", *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
+                                      "--skip-preflight", "--max-restarts", "1", *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -111,6 +138,7 @@ class Foreground:
             if b" up" in line:
                 for m in UP.finditer(line):
                     self.seen.setdefault(int(m.group(1)), now)
+                    self.ups.append((now, int(m.group(1))))
                 if len(self.seen) >= self.world:
                     self.all_up.set()
 
@@ -303,6 +331,44 @@ def log_bursts(fg: Foreground, run_id: str, per_rank: int) -> dict:
     return out
 
 
+def record(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cut_and_restart(fg: Foreground, cluster, run_dir: Path, timeout: float) -> dict:
+    """The last ranked node's link cut (the spare is the cluster's last node): -> lost declared
+    (attempt 1's recorded failure, on this machine's clock) and every rank's first line of the
+    attempt the spare joins. The link comes back after; the cut node's part of attempt 1 is then
+    stopped by its pending stop, waited for before the run goes on."""
+    victim = cluster.nodes[-2]
+    wall0, t0 = time.time(), time.monotonic()
+    victim.link_down()
+    try:
+        rec = wait_for(lambda: (r := record(run_dir)) and len(r.get("attempts") or ()) >= 2 and r, timeout,
+                       "attempt 2 to begin after the cut")
+        failed_at = rec["attempts"][0].get("failed_at")
+        firsts: dict[int, float] = {}
+
+        def all_up() -> bool:
+            for t, r in list(fg.ups):
+                if t > t0:
+                    firsts.setdefault(r, t)
+            return len(firsts) >= fg.world
+        wait_for(all_up, timeout, "every rank's first line in the attempt after the cut", interval=0.2)
+        out = {"cut: lost declared s": failed_at - wall0 if failed_at else None,
+               "cut: restart first line s": max(firsts.values()) - t0,
+               "cut: verdict": rec["attempts"][0].get("verdict")}
+    finally:
+        victim.link_up()
+    run_id = run_dir.name
+    wait_for(lambda: not [k for k in run_pids(run_id).values() if "." not in k.rpartition("@")[0][len(run_id):]],
+             180, f"{victim.name}'s part of attempt 1 stopped once its link was back", interval=0.2)
+    return out
+
+
 def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id):
         try:
@@ -337,7 +403,7 @@ def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dic
 
 def trial(cluster, inv: Path, home: Path, args) -> dict:
     """One run on the cluster: launch, steady state, status, kill a rank, every node clean."""
-    world = cluster.n * RANKS_PER_NODE
+    world = (cluster.n - 1) * RANKS_PER_NODE  # the last node is the spare
     for old in (home / "runs").glob("*") if (home / "runs").exists() else ():
         shutil.rmtree(old)  # the previous trial's run: the watchers read only this one's
     fg = Foreground(inv, home, world, fold=not args.no_fold)
@@ -359,13 +425,14 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out.update(status_paint(run_dir.name, fg.env))
         out.update(straggler_round(world))
         if args.burst_lines and not args.real:
-            out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n)))
+            out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n - 1)))
+        out.update(cut_and_restart(fg, cluster, run_dir, args.launch_timeout))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
     finally:
         copy.done.set()
         if fg.proc.poll() is None:
             fg.proc.kill()
-        keep_evidence(home, n=cluster.n)
+        keep_evidence(home, n=cluster.n - 1)
     return out
 
 
@@ -404,7 +471,7 @@ def burst_per_rank(args, n: int) -> int:
 
 def one_size(n: int, args) -> dict:
     t_up = time.monotonic()
-    with TestCluster(n=n, gpus=RANKS_PER_NODE, name_prefix="ccsc") as cluster, \
+    with TestCluster(n=n + 1, gpus=RANKS_PER_NODE, name_prefix="ccsc") as cluster, \
             tempfile.TemporaryDirectory(prefix="bench-scale-", ignore_cleanup_errors=True) as td:
         up = time.monotonic() - t_up
         for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
@@ -412,14 +479,16 @@ def one_size(n: int, args) -> dict:
             os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
         env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1",
                "CLUSTERCTL_STANDIN_BURST": str(burst_per_rank(args, n))}
+        nodes = cluster.inventory()["nodes"]
+        nodes[-1]["spare"] = True  # takes the cut node's place (cut_and_restart)
         if args.real:  # the real chain: torchrun and a script per rank that prints what the stand-in does
             script = cluster.base_dir / "ranks.py"
             script.write_text(REAL_SCRIPT)
             script.chmod(0o644)
-            inv = cluster.write_inventory(Path(td) / "nodes.yaml", env=env, train={"script": str(script)})
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", nodes=nodes, env=env, train={"script": str(script)})
         else:
             python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-            inv = cluster.write_inventory(Path(td) / "nodes.yaml", python=str(python), env=env)
+            inv = cluster.write_inventory(Path(td) / "nodes.yaml", nodes=nodes, python=str(python), env=env)
         repeat = args.repeat if n <= args.repeat_upto else 1
         trials = []
         for _ in range(repeat):
