@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -70,9 +71,11 @@ def drop_worktree(path: Path) -> None:
                        capture_output=True, timeout=60)
 
 
-def run_pids(run_id: str) -> dict[int, str]:
-    """pid -> node of every live process whose environment carries CLUSTERCTL_RUN_KEY=RUN_ID@NODE."""
-    marker = f"\0CLUSTERCTL_RUN_KEY={run_id}@".encode()
+def run_pids(run_id: str, every_attempt: bool = False) -> dict[int, str]:
+    """pid -> node of every live process whose environment carries CLUSTERCTL_RUN_KEY=RUN_ID@NODE
+    (with every_attempt, RUN_ID.aK@NODE too: a restart's attempts)."""
+    marker = f"\0CLUSTERCTL_RUN_KEY={run_id}".encode()
+    attempt = re.compile(rb"(?:\.a\d+)?@" if every_attempt else rb"@")
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -83,8 +86,8 @@ def run_pids(run_id: str) -> dict[int, str]:
         except OSError:  # gone mid-scan, or a kernel thread
             continue
         i = env.find(marker)
-        if i >= 0:
-            out[int(name)] = env[i + len(marker):].split(b"\0", 1)[0].decode(errors="replace")
+        if i >= 0 and (m := attempt.match(env, i + len(marker))):
+            out[int(name)] = env[m.end():].split(b"\0", 1)[0].decode(errors="replace")
     return out
 
 

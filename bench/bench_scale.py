@@ -66,7 +66,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_failfast import wait_for  # noqa: E402
+from bench_failfast import run_pids, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
@@ -82,29 +82,6 @@ while True:
 """
 UP = re.compile(rb"rank (\d+) up")
 BURST_DONE = re.compile(rb"rank (\d+) burst (distinct|same) done")
-KEY = "CLUSTERCTL_RUN_KEY"
-
-
-def run_pids(run_id: str) -> dict[int, str]:
-    """pid -> its run key, for every live process of any attempt of the run (RUN_ID@NODE,
-    RUN_ID.aK@NODE): the nodes share this machine's /proc."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:  # gone mid-scan, or a kernel thread
-            continue
-        for item in env:
-            if item.startswith(KEY.encode() + b"="):
-                key = item[len(KEY) + 1:].decode(errors="replace")
-                attempt = key.rpartition("@")[0]
-                if attempt == run_id or re.fullmatch(re.escape(run_id) + r"\.a\d+", attempt):
-                    out[int(name)] = key
-                break
-    return out
 
 
 class Foreground:
@@ -318,7 +295,7 @@ def log_bursts(fg: Foreground, run_id: str, per_rank: int) -> dict:
     """Every node's stand-in signalled to write `per_rank` lines from each of its ranks at once
     (SIGUSR1: distinct lines; SIGUSR2: the same lines from every rank, which folding prints once):
     lines/s from the signals to the last rank's `done` line printed by the foreground train."""
-    standins = [pid for pid in run_pids(run_id) if "torchrun_standin" in " ".join(psutil.Process(pid).cmdline())]
+    standins = [pid for pid in run_pids(run_id, True) if "torchrun_standin" in " ".join(psutil.Process(pid).cmdline())]
     out = {}
     for kind, sig in (("distinct", signal.SIGUSR1), ("same", signal.SIGUSR2)):
         t0 = time.monotonic()
@@ -364,13 +341,13 @@ def cut_and_restart(fg: Foreground, cluster, run_dir: Path, timeout: float) -> d
     finally:
         victim.link_up()
     run_id = run_dir.name
-    wait_for(lambda: not [k for k in run_pids(run_id).values() if "." not in k.rpartition("@")[0][len(run_id):]],
-             180, f"{victim.name}'s part of attempt 1 stopped once its link was back", interval=0.2)
+    wait_for(lambda: not run_pids(run_id), 180, f"{victim.name}'s part of attempt 1 stopped once its link was back",
+             interval=0.2)
     return out
 
 
 def rank_pid(run_id: str, rank: int) -> int:
-    for pid in run_pids(run_id):
+    for pid in run_pids(run_id, True):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -384,7 +361,7 @@ def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dic
     pid = rank_pid(run_id, rank)
     c0, t0 = cpu_s(sup), time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not run_pids(run_id), 180, "every node clean after the kill", interval=0.005)
+    wait_for(lambda: not run_pids(run_id, True), 180, "every node clean after the kill", interval=0.005)
     clean = time.monotonic() - t0
     try:
         down_cpu = cpu_s(sup) - c0
