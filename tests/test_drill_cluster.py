@@ -54,7 +54,7 @@ def test_a_drill_of_kill_and_hang_on_three_nodes_and_a_spare_recovers_from_both_
 
 def test_a_rank_throttled_while_it_computes_is_named_a_straggler_without_a_restart(cluster4, tmp_path, home):
     """The straggler fault: one rank of a job whose steps compute on the CPU (step_logger --busy) is
-    stopped half the time it computes; the straggler watch, judging from the Flight Recorder (the
+    stopped three quarters of the time it computes; the straggler watch, judging from the Flight Recorder (the
     job reports no compute of its own), names that rank on that node while the throttle lasts, and
     the run goes on without a restart."""
     inv = inventory(cluster4, tmp_path, spare=True)

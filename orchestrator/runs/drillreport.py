@@ -22,7 +22,7 @@ RESTARTS = ("kill", "hang", "lost")  # each costs one restart (--max-restarts)
 WHAT = {"kill": "SIGKILL one worker rank's process",
         "hang": "SIGSTOP one rank (a hang)",
         "lost": "SIGSTOP everything of the run on one node, its log stream included (a node that looks lost)",
-        "straggler": "throttle one rank: stopped half the time it computes, for 90 s (a straggler)"}
+        "straggler": "throttle one rank: stopped three quarters of the time it computes, for 90 s (a straggler)"}
 HOUR_S, DAY_S = 3600.0, 86400.0
 
 
