@@ -29,6 +29,10 @@ detached supervisor, the node agent, the log streams, the fail-fast teardown.
                the signals to the last rank's closing line printed by the foreground `train`
                (folding on, the default; --no-fold for the other column). The bench reads
                the foreground's output on the same cores
+  hang verdict s  one rank (of the middle node) stopped with SIGSTOP, which holds every rank of every
+               node inside the stand-in's collective -> the hang watch's verdict file (train runs with
+               --on-hang observe --hang-timeout 30); "hang named right" 1 when it names that rank alone.
+               The verdict's snapshots ask every rank's hook: the stand-in answers for its ranks
   cut: ...     the last ranked node's link cut (ip link down): lost declared (attempt 1's recorded
                failure, this machine's clock) and every rank's first line of the attempt the spare
                joins, from the cut; the link then comes back and its part of attempt 1 is stopped
@@ -96,7 +100,8 @@ class Foreground:
         self.bursts_over = {k: threading.Event() for k in self.burst_done}
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv),
-                                      "--skip-preflight", "--max-restarts", "1", *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
+                                      "--skip-preflight", "--max-restarts", "1", "--on-hang", "observe", "--hang-timeout", "30",
+                                      *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -346,6 +351,32 @@ def cut_and_restart(fg: Foreground, cluster, run_dir: Path, timeout: float) -> d
     return out
 
 
+def hang_verdict(run_dir: Path, rank: int, timeout: float) -> dict:
+    """One rank stopped (SIGSTOP): every rank of every node then waits inside the stand-in's
+    collective (tests/cluster/fakes/torchrun.py Collectives) -> the hang watch's verdict file
+    (runs/RUN/hangs/N/verdict.json; the run goes on under --on-hang observe), and whether it names
+    that rank and no other. The rank is let go after, and its next step line waited for."""
+    pid, log = rank_pid(run_dir.name, rank), None
+    for path in (run_dir / "nodes").glob("*.log"):
+        if f":rank {rank} step " in path.read_text(errors="replace"):
+            log = path
+    before = log.stat().st_size if log else 0
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        found = wait_for(lambda: next(iter(run_dir.glob("hangs/*/verdict.json")), None), timeout,
+                         "the hang watch's verdict on the stopped rank", interval=0.2)
+        took = time.monotonic() - t0
+        doc = json.loads(found.read_text())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    if log is not None:
+        wait_for(lambda: f":rank {rank} step " in log.read_bytes()[before:].decode(errors="replace"), timeout,
+                 f"rank {rank}'s next step once it runs again", interval=0.2)
+    named = [c.get("rank") for c in doc.get("culprits") or ()]
+    return {"hang verdict s": took, "hang named right": int(named == [rank])}
+
+
 def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id, True):
         try:
@@ -403,6 +434,8 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out.update(straggler_round(world))
         if args.burst_lines and not args.real:
             out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n - 1)))
+        if not args.real:  # the real chain's ranks (REAL_SCRIPT) enter no collective: no hang to name
+            out.update(hang_verdict(run_dir, world // 2 + RANKS_PER_NODE - 3, args.launch_timeout))
         out.update(cut_and_restart(fg, cluster, run_dir, args.launch_timeout))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
     finally:

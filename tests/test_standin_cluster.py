@@ -8,6 +8,7 @@ killed rank fails its node (exit 1), which the controller names and tears every 
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -160,4 +161,54 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
     node = next(n for n in rec["nodes"] if n["name"] == quiet.name)
     assert node["exit_code"] is not None and node["state"] == "failed", node  # its end, by its own stream
     assert f"[default1]:rank 3 up" in log.read_text(errors="replace")
+    wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
+
+
+def test_a_stopped_standin_rank_stalls_every_rank_and_is_named_at_default_settings(make_cluster, home, tmp_path):
+    """The stand-in's collectives and hook answers (what lets bench_scale time a hang verdict among
+    2,048 ranks): a rank stopped with SIGSTOP keeps every rank of both nodes inside the same
+    collective (no step line after it), the ranks answer the hang watch's requests, and the watch,
+    at default settings, names the stopped rank by its /proc state, no other."""
+    cluster = make_cluster(2, gpus=NPROC, name_prefix="ccsh")
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/gpt_train")
+    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "0.5"})
+    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
+    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
+                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    victim = None
+    try:
+        run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
+                           else None, 120, "the run record").parent
+        run_id, world = run_dir.name, 2 * NPROC
+        logs = [run_dir / "nodes" / f"{nd.name}.log" for nd in cluster.nodes]
+
+        def copied():
+            return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+        wait_for(lambda: all(f"rank {r} step 3\n" in copied() for r in range(world)), 120,
+                 "three collectives of every rank in the control copy")
+        ranks = {int(e["RANK"]): pid for pid, e in run_envs(cluster, run_id).items() if "RANK" in e}
+        victim = psutil.Process(ranks[4])
+        victim.suspend()
+        # the default backstop is 300 s of silence: a verdict within 90 s is the watch's, from the answers
+        verdict = wait_for(lambda: next(iter(run_dir.glob("hangs/*/verdict.json")), None), 90,
+                           "the hang watch's verdict")
+        doc = json.loads(verdict.read_text())
+        newest = {}  # every rank's newest step once the verdict is in: the same collective for all
+        for m in re.finditer(r":rank (\d+) step (\d+)$", copied(), re.M):
+            newest[int(m[1])] = max(newest.get(int(m[1]), 0), int(m[2]))
+        out, _ = fg.communicate(timeout=120)
+    finally:
+        if victim is not None:
+            with contextlib.suppress(psutil.Error):
+                victim.resume()
+        if fg.poll() is None:
+            fg.kill()
+    said = out.decode(errors="replace")
+    assert [c["rank"] for c in doc["culprits"]] == [4], (doc, said[-3000:])
+    assert "stopped" in doc["culprits"][0]["why"] and doc["culprits"][0]["node"] == cluster.nodes[1].name, doc
+    assert doc["collective"] and "all_reduce" in doc["collective"], doc
+    assert sorted(newest) == list(range(world)) and len(set(newest.values())) == 1, newest  # the stall held every rank at the same collective
+    assert fg.returncode != 0 and "rank 4" in said, said[-3000:]
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")

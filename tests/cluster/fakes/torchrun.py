@@ -14,8 +14,18 @@ it, and nothing else:
   makes a real rank do;
 - each rank writes its first line itself, `[default<LOCAL_RANK>]:rank R up`, the prefix the node
   agent's waiter gives a real rank's lines; then, every CLUSTERCTL_STANDIN_TICK seconds (default 1, 0: never), one
-  distinct line per live rank, `[default<L>]:rank R step K`, written by the stand-in on the ranks'
-  behalf (a rank is `sleep`, which cannot);
+  collective of every rank (`Collectives`: node 0 says `go K` to every stand-in over the rendezvous's
+  sockets, each enters its ranks that are not stopped and reports once all of them have, node 0 says
+  `done K` once every node has), after which one distinct line per live rank, `[default<L>]:rank R
+  step K`, is written by the stand-in on the ranks' behalf (a rank is `sleep`, which cannot). So a
+  rank stopped (SIGSTOP) or a node cut stalls every rank inside collective K, as a real job's
+  all-reduce does;
+- the snapshot hook's answers (orchestrator/remote/hook/sitecustomize.py), given by the stand-in for
+  each rank (`HookAnswers`): a FIFO per rank pid in CLUSTERCTL_HOOK_DIR, a progress request answered
+  with the rank's process group 0 [entered, completed] and when it entered its newest collectives, a
+  full request with one Python stack (inside `all_reduce` while it waits) and a Flight Recorder of
+  its newest collectives (`gloo:all_reduce`). A stopped rank answers nothing until it runs again,
+  as a real rank's hook cannot: the hang watch names it by its /proc state;
 - on SIGUSR1 (SIGUSR2), CLUSTERCTL_STANDIN_BURST lines (default 1000) from every live rank written
   at once, distinct (`rank R line I`) or the same text from every rank (`line I of every rank`),
   then each rank's `rank R burst distinct|same done`: bench_scale's log throughput;
@@ -23,13 +33,14 @@ it, and nothing else:
   the others sent SIGTERM (SIGKILL after 30 s) and the stand-in exits 1; SIGTERM/SIGINT/SIGHUP to
   the stand-in ends the ranks the same way and exits 1.
 
-Not kept: the TARGET is not run (no Python in a rank, so no snapshot hook answers, no stacks, and
-no output handed to the waiter), no collectives (a rank does not notice a dead peer; only
-the control plane's teardown ends the other nodes), no TORCHELASTIC_ERROR_FILE is written, and a
-rank's failure time is not noted (the waiter sees no hand-over: so the run's summary names the
-node that failed first, not the rank).
+Not kept: the TARGET is not run (no Python in a rank: the stacks are the stand-in's, one frame, and
+no output is handed to the waiter), the collective carries no data, a rank does not notice a dead
+peer (the others wait in the collective forever; only the control plane's teardown ends the other
+nodes), no TORCHELASTIC_ERROR_FILE is written, and a rank's failure time is not noted (the waiter
+sees no hand-over: so the run's summary names the node that failed first, not the rank).
 """
 import argparse
+import json
 import os
 import select
 import signal
@@ -41,6 +52,7 @@ import time
 RDZV_TIMEOUT_S = float(os.environ.get("CLUSTERCTL_STANDIN_RDZV_TIMEOUT", "900"))
 TERM_GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL of its workers
 RANK_SH = 'printf "%s\\n" "$1"; exec sleep 2147483647'
+ENTRIES_KEPT = 64  # the newest collectives a rank's answers carry (the hook's FR_ENTRIES)
 
 
 def parse(argv):
@@ -161,6 +173,197 @@ def burst(kind, per, live):
     write_all("".join(buf + [f"[default{lo}]:rank {r} burst {kind} done\n" for lo, r in ranks]).encode())
 
 
+
+def stopped(pid):
+    """The rank's process is stopped (SIGSTOP: state T) or gone: it enters no collective and
+    answers no request."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "TtZX"
+    except (OSError, IndexError):
+        return True
+
+
+class Collectives:
+    """One all-reduce of every rank per tick, over the rendezvous's sockets (node 0 leads).
+
+    Node 0 sends `go K`; each stand-in enters its ranks that are not stopped into collective K
+    (noting when) and, once all of its live ranks have, sends `in K`; node 0 sends `done K` once
+    every node has; then every rank has completed K and its step line is written. A rank stopped
+    keeps its node from reporting, so every rank of every node waits in K until it runs again."""
+
+    def __init__(self, a, socks, live):
+        self.lead, self.nnodes, self.live = a.node_rank == 0, a.nnodes, live
+        self.peers = socks[1:] if self.lead else socks  # node 0's: the other nodes'; others': node 0's
+        for s in self.peers:
+            s.settimeout(5.0)  # a send to a node that stopped reading fails (the node is dropped), never blocks
+        self.bufs = {s.fileno(): b"" for s in self.peers}
+        self.entered = {pid: [] for pid in live}  # pid -> [(K, time entered ns)], newest last
+        self.go = self.completed = 0
+        self.reported = 0  # the newest K this node said it entered
+        self.joined = {}  # node 0: K -> how many nodes entered it
+
+    def fds(self):
+        return [s.fileno() for s in self.peers]
+
+    def tick(self):
+        """Node 0, each tick: the next collective, once the last one completed."""
+        if self.lead and self.go == self.completed:
+            self.send(self.peers, f"go {self.go + 1}")
+            self.on_go(self.go + 1)
+
+    def send(self, socks, text):
+        for s in list(socks):
+            try:
+                s.sendall(text.encode() + b"\n")
+            except OSError:
+                self.drop(s)
+
+    def drop(self, s):
+        if s in self.peers:  # a node gone: its collective never completes, as gloo's would not
+            self.peers.remove(s)
+            self.bufs.pop(s.fileno(), None)
+
+    def readable(self, fd):
+        s = next((p for p in self.peers if p.fileno() == fd), None)
+        if s is None:
+            return
+        try:
+            data = s.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.drop(s)
+            return
+        lines = (self.bufs[fd] + data).split(b"\n")
+        self.bufs[fd] = lines.pop()
+        for line in lines:
+            word, _, k = line.decode().partition(" ")
+            {"go": self.on_go, "in": self.on_in, "done": self.on_done}[word](int(k))
+
+    def on_go(self, k):
+        self.go = max(self.go, k)
+        self.enter()
+
+    def enter(self):
+        """Ranks not stopped enter the collective node 0 started; the node reports once all have."""
+        if self.go <= self.completed:
+            return
+        now = time.time_ns()
+        for pid in self.live:
+            got = self.entered.setdefault(pid, [])
+            if (not got or got[-1][0] < self.go) and not stopped(pid):
+                got.append((self.go, now))
+                del got[:-ENTRIES_KEPT]
+        if self.reported < self.go and all(self.entered[pid] and self.entered[pid][-1][0] == self.go
+                                           for pid in self.live):
+            self.reported = self.go
+            if self.lead:
+                self.on_in(self.go)
+            else:
+                self.send(self.peers, f"in {self.go}")
+
+    def on_in(self, k):
+        self.joined[k] = self.joined.get(k, 0) + 1
+        if self.joined[k] == self.nnodes:
+            del self.joined[k]
+            self.send(self.peers, f"done {k}")
+            self.on_done(k)
+
+    def on_done(self, k):
+        self.completed = max(self.completed, k)
+        os.write(1, b"".join(f"[default{lo}]:rank {r} step {k}\n".encode() for lo, r in self.live.values()))
+
+    def status(self, pid):
+        """[entered, completed] in process group 0, as the hook's _pg_status; {} before the first."""
+        got = self.entered.get(pid) or []
+        if not got:
+            return {}
+        return {"0": [got[-1][0], min(self.completed, got[-1][0])]}
+
+
+class HookAnswers:
+    """The snapshot hook's FIFO and answers for each rank (see the module's docstring)."""
+
+    def __init__(self, live, coll):
+        self.dir, self.coll, self.fifos, self.queued = os.environ.get("CLUSTERCTL_HOOK_DIR"), coll, {}, {}
+        if not self.dir or not os.path.isdir(self.dir):
+            return
+        for pid in live:
+            path = os.path.join(self.dir, f"{pid}.fifo")
+            try:
+                os.mkfifo(path, 0o600)
+                rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                wfd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # held: no end of file between askers
+            except OSError:
+                continue
+            self.fifos[rfd] = (pid, path, wfd)
+
+    def fds(self):
+        return list(self.fifos)
+
+    def readable(self, fd):
+        pid = self.fifos[fd][0]
+        try:
+            got = os.read(fd, 4096).decode(errors="replace").split()
+        except BlockingIOError:
+            return
+        self.queued.setdefault(pid, []).extend(got)
+        self.answer()
+
+    def answer(self):
+        """Answers what a rank was asked, unless it is stopped: it answers once it runs again."""
+        for pid, requests in list(self.queued.items()):
+            if stopped(pid):
+                continue
+            del self.queued[pid]
+            for request in requests:
+                if request.isdigit() or (request[:1] == "p" and request[1:].isdigit()):
+                    self.write(pid, request)
+
+    def write(self, pid, request):
+        local, rank = self.coll.live.get(pid, (None, None))
+        got = self.coll.entered.get(pid) or []
+        doc = {"pid": pid, "rank": str(rank), "request": request, "time": time.time()}
+        if request[0] == "p":
+            doc.update(steps=[], pgs=self.coll.status(pid), entered=[["0", k, t] for k, t in got])
+        else:
+            inside = bool(got) and got[-1][0] > self.coll.completed
+            frames = [{"file": "standin_rank.py", "line": 7, "code": "dist.all_reduce(x)", "func": "train_step",
+                       "lib": False}]  # its own code, then, while it waits, torch's (library code)
+            if inside:
+                frames.append({"file": "torch/distributed/distributed_c10d.py", "line": 2809, "code": "work.wait()",
+                               "func": "all_reduce", "lib": True})
+            status = {"0": {"last_enqueued_collective": got[-1][0] if got else -1,
+                            "last_completed_collective": min(self.coll.completed, got[-1][0]) if got else -1}}
+            entries = [{"pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": k, "p2p_seq_id": 0,
+                        "profiling_name": "gloo:all_reduce", "is_p2p": False, "input_sizes": [[1]],
+                        "state": "completed" if k <= self.coll.completed else "started", "time_created_ns": t,
+                        "frames": []} for k, t in got]
+            doc.update(local_rank=str(local), step=None, stacks=[{"thread": "MainThread", "main": True,
+                                                                   "frames": frames}],
+                       fr={"pg_status": status, "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                                      "ranks": "all"}}, "entries": entries})
+        path = os.path.join(self.dir, f"{pid}.{request}.json")
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(doc, f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+
+    def gone(self, pid):
+        for fd, (p, path, wfd) in list(self.fifos.items()):
+            if p == pid or pid is None:
+                for x in (fd, wfd):
+                    os.close(x)
+                del self.fifos[fd]
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
 def main(argv):
     a = parse(argv)
     tick = float(os.environ.get("CLUSTERCTL_STANDIN_TICK", "1"))
@@ -177,13 +380,16 @@ def main(argv):
     signal.signal(signal.SIGUSR1, lambda signum, frame: bursts.append("distinct"))
     signal.signal(signal.SIGUSR2, lambda signum, frame: bursts.append("same"))
     live = start_ranks(a)
-    step, next_tick = 0, time.monotonic() + tick
+    coll = Collectives(a, keep, live)
+    hook = HookAnswers(live, coll)
+    next_tick = time.monotonic() + tick
     while True:
         while live:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
             local, rank = live.pop(pid)
+            hook.gone(pid)
             code = os.waitstatus_to_exitcode(status)
             if code != 0:
                 sys.stderr.write(f"torchrun-standin: failed (exitcode: {code}) local_rank: {local} (pid: {pid}) "
@@ -194,15 +400,23 @@ def main(argv):
         while bursts:
             burst(bursts.pop(0), per, live)
         if tick > 0 and time.monotonic() >= next_tick:
-            step += 1
-            os.write(1, b"".join(f"[default{lo}]:rank {r} step {step}\n".encode() for lo, r in live.values()))
+            coll.tick()
             next_tick += tick * (1 + int((time.monotonic() - next_tick) // tick))
+        coll.enter()  # a rank stopped at `go` that runs again enters now
+        hook.answer()
         wait = next_tick - time.monotonic() if tick > 0 else None
-        select.select([wake_r], [], [], max(0.0, wait) if wait is not None else None)
+        wait = min(wait, 0.5) if wait is not None else 0.5  # a stopped rank's resumption seen within 0.5 s
+        ready, _, _ = select.select([wake_r, *coll.fds(), *hook.fds()], [], [], max(0.0, wait))
+        for fd in ready:
+            if fd in hook.fifos:
+                hook.readable(fd)
+            elif fd != wake_r:
+                coll.readable(fd)
         try:
             os.read(wake_r, 512)
         except BlockingIOError:
             pass
+    hook.gone(None)
     if not stop:
         return 0
     end_ranks(live)
