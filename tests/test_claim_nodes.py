@@ -77,6 +77,28 @@ def test_a_node_held_by_another_run_refuses_the_launch_and_leaves_nothing_claime
     assert holders(six) == {f"n{i}": (B if f"n{i}" == held else "") for i in range(6)}
 
 
+def test_a_refused_launch_leaves_no_directory_of_itself_and_a_used_one_stays(six):
+    """The claim's command makes the run's artifact directories; a launch refused on a later node
+    takes them away again with its claims, where empty (a checkpoint kept there stays)."""
+    top = os.path.join(os.environ["HOME"], ".clusterctl", "artifacts")
+    claim_nodes(six, six.inventory.select(["n4"]), B, "bob@ctl")
+    with pytest.raises(NodeBusy):
+        claim_nodes(six, six.inventory, A, "ann@ctl", dirs=True)
+    assert not os.path.exists(os.path.join(top, A)), os.listdir(os.path.join(top, A))
+    assert holders(six)["n0"] == ""
+    got = claim_nodes(six, six.inventory.select(["n0"]), A, "ann@ctl", dirs=True)
+    with open(os.path.join(got["n0"].dirs.dirs["checkpoints"], "ckpt.pt"), "w") as f:
+        f.write("weights")
+    assert agent.run(six, lambda n: agent.release(n, A, dirs=True), ["n0"])["n0"].released
+    assert os.listdir(os.path.join(top, A)) == ["checkpoints"]  # the empty ones went, the used one stayed
+
+
+def test_a_claim_asked_to_make_directories_for_an_unsafe_run_id_takes_nothing(six):
+    got = agent.run(six, lambda n: agent.claim(n, "..", "ann@ctl", dirs=True), ["n0"])["n0"]
+    assert got.error is not None and "bad run id" in got.error, got
+    assert holders(six)["n0"] == ""
+
+
 def test_of_two_launches_at_once_on_the_same_nodes_exactly_one_takes_them_all(six):
     for trial in range(8):
         won: dict[str, bool] = {}

@@ -11,6 +11,7 @@ from orchestrator.cli import main
 from orchestrator.errors import EXIT_UNREACHABLE
 from orchestrator.inventory import parse_inventory
 from orchestrator.transport import Cluster
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -308,9 +309,11 @@ def test_a_reopened_connection_counts_no_bytes_of_the_transport_it_replaced(make
         old = conn.exec("echo before; sleep 0.5; echo after")
         assert c.run("echo hi")["node1"].stdout == "hi\n"
         assert conn.data_at > float("-inf")
+        wait_for(lambda: old.chan.recv_ready(), 10, "the old channel's first line, not read yet")
         conn.reopen()
         assert conn.data_at == float("-inf")
-        old.read()  # whatever of the old transport's channel is left: not the new one's answer
+        out, _ = old.read()  # what the old transport's channel still holds: not the new one's answer
+        assert out.startswith(b"before\n"), out
         assert conn.data_at == float("-inf")
         assert c.run("echo again")["node1"].stdout == "again\n"
         assert conn.data_at > float("-inf")

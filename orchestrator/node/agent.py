@@ -5,9 +5,8 @@ CODE node_agent VERB ARGS`), its time limit and the reader that turns what came 
 verb's small frozen reply. A node that could not be asked, or whose answer could not be read,
 still gets a reply: its `error` says why.
 
-On a node a run's processes carry the key RUN_ID[.aK]@NODE (the attempt's key, then the node);
-a node's claim is held under RUN_ID@NODE.
-"""
+On a node a run's processes carry the key RUN_ID[.aK]@NODE (the attempt's key, then the node); a
+node's claim is held under RUN_ID@NODE."""
 
 from __future__ import annotations
 
@@ -180,9 +179,8 @@ class Claim:
 
 @dataclass(frozen=True)
 class Claimed:
-    """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim; asked
-    with `live`, also the runs alive on the node then, and with `dirs` (the claim taken) the run's
-    artifact directories there, made (None when not asked)."""
+    """`claim`'s answer: ok and the claim now the run's, or not and the holder's claim; with `live`, also the
+    runs alive on the node then, and with `dirs` (the claim taken) the run's artifact directories, made."""
 
     ok: bool
     claim: Claim = Claim()
@@ -239,9 +237,11 @@ def read_released(r: NodeResult) -> Released:
     return _reply(r, dict, lambda d: Released(d["released"] is True), lambda why: Released(False, why))
 
 
-def release(node: Node, run_id: str, timeout: float = TIMEOUT) -> Call[Released]:
-    """`release NODE RUN_ID@NODE`: drop the run's claim on the node (another run's stays)."""
-    return _call(node, "release", node.name, node_key(run_id, node), read=read_released, timeout=timeout)
+def release(node: Node, run_id: str, timeout: float = TIMEOUT, dirs: bool = False) -> Call[Released]:
+    """`release NODE RUN_ID@NODE [dirs]`: drop the run's claim on the node (another run's stays); with
+    dirs, the run's artifact directories too where they are empty (a refused launch's)."""
+    return _call(node, "release", node.name, node_key(run_id, node), *(["dirs"] if dirs else []), read=read_released,
+                 timeout=timeout)
 
 
 # ------------------------------------------------------------------ live runs, start, listening

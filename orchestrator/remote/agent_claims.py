@@ -7,7 +7,7 @@ import sys
 import time
 
 from .agent_base import BASE, read, run_pids
-from .common import safe_name, write_atomic
+from .common import ARTIFACTS, safe_name, write_atomic
 
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run started nothing on the node is held this long after it was taken or
@@ -103,15 +103,26 @@ def claim(node, key, who, extra=None):
     print(json.dumps({**doc, **(extra(doc["ok"]) if extra is not None else {})}))
 
 
-def release(node, key):
+def release(node, key, dirs=False):
+    """Drop the node's claim if run KEY holds it. With `dirs`, the run's artifact directories
+    (common.py run_dirs, made by its claim) are removed too where they are empty: a launch refused
+    on another node leaves nothing of itself here; a directory holding anything stays."""
     path = node_name_ok(node)
-    if not os.path.isdir(CLAIMS):
-        print(json.dumps({"released": False}))
-        return
-    with _locked_claim(path) as held:
-        if held.get("key") == key:
-            os.unlink(path)
-    print(json.dumps({"released": held.get("key") == key}))
+    released = False
+    if os.path.isdir(CLAIMS):
+        with _locked_claim(path) as held:
+            if held.get("key") == key:
+                os.unlink(path)
+                released = True
+    run = key.rpartition("@")[0]
+    if dirs and released and safe_name(run):
+        top = os.path.join(ARTIFACTS, run)
+        for d in [os.path.join(top, sub) for sub in ("checkpoints", "tensorboard", "replicas")] + [top]:
+            try:
+                os.rmdir(d)  # only an empty directory: a checkpoint or a log in it keeps it
+            except OSError:
+                pass
+    print(json.dumps({"released": released}))
 
 
 def claims():

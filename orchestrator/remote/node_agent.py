@@ -55,7 +55,8 @@ processes), never by name pattern.
                                launch's check for runs that hold no claim); with dirs and the
                                claim taken, also "dirs": the run's artifact directories, made
                                (artifacts.py `prepare`): one command where there were three
-  release NODE KEY             drop the node's claim if run KEY holds it
+  release NODE KEY [dirs]      drop the node's claim if run KEY holds it; with dirs, also the
+                               run's artifact directories where they are empty (a refused launch)
   claims                       print {NODE: claim + "stale"} for every claim on this machine
   wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
                                ("exited") or S seconds pass ("timeout")
@@ -77,12 +78,12 @@ import time
 # imported later, inside a verb, would be compiled again on every start; and a long-lived verb
 # (start's waiter) must hold all it needs before it runs, since its version may be pruned meanwhile
 from .agent_base import BASE, read, rundir, run_pids
-from .agent_claims import claim as take, claims, release
+from .agent_claims import claim as take, claims, release as drop
 from .agent_snapshot import snapshot
 from .agent_stop import stop
 from .agent_tail import Plain, follow, status
 from .agent_waiter import start
-from .common import private_files, run_dirs
+from .common import private_files, run_dirs, safe_name
 
 
 def tail(run_id, offset, report="", *watch):
@@ -119,6 +120,8 @@ def live():
 def claim(node, key, who, *more):
     if any(m not in ("live", "dirs") for m in more):
         sys.exit(f"unknown claim option {' '.join(more)!r}: expected live, dirs")
+    if "dirs" in more and not safe_name(key.rpartition("@")[0]):
+        sys.exit("bad run id")  # before the claim is taken: a refusal leaves nothing held
 
     def extra(ok):
         out = {"live": live_keys()} if "live" in more else {}
@@ -127,6 +130,12 @@ def claim(node, key, who, *more):
         return out
 
     take(node, key, who, extra if more else None)
+
+
+def release(node, key, *more):
+    if any(m != "dirs" for m in more):
+        sys.exit(f"unknown release option {' '.join(more)!r}: expected dirs")
+    drop(node, key, dirs=bool(more))
 
 
 def reach(timeout, *targets):

@@ -111,7 +111,8 @@ def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
     node first, and the node agent gives it to exactly one, so that one gets them all and the
     other is refused having taken nothing; the others at once cost one round trip instead of one
     per node (one at a time, 64 test nodes took 11.5 s). The run's own claim is renewed.
-    Refused: the claims taken are released and ClaimFailed says why, naming the first node in
+    Refused: the claims taken are released (with `dirs`, the empty directories they made removed)
+    and ClaimFailed says why, naming the first node in
     rank order that was refused (NodeBusy: the run holding it; ClaimLost: it went away). Returns
     each node's answer (with `live`, the runs alive there: `check_free` need not ask again; with
     `dirs`, the run's artifact directories: runs/restart.py `prepare_artifacts` need not make them)."""
@@ -125,7 +126,7 @@ def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
         taken += [n for n in part if got[n].error is None and got[n].ok]
         refused = [n for n in part if n not in taken]
         if refused:
-            agent.run(cluster, lambda n: agent.release(n, run_id), taken)
+            agent.run(cluster, lambda n: agent.release(n, run_id, dirs=dirs), taken)
             maybe = [n for n in refused if got[n].error is not None and not cluster.live([n])]
             raise refusal(cluster, inv, refused[0], got[refused[0]], maybe)
     return answers

@@ -8,6 +8,8 @@ prefixer), `on_done` each node's NodeResult as it ends. Callers never poll a Pro
 
 from __future__ import annotations
 
+import contextlib
+
 import selectors
 import threading
 import time
@@ -246,11 +248,30 @@ def open_all(items: list, open_one: Callable[[object], Proc | None], at_once: in
     it could not, and recorded why itself), in the order given. Starting a command on a node waits
     for two round trips (the channel's open, then the exec's reply, which sshd sends once it
     forked the session): one node after the other, 64 nodes waited 64 times over (3.5 s on the
-    64-node test cluster)."""
+    64-node test cluster). When one open raises, the others are still waited for, the commands they
+    started are killed and closed (none left running unowned), and the first error is raised."""
     if len(items) <= 1 or at_once <= 1:
-        return [p for p in map(open_one, items) if p is not None]
-    with ThreadPoolExecutor(max_workers=min(at_once, len(items)), thread_name_prefix="open") as ex:
-        return [p for p in ex.map(open_one, items) if p is not None]
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append((open_one(item), None))
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the opened ones are closed
+                outcomes.append((None, e))
+                break
+    else:
+        with ThreadPoolExecutor(max_workers=min(at_once, len(items)), thread_name_prefix="open") as ex:
+            outcomes = [(f.result(), None) if f.exception() is None else (None, f.exception())
+                        for f in [ex.submit(open_one, item) for item in items]]
+    opened = [p for p, _ in outcomes if p is not None]
+    error = next((e for _, e in outcomes if e is not None), None)
+    if error is not None:
+        for p in opened:
+            with contextlib.suppress(Exception):
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.close()
+        raise error
+    return opened
 
 
 # ------------------------------------------------------------------ the cluster
@@ -357,17 +378,17 @@ class Cluster:
                 results[node.name] = NodeResult(node.name, None, error=e.message, kind=ErrorKind.LOST)
                 return None
 
+        first = True  # the first ask fills every slot (opened at once); each later one takes a freed slot
+
         def pending() -> Proc | None:
-            # the first ask fills every slot, its nodes' channels opened at once; each later one
-            # takes the slot one node's end freed
+            nonlocal first
             while not ready and todo:
-                batch = todo[:1] if started else todo[:width]
+                batch = todo[:width] if first else todo[:1]
                 del todo[:len(batch)]
-                started.append(True)
+                first = False
                 ready.extend(open_all(batch, open_one))
             return ready.pop(0) if ready else None
 
-        started: list[bool] = []  # the first ask came
         results.update(stream((), on_line=on_line, on_bytes=on_bytes, timeout=timeout, capture=capture,
                               stop=stop, on_done=on_done, pending=pending,
                               fanout=max(1, len(wanted)) if follow else fanout or self.fanout))

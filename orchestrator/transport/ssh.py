@@ -74,7 +74,7 @@ class _SSHProc(Proc):
             out += c.recv(1 << 20)
         while c.recv_stderr_ready():
             err += c.recv_stderr(1 << 20)
-        if (out or err) and c.get_transport() is self.conn._transport_now():  # the node answers: its
+        if (out or err) and c.get_transport() is self.conn.transport_now():  # the node answers: its
             self.conn.data_at = time.monotonic()  # connection's next ping can wait (SSHConnection._watch)
         return out, err
 
@@ -291,7 +291,7 @@ class SSHConnection(Connection):
     def transport(self) -> paramiko.Transport:
         return self._conn.transport
 
-    def _transport_now(self) -> paramiko.Transport | None:
+    def transport_now(self) -> paramiko.Transport | None:
         """The open transport (None while there is none): a proc of one replaced by `reopen` is not its."""
         return None if self._conn is None else self._conn.transport
 
