@@ -1,6 +1,6 @@
 """The control plane's costs as curves over N test nodes x 8 ranks, with the light torchrun stand-in.
 
-    sudo .venv/bin/python bench/bench_scale.py [8 32 64 256] [--repeat 3] [--tick 1] [--window 10]
+    sudo .venv/bin/python bench/bench_scale.py [8 32 64 256] [--repeat 3] [--tick 1] [--window 10] [--ranks-per-node 8]
 
 For each N, one test cluster of N nodes and a spare (network namespaces with sshd, 8 fake GPUs each), whose
 inventory's `python:` runs tests/cluster/fakes/torchrun.py for `-m torch.distributed.run` (a
@@ -74,7 +74,7 @@ from bench_failfast import run_pids, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
-RANKS_PER_NODE = 8
+RANKS_PER_NODE = 8  # --ranks-per-node: the issue's 8 GPUs a node; more puts more ranks on fewer nodes
 # --real: what each rank runs under the real torchrun (no torch import: the launch chain is the subject)
 REAL_SCRIPT = """import os, time
 rank, tick, step = os.environ["RANK"], float(os.environ.get("CLUSTERCTL_STANDIN_TICK", "5")), 0
@@ -274,7 +274,7 @@ def status_paint(run_id: str, env: dict) -> dict:
             **paint("watch", ["watch", run_id, "--once"], env)}
 
 
-def straggler_round(world: int, rounds: int = 5) -> dict:
+def straggler_round(world: int, per_node: int, rounds: int = 5) -> dict:
     """The straggler judge's round over `world` ranks (runs/judge/straggler.py StragglerWatch.check,
     what the supervisor's watch thread does every PERIOD_S s with the streams' documents): each
     rank reports a window of new steps per round, rank world // 2 computing 3x the others; the
@@ -282,7 +282,7 @@ def straggler_round(world: int, rounds: int = 5) -> dict:
     from orchestrator.runs.judge.straggler import DEFAULT_WINDOW, StragglerWatch
 
     named: list = []
-    w = StragglerWatch(snap=list, node_of={r: f"node{r // RANKS_PER_NODE + 1}" for r in range(world)},
+    w = StragglerWatch(snap=list, node_of={r: f"node{r // per_node + 1}" for r in range(world)},
                        tell=lambda text: None, on_straggler=lambda new, cur: named.extend(new), say=lambda text: None,
                        streamed=True)
     took = []
@@ -411,7 +411,7 @@ def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dic
 
 def trial(cluster, inv: Path, home: Path, args) -> dict:
     """One run on the cluster: launch, steady state, status, kill a rank, every node clean."""
-    world = (cluster.n - 1) * RANKS_PER_NODE  # the last node is the spare
+    world = (cluster.n - 1) * args.ranks_per_node  # the last node is the spare
     for old in (home / "runs").glob("*") if (home / "runs").exists() else ():
         shutil.rmtree(old)  # the previous trial's run: the watchers read only this one's
     fg = Foreground(inv, home, world, fold=not args.no_fold)
@@ -420,7 +420,10 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
     try:
         first = fg.wait_all_up(args.launch_timeout)
         if first is None:  # the control copy may still have every rank: give it the same time
-            wait_for(lambda: len(copy.seen) >= world, 60, "every rank's first line in the control copy")
+            wait_for(lambda: len(copy.seen) >= world, 60,
+                     f"every rank's first line in the control copy (printed: {len(fg.seen)} of {world} ranks; "
+                     f"in the control copy so far: {len(copy.seen)}; the foreground's last lines: "
+                     f"{b''.join(fg.tail[-8:]).decode(errors='replace')!r})")
         out = {"first line, control copy s": copy.all_up(), "first line s": first,
                "ranks printed": len(fg.seen)}
         run_dir = next((home / "runs").glob("*/run.json")).parent
@@ -431,11 +434,11 @@ def trial(cluster, inv: Path, home: Path, args) -> dict:
         out.update(steady(sup, psutil.Process(fg.proc.pid), args.window, profile))
         out.update(node_scan(cluster))
         out.update(status_paint(run_dir.name, fg.env))
-        out.update(straggler_round(world))
+        out.update(straggler_round(world, args.ranks_per_node))
         if args.burst_lines and not args.real:
             out.update(log_bursts(fg, run_dir.name, burst_per_rank(args, cluster.n - 1)))
         if not args.real:  # the real chain's ranks (REAL_SCRIPT) enter no collective: no hang to name
-            out.update(hang_verdict(run_dir, world // 2 + RANKS_PER_NODE - 3, args.launch_timeout))
+            out.update(hang_verdict(run_dir, world // 2 + args.ranks_per_node - 3, args.launch_timeout))
         out.update(cut_and_restart(fg, cluster, run_dir, args.launch_timeout))
         out.update(teardown(fg, run_dir.name, world - 1, sup))
     finally:
@@ -476,12 +479,12 @@ def median(trials: list[dict]) -> dict:
 
 
 def burst_per_rank(args, n: int) -> int:
-    return max(1, args.burst_lines // (n * RANKS_PER_NODE))
+    return max(1, args.burst_lines // (n * args.ranks_per_node))
 
 
 def one_size(n: int, args) -> dict:
     t_up = time.monotonic()
-    with TestCluster(n=n + 1, gpus=RANKS_PER_NODE, name_prefix="ccsc") as cluster, \
+    with TestCluster(n=n + 1, gpus=args.ranks_per_node, name_prefix="ccsc") as cluster, \
             tempfile.TemporaryDirectory(prefix="bench-scale-", ignore_cleanup_errors=True) as td:
         up = time.monotonic() - t_up
         for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
@@ -515,11 +518,11 @@ def one_size(n: int, args) -> dict:
     return {"cluster up s": up, "trials": repeat, **median(trials)}
 
 
-def table(results: dict[int, dict]) -> str:
+def table(results: dict[int, dict], per: int = RANKS_PER_NODE) -> str:
     sizes = sorted(results)
     base = sizes[0]
     keys = list(dict.fromkeys(k for r in results.values() for k in r))
-    head = f"{'':28}" + "".join(f"{f'{n} x 8':>20}" for n in sizes)
+    head = f"{'':28}" + "".join(f"{f'{n} x {per}':>20}" for n in sizes)
     rows = [head]
     for k in (k for k in keys if k not in ("verdict", "failed")):
         cells = []
@@ -554,10 +557,12 @@ def main(argv=None):
                     help="lines of each log burst, shared out among the ranks (0: no bursts)")
     ap.add_argument("--no-fold", action="store_true", help="the foreground train with --no-fold")
     ap.add_argument("--repeat", type=int, default=3, help="runs per size (medians printed)")
+    ap.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE,
+                    help="ranks (fake GPUs) per node: 64 nodes x 32 puts 2,048 ranks where 256 nodes do not fit")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
     args = ap.parse_args(argv)
     what = "real torchrun" if args.real else "torchrun stand-in"
-    print(f"bench_scale: N nodes x {RANKS_PER_NODE} ranks ({what}), tick {args.tick}s, window "
+    print(f"bench_scale: N nodes x {args.ranks_per_node} ranks ({what}), tick {args.tick}s, window "
           f"{args.window}s, folding {'off' if args.no_fold else 'on'}, log bursts of {args.burst_lines} lines. The nodes share this machine's {psutil.cpu_count()} cores with the control "
           "process: node-side CPU lengthens every wall-clock figure.", flush=True)
     results = {}
@@ -566,8 +571,8 @@ def main(argv=None):
         print(json.dumps({"nodes": n, **{k: round(v, 4) if isinstance(v, float) else v
                                          for k, v in results[n].items()}}), flush=True)
     growth = "; growth factors against " + f"{min(results)} nodes" if len(results) > 1 else ""
-    print(f"\nper size (N nodes x {RANKS_PER_NODE} ranks{growth}):")
-    print(table(results))
+    print(f"\nper size (N nodes x {args.ranks_per_node} ranks{growth}):")
+    print(table(results, args.ranks_per_node))
     for n, r in results.items():
         if "failed" in r:
             print(f"{n} nodes: FAILED: {r['failed']}")
