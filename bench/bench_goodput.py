@@ -26,7 +26,7 @@ measures the step rate, and the step count is what the fault-free run does in --
 steps rather than the same wall budget: the final model is then the same model both ways, and
 goodput = steps in the final model / wall time from launching `train` to its exit needs no
 stopping rule; the ratio faulted / fault-free is the fault-free run's wall time over the faulted
-one's. Target (issue 21): >= 0.8.
+one's. Target (issue 33, over 20 minutes): >= 0.97 (issue 21 asked for 0.8).
 
 Printed, per run: wall time, final step, useful steps/s, the attempts (run.json) with their
 verdicts; per fault: what was injected, when (from the launch), into which attempt at which step;
@@ -74,7 +74,7 @@ FLAGS = ["--max-restarts", "4", "--min-nodes", "3", "--on-hang", "restart", "--o
          "--hang-timeout", "30", "--lost-timeout", "5"]
 FAULTS = ("link cut", "kill -9", "hang", "straggler")
 QUOTA = 0.15  # of one core, for the straggler
-TARGET = 0.8
+TARGET = 0.97  # issue 33 (over 20 minutes); issue 21 asked for 0.8
 START_STEP = re.compile(r"\| start step (\d+)")
 
 
