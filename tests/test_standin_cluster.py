@@ -29,32 +29,64 @@ NPROC = 3
 LOW_OPEN_FILES = 256
 
 
+def standin_run(make_cluster, home, tmp_path, n, gpus, prefix, env, **popen):
+    """A cluster of n stand-in nodes and `clusterctl train` started on it in the foreground:
+    (cluster, the foreground process)."""
+    cluster = make_cluster(n, gpus=gpus, name_prefix=prefix)
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/gpt_train")
+    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env=env)
+    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
+                          env=dict(os.environ, CLUSTERCTL_HOME=str(home)), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+    return cluster, fg
+
+
+def the_run_dir(home):
+    return wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
+                    else None, 120, "the run record").parent
+
+
+@contextlib.contextmanager
+def cleaned_up(fg):
+    """Yields a list for the processes the test suspends: on the way out each is resumed, and the
+    foreground train, if still running, killed."""
+    stopped = []
+    try:
+        yield stopped
+    finally:
+        for proc in stopped:
+            with contextlib.suppress(psutil.Error):
+                proc.resume()
+        if fg.poll() is None:
+            fg.kill()
+
+
+def control_copy(run_dir, cluster) -> str:
+    """Every node's log as the controller copied it so far."""
+    logs = [run_dir / "nodes" / f"{nd.name}.log" for nd in cluster.nodes]
+    return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+
+
 def low_open_files():
     """In the foreground train's child: a soft limit on open files below what a large cluster needs."""
     resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_OPEN_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
 def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path):
-    cluster = make_cluster(2, gpus=NPROC, name_prefix="ccsi")
-    for nd in cluster.nodes:
-        nd.run("mkdir -p ~/gpt_train")
-    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python),
-                                  env={"CLUSTERCTL_STANDIN_TICK": "0.5", "CLUSTERCTL_STANDIN_BURST": "40"})
+    cluster, fg = standin_run(make_cluster, home, tmp_path, 2, NPROC, "ccsi",
+                              {"CLUSTERCTL_STANDIN_TICK": "0.5", "CLUSTERCTL_STANDIN_BURST": "40"},
+                              preexec_fn=low_open_files)
     env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
-                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          preexec_fn=low_open_files)
-    try:
-        run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
-                             else None, 120, "the run record").parent
+    with cleaned_up(fg):
+        run_dir = the_run_dir(home)
         run_id, world = run_dir.name, 2 * NPROC
-        logs = [run_dir / "nodes" / f"{nd.name}.log" for nd in cluster.nodes]
 
         def copied():
-            return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+            return control_copy(run_dir, cluster)
         wait_for(lambda: all(f"rank {r} up" in copied() and f"rank {r} step 2" in copied() for r in range(world)),
-                   120, "every rank's first line and two steps in the control copy of the logs")
+                 120, "every rank's first line and two steps in the control copy of the logs")
         text = copied()
         for r in range(world):
             assert f"[default{r % NPROC}]:rank {r} up" in text
@@ -92,9 +124,6 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
         assert all(text.count(f"[default{lo}]:line {i} of every rank\n") == 2 for lo in range(NPROC) for i in (0, 39))
         os.kill(ranks[world - 1][0], signal.SIGKILL)
         out, _ = fg.communicate(timeout=120)
-    finally:
-        if fg.poll() is None:
-            fg.kill()
     said = out.decode(errors="replace")
     assert fg.returncode == 1, said[-3000:]
     assert f"{cluster.nodes[1].name} (ranks {NPROC}-{world - 1}) failed first: exit code 1" in said, said[-3000:]
@@ -113,19 +142,10 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
     from orchestrator.runs.judge.straggler import PERIOD_S
     from orchestrator.runs.logs.streams import STREAM_STALL_S
     stall_s = max(STREAM_STALL_S, 3 * PERIOD_S)  # runs/logs/streams.py _Copy: the silence that restarts a stream
-    cluster = make_cluster(3, gpus=2, name_prefix="ccsq")
-    for nd in cluster.nodes:
-        nd.run("mkdir -p ~/gpt_train")
-    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "1"})
-    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
-                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    quiet, victim = cluster.nodes[1], cluster.nodes[2]
-    frozen = None
-    try:
-        run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
-                           else None, 120, "the run record").parent
+    cluster, fg = standin_run(make_cluster, home, tmp_path, 3, 2, "ccsq", {"CLUSTERCTL_STANDIN_TICK": "1"})
+    quiet = cluster.nodes[1]  # frozen; the rank killed is on cluster.nodes[2]
+    with cleaned_up(fg) as stopped:
+        run_dir = the_run_dir(home)
         run_id = run_dir.name
         story = run_dir / "story.jsonl"
         log = run_dir / "nodes" / f"{quiet.name}.log"
@@ -138,6 +158,7 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
         frozen = wait_for(stream_proc, 30, f"{quiet.name}'s log stream process")
         ranks = {int(e["RANK"]): pid for pid, e in run_envs(cluster, run_id).items() if "RANK" in e}
         frozen.suspend()
+        stopped.append(frozen)
         quiet_from = time.monotonic()
         os.kill(ranks[5], signal.SIGKILL)  # the last rank, on the last node
         wait_for(lambda: story.exists() and "stopping every node" in story.read_text(), 60, "the teardown's start in the story")
@@ -146,12 +167,6 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
                  "the frozen stream's silence to pass the stall limit", interval=1)
         frozen.resume()
         out, _ = fg.communicate(timeout=120)
-    finally:
-        if frozen is not None:
-            with contextlib.suppress(psutil.Error):
-                frozen.resume()
-        if fg.poll() is None:
-            fg.kill()
     said = out.decode(errors="replace")
     assert fg.returncode == 1, said[-3000:]
     events = [json.loads(line) for line in story.read_text().splitlines() if line.strip()]
@@ -160,7 +175,7 @@ def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, h
     rec = json.loads((run_dir / "run.json").read_text())
     node = next(n for n in rec["nodes"] if n["name"] == quiet.name)
     assert node["exit_code"] is not None and node["state"] == "failed", node  # its end, by its own stream
-    assert f"[default1]:rank 3 up" in log.read_text(errors="replace")
+    assert "[default1]:rank 3 up" in log.read_text(errors="replace")
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
 
 
@@ -169,28 +184,19 @@ def test_a_stopped_standin_rank_stalls_every_rank_and_is_named_at_default_settin
     2,048 ranks): a rank stopped with SIGSTOP keeps every rank of both nodes inside the same
     collective (no step line after it), the ranks answer the hang watch's requests, and the watch,
     at default settings, names the stopped rank by its /proc state, no other."""
-    cluster = make_cluster(2, gpus=NPROC, name_prefix="ccsh")
-    for nd in cluster.nodes:
-        nd.run("mkdir -p ~/gpt_train")
-    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-    inv = cluster.write_inventory(tmp_path / "nodes.yaml", python=str(python), env={"CLUSTERCTL_STANDIN_TICK": "0.5"})
-    env = dict(os.environ, CLUSTERCTL_HOME=str(home))
-    fg = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv), "--skip-preflight"],
-                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    victim = None
-    try:
-        run_dir = wait_for(lambda: next(iter((home / "runs").glob("*/run.json")), None) if (home / "runs").exists()
-                           else None, 120, "the run record").parent
+    cluster, fg = standin_run(make_cluster, home, tmp_path, 2, NPROC, "ccsh", {"CLUSTERCTL_STANDIN_TICK": "0.5"})
+    with cleaned_up(fg) as stopped:
+        run_dir = the_run_dir(home)
         run_id, world = run_dir.name, 2 * NPROC
-        logs = [run_dir / "nodes" / f"{nd.name}.log" for nd in cluster.nodes]
 
         def copied():
-            return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+            return control_copy(run_dir, cluster)
         wait_for(lambda: all(f"rank {r} step 3\n" in copied() for r in range(world)), 120,
                  "three collectives of every rank in the control copy")
         ranks = {int(e["RANK"]): pid for pid, e in run_envs(cluster, run_id).items() if "RANK" in e}
         victim = psutil.Process(ranks[4])
         victim.suspend()
+        stopped.append(victim)
         # the default backstop is 300 s of silence: a verdict within 90 s is the watch's, from the answers
         verdict = wait_for(lambda: next(iter(run_dir.glob("hangs/*/verdict.json")), None), 90,
                            "the hang watch's verdict")
@@ -199,12 +205,6 @@ def test_a_stopped_standin_rank_stalls_every_rank_and_is_named_at_default_settin
         for m in re.finditer(r":rank (\d+) step (\d+)$", copied(), re.M):
             newest[int(m[1])] = max(newest.get(int(m[1]), 0), int(m[2]))
         out, _ = fg.communicate(timeout=120)
-    finally:
-        if victim is not None:
-            with contextlib.suppress(psutil.Error):
-                victim.resume()
-        if fg.poll() is None:
-            fg.kill()
     said = out.decode(errors="replace")
     assert [c["rank"] for c in doc["culprits"]] == [4], (doc, said[-3000:])
     assert "stopped" in doc["culprits"][0]["why"] and doc["culprits"][0]["node"] == cluster.nodes[1].name, doc
