@@ -65,7 +65,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_recovery import REPO, STEP, LogClock, _end_supervisor, _text, cli, run_dir_of, wait_for  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_recovery import STEP  # noqa: E402
+from bench.harness import REPO, LogClock, cli, end_supervisor, run_dir_of, text_of, wait_for  # noqa: E402
 
 from tests.cluster import TestCluster  # noqa: E402
 
@@ -142,7 +144,7 @@ def steps_of(clock: LogClock, node: str, since: float = 0.0, until: float = floa
     """(arrival, step) of the trainer's step lines in `node`'s log that arrived in [since, until)."""
     out = []
     for t, s in list(clock.lines.get(node, [])):
-        if since <= t < until and (m := STEP.match(_text(s))):
+        if since <= t < until and (m := STEP.match(text_of(s))):
             out.append((t, int(m.group(1))))
     return out
 
@@ -316,7 +318,7 @@ def one_run(label: str, faulted: bool, steps: int, ckpt_every: int, rng: random.
                 q.close()
         clock.stop()
         rec = rec_of(run_dir)
-        _end_supervisor(rec)
+        end_supervisor(rec)
         atts = rec.get("attempts") or []
         wall = (train.ended or time.time()) - train.t0
         last = max((s for a in atts for _, s in steps_of(clock, a["nodes"][0], a["started"])), default=0)
@@ -361,7 +363,7 @@ def calibrate(ckpt_every: int, measure_s: float = 30.0) -> tuple[float, float]:
         finally:
             train.kill()
         clock.stop()
-        _end_supervisor(rec_of(run_dir))
+        end_supervisor(rec_of(run_dir))
     if len(got) < 2:
         raise SystemExit("bench: the calibration run logged too few steps")
     return (got[-1][1] - got[0][1]) / (got[-1][0] - got[0][0]), t_first - train.t0
