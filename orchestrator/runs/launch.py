@@ -112,8 +112,8 @@ def claim_nodes(cluster: Cluster, inv: Inventory, run_id: str, who: str,
     other is refused having taken nothing; the others at once cost one round trip instead of one
     per node (one at a time, 64 test nodes took 11.5 s). The run's own claim is renewed.
     Refused: the claims taken are released (with `dirs`, the empty directories they made removed)
-    and ClaimFailed says why, naming the first node in
-    rank order that was refused (NodeBusy: the run holding it; ClaimLost: it went away). Returns
+    and ClaimFailed says why, naming the first node in rank order that was refused (NodeBusy: the
+    run holding it; ClaimLost: it went away). Returns
     each node's answer (with `live`, the runs alive there: `check_free` need not ask again; with
     `dirs`, the run's artifact directories: runs/restart.py `prepare_artifacts` need not make them)."""
     names = [n.name for n in inv.nodes]

@@ -9,7 +9,6 @@ prefixer), `on_done` each node's NodeResult as it ends. Callers never poll a Pro
 from __future__ import annotations
 
 import contextlib
-
 import selectors
 import threading
 import time

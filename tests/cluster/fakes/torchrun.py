@@ -173,7 +173,6 @@ def burst(kind, per, live):
     write_all("".join(buf + [f"[default{lo}]:rank {r} burst {kind} done\n" for lo, r in ranks]).encode())
 
 
-
 def stopped(pid):
     """The rank's process is stopped (SIGSTOP: state T) or gone: it enters no collective and
     answers no request."""
@@ -238,8 +237,10 @@ class Collectives:
         lines = (self.bufs[fd] + data).split(b"\n")
         self.bufs[fd] = lines.pop()
         for line in lines:
-            word, _, k = line.decode().partition(" ")
-            {"go": self.on_go, "in": self.on_in, "done": self.on_done}[word](int(k))
+            word, _, k = line.decode(errors="replace").partition(" ")
+            step = {"go": self.on_go, "in": self.on_in, "done": self.on_done}.get(word)
+            if step is not None and k.isdigit():  # anything else is not a stand-in's: ignored
+                step(int(k))
 
     def on_go(self, k):
         self.go = max(self.go, k)
@@ -353,6 +354,11 @@ class HookAnswers:
             pass
 
     def gone(self, pid):
+        """The rank ended (pid None: every rank, the stand-in ends): its FIFO and what it was asked go."""
+        if pid is None:
+            self.queued.clear()
+        else:
+            self.queued.pop(pid, None)
         for fd, (p, path, wfd) in list(self.fifos.items()):
             if p == pid or pid is None:
                 for x in (fd, wfd):
