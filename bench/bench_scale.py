@@ -356,10 +356,9 @@ def hang_verdict(run_dir: Path, rank: int, timeout: float) -> dict:
     collective (tests/cluster/fakes/torchrun.py Collectives) -> the hang watch's verdict file
     (runs/RUN/hangs/N/verdict.json; the run goes on under --on-hang observe), and whether it names
     that rank and no other. The rank is let go after, and its next step line waited for."""
-    pid, log = rank_pid(run_dir.name, rank), None
-    for path in (run_dir / "nodes").glob("*.log"):
-        if f":rank {rank} step " in path.read_text(errors="replace"):
-            log = path
+    pid = rank_pid(run_dir.name, rank)
+    log = next((path for path in sorted((run_dir / "nodes").glob("*.log"))  # the rank's node's log: read
+                if f":rank {rank} step " in path.read_text(errors="replace")), None)  # until found, not all
     before = log.stat().st_size if log else 0
     t0 = time.monotonic()
     os.kill(pid, signal.SIGSTOP)

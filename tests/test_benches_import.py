@@ -13,6 +13,17 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py")))
 def test_the_bench_imports(name, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # as `python bench/NAME.py` runs it
+    """Imported as `python bench/NAME.py` would (bench/ first on the path); the bench's additions to
+    sys.path and its own modules (bench/*.py) are taken away after, so no later test in this worker
+    imports a bench's module (bench/harness.py) for one of its own. Libraries the bench imported
+    stay: a C extension cannot be unloaded."""
+    path, modules = list(sys.path), set(sys.modules)
+    monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setattr(sys, "argv", [f"bench/{name}.py"])
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.path[:] = path
+        for added in set(sys.modules) - modules:
+            if Path(getattr(sys.modules[added], "__file__", None) or "/").parent == BENCH:
+                del sys.modules[added]

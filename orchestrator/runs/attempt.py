@@ -4,8 +4,7 @@ An attempt runs under its own key on the nodes (RUN_ID, then RUN_ID.aK) and retu
 RunResult to the run loop (orchestrator/runs/controller.py) instead of deciding what follows;
 nothing final is recorded here. Its failure policy is its own (runs/policy.py): the first node
 to fail stops every other node of this attempt, and its teardown is bound to this attempt's key
-and nodes, so a node that cannot be reached keeps a pending stop for exactly what ran there.
-"""
+and nodes, so a node that cannot be reached keeps a pending stop for exactly what ran there."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
+from orchestrator.runs.claims import Claims
 from orchestrator.runs.judge.hang import HangVerdict
 from orchestrator.runs.judge.hangsnap import RankSnap, snaps_of
 from orchestrator.runs.judge.hangwatch import HangWatch
@@ -70,7 +70,7 @@ class AttemptRunner:
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
         self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
-        self.live_found: Callable[[], dict[str, agent.Live]] = dict  # runs/claims.py's: set by the run loop
+        self.claims: Claims | None = None  # the run loop's (runs/claims.py), read as Readying reads it
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
@@ -84,7 +84,7 @@ class AttemptRunner:
         if not self.spec.skip_preflight:
             gpus_found = self.preflight()
         self.book.attempt_changed(preflight_s=round(time.monotonic() - t0, 3))
-        check_free(self.cluster, self.inv, self.spec.force, self.live_found())
+        check_free(self.cluster, self.inv, self.spec.force, self.claims.live_found if self.claims else {})
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)

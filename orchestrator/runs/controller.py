@@ -258,7 +258,7 @@ class Controller:
                                      stop_requests=self.stop_requests, say=say)
         self.current.artifacts = self.copier
         self.current.can_replace = self.can_replace
-        self.current.live_found = lambda: self.claims.live_found
+        self.current.claims = self.claims
         return self.current
 
     def can_replace(self, nodes: list[str]) -> str | None:

@@ -19,7 +19,7 @@ from typing import Callable
 
 from orchestrator.node import drill, wire
 from orchestrator.runs import goodput, stepjournal
-from orchestrator.runs.drillreport import Outcome
+from orchestrator.runs.drillreport import RUN_S, STOP_S, THROTTLE_S, Outcome
 from orchestrator.runs.liveview import SLOW
 from orchestrator.runs.logs.follow import worker_failure
 from orchestrator.runs.runrecord import AttemptRecord, RunRecord
@@ -29,11 +29,6 @@ from orchestrator.transport import Cluster
 POLL_S = 0.5
 TRAINING_STEPS = 2  # progress points after an attempt's launch that say it trains
 TRAIN_WAIT_S = 900.0  # the longest a run may take to train (again)
-# a straggler: while it computes, stopped three quarters of the time, for 90 s. The watch names it
-# after its window of collectives and 3 rounds of 10 s in a row (52 s on the 2-core test cluster).
-# Stopped half the time, the rank computed 1.4x the median alone there and 1.2x beside another
-# job (the cores shared: below the 1.3x factor); a quarter of the time running leaves room for that
-THROTTLE_S, STOP_S, RUN_S = 90.0, 0.15, 0.05
 CALL_S = 60.0  # one call of remote/drill.py (a throttle: its length more)
 
 

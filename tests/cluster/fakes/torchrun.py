@@ -412,8 +412,10 @@ def main(argv):
         hook.answer()
         wait = next_tick - time.monotonic() if tick > 0 else None
         wait = min(wait, 0.5) if wait is not None else 0.5  # a stopped rank's resumption seen within 0.5 s
-        ready, _, _ = select.select([wake_r, *coll.fds(), *hook.fds()], [], [], max(0.0, wait))
-        for fd in ready:
+        poller = select.poll()  # not select.select: node 0 of 256 nodes holds fds past FD_SETSIZE (1024)
+        for fd in (wake_r, *coll.fds(), *hook.fds()):
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(max(0.0, wait) * 1000):
             if fd in hook.fifos:
                 hook.readable(fd)
             elif fd != wake_r:
