@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from orchestrator.runs.judge.straggler import CONFIRM, Slow, StragglerWatch, describe, judge, merge
+from orchestrator.runs.judge.straggler import (CONFIRM, KEEP, SUSTAIN_S, Slow, StragglerWatch, describe, judge, merge,
+                                               sustained)
 from tests.conftest import wait_for
 from tests.test_hang import HOOK
 from tests.test_node_agent import agent, rundir  # noqa: F401 - fixture
@@ -91,6 +92,44 @@ def test_the_watch_names_a_straggler_once_confirmed_and_says_when_it_recovered()
         w.check(docs(even, 200 + 5 * k, 5))
     assert told[-1] == "straggler: n3 rank 2 no longer computes slower than the median"
     assert acted[-1] == ([], None) and w.current is None
+
+
+def throttled(steps: int, slow_from: int = 0, slow_s: float = 0.047, fast_s: float = 0.016):
+    """Every rank at fast_s a step (+-5 %), rank 2 at slow_s from step `slow_from` (the goodput
+    bench's straggler: 47 ms against 16 ms)."""
+    return {r: [(slow_s if r == 2 and s >= slow_from else fast_s) * (1 + 0.05 * ((s + r) % 3 - 1))
+                for s in range(steps)] for r in range(4)}
+
+
+def test_a_straggler_proven_by_its_history_is_named_in_one_check():
+    told, acted = [], []
+    w = watch(told, acted, window=50)
+    samples = throttled(300)  # 6 windows of 47 ms steps: 14 s of the rank's compute, every window slow
+    assert [s.rank for s in sustained(samples, NODES, window=50)] == [2]
+    w.check([{"rank": r, "answer": {"steps": [[s, v[s]] for s in range(300)]}} for r, v in samples.items()])
+    assert told == ["straggler: n3 rank 2 computes 2.9x the median (47 ms vs 16 ms over the last 50 steps)"]
+    assert acted == [([2], told[0])] and w.rounds == 1
+
+
+def test_a_history_too_short_or_with_a_healthy_window_between_proves_nothing():
+    need = int(SUSTAIN_S / 0.047 / 50) + 1  # windows of 47 ms steps that reach SUSTAIN_S
+    assert CONFIRM <= need <= KEEP
+    short = throttled(50 * (need - 1))  # every window slow, but under SUSTAIN_S of compute
+    assert judge(short, NODES, window=50) and sustained(short, NODES, window=50) == []
+    recent = throttled(50 * KEEP, slow_from=50 * (KEEP - need + 1))  # slow only since one window too few
+    assert sustained(recent, NODES, window=50) == []
+    gap = throttled(50 * KEEP)
+    gap[2][-100:-50] = [0.016] * 50  # the window before the newest: as fast as the others
+    assert sustained(gap, NODES, window=50) == []
+    fast = throttled(50 * KEEP, slow_s=0.03, fast_s=0.01)  # 3x, but 9 s of compute in all the windows kept
+    assert judge(fast, NODES, window=50) and sustained(fast, NODES, window=50) == []
+    told, acted = [], []
+    w = watch(told, acted, window=50)
+    for k in range(CONFIRM):  # the checks in a row still name it
+        assert told == []
+        w.check([{"rank": r, "answer": {"steps": [[1000 * k + s, v[s]] for s in range(len(v))]}}
+                 for r, v in fast.items()])
+    assert told == ["straggler: n3 rank 2 computes 3.0x the median (30 ms vs 10 ms over the last 50 steps)"]
 
 
 def test_the_watch_names_nobody_on_a_healthy_run():

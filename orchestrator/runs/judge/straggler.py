@@ -13,7 +13,9 @@ process per node per round, over the open connections). The supervisor's log say
 
 `judge` is the rule, pure: each rank's median compute over its last `window` steps; a rank whose
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
-is slow. A rank found slow on CONFIRM checks in a row is named a straggler, with its node:
+is slow. A rank found slow on CONFIRM checks in a row is named a straggler, or sooner when one look
+at its history proves it (`sustained`: slow in each of its newest disjoint windows, back to back,
+CONFIRM or more of them and SUSTAIN_S of its compute in all), with its node:
 `straggler: node3 rank 2 computes 2.6x the median (480 ms vs 185 ms over the last 50 steps)`;
 one that stays below the factor for CONFIRM checks is told to have recovered.
 
@@ -54,6 +56,10 @@ ON_STRAGGLER = ("warn", "replace")
 PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
 CONFIRM = 3  # checks in a row before a rank is named (or named recovered): 20-30 s of persistence at PERIOD_S
 # (with 2, a healthy run on a loaded machine once had a rank named for 1.4x over two 50-step windows)
+SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoint windows, back to back, whose
+# steps took the rank at least this much compute (`sustained`): 10 s of evidence without a gap instead of
+# 3 glimpses over 20-30 s; the goodput bench's straggler (47 ms steps) was named after 41 s by checks alone
+KEEP = 6  # windows of steps kept per rank: `sustained` reaches back this far (at most)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
 ANSWER_S = 5.0  # how long a node's agent waits for its ranks' progress answers
@@ -87,6 +93,29 @@ def judge(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window
     med = statistics.median(full.values())
     return [Slow(r, node_of.get(r, "?"), c, med, window, unit) for r, c in sorted(full.items())
             if c >= factor * med and c - med >= MIN_GAP_S]
+
+
+def sustained(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window: int = DEFAULT_WINDOW,
+              factor: float = DEFAULT_FACTOR, unit: str = "steps", confirm: int = CONFIRM,
+              span_s: float = SUSTAIN_S) -> list[Slow]:
+    """The ranks slow (`judge`) in each of their newest disjoint windows of `window` steps, back to back,
+    as far back as it takes for at least `confirm` windows whose steps took the rank `span_s` of compute
+    in all: a straggler proven in one look at the history, without waiting for CONFIRM checks. Each
+    window is judged against every rank's same window (the steps every rank reported last)."""
+    newest = judge(samples, node_of, window, factor, unit)
+    out = []
+    for s in newest:
+        v, spent, k = samples[s.rank], 0.0, 0
+        while len(v) >= (k + 1) * window:
+            if k and s.rank not in {x.rank for x in judge({r: u[:len(u) - k * window] for r, u in samples.items()},
+                                                          node_of, window, factor, unit)}:
+                break
+            spent += sum(v[len(v) - (k + 1) * window:len(v) - k * window])
+            k += 1
+            if k >= confirm and spent >= span_s:
+                out.append(s)
+                break
+    return out
 
 
 def _ms(s: float) -> str:
@@ -281,13 +310,13 @@ class StragglerWatch:
 
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""
-        merge(self.steps, ranks, 4 * self.window)
+        merge(self.steps, ranks, KEEP * self.window)
         samples = {r: [v[s] for s in sorted(v)] for r, v in self.steps.items()}
         unit = "steps"
         if not samples and self.offsets is not None and any((d.get("answer") or {}).get("entered") for d in ranks):
             if self.clock is None or time.monotonic() - self.clock[0] > OFFSETS_S:
                 self.clock = (time.monotonic(), self.measure())
-            merge_entered(self.entered, ranks, self.clock[1], self.node_of, 4 * self.window + 1)
+            merge_entered(self.entered, ranks, self.clock[1], self.node_of, KEEP * self.window + 1)
             samples, unit = fr_compute(self.entered), "collectives"
         slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor, unit)}
         judged = {r for r, v in samples.items() if len(v) >= self.window}
@@ -300,9 +329,10 @@ class StragglerWatch:
             per = unit[:-1]
             self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} {unit}: median "
                      f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
+        proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit)} if slow else set()
         for r in judged:
             was = self.streak.get(r, 0)
-            self.streak[r] = (max(was, 0) + 1) if r in slow else (min(was, 0) - 1)
+            self.streak[r] = (max(was, 0, CONFIRM - 1 if r in proven else 0) + 1) if r in slow else (min(was, 0) - 1)
         new = [slow[r] for r in sorted(slow) if self.streak[r] >= CONFIRM and r not in self.named]
         gone = [r for r in sorted(self.named) if self.streak.get(r, 0) <= -CONFIRM]
         for r in gone:
