@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import sys
 
 import pytest
@@ -14,9 +13,10 @@ import pytest
 from orchestrator import probe
 from orchestrator.inventory import parse_inventory
 from orchestrator.node import agent
-from orchestrator.node.agent import (AgentStatus, Claim, Claimed, Claims, Live, Port, Released, RunKey, Started,
+from orchestrator.node.agent import (AgentStatus, Claim, Claimed, Claims, Live, Released, RunKey, Started,
                                      StartSpec, StopResult, StreamFrom)
 from orchestrator.transport import Cluster, ErrorKind, NodeResult, wait
+from tests.conftest import wait_for
 
 RUN = "run-20261124-101428-e58f"
 BOOT = ["-c", probe.BOOT, probe.node_code_path().replace("~", "$HOME", 1), "node_agent"]  # every verb's line starts so
@@ -91,31 +91,21 @@ def test_a_python_that_does_not_run_gives_replies_that_say_why(tmp_path, monkeyp
 
 
 JOB = """
-import socket, sys, time
-s = socket.socket()
-s.bind(("127.0.0.1", int(sys.argv[1])))
-time.sleep(0.3)
-s.listen()
+import time
 print("up", flush=True)
 time.sleep(60)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_start_live_wait_listening_status_stop_and_tail_of_a_job(nodes, tmp_path):
+def test_start_live_status_stop_and_tail_of_a_job(nodes, tmp_path):
     """A job that is not torchrun: the agent starts any argv, so every verb of a run is met."""
-    key, port = f"{RUN}.a2", free_port()
-    spec = StartSpec([sys.executable, "-c", JOB, str(port)], str(tmp_path), {"JOB_TOKEN": "t'o k$en"})
+    key = f"{RUN}.a2"
+    spec = StartSpec([sys.executable, "-c", JOB], str(tmp_path), {"JOB_TOKEN": "t'o k$en"})
     try:
         started = agent.run(nodes, lambda n: agent.start(n, key, spec), ["n0"])["n0"]
         assert isinstance(started.pid, int) and started.error is None and started.not_started is None
-        port_now = agent.run(nodes, lambda n: agent.wait_listening(n, key, port, 20), ["n0"])["n0"]
-        assert port_now is Port.LISTENING
+        wait_for(lambda: agent.run(nodes, lambda n: agent.status(n, key), ["n0"])["n0"].last_line == "up", 20,
+                 "the job's first line")
         assert agent.run(nodes, agent.live) == {"n0": Live((RunKey(f"{key}@n0", RUN, 2, "n0"),)), "n1": Live()}
         other = "run-20261124-111111-abcd"  # a launch's claim says the same in its one command
         claimed = agent.run(nodes, lambda n: agent.claim(n, other, "bob@ctl", live=True))
@@ -131,7 +121,6 @@ def test_start_live_wait_listening_status_stop_and_tail_of_a_job(nodes, tmp_path
     assert stopped == StopResult(True, 0)
     st = agent.run(nodes, lambda n: agent.status(n, key), ["n0"])["n0"]
     assert st.exit_code is not None and st.alive == 0 and st.stop_requested and st.last_line == "up"
-    assert agent.run(nodes, lambda n: agent.wait_listening(n, key, port, 5), ["n0"])["n0"] is Port.EXITED
     tail = agent.tail(nodes.inventory.node("n0"), key, 0)
     res = wait(tail.start(nodes.connections["n0"]), 30)
     assert res.stdout == "up\n"
@@ -280,12 +269,9 @@ def test_a_run_key_reads_as_run_attempt_and_node(key, want):
     assert (got and (got.run, got.attempt, got.node)) == want
 
 
-def test_start_and_wait_listening_replies():
+def test_start_replies():
     started = agent.read_started(ok('{"pid": 4242, "pgid": 4242, "waiter": 4241, "started": 1.0}\n'))
     assert started == Started(4242)
     assert agent.read_started(ok('{"pid": null, "error": "No such file"}\n')) == Started(None, "No such file")
     assert agent.read_started(NodeResult("n0", 1, stderr="the run did not start: boom\n")).error == \
         "exit code 1 the run did not start: boom"
-    assert [agent.read_port(ok(w)) for w in ("listening\n", "exited\n", "timeout\n", "huh\n")] == \
-        [Port.LISTENING, Port.EXITED, Port.TIMEOUT, Port.UNANSWERED]
-    assert agent.read_port(NodeResult("n0", 1, stdout="listening\n")) is Port.UNANSWERED

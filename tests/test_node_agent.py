@@ -4,7 +4,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -145,19 +144,6 @@ def test_stop_graceful_exit_code_is_the_signal(agent):
     assert wait_for(lambda: b"up" in (d / "log").read_bytes())
     assert json.loads(agent("stop", "s2@n1", 5).stdout) == {"left": 0}
     assert (d / "exit_code").read_text() == "143"  # 128 + SIGTERM
-
-
-def test_wait_listening(agent):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); time.sleep(1); "
-            "s.listen(); time.sleep(30)")
-    start(agent, "w1@n1", code)
-    assert agent("wait-listening", "w1@n1", port, 20).stdout.strip() == "listening"
-    agent("stop", "w1@n1", 0)
-    start(agent, "w2@n1", "import sys; sys.exit(1)")
-    assert agent("wait-listening", "w2@n1", port, 20).stdout.strip() == "exited"
 
 
 # torchrun's part as the node sees it: start the rank (RANK in its environment, not in torchrun's),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Callable, Mapping, Sequence, TypeVar
 
 from orchestrator.inventory import Node
@@ -308,25 +307,6 @@ def start(node: Node, key: str, spec: StartSpec) -> Call[Started]:
     """`start RUN_KEY -`: the spec's JSON on stdin, never on a command line (the inventory's env
     holds tokens, and `ps` on the node shows argv)."""
     return call(_exec(node, "start", node_key(key, node), "-", stdin=spec.encoded()), TIMEOUT, read_started)
-
-
-class Port(Enum):
-    """`wait-listening`: how the wait for the run's port ended."""
-
-    LISTENING = "listening"
-    EXITED = "exited"  # the run ended first
-    TIMEOUT = "timeout"
-    UNANSWERED = "unanswered"  # the agent did not answer (or answered something else)
-
-
-def read_port(r: NodeResult) -> Port:
-    words = r.stdout.split() if r.ok else []
-    return next((p for p in Port if words and p.value == words[-1]), Port.UNANSWERED)
-
-
-def wait_listening(node: Node, key: str, port: int, seconds: float) -> Call[Port]:
-    """`wait-listening RUN_KEY PORT S`: until the port listens, the run ends or `seconds` pass."""
-    return _call(node, "wait-listening", node_key(key, node), port, seconds, read=read_port, timeout=seconds + 30)
 
 
 # ------------------------------------------------------------------ the log stream

@@ -1,6 +1,6 @@
 """clusterctl's node agent: a program of the node code (probe.py `node_code`: `PYTHON -c BOOT CODE
 node_agent CMD ARGS`), stdlib only. This module holds the verbs' dispatcher and the small verbs
-(live, reach, wait-listening, tail's choice of output); the rest are modules of their own:
+(live, reach, tail's choice of output); the rest are modules of their own:
 agent_base.py (the run directory, the run key's processes, small waits), agent_waiter.py (start
 and the waiter), agent_lines.py (RankLines), agent_stop.py (stop, end_run), agent_tail.py (status,
 the log's follower), agent_stream.py (the framed stream), agent_snapshot.py (snapshot, py-spy),
@@ -58,8 +58,6 @@ processes), never by name pattern.
   release NODE KEY [dirs]      drop the node's claim if run KEY holds it; with dirs, also the
                                run's artifact directories where they are empty (a refused launch)
   claims                       print {NODE: claim + "stale"} for every claim on this machine
-  wait-listening KEY PORT S    wait until TCP PORT listens ("listening"), the run ends
-                               ("exited") or S seconds pass ("timeout")
   snapshot KEY N WAIT [progress] each rank's /proc state and what its hook (remote/hook/
                                sitecustomize.py, in RUNDIR/py on the job's PYTHONPATH) answers
                                to request N within WAIT s: its Python stacks and Flight Recorder
@@ -71,7 +69,6 @@ processes), never by name pattern.
 import json
 import os
 import sys
-import time
 
 # every module a verb uses, imported with this one: the boot writes the package's bytecode on the
 # node only while it imports the program (even where PYTHONDONTWRITEBYTECODE is set), so a module
@@ -164,33 +161,9 @@ def reach(timeout, *targets):
     print(json.dumps({t: out.get(t, "no answer") for t in targets}))
 
 
-def is_listening(port):
-    want = "%04X" % int(port)
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in (read(table, "") or "").splitlines()[1:]:
-            parts = line.split()
-            if parts[1].rsplit(":", 1)[1] == want and parts[3] == "0A":
-                return True
-    return False
-
-
-def wait_listening(run_id, port, seconds):
-    d = rundir(run_id)
-    deadline = time.time() + float(seconds)
-    while time.time() < deadline:
-        if is_listening(port):
-            print("listening")
-            return
-        if read(os.path.join(d, "exit_code")) is not None:
-            print("exited")
-            return
-        time.sleep(0.1)
-    print("timeout")
-
-
 def main(argv):
     private_files()
     cmd, args = argv[0], argv[1:]
     {"start": start, "stop": stop, "status": status, "tail": tail, "live": live,
-     "wait-listening": wait_listening, "claim": claim, "release": release,
+     "claim": claim, "release": release,
      "claims": claims, "snapshot": snapshot, "reach": reach}[cmd](*args)
