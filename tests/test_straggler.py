@@ -132,6 +132,32 @@ def test_a_history_too_short_or_with_a_healthy_window_between_proves_nothing():
     assert told == ["straggler: n3 rank 2 computes 3.0x the median (30 ms vs 10 ms over the last 50 steps)"]
 
 
+def test_the_span_is_read_on_the_ranks_clock_where_its_steps_say_when():
+    """The goodput bench's straggler: 45 ms of compute in steps of 105 ms (it waits in the
+    all-reduce too). 200 steps: 9 s of compute, under SUSTAIN_S, but 21 s of the rank's clock."""
+    samples = throttled(200, slow_s=0.045, fast_s=0.013)
+    clock = {r: [1000.0 + 0.105 * s for s in range(200)] for r in samples}
+    assert sustained(samples, NODES, window=50) == []  # by compute alone: not yet
+    assert [s.rank for s in sustained(samples, NODES, window=50, at=clock)] == [2]
+    fast = {r: [1000.0 + 0.02 * s for s in range(200)] for r in samples}  # 4 s on its clock: not yet either
+    assert sustained(samples, NODES, window=50, at=fast) == []
+    told, acted = [], []
+    w = watch(told, acted, window=50)
+    w.check([{"rank": r, "answer": {"steps": [[s, v[s], clock[r][s]] for s in range(200)]}} for r, v in samples.items()])
+    assert told and told[0].startswith("straggler: n3 rank 2 computes 3.")
+    assert w.told_at[2][199] == pytest.approx(1000.0 + 0.105 * 199)
+
+
+def test_the_hook_says_when_each_step_was_told(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # not a rank: the hook only defines its functions
+    hook = {"__name__": "hook_under_test", "__file__": "/nonexistent/sitecustomize.py"}
+    exec(compile(HOOK, "sitecustomize.py", "exec"), hook)
+    t0 = time.monotonic()
+    hook["clusterctl_step"](7, 0.25)
+    step, compute, at = hook["_steps"][-1]
+    assert (step, compute) == (7, 0.25) and t0 - 0.01 <= at <= time.monotonic() + 0.01
+
+
 def test_the_watch_names_nobody_on_a_healthy_run():
     told, acted = [], []
     w = watch(told, acted, window=50)
@@ -217,7 +243,9 @@ def test_a_rank_answers_a_progress_request_with_its_newest_steps_and_no_stacks(a
         doc = json.loads(agent("snapshot", "sp1@n1", 7, 20, "progress").stdout)
         [rank] = doc["ranks"]
         assert rank["rank"] == 0 and "error" not in rank, rank
-        assert rank["answer"]["steps"] == [[s, s / 100] for s in range(1, 8)]
+        steps = rank["answer"]["steps"]
+        assert [st[:2] for st in steps] == [[s, s / 100] for s in range(1, 8)]
+        assert all(a[2] <= b[2] for a, b in zip(steps, steps[1:]))  # when each was told, the rank's clock
         assert "stacks" not in rank["answer"] and "fr" not in rank["answer"]
         assert not list((d / "hook").glob("*.json"))
     finally:
@@ -249,7 +277,7 @@ def test_a_rank_stopped_when_asked_answers_its_progress_once_it_runs_again(agent
             os.kill(pid, signal.SIGCONT)
         [rank] = doc["ranks"]
         assert "error" not in rank, rank
-        assert rank["answer"]["steps"] == [[s, s / 100] for s in range(1, 8)]
+        assert [st[:2] for st in rank["answer"]["steps"]] == [[s, s / 100] for s in range(1, 8)]
     finally:
         agent("stop", "sp2@n1", 1)
 

@@ -41,7 +41,8 @@ FR_ENTRIES = 64  # the newest Flight Recorder entries sent per rank
 FRAMES = 40  # innermost frames sent per thread
 STEPS_KEPT = 512  # the newest steps a rank keeps for a progress answer
 SETTLE_S = 0.5  # the most a rank's exit waits for its other threads to stop running (_settle)
-_steps = []  # [(step, compute_s)], newest last: what clusterctl_step was told
+_steps = []  # [(step, compute_s, at)], newest last: what clusterctl_step was told, and when (the
+# rank's monotonic clock, ms: the straggler watch measures how long a rank has been slow by it)
 LINES_ENV = "CLUSTERCTL_LINES"  # the waiter's socket that takes the rank's output pipes (_lines)
 LINES_PID_ENV = "CLUSTERCTL_LINES_PID"  # set once a rank handed its output over: its children inherit it
 LINES_WAIT_S = 10.0  # how long the hand-over may take before the rank writes untagged
@@ -51,7 +52,9 @@ _said = []  # [(the rank's pid, its connection to the waiter)]
 def clusterctl_step(step, compute_s):
     """A script tells clusterctl one step's compute time on this rank's own clock (the time it
     computed, its waits in collectives left out): the straggler watch compares ranks by it."""
-    _steps.append((int(step), float(compute_s)))
+    import time
+
+    _steps.append((int(step), float(compute_s), round(time.monotonic(), 3)))
     if len(_steps) > 2 * STEPS_KEPT:
         del _steps[:STEPS_KEPT]
 

@@ -15,7 +15,7 @@ process per node per round, over the open connections). The supervisor's log say
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
 is slow. A rank found slow on CONFIRM checks in a row is named a straggler, or sooner when one look
 at its history proves it (`sustained`: slow in each of its newest disjoint windows, back to back,
-CONFIRM or more of them and SUSTAIN_S of its compute in all), with its node:
+CONFIRM or more of them spanning SUSTAIN_S on the rank's clock), with its node:
 `straggler: node3 rank 2 computes 2.6x the median (480 ms vs 185 ms over the last 50 steps)`;
 one that stays below the factor for CONFIRM checks is told to have recovered.
 
@@ -56,9 +56,11 @@ ON_STRAGGLER = ("warn", "replace")
 PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
 CONFIRM = 3  # checks in a row before a rank is named (or named recovered): 20-30 s of persistence at PERIOD_S
 # (with 2, a healthy run on a loaded machine once had a rank named for 1.4x over two 50-step windows)
-SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoint windows, back to back, whose
-# steps took the rank at least this much compute (`sustained`): 10 s of evidence without a gap instead of
-# 3 glimpses over 20-30 s; the goodput bench's straggler (47 ms steps) was named after 41 s by checks alone
+SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoint windows, back to back,
+# spanning at least this long on the rank's clock (`sustained`; where a script's steps carry no time, their
+# compute: less than their wall time, so never sooner): 10 s of evidence without a gap instead of 3
+# glimpses over 20-30 s; the goodput bench's straggler (45 ms of compute in 105 ms steps) was named
+# after 40 s by the checks alone
 KEEP = 6  # windows of steps kept per rank: `sustained` reaches back this far (at most)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
@@ -97,22 +99,26 @@ def judge(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window
 
 def sustained(samples: Mapping[int, list[float]], node_of: Mapping[int, str], window: int = DEFAULT_WINDOW,
               factor: float = DEFAULT_FACTOR, unit: str = "steps", confirm: int = CONFIRM,
-              span_s: float = SUSTAIN_S) -> list[Slow]:
+              span_s: float = SUSTAIN_S, at: Mapping[int, list[float | None]] | None = None) -> list[Slow]:
     """The ranks slow (`judge`) in each of their newest disjoint windows of `window` steps, back to back,
-    as far back as it takes for at least `confirm` windows whose steps took the rank `span_s` of compute
-    in all: a straggler proven in one look at the history, without waiting for CONFIRM checks. Each
-    window is judged against every rank's same window (the steps every rank reported last)."""
+    as far back as it takes for at least `confirm` windows spanning `span_s`: a straggler proven in one
+    look at the history, without waiting for CONFIRM checks. Each window is judged against every rank's
+    same window (the steps every rank reported last). The span is on the rank's clock, `at` (when each
+    of its steps was told, aligned with `samples`), else the compute of its steps (never more than
+    their wall time)."""
     newest = judge(samples, node_of, window, factor, unit)
     out = []
     for s in newest:
-        v, spent, k = samples[s.rank], 0.0, 0
+        v, times, spent, k = samples[s.rank], (at or {}).get(s.rank) or (), 0.0, 0
         while len(v) >= (k + 1) * window:
             if k and s.rank not in {x.rank for x in judge({r: u[:len(u) - k * window] for r, u in samples.items()},
                                                           node_of, window, factor, unit)}:
                 break
             spent += sum(v[len(v) - (k + 1) * window:len(v) - k * window])
             k += 1
-            if k >= confirm and spent >= span_s:
+            first, last = (times[-k * window], times[-1]) if len(times) == len(v) else (None, None)
+            span = last - first if first is not None and last is not None else spent
+            if k >= confirm and span >= span_s:
                 out.append(s)
                 break
     return out
@@ -137,19 +143,26 @@ def describe(slow: Iterable[Slow]) -> str:
     return "straggler: " + "; ".join(parts)
 
 
-def merge(into: dict[int, dict[int, float]], ranks: Iterable[Mapping], keep: int) -> None:
-    """Add one progress snapshot's ranks (the agent's documents: rank, answer.steps [[step, s]])
-    into rank -> {step: compute_s}, keeping each rank's newest `keep` steps."""
+def merge(into: dict[int, dict[int, float]], ranks: Iterable[Mapping], keep: int,
+          at: dict[int, dict[int, float]] | None = None) -> None:
+    """Add one progress snapshot's ranks (the agent's documents: rank, answer.steps [[step, s, at]];
+    `at`, when the rank told it on its own clock, may be absent) into rank -> {step: compute_s} and,
+    given `at`, rank -> {step: at}, keeping each rank's newest `keep` steps."""
     for doc in ranks:
         rank = doc.get("rank")
         steps = (doc.get("answer") or {}).get("steps") or []
         if not str(rank).isdigit() or not steps:
             continue
         mine = into.setdefault(int(rank), {})
-        for step, seconds in steps:
+        told = at.setdefault(int(rank), {}) if at is not None else None
+        for step, seconds, *when in steps:
             mine[int(step)] = float(seconds)
+            if told is not None and when:
+                told[int(step)] = float(when[0])
         for old in sorted(mine)[:-keep]:
             del mine[old]
+            if told is not None:
+                told.pop(old, None)
 
 
 def merge_entered(into: dict[int, dict[tuple[str, int], float]], ranks: Iterable[Mapping],
@@ -252,6 +265,7 @@ class StragglerWatch:
     say: Callable[[str], None] = print
     offsets: Callable[[], Mapping[str, tuple[float, float]]] | None = None  # `clock_offsets`: the nodes
     steps: dict[int, dict[int, float]] = field(default_factory=dict)
+    told_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rank -> {step: when, its clock}
     entered: dict[int, dict[tuple[str, int], float]] = field(default_factory=dict)  # `merge_entered`
     clock: tuple[float, Mapping[str, float]] | None = None  # (when measured, the offsets)
     streak: dict[int, int] = field(default_factory=dict)  # rank -> checks in a row slow (>0) or not (<0)
@@ -310,7 +324,7 @@ class StragglerWatch:
 
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""
-        merge(self.steps, ranks, KEEP * self.window)
+        merge(self.steps, ranks, KEEP * self.window, self.told_at)
         samples = {r: [v[s] for s in sorted(v)] for r, v in self.steps.items()}
         unit = "steps"
         if not samples and self.offsets is not None and any((d.get("answer") or {}).get("entered") for d in ranks):
@@ -329,7 +343,8 @@ class StragglerWatch:
             per = unit[:-1]
             self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} {unit}: median "
                      f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
-        proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit)} if slow else set()
+        proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit, at={
+            r: [self.told_at.get(r, {}).get(s) for s in sorted(v)] for r, v in self.steps.items()})} if slow else set()
         for r in judged:
             was = self.streak.get(r, 0)
             self.streak[r] = (max(was, 0, CONFIRM - 1 if r in proven else 0) + 1) if r in slow else (min(was, 0) - 1)
