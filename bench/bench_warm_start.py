@@ -3,7 +3,7 @@ imported, against a fresh interpreter (the way every rank starts today), in the 
 
 Issue 33's hot recovery is not built. Every restart spends 8.9-12.5 s of its 10.4-14.7 s after
 detection starting processes (docs/performance.md, "Recovery after a lost node"): torchrun and
-each worker import torch again, and the first optimizer step imports torch._dynamo. This bench
+each worker import torch again, and building the first optimizer imports torch._dynamo. This bench
 measures the path a warm start would take before it is built:
 
 - fresh: `python -c WORK` (import torch, a model, AdamW, one step), as torchrun starts a rank;
