@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 # a straggler: while it computes, stopped STOP_S then let run RUN_S, for THROTTLE_S (runs/drill.py).
 # The watch named it after its window of collectives and 3 rounds of 10 s in a row (52 s on the
-# 2-core test cluster; runs/judge/straggler.py `sustained` can name it sooner). Stopped half the time, the rank computed 1.4x the median alone there and
-# 1.2x beside another job (the cores shared: below the 1.3x factor); a quarter of the time running
-# leaves room for that
+# 2-core test cluster; runs/judge/straggler.py `sustained` can name it sooner). Stopped half the
+# time, the rank computed 1.4x the median alone there and 1.2x beside another job (the cores
+# shared: below the 1.3x factor); a quarter of the time running leaves room for that
 THROTTLE_S, STOP_S, RUN_S = 90.0, 0.15, 0.05
 FAULTS = ("kill", "hang", "lost", "straggler")
 NEEDS_SPARE = ("hang", "lost")  # the culprit's node is left out of the next attempt: a spare takes its place

@@ -106,13 +106,19 @@ def sustained(samples: Mapping[int, list[float]], node_of: Mapping[int, str], wi
     same window (the steps every rank reported last). The span is on the rank's clock, `at` (when each
     of its steps was told, aligned with `samples`), else the compute of its steps (never more than
     their wall time)."""
-    newest = judge(samples, node_of, window, factor, unit)
+    slow_in: dict[int, set[int]] = {}  # k windows back -> the ranks slow there, judged once for every rank
+
+    def slow_at(k: int) -> set[int]:
+        if k not in slow_in:
+            slow_in[k] = {x.rank for x in judge({r: u[:len(u) - k * window] for r, u in samples.items()},
+                                                node_of, window, factor, unit)}
+        return slow_in[k]
+
     out = []
-    for s in newest:
+    for s in judge(samples, node_of, window, factor, unit):
         v, times, spent, k = samples[s.rank], (at or {}).get(s.rank) or (), 0.0, 0
         while len(v) >= (k + 1) * window:
-            if k and s.rank not in {x.rank for x in judge({r: u[:len(u) - k * window] for r, u in samples.items()},
-                                                          node_of, window, factor, unit)}:
+            if k and s.rank not in slow_at(k):
                 break
             spent += sum(v[len(v) - (k + 1) * window:len(v) - k * window])
             k += 1
