@@ -112,13 +112,19 @@ def test_a_node_cut_as_the_run_launches_is_replaced_by_the_spare_and_holds_no_cl
     rec = rec_of(run_dir)
     assert proc.returncode == 0 and rec["state"] == "finished", err[-3000:]
     attempts = rec["attempts"]
-    assert attempts[0]["nodes"] == ["node1", "node2", "node3"] and attempts[0]["verdict"] == "node lost", attempts
     assert attempts[-1]["nodes"] == ["node1", "node4", "node3"] and attempts[-1]["verdict"] == "finished", attempts
+    if when == "3s-after-train" and len(attempts) == 1:
+        # the cut landed before the first attempt's nodes were chosen (preflight, or the connections
+        # the launch opens): node2 was never in the run, the spare took its place from the start
+        assert "node2 is unreachable" in err and "node4 takes its place" in err, err[-3000:]
+        assert "no restart is spent" in err, err[-3000:]
+    else:
+        assert attempts[0]["nodes"] == ["node1", "node2", "node3"] and attempts[0]["verdict"] == "node lost", attempts
     if when == "launching":
         assert not attempts[0].get("launched"), attempts[0]  # lost during the launch: no restart spent
         assert "attempt 1 never launched, so no restart is spent" in err, err[-3000:]
-    print(f"cut {when}: attempt 1 {'launched' if attempts[0].get('launched') else 'never launched'}; "
-          f"{attempts[0]['detail']}")
+    print(f"cut {when}: attempt 1 on {attempts[0]['nodes']}, "
+          f"{'launched' if attempts[0].get('launched') else 'never launched'}; {attempts[0].get('detail')}")
     # the supervisor waits for node2 to answer, then stops what of the run may be there and drops its claim
     wait_for(lambda: not claims_on(n2), 60, "node2's claim dropped once it answered again")
     assert not cluster_claims(inv)
