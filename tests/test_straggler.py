@@ -62,8 +62,8 @@ def test_two_ranks_on_one_node_are_named_once_with_the_worst():
 def test_snapshots_merge_by_step_and_keep_the_newest():
     into = {}
     merge(into, [{"rank": 1, "answer": {"steps": [[1, 0.1], [2, 0.2]]}}, {"rank": 0, "error": "no hook"}], keep=3)
-    merge(into, [{"rank": 1, "answer": {"steps": [[2, 0.2], [3, 0.3], [4, 0.4]]}}], keep=3)
-    assert into == {1: {2: 0.2, 3: 0.3, 4: 0.4}}
+    merge(into, [{"rank": 1, "answer": {"steps": [[2, 0.2], [3, 0.3, 7.5], [4, 0.4, 7.9]]}}], keep=3)
+    assert into == {1: {2: (0.2, None), 3: (0.3, 7.5), 4: (0.4, 7.9)}}  # when told, where the rank said
 
 
 def watch(told, acted, window=5):
@@ -145,7 +145,7 @@ def test_the_span_is_read_on_the_ranks_clock_where_its_steps_say_when():
     w = watch(told, acted, window=50)
     w.check([{"rank": r, "answer": {"steps": [[s, v[s], clock[r][s]] for s in range(200)]}} for r, v in samples.items()])
     assert told and told[0].startswith("straggler: n3 rank 2 computes 3.")
-    assert w.told_at[2][199] == pytest.approx(1000.0 + 0.105 * 199)
+    assert w.steps[2][199] == (samples[2][199], pytest.approx(1000.0 + 0.105 * 199))
 
 
 def test_the_hook_says_when_each_step_was_told(monkeypatch):
@@ -188,7 +188,7 @@ def test_a_streamed_watch_judges_what_the_nodes_streams_fed_and_asks_nobody():
             w.feed(node, doc)
         w.round()
     assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
-    assert acted == [([2], told[0])] and w.steps[0] == {s: 0.1 for s in range(5 * CONFIRM)}
+    assert acted == [([2], told[0])] and w.steps[0] == {s: (0.1, None) for s in range(5 * CONFIRM)}
     rounds = w.rounds
     w.round()  # nothing fed since: not judged again
     assert w.rounds == rounds and len(told) == 1

@@ -149,26 +149,20 @@ def describe(slow: Iterable[Slow]) -> str:
     return "straggler: " + "; ".join(parts)
 
 
-def merge(into: dict[int, dict[int, float]], ranks: Iterable[Mapping], keep: int,
-          at: dict[int, dict[int, float]] | None = None) -> None:
+def merge(into: dict[int, dict[int, tuple[float, float | None]]], ranks: Iterable[Mapping], keep: int) -> None:
     """Add one progress snapshot's ranks (the agent's documents: rank, answer.steps [[step, s, at]];
-    `at`, when the rank told it on its own clock, may be absent) into rank -> {step: compute_s} and,
-    given `at`, rank -> {step: at}, keeping each rank's newest `keep` steps."""
+    `at`, when the rank told it on its own clock, may be absent) into rank -> {step: (compute_s,
+    at or None)}, keeping each rank's newest `keep` steps."""
     for doc in ranks:
         rank = doc.get("rank")
         steps = (doc.get("answer") or {}).get("steps") or []
         if not str(rank).isdigit() or not steps:
             continue
         mine = into.setdefault(int(rank), {})
-        told = at.setdefault(int(rank), {}) if at is not None else None
         for step, seconds, *when in steps:
-            mine[int(step)] = float(seconds)
-            if told is not None and when:
-                told[int(step)] = float(when[0])
+            mine[int(step)] = (float(seconds), float(when[0]) if when else None)
         for old in sorted(mine)[:-keep]:
             del mine[old]
-            if told is not None:
-                told.pop(old, None)
 
 
 def merge_entered(into: dict[int, dict[tuple[str, int], float]], ranks: Iterable[Mapping],
@@ -270,8 +264,7 @@ class StragglerWatch:
     period: float = PERIOD_S
     say: Callable[[str], None] = print
     offsets: Callable[[], Mapping[str, tuple[float, float]]] | None = None  # `clock_offsets`: the nodes
-    steps: dict[int, dict[int, float]] = field(default_factory=dict)
-    told_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rank -> {step: when, its clock}
+    steps: dict[int, dict[int, tuple[float, float | None]]] = field(default_factory=dict)  # `merge`
     entered: dict[int, dict[tuple[str, int], float]] = field(default_factory=dict)  # `merge_entered`
     clock: tuple[float, Mapping[str, float]] | None = None  # (when measured, the offsets)
     streak: dict[int, int] = field(default_factory=dict)  # rank -> checks in a row slow (>0) or not (<0)
@@ -330,8 +323,8 @@ class StragglerWatch:
 
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""
-        merge(self.steps, ranks, KEEP * self.window, self.told_at)
-        samples = {r: [v[s] for s in sorted(v)] for r, v in self.steps.items()}
+        merge(self.steps, ranks, KEEP * self.window)
+        samples = {r: [v[s][0] for s in sorted(v)] for r, v in self.steps.items()}
         unit = "steps"
         if not samples and self.offsets is not None and any((d.get("answer") or {}).get("entered") for d in ranks):
             if self.clock is None or time.monotonic() - self.clock[0] > OFFSETS_S:
@@ -350,7 +343,7 @@ class StragglerWatch:
             self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} {unit}: median "
                      f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
         proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit, at={
-            r: [self.told_at.get(r, {}).get(s) for s in sorted(v)] for r, v in self.steps.items()})} if slow else set()
+            r: [v[s][1] for s in sorted(v)] for r, v in self.steps.items()})} if slow else set()
         for r in judged:
             was = self.streak.get(r, 0)
             self.streak[r] = (max(was, 0, CONFIRM - 1 if r in proven else 0) + 1) if r in slow else (min(was, 0) - 1)
