@@ -389,6 +389,7 @@ def main(argv):
     coll = Collectives(a, keep, live)
     hook = HookAnswers(live, coll)
     next_tick = time.monotonic() + tick
+    poller, polled = select.poll(), set()  # not select.select: node 0 of 256 nodes holds fds past FD_SETSIZE (1024)
     while True:
         while live:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -412,9 +413,12 @@ def main(argv):
         hook.answer()
         wait = next_tick - time.monotonic() if tick > 0 else None
         wait = min(wait, 0.5) if wait is not None else 0.5  # a stopped rank's resumption seen within 0.5 s
-        poller = select.poll()  # not select.select: node 0 of 256 nodes holds fds past FD_SETSIZE (1024)
-        for fd in (wake_r, *coll.fds(), *hook.fds()):
+        want = {wake_r, *coll.fds(), *hook.fds()}  # the poller follows the fds as ranks come and go
+        for fd in want - polled:
             poller.register(fd, select.POLLIN)
+        for fd in polled - want:
+            poller.unregister(fd)
+        polled = want
         for fd, _ in poller.poll(max(0.0, wait) * 1000):
             if fd in hook.fifos:
                 hook.readable(fd)
