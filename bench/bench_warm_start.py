@@ -56,7 +56,7 @@ signal.sigwait([signal.SIGUSR1])  # the bench reads this process's environment, 
 """
 
 ZYGOTE = r"""
-import ctypes, json, os, sys
+import ctypes, json, os, signal, sys
 import torch, torch._dynamo, torch.optim  # what every rank imports, once
 
 def own_environ(env):
@@ -71,20 +71,16 @@ def own_environ(env):
         raise SystemExit(f"zygote: the environment ({len(block)} bytes) does not fit its block ({end - start})")
     ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
 
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a rank that ends is reaped by the kernel, no zombie waits
 print("warm", flush=True)
 for line in sys.stdin:
     req = json.loads(line)
     if os.fork() == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the rank waits for its own children as usual
         sys.stdin.close()
         own_environ(req["env"])
         exec(compile(req["work"], "<rank>", "exec"), {"__name__": "__main__"})
         os._exit(0)
-    while True:  # reap what ended
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
 """
 
 
