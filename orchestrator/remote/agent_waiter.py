@@ -14,6 +14,7 @@ from .agent_base import BASE, HOOK, read, rundir, run_pids, threading_start, wai
 from .agent_lines import LINES_DRAIN_S, RankLines
 from .agent_stop import end_run
 from .common import PRIVATE_UMASK, RUN_KEY, own_dir, user_umask, write_atomic
+from .warm import for_key
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 # the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective
@@ -68,6 +69,8 @@ def hook_env(d, text, env):
     os.makedirs(os.path.join(d, "py"), exist_ok=True)
     os.makedirs(os.path.join(d, HOOK), exist_ok=True)
     write_atomic(os.path.join(d, "py", "sitecustomize.py"), text)
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_client.py")) as f:
+        write_atomic(os.path.join(d, "py", "clusterctl_warm.py"), f.read())  # the hook's `_warm` (warm.py)
     env["PYTHONPATH"] = os.path.join(d, "py") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["CLUSTERCTL_HOOK_DIR"] = os.path.join(d, HOOK)
     for var, value in FLIGHT_RECORDER:
@@ -109,6 +112,9 @@ def waiter(d, run_id, spec, notify_fd):
     env["CLUSTERCTL_NODE_DIR"] = d  # where the job may leave save_seconds
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(d, "error.json")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    warm = for_key(run_id)
+    if warm is not None:  # the ranks are forked from the run's warm interpreter (warm.py), else start cold
+        env["CLUSTERCTL_WARM"] = warm
     cwd = os.path.expanduser(spec.get("cwd") or "~")
     for name, text in spec.get("files", {}).items():  # helpers the command runs
         write_atomic(os.path.join(d, os.path.basename(name)), text)

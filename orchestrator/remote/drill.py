@@ -18,8 +18,9 @@ of the drill's own processes still running (a throttle whose connection was cut)
                                 asleep in a collective) stop it for STOP_S, then let it run for
                                 RUN_S; it runs at the end whatever ends this (SIGTERM, SIGHUP);
                                 print {"cycles": n}
-  left RUN_ID                   print {"pids": [...]}: processes of any attempt of RUN_ID, and of
-                                the drill of it (CLUSTERCTL_DRILL), still on this node
+  left RUN_ID                   print {"pids": [...]}: processes of any attempt of RUN_ID, of its
+                                warm interpreter and of the drill of it (CLUSTERCTL_DRILL), still
+                                on this node
 """
 import json
 import os
@@ -28,10 +29,11 @@ import signal
 import sys
 import time
 
+from .agent_base import HOOK, rundir
 from .common import RUN_KEY, marked_pids, proc_environ
 
 DRILL_MARK = "CLUSTERCTL_DRILL"
-ATTEMPT = re.compile(r"\.a\d+$")
+ATTEMPT = re.compile(r"\.(a\d+|warm)$")  # an attempt's key, or the run's warm interpreter's (warm.py)
 
 
 def _ppid(pid):
@@ -52,7 +54,11 @@ def rank_pids(key):
     return out
 
 
-def topmost(pids):
+def topmost(pids, key):
+    """The rank's own interpreter: the one whose hook listens (a rank forked from the run's warm
+    interpreter has the process torchrun started beside it, standing in), else the topmost."""
+    hook = os.path.join(rundir(key), HOOK)
+    pids = [p for p in pids if os.path.exists(os.path.join(hook, f"{p}.fifo"))] or pids
     tops = [p for p in pids if _ppid(p) not in pids]
     return min(tops or pids)
 
@@ -100,7 +106,7 @@ def cmd_ranks(key):
 def cmd_signal(key, sig, rank, which="all"):
     pids = rank_pids(key).get(rank, [])
     if pids and which == "top":
-        pids = [topmost(pids)]
+        pids = [topmost(pids, key)]
     print(json.dumps({"pids": send(pids, int(sig))}))
 
 
@@ -144,7 +150,7 @@ def cmd_throttle(key, rank, seconds, stop_s, run_s):
             pids = rank_pids(key).get(rank, [])
             if not pids:
                 break  # the rank is gone (the run ended or restarted)
-            top = topmost(pids)
+            top = topmost(pids, key)
             seen = time.time() + 1.0
             while time.time() < min(seen, until) and not _running(top):
                 time.sleep(0.002)

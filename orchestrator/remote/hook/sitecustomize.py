@@ -361,6 +361,14 @@ def _say(what):
                 pass
 
 
+def _warm():
+    """The node's warm interpreter forks the rank, this process stands in (remote/warm_client.py)."""
+    path = os.environ.get("CLUSTERCTL_WARM")  # its socket (remote/warm.py), when the node keeps one
+    if path and "RANK" in os.environ and not os.environ.get("CLUSTERCTL_HOOK_PID"):
+        import clusterctl_warm
+
+        clusterctl_warm.ask(path, _die_with_torchrun)
+
 def _chain():
     """Run the sitecustomize this one shadows (Debian's, a venv's), as Python would have."""
     import importlib.machinery
@@ -375,6 +383,10 @@ def _chain():
     spec.loader.exec_module(module)
 
 
+try:
+    _warm()  # returns only where this process is to run the rank itself
+except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
+    pass
 try:
     _lines()
 except Exception:  # noqa: BLE001 - the hook must never stop the job from starting

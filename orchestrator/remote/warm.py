@@ -1,0 +1,326 @@
+"""A run's warm interpreter on a node: it imports what every rank imports (torch) once, then forks
+a rank for each request on its Unix socket, so a restarted rank starts in a fraction of a second.
+
+The process torchrun started asks before its script runs (warm_client.py, from the hook): its
+command line, directory, environment, umask and stdin/stdout/stderr (SCM_RIGHTS). The fork takes
+all of it (`become`), the environment also where /proc/PID/environ shows it (the rank is found by
+its run key like any other; the zygote's padded environment, PAD_ENV, leaves the room), runs the
+hook as a fresh rank does, then the script as `python` would. The asker stays as torchrun's
+worker, passes signals on and ends as the fork ended. A fork whose asker went away is killed; a
+fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, then `status W`.
+
+  warm RUN_ID NODE   the spec's JSON on stdin ({"python", "env", "cwd", "preload"}): the run's
+                     warm interpreter here, on ~/.clusterctl/warm/RUN_ID@NODE/sock (the waiter
+                     hands it to the ranks as CLUSTERCTL_WARM), marked RUN_ID.warm@NODE (no
+                     attempt's key: an attempt's end leaves it). `ready` once torch is imported
+                     (`already`: one serves the run here); it lives while the control machine holds
+                     the command's connection open, or a rank forked from it runs (`serve`).
+"""
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+from .warm_fork import become, env_block, env_bytes, target
+
+PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
+PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
+MAX_REQUEST = 1 << 20  # a request's JSON, at most
+
+
+def claimed(run_id, node):
+    """Whether the node's claim (agent_claims.py) is held by run `run_id` now."""
+    try:
+        with open(os.path.join(os.path.expanduser("~/.clusterctl/claims"), node)) as f:
+            return json.loads(f.read() or "{}").get("run") == run_id
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def listen(path):
+    """(the listening socket, its name in its directory, now the cwd; the signals' wake-up pipe)."""
+    here, name = os.path.split(path)
+    os.chdir(here)
+    if os.path.exists(name):
+        os.unlink(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    os.chmod(name, 0o600)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: ENDING.append(1))
+    return listener, name, wake_r
+
+
+ENDING = []  # SIGTERM came
+
+
+def serve(path, preload="torch", run_id=None, node=None):
+    """Import `preload` (comma-separated modules), listen on `path` (bound in its directory: a
+    socket path is short), fork a rank per request; say `ready` on stdout first. Ends on SIGTERM,
+    or, once no fork runs, when stdout's reader is gone (the control machine let go) or, given the
+    run and the node, when the node's claim was the run's and is no longer (the run ended, or the
+    node was left out of it, while its connection to the control machine was cut)."""
+    import importlib
+
+    for module in filter(None, preload.split(",")):
+        importlib.import_module(module)
+    if cuda_loaded():  # a fork must start with no CUDA state: its rank initialises its own
+        sys.stderr.write("clusterctl: no warm interpreter: importing torch loaded CUDA's driver\n")
+        return
+    z = Zygote(*listen(path))
+    ours = False  # the node's claim was seen held by the run
+    while not ENDING and (z.held or z.forks):
+        if run_id and node and not z.forks:
+            now = claimed(run_id, node)
+            z.held, ours = z.held and not (ours and not now), ours or now
+            if not z.held:
+                break
+        for fd, _ in z.poller.poll(5000):
+            z.on(fd)
+        reap(z.forks, z.conns, z.poller)
+        if not os.path.exists(z.name):  # the socket was taken away (a newer one serves): go when idle
+            z.held = False
+    for pid in z.forks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:  # its socket, unless a newer one's took the name, and the run's directory here
+        if os.stat(z.name).st_ino == z.ino:
+            os.unlink(z.name)
+        os.rmdir(os.getcwd())
+    except OSError:
+        pass
+
+
+def cuda_loaded():
+    """CUDA's driver is in this process (a fork could not use CUDA then)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
+class Zygote:
+    """The listening socket, the askers' connections and the forks, polled with stdout (whose
+    reader going away lets the zygote go: `held`)."""
+
+    def __init__(self, listener, name, wake_r):
+        self.listener, self.name, self.wake_r = listener, name, wake_r
+        self.ino = os.stat(name).st_ino
+        self.poller = select.poll()
+        self.poller.register(listener, select.POLLIN)
+        self.poller.register(wake_r, select.POLLIN)
+        self.poller.register(1, 0)  # only its POLLERR/POLLHUP: the reader of stdout went away
+        self.conns = {}  # fd -> (pid, its asker's connection)
+        self.forks = {}  # pid -> its asker's connection
+        try:
+            os.write(1, b"ready\n")
+            self.held = True
+        except OSError:
+            self.held = False
+
+    def on(self, fd):
+        if fd == 1:
+            self.held = False
+            self.poller.unregister(1)
+        elif fd == self.listener.fileno():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            pid = take(conn, self.listener, self.wake_r, self.forks)
+            if pid:
+                self.forks[pid] = conn
+                self.conns[conn.fileno()] = (pid, conn)
+                self.poller.register(conn, select.POLLIN)
+        elif fd == self.wake_r:
+            try:
+                os.read(self.wake_r, 512)
+            except BlockingIOError:
+                pass
+        elif fd in self.conns:  # an asker's connection: it went away (nothing else is ever sent)
+            pid, _ = self.conns.pop(fd)
+            self.poller.unregister(fd)
+            if pid in self.forks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+def take(conn, listener, wake_r, forks):
+    """One request: fork the rank; its pid (0: refused, said on the connection)."""
+    conn.settimeout(10)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+        req = json.loads(data)
+        if len(fds) != 3 or target(req["argv"]) is None:
+            raise ValueError("not a rank this interpreter can start")
+        start, end = env_block()
+        if env_bytes(req["env"]) > end - start:
+            raise ValueError("its environment does not fit where /proc/PID/environ shows it")
+    except (OSError, ValueError, KeyError) as e:
+        try:
+            conn.sendall(f"no {type(e).__name__}: {e}\n".encode())
+        except OSError:
+            pass
+        conn.close()
+        return 0
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(go_w)
+            listener.close()
+            os.close(wake_r)
+            for c in forks.values():
+                c.close()
+            conn.close()
+            signal.set_wakeup_fd(-1)
+            pdeathsig()
+            if os.read(go_r, 1) != b"g":  # the asker did not take it: it starts cold, this one never ran
+                os._exit(0)
+            os.close(go_r)
+            become(req, fds)
+        except BaseException as e:  # noqa: BLE001 - the fork must never return into the zygote's loop
+            try:
+                os.write(2, f"clusterctl: the warm start failed: {type(e).__name__}: {e}\n".encode())
+            finally:
+                os._exit(127)
+    os.close(go_r)
+    for fd in fds:
+        os.close(fd)
+    try:  # the asker commits (`go`) before the fork runs a line of the rank
+        conn.sendall(f"pid {pid}\n".encode())
+        went = conn.recv(3) == b"go\n"
+    except OSError:
+        went = False
+    os.write(go_w, b"g" if went else b"n")
+    os.close(go_w)
+    conn.settimeout(None)
+    if not went:
+        conn.close()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return 0
+    return pid
+
+
+def reap(forks, conns, poller):
+    """Tell each ended fork's asker how it ended."""
+    while forks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        conn = forks.pop(pid, None)
+        if conn is None:
+            continue
+        if conns.pop(conn.fileno(), None) is not None:
+            poller.unregister(conn.fileno())
+        try:
+            conn.sendall(f"status {status}\n".encode())
+        except OSError:
+            pass
+        conn.close()
+
+
+def pdeathsig():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the run key still finds the fork
+        pass
+
+
+WARM_DIR = "~/.clusterctl/warm"  # RUN_ID@NODE/sock: a run's warm interpreter on this node
+PAD_PART = 100_000  # one padding variable (Linux takes at most 128 KiB in one)
+
+
+def socket_path(run_id, node):
+    return os.path.join(os.path.expanduser(WARM_DIR), f"{run_id}@{node}", "sock")
+
+
+def for_key(key):
+    """The socket of the warm interpreter serving attempt `key` (RUN_ID[.aK]@NODE) here, when
+    there is one (the waiter hands it to the ranks as CLUSTERCTL_WARM), else None."""
+    head, _, node = key.rpartition("@")
+    run, dot, k = head.rpartition(".a")
+    path = socket_path(run if dot and k.isdigit() else head, node)
+    return path if os.path.exists(path) else None
+
+
+def answers(path):
+    """A warm interpreter listens on `path` now."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(2)
+        here, name = os.path.split(path)
+        fd = os.open(here, os.O_RDONLY)
+        try:
+            s.connect(f"/proc/self/fd/{fd}/{name}")
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def start(run_id, node):
+    """`warm RUN_ID NODE`: the interpreter execs itself as the run's zygote (its environment set
+    at exec, padded, so each fork's fits where /proc/PID/environ reads it)."""
+    from .common import private_files, safe_name
+
+    if not safe_name(run_id) or not safe_name(node):
+        sys.exit("bad run id or node name")
+    spec = json.loads(sys.stdin.buffer.read() or b"{}")
+    private_files()
+    path = socket_path(run_id, node)
+    os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
+    if answers(path):
+        print("already", flush=True)
+        return 0
+    env = {**os.environ, **{k: str(v) for k, v in spec.get("env", {}).items()},
+           "CLUSTERCTL_RUN_KEY": f"{run_id}.warm@{node}", "CLUSTERCTL_RUN_ID": run_id,
+           "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch's check for GPUs by NVML: no CUDA state to fork
+    for k in [k for k in env if k in ("RANK", "LOCAL_RANK", "CLUSTERCTL_WARM")]:
+        del env[k]
+    env.update({f"{PAD_ENV}{i}": "x" * PAD_PART for i in range(PAD_BYTES // PAD_PART + 1)})
+    if spec.get("cwd"):
+        try:
+            os.chdir(os.path.expanduser(spec["cwd"]))
+        except OSError:
+            pass
+    orig = list(sys.orig_argv)
+    i = orig.index("-c")
+    python = os.path.expanduser(spec.get("python") or orig[0])
+    os.execve(python, [python, *orig[1:i + 3], "warm", "serve", path, str(spec.get("preload", "torch")), run_id, node],
+              env)
+
+
+def main(argv):
+    if argv[:1] == ["serve"] and len(argv) in (3, 5):
+        serve(*argv[1:])
+        return 0
+    if len(argv) == 2:
+        return start(*argv)
+    sys.exit("usage: warm RUN_ID NODE (the spec's JSON on stdin)")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""The rank's side of the warm interpreter (warm.py), loaded by the hook (hook/sitecustomize.py
+`_warm`) from the run directory, where the waiter writes this file beside the hook as
+clusterctl_warm.py: stdlib only, nothing of the package. `ask` sends this process's command line,
+directory, environment, umask and stdin/stdout/stderr; once the fork is made, this process stays
+as torchrun's worker, passes on every signal it can catch and ends as the fork ended.
+"""
+import os
+import sys
+
+WARM_WAIT_S = 2.0  # how long the rank waits for the warm interpreter's fork before it starts cold
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
+
+
+def ask(path, die_with_torchrun):
+    """A rank whose node keeps a warm interpreter (CLUSTERCTL_WARM: its socket) has it fork the
+    rank (remote/warm.py) instead of importing torch again: this process sends its command line,
+    directory, environment and stdin/stdout/stderr, then stays as torchrun's worker, passing on
+    each signal it can catch to the fork and ending as the fork ended. Nothing answers within
+    WARM_WAIT_S, or the command line is not one the fork can run: this process goes on cold."""
+    import json
+    import signal
+    import socket
+
+    if not os.path.exists(path):
+        return
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(WARM_WAIT_S)
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)  # a socket path is short: through its directory
+        try:
+            conn.connect(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+        finally:
+            os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        req = {"argv": list(sys.orig_argv), "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}
+        socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
+        reply = b""
+        while not reply.endswith(b"\n"):
+            got = conn.recv(64)
+            if not got:
+                break
+            reply += got
+    except OSError:
+        conn.close()
+        return
+    first, _, rest = reply.partition(b"\n")
+    if not first.startswith(b"pid "):
+        conn.close()
+        return  # refused: cold
+    pid = int(first[4:])
+    try:  # from here this process is the fork's stand-in, whatever happens
+        conn.sendall(b"go\n")
+        _stand_in_for(pid, conn, rest, die_with_torchrun)
+    finally:  # forked: whatever happens here, this process must never run the rank as well
+        try:
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+
+def _stand_in_for(pid, conn, rest, die_with_torchrun):
+    """torchrun's worker while the fork `pid` is the rank: signals passed on, its end mirrored."""
+    import signal
+
+    die_with_torchrun()
+
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), forward)
+    conn.settimeout(None)
+    while b"\n" not in rest:
+        try:
+            got = conn.recv(64)
+        except InterruptedError:
+            continue
+        except OSError:
+            got = b""
+        if not got:
+            break
+        rest += got
+    line = rest.partition(b"\n")[0]
+    status = int(line[7:]) if line.startswith(b"status ") else None
+    if status is None:  # the warm interpreter went away: so did the fork (it dies with it)
+        os._exit(137)
+    if os.WIFSIGNALED(status):  # ended by the same signal (torchrun reports it as the fork's)
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status))
+

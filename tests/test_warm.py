@@ -1,0 +1,212 @@
+"""The warm interpreter (remote/warm.py) and the rank's side of it (the hook's `_warm`): a rank
+forked from it runs as the rank torchrun started would have, and its asker ends as it ended."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+HOOK = REPO / "orchestrator" / "remote" / "hook" / "sitecustomize.py"
+CLIENT = REPO / "orchestrator" / "remote" / "warm_client.py"
+JOB = """import os, sys, time
+print("FORK=%d" % os.getpid(), "ARGV=%s" % sys.argv[1:], "CWD=%s" % os.getcwd(), flush=True)
+print("STEP=%s" % hasattr(sys.modules.get("sitecustomize"), "clusterctl_step"), flush=True)
+what = sys.argv[1] if len(sys.argv) > 1 else ""
+if what == "raise":
+    raise RuntimeError("boom")
+if what == "sleep":
+    time.sleep(60)
+sys.exit(int(what or 0))
+"""
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """A warm interpreter (preloading nothing heavy) and the environment of a rank that uses it."""
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
+    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())  # as the waiter writes them
+    (tmp_path / "job.py").write_text(JOB)
+    sock = tmp_path / "w.sock"
+    pad = {f"CLUSTERCTL_WARM_PAD{i}": "x" * 60000 for i in range(2)}
+    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json"], cwd=REPO,
+                         env={**os.environ, **pad, "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{REPO}",
+                              "CLUSTERCTL_RUN_KEY": "wr1.warm@n1"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         text=True)
+    assert z.stdout.readline().strip() == "ready"
+    env = {**os.environ, "RANK": "3", "LOCAL_RANK": "1", "CLUSTERCTL_WARM": str(sock),
+           "CLUSTERCTL_RUN_KEY": "wr1.a1@n1",
+           "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
+    yield env, tmp_path
+    z.terminate()
+    z.wait(10)
+
+
+def rank(env, *args, cwd=None, **kw):
+    return subprocess.Popen([sys.executable, "-u", *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def fork_of(p):
+    line = p.stdout.readline()
+    assert line.startswith("FORK="), line
+    return int(line.split()[0][5:]), line
+
+
+def test_a_forked_rank_runs_the_script_with_its_own_argv_environment_and_directory_and_exits_as_it(warm):
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "7", cwd=d)
+    pid, line = fork_of(p)
+    assert pid != p.pid and f"CWD={d}" in line and "ARGV=['7']" in line, line
+    assert p.stdout.readline().strip() == "STEP=True"  # the hook ran in the fork, as in a fresh rank
+    assert p.wait(30) == 7
+    m = rank(env, "-m", "job", "5", cwd=d)  # -m, found on the rank's PYTHONPATH, not the interpreter's
+    assert fork_of(m)[0] != m.pid and m.wait(30) == 5
+
+
+def test_the_fork_carries_the_ranks_marker_where_the_node_scans_for_it(warm):
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "sleep")
+    pid, _ = fork_of(p)
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"CLUSTERCTL_RUN_KEY=wr1.a1@n1" in environ and b"RANK=3" in environ
+        assert not any(v.startswith(b"CLUSTERCTL_WARM=") for v in environ)  # its children start cold
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1(warm):
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "raise")
+    fork_of(p)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "RuntimeError: boom" in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_asker_reaches_the_fork(warm, sig):
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "sleep")
+    pid, _ = fork_of(p)
+    p.send_signal(sig)
+    assert p.wait(30) == -sig  # SIGINT: KeyboardInterrupt's traceback, then killed by SIGINT, as a cold rank
+    assert wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, "the fork")
+
+
+def test_the_fork_dies_with_its_asker_and_the_asker_with_the_fork(warm):
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "sleep")
+    pid, _ = fork_of(p)
+    p.kill()  # torchrun's last resort: the zygote sees the asker gone
+    p.wait(10)
+    assert wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, "the fork")
+    q = rank(env, str(d / "job.py"), "sleep")
+    pid, _ = fork_of(q)
+    os.kill(pid, signal.SIGKILL)
+    assert q.wait(10) == -signal.SIGKILL  # torchrun sees its worker killed, as it was
+
+
+def test_a_rank_the_warm_interpreter_cannot_run_starts_cold(warm):
+    env, d = warm
+    p = rank(env, "-X", "dev", str(d / "job.py"), "4")  # an option the fork does not take: refused
+    pid, _ = fork_of(p)
+    assert pid == p.pid and p.wait(30) == 4
+    big = {**env, "HUGE": "y" * 130000}  # more than the warm interpreter's environment holds: refused
+    r = rank(big, str(d / "job.py"), "6")
+    assert fork_of(r)[0] == r.pid and r.wait(30) == 6
+    gone = {**env, "CLUSTERCTL_WARM": str(d / "nobody.sock")}
+    t0 = time.monotonic()
+    q = rank(gone, str(d / "job.py"), "2")
+    assert fork_of(q)[0] == q.pid and q.wait(30) == 2 and time.monotonic() - t0 < 20
+
+
+def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path):
+    """Its stdout's reader (the control machine's connection) gone: it ends at once when no rank
+    forked from it runs, else when the last one ends."""
+    sock = tmp_path / ("d" * 120) / "s"  # longer than a socket path may be: bound in its directory
+    sock.parent.mkdir()
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
+    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())  # as the waiter writes them
+    (tmp_path / "job.py").write_text(JOB)
+    pad = {"CLUSTERCTL_WARM_PAD0": "x" * 60000}
+    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json"], cwd=REPO,
+                         env={**os.environ, **pad, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, text=True)
+    assert z.stdout.readline().strip() == "ready"
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "CLUSTERCTL_WARM": str(sock),
+           "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
+    p = rank(env, str(tmp_path / "job.py"), "sleep")
+    pid, _ = fork_of(p)
+    assert pid != p.pid
+    z.stdout.close()  # let go while a rank runs: it stays
+    time.sleep(1)
+    assert z.poll() is None
+    os.kill(pid, signal.SIGTERM)
+    assert p.wait(10) == -signal.SIGTERM
+    assert z.wait(10) == 0  # the last fork ended: it goes
+
+
+def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let_go(tmp_path, monkeypatch):
+    """`warm RUN NODE` as a node runs it: the spec on stdin, the interpreter re-executed with the
+    run's environment (padded) and marked RUN.warm@NODE, its socket where the waiter looks."""
+    import json
+
+    from orchestrator import probe
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    spec = json.dumps({"python": sys.executable, "env": {"FROM_SPEC": "1"}, "cwd": str(tmp_path), "preload": "json"})
+    z = subprocess.Popen(probe.local_argv("warm", "wr1", "n1"), env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    z.stdin.write(spec)
+    z.stdin.close()
+    assert z.stdout.readline().strip() == "ready"
+    sock = home / ".clusterctl" / "warm" / "wr1@n1" / "sock"
+    assert sock.is_socket()
+    environ = Path(f"/proc/{z.pid}/environ").read_bytes().split(b"\0")
+    assert b"CLUSTERCTL_RUN_KEY=wr1.warm@n1" in environ and b"FROM_SPEC=1" in environ
+    assert sum(len(v) for v in environ) > 150_000  # the room a fork's environment is written into
+    again = subprocess.run(probe.local_argv("warm", "wr1", "n1"), env=env, input=spec, capture_output=True,
+                           text=True, timeout=30)
+    assert again.returncode == 0 and again.stdout.strip() == "already"  # one serves the run here
+    from orchestrator.remote.warm import for_key
+
+    monkeypatch.setenv("HOME", str(home))  # the waiter's lookup, by any attempt's key
+    assert for_key("wr1.a3@n1") == str(sock) and for_key("wr1@n1") == str(sock) and for_key("wr2@n1") is None
+    z.stdout.close()  # the control machine lets go: idle, it ends, its socket and directory with it
+    assert z.wait(10) == 0
+    assert not sock.parent.exists()
+
+
+def test_an_asker_that_gives_up_before_it_commits_leaves_no_fork_that_ran(warm):
+    """The fork runs no line of the rank until its asker says `go`: an asker that timed out and
+    started cold meanwhile has no twin writing into its log or handing its output to the waiter."""
+    import json
+    import socket
+
+    env, d = warm
+    out = d / "out.txt"
+    with open(out, "w") as f:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(env["CLUSTERCTL_WARM"])
+        req = {"argv": [sys.executable, "-u", str(d / "job.py"), "0"], "cwd": str(d), "env": env, "umask": 0o22}
+        socket.send_fds(s, [json.dumps(req).encode()], [0, f.fileno(), f.fileno()])
+        line = s.recv(64)
+        assert line.startswith(b"pid "), line
+        pid = int(line.split()[1])
+        s.close()  # gave up: no `go`
+    assert wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, "the fork")
+    time.sleep(0.5)
+    assert out.read_text() == ""  # it never ran the job
