@@ -214,6 +214,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--grace", type=click.FloatRange(0, 3600), default=DEFAULTS.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @trainscale.options
+@click.option("--warm/--no-warm", default=None, help="A warm interpreter (torch imported) on every node from 20 s in: "
+              "restarts fork their ranks from it [default: the inventory's train.warm, else on].")
 @click.option("--lost-evidence/--no-lost-evidence", default=None,
               help="Declare a silent node lost within seconds when its SSH port answers no TCP handshake "
                    "while the other nodes answer; --no-lost-evidence waits --lost-timeout of silence "
@@ -293,7 +295,7 @@ def _split_args(text: str, flag: str) -> list[str]:
                                             "into one under their ranks (the logs on disk keep every line).")
 @click.argument("script", nargs=-1, type=click.UNPROCESSED)
 def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, nproc_per_node, grace,
-                  lost_timeout, rendezvous_timeout, lost_evidence, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
+                  lost_timeout, rendezvous_timeout, lost_evidence, warm, notify, as_json, max_restarts, restart_on_exit_codes, min_nodes, queue, queue_timeout, resume_from,
                   resume_args, checkpoint_dir, checkpoint_interval, allow_unhealthy, hang_timeout, hang_busy_limit,
                   on_hang, on_straggler, straggler_factor, straggler_window, dry_run, no_fold, script, events):
     """Preflight, then torchrun on every node in rank order; stream every rank's log.
@@ -323,7 +325,7 @@ def train_command(opts: ClusterOptions, name, detach, skip_preflight, force, npr
         restart_on_exit_codes=_exit_codes(restart_on_exit_codes, inv.train.restart_on_exit_codes),
         queue=queue, queue_timeout=queue_timeout, **checkpoints,
         copy_checkpoints=inv.train.copy_checkpoints, checkpoint_replica=inv.train.checkpoint_replica,
-        **_health(inv.train, lost_evidence=lost_evidence, hang_busy_limit=hang_busy_limit,
+        **_health(inv.train, lost_evidence=lost_evidence, warm=warm, hang_busy_limit=hang_busy_limit,
                   on_hang=on_hang, on_straggler=on_straggler, straggler_factor=straggler_factor,
                   straggler_window=straggler_window, checkpoint_interval=checkpoint_interval)))
     save_events(run, notify, events)

@@ -46,6 +46,7 @@ from orchestrator.runs.scaling import record_doc
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
+from orchestrator.runs.warmpool import WarmPool
 from orchestrator.transport import Cluster, retry_wait
 
 
@@ -71,6 +72,7 @@ class Controller:
         self.readying: Readying | None = None
         self.shorts: ShortCopies | None = None  # log copies that ended short for want of room
         self.current: AttemptRunner | None = None
+        self.warm: WarmPool | None = None  # the nodes' warm interpreters, for restarts (runs/warmpool.py)
         self.stop_requests = 0
         self.signalled = threading.Event()  # a SIGTERM/SIGINT came: end within the stop's grace
 
@@ -98,6 +100,8 @@ class Controller:
                 self.current.teardown("internal error")
             code = self.end_with_error(f"internal error: {type(e).__name__}: {e}", 1)
         finally:
+            if self.warm is not None:
+                self.warm.close()
             if self.copier is not None:
                 self.copier.stop()
             ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -193,6 +197,9 @@ class Controller:
         self.shorts = ShortCopies(cluster, self.full_inv, self.book, self.space, say)
         self.space.on_room.append(self.shorts.settle)
         self.readying = Readying(self.run, self.spec, self.book, cluster, self.full_inv, self.claims, self.copier, say)
+        if self.spec.warm and self.spec.max_restarts > 0:  # only a restart forks from them
+            self.warm = WarmPool(cluster, self.full_inv, self.run.id, say)
+            self.warm.start()
         k, nodes, ended = self.entry()
         while True:
             result, verdict = ended if ended is not None else self.attempt(k, nodes)
@@ -360,6 +367,8 @@ class Controller:
         attempts = self.book.rec.attempts
         result = summary(result, attempts, verdict, self.spec.max_restarts)
         self.copier.store.clean_partials()
+        if self.warm is not None:  # let go before the claims: each ends at once, no rank of its own running
+            self.warm.close()
         self.claims.release_all()
         # closed before the final record: the foreground returns when it sees it, and by then no SSH
         # session of the run should still be winding down on a node (pending stops open their own)

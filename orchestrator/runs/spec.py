@@ -84,6 +84,7 @@ class RunSpec:
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL when the run is stopped
     lost_timeout: float = DEFAULT_LOST_TIMEOUT
     lost_evidence: bool = _TRAIN["lost_evidence"].default  # --[no-]lost-evidence, else train.lost_evidence
+    warm: bool = _TRAIN["warm"].default  # --[no-]warm, else train.warm: restarts fork ranks from warm interpreters
     fanout: int = DEFAULT_FANOUT
     accept_new_host_keys: bool = False
     connect_timeout: float | None = None

@@ -1,0 +1,87 @@
+"""The run's warm interpreters (remote/warm.py): one on every node the run may use, spares
+included, started `after` seconds into the run (not to take CPU from the first attempt's own
+start, and never for a run that ends sooner). A restart's ranks then fork from an interpreter that
+has imported torch instead of importing it again: on the test cluster a rank of the shipped
+trainer is up in ~0.3 s instead of ~3 s (bench/bench_warm_start.py, bench/bench_recovery.py
+--warm). A node without one (not reached, started too late, or `--no-warm`) starts its ranks cold,
+as before: the ranks ask, and nobody answering is not an error.
+
+Each is held by keeping its command's connection open; `close` lets go, and an interpreter with no
+rank of its own running then ends. A node cut off from the control machine ends its own once its
+claim is no longer the run's (the run's end, or the node left out of it), after its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+from orchestrator.inventory import Inventory
+from orchestrator.node import warm
+from orchestrator.torchrun import node_env
+from orchestrator.transport import Cluster
+
+WARM_AFTER_S = 20.0  # into the run: what a run shorter than this would gain, it would pay at its start
+AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say sooner (the tests do)
+
+
+class WarmPool:
+    def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, say: Callable[[str], None],
+                 after: float | None = None):
+        self.cluster, self.inv, self.run_id, self.say = cluster, inv, run_id, say
+        self.after = float(os.environ.get(AFTER_ENV, WARM_AFTER_S)) if after is None else after
+        self.procs: dict = {}  # node -> the running command (transport Proc)
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Every node of the inventory that is connected, `after` seconds from now."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._later, name="warm-pool", daemon=True)
+            self.thread.start()
+
+    def _later(self) -> None:
+        if self.closed.wait(self.after):
+            return
+        try:
+            self.add([n.name for n in self.inv.nodes])
+        except Exception as e:  # noqa: BLE001 - a warm start is a saving, never a failure of the run
+            self.say(f"warm interpreters: {type(e).__name__}: {e}")
+
+    def add(self, names: list[str]) -> None:
+        """Start one on each of `names` that is connected and has none yet."""
+        started = []
+        for name in names:
+            conn = self.cluster.connections.get(name)
+            with self.lock:
+                if self.closed.is_set() or name in self.procs or conn is None:
+                    continue
+            node = self.inv.node(name)
+            spec = warm.WarmSpec(node.python, node_env(self.inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id}),
+                                 node.workdir)
+            try:
+                proc = warm.start(node, self.run_id, spec).start(conn)
+            except Exception as e:  # noqa: BLE001 - a lost connection: that node restarts cold
+                self.say(f"warm interpreters: {name}: not started ({type(e).__name__}: {e})")
+                continue
+            with self.lock:
+                if self.closed.is_set():
+                    proc.close()
+                    return
+                self.procs[name] = proc
+            started.append(name)
+        if started:
+            self.say(f"warm interpreters: starting on {', '.join(started)} (a restart's ranks fork from them)")
+
+    def close(self) -> None:
+        """Let every one go (each ends once no rank of its own runs)."""
+        self.closed.set()
+        with self.lock:
+            procs, self.procs = self.procs, {}
+        for proc in procs.values():
+            try:
+                proc.close()
+            except Exception:  # noqa: BLE001 - a connection already gone: its node ends its own
+                pass
