@@ -1,6 +1,7 @@
 """Recovery time after a lost node, and what copying checkpoints off the nodes costs a step.
 
     sudo .venv/bin/python bench/bench_recovery.py [--victim 2] [--overhead-steps 60] [--repeat 2]
+    sudo .venv/bin/python bench/bench_recovery.py --warm-compare 3 --steps 1500
 
 Recovery (5 test nodes, node5 `spare: true`, preset nano, a checkpoint every 10 steps,
 `--max-restarts 1`, every other setting at its default (the lost-node rule on evidence, the fast
@@ -20,7 +21,10 @@ run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
               `process group` phase end (the trainer's startup line gives its phases)
   startup     the master's imports, data and model, and checkpoint load
   first step  the trainer's startup line → its first step line
-Target: everything after detection <= 20 s.
+Target: everything after detection <= 20 s. With --warm-compare N, the same cut N times each with
+the warm interpreters (runs/warmpool.py; the cut once every node, the spare too, has one) and with
+`--no-warm`, alternating, each at least --settle s into the run: after detection, rendezvous and
+startup, each way, with the ratio.
 
 Copy overhead (2 test nodes, preset tiny, a checkpoint every 20 steps): the same run with
 `train.copy_checkpoints` true and false, alternating, --repeat times each. Printed: the mean
@@ -63,7 +67,14 @@ def write_inventory(cluster, path: Path, train: dict, spare: bool) -> str:
 
 
 # ---------------------------------------------------------------- recovery
-def recovery(victim: int, steps: int) -> dict:
+def serving(node) -> bool:
+    """A warm interpreter of the run listens on the node (remote/warm.py)."""
+    return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
+
+
+def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 0.0) -> dict:
+    """One cut. `warm`: None, the default; True, the cut waits for every node's warm interpreter;
+    False, --no-warm. `settle`: the cut comes no sooner than this many seconds into the run."""
     with TestCluster(n=5, gpus=0, name_prefix="ccbr") as cluster, tempfile.TemporaryDirectory() as td:
         home = Path(td) / "home"
         inv = write_inventory(cluster, Path(td) / "nodes.yaml", spare=True, train={
@@ -71,12 +82,16 @@ def recovery(victim: int, steps: int) -> dict:
             "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
                      "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
                      "--output-dir", "out"]})
-        proc = start(home, "train", "-i", inv)
+        t_start = time.time()
+        proc = start(home, "train", "-i", inv, *(["--no-warm"] if warm is False else []))
         try:
             run_dir = run_dir_of(home)
             clock = LogClock(run_dir / "nodes")
             wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
+            if warm:
+                wait_for(lambda: all(serving(n) for n in cluster.nodes), 300, "a warm interpreter on every node")
+            time.sleep(max(0.0, t_start + settle - time.time()))
             t_fail = time.time()
             cluster.nodes[victim - 1].link_down()
             out, err = proc.communicate(timeout=600)
@@ -173,6 +188,22 @@ def overhead(steps: int, repeat: int) -> dict:
             "overhead_wall_pct": (med[True]["wall_ms"] / med[False]["wall_ms"] - 1) * 100}
 
 
+def warm_compare(victim: int, steps: int, n: int, settle: float) -> int:
+    """Recovery with and without the warm interpreters (runs/warmpool.py), alternating."""
+    got: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(n):
+        for warm in (True, False) if i % 2 == 0 else (False, True):
+            r = recovery(victim, steps, warm, settle)
+            got[warm].append(r)
+            print(f"  {'warm' if warm else 'cold'} {i + 1}: after detection {r['after detection']:.2f} s; launch "
+                  f"{r['launch']:.2f}, rendezvous {r['rendezvous']:.2f}, startup {r['startup']:.2f} s "
+                  f"({r['startup parts']})", flush=True)
+    for k in ("after detection", "rendezvous", "startup"):
+        w, c = (statistics.median(r[k] for r in got[x]) for x in (True, False))
+        print(f"{k}, median of {n}: warm {w:.2f} s, cold (--no-warm) {c:.2f} s: {c / w:.2f}x")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--victim", type=int, default=2, help="the node whose link is cut (1 = the master)")
@@ -181,7 +212,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs each way for the copy overhead")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--warm-compare", type=int, default=0, metavar="N",
+                    help="N cuts each with the warm interpreters (the cut once every node has one) and with "
+                         "--no-warm, alternating, each at least --settle s into the run; then nothing else")
+    ap.add_argument("--settle", type=float, default=40.0)
     args = ap.parse_args(argv)
+    if args.warm_compare:
+        return warm_compare(args.victim, args.steps, args.warm_compare, args.settle)
     if not args.skip_recovery:
         r = recovery(args.victim, args.steps)
         print(f"recovery: node{args.victim} cut for good; attempt 2 on {', '.join(r['nodes'])} "

@@ -1,48 +1,39 @@
-"""What a warm interpreter would save each restart: a rank forked from a process that has torch
-imported, against a fresh interpreter (the way every rank starts today), in the same run.
+"""What the warm interpreter saves each restarted rank (runs/warmpool.py, remote/warm.py): a rank
+forked from it against a fresh interpreter (the way attempt 1's ranks start), in the same run.
 
-Issue 33's hot recovery is not built. Every restart spends 8.9-12.5 s of its 10.4-14.7 s after
-detection starting processes (docs/performance.md, "Recovery after a lost node"): torchrun and
-each worker import torch again, and building the first optimizer imports torch._dynamo. This bench
-measures the path a warm start would take before it is built:
-
-- fresh: `python -c WORK` (import torch, a model, AdamW, one step), as torchrun starts a rank;
-- warm: a zygote imported torch and torch._dynamo once and waits; each rank is a fork of it that
-  runs the same WORK with the rank's own environment.
-
-A fork would break the node side's contract that every process of a run is found by the marker in
-its environment (/proc/PID/environ, remote/common.py marked_pids, RANK read by proc_environ): the
-kernel shows a process's environment as it was at exec, and a fork has none of its own. The fork
-here writes its environment over that block (the bytes between env_start and env_end of
-/proc/self/stat, as setproctitle rewrites argv; the zygote starts with a pad variable to make
-room), after moving libc's own environ off it (os.environ goes through setenv, which copies).
-Each rank is checked while it waits: marked_pids finds it by its run key and proc_environ reads
-its RANK, for both arms.
+Both arms start each rank the way torchrun does, `python -u -c WORK` (import torch, a model,
+AdamW, one step), with the run's hook on PYTHONPATH as the node's waiter writes it (the hook and
+clusterctl_warm.py). In the warm arm the rank's environment names the warm interpreter's socket
+(CLUSTERCTL_WARM): the hook has it fork the rank, the process started stays as its stand-in. The
+warm interpreter is the product's (`python -m orchestrator.remote.warm serve SOCK PRELOAD`, the
+preload runs/warmpool.py asks for, the padded environment `warm RUN NODE` gives it). Each rank is
+checked while it waits: marked_pids finds it by its run key and proc_environ reads its RANK.
 
     .venv/bin/python bench/bench_warm_start.py --rounds 5 --ranks 4
 
 Arms alternate per round; each round starts `--ranks` ranks at once (the test cluster's 4 nodes
-on 2 cores) and times each from its request to its `ready` line. Not product code.
+on 2 cores) and times each from its start to its `ready` line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from orchestrator.node.warm import PRELOAD  # noqa: E402
+from orchestrator.remote import warm as node_warm  # noqa: E402
 from orchestrator.remote.common import RUN_KEY, marked_pids, proc_environ  # noqa: E402
 
-PAD = "CLUSTERCTL_ENV_PAD"
-PAD_BYTES = 64 * 1024  # room for the rank's environment in the zygote's exec-time block
+REMOTE = Path(__file__).resolve().parent.parent / "orchestrator" / "remote"
 
 WORK = """
 import os, signal, sys, torch
@@ -55,38 +46,13 @@ print(f"ready {os.getpid()}", flush=True)
 signal.sigwait([signal.SIGUSR1])  # the bench reads this process's environment, then lets it end
 """
 
-ZYGOTE = r"""
-import ctypes, json, os, signal, sys
-import torch, torch._dynamo, torch.optim  # what every rank imports, once
 
-def own_environ(env):
-    # libc's environ moved to copies first (os.environ's setenv), then the exec-time block rewritten
-    os.environ.clear()
-    os.environ.update(env)
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51
-    block = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
-    if len(block) > end - start:
-        raise SystemExit(f"zygote: the environment ({len(block)} bytes) does not fit its block ({end - start})")
-    ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
-
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a rank that ends is reaped by the kernel, no zombie waits
-print("warm", flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    if os.fork() == 0:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the rank waits for its own children as usual
-        sys.stdin.close()
-        own_environ(req["env"])
-        exec(compile(req["work"], "<rank>", "exec"), {"__name__": "__main__"})
-        os._exit(0)
-"""
-
-
-def rank_env(key: str, rank: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != PAD}
-    env.update({RUN_KEY: key, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+def rank_env(key: str, rank: int, py: Path, sock: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({RUN_KEY: key, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(py)})
+    if sock is not None:
+        env["CLUSTERCTL_WARM"] = str(sock)
     return env
 
 
@@ -121,36 +87,34 @@ def check_and_end(pids, key: str) -> None:
         os.kill(pid, signal.SIGUSR1)
 
 
-def fresh_round(key: str, ranks: int) -> list[float]:
+def one_round(key: str, ranks: int, py: Path, sock: Path | None) -> list[float]:
+    """Every rank started at once; each one's time from the start to its `ready` line."""
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", WORK], env=rank_env(key, r), stdout=subprocess.PIPE, text=True)
-             for r in range(ranks)]
-    times = []
+    procs = [subprocess.Popen([sys.executable, "-u", "-c", WORK], env=rank_env(key, r, py, sock),
+                              stdout=subprocess.PIPE, text=True) for r in range(ranks)]
+    times, pids = [], []
     for p in procs:
         ready = read_ready(p.stdout, 1, 120)
-        times.append(next(iter(ready.values())) - t0)
-    check_and_end([p.pid for p in procs], key)
+        pid, at = next(iter(ready.items()))
+        if (pid != p.pid) != (sock is not None):
+            raise SystemExit(f"bench: rank {p.pid} ran {'cold' if pid == p.pid else 'forked'} in the "
+                             f"{'warm' if sock else 'fresh'} arm")
+        times.append(at - t0)
+        pids.append(pid)
+    check_and_end(pids, key)
     for p in procs:
         p.wait(30)
     return times
 
 
-def warm_round(zygote: subprocess.Popen, key: str, ranks: int) -> list[float]:
+def start_zygote(sock: Path) -> tuple[subprocess.Popen, float]:
     t0 = time.monotonic()
-    for r in range(ranks):
-        zygote.stdin.write(json.dumps({"env": rank_env(key, r), "work": WORK}) + "\n")
-    zygote.stdin.flush()
-    ready = read_ready(zygote.stdout, ranks, 120)
-    check_and_end(list(ready), key)
-    return [t - t0 for t in ready.values()]
-
-
-def start_zygote() -> tuple[subprocess.Popen, float]:
-    t0 = time.monotonic()
-    z = subprocess.Popen([sys.executable, "-c", ZYGOTE], env=dict(os.environ, **{PAD: "x" * PAD_BYTES}),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    if os.read(z.stdout.fileno(), 16).strip() != b"warm":
-        raise SystemExit("bench: the zygote did not start")
+    pad = {f"{node_warm.PAD_ENV}{i}": "x" * node_warm.PAD_PART for i in range(2)}
+    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), ",".join(PRELOAD)],
+                         cwd=REMOTE.parent.parent, env={**os.environ, **pad}, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, text=True)
+    if z.stdout.readline().strip() != "ready":
+        raise SystemExit("bench: the warm interpreter did not start")
     return z, time.monotonic() - t0
 
 
@@ -159,23 +123,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4, help="ranks started at once per round")
     args = ap.parse_args()
-    zygote, warm_up = start_zygote()
-    print(f"zygote warm in {warm_up:.2f} s (import torch and torch._dynamo, once)")
-    fresh, warm = [], []
-    try:
-        for i in range(args.rounds):
-            arms = [("fresh", fresh), ("warm", warm)]
-            for name, into in (arms if i % 2 == 0 else arms[::-1]):
-                key = f"bench-warm-{os.getpid()}-{i}-{name}"
-                got = fresh_round(key, args.ranks) if name == "fresh" else warm_round(zygote, key, args.ranks)
-                into.append(max(got))
-                print(f"round {i + 1} {name}: every rank ready after {max(got):.2f} s "
-                      f"(each: {', '.join(f'{t:.2f}' for t in sorted(got))})", flush=True)
-    finally:
-        zygote.stdin.close()
-        zygote.wait(30)
-        for pid in marked_pids(RUN_KEY, lambda v: v.startswith(f"bench-warm-{os.getpid()}-")):  # a round cut short
-            os.kill(pid, signal.SIGKILL)
+    with tempfile.TemporaryDirectory() as td:
+        py = Path(td) / "py"  # the run directory's py/, as the waiter writes it
+        py.mkdir()
+        (py / "sitecustomize.py").write_text((REMOTE / "hook" / "sitecustomize.py").read_text())
+        (py / "clusterctl_warm.py").write_text((REMOTE / "warm_client.py").read_text())
+        sock = Path(td) / "warm" / "sock"
+        sock.parent.mkdir()
+        zygote, warm_up = start_zygote(sock)
+        print(f"warm interpreter ready in {warm_up:.2f} s (imports {', '.join(PRELOAD)}, once)")
+        fresh, warm = [], []
+        try:
+            for i in range(args.rounds):
+                arms = [("fresh", fresh), ("warm", warm)]
+                for name, into in (arms if i % 2 == 0 else arms[::-1]):
+                    key = f"bench-warm-{os.getpid()}-{i}-{name}"
+                    got = one_round(key, args.ranks, py, sock if name == "warm" else None)
+                    into.append(max(got))
+                    print(f"round {i + 1} {name}: every rank ready after {max(got):.2f} s "
+                          f"(each: {', '.join(f'{t:.2f}' for t in sorted(got))})", flush=True)
+        finally:
+            zygote.terminate()
+            zygote.wait(30)
+            for pid in marked_pids(RUN_KEY, lambda v: v.startswith(f"bench-warm-{os.getpid()}-")):  # cut short
+                os.kill(pid, signal.SIGKILL)
     f, w = statistics.median(fresh), statistics.median(warm)
     print(f"\n{args.ranks} ranks at once, median of {args.rounds} rounds: fresh {f:.2f} s, warm {w:.2f} s: "
           f"{f / w:.1f}x sooner, {f - w:.2f} s saved per start; every rank found by its marker with its RANK")
