@@ -181,6 +181,9 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
     again = subprocess.run(probe.local_argv("warm", "wr1", "n1"), env=env, input=spec, capture_output=True,
                            text=True, timeout=30)
     assert again.returncode == 0 and again.stdout.strip() == "already"  # one serves the run here
+    check = subprocess.run(probe.local_argv("warm", "check", "wr1", "n1"), env=env, capture_output=True, text=True,
+                           timeout=30)
+    assert json.loads(check.stdout) == {"serving": True}
     from orchestrator.remote.warm import for_key
 
     monkeypatch.setenv("HOME", str(home))  # the waiter's lookup, by any attempt's key

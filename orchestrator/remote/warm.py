@@ -15,6 +15,7 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
                      attempt's key: an attempt's end leaves it). `ready` once torch is imported
                      (`already`: one serves the run here); it lives while the control machine holds
                      the command's connection open, or a rank forked from it runs (`serve`).
+  warm check RUN_ID NODE   print {"serving": bool}: whether one serves the run here now.
 """
 import json
 import os
@@ -317,9 +318,12 @@ def main(argv):
     if argv[:1] == ["serve"] and len(argv) in (3, 5):
         serve(*argv[1:])
         return 0
+    if argv[:1] == ["check"] and len(argv) == 3:  # whether one serves the run here
+        print(json.dumps({"serving": answers(socket_path(argv[1], argv[2]))}))
+        return 0
     if len(argv) == 2:
         return start(*argv)
-    sys.exit("usage: warm RUN_ID NODE (the spec's JSON on stdin)")
+    sys.exit("usage: warm RUN_ID NODE (the spec's JSON on stdin) | warm check RUN_ID NODE")
 
 
 if __name__ == "__main__":
