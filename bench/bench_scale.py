@@ -7,8 +7,8 @@ inventory's `python:` runs tests/cluster/fakes/torchrun.py for `-m torch.distrib
 static rendezvous, 8 `sleep` ranks per node carrying torchrun's environment, each writing its
 own first line `[default<L>]:rank R up`, then one distinct line per rank every --tick seconds
 written on its behalf; see that file for what it keeps of torchrun and what it does not).
-Everything else is the product: `clusterctl train --skip-preflight --max-restarts 1` in the foreground, its
-detached supervisor, the node agent, the log streams, the fail-fast teardown.
+Everything else is the product: `clusterctl train --skip-preflight --max-restarts 1 --no-warm` in the
+foreground, its detached supervisor, the node agent, the log streams, the fail-fast teardown.
 
   first line   train command -> every rank's `rank R up` printed by the foreground `train`
   sup CPU      the supervisor's CPU (user+sys, all its threads, psutil on run.json's
@@ -99,9 +99,12 @@ class Foreground:
         self.burst_done = {k: {} for k in ("distinct", "same")}  # kind -> rank -> when its `done` line was printed
         self.bursts_over = {k: threading.Event() for k in self.burst_done}
         self.t0 = time.monotonic()
+        # --no-warm: the stand-in's ranks import no torch, and a warm interpreter on every node
+        # (torch imported, ~290 MB each) would not fit 256 nodes on this machine
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", str(inv),
-                                      "--skip-preflight", "--max-restarts", "1", "--on-hang", "observe", "--hang-timeout", "30",
-                                      *(() if fold else ("--no-fold",))], cwd=REPO, env=self.env,
+                                      "--skip-preflight", "--max-restarts", "1", "--no-warm", "--on-hang", "observe",
+                                      "--hang-timeout", "30", *(() if fold else ("--no-fold",))],
+                                     cwd=REPO, env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
