@@ -201,11 +201,7 @@ def take(conn, listener, wake_r, forks):
     os.close(go_r)
     for fd in fds:
         os.close(fd)
-    try:  # the asker commits (`go`) before the fork runs a line of the rank
-        conn.sendall(f"pid {pid}\n".encode())
-        went = conn.recv(3) == b"go\n"
-    except OSError:
-        went = False
+    went = committed(conn, pid)
     os.write(go_w, b"g" if went else b"n")
     os.close(go_w)
     conn.settimeout(None)
@@ -215,6 +211,21 @@ def take(conn, listener, wake_r, forks):
         os.waitpid(pid, 0)
         return 0
     return pid
+
+
+def committed(conn, pid):
+    """Tell the asker its fork's pid; whether it commits (`go`) before the fork runs a line."""
+    went = b""
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+        while len(went) < 3 and not went.endswith(b"\n"):  # a stream socket may give it in pieces
+            got = conn.recv(3 - len(went))
+            if not got:
+                break
+            went += got
+    except OSError:
+        pass
+    return went == b"go\n"
 
 
 def reap(forks, conns, poller):

@@ -63,8 +63,9 @@ def become(req, fds):
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):  # SIGPIPE stays ignored, as
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)  # Python does
+    # the zygote's handlers undone (SIGPIPE stays ignored, as Python leaves it in any process)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     os.umask(int(req["umask"]))
     env = dict(req["env"])
     env.pop("CLUSTERCTL_WARM", None)  # the hook, run again in here, runs the rank itself
