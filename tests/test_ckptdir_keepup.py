@@ -102,6 +102,39 @@ def test_a_rewrite_that_lands_while_a_version_is_copied_voids_the_copy(node_side
     assert (pending / "ckpt.pt").read_bytes() == third
 
 
+@pytest.mark.parametrize("watch", ["inotify", "identities only"])
+def test_a_save_truncated_before_its_writer_holds_it_is_never_taken_empty(node_side, tmp_path, monkeypatch, watch):
+    """torch.save opens ckpt.pt with O_TRUNC: the file is empty inside open(), before /proc shows
+    the descriptor, and a busy machine can hold the writer there across a whole sample (seen once
+    on CI: a 0-byte snapshot restored). An empty file no one holds, changed a moment ago, is taken
+    only once inotify saw it closed, or once it aged unchanged: the save that lands meanwhile is
+    taken whole (inotify) and the previous capture stays until then."""
+    d, pending = tmp_path / "out", tmp_path / "art" / ckptdir.PENDING
+    d.mkdir()
+    one, two = os.urandom(64 * 1024), os.urandom(64 * 1024)
+    (d / "ckpt.pt").write_bytes(one)
+    assert run_look(node_side, d, pending)["entries"]["ckpt.pt"]["complete"]
+    if watch == "identities only":
+        monkeypatch.setattr(node_side.Watch, "ok", property(lambda self: False))
+    os.truncate(d / "ckpt.pt", 0)  # the open's truncate; its writer not yet seen holding it
+    real, samples = node_side.sample_dir, []
+
+    def save_after_the_first_sample(*a, **kw):
+        if samples:
+            (d / "ckpt.pt").write_bytes(two)  # the writer runs again: the save, closed
+        samples.append(real(*a, **kw))
+        return samples[-1]
+
+    monkeypatch.setattr(node_side, "sample_dir", save_after_the_first_sample)
+    got = run_look(node_side, d, pending)
+    assert samples[0]["ckpt.pt"]["why"] == "fresh", samples[0]
+    kept = (pending / "ckpt.pt").read_bytes()
+    assert kept in (one, two), f"{len(kept)} bytes captured"
+    assert got["entries"]["ckpt.pt"]["complete"] == (kept == two), got
+    if watch == "inotify":  # its close was seen: taken at once, whole
+        assert kept == two and len(samples) == 2, (len(kept), len(samples))
+
+
 def test_an_atomic_save_over_the_name_during_the_copy_leaves_the_copy_whole(node_side, tmp_path, monkeypatch):
     """torch.save to a temporary name then os.replace (the careful scripts' way): a replace that
     lands during the copy does not touch the bytes being read, so the copy stands; the new version

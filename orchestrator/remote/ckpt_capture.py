@@ -14,6 +14,7 @@ from .common import NODE_RUNS, RUN_KEY, first_rank_failure, marked_pids, own_dir
 PENDING = ".pending"  # a look's captures: the last path component the control side gives
 INDEX = ".index.json"  # in PENDING: {rel: the identity of the version captured}
 SAMPLE_S = 0.1  # between two samples of DIR while an entry is being written
+YOUNG_S = 0.5  # a file changed within this is taken once seen closed, or once it aged past it unchanged
 GUARD_S = 0.5  # a rank killed mid-save is noted (the waiter, agent_lines.py RankLines) well within this of its death
 
 
@@ -125,12 +126,13 @@ def look(path, pending, settle_s, wait_s, key):
     try:
         while True:
             sampled = time.monotonic()
-            entries = sample_dir(root, watch, int(float(settle_s) * 1e9), touched)
+            entries = sample_dir(root, watch, int(float(settle_s) * 1e9), touched, int(YOUNG_S * 1e9))
             for name, t in entries.items():
                 if name not in done and not t["why"] and _capture(root, pending, t, index, watch, touched, torn):
                     done[name], taken_at = t, sampled
-            busy = [t for n, t in entries.items() if n not in done and t["why"] in ("writing", "changing")]
-            if not busy or time.monotonic() >= deadline:
+            busy = {t["why"] for n, t in entries.items() if n not in done} & {"writing", "changing", "fresh"}
+            # a file changed just now ages past YOUNG_S even where the job has ended (wait 0)
+            if not busy or time.monotonic() >= deadline + (YOUNG_S if busy == {"fresh"} else 0):
                 break
             time.sleep(SAMPLE_S)
     finally:

@@ -1,7 +1,8 @@
 """A checkpoint directory's entries (ckptdir.py and its modules): each top-level entry's files and
 their identities (inode, size, mtime, ctime), whether an entry is complete (closed by its writer:
 no process of this user holds a file under it open for writing, nothing changed while that was
-looked at, inotify through Watch, a directory settled or renamed into place: sample_dir), and the
+looked at, inotify through Watch, a file changed just now seen closed, a directory settled or
+renamed into place: sample_dir), and the
 moves that put a checkpoint's entries into place and the others aside (swap_in).
 """
 import os
@@ -22,16 +23,21 @@ def abs_path(path):
 class Watch:
     """inotify over a directory tree through libc (Linux; ctypes is stdlib): the paths under it
     (relative) that were written, truncated, created, removed or renamed since the last
-    `changed()`, each with its events. Without inotify (`ok` False), or when events were lost
-    (`lost`), the caller relies on each file's identity alone."""
+    `changed()`, each with its events, and `closed`: the paths whose last event seen, in order, left
+    them whole (closed after writing, or renamed into place) or not (written, truncated, created).
+    Without inotify (`ok` False), or when events were lost (`lost`), the caller relies on each
+    file's identity alone."""
 
     # IN_MODIFY IN_ATTRIB IN_CLOSE_WRITE IN_MOVED_FROM IN_MOVED_TO IN_CREATE IN_DELETE
     MASK = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200
     WRITTEN = 0x2 | 0x8  # IN_MODIFY IN_CLOSE_WRITE: the bytes under a name (a rename over it is not)
     IN_ISDIR, IN_Q_OVERFLOW, IN_NEW = 0x40000000, 0x4000, 0x80 | 0x100
+    OPENED = 0x2 | 0x100  # IN_MODIFY (a truncate too) IN_CREATE: bytes on their way
+    WHOLE = 0x8 | 0x80  # IN_CLOSE_WRITE IN_MOVED_TO: bytes their writer let go of
+    GONE = 0x40 | 0x200  # IN_MOVED_FROM IN_DELETE
 
     def __init__(self, root):
-        self.root, self.fd, self.dirs, self.lost = root, -1, {}, False
+        self.root, self.fd, self.dirs, self.lost, self.closed = root, -1, {}, False, {}
         try:
             import ctypes
 
@@ -71,10 +77,19 @@ class Watch:
                 if wd in self.dirs:
                     rel = os.path.normpath(os.path.join(self.dirs[wd], name))
                     out[rel] = out.get(rel, 0) | mask
+                    self._track(rel, mask)
                     if mask & self.IN_ISDIR and mask & self.IN_NEW:
                         for d, _dirs, _names in os.walk(os.path.join(self.root, rel)):
                             self._add(d)
         return out
+
+    def _track(self, rel, mask):
+        if mask & self.GONE:
+            self.closed.pop(rel, None)
+        elif mask & self.WHOLE:
+            self.closed[rel] = True
+        elif mask & self.OPENED:
+            self.closed[rel] = False
 
     def close(self):
         if self.fd >= 0:
@@ -168,10 +183,12 @@ def _writers(root):
     return out
 
 
-def sample_dir(root, watch, settle_ns, touched):
+def sample_dir(root, watch, settle_ns, touched, young_ns=0):
     """Every top-level entry of root now: its files' identities and whether it is complete: held
     open for writing by nobody, unchanged while the writers were looked for (`touched` gathers what
-    inotify saw change), and for a directory settled or renamed into place."""
+    inotify saw change), each file changed within young_ns seen closed by its writer (a save's
+    truncate lands inside open(), before /proc shows the descriptor: an empty file no one holds),
+    and for a directory settled or renamed into place."""
     touched.clear()
     watch.changed()  # what changed before this sample is judged by the identities below
     before = entries_of(root)
@@ -184,9 +201,11 @@ def sample_dir(root, watch, settle_ns, touched):
         # inotify sees a rewrite that leaves the identities as they were (within one clock tick)
         seen = watch.ok and any(is_under(r, name) for r in touched)
         stable = b is not None and b["files"] == t["files"] and not seen
+        fresh = any(0 <= now - i[3] < young_ns and not (watch.ok and watch.closed.get(rel))
+                    for rel, i in t["files"].items())
         settled = not t["dir"] or t["renamed"] or now - t["newest"] >= settle_ns
-        t.update(writing=writing, why="" if stable and not writing and settled else
-                 "writing" if writing else "changing" if not stable else "settling")
+        t.update(writing=writing, why="writing" if writing else "changing" if not stable else
+                 "fresh" if fresh else "" if settled else "settling")
         out[name] = t
     return out
 
