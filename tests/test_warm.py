@@ -213,3 +213,39 @@ def test_an_asker_that_gives_up_before_it_commits_leaves_no_fork_that_ran(warm):
     assert wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10, "the fork")
     time.sleep(0.5)
     assert out.read_text() == ""  # it never ran the job
+
+
+def test_a_bad_spec_ends_warm_run_node_in_one_line_not_a_traceback(tmp_path):
+    from orchestrator import probe
+
+    for bad in ("{not json", "[1, 2]", '{"env": "FOO=1"}'):
+        r = subprocess.run(probe.local_argv("warm", "wr1", "n1"), input=bad, capture_output=True, text=True,
+                           timeout=30, env={**os.environ, "HOME": str(tmp_path)})
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "the spec on stdin is not a JSON object" in r.stderr
+
+
+def test_warm_interpreters_go_to_the_nodes_a_restart_may_use_only():
+    """The current attempt's nodes and the spares left; not a quarantined node, not one left out of
+    the run; before the first attempt, the ranked nodes."""
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.runs.warmpool import restart_nodes
+
+    inv = parse_inventory("nodes:\n" + "".join(f"  - {{name: n{i}, host: 10.0.0.{i}{', spare: true' if i > 3 else ''}}}\n"
+                                               for i in range(1, 7)))
+    assert restart_nodes(inv, None, ["n4", "n5", "n6"], set()) == ["n1", "n2", "n3", "n4", "n5", "n6"]
+    assert restart_nodes(inv, ["n1", "n4", "n3"], ["n5", "n6"], {"n6", "n2"}) == ["n1", "n4", "n3", "n5"]
+    assert restart_nodes(inv, None, ["n4"], {"n1"}) == ["n2", "n3", "n4"]
+
+
+def test_a_node_run_key_is_read_one_way_everywhere():
+    from orchestrator.remote.agent_claims import family
+    from orchestrator.remote.common import split_key
+
+    assert split_key("r-1.a12@n1") == ("r-1", "a12", "n1")
+    assert split_key("r-1.warm@n1") == ("r-1", "warm", "n1")
+    assert split_key("r-1@n1") == ("r-1", "", "n1")
+    assert split_key("r.ab@n1") == ("r.ab", "", "n1")  # not an attempt's: part of the run id
+    mine = family("r-1@n1")
+    assert [mine(k) for k in ("r-1@n1", "r-1.a3@n1", "r-1.warm@n1", "r-1.a3@n2", "r-12.a3@n1")] == \
+        [True, True, False, False, False]

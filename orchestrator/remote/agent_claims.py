@@ -7,7 +7,7 @@ import sys
 import time
 
 from .agent_base import BASE, read, run_pids
-from .common import ARTIFACTS, safe_name, write_atomic
+from .common import ARTIFACTS, safe_name, split_key, write_atomic
 
 CLAIMS = os.path.expanduser("~/.clusterctl/claims")
 CLAIM_START_S = 900  # a claim whose run started nothing on the node is held this long after it was taken or
@@ -25,8 +25,8 @@ def family(key):
     run, _, node = key.rpartition("@")
 
     def match(k):
-        head, _, at = k.rpartition("@")
-        return at == node and (head == run or (head.startswith(run + ".a") and head[len(run) + 2:].isdigit()))
+        r, what, at = split_key(k)
+        return at == node and r == run and what != "warm"  # the warm interpreter holds no claim up
 
     return match
 

@@ -13,7 +13,7 @@ import time
 from .agent_base import BASE, HOOK, read, rundir, run_pids, threading_start, wait_gone
 from .agent_lines import LINES_DRAIN_S, RankLines
 from .agent_stop import end_run
-from .common import PRIVATE_UMASK, RUN_KEY, own_dir, user_umask, write_atomic
+from .common import PRIVATE_UMASK, RUN_KEY, own_dir, prctl, user_umask, write_atomic
 from .warm import for_key
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -85,15 +85,6 @@ def default_signals():
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if user_umask() is not None:
         os.umask(user_umask())
-
-
-def prctl(option, arg):
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
-    except Exception:  # noqa: BLE001 - not Linux, or no libc: the run key still finds the processes
-        return False
 
 
 def waiter(d, run_id, spec, notify_fd):

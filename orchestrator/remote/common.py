@@ -318,6 +318,26 @@ NODE_RUNS = os.path.expanduser("~/.clusterctl/node-runs")  # KEY/: what one atte
 ARTIFACTS = os.path.expanduser("~/.clusterctl/artifacts")  # RUN_ID/: a run's checkpoints, TensorBoard files, replicas
 
 
+def split_key(key):
+    """A node run key RUN_ID[.aK|.warm]@NODE -> (RUN_ID, what, NODE): what is "" for the run's own
+    key, "aK" for attempt K's, "warm" for the run's warm interpreter's (warm.py)."""
+    head, _, node = key.rpartition("@")
+    run, dot, tail = head.rpartition(".")
+    if dot and (tail == "warm" or (tail[:1] == "a" and tail[1:].isdigit())):
+        return run, tail, node
+    return head, "", node
+
+
+def prctl(option, arg):
+    """Linux's prctl(2) through libc (PR_SET_PDEATHSIG 1, PR_SET_CHILD_SUBREAPER 36) -> it took."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 - not Linux, or no libc: the run key still finds the processes
+        return False
+
+
 def marked_pids(var, want):
     """The pids of this user's live processes (zombies left out, this one too) whose environment
     sets `var` to a value for which want(value) is true: a run's processes are found by the

@@ -24,16 +24,14 @@ of the drill's own processes still running (a throttle whose connection was cut)
 """
 import json
 import os
-import re
 import signal
 import sys
 import time
 
 from .agent_base import HOOK, rundir
-from .common import RUN_KEY, marked_pids, proc_environ
+from .common import RUN_KEY, marked_pids, proc_environ, split_key
 
 DRILL_MARK = "CLUSTERCTL_DRILL"
-ATTEMPT = re.compile(r"\.(a\d+|warm)$")  # an attempt's key, or the run's warm interpreter's (warm.py)
 
 
 def _ppid(pid):
@@ -170,7 +168,7 @@ def cmd_throttle(key, rank, seconds, stop_s, run_s):
 
 def of_run(run_id):
     def match(k):
-        return ATTEMPT.sub("", k.rpartition("@")[0]) == run_id
+        return split_key(k)[0] == run_id  # its attempts' keys and its warm interpreter's
     return match
 
 

@@ -24,6 +24,8 @@ import signal
 import socket
 import sys
 
+from .agent_claims import CLAIMS
+from .common import prctl, split_key
 from .warm_fork import become, env_block, env_bytes, target
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
@@ -34,7 +36,7 @@ MAX_REQUEST = 1 << 20  # a request's JSON, at most
 def claimed(run_id, node):
     """Whether the node's claim (agent_claims.py) is held by run `run_id` now."""
     try:
-        with open(os.path.join(os.path.expanduser("~/.clusterctl/claims"), node)) as f:
+        with open(os.path.join(CLAIMS, node)) as f:
             return json.loads(f.read() or "{}").get("run") == run_id
     except (OSError, ValueError, AttributeError):
         return False
@@ -188,7 +190,7 @@ def take(conn, listener, wake_r, forks):
                 c.close()
             conn.close()
             signal.set_wakeup_fd(-1)
-            pdeathsig()
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a fork dies with the zygote
             if os.read(go_r, 1) != b"g":  # the asker did not take it: it starts cold, this one never ran
                 os._exit(0)
             os.close(go_r)
@@ -249,15 +251,6 @@ def reap(forks, conns, poller):
         conn.close()
 
 
-def pdeathsig():
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux: the run key still finds the fork
-        pass
-
-
 WARM_DIR = "~/.clusterctl/warm"  # RUN_ID@NODE/sock: a run's warm interpreter on this node
 PAD_PART = 100_000  # one padding variable (Linux takes at most 128 KiB in one)
 
@@ -269,9 +262,8 @@ def socket_path(run_id, node):
 def for_key(key):
     """The socket of the warm interpreter serving attempt `key` (RUN_ID[.aK]@NODE) here, when
     there is one (the waiter hands it to the ranks as CLUSTERCTL_WARM), else None."""
-    head, _, node = key.rpartition("@")
-    run, dot, k = head.rpartition(".a")
-    path = socket_path(run if dot and k.isdigit() else head, node)
+    run, _what, node = split_key(key)
+    path = socket_path(run, node)
     return path if os.path.exists(path) else None
 
 
@@ -300,7 +292,12 @@ def start(run_id, node):
 
     if not safe_name(run_id) or not safe_name(node):
         sys.exit("bad run id or node name")
-    spec = json.loads(sys.stdin.buffer.read() or b"{}")
+    try:
+        spec = json.loads(sys.stdin.buffer.read() or b"{}")
+        if not isinstance(spec, dict) or not isinstance(spec.get("env", {}), dict):
+            raise ValueError(spec)
+    except ValueError:
+        sys.exit('warm: the spec on stdin is not a JSON object {"python", "env", "cwd", "preload"}')
     private_files()
     path = socket_path(run_id, node)
     os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
@@ -321,8 +318,11 @@ def start(run_id, node):
     orig = list(sys.orig_argv)
     i = orig.index("-c")
     python = os.path.expanduser(spec.get("python") or orig[0])
-    os.execve(python, [python, *orig[1:i + 3], "warm", "serve", path, str(spec.get("preload", "torch")), run_id, node],
-              env)
+    try:
+        os.execve(python, [python, *orig[1:i + 3], "warm", "serve", path, str(spec.get("preload", "torch")),
+                           run_id, node], env)
+    except OSError as e:
+        sys.exit(f"warm: cannot start {python}: {e.strerror}")
 
 
 def main(argv):

@@ -46,7 +46,7 @@ from orchestrator.runs.scaling import record_doc
 from orchestrator.runs.spec import NodeState, RunResult, RunState
 from orchestrator.runs.stopping import LOST_PATIENCE, Stopper, asked_grace, say
 from orchestrator.runs.store import Run
-from orchestrator.runs.warmpool import WarmPool
+from orchestrator.runs.warmpool import WarmPool, restart_nodes
 from orchestrator.transport import Cluster, retry_wait
 
 
@@ -182,6 +182,13 @@ class Controller:
         return [n.name for n in self.full_inv.nodes if n.spare and n.name not in used and n.name not in held
                 and n.name in self.cluster.connections]
 
+    def restart_nodes(self) -> list[str]:
+        """The nodes a restart may use now: the current attempt's and the spares left, none
+        quarantined or left out of the run."""
+        rec = self.book.rec
+        return restart_nodes(self.full_inv, rec.current.nodes if rec.current is not None else None,
+                             self.spares_left(), set(self.quarantined()) | set(rec.left_out))
+
     def loop(self) -> int:
         rec = self.book.rec
         cluster = self.connect(patient=self.adopt)
@@ -198,7 +205,7 @@ class Controller:
         self.space.on_room.append(self.shorts.settle)
         self.readying = Readying(self.run, self.spec, self.book, cluster, self.full_inv, self.claims, self.copier, say)
         if self.spec.warm and self.spec.max_restarts > 0:  # only a restart forks from them
-            self.warm = WarmPool(cluster, self.full_inv, self.run.id, say)
+            self.warm = WarmPool(cluster, self.full_inv, self.run.id, say, self.restart_nodes)
             self.warm.start()
         k, nodes, ended = self.entry()
         while True:

@@ -1,5 +1,5 @@
-"""The run's warm interpreters (remote/warm.py): one on every node the run may use, spares
-included, started `after` seconds into the run (not to take CPU from the first attempt's own
+"""The run's warm interpreters (remote/warm.py): one on every node the run may use (the attempt's
+and the spares left; none quarantined or left out of the run), started `after` seconds into the run (not to take CPU from the first attempt's own
 start, and never for a run that ends sooner). A restart's ranks then fork from an interpreter that
 has imported torch instead of importing it again: on the test cluster a rank of the shipped
 trainer is up in ~0.3 s instead of ~3 s (bench/bench_warm_start.py, bench/bench_recovery.py
@@ -26,10 +26,17 @@ WARM_AFTER_S = 20.0  # into the run: what a run shorter than this would gain, it
 AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say sooner (the tests do)
 
 
+def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], barred: set[str]) -> list[str]:
+    """The nodes a restart may use: the current attempt's (before the first, the ranked nodes) and
+    the spares left, none barred (quarantined, left out of the run)."""
+    now = current if current is not None else [n.name for n in inv.nodes if not n.spare]
+    return [n for n in dict.fromkeys([*now, *spares]) if n not in barred]
+
+
 class WarmPool:
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, say: Callable[[str], None],
-                 after: float | None = None):
-        self.cluster, self.inv, self.run_id, self.say = cluster, inv, run_id, say
+                 nodes: Callable[[], list[str]], after: float | None = None):
+        self.cluster, self.inv, self.run_id, self.say, self.nodes = cluster, inv, run_id, say, nodes
         self.after = float(os.environ.get(AFTER_ENV, WARM_AFTER_S)) if after is None else after
         self.procs: dict = {}  # node -> the running command (transport Proc)
         self.lock = threading.Lock()
@@ -37,7 +44,8 @@ class WarmPool:
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Every node of the inventory that is connected, `after` seconds from now."""
+        """Every node `nodes()` names then (those a restart may use) that is connected, `after`
+        seconds from now."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._later, name="warm-pool", daemon=True)
             self.thread.start()
@@ -46,7 +54,7 @@ class WarmPool:
         if self.closed.wait(self.after):
             return
         try:
-            self.add([n.name for n in self.inv.nodes])
+            self.add(self.nodes())
         except Exception as e:  # noqa: BLE001 - a warm start is a saving, never a failure of the run
             self.say(f"warm interpreters: {type(e).__name__}: {e}")
 
