@@ -249,3 +249,33 @@ def test_a_node_run_key_is_read_one_way_everywhere():
     mine = family("r-1@n1")
     assert [mine(k) for k in ("r-1@n1", "r-1.a3@n1", "r-1.warm@n1", "r-1.a3@n2", "r-12.a3@n1")] == \
         [True, True, False, False, False]
+
+
+def test_torchrun_itself_is_forked_warm_and_its_workers_in_turn(warm):
+    """The waiter's `python -m torch.distributed.run`: the hook has the warm interpreter fork it
+    (torch imported there once, not again per torchrun), notes the fork's pid in the run directory
+    for the stop, and the fork's workers ask in turn. SIGTERM to the process the waiter started
+    reaches torchrun, which ends its workers."""
+    env, d = warm
+    env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")}
+    env["CLUSTERCTL_NODE_DIR"] = str(d)
+    p = subprocess.Popen([sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                          "--nproc-per-node", "1", str(d / "job.py"), "sleep"], env=env, cwd=d,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rank_fork, _ = fork_of(p)
+        noted = int((d / "torchrun.fork").read_text())
+        tr = psutil.Process(noted)
+        zygote = tr.parent()
+        assert noted != p.pid and zygote.environ()["CLUSTERCTL_RUN_KEY"] == "wr1.warm@n1"
+        assert psutil.Process(rank_fork).parent().pid == zygote.pid  # the worker forked too
+        asker = [c for c in tr.children() if c.environ().get("RANK") == "0"]
+        assert len(asker) == 1 and asker[0].pid != rank_fork  # torchrun's worker stands in for it
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+        assert wait_for(lambda: not any(psutil.pid_exists(x) and psutil.Process(x).status() != "zombie"
+                                        for x in (noted, rank_fork, asker[0].pid)), 30, "torchrun and its worker")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

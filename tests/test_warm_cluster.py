@@ -1,7 +1,7 @@
 """Warm restarts on the real test cluster (runs/warmpool.py, remote/warm.py): the run's nodes and
 its spare keep a warm interpreter from a few seconds into the run; a worker killed, then a node cut,
-restart with every rank forked from one (torch already imported), on the survivors and on the
-spare alike; nothing of them is left once the run ends. With --no-warm every rank starts cold."""
+restart with every rank, and torchrun itself, forked from one (torch already imported), on the
+survivors and on the spare alike; nothing of them is left once the run ends. With --no-warm every rank starts cold."""
 
 import os
 import re
@@ -83,6 +83,8 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
         assert wait_for(lambda: worker(cluster, n2, 2), 120, "attempt 2's rank on node2")
         assert wait_for(lambda: "rank 1 attempt 2 on node2" in (run_dir / "nodes" / "node2.log").read_text(
             errors="replace"), 120, "attempt 2's rank on node2 started")
+        # torchrun itself forked warm too: the process the waiter started noted its fork's pid
+        assert n2.run(f"cat ~/.clusterctl/node-runs/{run_dir.name}.a2@node2/torchrun.fork").stdout.strip().isdigit()
         time.sleep(2)
         n2.link_down()  # attempt 3: node1 and the spare
         out = proc.communicate(timeout=300)
@@ -100,6 +102,8 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
     print(seen)
     assert seen[(2, "node1")] and seen[(2, "node2")], seen  # the survivors' ranks forked warm
     assert seen[(3, "node1")] and seen[(3, "node3")], seen  # and the spare's
+    for n in (n1, n3):
+        assert n.run(f"cat ~/.clusterctl/node-runs/{run_dir.name}.a3@{n.name}/torchrun.fork").stdout.strip().isdigit()
     sup = (run_dir / "supervisor.log").read_text()
     assert "warm interpreters: starting on node1, node2, node3" in sup, sup[-2000:]
     # once the run ended: none left, on the nodes it can reach (node2 is back: its own goes too)

@@ -17,7 +17,11 @@ from orchestrator.node import form
 from orchestrator.node.form import Exec
 
 PROGRAM = "warm"
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim")  # what a training script's start imports
+# what a training script's start imports, and torchrun's (torch.distributed.run itself is left to
+# run as __main__, as `python -m` would: runpy warns about a module imported before it runs)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "torch.distributed.launcher.api",
+           "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+           "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
 
 
 @dataclass(frozen=True)

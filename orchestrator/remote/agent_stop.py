@@ -40,19 +40,31 @@ def writing_checkpoint(pids):
     return False
 
 
+def torchrun_pids(run_id, info):
+    """torchrun's pids: the process the waiter started, and where a warm interpreter forked
+    torchrun (warm.py), the fork that process stands in for (its pid in torchrun.fork)."""
+    pids = {info.get("pid")}
+    try:
+        with open(os.path.join(rundir(run_id), "torchrun.fork")) as f:
+            pids.add(int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return pids
+
+
 def end_run(run_id, info, grace, peer_failed=False):
     """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
     after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared.
     peer_failed: another node's part of the run died, so no collective (and no collective
     checkpoint) can complete: SIGKILL at once, unless a checkpoint is being written here (then
     it gets the grace to finish it, as on any stop)."""
-    waiter, torchrun = info.get("waiter"), info.get("pid")
+    waiter, torchrun = info.get("waiter"), torchrun_pids(run_id, info)
 
     def targets():
         return [p for p in run_pids(run_id) if p != waiter]
 
     def workers():
-        return [p for p in targets() if p != torchrun]
+        return [p for p in targets() if p not in torchrun]
 
     def signal_all(sig, pids=None):
         pids = targets() if pids is None else pids
@@ -76,7 +88,7 @@ def end_run(run_id, info, grace, peer_failed=False):
     # the workers first, with the whole grace: they stop (the trainer checkpoints) and torchrun,
     # seeing them done, exits on its own with their verdict; torchrun is signalled itself only
     # when it has no workers (yet), or once the grace is over
-    started = [p for p in found if p != torchrun] if deadline > time.time() else []
+    started = [p for p in found if p not in torchrun] if deadline > time.time() else []
     for pid in started:
         try:
             os.kill(pid, signal.SIGTERM)

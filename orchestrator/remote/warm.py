@@ -1,5 +1,6 @@
-"""A run's warm interpreter on a node: it imports what every rank imports (torch) once, then forks
-a rank for each request on its Unix socket, so a restarted rank starts in a fraction of a second.
+"""A run's warm interpreter on a node: it imports what every rank and torchrun import (torch) once,
+then forks a rank (or torchrun) for each request on its Unix socket, so a restarted rank starts in
+a fraction of a second.
 
 The process torchrun started asks before its script runs (warm_client.py, from the hook): its
 command line, directory, environment, umask and stdin/stdout/stderr (SCM_RIGHTS). The fork takes

@@ -2,21 +2,33 @@
 `_warm`) from the run directory, where the waiter writes this file beside the hook as
 clusterctl_warm.py: stdlib only, nothing of the package. `ask` sends this process's command line,
 directory, environment, umask and stdin/stdout/stderr; once the fork is made, this process stays
-as torchrun's worker, passes on every signal it can catch and ends as the fork ended.
+where it was started (torchrun's worker, or the waiter's torchrun), passes on every signal it can
+catch and ends as the fork ended.
 """
 import os
 import sys
 
+TORCHRUN = ("-m", "torch.distributed.run")  # how the waiter starts torchrun (remote/agent_waiter.py)
 WARM_WAIT_S = 2.0  # how long the rank waits for the warm interpreter's fork before it starts cold
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
 
 
-def ask(path, die_with_torchrun):
+def is_torchrun(orig_argv):
+    """Whether this command line is torchrun's as the waiter starts it: python [-u] -m torch.distributed.run."""
+    args = list(orig_argv[1:])
+    while args[:1] == ["-u"]:
+        args.pop(0)
+    return tuple(args[:2]) == TORCHRUN
+
+
+def ask(path, die_with_parent, note=None):
     """A rank whose node keeps a warm interpreter (CLUSTERCTL_WARM: its socket) has it fork the
-    rank (remote/warm.py) instead of importing torch again: this process sends its command line,
-    directory, environment and stdin/stdout/stderr, then stays as torchrun's worker, passing on
-    each signal it can catch to the fork and ending as the fork ended. Nothing answers within
-    WARM_WAIT_S, or the command line is not one the fork can run: this process goes on cold."""
+    rank (remote/warm.py) instead of importing torch again, and so does torchrun: this process
+    sends its command line, directory, environment and stdin/stdout/stderr, then stays as its
+    parent's child (torchrun's worker, the waiter's torchrun), passing on each signal it can catch
+    to the fork and ending as the fork ended; `note`: a file the fork's pid is written to (the
+    waiter's stop tells torchrun from its workers by it). Nothing answers within WARM_WAIT_S, or
+    the command line is not one the fork can run: this process goes on cold."""
     import json
     import signal
     import socket
@@ -50,8 +62,10 @@ def ask(path, die_with_torchrun):
         return  # refused: cold
     pid = int(first[4:])
     try:  # from here this process is the fork's stand-in, whatever happens
+        if note:
+            _write(note, "%d\n" % pid)
         conn.sendall(b"go\n")
-        _stand_in_for(pid, conn, rest, die_with_torchrun)
+        _stand_in_for(pid, conn, rest, die_with_parent)
     finally:  # forked: whatever happens here, this process must never run the rank as well
         try:
             os.kill(pid, signal.SIGKILL)
@@ -59,11 +73,18 @@ def ask(path, die_with_torchrun):
             os._exit(1)
 
 
-def _stand_in_for(pid, conn, rest, die_with_torchrun):
-    """torchrun's worker while the fork `pid` is the rank: signals passed on, its end mirrored."""
+def _write(path, text):
+    tmp = "%s.%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _stand_in_for(pid, conn, rest, die_with_parent):
+    """The parent's child while the fork `pid` runs in its place: signals passed on, its end mirrored."""
     import signal
 
-    die_with_torchrun()
+    die_with_parent()
 
     def forward(signum, frame):
         try:

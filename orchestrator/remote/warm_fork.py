@@ -68,7 +68,7 @@ def become(req, fds):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     os.umask(int(req["umask"]))
     env = dict(req["env"])
-    env.pop("CLUSTERCTL_WARM", None)  # the hook, run again in here, runs the rank itself
+    warm = env.pop("CLUSTERCTL_WARM", None)  # the hook, run again in here, runs the rank itself
     own_environ(env)
     os.chdir(req["cwd"])
     kind, what, argv, unbuffered = target(req["argv"])
@@ -87,6 +87,8 @@ def become(req, fds):
                    *[p for p in sys.path[1:] if p not in ZYGOTE_PATH and p not in mine]]
     reseed()
     hook()
+    if warm and (kind, what) == ("-m", "torch.distributed.run"):
+        os.environ["CLUSTERCTL_WARM"] = warm  # torchrun forked: its workers ask in turn
     run(kind, what)
 
 

@@ -3,10 +3,11 @@ stacks and its Flight Recorder, without the script's help and without ptrace.
 
 The node agent writes this file into the run directory (RUNDIR/py/) and puts that directory in
 front of the job's PYTHONPATH, so every Python process of the run imports it at start-up, before
-the script. In a rank (RANK is set; torchrun itself is left alone) it first hands the rank's
-stdout and stderr to the node's waiter, which writes them into the run's log as whole lines
-tagged `[default<LOCAL_RANK>]:` and notes when a rank failed (_lines; agent_lines.py RankLines):
-no process runs beside a rank. Then it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
+the script. Where the node keeps the run's warm interpreter (CLUSTERCTL_WARM), a rank, and torchrun
+itself, are forked from it, this process standing in (_warm; warm_client.py). In a rank (RANK is
+set) it then hands stdout and stderr to the node's waiter, which writes them into the run's log as
+whole lines tagged `[default<LOCAL_RANK>]:` and notes when a rank failed (_lines; agent_lines.py
+RankLines). Then it makes a FIFO, CLUSTERCTL_HOOK_DIR/PID.fifo, and a daemon thread that waits in
 open() on it: no CPU is spent until the node agent's `snapshot` writes a request number N there.
 The thread then writes PID.N.json (whole, by rename): every thread's Python stack
 (sys._current_frames, which works while the main thread waits inside a collective) and, when
@@ -16,12 +17,12 @@ profiling_name). A rank that cannot run Python (stopped, in D state) does not an
 reports its /proc state instead.
 
 A request pN (the nodes' log streams ask every few seconds: the straggler and hang watches,
-runs/judge/straggler.py, runs/judge/hangwatch.py) is answered with the rank's progress only, PID.pN.json: the
-compute time of its newest steps, as the script reported them through `clusterctl_step(step,
-compute_s)` (the shipped trainer does: trainer/progress.py), about 1 ms of the rank's CPU, and per
-process group the newest collective entered and the newest completed (the Flight Recorder's
-pg_status, a few microseconds): a rank inside a collective is one whose entered is past its
-completed. A script that reports nothing gets, instead, when each of its newest
+runs/judge/straggler.py, runs/judge/hangwatch.py) is answered with the rank's progress only,
+PID.pN.json: the compute time of its newest steps, as the script reported them through
+`clusterctl_step(step, compute_s)` (the shipped trainer does: trainer/progress.py), about 1 ms of
+the rank's CPU, and per process group the newest collective entered and the newest completed (the
+Flight Recorder's pg_status, a few microseconds): a rank inside a collective is one whose entered
+is past its completed. A script that reports nothing gets, instead, when each of its newest
 collectives was entered on this rank (the Flight Recorder's [pg_id, collective_seq_id,
 time_created_ns], without stack traces: about 3 ms for 300 entries); no stacks either way.
 
@@ -30,7 +31,7 @@ while another of its threads is still runnable (about 20 ms, at most SETTLE_S): 
 freeing a collective's tensors after the script moved on would otherwise meet Python's
 finalization and abort the rank, its exit code lost (_settle).
 
-Stdlib only, nothing imported at the top but os and sys, and nothing done outside a rank. The
+Stdlib only, nothing imported at the top but os and sys, nothing done outside a rank but _warm. The
 Debian/Ubuntu sitecustomize this file shadows (or any other on the path) is run after it.
 """
 import os
@@ -341,10 +342,8 @@ def _die_with_torchrun():
     """SIGKILL this rank when torchrun dies (PR_SET_PDEATHSIG), so a killed torchrun leaves no
     worker even where the node's waiter is gone too (it ends what is left by the run key)."""
     parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    try:  # PR_SET_PDEATHSIG, SIGKILL (the hook is stdlib only: it cannot take common.py's prctl)
+        __import__("ctypes").CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
     except Exception:  # noqa: BLE001 - not Linux, or no libc: the waiter still ends it by run key
         return
     if os.getppid() != parent:  # torchrun died before the signal was armed
@@ -362,12 +361,18 @@ def _say(what):
 
 
 def _warm():
-    """The node's warm interpreter forks the rank, this process stands in (remote/warm_client.py)."""
-    path = os.environ.get("CLUSTERCTL_WARM")  # its socket (remote/warm.py), when the node keeps one
-    if path and "RANK" in os.environ and not os.environ.get("CLUSTERCTL_HOOK_PID"):
-        import clusterctl_warm
+    """The node's warm interpreter forks the rank, or torchrun itself, and this process stands in
+    (remote/warm_client.py); torchrun's fork is noted where the waiter's stop looks (agent_stop.py)."""
+    path, d = os.environ.get("CLUSTERCTL_WARM"), os.environ.get("CLUSTERCTL_NODE_DIR")  # warm.py's socket
+    if not path or os.environ.get("CLUSTERCTL_HOOK_PID"):
+        return
+    import clusterctl_warm as w
 
-        clusterctl_warm.ask(path, _die_with_torchrun)
+    if "RANK" in os.environ:
+        w.ask(path, _die_with_torchrun)
+    elif d and w.is_torchrun(sys.orig_argv):
+        w.ask(path, lambda: None, os.path.join(d, "torchrun.fork"))
+
 
 def _chain():
     """Run the sitecustomize this one shadows (Debian's, a venv's), as Python would have."""
@@ -383,16 +388,10 @@ def _chain():
     spec.loader.exec_module(module)
 
 
-try:
-    _warm()  # returns only where this process is to run the rank itself
-except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
-    pass
-try:
-    _lines()
-except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
-    pass
-try:
-    _install()
-except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
-    pass
+for _step in (_warm, _lines, _install):  # _warm returns only where this process is to run itself
+    try:
+        _step()
+    except Exception:  # noqa: BLE001 - the hook must never stop the job from starting
+        pass
+del _step
 _chain()
