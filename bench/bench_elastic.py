@@ -1,10 +1,11 @@
 """A link cut for good, carried by clusterctl and by torch elastic, the peer, in the same invocation.
 
-    sudo .venv/bin/python bench/bench_elastic.py [--trials 2] [--steps 150] [--collective-timeout 10]
+    sudo .venv/bin/python bench/bench_elastic.py [--trials 2] [--steps 150] [--collective-timeout 10] [--warm]
 
 Each trial runs the shipped trainer (preset nano, one rank per node, a checkpoint every 10 steps)
 both ways, on fresh test clusters, and cuts one node's link (`ip link set down`) once a
-checkpoint exists:
+checkpoint exists (with --warm, for clusterctl, also once every node holds the run's warm
+interpreter, as it does from 20 s into any run with restarts: give it --steps to last that long):
 
   clusterctl   3 nodes + a spare, `clusterctl train` at its defaults plus `--max-restarts 1`;
                checkpoints copied off the nodes as the run goes (no shared filesystem). The run
@@ -58,7 +59,12 @@ def first_step(lines, after: float) -> float | None:
 
 
 # ---------------------------------------------------------------- clusterctl
-def ours(steps: int) -> dict:
+def serving(node) -> bool:
+    """The run's warm interpreter listens on `node` (runs/warmpool.py, remote/warm.py)."""
+    return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
+
+
+def ours(steps: int, warm: bool = False) -> dict:
     with TestCluster(n=4, gpus=0, name_prefix="ccbo") as cluster, tempfile.TemporaryDirectory() as td:
         for nd in cluster.nodes:
             nd.run("mkdir -p ~/gpt_train")
@@ -76,6 +82,8 @@ def ours(steps: int) -> dict:
             clock = LogClock(run_dir / "nodes")
             wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
+            if warm:
+                wait_for(lambda: all(serving(nd) for nd in cluster.nodes), 120, "a warm interpreter on every node")
             t_cut = time.time()
             cluster.nodes[1].link_down()
             _, err = proc.communicate(timeout=900)
@@ -156,14 +164,16 @@ def main(argv=None) -> int:
     ap.add_argument("--collective-timeout", type=float, default=10.0,
                     help="torch elastic's process group timeout, s (how soon its survivors see the cut)")
     ap.add_argument("--only", choices=("clusterctl", "torch elastic"), help="run one side only (no ratio)")
+    ap.add_argument("--warm", action="store_true",
+                    help="cut clusterctl's run once every node holds its warm interpreter (20 s into the run)")
     args = ap.parse_args(argv)
     got: dict[str, list[dict]] = {"clusterctl": [], "torch elastic": []}
     print(f"a link cut for good: the trainer (nano), {args.steps} steps, a checkpoint every 10, {args.trials} "
-          f"trial(s) each way", flush=True)
+          f"trial(s) each way{', clusterctl cut once its warm interpreters are up' if args.warm else ''}", flush=True)
     for i in range(args.trials):
         order = ("clusterctl", "torch elastic") if i % 2 == 0 else ("torch elastic", "clusterctl")
         for name in (n for n in order if args.only in (None, n)):
-            r = ours(args.steps) if name == "clusterctl" else elastic(args.steps, args.collective_timeout)
+            r = ours(args.steps, args.warm) if name == "clusterctl" else elastic(args.steps, args.collective_timeout)
             got[name].append(r)
             show(f"{name} {i + 1}", r)
     if args.only:
