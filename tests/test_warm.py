@@ -231,8 +231,8 @@ def test_warm_interpreters_go_to_the_nodes_a_restart_may_use_only():
     from orchestrator.inventory import parse_inventory
     from orchestrator.runs.warmpool import restart_nodes
 
-    inv = parse_inventory("nodes:\n" + "".join(f"  - {{name: n{i}, host: 10.0.0.{i}{', spare: true' if i > 3 else ''}}}\n"
-                                               for i in range(1, 7)))
+    spare = {i: ", spare: true" if i > 3 else "" for i in range(1, 7)}
+    inv = parse_inventory("nodes:\n" + "".join(f"  - {{name: n{i}, host: 10.0.0.{i}{spare[i]}}}\n" for i in spare))
     assert restart_nodes(inv, None, ["n4", "n5", "n6"], set()) == ["n1", "n2", "n3", "n4", "n5", "n6"]
     assert restart_nodes(inv, ["n1", "n4", "n3"], ["n5", "n6"], {"n6", "n2"}) == ["n1", "n4", "n3", "n5"]
     assert restart_nodes(inv, None, ["n4"], {"n1"}) == ["n2", "n3", "n4"]

@@ -2,8 +2,8 @@
 their identities (inode, size, mtime, ctime), whether an entry is complete (closed by its writer:
 no process of this user holds a file under it open for writing, nothing changed while that was
 looked at, inotify through Watch, a file changed just now seen closed, a directory settled or
-renamed into place: sample_dir), and the
-moves that put a checkpoint's entries into place and the others aside (swap_in).
+renamed into place: sample_dir), and the moves that put a checkpoint's entries into place and the
+others aside (swap_in).
 """
 import os
 import shutil

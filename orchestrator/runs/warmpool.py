@@ -1,10 +1,11 @@
 """The run's warm interpreters (remote/warm.py): one on every node the run may use (the attempt's
-and the spares left; none quarantined or left out of the run), started `after` seconds into the run (not to take CPU from the first attempt's own
-start, and never for a run that ends sooner). A restart's ranks then fork from an interpreter that
-has imported torch instead of importing it again: on the test cluster a rank of the shipped
-trainer is up in ~0.3 s instead of ~3 s (bench/bench_warm_start.py, bench/bench_recovery.py
---warm). A node without one (not reached, started too late, or `--no-warm`) starts its ranks cold,
-as before: the ranks ask, and nobody answering is not an error.
+and the spares left; none quarantined or left out of the run), started `after` seconds into the
+run (not to take CPU from the first attempt's own start, and never for a run that ends sooner). A
+restart's torchrun and ranks then fork from an interpreter that has imported torch instead of
+importing it again: on the test cluster a restart reaches its first step 2.5 s after detection
+instead of 12.8 s (bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node
+without one (not reached, started too late, or `--no-warm`) starts its ranks cold, as before: the
+ranks ask, and nobody answering is not an error.
 
 Each is held by keeping its command's connection open; `close` lets go, and an interpreter with no
 rank of its own running then ends. A node cut off from the control machine ends its own once its
