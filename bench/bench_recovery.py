@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/bench_recovery.py [--victim 2] [--overhead-steps 60] [--repeat 2]
     sudo .venv/bin/python bench/bench_recovery.py --warm-compare 3 --steps 1500
+    sudo .venv/bin/python bench/bench_recovery.py --warm-compare 2 --script --steps 2000
 
 Recovery (5 test nodes, node5 `spare: true`, preset nano, a checkpoint every 10 steps,
 `--max-restarts 1`, every other setting at its default (the lost-node rule on evidence, the fast
@@ -24,7 +25,10 @@ run.json's attempts[] give the supervisor's own boundaries. Printed, in order:
 Target: everything after detection <= 20 s. With --warm-compare N, the same cut N times each with
 the warm interpreters (runs/warmpool.py; the cut once every node, the spare too, has one) and with
 `--no-warm`, alternating, each at least --settle s into the run: after detection, rendezvous and
-startup, each way, with the ratio.
+startup, each way, with the ratio. --script runs, instead of the trainer, a script that is no
+part of clusterctl (tests/scripts/nanogpt_like.py: nanoGPT's habits, `--checkpoint-dir out
+--resume-args --init_from=resume`, a save every 10 iterations): only after detection → its first
+`iter N: loss` line of attempt 2 is printed (the phases come from the trainer's startup line).
 
 Copy overhead (2 test nodes, preset tiny, a checkpoint every 20 steps): the same run with
 `train.copy_checkpoints` true and false, alternating, --repeat times each. Printed: the mean
@@ -53,6 +57,8 @@ from bench.harness import text_of as _text  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")
+ITER = re.compile(r"^iter (\d+): loss ")  # nanogpt_like.py's step line (rank 0)
+NANOGPT = str(REPO / "tests" / "scripts" / "nanogpt_like.py")
 STARTUP = re.compile(r"^startup ([\d.]+) s: (.*)$")
 
 
@@ -72,22 +78,25 @@ def serving(node) -> bool:
     return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
 
 
-def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 0.0) -> dict:
+def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 0.0, script: bool = False) -> dict:
     """One cut. `warm`: None, the default; True, the cut waits for every node's warm interpreter;
-    False, --no-warm. `settle`: the cut comes no sooner than this many seconds into the run."""
+    False, --no-warm. `settle`: the cut comes no sooner than this many seconds into the run.
+    `script`: nanogpt_like.py instead of the trainer (only detection and after detection)."""
     with TestCluster(n=5, gpus=0, name_prefix="ccbr") as cluster, tempfile.TemporaryDirectory() as td:
         home = Path(td) / "home"
-        inv = write_inventory(cluster, Path(td) / "nodes.yaml", spare=True, train={
+        inv = write_inventory(cluster, Path(td) / "nodes.yaml", spare=True, train={"max_restarts": 1} if script else {
             "module": "trainer", "max_restarts": 1,
             "args": ["--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
                      "--log-every", "1", "--ckpt-every", "10", "--eval-steps", "1", "--sample-tokens", "0",
                      "--output-dir", "out"]})
         t_start = time.time()
-        proc = start(home, "train", "-i", inv, *(["--no-warm"] if warm is False else []))
+        job = ["--checkpoint-dir", "out", "--resume-args", "--init_from=resume", "--", NANOGPT,
+               f"--max_iters={steps}", "--eval_interval=10", "--iter_s=0.05"] if script else []
+        proc = start(home, "train", "-i", inv, *(["--no-warm"] if warm is False else []), *job)
         try:
             run_dir = run_dir_of(home)
             clock = LogClock(run_dir / "nodes")
-            wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
+            wait_for(lambda: list((run_dir / "checkpoints").glob("snap-*.json" if script else "ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
             if warm:
                 wait_for(lambda: all(serving(n) for n in cluster.nodes), 300, "a warm interpreter on every node")
@@ -106,6 +115,12 @@ def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 
             sup = (run_dir / "supervisor.log").read_text()[-3000:]
             raise SystemExit(f"bench: the run did not recover (exit {proc.returncode}):\n{err[-3000:]}\n"
                              f"last preflight:\n{pre}\nsupervisor.log:\n{sup}")
+        if script:
+            a1, a2 = rec["attempts"]
+            master = [(t, _text(s)) for t, s in clock.lines[a2["nodes"][0]] if t >= a2["started"]]
+            t_step = next(t for t, s in master if ITER.match(s))
+            return {"detection": a1["failed_at"] - t_fail, "after detection": t_step - a1["failed_at"],
+                    "nodes": a2["nodes"], "checkpoint": a2.get("checkpoint")}
         return phases(t_fail, rec["attempts"], clock.lines)
 
 
@@ -188,17 +203,17 @@ def overhead(steps: int, repeat: int) -> dict:
             "overhead_wall_pct": (med[True]["wall_ms"] / med[False]["wall_ms"] - 1) * 100}
 
 
-def warm_compare(victim: int, steps: int, n: int, settle: float) -> int:
+def warm_compare(victim: int, steps: int, n: int, settle: float, script: bool = False) -> int:
     """Recovery with and without the warm interpreters (runs/warmpool.py), alternating."""
     got: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(n):
         for warm in (True, False) if i % 2 == 0 else (False, True):
-            r = recovery(victim, steps, warm, settle)
+            r = recovery(victim, steps, warm, settle, script)
             got[warm].append(r)
-            print(f"  {'warm' if warm else 'cold'} {i + 1}: after detection {r['after detection']:.2f} s; launch "
-                  f"{r['launch']:.2f}, rendezvous {r['rendezvous']:.2f}, startup {r['startup']:.2f} s "
-                  f"({r['startup parts']})", flush=True)
-    for k in ("after detection", "rendezvous", "startup"):
+            print(f"  {'warm' if warm else 'cold'} {i + 1}: detection {r['detection']:.2f} s, after detection "
+                  f"{r['after detection']:.2f} s" + ("" if script else f"; launch {r['launch']:.2f}, rendezvous "
+                  f"{r['rendezvous']:.2f}, startup {r['startup']:.2f} s ({r['startup parts']})"), flush=True)
+    for k in ("after detection",) if script else ("after detection", "rendezvous", "startup"):
         w, c = (statistics.median(r[k] for r in got[x]) for x in (True, False))
         print(f"{k}, median of {n}: warm {w:.2f} s, cold (--no-warm) {c:.2f} s: {c / w:.2f}x")
     return 0
@@ -216,9 +231,11 @@ def main(argv=None) -> int:
                     help="N cuts each with the warm interpreters (the cut once every node has one) and with "
                          "--no-warm, alternating, each at least --settle s into the run; then nothing else")
     ap.add_argument("--settle", type=float, default=40.0)
+    ap.add_argument("--script", action="store_true",
+                    help="with --warm-compare: tests/scripts/nanogpt_like.py (any script) instead of the trainer")
     args = ap.parse_args(argv)
     if args.warm_compare:
-        return warm_compare(args.victim, args.steps, args.warm_compare, args.settle)
+        return warm_compare(args.victim, args.steps, args.warm_compare, args.settle, args.script)
     if not args.skip_recovery:
         r = recovery(args.victim, args.steps)
         print(f"recovery: node{args.victim} cut for good; attempt 2 on {', '.join(r['nodes'])} "

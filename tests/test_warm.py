@@ -159,7 +159,8 @@ def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path)
 
 def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let_go(tmp_path, monkeypatch):
     """`warm RUN NODE` as a node runs it: the spec on stdin, the interpreter re-executed with the
-    run's environment (padded) and marked RUN.warm@NODE, its socket where the waiter looks."""
+    run's environment (padded) and marked RUN.warm@NODE, its socket where the waiter looks. A
+    second one (an adopting supervisor's) takes the socket's name over; the first one goes."""
     import json
 
     from orchestrator import probe
@@ -178,9 +179,14 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
     environ = Path(f"/proc/{z.pid}/environ").read_bytes().split(b"\0")
     assert b"CLUSTERCTL_RUN_KEY=wr1.warm@n1" in environ and b"FROM_SPEC=1" in environ
     assert sum(len(v) for v in environ) > 150_000  # the room a fork's environment is written into
-    again = subprocess.run(probe.local_argv("warm", "wr1", "n1"), env=env, input=spec, capture_output=True,
-                           text=True, timeout=30)
-    assert again.returncode == 0 and again.stdout.strip() == "already"  # one serves the run here
+    # an adopting supervisor's: it takes the name over, the first one ends (idle) though still held
+    again = subprocess.Popen(probe.local_argv("warm", "wr1", "n1"), env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    again.stdin.write(spec)
+    again.stdin.close()
+    assert again.stdout.readline().strip() == "ready"
+    assert z.wait(20) == 0 and sock.is_socket()  # the name now the second one's
+    z, first = again, z
     check = subprocess.run(probe.local_argv("warm", "check", "wr1", "n1"), env=env, capture_output=True, text=True,
                            timeout=30)
     assert json.loads(check.stdout) == {"serving": True}
@@ -188,6 +194,7 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
 
     monkeypatch.setenv("HOME", str(home))  # the waiter's lookup, by any attempt's key
     assert for_key("wr1.a3@n1") == str(sock) and for_key("wr1@n1") == str(sock) and for_key("wr2@n1") is None
+    first.stdout.close()
     z.stdout.close()  # the control machine lets go: idle, it ends, its socket and directory with it
     assert z.wait(10) == 0
     assert not sock.parent.exists()

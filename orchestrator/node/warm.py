@@ -2,8 +2,9 @@
 
 `PYTHON -c BOOT CODE warm RUN_ID NODE` (form.py), the spec's JSON on stdin (the inventory's env
 holds tokens: never on a command line). The program prints `ready` once it has imported what the
-ranks import (or `already`: one serves the run there), then nothing: it lives while the control
-machine holds the command's connection open (runs/warmpool.py) or a rank forked from it runs.
+ranks import, then nothing: it lives while the control machine holds the command's connection open
+(runs/warmpool.py) or a rank forked from it runs. It takes over from one an earlier supervisor of
+the run started (an adopted run's restarts fork from the new one).
 """
 
 from __future__ import annotations

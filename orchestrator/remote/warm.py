@@ -13,9 +13,11 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
   warm RUN_ID NODE   the spec's JSON on stdin ({"python", "env", "cwd", "preload"}): the run's
                      warm interpreter here, on ~/.clusterctl/warm/RUN_ID@NODE/sock (the waiter
                      hands it to the ranks as CLUSTERCTL_WARM), marked RUN_ID.warm@NODE (no
-                     attempt's key: an attempt's end leaves it). `ready` once torch is imported
-                     (`already`: one serves the run here); it lives while the control machine holds
-                     the command's connection open, or a rank forked from it runs (`serve`).
+                     attempt's key: an attempt's end leaves it). `ready` once torch is imported;
+                     it lives while the control machine holds the command's connection open, or a
+                     rank forked from it runs (`serve`). One that served the run here before
+                     (started by a supervisor that has since been replaced) gives up the socket's
+                     name to it and ends once its forks have.
   warm check RUN_ID NODE   print {"serving": bool}: whether one serves the run here now.
 """
 import json
@@ -90,7 +92,7 @@ def serve(path, preload="torch", run_id=None, node=None):
         for fd, _ in z.poller.poll(5000):
             z.on(fd)
         reap(z.forks, z.conns, z.poller)
-        if not os.path.exists(z.name):  # the socket was taken away (a newer one serves): go when idle
+        if not z.named():  # the socket's name was taken away (a newer one serves): go when idle
             z.held = False
     for pid in z.forks:
         try:
@@ -98,7 +100,7 @@ def serve(path, preload="torch", run_id=None, node=None):
         except OSError:
             pass
     try:  # its socket, unless a newer one's took the name, and the run's directory here
-        if os.stat(z.name).st_ino == z.ino:
+        if z.named():
             os.unlink(z.name)
         os.rmdir(os.getcwd())
     except OSError:
@@ -132,6 +134,13 @@ class Zygote:
             self.held = True
         except OSError:
             self.held = False
+
+    def named(self):
+        """Its socket still has the name (not removed, not another's)."""
+        try:
+            return os.stat(self.name).st_ino == self.ino
+        except OSError:
+            return False
 
     def on(self, fd):
         if fd == 1:
@@ -302,9 +311,8 @@ def start(run_id, node):
     private_files()
     path = socket_path(run_id, node)
     os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
-    if answers(path):
-        print("already", flush=True)
-        return 0
+    # one serving the run here already was started by a supervisor no longer holding it (this
+    # one adopted the run): the new one takes the socket's name, the old one ends once its forks have
     env = {**os.environ, **{k: str(v) for k, v in spec.get("env", {}).items()},
            "CLUSTERCTL_RUN_KEY": f"{run_id}.warm@{node}", "CLUSTERCTL_RUN_ID": run_id,
            "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch's check for GPUs by NVML: no CUDA state to fork
