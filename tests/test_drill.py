@@ -151,8 +151,9 @@ def test_ranks_are_found_by_the_run_key_and_stopped_and_let_go_by_it(marked):
     other_stream = subprocess.Popen(agent_line("tail", "r10@n", "0", "stream"))
     try:
         frozen = drill_program("freeze", "r1.a2@n")["pids"]
-        assert sorted(frozen) == sorted([rank3.pid, launcher.pid, busy.pid, stream.pid]) and state(launcher.pid) == "T"
+        assert sorted(frozen) == sorted([rank3.pid, launcher.pid, busy.pid, stream.pid])
         # a SIGSTOP lands a moment after kill() returns: a process on a busy core reads R until then
+        assert wait_for(lambda: state(launcher.pid) == "T", 10, "the launcher stopped")
         assert wait_for(lambda: state(stream.pid) == "T", 10, "the stream stopped") and state(other_stream.pid) != "T"
         drill_program("thaw", "r1.a2@n")
         assert state(rank3.pid) != "T" and state(launcher.pid) != "T" and state(stream.pid) != "T"
