@@ -179,13 +179,17 @@ def quota(share: float):
 
 def worker(cluster, node, key: str):
     """The trainer process of attempt `key` on `node`: its environment carries the attempt's run
-    key and RANK; torchrun has no RANK (the rule of remote/agent_snapshot.py's snapshot)."""
+    key and RANK (torchrun has no RANK), and its hook listens on its FIFO (the rule of
+    remote/agent_snapshot.py's snapshot). A rank forked from the warm interpreter has the process
+    torchrun started beside it, with the same RANK, standing in: a fault there would hit nothing
+    that trains."""
     for p in cluster.processes(node):
         try:
             env = p.environ()
         except psutil.Error:
             continue
-        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env:
+        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env and \
+                os.path.exists(os.path.join(env.get("CLUSTERCTL_HOOK_DIR", "/nonexistent"), f"{p.pid}.fifo")):
             return p
     return None
 
