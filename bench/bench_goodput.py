@@ -188,8 +188,10 @@ def worker(cluster, node, key: str):
             env = p.environ()
         except psutil.Error:
             continue
+        hook = env.get("CLUSTERCTL_HOOK_DIR", "/nonexistent").lstrip("/")
+        # the node's home is its own mount: its files are seen through the process's root
         if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env and \
-                os.path.exists(os.path.join(env.get("CLUSTERCTL_HOOK_DIR", "/nonexistent"), f"{p.pid}.fifo")):
+                os.path.exists(os.path.join(f"/proc/{p.pid}/root", hook, f"{p.pid}.fifo")):
             return p
     return None
 
