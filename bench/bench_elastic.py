@@ -40,11 +40,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.harness import (LogClock, PipeClock, end_supervisor, record, run_dir_of, start, text_of,  # noqa: E402
+from bench.harness import (STEP, LogClock, PipeClock, end_supervisor, record, run_dir_of, start, text_of,  # noqa: E402
                            wait_for)
 from tests.cluster import TestCluster  # noqa: E402
 
-STEP = re.compile(r"^step (\d+) \| loss ")
 SEEN = re.compile(r"Timed out waiting|failed \(exitcode")  # a survivor's collective timed out
 
 
@@ -59,11 +58,6 @@ def first_step(lines, after: float) -> float | None:
 
 
 # ---------------------------------------------------------------- clusterctl
-def serving(node) -> bool:
-    """The run's warm interpreter listens on `node` (runs/warmpool.py, remote/warm.py)."""
-    return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
-
-
 def ours(steps: int, warm: bool = False) -> dict:
     with TestCluster(n=4, gpus=0, name_prefix="ccbo") as cluster, tempfile.TemporaryDirectory() as td:
         for nd in cluster.nodes:
@@ -83,7 +77,7 @@ def ours(steps: int, warm: bool = False) -> dict:
             wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
             if warm:
-                wait_for(lambda: all(serving(nd) for nd in cluster.nodes), 120, "a warm interpreter on every node")
+                wait_for(lambda: all(nd.warm_serving() for nd in cluster.nodes), 120, "a warm interpreter on every node")
             t_cut = time.time()
             cluster.nodes[1].link_down()
             _, err = proc.communicate(timeout=900)

@@ -64,11 +64,9 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_recovery import STEP  # noqa: E402
-from bench.harness import REPO, LogClock, cli, end_supervisor, run_dir_of, text_of, wait_for  # noqa: E402
-
+from bench.harness import REPO, STEP, LogClock, cli, end_supervisor, record, run_dir_of, text_of, wait_for  # noqa: E402
+from orchestrator.remote.agent_base import listening  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 NODES, SPARES = 5, 2
@@ -133,13 +131,6 @@ class Train:
         return next((t for t, ln in list(self.err) if t >= after and word in ln), None)
 
 
-def rec_of(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def steps_of(clock: LogClock, node: str, since: float = 0.0, until: float = float("inf")) -> list[tuple[float, int]]:
     """(arrival, step) of the trainer's step lines in `node`'s log that arrived in [since, until)."""
     out = []
@@ -151,7 +142,7 @@ def steps_of(clock: LogClock, node: str, since: float = 0.0, until: float = floa
 
 def stop_run(home: Path, run_dir: Path, train: Train) -> None:
     """Stop a run that ran past the bench's deadline (every node stopped), then the foreground."""
-    rid = rec_of(run_dir).get("id")
+    rid = record(run_dir).get("id")
     if rid:
         cli(home, "stop", rid, timeout=180)
     if not train.wait(60):
@@ -179,19 +170,17 @@ def quota(share: float):
 
 def worker(cluster, node, key: str):
     """The trainer process of attempt `key` on `node`: its environment carries the attempt's run
-    key and RANK (torchrun has no RANK), and its hook listens on its FIFO (the rule of
-    remote/agent_snapshot.py's snapshot). A rank forked from the warm interpreter has the process
-    torchrun started beside it, with the same RANK, standing in: a fault there would hit nothing
-    that trains."""
+    key and RANK (torchrun has no RANK), and its hook listens (the node's own rule,
+    remote/agent_base.listening, read through the process's root: a test node's home is its own
+    mount). A rank forked from the warm interpreter has the process torchrun started beside it,
+    with the same RANK, standing in: a fault there would hit nothing that trains."""
     for p in cluster.processes(node):
         try:
             env = p.environ()
         except psutil.Error:
             continue
-        hook = env.get("CLUSTERCTL_HOOK_DIR", "/nonexistent").lstrip("/")
-        # the node's home is its own mount: its files are seen through the process's root
         if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env and \
-                os.path.exists(os.path.join(f"/proc/{p.pid}/root", hook, f"{p.pid}.fifo")):
+                listening([p.pid], env.get("CLUSTERCTL_HOOK_DIR"), root=lambda pid: f"/proc/{pid}/root"):
             return p
     return None
 
@@ -200,7 +189,7 @@ def newest_stepping(run_dir: Path, clock: LogClock, after: int, train: Train, de
     """The newest attempt (numbered above `after`) once its master has logged a step; None if the
     run ended or the deadline passed first."""
     while train.running() and time.time() < deadline:
-        atts = rec_of(run_dir).get("attempts") or []
+        atts = record(run_dir).get("attempts") or []
         if len(atts) > after:
             a = atts[-1]
             if a.get("ended") is None and steps_of(clock, a["nodes"][0], a["started"]):
@@ -323,7 +312,7 @@ def one_run(label: str, faulted: bool, steps: int, ckpt_every: int, rng: random.
             for q in quotas:
                 q.close()
         clock.stop()
-        rec = rec_of(run_dir)
+        rec = record(run_dir)
         end_supervisor(rec)
         atts = rec.get("attempts") or []
         wall = (train.ended or time.time()) - train.t0
@@ -369,7 +358,7 @@ def calibrate(ckpt_every: int, measure_s: float = 30.0) -> tuple[float, float]:
         finally:
             train.kill()
         clock.stop()
-        end_supervisor(rec_of(run_dir))
+        end_supervisor(record(run_dir))
     if len(got) < 2:
         raise SystemExit("bench: the calibration run logged too few steps")
     return (got[-1][1] - got[0][1]) / (got[-1][0] - got[0][0]), t_first - train.t0

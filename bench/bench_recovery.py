@@ -52,11 +52,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.harness import LogClock, end_supervisor, run_dir_of, start, wait_for  # noqa: E402
+from bench.harness import STEP, LogClock, end_supervisor, run_dir_of, start, wait_for  # noqa: E402
 from bench.harness import text_of as _text  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
-STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")
 ITER = re.compile(r"^iter (\d+): loss ")  # nanogpt_like.py's step line (rank 0)
 NANOGPT = str(REPO / "tests" / "scripts" / "nanogpt_like.py")
 STARTUP = re.compile(r"^startup ([\d.]+) s: (.*)$")
@@ -73,11 +72,6 @@ def write_inventory(cluster, path: Path, train: dict, spare: bool) -> str:
 
 
 # ---------------------------------------------------------------- recovery
-def serving(node) -> bool:
-    """A warm interpreter of the run listens on the node (remote/warm.py)."""
-    return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
-
-
 def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 0.0, script: bool = False) -> dict:
     """One cut. `warm`: None, the default; True, the cut waits for every node's warm interpreter;
     False, --no-warm. `settle`: the cut comes no sooner than this many seconds into the run.
@@ -99,7 +93,7 @@ def recovery(victim: int, steps: int, warm: bool | None = None, settle: float = 
             wait_for(lambda: list((run_dir / "checkpoints").glob("snap-*.json" if script else "ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
             if warm:
-                wait_for(lambda: all(serving(n) for n in cluster.nodes), 300, "a warm interpreter on every node")
+                wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 300, "a warm interpreter on every node")
             time.sleep(max(0.0, t_start + settle - time.time()))
             t_fail = time.time()
             cluster.nodes[victim - 1].link_down()

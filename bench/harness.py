@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")  # the trainer's step line (trainer/train.py report)
 
 
 def cli(home: Path, *args, timeout: float = 600) -> subprocess.CompletedProcess:

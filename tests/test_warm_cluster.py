@@ -44,10 +44,6 @@ def warm_ones(cluster, node=None):
     return out
 
 
-def serving(node) -> bool:
-    return node.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
-
-
 def worker(cluster, node, attempt):
     """The rank process (the fork, or the cold one) of `attempt` on `node`: the one that loaded the job."""
     for p in cluster.processes(node):
@@ -75,7 +71,7 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
     out = []
     try:
         run_dir = the_run(home)
-        assert wait_for(lambda: all(serving(n) for n in cluster.nodes), 120, "a warm interpreter on every node")
+        assert wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
         assert wait_for(lambda: rec_of(run_dir).get("state") == "running", 60, "attempt 1 running")
         w = wait_for(lambda: worker(cluster, n2, 1), 60, "attempt 1's rank on node2")
         time.sleep(1)
@@ -109,7 +105,7 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
     # once the run ended: none left, on the nodes it can reach (node2 is back: its own goes too)
     assert wait_for(lambda: not warm_ones(cluster), 60, "every warm interpreter gone"), \
         [(p.pid, p.cmdline()[:3]) for p in warm_ones(cluster)]
-    assert wait_for(lambda: not any(serving(n) for n in cluster.nodes), 30, "their sockets removed")
+    assert wait_for(lambda: not any(n.warm_serving() for n in cluster.nodes), 30, "their sockets removed")
 
 
 def test_no_warm_starts_every_rank_cold(make_cluster, tmp_path, home):
@@ -120,7 +116,7 @@ def test_no_warm_starts_every_rank_cold(make_cluster, tmp_path, home):
         run_dir = the_run(home)
         assert wait_for(lambda: rec_of(run_dir).get("state") == "running" or proc.poll() is not None, 60, "running")
         time.sleep(4)  # past CLUSTERCTL_WARM_AFTER_S and a warm interpreter's start
-        assert not warm_ones(cluster) and not any(serving(n) for n in cluster.nodes)
+        assert not warm_ones(cluster) and not any(n.warm_serving() for n in cluster.nodes)
         out = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -32,6 +32,22 @@ def run_pids(run_id, match=None):
     return marked_pids(RUN_KEY, match or (lambda key: key == run_id))
 
 
+def listening(pids, hook, root=lambda pid: ""):
+    """Those of `pids` whose hook listens in `hook` (its PID.fifo: sitecustomize.py's snapshot
+    door), the rank's own interpreter: a rank forked from the run's warm interpreter has the
+    process torchrun started beside it, standing in, with the same RANK. `root(pid)`: the prefix
+    the directory is seen through (a reader outside the node's mount namespace: /proc/PID/root)."""
+    return [p for p in pids if hook and os.path.exists(os.path.join(root(p) + hook, f"{p}.fifo"))]
+
+
+def own_interpreter(pids, hook, ppid):
+    """Of one rank's processes (its data-loader workers carry its RANK too), the rank's own: the
+    topmost one that listens, else the topmost. `ppid(pid)`: its parent's pid."""
+    pick = listening(pids, hook) or list(pids)
+    tops = [p for p in pick if ppid(p) not in pick]
+    return min(tops or pick)
+
+
 def started_at(pid):
     """The start time of process `pid` (clock ticks since boot), or None when it is gone or a zombie:
     with the pid, what tells a process from a later one given the same pid."""

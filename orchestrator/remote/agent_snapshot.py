@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .agent_base import HOOK, read, rundir, run_pids, wait_until
+from .agent_base import HOOK, own_interpreter, read, rundir, run_pids, wait_until
 from .common import proc_environ
 
 
@@ -35,9 +35,9 @@ def disk_io(pid):
 def rank_procs(run_id, torchrun_pid, hook=None):
     """{pid: {"rank", "local_rank", "state", "ppid", "cpu_s", "wchan", "tree_cpu_s", "io", "at"}} for each
     rank of the run on this node: of the processes with that RANK that are not torchrun (a rank's
-    data-loader workers carry its RANK too), the topmost one whose hook listens in `hook`, else the
-    topmost; tree_cpu_s and io (disk bytes) are those of all of them together, read at `at` (the
-    hang watch's sign that a rank works: runs/judge/hangrule.py)."""
+    data-loader workers carry its RANK too), its own interpreter (agent_base.own_interpreter);
+    tree_cpu_s and io (disk bytes) are those of all of them together, read at `at` (the hang
+    watch's sign that a rank works: runs/judge/hangrule.py)."""
     found = {}
     for pid in run_pids(run_id):
         if pid == torchrun_pid:
@@ -52,9 +52,7 @@ def rank_procs(run_id, torchrun_pid, hook=None):
     out = {}
     for rank in dict.fromkeys(p["rank"] for p in found.values()):
         group = [pid for pid, p in found.items() if p["rank"] == rank]
-        pick = [pid for pid in group if hook and os.path.exists(os.path.join(hook, f"{pid}.fifo"))] or group
-        tops = [pid for pid in pick if found[pid]["ppid"] not in pick]
-        pid = min(tops or pick)
+        pid = own_interpreter(group, hook, lambda p: found[p]["ppid"])
         ios = [disk_io(p) for p in group]
         out[pid] = dict(found[pid], at=time.time(), tree_cpu_s=round(sum(found[p]["cpu_s"] for p in group), 3),
                         io=sum(i for i in ios if i is not None) if any(i is not None for i in ios) else None)

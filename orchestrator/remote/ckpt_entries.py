@@ -183,7 +183,7 @@ def _writers(root):
     return out
 
 
-def sample_dir(root, watch, settle_ns, touched, young_ns=0):
+def sample_dir(root, watch, settle_ns, touched, young_ns):
     """Every top-level entry of root now: its files' identities and whether it is complete: held
     open for writing by nobody, unchanged while the writers were looked for (`touched` gathers what
     inotify saw change), each file changed within young_ns seen closed by its writer (a save's

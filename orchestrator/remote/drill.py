@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from .agent_base import HOOK, rundir
+from .agent_base import HOOK, own_interpreter, rundir
 from .common import RUN_KEY, marked_pids, proc_environ, split_key
 
 DRILL_MARK = "CLUSTERCTL_DRILL"
@@ -53,12 +53,8 @@ def rank_pids(key):
 
 
 def topmost(pids, key):
-    """The rank's own interpreter: the one whose hook listens (a rank forked from the run's warm
-    interpreter has the process torchrun started beside it, standing in), else the topmost."""
-    hook = os.path.join(rundir(key), HOOK)
-    pids = [p for p in pids if os.path.exists(os.path.join(hook, f"{p}.fifo"))] or pids
-    tops = [p for p in pids if _ppid(p) not in pids]
-    return min(tops or pids)
+    """The rank's own interpreter (agent_base.own_interpreter)."""
+    return own_interpreter(pids, os.path.join(rundir(key), HOOK), _ppid)
 
 
 def stream_pids(key):

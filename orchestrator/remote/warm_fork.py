@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from .warm_client import is_torchrun
+
 ZYGOTE_PATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # a rank's replaces it
 
 
@@ -87,7 +89,7 @@ def become(req, fds):
                    *[p for p in sys.path[1:] if p not in ZYGOTE_PATH and p not in mine]]
     reseed()
     hook()
-    if warm and (kind, what) == ("-m", "torch.distributed.run"):
+    if warm and is_torchrun(req["argv"]):
         os.environ["CLUSTERCTL_WARM"] = warm  # torchrun forked: its workers ask in turn
     run(kind, what)
 

@@ -124,6 +124,10 @@ class TestNode:
         self.stop_sshd()
         self.start_sshd()
 
+    def warm_serving(self) -> bool:
+        """Whether a run's warm interpreter listens here (its socket, remote/warm.py's WARM_DIR)."""
+        return self.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
+
     # --- faults ----------------------------------------------------------------------------
     def link_down(self):
         host.run(["ip", "-n", self.ns, "link", "set", self.iface, "down"])

@@ -363,7 +363,8 @@ def _say(what):
 def _warm():
     """The node's warm interpreter forks the rank, or torchrun itself, and this process stands in
     (remote/warm_client.py); torchrun's fork is noted where the waiter's stop looks (agent_stop.py)."""
-    path, d = os.environ.get("CLUSTERCTL_WARM"), os.environ.get("CLUSTERCTL_NODE_DIR")  # warm.py's socket
+    path = os.environ.get("CLUSTERCTL_WARM")  # warm.py's socket
+    d = os.environ.get("CLUSTERCTL_NODE_DIR")  # the attempt's directory: where torchrun's fork is noted
     if not path or os.environ.get("CLUSTERCTL_HOOK_PID"):
         return
     import clusterctl_warm as w
