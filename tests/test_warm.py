@@ -245,6 +245,41 @@ def test_warm_interpreters_go_to_the_nodes_a_restart_may_use_only():
     assert restart_nodes(inv, None, ["n4"], {"n1"}) == ["n2", "n3", "n4"]
 
 
+@pytest.mark.parametrize("first", ["step", "collective", "neither"])
+def test_the_warm_interpreters_start_once_the_run_progressed_else_after_the_wait(tmp_path, first):
+    """Once the step journal shows the run's first step (or, for a script that says none, its
+    first collective) the first attempt's start is over: they start then, not `after` seconds into
+    the run; a run that shows neither gets them at `after`, and one that ends sooner none."""
+    from orchestrator.runs import stepjournal
+    from orchestrator.runs.warmpool import WarmPool
+
+    started = []
+
+    class Pool(WarmPool):
+        def add(self, names):  # the node side is tests/test_warm_cluster.py's
+            started.append(names)
+
+    journal = stepjournal.StepJournal(tmp_path, 1)
+    after = 3.0 if first == "neither" else 600.0
+    pool = Pool(None, None, "r", print, lambda: ["n1", "n2"], after=after,
+                progressed=lambda: stepjournal.progressed(tmp_path))
+    pool.start()
+    time.sleep(1.5)
+    assert started == []  # the attempt is still starting
+    if first == "step":
+        journal.line("step 1 | loss 2.5 | lr 1e-4")
+    elif first == "collective":
+        journal.hook(None, 3)
+    assert wait_for(lambda: started, 10, "the warm interpreters started") == [["n1", "n2"]]
+    assert pool.thread is not None
+    pool.thread.join(5)
+    ended = Pool(None, None, "r", print, lambda: ["n1"], after=1.0)
+    ended.start()
+    ended.close()
+    ended.thread.join(5)
+    assert started == [["n1", "n2"]] and not ended.thread.is_alive()
+
+
 def test_a_node_run_key_is_read_one_way_everywhere():
     from orchestrator.remote.agent_claims import family
     from orchestrator.remote.common import split_key

@@ -31,7 +31,7 @@ import psutil
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClusterctlError, LaunchError
 from orchestrator.runs.attempt import AttemptRunner, PreflightFailed
 from orchestrator.runs.logs.catchup import ShortCopies
-from orchestrator.runs import nodefaults, quarantine
+from orchestrator.runs import nodefaults, quarantine, stepjournal
 from orchestrator.runs.ckpt.given_home import ArtifactCopier
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.ckpt.jobdir_replicas import artifact_copier
@@ -205,7 +205,8 @@ class Controller:
         self.space.on_room.append(self.shorts.settle)
         self.readying = Readying(self.run, self.spec, self.book, cluster, self.full_inv, self.claims, self.copier, say)
         if self.spec.warm and self.spec.max_restarts > 0:  # only a restart forks from them
-            self.warm = WarmPool(cluster, self.full_inv, self.run.id, say, self.restart_nodes)
+            self.warm = WarmPool(cluster, self.full_inv, self.run.id, say, self.restart_nodes,
+                                 progressed=lambda: stepjournal.progressed(self.run.dir))
             self.warm.start()
         k, nodes, ended = self.entry()
         while True:

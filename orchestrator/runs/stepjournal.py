@@ -209,6 +209,11 @@ def read(run_dir: Path) -> dict[int, Steps]:
     return out
 
 
+def progressed(run_dir: Path) -> bool:
+    """Whether any attempt of the run made progress (a step, else a collective): its start is over."""
+    return any(s.progress for s in read(run_dir).values())
+
+
 def _read_one(p: Path) -> Steps:
     s = Steps()
     try:

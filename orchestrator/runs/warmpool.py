@@ -1,6 +1,8 @@
 """The run's warm interpreters (remote/warm.py): one on every node the run may use (the attempt's
-and the spares left; none quarantined or left out of the run), started `after` seconds into the
-run (not to take CPU from the first attempt's own start, and never for a run that ends sooner). A
+and the spares left; none quarantined or left out of the run), started once the run's progress
+shows (its first step or collective, in the step journal: the first attempt's own start is over)
+or `after` seconds into the run, whichever comes first (a run that never says a step, or takes
+longer to start, gets them at `after`; a fault in the first attempt's first seconds restarts cold). A
 restart's torchrun and ranks then fork from an interpreter that has imported torch instead of
 importing it again: on the test cluster a restart reaches its first step 2.5 s after detection
 instead of 12.8 s (bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Callable
 
 from orchestrator.inventory import Inventory
@@ -25,6 +28,7 @@ from orchestrator.transport import Cluster
 
 WARM_AFTER_S = 20.0  # into the run: what a run shorter than this would gain, it would pay at its start
 AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say sooner (the tests do)
+POLL_S = 1.0  # how often the run's progress is looked at before `after`
 
 
 def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], barred: set[str]) -> list[str]:
@@ -36,8 +40,10 @@ def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], 
 
 class WarmPool:
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, say: Callable[[str], None],
-                 nodes: Callable[[], list[str]], after: float | None = None):
+                 nodes: Callable[[], list[str]], after: float | None = None,
+                 progressed: Callable[[], bool] = lambda: False):
         self.cluster, self.inv, self.run_id, self.say, self.nodes = cluster, inv, run_id, say, nodes
+        self.progressed = progressed  # whether the run has made progress: start without waiting `after`
         self.after = float(os.environ.get(AFTER_ENV, WARM_AFTER_S)) if after is None else after
         self.procs: dict = {}  # node -> the running command (transport Proc)
         self.lock = threading.Lock()
@@ -45,19 +51,32 @@ class WarmPool:
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Every node `nodes()` names then (those a restart may use) that is connected, `after`
-        seconds from now."""
+        """Every node `nodes()` names then (those a restart may use) that is connected, once the
+        run progressed or `after` seconds from now."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._later, name="warm-pool", daemon=True)
             self.thread.start()
 
     def _later(self) -> None:
-        if self.closed.wait(self.after):
+        deadline = time.monotonic() + self.after
+        while not self._progressed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self.closed.wait(min(POLL_S, left)):
+                return
+        if self.closed.is_set():
             return
         try:
             self.add(self.nodes())
         except Exception as e:  # noqa: BLE001 - a warm start is a saving, never a failure of the run
             self.say(f"warm interpreters: {type(e).__name__}: {e}")
+
+    def _progressed(self) -> bool:
+        try:
+            return bool(self.progressed())
+        except Exception:  # noqa: BLE001 - a journal being written: looked at again next time
+            return False
 
     def add(self, names: list[str]) -> None:
         """Start one on each of `names` that is connected and has none yet."""
