@@ -280,6 +280,50 @@ def test_the_warm_interpreters_start_once_the_run_progressed_else_after_the_wait
     assert started == [["n1", "n2"]] and not ended.thread.is_alive()
 
 
+def test_the_pool_starts_a_warm_interpreter_again_where_one_ended_and_lets_every_one_go(tmp_path, monkeypatch):
+    """Two `connection: local` nodes, the real `warm RUN NODE` on each: one that dies (its
+    connection dropped, or killed) is started again at the pool's next look; `close` lets the
+    others go, and they end."""
+    import json
+
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.runs.warmpool import WarmPool
+    from orchestrator.transport import Cluster
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    nodes = "".join(f"  - {{name: n{i}, connection: local, gpus: 0, workdir: {json.dumps(str(tmp_path))}}}\n"
+                    for i in range(2))
+    inv = parse_inventory(f"python: {json.dumps(sys.executable)}\nnodes:\n{nodes}")
+
+    def zygotes():
+        out = {}
+        for p in psutil.process_iter():
+            try:
+                key = p.environ().get("CLUSTERCTL_RUN_KEY", "")
+            except psutil.Error:
+                continue
+            if key.startswith("wp1.warm@"):
+                out[key.split("@")[1]] = p
+        return out
+
+    said = []
+    with Cluster(inv) as cluster:
+        cluster.connect()
+        pool = WarmPool(cluster, inv, "wp1", said.append, lambda: ["n0", "n1"], after=0, recheck=0.5)
+        pool.start()
+        first = wait_for(lambda: (z := zygotes()).keys() == {"n0", "n1"} and z, 90, "one on each node")
+        sock = tmp_path / ".clusterctl" / "warm" / "wp1@n1" / "sock"
+        wait_for(lambda: sock.is_socket(), 90, "n1's listening")
+        first["n1"].kill()
+        again = wait_for(lambda: (z := zygotes()).get("n1") and z["n1"].pid != first["n1"].pid and z, 90,
+                         "n1's started again")
+        assert again["n0"].pid == first["n0"].pid  # the live one is left as it is
+        assert pool.starts == {"n0": 1, "n1": 2}
+        assert any("n1 again" in s for s in said), said
+        pool.close()
+        wait_for(lambda: not zygotes(), 30, "every one gone once let go")
+
+
 def test_a_node_run_key_is_read_one_way_everywhere():
     from orchestrator.remote.agent_claims import family
     from orchestrator.remote.common import split_key

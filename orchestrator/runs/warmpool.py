@@ -10,7 +10,8 @@ without one (not reached, started too late, or `--no-warm`) starts its ranks col
 ranks ask, and nobody answering is not an error.
 
 Each is held by keeping its command's connection open; `close` lets go, and an interpreter with no
-rank of its own running then ends. A node cut off from the control machine ends its own once its
+rank of its own running then ends. One whose command ended (its connection dropped, it died) is
+started again, looked for every RECHECK_S, at most MAX_STARTS times on a node. A node cut off from the control machine ends its own once its
 claim is no longer the run's (the run's end, or the node left out of it), after its ranks.
 """
 
@@ -29,6 +30,8 @@ from orchestrator.transport import Cluster
 WARM_AFTER_S = 20.0  # into the run: what a run shorter than this would gain, it would pay at its start
 AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say sooner (the tests do)
 POLL_S = 1.0  # how often the run's progress is looked at before `after`
+RECHECK_S = 10.0  # then how often each node's is looked at: one gone (its connection dropped) starts again
+MAX_STARTS = 3  # on one node: an interpreter that keeps ending there is not started again
 
 
 def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], barred: set[str]) -> list[str]:
@@ -41,11 +44,13 @@ def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], 
 class WarmPool:
     def __init__(self, cluster: Cluster, inv: Inventory, run_id: str, say: Callable[[str], None],
                  nodes: Callable[[], list[str]], after: float | None = None,
-                 progressed: Callable[[], bool] = lambda: False):
+                 progressed: Callable[[], bool] = lambda: False, recheck: float = RECHECK_S):
         self.cluster, self.inv, self.run_id, self.say, self.nodes = cluster, inv, run_id, say, nodes
         self.progressed = progressed  # whether the run has made progress: start without waiting `after`
         self.after = float(os.environ.get(AFTER_ENV, WARM_AFTER_S)) if after is None else after
+        self.recheck = recheck
         self.procs: dict = {}  # node -> the running command (transport Proc)
+        self.starts: dict[str, int] = {}  # node -> how many times one was started there
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.thread: threading.Thread | None = None
@@ -65,12 +70,12 @@ class WarmPool:
                 break
             if self.closed.wait(min(POLL_S, left)):
                 return
-        if self.closed.is_set():
-            return
-        try:
-            self.add(self.nodes())
-        except Exception as e:  # noqa: BLE001 - a warm start is a saving, never a failure of the run
-            self.say(f"warm interpreters: {type(e).__name__}: {e}")
+        while not self.closed.is_set():
+            try:
+                self.add(self.nodes())
+            except Exception as e:  # noqa: BLE001 - a warm start is a saving, never a failure of the run
+                self.say(f"warm interpreters: {type(e).__name__}: {e}")
+            self.closed.wait(self.recheck)
 
     def _progressed(self) -> bool:
         try:
@@ -79,13 +84,19 @@ class WarmPool:
             return False
 
     def add(self, names: list[str]) -> None:
-        """Start one on each of `names` that is connected and has none yet."""
+        """Start one on each of `names` that is connected and has none running (none yet, or its
+        command ended: the connection dropped, the interpreter died), MAX_STARTS times at most."""
         started = []
         for name in names:
             conn = self.cluster.connections.get(name)
             with self.lock:
-                if self.closed.is_set() or name in self.procs or conn is None:
+                if self.closed.is_set() or conn is None or self.starts.get(name, 0) >= MAX_STARTS or \
+                        (name in self.procs and not _ended(self.procs[name])):
                     continue
+                self.starts[name] = self.starts.get(name, 0) + 1
+                gone = self.procs.pop(name, None)
+            if gone is not None:
+                _close(gone)
             node = self.inv.node(name)
             spec = warm.WarmSpec(node.python, node_env(self.inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id}),
                                  node.workdir)
@@ -101,7 +112,10 @@ class WarmPool:
                 self.procs[name] = proc
             started.append(name)
         if started:
-            self.say(f"warm interpreters: starting on {', '.join(started)} (a restart's ranks fork from them)")
+            again = [n for n in started if self.starts[n] > 1]
+            self.say(f"warm interpreters: starting on {', '.join(started)}" +
+                     (f" ({', '.join(again)} again: the one there ended)" if again else
+                      " (a restart's ranks fork from them)"))
 
     def close(self) -> None:
         """Let every one go (each ends once no rank of its own runs)."""
@@ -109,7 +123,20 @@ class WarmPool:
         with self.lock:
             procs, self.procs = self.procs, {}
         for proc in procs.values():
-            try:
-                proc.close()
-            except Exception:  # noqa: BLE001 - a connection already gone: its node ends its own
-                pass
+            _close(proc)
+
+
+def _ended(proc) -> bool:
+    """Whether a warm interpreter's command ended (what it printed is read and dropped)."""
+    try:
+        proc.read()
+        return proc.done()
+    except Exception:  # noqa: BLE001 - a connection torn down under it
+        return True
+
+
+def _close(proc) -> None:
+    try:
+        proc.close()
+    except Exception:  # noqa: BLE001 - a connection already gone: its node ends its own
+        pass
