@@ -12,17 +12,19 @@ from orchestrator.runs import scaling
 from orchestrator.runs.scaling import Scaled, derive, resolve
 
 # nodes -> (collective timeout, fan-out, lost timeout, suspect after, probe timeout, snapshot wait,
-# hang timeout, rendezvous timeout, stream stall), 8 ranks a node: the table in runs/scaling.py's
+# hang timeout, rendezvous timeout, stream stall, progress period), 8 ranks a node: the table in runs/scaling.py's
 # docstring, the seeds' NCCL timeouts (1 node 1 h, 2-7 nodes 2 h, 8 and more 4 h) and torchrun's own
 # rendezvous timeout (900 s) up to 64 nodes
 TABLE = {
-    1: (3600, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0),
-    2: (7200, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0),
-    8: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0),
-    64: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0),
-    128: (14400, 128, 60.0, 3.0, 1.5, 15.0, 360.0, 1200, 60.0),
-    256: (14400, 256, 90.0, 4.0, 2.0, 20.0, 420.0, 1500, 90.0),
-    1024: (14400, 256, 150.0, 6.0, 3.0, 30.0, 540.0, 2100, 150.0),
+    1: (3600, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
+    2: (7200, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
+    8: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
+    16: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
+    17: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 10.0),
+    64: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 10.0),
+    128: (14400, 128, 60.0, 3.0, 1.5, 15.0, 360.0, 1200, 60.0, 10.0),
+    256: (14400, 256, 90.0, 4.0, 2.0, 20.0, 420.0, 1500, 90.0, 10.0),
+    1024: (14400, 256, 150.0, 6.0, 3.0, 30.0, 540.0, 2100, 150.0, 10.0),
 }
 
 
@@ -90,7 +92,7 @@ def test_dry_run_keeps_the_flags_and_the_inventorys_values(tmp_path, home, capsy
     assert (s["nodes"], s["ranks"]) == (128, 1024)
     assert s["values"] == {"collective_timeout": 600, "fanout": 8, "lost_timeout": 12.0, "suspect_s": 3.0,
                            "probe_s": 1.5, "snapshot_wait": 15.0, "hang_timeout": 45.0,
-                           "rendezvous_timeout": 1200, "stream_stall": 60.0}
+                           "rendezvous_timeout": 1200, "stream_stall": 60.0, "progress_s": 10.0}
     assert {k for k, v in s["source"].items() if v == "given"} == {"collective_timeout", "fanout", "lost_timeout",
                                                                    "hang_timeout"}
     # the flag over the inventory's train.hang_timeout
@@ -159,15 +161,19 @@ def test_a_bad_rendezvous_timeout_flag_exits_2(tmp_path, home, capsys, flag):
     assert "--rendezvous-timeout" in capsys.readouterr().err
 
 
-def test_the_record_carries_the_rendezvous_timeout_and_stream_stall():
+def test_the_record_carries_the_rendezvous_timeout_stream_stall_and_progress_period():
     from orchestrator.runs.spec import RunSpec
     values, source = resolve(256, 2048, {"rendezvous_timeout": 777})
+    small, _ = resolve(4, 32, {})
     spec = RunSpec(rendezvous_timeout=values.rendezvous_timeout, stream_stall=values.stream_stall,
+                   progress_s=small.progress_s,
                    scaling={"nodes": 256, "ranks": 2048, "values": dataclasses.asdict(values), "source": source})
     doc = scaling.record_doc(spec)
     assert (doc["values"]["rendezvous_timeout"], doc["values"]["stream_stall"]) == (777, 90.0)
+    assert doc["values"]["progress_s"] == 5.0 and values.progress_s == 10.0
     assert doc["source"]["rendezvous_timeout"] == "given" and doc["source"]["stream_stall"] == "derived"
     assert RunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
     # a spec recorded before these settings existed reads back with torchrun's own timeout and the old stall
-    old = {k: v for k, v in spec.to_json().items() if k not in ("rendezvous_timeout", "stream_stall")}
+    old = {k: v for k, v in spec.to_json().items() if k not in ("rendezvous_timeout", "stream_stall", "progress_s")}
     assert (RunSpec.from_json(old).rendezvous_timeout, RunSpec.from_json(old).stream_stall) == (900, 30.0)
+    assert RunSpec.from_json(old).progress_s == 10.0  # the period every run had before it followed the ranks

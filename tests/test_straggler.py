@@ -94,6 +94,24 @@ def test_the_watch_names_a_straggler_once_confirmed_and_says_when_it_recovered()
     assert acted[-1] == ([], None) and w.current is None
 
 
+def test_a_shorter_period_asks_for_as_many_checks_as_span_the_same_persistence():
+    """At the 5 s progress period of a small cluster (runs/scaling.py progress_s) a rank slow on
+    checks alone is named after 5 in a row (20-25 s), not 3 (10-15 s): a shorter period makes
+    verdicts that the history proves (`sustained`) sooner, not glimpses more credulous."""
+    from orchestrator.runs.judge.straggler import PERIOD_S
+
+    told, acted = [], []
+    w = StragglerWatch(snap=lambda: [], node_of=NODES, tell=told.append, window=5, factor=1.3, period=PERIOD_S / 2,
+                       on_straggler=lambda new, cur: acted.append(([s.rank for s in new], cur)))
+    assert (w.confirm, watch([], []).confirm) == (5, CONFIRM)
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    for k in range(4):  # overlapping windows: each check sees a few new steps (no disjoint history to prove it)
+        w.check([{"rank": r, "answer": {"steps": [[s, c] for s in range(k, k + 5)]}} for r, c in slow.items()])
+    assert told == []
+    w.check([{"rank": r, "answer": {"steps": [[s, c] for s in range(4, 9)]}} for r, c in slow.items()])
+    assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
+
+
 def throttled(steps: int, slow_from: int = 0, slow_s: float = 0.047, fast_s: float = 0.016):
     """Every rank at fast_s a step (+-5 %), rank 2 at slow_s from step `slow_from` (the goodput
     bench's straggler: 47 ms against 16 ms)."""

@@ -36,7 +36,7 @@ from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResul
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.transfer import synced
 from orchestrator.transfer.files import control_code
-from orchestrator.runs.judge.straggler import PERIOD_S, Slow, StragglerWatch, clock_offsets, progress
+from orchestrator.runs.judge.straggler import Slow, StragglerWatch, clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.logs.streams import Artifacts, copy_logs
@@ -114,7 +114,7 @@ class AttemptRunner:
             self.short = copy_logs(self.cluster, self.run, nodes, self.node_ended, echo=self.say, stop=self.drained,
                                    key=self.key, start_at=start_at, artifacts=self.artifacts,
                                    after_write=hw.heard if hw else None, tell=self.book.tell, progress=progress_sink,
-                                   progress_s=PERIOD_S, space=self.book.space, stopping=self.stopping,
+                                   progress_s=self.spec.progress_s, space=self.book.space, stopping=self.stopping,
                                    stall_s=self.spec.stream_stall)
         finally:
             for w in (hw, sw):
@@ -205,7 +205,7 @@ class AttemptRunner:
 
         sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
-                            factor=self.spec.straggler_factor, say=self.say,
+                            factor=self.spec.straggler_factor, say=self.say, period=self.spec.progress_s,
                             offsets=lambda: clock_offsets(self.cluster, live()), streamed=self.artifacts is not None)
         sw.start()
         return sw

@@ -26,6 +26,9 @@ count); this module is that tuning as a rule, so `train` needs no flags to run a
   stream stall        30 s                +30 s                           a node's log stream silent this
                                                                           long while its node answers is
                                                                           started again (runs/logs/streams.py)
+  progress period     5 s up to 128 ranks, 10 s above                     how often every rank's progress is
+                                                                          asked for on the log streams: what
+                                                                          the hang and straggler watches see
 
 The rendezvous timeout is torchrun's own default (900 s) up to 64 nodes, so nothing changes there.
 It runs from node 0's torchrun opening its store until the last node's torchrun joined: the
@@ -39,6 +42,11 @@ separate join timeout: the same `timeout` bounds each joining node's connect and
 The stream stall grows like the lost timeout: both are silences that a loaded control machine
 reading N streams lengthens (at 128 nodes the test machine's streams sat silent 48 s while their
 nodes answered), and a needless restart costs the node a session while it is busiest.
+
+The progress period follows the ranks, not the nodes: the supervisor reads one answer per rank
+per period (at 64 x 8 ranks every 10 s that is 4.5 % of one core on the test machine:
+docs/performance.md), and a cluster of 16 x 8 or fewer gets its hang and straggler verdicts
+sooner for a cost that stays small.
 
 Doublings count from 64 nodes (log2(nodes / 64), so 128 nodes is one, 256 two, fractions between).
 A setting the user gave (a flag, or the inventory's train: value) is kept as given: `derive`
@@ -55,6 +63,8 @@ from orchestrator.torchrun import RDZV_TIMEOUT_S, dist_timeout_s
 
 BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
 STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/logs/streams.py)
+PROGRESS_S = 5.0  # every rank's progress asked for this often up to PROGRESS_RANKS ranks, twice as long above
+PROGRESS_RANKS = 128
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class Scaled:
     hang_timeout: float
     rendezvous_timeout: int
     stream_stall: float
+    progress_s: float
 
 
 WHAT = {  # the words `train --dry-run` prints for each setting, and the flag or inventory key that sets it
@@ -82,6 +93,7 @@ WHAT = {  # the words `train --dry-run` prints for each setting, and the flag or
     "hang_timeout": ("hang timeout", "--hang-timeout, train.hang_timeout"),
     "rendezvous_timeout": ("rendezvous timeout", "--rendezvous-timeout, inventory env PET_RDZV_CONF"),
     "stream_stall": ("stream stall", "-"),
+    "progress_s": ("progress period", "-"),
 }
 
 
@@ -104,6 +116,7 @@ def derive(nodes: int, ranks: int) -> Scaled:
         hang_timeout=round(300.0 + 60.0 * d, 1),
         rendezvous_timeout=round(RDZV_TIMEOUT_S + 300 * d),
         stream_stall=round(STREAM_STALL_S + 30.0 * d, 1),
+        progress_s=PROGRESS_S if ranks <= PROGRESS_RANKS else 2 * PROGRESS_S,
     )
 
 
@@ -137,5 +150,5 @@ def record_doc(spec) -> dict:
     doc["values"] = {**doc.get("values", {}), "fanout": spec.fanout, "lost_timeout": spec.lost_timeout,
                      "suspect_s": spec.suspect_s, "probe_s": spec.probe_s, "snapshot_wait": spec.snapshot_wait,
                      "hang_timeout": spec.hang_timeout, "rendezvous_timeout": spec.rendezvous_timeout,
-                     "stream_stall": spec.stream_stall}
+                     "stream_stall": spec.stream_stall, "progress_s": spec.progress_s}
     return doc

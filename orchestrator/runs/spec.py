@@ -15,6 +15,7 @@ from typing import Any
 from orchestrator.inventory import Inventory, load_inventory, parse_inventory
 from orchestrator.inventory.sections import TrainSection
 from orchestrator.runs.judge.hang import SNAPSHOT_WAIT_S
+from orchestrator.runs.judge.straggler import PERIOD_S
 from orchestrator.runs.scaling import STREAM_STALL_S
 from orchestrator.transport import DEFAULT_FANOUT, DEFAULT_LOST_TIMEOUT
 from orchestrator.transport.liveness import PROBE_S, SUSPECT_S
@@ -114,6 +115,7 @@ class RunSpec:
     snapshot_wait: float = SNAPSHOT_WAIT_S  # each node's wait for its ranks' hooks in a hang snapshot
     rendezvous_timeout: int = RDZV_TIMEOUT_S  # --rendezvous-timeout: torchrun's static rendezvous (--rdzv-conf)
     stream_stall: float = STREAM_STALL_S  # a log stream silent this long while its node answers is restarted
+    progress_s: float = PERIOD_S  # every rank's progress asked for this often (a record without it: the old 10 s)
     scaling: dict | None = None  # {nodes, ranks, values, source}: what the rule derived and what was given
 
     @classmethod

@@ -5,9 +5,10 @@ gradients' all-reduce. So the straggler is found by each rank's *compute* per st
 own clock (no clock is compared across nodes): the shipped trainer times it (trainer/progress.py)
 and tells the hook clusterctl puts in every rank (remote/hook/sitecustomize.py `clusterctl_step`).
 Each rank's newest steps (a request the hook answers from memory, no stacks, no Flight Recorder)
-come every PERIOD_S on each node's long-lived log stream (runs/logs/streams.py: the stream process asks
-the hooks itself, `tail ... stream ... PROGRESS_S`, and sends the answers as records, which `feed`
-takes): no process is started on a node for them. A run without that stream (no artifact
+come every period (runs/scaling.py progress_s: PERIOD_S above 128 ranks, half that up to it) on
+each node's long-lived log stream (runs/logs/streams.py: the stream process asks the hooks itself,
+`tail ... stream ... PROGRESS_S`, and sends the answers as records, which `feed` takes): no process
+is started on a node for them. A run without that stream (no artifact
 directories) has them asked of every node's agent instead (`snapshot ... progress`, a fresh
 process per node per round, over the open connections). The supervisor's log says which.
 
@@ -42,6 +43,7 @@ otherwise it only warns, and says why.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -55,6 +57,7 @@ DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
 PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
 CONFIRM = 3  # checks in a row before a rank is named (or named recovered): 20-30 s of persistence at PERIOD_S
+CONFIRM_SPAN_S = 20.0  # a shorter period (runs/scaling.py progress_s) asks for more checks: the same persistence
 # (with 2, a healthy run on a loaded machine once had a rank named for 1.4x over two 50-step windows)
 SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoint windows, back to back,
 # spanning at least this long on the rank's clock (`sustained`; where a script's steps carry no time, their
@@ -321,6 +324,12 @@ class StragglerWatch:
         if ranks or not self.streamed:
             self.check(ranks)
 
+    @property
+    def confirm(self) -> int:
+        """Checks in a row before a rank is named (or named recovered): CONFIRM at PERIOD_S, and at
+        a shorter period as many as span CONFIRM_SPAN_S (5 at 5 s: 20-25 s of persistence)."""
+        return max(CONFIRM, math.ceil(CONFIRM_SPAN_S / self.period) + 1)
+
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""
         merge(self.steps, ranks, KEEP * self.window)
@@ -344,11 +353,12 @@ class StragglerWatch:
                      f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
         proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit, at={
             r: [v[s][1] for s in sorted(v)] for r, v in self.steps.items()})} if slow else set()
+        confirm = self.confirm
         for r in judged:
             was = self.streak.get(r, 0)
-            self.streak[r] = (max(was, 0, CONFIRM - 1 if r in proven else 0) + 1) if r in slow else (min(was, 0) - 1)
-        new = [slow[r] for r in sorted(slow) if self.streak[r] >= CONFIRM and r not in self.named]
-        gone = [r for r in sorted(self.named) if self.streak.get(r, 0) <= -CONFIRM]
+            self.streak[r] = (max(was, 0, confirm - 1 if r in proven else 0) + 1) if r in slow else (min(was, 0) - 1)
+        new = [slow[r] for r in sorted(slow) if self.streak[r] >= confirm and r not in self.named]
+        gone = [r for r in sorted(self.named) if self.streak.get(r, 0) <= -confirm]
         for r in gone:
             s = self.named.pop(r)
             self.tell(f"straggler: {s.node} rank {r} no longer computes slower than the median")
