@@ -244,6 +244,12 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
             assert "is stopped (state T: SIGSTOP, or a debugger holds it); its stack (py-spy): " in v.text, v.text
             assert "stuck_here" in v.text and "read from outside by py-spy:" in stacks_text([s])
             assert json.loads(agent("snapshot", "h1@n1", 3, 5).stdout)["ranks"][0]["state"] == "T"  # not woken
+            # the progress request (the stream's, every few seconds) asks a stopped rank too (a rank
+            # throttled by stops answers when it runs), but does not wait out its whole wait for one
+            # that stays stopped: the hang watch hears of the stop at once (STOPPED_WAIT_S)
+            prog = json.loads(agent("snapshot", "h1@n1", 5, 600, "progress", timeout=60).stdout)["ranks"][0]
+            assert prog["state"] == "T" and prog["error"] in ("not answered: the process is stopped",
+                                                              "no hook answers in it (the process is stopped)"), prog
         finally:
             os.kill(rank["pid"], signal.SIGCONT)
     finally:

@@ -1,5 +1,5 @@
 """The rank hook (remote/hook/sitecustomize.py) answers every request written to its FIFO, also
-two written at once: the straggler watch asks every rank for its steps every 10 s, and a stack
+two written at once: the straggler watch asks every rank for its steps every 5-10 s, and a stack
 asked by `clusterctl stack` or `watch` at that moment used to be read in the same read, glued to
 it, and neither was answered ("no answer within 10s")."""
 

@@ -59,16 +59,20 @@ def rank_procs(run_id, torchrun_pid, hook=None):
     return out
 
 
-def open_fifo(path, until):
+def open_fifo(path, until, pid=None):
     """(fd, "") of a rank's request FIFO opened for writing, else (None, why). While the hook
     answers another request (the straggler watch's, the hang watch's) nobody reads it (ENXIO):
-    it reads again within moments, so that is waited for, until `until` (time.time())."""
+    it reads again within moments, so that is waited for, until `until` (time.time()), and for
+    process `pid` stopped, STOPPED_WAIT_S at most (its hook reads again only once it runs)."""
+    t0 = time.time()
     while True:
         try:
             return os.open(path, os.O_WRONLY | os.O_NONBLOCK), ""
         except OSError as e:
             if e.errno != 6 or time.time() > until:
                 return None, "" if e.errno in (2, 6) else f" ({e.strerror})"
+        if pid is not None and time.time() - t0 >= STOPPED_WAIT_S and (proc_stat(pid) or "X")[0] in "TtXZ":
+            return None, " (the process is stopped)"
         time.sleep(0.05)
 
 
@@ -83,7 +87,8 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
     newest steps only). A dead process is not asked, nor a stopped (T) one for its stacks (a hang's
     culprit: py-spy reads it from outside); a stopped one is asked for its progress, which it
     answers once it runs again within `wait` (a rank throttled by stops is a straggler, not a
-    hang). {"ranks": [...], "time"}."""
+    hang), no longer than STOPPED_WAIT_S once only stopped ones have not answered. {"ranks": [...],
+    "time"}."""
     d = rundir(run_id)
     hook = os.path.join(d, HOOK)
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
@@ -100,7 +105,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
         if os.path.exists(os.path.join(hook, f"{pid}.exiting")):  # its script ended (the hook's atexit)
             p["exiting"], p["error"] = True, "not asked: it is exiting (its script ended)"
             continue
-        fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until)
+        fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until, pid)
         if fd is None:
             p["error"] = "no hook answers in it" + why
             continue
@@ -110,14 +115,26 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
         finally:
             os.close(fd)
         asked[pid] = os.path.join(hook, f"{pid}.{tag}.json")
-    wait_until(lambda: all(os.path.exists(a) for a in asked.values()), time.time() + float(wait))
+    asked_at = time.time()
+
+    def answered():
+        missing = [pid for pid, a in asked.items() if not os.path.exists(a)]
+        # a rank stopped for good (or gone) never answers: once only those are missing, STOPPED_WAIT_S
+        # is enough for one throttled by stops (the drill's runs every 0.2 s), and the hang watch
+        # learns of the stop without waiting out the whole wait
+        return not missing or (what == "progress" and time.time() - asked_at >= STOPPED_WAIT_S and
+                               all((proc_stat(pid) or "X")[0] in "TtXZ" for pid in missing))
+
+    wait_until(answered, asked_at + float(wait))
     for pid, path in asked.items():
         try:
             with open(path) as f:
                 ranks[pid]["answer"] = json.load(f)
             os.unlink(path)
         except (OSError, ValueError):
-            ranks[pid]["error"] = f"no answer within {float(wait):g}s"
+            st = proc_stat(pid)
+            ranks[pid]["error"] = "not answered: the process is stopped" if st is not None and st[0] in "Tt" \
+                and time.time() < asked_at + float(wait) else f"no answer within {float(wait):g}s"
         st = proc_stat(pid)  # after the wait: a process stopped meanwhile says so
         if st is not None:  # the tree's CPU grows by what the rank spent meanwhile: never less than the rank's
             grew = max(0.0, st[2] - ranks[pid]["cpu_s"])
@@ -134,6 +151,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
 
 
 PY_SPY_S = 10.0  # one py-spy dump's limit
+STOPPED_WAIT_S = 1.5  # a progress request waits no longer than this for ranks that are stopped
 STALE_ANSWER_S = 120.0  # a hook's answer file nobody read for this long: its asker gave up on it
 
 
