@@ -116,16 +116,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
             os.close(fd)
         asked[pid] = os.path.join(hook, f"{pid}.{tag}.json")
     asked_at = time.time()
-
-    def answered():
-        missing = [pid for pid, a in asked.items() if not os.path.exists(a)]
-        # a rank stopped for good (or gone) never answers: once only those are missing, STOPPED_WAIT_S
-        # is enough for one throttled by stops (the drill's runs every 0.2 s), and the hang watch
-        # learns of the stop without waiting out the whole wait
-        return not missing or (what == "progress" and time.time() - asked_at >= STOPPED_WAIT_S and
-                               all((proc_stat(pid) or "X")[0] in "TtXZ" for pid in missing))
-
-    wait_until(answered, asked_at + float(wait))
+    wait_until(lambda: answered(asked, what, asked_at), asked_at + float(wait))
     for pid, path in asked.items():
         try:
             with open(path) as f:
@@ -148,6 +139,15 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
             for pid, (found, why) in zip(silent, pool.map(py_spy_stacks, silent)):
                 ranks[pid]["pyspy"] = found if found is not None else why
     return {"ranks": sorted(ranks.values(), key=lambda p: str(p["rank"])), "time": time.time()}
+
+
+def answered(asked, what, asked_at):
+    """Whether every rank asked answered, or, for progress, only ranks stopped for good (or gone)
+    are left, STOPPED_WAIT_S after asking: they never answer, one throttled by stops (the drill's
+    runs every 0.2 s) has by then, and the hang watch learns of the stop without the whole wait."""
+    missing = [pid for pid, a in asked.items() if not os.path.exists(a)]
+    return not missing or (what == "progress" and time.time() - asked_at >= STOPPED_WAIT_S and
+                           all((proc_stat(pid) or "X")[0] in "TtXZ" for pid in missing))
 
 
 PY_SPY_S = 10.0  # one py-spy dump's limit
