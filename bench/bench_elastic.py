@@ -77,7 +77,8 @@ def ours(steps: int, warm: bool = False) -> dict:
             wait_for(lambda: list((run_dir / "checkpoints").glob("ckpt_*.pt")), 300,
                      "a checkpoint on the control machine")
             if warm:
-                wait_for(lambda: all(nd.warm_serving() for nd in cluster.nodes), 120, "a warm interpreter on every node")
+                wait_for(lambda: all(nd.warm_serving() for nd in cluster.nodes), 120,
+                         "a warm interpreter on every node")
             t_cut = time.time()
             cluster.nodes[1].link_down()
             _, err = proc.communicate(timeout=900)

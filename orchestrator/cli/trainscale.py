@@ -87,8 +87,8 @@ def resolve(ctx: click.Context, inv: Inventory, *, nproc_per_node, fanout: int, 
     doc = {"nodes": nodes, "ranks": ranks, "values": dataclasses.asdict(values), "source": source}
     return {"fanout": values.fanout, "lost_timeout": values.lost_timeout, "hang_timeout": values.hang_timeout,
             "suspect_s": values.suspect_s, "probe_s": values.probe_s, "snapshot_wait": values.snapshot_wait,
-            "rendezvous_timeout": values.rendezvous_timeout, "stream_stall": values.stream_stall, "progress_s": values.progress_s,
-            "scaling": doc}
+            "rendezvous_timeout": values.rendezvous_timeout, "stream_stall": values.stream_stall,
+            "progress_s": values.progress_s, "scaling": doc}
 
 
 def dry_run(inv: Inventory, nproc_per_node, scaled: dict, as_json: bool) -> None:

@@ -2,8 +2,8 @@
 and the spares left; none quarantined or left out of the run), started once the run's progress
 shows (its first step or collective, in the step journal: the first attempt's own start is over)
 or `after` seconds into the run, whichever comes first (a run that never says a step, or takes
-longer to start, gets them at `after`; a fault in the first attempt's first seconds restarts cold). A
-restart's torchrun and ranks then fork from an interpreter that has imported torch instead of
+longer to start, gets them at `after`; a fault in the first attempt's first seconds restarts
+cold). A restart's torchrun and ranks then fork from an interpreter that has imported torch instead of
 importing it again: on the test cluster a restart reaches its first step 2.5 s after detection
 instead of 12.8 s (bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node
 without one (not reached, started too late, or `--no-warm`) starts its ranks cold, as before: the
@@ -11,8 +11,9 @@ ranks ask, and nobody answering is not an error.
 
 Each is held by keeping its command's connection open; `close` lets go, and an interpreter with no
 rank of its own running then ends. One whose command ended (its connection dropped, it died) is
-started again, looked for every RECHECK_S, at most MAX_STARTS times on a node. A node cut off from the control machine ends its own once its
-claim is no longer the run's (the run's end, or the node left out of it), after its ranks.
+started again, looked for every RECHECK_S, at most MAX_STARTS times on a node. A node cut off from
+the control machine ends its own once its claim is no longer the run's (the run's end, or the node
+left out of it), after its ranks.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ Each rank's newest steps (a request the hook answers from memory, no stacks, no 
 come every period (runs/scaling.py progress_s: PERIOD_S above 128 ranks, half that up to it) on
 each node's long-lived log stream (runs/logs/streams.py: the stream process asks the hooks itself,
 `tail ... stream ... PROGRESS_S`, and sends the answers as records, which `feed` takes): no process
-is started on a node for them. A run without that stream (no artifact
-directories) has them asked of every node's agent instead (`snapshot ... progress`, a fresh
-process per node per round, over the open connections). The supervisor's log says which.
+is started on a node for them. A run without that stream (no artifact directories) has them asked
+of every node's agent instead (`snapshot ... progress`, a fresh process per node per round, over
+the open connections). The supervisor's log says which.
 
 `judge` is the rule, pure: each rank's median compute over its last `window` steps; a rank whose
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
@@ -57,8 +57,8 @@ DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
 PERIOD_S = 10.0  # how often every rank's newest steps are asked for (and judged)
 CONFIRM = 3  # checks in a row before a rank is named (or named recovered): 20-30 s of persistence at PERIOD_S
-CONFIRM_SPAN_S = 20.0  # a shorter period (runs/scaling.py progress_s) asks for more checks: the same persistence
 # (with 2, a healthy run on a loaded machine once had a rank named for 1.4x over two 50-step windows)
+CONFIRM_SPAN_S = 20.0  # a shorter period (runs/scaling.py progress_s) asks for more checks: the same persistence
 SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoint windows, back to back,
 # spanning at least this long on the rank's clock (`sustained`; where a script's steps carry no time, their
 # compute: less than their wall time, so never sooner): 10 s of evidence without a gap instead of 3
