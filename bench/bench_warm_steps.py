@@ -1,0 +1,103 @@
+"""Does a rank forked from the warm interpreter step as fast as a cold one?
+
+    sudo .venv/bin/python bench/bench_warm_steps.py [--trials 2] [--steps 4000]
+
+3 test nodes, the trainer (preset nano, one rank a node, a checkpoint every 50 steps),
+`--max-restarts 1`. Once steps flow (and, warm, once every node holds its warm interpreter) and
+40 s more, node3's rank gets SIGKILL; the run restarts and finishes. Printed per trial: the median
+of the trainer's own `step N ms` over attempt 1's last 600 steps (cold) and over attempt 2 after
+its first 50 (the restart), and their ratio. Warm (the default) and `--no-warm` alternate, --trials
+times each, so a cold restart is the control: it shows how much a restart's steps differ from the
+first attempt's when nothing is forked. Every node shares this machine's cores. No assertions:
+this prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import REPO, record, run_dir_of, start, wait_for  # noqa: E402
+from orchestrator.remote.agent_base import listening  # noqa: E402
+from tests.cluster import TestCluster  # noqa: E402
+
+MS = re.compile(rb"step (\d+) \| loss .*\| step (\d+) ms")  # the trainer's step line, its own step time
+
+
+def the_rank(cluster, node):
+    """The process that trains on `node` (its hook listens: a forked rank's stand-in does not)."""
+    for p in cluster.processes(node):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        hook = env.get("CLUSTERCTL_HOOK_DIR")
+        if "RANK" in env and listening([p.pid], hook, root=lambda pid: f"/proc/{pid}/root"):
+            return p
+    return None
+
+
+def trial(warm: bool, steps: int) -> tuple[float, float]:
+    """(attempt 1's median step ms, attempt 2's) for one run."""
+    with TestCluster(n=3, gpus=0, name_prefix="ccws") as cluster, tempfile.TemporaryDirectory() as td:
+        for nd in cluster.nodes:
+            nd.run("mkdir -p ~/gpt_train")
+        train = {"module": "trainer", "args": [
+            "--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
+            "--log-every", "1", "--ckpt-every", "50", "--eval-steps", "1", "--sample-tokens", "0",
+            "--output-dir", "out"]}
+        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
+                                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
+        proc = start(Path(td) / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
+        try:
+            run_dir = run_dir_of(Path(td) / "home")
+            log = run_dir / "nodes" / "node1.log"
+            wait_for(lambda: log.exists() and b"step 100 |" in log.read_bytes(), 300, "steps")
+            if warm:
+                wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
+            time.sleep(40)
+            cut = len(log.read_bytes())
+            victim = wait_for(lambda: the_rank(cluster, cluster.nodes[2]), 30, "node3's rank")
+            os.kill(victim.pid, signal.SIGKILL)
+            proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        data = log.read_bytes()
+        verdicts = [a.get("verdict") for a in record(run_dir).get("attempts") or []]
+        if verdicts != ["killed by signal", "finished"]:
+            raise SystemExit(f"bench: the run did not restart once and finish: {verdicts}")
+        first = [int(m[2]) for m in MS.finditer(data[:cut])][-600:]
+        second = [int(m[2]) for m in MS.finditer(data[cut:])][50:]
+        return statistics.median(first), statistics.median(second)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=2, help="runs each way, alternating")
+    ap.add_argument("--steps", type=int, default=4000)
+    args = ap.parse_args(argv)
+    ratios: dict[str, list[float]] = {"warm": [], "cold": []}
+    for i in range(args.trials):
+        for way in ("warm", "cold"):
+            a1, a2 = trial(way == "warm", args.steps)
+            ratios[way].append(a2 / a1)
+            print(f"trial {i + 1} {way}: attempt 1 (cold) median {a1:g} ms a step, attempt 2 ({way}) {a2:g} ms: "
+                  f"{a2 / a1:.2f}x", flush=True)
+    for way, r in ratios.items():
+        print(f"{way} restart: attempt 2 / attempt 1 step time, median of {len(r)}: {statistics.median(r):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
