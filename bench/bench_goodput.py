@@ -62,11 +62,9 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import REPO, STEP, LogClock, cli, end_supervisor, record, run_dir_of, text_of, wait_for  # noqa: E402
-from orchestrator.remote.agent_base import listening  # noqa: E402
+from bench.harness import (REPO, STEP, LogClock, cli, end_supervisor, record, run_dir_of, text_of,  # noqa: E402
+                           training_process, wait_for)
 from tests.cluster import TestCluster  # noqa: E402
 
 NODES, SPARES = 5, 2
@@ -168,23 +166,6 @@ def quota(share: float):
     return Quota(share, PERIOD_US, missing)
 
 
-def worker(cluster, node, key: str):
-    """The trainer process of attempt `key` on `node`: its environment carries the attempt's run
-    key and RANK (torchrun has no RANK), and its hook listens (the node's own rule,
-    remote/agent_base.listening, read through the process's root: a test node's home is its own
-    mount). A rank forked from the warm interpreter has the process torchrun started beside it,
-    with the same RANK, standing in: a fault there would hit nothing that trains."""
-    for p in cluster.processes(node):
-        try:
-            env = p.environ()
-        except psutil.Error:
-            continue
-        if env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] == key and "RANK" in env and \
-                listening([p.pid], env.get("CLUSTERCTL_HOOK_DIR"), root=lambda pid: f"/proc/{pid}/root"):
-            return p
-    return None
-
-
 def newest_stepping(run_dir: Path, clock: LogClock, after: int, train: Train, deadline: float) -> dict | None:
     """The newest attempt (numbered above `after`) once its master has logged a step; None if the
     run ended or the deadline passed first."""
@@ -221,7 +202,7 @@ def inject_all(cluster, run_dir: Path, clock: LogClock, train: Train, rng: rando
             f["injected"] = time.time()
             by_name[node].link_down()
         else:
-            p = wait_for(lambda: worker(cluster, by_name[node], a["key"]) or (not train.running() and "gone"), 60,
+            p = wait_for(lambda: training_process(cluster, by_name[node], a["key"]) or (not train.running() and "gone"), 60,
                          f"the trainer process on {node}")
             if p == "gone":
                 done.append({"kind": kind, "injected": None, "why": "the run ended before its moment"})

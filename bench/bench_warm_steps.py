@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import statistics
 import sys
@@ -24,27 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import REPO, record, run_dir_of, start, wait_for  # noqa: E402
-from orchestrator.remote.agent_base import listening  # noqa: E402
+from bench.harness import REPO, STEP, record, run_dir_of, start, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
-MS = re.compile(rb"step (\d+) \| loss .*\| step (\d+) ms")  # the trainer's step line, its own step time
-
-
-def the_rank(cluster, node):
-    """The process that trains on `node` (its hook listens: a forked rank's stand-in does not)."""
-    for p in cluster.processes(node):
-        try:
-            env = p.environ()
-        except psutil.Error:
-            continue
-        hook = env.get("CLUSTERCTL_HOOK_DIR")
-        if "RANK" in env and listening([p.pid], hook, root=lambda pid: f"/proc/{pid}/root"):
-            return p
-    return None
+def step_ms(data: bytes) -> list[int]:
+    """Each step line's own step time (ms), in log order."""
+    return [int(m[2]) for line in data.decode(errors="replace").splitlines() if (m := STEP.match(text_of(line)))]
 
 
 def trial(warm: bool, steps: int) -> tuple[float, float]:
@@ -67,7 +52,7 @@ def trial(warm: bool, steps: int) -> tuple[float, float]:
                 wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
             time.sleep(40)
             cut = len(log.read_bytes())
-            victim = wait_for(lambda: the_rank(cluster, cluster.nodes[2]), 30, "node3's rank")
+            victim = wait_for(lambda: training_process(cluster, cluster.nodes[2]), 30, "node3's rank")
             os.kill(victim.pid, signal.SIGKILL)
             proc.communicate(timeout=900)
         finally:
@@ -77,8 +62,8 @@ def trial(warm: bool, steps: int) -> tuple[float, float]:
         verdicts = [a.get("verdict") for a in record(run_dir).get("attempts") or []]
         if verdicts != ["killed by signal", "finished"]:
             raise SystemExit(f"bench: the run did not restart once and finish: {verdicts}")
-        first = [int(m[2]) for m in MS.finditer(data[:cut])][-600:]
-        second = [int(m[2]) for m in MS.finditer(data[cut:])][50:]
+        first = step_ms(data[:cut])[-600:]
+        second = step_ms(data[cut:])[50:]
         return statistics.median(first), statistics.median(second)
 
 

@@ -15,6 +15,10 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
+from orchestrator.remote.agent_base import listening
+
 REPO = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step (\d+) \| loss \S+ .*\| step (\d+) ms")  # the trainer's step line (trainer/train.py report)
 
@@ -55,6 +59,26 @@ def run_dir_of(home: Path) -> Path:
     """The one run directory under home (a bench's home holds one run)."""
     return wait_for(lambda: next((p for p in (home / "runs").glob("*") if (p / "run.json").exists()), None)
                     if (home / "runs").exists() else None, 120, "the run directory")
+
+
+def training_process(cluster, node, key: str | None = None):
+    """The process that trains on `node` (of attempt `key` when given), None if none does yet.
+
+    Its environment carries RANK (torchrun's has none) and, with `key`, the attempt's run key; its
+    hook listens (the node's own rule, remote/agent_base.listening, read through the process's
+    root: a test node's home is its own mount). A rank forked from the warm interpreter has the
+    process torchrun started beside it, with the same RANK, standing in: its hook does not listen,
+    and a fault there would hit nothing that trains."""
+    for p in cluster.processes(node):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if key is not None and env.get("CLUSTERCTL_RUN_KEY", "").split("@")[0] != key:
+            continue
+        if "RANK" in env and listening([p.pid], env.get("CLUSTERCTL_HOOK_DIR"), root=lambda pid: f"/proc/{pid}/root"):
+            return p
+    return None
 
 
 def text_of(line: str) -> str:

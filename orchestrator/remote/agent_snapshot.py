@@ -72,7 +72,7 @@ def open_fifo(path, until, pid=None):
             if e.errno != 6 or time.time() > until:
                 return None, "" if e.errno in (2, 6) else f" ({e.strerror})"
         if pid is not None and time.time() - t0 >= STOPPED_WAIT_S and (proc_stat(pid) or "X")[0] in "TtXZ":
-            return None, " (the process is stopped)"
+            return None, STOPPED
         time.sleep(0.05)
 
 
@@ -107,7 +107,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
             continue
         fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until, pid)
         if fd is None:
-            p["error"] = "no hook answers in it" + why
+            p["error"] = STOPPED if why == STOPPED else "no hook answers in it" + why
             continue
         tag = ("p" if what == "progress" else "") + str(int(request))
         try:
@@ -124,8 +124,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
             os.unlink(path)
         except (OSError, ValueError):
             st = proc_stat(pid)
-            ranks[pid]["error"] = "not answered: the process is stopped" if st is not None and st[0] in "Tt" \
-                and time.time() < asked_at + float(wait) else f"no answer within {float(wait):g}s"
+            ranks[pid]["error"] = STOPPED if st is not None and st[0] in "Tt" else f"no answer within {float(wait):g}s"
         st = proc_stat(pid)  # after the wait: a process stopped meanwhile says so
         if st is not None:  # the tree's CPU grows by what the rank spent meanwhile: never less than the rank's
             grew = max(0.0, st[2] - ranks[pid]["cpu_s"])
@@ -152,6 +151,7 @@ def answered(asked, what, asked_at):
 
 PY_SPY_S = 10.0  # one py-spy dump's limit
 STOPPED_WAIT_S = 1.5  # a progress request waits no longer than this for ranks that are stopped
+STOPPED = "not answered: the process is stopped"  # a rank asked, or about to be, that stays stopped
 STALE_ANSWER_S = 120.0  # a hook's answer file nobody read for this long: its asker gave up on it
 
 

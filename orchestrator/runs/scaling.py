@@ -59,11 +59,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from orchestrator.runs.judge.straggler import PERIOD_S
 from orchestrator.torchrun import RDZV_TIMEOUT_S, dist_timeout_s
 
 BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
 STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/logs/streams.py)
-PROGRESS_S = 5.0  # every rank's progress asked for this often up to PROGRESS_RANKS ranks, twice as long above
+PROGRESS_S = PERIOD_S / 2  # every rank's progress asked for this often up to PROGRESS_RANKS ranks, PERIOD_S above
 PROGRESS_RANKS = 128
 
 
@@ -116,7 +117,7 @@ def derive(nodes: int, ranks: int) -> Scaled:
         hang_timeout=round(300.0 + 60.0 * d, 1),
         rendezvous_timeout=round(RDZV_TIMEOUT_S + 300 * d),
         stream_stall=round(STREAM_STALL_S + 30.0 * d, 1),
-        progress_s=PROGRESS_S if ranks <= PROGRESS_RANKS else 2 * PROGRESS_S,
+        progress_s=PROGRESS_S if ranks <= PROGRESS_RANKS else PERIOD_S,
     )
 
 
