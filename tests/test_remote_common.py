@@ -230,6 +230,51 @@ def test_the_marker_scan_skips_a_process_that_ends_mid_scan(monkeypatch):
             p.wait()
 
 
+def test_the_marker_scan_reads_a_forked_ranks_padded_environment():
+    """A rank forked from the warm interpreter shows the zygote's whole exec-time block where
+    /proc/PID/environ reads it: its own variables, then ~200 KB of NULs. The scan finds its marker
+    and reads its variables there (searched for, not split into ~200,000 items: a scan of such
+    processes every few seconds took a tenth of a core per node in the goodput bench): the scan's
+    memory at its peak, a count and no clock, stays within a few copies of the block, where a
+    split's list alone takes 8 bytes for each of its ~200,000 NULs."""
+    import tracemalloc
+
+    c = probe.common()
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "from orchestrator.remote.warm_fork import own_environ\n"
+        "own_environ({'CLUSTERCTL_TEST_MARK': 'm3', 'RANK': '2', 'EMPTY': ''})\n"
+        "print('ok', flush=True)\n"
+        "time.sleep(60)\n")], env=dict(os.environ, CLUSTERCTL_WARM_PAD0="x" * 100_000, CLUSTERCTL_WARM_PAD1="x" * 100_000,
+                 CLUSTERCTL_TEST_MARK="m0"),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ok\n"
+        block = open(f"/proc/{child.pid}/environ", "rb").read()
+        assert len(block) > 200_000 and block.endswith(b"\0" * 1000) and b"m0" not in block
+        tracemalloc.start()
+        try:
+            assert c.marked_pids("CLUSTERCTL_TEST_MARK", lambda v: v == "m3") == [child.pid]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * len(block), (peak, len(block))
+        assert c.marked_pids("CLUSTERCTL_TEST_MARK", lambda v: v == "m0") == []
+        assert c.proc_environ(child.pid, ("RANK", "EMPTY", "PATH")) == {"RANK": "2", "EMPTY": ""}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_environment_block_is_searched_for_each_value_of_a_name():
+    c = probe.common()
+    block = b"A=1\0MARK=r@n\0B=x=y\0XA=2\0MARK=again\0" + b"\0" * 5000
+    assert c.env_values(block, "MARK") == ["r@n", "again"]
+    assert c.env_values(block, "B") == ["x=y"] and c.env_values(block, "A") == ["1"]
+    assert c.env_values(block, "X") == [] and c.env_values(b"", "A") == [] and c.env_values(b"A=1", "A") == ["1"]
+
+
 # ------------------------------------------------------------------ (d) every program runs as shipped
 
 
