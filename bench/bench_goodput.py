@@ -202,8 +202,8 @@ def inject_all(cluster, run_dir: Path, clock: LogClock, train: Train, rng: rando
             f["injected"] = time.time()
             by_name[node].link_down()
         else:
-            p = wait_for(lambda: training_process(cluster, by_name[node], a["key"]) or (not train.running() and "gone"), 60,
-                         f"the trainer process on {node}")
+            p = wait_for(lambda: training_process(cluster, by_name[node], a["key"]) or (not train.running() and "gone"),
+                         60, f"the trainer process on {node}")
             if p == "gone":
                 done.append({"kind": kind, "injected": None, "why": "the run ended before its moment"})
                 continue

@@ -20,12 +20,14 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import REPO, STEP, record, run_dir_of, start, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
+
 
 def step_ms(data: bytes) -> list[int]:
     """Each step line's own step time (ms), in log order."""
@@ -44,6 +46,9 @@ def trial(warm: bool, steps: int) -> tuple[float, float]:
         inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
                                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
         proc = start(Path(td) / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
+        # read its output as it comes: a step line a step fills the pipe in seconds, and a follower
+        # blocked on it would stop showing the run (the run itself goes on in its supervisor)
+        threading.Thread(target=proc.communicate, daemon=True).start()
         try:
             run_dir = run_dir_of(Path(td) / "home")
             log = run_dir / "nodes" / "node1.log"
@@ -54,7 +59,7 @@ def trial(warm: bool, steps: int) -> tuple[float, float]:
             cut = len(log.read_bytes())
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[2]), 30, "node3's rank")
             os.kill(victim.pid, signal.SIGKILL)
-            proc.communicate(timeout=900)
+            proc.wait(timeout=900)
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -246,12 +246,12 @@ def test_the_marker_scan_reads_a_forked_ranks_padded_environment():
         "from orchestrator.remote.warm_fork import own_environ\n"
         "own_environ({'CLUSTERCTL_TEST_MARK': 'm3', 'RANK': '2', 'EMPTY': ''})\n"
         "print('ok', flush=True)\n"
-        "time.sleep(60)\n")], env=dict(os.environ, CLUSTERCTL_WARM_PAD0="x" * 100_000, CLUSTERCTL_WARM_PAD1="x" * 100_000,
-                 CLUSTERCTL_TEST_MARK="m0"),
-        stdout=subprocess.PIPE, text=True)
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, CLUSTERCTL_WARM_PAD0="x" * 100_000, CLUSTERCTL_WARM_PAD1="x" * 100_000,
+                 CLUSTERCTL_TEST_MARK="m0"))
     try:
         assert child.stdout.readline() == "ok\n"
-        block = open(f"/proc/{child.pid}/environ", "rb").read()
+        block = Path(f"/proc/{child.pid}/environ").read_bytes()
         assert len(block) > 200_000 and block.endswith(b"\0" * 1000) and b"m0" not in block
         tracemalloc.start()
         try:

@@ -60,17 +60,17 @@ def rank_procs(run_id, torchrun_pid, hook=None):
 
 
 def open_fifo(path, until, pid=None):
-    """(fd, "") of a rank's request FIFO opened for writing, else (None, why). While the hook
-    answers another request (the straggler watch's, the hang watch's) nobody reads it (ENXIO):
-    it reads again within moments, so that is waited for, until `until` (time.time()), and for
-    process `pid` stopped, STOPPED_WAIT_S at most (its hook reads again only once it runs)."""
+    """(fd, "") of a rank's request FIFO opened for writing, else (None, the rank's error). While
+    the hook answers another request (the straggler watch's, the hang watch's) nobody reads it
+    (ENXIO): it reads again within moments, so that is waited for, until `until` (time.time()),
+    and for process `pid` stopped, STOPPED_WAIT_S at most (its hook reads again only once it runs)."""
     t0 = time.time()
     while True:
         try:
             return os.open(path, os.O_WRONLY | os.O_NONBLOCK), ""
         except OSError as e:
             if e.errno != 6 or time.time() > until:
-                return None, "" if e.errno in (2, 6) else f" ({e.strerror})"
+                return None, "no hook answers in it" + ("" if e.errno in (2, 6) else f" ({e.strerror})")
         if pid is not None and time.time() - t0 >= STOPPED_WAIT_S and (proc_stat(pid) or "X")[0] in "TtXZ":
             return None, STOPPED
         time.sleep(0.05)
@@ -107,7 +107,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
             continue
         fd, why = open_fifo(os.path.join(hook, f"{pid}.fifo"), busy_until, pid)
         if fd is None:
-            p["error"] = STOPPED if why == STOPPED else "no hook answers in it" + why
+            p["error"] = why
             continue
         tag = ("p" if what == "progress" else "") + str(int(request))
         try:
