@@ -4,6 +4,7 @@ terminal is tests/test_watch_cluster.py."""
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -108,7 +109,8 @@ def test_watch_once_fits_80_columns_and_ends_with_the_runs_summary(home, capsys,
     header = lines[2].split()
     assert header == ["rank", "state", "step", "s/step", "tok/s", "heard", "flags"], lines[2]
     r0 = next(ln for ln in lines if ln.startswith("node1/r0")).split()
-    assert r0[:6] == ["node1/r0", "running", "40", "412ms", "1,235k", "0s"], r0
+    # heard: seconds since the line was written, 0 unless this machine is loaded (it ran 1 s late in a suite run)
+    assert r0[:5] == ["node1/r0", "running", "40", "412ms", "1,235k"] and re.fullmatch(r"\d+s", r0[5]), r0
     assert [ln.split()[0] for ln in lines[3:7]] == ["node1/r0", "node1/r1", "node2/r2", "node2/r3"]
     assert f"clusterctl: run {run.id} finished" in out.err
 
