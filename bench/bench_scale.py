@@ -71,6 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench_failfast import run_pids, wait_for  # noqa: E402
+from orchestrator.remote.common import env_values  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
@@ -382,10 +383,10 @@ def hang_verdict(run_dir: Path, rank: int, timeout: float) -> dict:
 def rank_pid(run_id: str, rank: int) -> int:
     for pid in run_pids(run_id, True):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env:  # the script (torchrun has no RANK)
+        if str(rank) in env_values(env, "RANK"):  # the script (torchrun has no RANK)
             return pid
     raise SystemExit(f"bench: no process of {run_id} carries RANK={rank}")
 

@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator.probe import local_argv  # noqa: E402
+from orchestrator.remote.common import env_values  # noqa: E402
 from orchestrator.runs.judge.straggler import PERIOD_S  # noqa: E402
 from orchestrator.runs.logs.copier import FRAME_PROGRESS, Frames  # noqa: E402
 
@@ -113,14 +114,13 @@ class Stream:
 
 def rank_pids(key: str) -> list[int]:
     """The run's ranks: its processes with RANK in their environment."""
-    marker = f"CLUSTERCTL_RUN_KEY={key}".encode()
     out = []
     for p in Path("/proc").iterdir():
         try:
-            env = (p / "environ").read_bytes().split(b"\0") if p.name.isdigit() else []
+            env = (p / "environ").read_bytes() if p.name.isdigit() else b""
         except OSError:
             continue
-        if marker in env and any(v.startswith(b"RANK=") for v in env):
+        if key in env_values(env, "CLUSTERCTL_RUN_KEY") and env_values(env, "RANK"):
             out.append(int(p.name))
     return out
 
