@@ -139,7 +139,8 @@ def test_a_history_too_short_or_with_a_healthy_window_between_proves_nothing():
     gap = throttled(50 * KEEP)
     gap[2][-100:-50] = [0.016] * 50  # the window before the newest: as fast as the others
     assert sustained(gap, NODES, window=50) == []
-    fast = throttled(50 * KEEP, slow_s=0.03, fast_s=0.01)  # 3x, but 9 s of compute in all the windows kept
+    # 1.8x (under SEVERE), 5.4 s of compute in all the windows kept: under SUSTAIN_S
+    fast = throttled(50 * KEEP, slow_s=0.018, fast_s=0.01)
     assert judge(fast, NODES, window=50) and sustained(fast, NODES, window=50) == []
     told, acted = [], []
     w = watch(told, acted, window=50)
@@ -147,7 +148,7 @@ def test_a_history_too_short_or_with_a_healthy_window_between_proves_nothing():
         assert told == []
         w.check([{"rank": r, "answer": {"steps": [[1000 * k + s, v[s]] for s in range(len(v))]}}
                  for r, v in fast.items()])
-    assert told == ["straggler: n3 rank 2 computes 3.0x the median (30 ms vs 10 ms over the last 50 steps)"]
+    assert told == ["straggler: n3 rank 2 computes 1.8x the median (18 ms vs 10 ms over the last 50 steps)"]
 
 
 def test_the_span_is_read_on_the_ranks_clock_where_its_steps_say_when():
@@ -164,6 +165,48 @@ def test_the_span_is_read_on_the_ranks_clock_where_its_steps_say_when():
     w.check([{"rank": r, "answer": {"steps": [[s, v[s], clock[r][s]] for s in range(200)]}} for r, v in samples.items()])
     assert told and told[0].startswith("straggler: n3 rank 2 computes 3.")
     assert w.steps[2][199] == (samples[2][199], pytest.approx(1000.0 + 0.105 * 199))
+
+
+def bench_straggler(slow_steps: int, slow_s: float = 0.045, fast_s: float = 0.013, before: int = 300):
+    """The goodput bench's straggler `slow_steps` steps into its throttle, as one check sees it:
+    `before` healthy steps of about 48 ms each, then steps of 105 ms (45 ms of compute), the
+    rank's clock saying when each was told."""
+    samples = throttled(before + slow_steps, slow_from=before, slow_s=slow_s, fast_s=fast_s)
+    clock = [1000.0 + 0.048 * min(s, before) + 0.105 * max(0, s - before) for s in range(before + slow_steps)]
+    return [{"rank": r, "answer": {"steps": [[s, v[s], clock[s]] for s in range(len(v))]}} for r, v in samples.items()]
+
+
+def test_a_rank_at_twice_the_median_is_named_after_seconds_not_a_whole_window_history():
+    """SEVERE: 3.5x the median in each of its newest short windows (window / 5 steps) spanning
+    SEVERE_S on its clock names it in one check: at 105 ms a step, 40 steps (4.2 s) in, where the
+    windows of 50 steps need 150 (16 s). Short of SEVERE_S of such steps, nothing yet."""
+    from orchestrator.runs.judge.straggler import SEVERE_S
+
+    need = int(SEVERE_S / 0.105) + 2  # steps whose told times span SEVERE_S, and a whole short window
+    for steps, named in ((need - 10, False), (need + 9, True)):
+        told, acted = [], []
+        w = watch(told, acted, window=50)
+        w.check(bench_straggler(steps))
+        assert bool(told) == named, (steps, told)
+    assert told[0].startswith("straggler: n3 rank 2 computes ") and acted == [([2], told[0])]
+
+
+def test_a_rank_under_twice_the_median_or_slow_in_bursts_waits_for_the_longer_proof():
+    """1.8x over the same seconds is not SEVERE: it waits for SUSTAIN_S of windows of 50 steps (or
+    the checks in a row). A rank 4x slower in bursts of 10 steps (an evaluation, a checkpoint) with
+    healthy steps between is slow in no three short windows back to back."""
+    told, acted = [], []
+    w = watch(told, acted, window=50)
+    w.check(bench_straggler(60, slow_s=0.0234))
+    assert told == []
+    bursts = throttled(300)
+    for r in range(4):
+        bursts[r] = [0.016] * 300
+    for start in range(100, 300, 20):
+        bursts[1][start:start + 10] = [0.064] * 10
+    clock = [1000.0 + 0.048 * s for s in range(300)]
+    w.check([{"rank": r, "answer": {"steps": [[s, v[s], clock[s]] for s in range(300)]}} for r, v in bursts.items()])
+    assert told == []
 
 
 def test_the_hook_says_when_each_step_was_told(monkeypatch):
@@ -220,6 +263,30 @@ def test_a_streamed_watch_judges_what_the_nodes_streams_fed_and_asks_nobody():
                                                        "every 0.01 s"]
     w.close()
     assert asked == []
+
+
+def test_a_streamed_watch_judges_once_every_nodes_stream_fed_not_a_period_later():
+    """The streams ask their ranks at one period from about one start: the round that judges
+    their documents starts when the last of them is in, not up to a period later (a period of
+    60 s here: a round of the watch's own would come after 90)."""
+    told, said = [], []
+    w = StragglerWatch(snap=lambda: [], node_of=NODES, tell=told.append, window=5, factor=1.3, period=60.0,
+                       on_straggler=lambda new, cur: None, say=said.append, streamed=True)
+    w.start()
+    try:
+        slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+        for k in range(CONFIRM):
+            fed = sorted(by_node(docs(slow, 5 * k, 5)).items())
+            for node, doc in fed[:-1]:
+                w.feed(node, doc)
+            time.sleep(0.2)
+            assert w.rounds == k  # one node's stream not in yet: no round
+            w.feed(*fed[-1])
+            wait_for(lambda: w.rounds == k + 1, 10, f"round {k + 1} once every node fed")
+        assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
+    finally:
+        w.close()
+    assert w.thread is not None and (w.thread.join(10) or not w.thread.is_alive())  # close wakes it
 
 
 def test_a_watch_without_streams_asks_every_node_each_round():

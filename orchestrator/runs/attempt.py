@@ -36,7 +36,8 @@ from orchestrator.runs.spec import FirstFailure, NodeState, NodeStatus, RunResul
 from orchestrator.runs.stopping import LOG_DRAIN_S, Stopper, asked_grace, grace_for
 from orchestrator.transfer import synced
 from orchestrator.transfer.files import control_code
-from orchestrator.runs.judge.straggler import Slow, StragglerWatch, clock_offsets, progress
+from orchestrator.runs.judge.straggler import Slow, StragglerWatch
+from orchestrator.runs.judge.stragglersnap import clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
 from orchestrator.runs.logs.streams import Artifacts, copy_logs
@@ -192,9 +193,8 @@ class AttemptRunner:
 
     # ---------------------------------------------------------------- stragglers (runs/judge/straggler.py)
     def watch_stragglers(self, names: list[str]) -> StragglerWatch | None:
-        """The straggler watch over this attempt's ranks, started (None when the factor is 0). With
-        the artifact copier the nodes' log streams carry the ranks' progress (`watch` hands them
-        `feed`); without, every round asks every node's agent (`progress`)."""
+        """The straggler watch over this attempt's ranks, started (None when the factor is 0): fed by
+        the nodes' log streams (`watch` hands them `feed`), else asking every node's agent (`progress`)."""
         if self.spec.straggler_factor <= 0:
             return None
         node_of = {r: st.name for st in self.statuses.values() if st.first_rank is not None

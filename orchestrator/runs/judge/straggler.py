@@ -16,7 +16,8 @@ the open connections). The supervisor's log says which.
 median is at least `factor` times the median of all ranks' medians (and at least MIN_GAP_S more)
 is slow. A rank found slow on CONFIRM checks in a row is named a straggler, or sooner when one look
 at its history proves it (`sustained`: slow in each of its newest disjoint windows, back to back,
-CONFIRM or more of them spanning SUSTAIN_S on the rank's clock), with its node:
+CONFIRM or more of them spanning SUSTAIN_S on the rank's clock; at SEVERE times the median, windows
+a fifth that long spanning SEVERE_S), with its node:
 `straggler: node3 rank 2 computes 2.6x the median (480 ms vs 185 ms over the last 50 steps)`;
 one that stays below the factor for CONFIRM checks is told to have recovered.
 
@@ -24,9 +25,9 @@ A script that reports no compute (any script but the trainer) is judged from the
 the hook answers with when the rank entered each of its newest collectives (time_created_ns; on
 gloo torch 2.13 records nothing else per collective: time_discovered_*_ns and duration_ms stay
 empty). Those are read on each node's own clock, so the clocks are compared: `clock_offsets`
-measures every node's offset from this machine's clock as preflight's clock_skew does (the best of
-3 `date` round trips, within half the round trip), again every OFFSETS_S, and takes off those
-larger than their uncertainty. Then `fr_compute`: in a
+(stragglersnap.py) measures every node's offset from this machine's clock as preflight's
+clock_skew does (the best of 3 `date` round trips, within half the round trip), again every
+OFFSETS_S, and takes off those larger than their uncertainty. Then `fr_compute`: in a
 synchronous job nobody leaves collective k before the last rank entered it, so rank r's compute
 between k and k+1 is when it entered k+1 minus when the last rank entered k (clipped at 0, in the
 process group every rank shares). A straggler enters every collective last and computes the whole
@@ -50,8 +51,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from orchestrator.node import agent
-
 DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
@@ -64,10 +63,12 @@ SUSTAIN_S = 10.0  # or sooner: slow in each of the newest CONFIRM or more disjoi
 # compute: less than their wall time, so never sooner): 10 s of evidence without a gap instead of 3
 # glimpses over 20-30 s; the goodput bench's straggler (45 ms of compute in 105 ms steps) was named
 # after 40 s by the checks alone
+SEVERE, SEVERE_S = 2.0, 4.0  # or sooner: SEVERE x the median in each of the newest windows of `window` / 5
+SEVERE_STEPS = 5  # (at least this) steps, CONFIRM or more back to back spanning SEVERE_S: no loaded machine's
+# jitter (1.4x over two 50-step windows); the goodput bench's straggler (3.5x) was named 21 s in without it
 KEEP = 6  # windows of steps kept per rank: `sustained` reaches back this far (at most)
 MIN_GAP_S = 0.005  # a rank must also be this much slower than the median: jitter on tiny steps is not a straggler
 MIN_RANKS = 2
-ANSWER_S = 5.0  # how long a node's agent waits for its ranks' progress answers
 OFFSETS_S = 300.0  # how often the nodes' clock offsets are measured again (Flight Recorder judging)
 
 
@@ -210,53 +211,15 @@ def fr_compute(entered: Mapping[int, Mapping[tuple[str, int], float]]) -> dict[i
     return out
 
 
-def clock_offsets(cluster, names: list[str], tries: int = 3) -> dict[str, tuple[float, float]]:
-    """Every node's clock minus this machine's, in seconds, and the measure's uncertainty
-    (checks/system.py `skew`, the round trip with the smallest uncertainty of `tries`); a node that
-    does not answer is left out."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from orchestrator.checks.system import skew
-
-    def one(name: str) -> tuple[str, float | None]:
-        best = None
-        for _ in range(tries):
-            t0 = time.time()
-            r = cluster.run(lambda n: "date +%s.%N", nodes=[name], timeout=10)[name]
-            t1 = time.time()
-            try:
-                found = skew(float(r.stdout.split()[0]), t0, t1) if r.ok else None
-            except (ValueError, IndexError):
-                found = None
-            if found is not None and (best is None or found[1] < best[1]):
-                best = found
-        return name, best
-
-    if not names:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
-        return {n: off for n, off in pool.map(one, names) if off is not None}
-
-
-def progress(cluster, key: str, names: list[str], say: Callable[[str], None]) -> list[Mapping]:
-    """Every rank's newest steps on the nodes `names` (node agent `snapshot ... progress`)."""
-    ask = time.time_ns() // 1_000_000  # unique on the node, like the hang watch's requests
-    got = agent.run(cluster, lambda nd: agent.snapshot(nd, key, ask, ANSWER_S, progress=True), names)
-    out: list[Mapping] = []
-    for name, sn in sorted(got.items()):
-        if sn.error is not None:
-            say(f"{name}: no progress snapshot: {sn.error}")
-        out.extend(sn.ranks)
-    return out
-
-
 @dataclass
 class StragglerWatch:
-    """Every `period` s, judges every rank's newest steps and tells (`tell`) a straggler once it is
+    """Each round judges every rank's newest steps and tells (`tell`) a straggler once it is
     confirmed and once it recovered; `on_straggler(new, current)` is called on every change: the
     newly confirmed, and the line naming every straggler now (None: none is left). `streamed`:
     the steps come from the nodes' log streams (`feed(node, doc)`, each node's newest document
-    judged once); else each round asks for them (`snap()` -> every rank's document)."""
+    judged once), a round once every node's stream fed (they ask at one period from about one
+    start), else after 1.5 periods (a lost node's feeds no more); else each round, every `period`
+    s, asks for them (`snap()` -> every rank's document)."""
 
     snap: Callable[[], list[Mapping]]
     node_of: Mapping[int, str]
@@ -280,6 +243,7 @@ class StragglerWatch:
     streamed: bool = False
     fed: dict[str, Mapping] = field(default_factory=dict)  # node -> its stream's newest document, not yet judged
     lock: threading.Lock = field(default_factory=threading.Lock)
+    fresh: threading.Event = field(default_factory=threading.Event)  # every node's stream fed since the last round
 
     def start(self) -> None:
         if self.factor > 0:
@@ -292,12 +256,16 @@ class StragglerWatch:
             self.say(f"straggler watch: judged every rank {self.rounds} times; named "
                      f"{', '.join(f'{s.node} rank {r}' for r, s in sorted(self.ever.items())) or 'nobody'}")
         self.stop.set()
+        self.fresh.set()
 
     def feed(self, node: str, doc: Mapping) -> None:
         """A node's stream brought its ranks' progress (node agent `snapshot_doc`): kept, the newest
-        per node, for the next round (called on the log copy's thread)."""
+        per node, for the next round, which starts once every node's is in (called on the log copy's
+        thread)."""
         with self.lock:
             self.fed[node] = doc
+            if set(self.node_of.values()) <= set(self.fed):
+                self.fresh.set()
 
     def take(self) -> list[Mapping]:
         """Every rank's document the streams brought since the last round."""
@@ -311,7 +279,11 @@ class StragglerWatch:
     def loop(self) -> None:
         how = "from the nodes' log streams" if self.streamed else "asked of every node"
         self.say(f"straggler watch: progress {how} every {self.period:g} s")
-        while not self.stop.wait(self.period):
+        while not self.stop.is_set():
+            self.fresh.wait(self.period * 1.5 if self.streamed else self.period)
+            self.fresh.clear()
+            if self.stop.is_set():
+                break
             try:
                 self.round()
             except Exception as e:  # noqa: BLE001 - the watch must never take the run down itself
@@ -351,8 +323,7 @@ class StragglerWatch:
             per = unit[:-1]
             self.say(f"straggler watch: {len(judged)} ranks judged over their last {self.window} {unit}: median "
                      f"compute {_ms(mid)} per {per}, the slowest rank {worst} at {med[worst] / mid if mid else 1:.2f}x")
-        proven = {s.rank for s in sustained(samples, self.node_of, self.window, self.factor, unit, at={
-            r: [v[s][1] for s in sorted(v)] for r, v in self.steps.items()})} if slow else set()
+        proven = self.proven(samples, unit) if slow else set()
         confirm = self.confirm
         for r in judged:
             was = self.streak.get(r, 0)
@@ -368,6 +339,16 @@ class StragglerWatch:
             self.tell(describe(new))
         if new or gone:
             self.on_straggler(new, self.current)
+
+    def proven(self, samples: Mapping[int, list[float]], unit: str) -> set[int]:
+        """The ranks one look at their history proves slow (`sustained`): over windows of `window`
+        steps spanning SUSTAIN_S, or, at SEVERE times the median, over windows a fifth that long
+        spanning SEVERE_S."""
+        at = {r: [v[s][1] for s in sorted(v)] for r, v in self.steps.items()}
+        short = max(SEVERE_STEPS, self.window // 5)
+        wide = sustained(samples, self.node_of, self.window, self.factor, unit, at=at)
+        severe = sustained(samples, self.node_of, short, max(SEVERE, self.factor), unit, span_s=SEVERE_S, at=at)
+        return {s.rank for s in wide} | {s.rank for s in severe}
 
     def measure(self) -> dict[str, float]:
         """The nodes' clock offsets to take off (an offset within its own uncertainty is taken as
