@@ -93,7 +93,36 @@ def home(tmp_path, monkeypatch):
     h = tmp_path / "cchome"
     monkeypatch.setenv("CLUSTERCTL_HOME", str(h))
     yield h
+    kill_home_processes(h)
     kill_supervisors(h)
+
+
+def kill_home_processes(h: Path, timeout: float = 5.0) -> None:
+    """SIGKILL every process carrying CLUSTERCTL_HOME=h in its environment: a failed test's
+    foreground `train` or `tail` left running would find its run's supervisor gone (killed below)
+    and start one that adopts the run, which then reached the next test's nodes (the same names and
+    addresses) and stopped what ran there. Again until none is left (one may start another
+    meanwhile), `timeout` at most."""
+    from orchestrator.remote.common import env_values
+
+    want, deadline = str(h), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and want in env_values(Path(f"/proc/{p.pid}/environ").read_bytes(),
+                                                               "CLUSTERCTL_HOME"):
+                    found.append(p)
+            except (OSError, psutil.Error):
+                continue
+        if not found:
+            return
+        for p in found:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(found, timeout=1)
 
 
 def kill_supervisors(h: Path) -> None:

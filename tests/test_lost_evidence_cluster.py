@@ -93,4 +93,6 @@ def test_no_lost_evidence_keeps_the_silence_rule(make_cluster, tmp_path, home):
         cluster.nodes[1].link_up()
     story = (run_dir / "supervisor.log").read_text()
     assert rec["state"] == "failed" and "reconnecting, lost after 6s" in story, story[-3000:]
-    assert "does not answer" not in story
+    # no evidence named (transport/liveness.py: "... its SSH port H:P does not answer (...)"); the
+    # claim's drop may say the node "does not answer" when the run ends before its link is back
+    assert "its SSH port" not in story, story[-3000:]

@@ -1,5 +1,6 @@
 """`clusterctl train` on the real test cluster: gloo on CPU across network namespaces."""
 
+import contextlib
 import json
 import os
 import re
@@ -197,6 +198,20 @@ def test_controller_killed_run_finishes_and_tail_prints_every_line_once(make_clu
     assert rec_of(run_dir)["state"] == "finished"
 
 
+@contextlib.contextmanager
+def shown_on_failure(proc):
+    """A failing test prints the foreground's own output (its stderr says what it did with the
+    Ctrl-C): twice these tests failed on a loaded machine with the supervisor gone, and the
+    foreground's side was lost with it."""
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        print(f"the foreground's stdout (end):\n{out[-2000:]}\nits stderr (end):\n{err[-6000:]}")
+        raise
+
+
 def test_sigint_stops_every_process_of_the_run(make_cluster, tmp_path, home):
     cluster = make_cluster(2, gpus=0)
     inv = prepare(cluster, tmp_path)
@@ -204,13 +219,14 @@ def test_sigint_stops_every_process_of_the_run(make_cluster, tmp_path, home):
                              "--", DDP, "--steps", "600", "--sleep", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
-    wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
-    proc.send_signal(signal.SIGINT)
-    t0 = time.time()
-    # the job gets a 5 s grace before it is killed; wait with room for a loaded machine
-    wait_for(lambda: not job_processes(cluster), 15, "zero processes of the run")
-    wait_clean(cluster, 15, "the nodes' SSH sessions to close")
-    out, err = proc.communicate(timeout=30)
+    with shown_on_failure(proc):
+        wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
+        proc.send_signal(signal.SIGINT)
+        t0 = time.time()
+        # the job gets a 5 s grace before it is killed; wait with room for a loaded machine
+        wait_for(lambda: not job_processes(cluster), 15, "zero processes of the run")
+        wait_clean(cluster, 15, "the nodes' SSH sessions to close")
+        out, err = proc.communicate(timeout=30)
     assert "stopping run" in err and "gracefully" in err
     assert proc.returncode == 130
     assert rec_of(run_dir)["state"] == "stopped"
@@ -224,16 +240,17 @@ def test_second_sigint_kills_a_run_that_ignores_the_graceful_stop(make_cluster, 
                              "--grace", "120", "--", DDP, "--steps", "6000", "--sleep", "0.1",
                              "--ignore-sigterm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
-    wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
-    proc.send_signal(signal.SIGINT)
-    wait_for(lambda: rec_of(run_dir).get("teardown") == "stop", 30, "the graceful stop to begin")
-    time.sleep(3)  # the workers ignore SIGTERM: within the 120 s grace they are still there
-    assert any(argv[-1:] == ["--ignore-sigterm"] for _, argv in scan(cluster.processes(cluster.nodes[1]),
-                                                                     lambda p: p.cmdline()))
-    proc.send_signal(signal.SIGINT)
-    t0 = time.time()
-    wait_clean(cluster, 15, "zero processes after the second Ctrl-C")
-    out, err = proc.communicate(timeout=60)
+    with shown_on_failure(proc):
+        wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: rec_of(run_dir).get("teardown") == "stop", 30, "the graceful stop to begin")
+        time.sleep(3)  # the workers ignore SIGTERM: within the 120 s grace they are still there
+        assert any(argv[-1:] == ["--ignore-sigterm"] for _, argv in scan(cluster.processes(cluster.nodes[1]),
+                                                                         lambda p: p.cmdline()))
+        proc.send_signal(signal.SIGINT)
+        t0 = time.time()
+        wait_clean(cluster, 15, "zero processes after the second Ctrl-C")
+        out, err = proc.communicate(timeout=60)
     assert time.time() - t0 < 60  # not the 120 s grace
     assert "gracefully" in err and "killing run" in err
     assert proc.returncode == 130
