@@ -315,7 +315,9 @@ class StragglerWatch:
         slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor, unit)}
         judged = {r for r, v in samples.items() if len(v) >= self.window}
         self.rounds += len(judged) >= MIN_RANKS
-        if len(judged) >= MIN_RANKS and not self.judged:  # once, in the supervisor's log: the watch sees every rank
+        # once, in the supervisor's log, when the watch sees every rank (a round starts once every node's
+        # stream fed: some ranks may not have a window of steps yet)
+        if len(judged) >= max(MIN_RANKS, len(self.node_of)) and not self.judged:
             self.judged = True
             med = {r: statistics.median(samples[r][-self.window:]) for r in judged}
             mid = statistics.median(med.values())
