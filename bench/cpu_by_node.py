@@ -24,15 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.remote.common import env_values  # noqa: E402
+from tests.cluster.host import NETNS_RUN  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-NETNS = Path("/run/netns")
 
 
 def namespaces() -> dict[int, str]:
     """netns inode -> its name (the test node's namespace)."""
     out = {}
-    for p in NETNS.glob("*") if NETNS.is_dir() else ():
+    for p in NETNS_RUN.glob("*") if NETNS_RUN.is_dir() else ():
         try:
             out[p.stat().st_ino] = p.name
         except OSError:
