@@ -14,6 +14,10 @@ from .common import own_dir
 CHUNK = 1 << 20
 CHANGED = 6  # `send`'s and `freeze`'s exit code when a file is not as listed
 STAGE = ".clusterctl-restore"  # restore's staging directory, beside PATH's entries: never an entry
+# An empty file changed within this is a save that has just truncated (or created) it: open() does
+# that before /proc shows the descriptor and, on a loaded machine, tens of ms before inotify hears of
+# it, so its writer's previous close still reads as the newest event (sample_dir)
+EMPTY_S = 2.0
 
 
 def abs_path(path):
@@ -188,7 +192,9 @@ def sample_dir(root, watch, settle_ns, touched, young_ns):
     open for writing by nobody, unchanged while the writers were looked for (`touched` gathers what
     inotify saw change), each file changed within young_ns seen closed by its writer (a save's
     truncate lands inside open(), before /proc shows the descriptor: an empty file no one holds),
-    and for a directory settled or renamed into place."""
+    an empty file unchanged for EMPTY_S whatever inotify said (that truncate's event can come after
+    the sample, the last one seen then being the previous save's close), and for a directory
+    settled or renamed into place."""
     touched.clear()
     watch.changed()  # what changed before this sample is judged by the identities below
     before = entries_of(root)
@@ -202,7 +208,7 @@ def sample_dir(root, watch, settle_ns, touched, young_ns):
         seen = watch.ok and any(is_under(r, name) for r in touched)
         stable = b is not None and b["files"] == t["files"] and not seen
         fresh = any(0 <= now - i[3] < young_ns and not (watch.ok and watch.closed.get(rel))
-                    for rel, i in t["files"].items())
+                    or i[1] == 0 and 0 <= now - i[3] < EMPTY_S * 1e9 for rel, i in t["files"].items())
         settled = not t["dir"] or t["renamed"] or now - t["newest"] >= settle_ns
         t.update(writing=writing, why="writing" if writing else "changing" if not stable else
                  "fresh" if fresh else "" if settled else "settling")
