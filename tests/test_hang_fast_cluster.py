@@ -110,7 +110,12 @@ def test_rank0_computing_alone_and_every_rank_silent_run_to_the_end_untouched(cl
     assert end_event(r)["hang"] is None
     d, rec = record(home)
     log = (d / "supervisor.log").read_text()
-    assert not (d / "hangs").exists() and "taking a snapshot" not in log, log[-3000:]
+    # no snapshot kept as a hang's evidence, no verdict, no restart. A snapshot may be taken: once
+    # (a full local suite run, 2026-12-01) rank 0's progress showed a collective entered and not
+    # completed all through its spin (which one was not kept), so every rank looked inside one; the
+    # 6 snapshots found rank 0 busy in its own code (5) or the ranks moving again (1), and the run
+    # went on untouched
+    assert not (d / "hangs").exists() and len(rec["attempts"]) == 1, log[-3000:]
     # it was seen: rank 0 busy while the others waited, told in the supervisor's log only
     assert "hang watch: rank 0 (node1) is busy in its own code" in log, log[-3000:]
 
