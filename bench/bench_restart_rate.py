@@ -1,0 +1,111 @@
+"""How fast does a run step after a restart, warm and cold, against its own first attempt?
+
+    sudo .venv/bin/python bench/bench_restart_rate.py [--nodes 5] [--trials 1] [--window 60]
+
+`--nodes` test nodes, the trainer (preset nano, one rank a node, a checkpoint every 50 steps),
+`--max-restarts 1`. Once steps flow (and, warm, once every node holds its warm interpreter), the
+bench counts node1's steps and the ranks' CPU over `--window` seconds; it then kills the last
+node's rank with SIGKILL and, 35 s into the restart, counts again over two windows. Printed per
+run: steps/s and the ranks' CPU per step (ms, every rank summed) in each window, and attempt 2
+against attempt 1. Warm (the default) and `--no-warm` alternate, so the cold restart is the
+control. Where `bench/bench_warm_steps.py` compares the trainer's own step times, this counts
+steps over wall time, which is what the goodput bench's 13 % gap was measured in. Every node
+shares this machine's cores. No assertions: this prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import REPO, STEP, record, run_dir_of, start, text_of, training_process, wait_for  # noqa: E402
+from tests.cluster import TestCluster  # noqa: E402
+
+
+def last_step(log: Path) -> int:
+    """The newest step line's step in the log's last 4 KB (0 before the first)."""
+    for line in reversed(log.read_bytes()[-4000:].decode(errors="replace").splitlines()):
+        if m := STEP.match(text_of(line)):
+            return int(m[1])
+    return 0
+
+
+def ranks_cpu(cluster) -> float:
+    """CPU seconds used so far by the process training on each node (the fork, where warm)."""
+    total = 0.0
+    for node in cluster.nodes:
+        p = training_process(cluster, node)
+        if p is not None:
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def window(cluster, log: Path, seconds: float) -> tuple[float, float]:
+    """(steps/s, the ranks' CPU ms per step) over `seconds`."""
+    s0, c0, t0 = last_step(log), ranks_cpu(cluster), time.monotonic()
+    time.sleep(seconds)
+    s1, c1, dt = last_step(log), ranks_cpu(cluster), time.monotonic() - t0
+    return (s1 - s0) / dt, (c1 - c0) / max(1, s1 - s0) * 1e3
+
+
+def trial(warm: bool, nodes: int, seconds: float) -> tuple[tuple[float, float], list[tuple[float, float]]]:
+    """(attempt 1's window, attempt 2's two windows) for one run."""
+    with TestCluster(n=nodes, gpus=0, name_prefix="ccrr") as cluster, tempfile.TemporaryDirectory() as td:
+        for nd in cluster.nodes:
+            nd.run("mkdir -p ~/gpt_train")
+        train = {"module": "trainer", "args": [
+            "--preset", "nano", "--max-steps", "1000000", "--batch-size", "2", "--block-size", "32",
+            "--log-every", "1", "--ckpt-every", "50", "--eval-steps", "1", "--sample-tokens", "0",
+            "--output-dir", "out"]}
+        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
+                                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
+        proc = start(Path(td) / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
+        threading.Thread(target=proc.communicate, daemon=True).start()  # a full pipe would stall the follower
+        try:
+            run_dir = run_dir_of(Path(td) / "home")
+            log = run_dir / "nodes" / "node1.log"
+            wait_for(lambda: log.exists() and b"step 100 |" in log.read_bytes(), 300, "steps")
+            if warm:
+                wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
+            time.sleep(10)
+            first = window(cluster, log, seconds)
+            victim = wait_for(lambda: training_process(cluster, cluster.nodes[-1]), 30, "the last node's rank")
+            os.kill(victim.pid, signal.SIGKILL)
+            wait_for(lambda: len(record(run_dir).get("attempts") or []) >= 2, 120, "attempt 2")
+            time.sleep(35)
+            second = [window(cluster, log, seconds) for _ in range(2)]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - the bench's own cleanup: kill what did not stop
+                proc.kill()
+        return first, second
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=1, help="runs each way, alternating")
+    ap.add_argument("--window", type=float, default=60.0, help="seconds per measuring window")
+    args = ap.parse_args(argv)
+    for i in range(args.trials):
+        for way in ("warm", "cold"):
+            (r1, c1), second = trial(way == "warm", args.nodes, args.window)
+            for k, (r2, c2) in enumerate(second, 1):
+                print(f"trial {i + 1} {way}: attempt 1 {r1:.2f} steps/s, {c1:.1f} ms CPU a step; attempt 2 "
+                      f"(window {k}) {r2:.2f} steps/s, {c2:.1f} ms: {r2 / r1:.2f}x the rate, {c2 / c1:.2f}x the CPU",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
