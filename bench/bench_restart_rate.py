@@ -20,12 +20,11 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import REPO, STEP, record, run_dir_of, start, text_of, training_process, wait_for  # noqa: E402
+from bench.harness import STEP, record, start_nano, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 
@@ -59,22 +58,9 @@ def window(cluster, log: Path, seconds: float) -> tuple[float, float]:
 def trial(warm: bool, nodes: int, seconds: float) -> tuple[tuple[float, float], list[tuple[float, float]]]:
     """(attempt 1's window, attempt 2's two windows) for one run."""
     with TestCluster(n=nodes, gpus=0, name_prefix="ccrr") as cluster, tempfile.TemporaryDirectory() as td:
-        for nd in cluster.nodes:
-            nd.run("mkdir -p ~/gpt_train")
-        train = {"module": "trainer", "args": [
-            "--preset", "nano", "--max-steps", "1000000", "--batch-size", "2", "--block-size", "32",
-            "--log-every", "1", "--ckpt-every", "50", "--eval-steps", "1", "--sample-tokens", "0",
-            "--output-dir", "out"]}
-        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
-                                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
-        proc = start(Path(td) / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
-        threading.Thread(target=proc.communicate, daemon=True).start()  # a full pipe would stall the follower
+        proc, log = start_nano(cluster, Path(td), 1_000_000, warm)
         try:
-            run_dir = run_dir_of(Path(td) / "home")
-            log = run_dir / "nodes" / "node1.log"
-            wait_for(lambda: log.exists() and b"step 100 |" in log.read_bytes(), 300, "steps")
-            if warm:
-                wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
+            run_dir = log.parent.parent
             time.sleep(10)
             first = window(cluster, log, seconds)
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[-1]), 30, "the last node's rank")

@@ -20,12 +20,11 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import REPO, STEP, record, run_dir_of, start, text_of, training_process, wait_for  # noqa: E402
+from bench.harness import STEP, record, start_nano, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 
@@ -37,24 +36,9 @@ def step_ms(data: bytes) -> list[int]:
 def trial(warm: bool, steps: int) -> tuple[float, float]:
     """(attempt 1's median step ms, attempt 2's) for one run."""
     with TestCluster(n=3, gpus=0, name_prefix="ccws") as cluster, tempfile.TemporaryDirectory() as td:
-        for nd in cluster.nodes:
-            nd.run("mkdir -p ~/gpt_train")
-        train = {"module": "trainer", "args": [
-            "--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
-            "--log-every", "1", "--ckpt-every", "50", "--eval-steps", "1", "--sample-tokens", "0",
-            "--output-dir", "out"]}
-        inv = str(cluster.write_inventory(Path(td) / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
-                                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
-        proc = start(Path(td) / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
-        # read its output as it comes: a step line a step fills the pipe in seconds, and a follower
-        # blocked on it would stop showing the run (the run itself goes on in its supervisor)
-        threading.Thread(target=proc.communicate, daemon=True).start()
+        proc, log = start_nano(cluster, Path(td), steps, warm)
         try:
-            run_dir = run_dir_of(Path(td) / "home")
-            log = run_dir / "nodes" / "node1.log"
-            wait_for(lambda: log.exists() and b"step 100 |" in log.read_bytes(), 300, "steps")
-            if warm:
-                wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
+            run_dir = log.parent.parent
             time.sleep(40)
             cut = len(log.read_bytes())
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[2]), 30, "node3's rank")

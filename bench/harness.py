@@ -148,3 +148,31 @@ def end_supervisor(rec: dict) -> None:
             p.kill()
     except (psutil.Error, KeyError):
         pass
+
+
+def start_nano(cluster, td: Path, steps: int, warm: bool) -> tuple[subprocess.Popen, Path]:
+    """`train --max-restarts 1` of the trainer (preset nano, one rank a node, a step line a step, a
+    checkpoint every 50 steps) on `cluster`, warm or `--no-warm`, its home and inventory in `td`,
+    its output read on a thread as it comes (a step line a step fills the pipe in seconds, and a
+    follower blocked on it would stop showing the run; the run itself goes on in its supervisor).
+    -> (the foreground, node1's log) once step 100 is in that log and, warm, every node holds its
+    warm interpreter."""
+    for nd in cluster.nodes:
+        nd.run("mkdir -p ~/gpt_train")
+    train = {"module": "trainer", "args": [
+        "--preset", "nano", "--max-steps", str(steps), "--batch-size", "2", "--block-size", "32",
+        "--log-every", "1", "--ckpt-every", "50", "--eval-steps", "1", "--sample-tokens", "0",
+        "--output-dir", "out"]}
+    inv = str(cluster.write_inventory(td / "nodes.yaml", checks={"disk_min_gb": 0.1}, output_dir="out",
+                                      env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, train=train))
+    proc = start(td / "home", "train", "-i", inv, "--max-restarts", "1", *([] if warm else ["--no-warm"]))
+    threading.Thread(target=proc.communicate, daemon=True).start()
+    try:
+        log = run_dir_of(td / "home") / "nodes" / "node1.log"
+        wait_for(lambda: log.exists() and b"step 100 |" in log.read_bytes(), 300, "steps")
+        if warm:
+            wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, log

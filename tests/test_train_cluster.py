@@ -152,7 +152,7 @@ def test_worker_link_down_is_torn_down_within_the_timeout(make_cluster, tmp_path
     inv = prepare(cluster, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", "-i", inv, "--skip-preflight",
                              "--lost-timeout", "5", "--", DDP, "--steps", "600", "--sleep", "0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = new_run_dir(home)
     wait_for(lambda: log_has(run_dir / "nodes" / "node2.log", b"step 3"), 120, "steps")
     cluster.nodes[1].link_down()

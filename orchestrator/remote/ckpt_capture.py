@@ -131,10 +131,9 @@ def look(path, pending, settle_s, wait_s, key):
                 if name not in done and not t["why"] and _capture(root, pending, t, index, watch, touched, torn):
                     done[name], taken_at = t, sampled
             busy = {t["why"] for n, t in entries.items() if n not in done} & {"writing", "changing", "fresh"}
-            # a file changed just now ages past YOUNG_S even where the job has ended (wait 0); judged
-            # by when this sample began, so the last one is taken after it aged, however slow a
-            # sample is on a loaded machine (the end was read after the sample: one changed just
-            # before the look could be seen fresh by the last sample, and left)
+            # a file changed just now ages past YOUNG_S even where the job has ended (wait 0). Judged
+            # by when this sample began: on a loaded machine a sample can outlast what was left of
+            # the grace, and a file that aged meanwhile would be left untaken
             if not busy or sampled >= deadline + (YOUNG_S if busy == {"fresh"} else 0):
                 break
             time.sleep(SAMPLE_S)

@@ -207,8 +207,8 @@ def sample_dir(root, watch, settle_ns, touched, young_ns):
         # inotify sees a rewrite that leaves the identities as they were (within one clock tick)
         seen = watch.ok and any(is_under(r, name) for r in touched)
         stable = b is not None and b["files"] == t["files"] and not seen
-        fresh = any(0 <= now - i[3] < young_ns and not (watch.ok and watch.closed.get(rel))
-                    or i[1] == 0 and 0 <= now - i[3] < EMPTY_S * 1e9 for rel, i in t["files"].items())
+        fresh = any((0 <= now - i[3] < young_ns and not (watch.ok and watch.closed.get(rel)))
+                    or (i[1] == 0 and 0 <= now - i[3] < EMPTY_S * 1e9) for rel, i in t["files"].items())
         settled = not t["dir"] or t["renamed"] or now - t["newest"] >= settle_ns
         t.update(writing=writing, why="writing" if writing else "changing" if not stable else
                  "fresh" if fresh else "" if settled else "settling")
