@@ -99,6 +99,7 @@ def test_a_claim_asked_to_make_directories_for_an_unsafe_run_id_takes_nothing(si
     assert holders(six)["n0"] == ""
 
 
+@pytest.mark.slow
 def test_of_two_launches_at_once_on_the_same_nodes_exactly_one_takes_them_all(six):
     for trial in range(8):
         won: dict[str, bool] = {}

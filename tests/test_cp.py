@@ -169,6 +169,7 @@ def local3(tmp_path):
     return str(inv)
 
 
+@pytest.mark.slow
 def test_a_tree_goes_onto_a_node_range_and_comes_back_the_same(tmp_path, local3):
     make_tree(tmp_path / "src")
     r = cli("cp", "-i", local3, "--json", str(tmp_path / "src"), "n[1-3]:data", home=tmp_path / "h")

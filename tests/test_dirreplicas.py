@@ -31,6 +31,7 @@ def files_under(d):
     return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 def test_each_part_is_frozen_where_written_and_replicated_to_the_next_node_and_only_manifests_come_home(
         reps, tmp_path):
     w0, w1 = tmp_path / "w0" / "out", tmp_path / "w1" / "out"

@@ -36,6 +36,7 @@ def test_closed_form_matches_transformers(preset):
     assert sum(__import__("math").prod(s) for _, s in P.param_shapes(m)) == P.param_count(m)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(n_layer=st.integers(1, 4), heads=st.integers(1, 4), head_dim=st.integers(1, 16),
        ctx=st.integers(1, 128), vocab=st.integers(1, 3000), pad=st.sampled_from([1, 8, 64]),

@@ -157,6 +157,7 @@ def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path)
     assert z.wait(10) == 0  # the last fork ended: it goes
 
 
+@pytest.mark.slow
 def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let_go(tmp_path, monkeypatch):
     """`warm RUN NODE` as a node runs it: the spec on stdin, the interpreter re-executed with the
     run's environment (padded) and marked RUN.warm@NODE, its socket where the waiter looks. A
@@ -245,6 +246,7 @@ def test_warm_interpreters_go_to_the_nodes_a_restart_may_use_only():
     assert restart_nodes(inv, None, ["n4"], {"n1"}) == ["n2", "n3", "n4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["step", "collective", "neither"])
 def test_the_warm_interpreters_start_once_the_run_progressed_else_after_the_wait(tmp_path, first):
     """Once the step journal shows the run's first step (or, for a script that says none, its
@@ -280,6 +282,7 @@ def test_the_warm_interpreters_start_once_the_run_progressed_else_after_the_wait
     assert started == [["n1", "n2"]] and not ended.thread.is_alive()
 
 
+@pytest.mark.slow
 def test_the_pool_starts_a_warm_interpreter_again_where_one_ended_and_lets_every_one_go(tmp_path, monkeypatch):
     """Two `connection: local` nodes, the real `warm RUN NODE` on each: one that dies (its
     connection dropped, or killed) is started again at the pool's next look; `close` lets the
