@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import STEP, record, start_nano, text_of, training_process, wait_for  # noqa: E402
+from bench.harness import STEP, cli, record, start_nano, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 
@@ -69,10 +70,12 @@ def trial(warm: bool, nodes: int, seconds: float) -> tuple[tuple[float, float], 
             time.sleep(35)
             second = [window(cluster, log, seconds) for _ in range(2)]
         finally:
-            proc.send_signal(signal.SIGINT)
+            # stopped by its id, as bench_goodput does: a SIGINT to the foreground is not heard where
+            # the bench runs as a background job (SIGINT ignored), and would leave the supervisor
+            cli(Path(td) / "home", "stop", run_dir.name, timeout=180)
             try:
                 proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001 - the bench's own cleanup: kill what did not stop
+            except subprocess.TimeoutExpired:
                 proc.kill()
         return first, second
 
