@@ -60,9 +60,19 @@ make_venv() {  # make_venv EXTRAS
       return 1
     fi
   }
+  # What was installed, and from what: pyproject.toml, the extras and the interpreter. An editable
+  # venv that has it already is not installed again (pip spends ~10 s rebuilding the same editable
+  # wheel and checking every requirement); a copy (not editable) is, to take the tree's changes.
+  local stamp="$VENV/.clusterctl-installed" want
+  want=$({ sha256sum pyproject.toml; echo "${1:-}"; "$VENV/bin/python" -VV; } | sha256sum | cut -c1-64)
+  if [ -n "$EDITABLE" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  rm -f "$stamp"
   echo "installing clusterctl into $VENV (log: $log)" >&2
   pip_q --upgrade pip
   # torch pinned: 2.13.0 is the CPU wheel these machines carry; an unpinned torch pulls a multi-GB CUDA build
   pip_q "torch==2.13.0"
   pip_q $EDITABLE ".${1:-}"
+  echo "$want" > "$stamp"
 }
