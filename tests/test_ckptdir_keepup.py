@@ -162,6 +162,26 @@ def test_an_empty_file_is_not_taken_on_the_strength_of_the_previous_saves_close(
         watch.close()
 
 
+def test_a_final_look_waits_for_an_empty_marker_written_in_the_jobs_last_second(node_side, tmp_path, monkeypatch):
+    """The job's last act is an empty `done` marker beside its checkpoint. The run's final look
+    (wait 0) waits for that empty file to age past EMPTY_S, not only YOUNG_S, and takes both:
+    without that the snapshot kept the checkpoint and left the marker out."""
+    entries = probe.load("ckpt_entries")
+    for mod in (entries, node_side):
+        monkeypatch.setattr(mod, "EMPTY_S", 1.0)
+    monkeypatch.setattr(node_side, "YOUNG_S", 0.2)
+    d, pending = tmp_path / "out", tmp_path / "art" / ckptdir.PENDING
+    d.mkdir()
+    (d / "ckpt.pt").write_bytes(os.urandom(4096))
+    (d / "done").touch()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        node_side.look(str(d), str(pending), "0", "0", "-")
+    got = json.loads(out.getvalue())
+    assert got["entries"]["ckpt.pt"]["complete"] and got["entries"]["done"]["complete"], got
+    assert (pending / "done").exists() and (pending / "done").stat().st_size == 0
+
+
 def test_an_atomic_save_over_the_name_during_the_copy_leaves_the_copy_whole(node_side, tmp_path, monkeypatch):
     """torch.save to a temporary name then os.replace (the careful scripts' way): a replace that
     lands during the copy does not touch the bytes being read, so the copy stands; the new version
