@@ -173,6 +173,11 @@ def start_nano(cluster, td: Path, steps: int, warm: bool) -> tuple[subprocess.Po
         if warm:
             wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
     except BaseException:
+        # the run lives in its supervisor, not the foreground: stopped by its id where it has one
+        runs = td / "home" / "runs"
+        for d in (runs.glob("*") if runs.exists() else ()):
+            if (d / "run.json").exists():
+                cli(td / "home", "stop", d.name, timeout=180)
         proc.kill()
         raise
     return proc, log
