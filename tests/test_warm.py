@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator.remote import warm as warm_mod
 from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +38,8 @@ def warm(tmp_path):
     (tmp_path / "job.py").write_text(JOB)
     sock = tmp_path / "w.sock"
     pad = {f"CLUSTERCTL_WARM_PAD{i}": "x" * 60000 for i in range(2)}
-    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json"], cwd=REPO,
+    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json",
+                          " " * warm_mod.ARGV_PAD], cwd=REPO,
                          env={**os.environ, **pad, "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{REPO}",
                               "CLUSTERCTL_RUN_KEY": "wr1.warm@n1"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          text=True)
@@ -83,6 +85,34 @@ def test_the_fork_carries_the_ranks_marker_where_the_node_scans_for_it(warm):
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_the_fork_shows_the_ranks_command_line_not_the_zygotes(warm):
+    """`ps`, `pgrep -f job.py` and the GPU check's list of a GPU's processes read /proc/PID/cmdline:
+    a forked rank shows the command line torchrun gave it there (NULs after it), and one too long
+    for the zygote's room is cut at an argument's end."""
+    env, d = warm
+    p = rank(env, str(d / "job.py"), "sleep", "--flag=a b")
+    pid, _ = fork_of(p)
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert raw.rstrip(b"\0").split(b"\0") == [sys.executable.encode(), b"-u", str(d / "job.py").encode(),
+                                                   b"sleep", b"--flag=a b"], raw[:300]
+        assert b"orchestrator.remote.warm" not in raw
+        found = subprocess.run(["pgrep", "-f", f"{d / 'job.py'} sleep"], capture_output=True, text=True).stdout.split()
+        assert str(pid) in found, found
+    finally:
+        p.kill()
+        p.wait(10)
+    long = rank(env, str(d / "job.py"), "sleep", *[f"--arg{i}={'v' * 100}" for i in range(60)])
+    pid, _ = fork_of(long)
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        assert argv[:4] == [sys.executable.encode(), b"-u", str(d / "job.py").encode(), b"sleep"]
+        assert 4 < len(argv) < 64 and argv[4:] == [f"--arg{i}={'v' * 100}".encode() for i in range(len(argv) - 4)]
+    finally:
+        long.kill()
+        long.wait(10)
 
 
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(warm):

@@ -263,6 +263,7 @@ def reap(forks, conns, poller):
 
 WARM_DIR = "~/.clusterctl/warm"  # RUN_ID@NODE/sock: a run's warm interpreter on this node
 PAD_PART = 100_000  # one padding variable (Linux takes at most 128 KiB in one)
+ARGV_PAD = 4096  # a last, blank argument: room for a fork's command line (warm_fork.own_cmdline)
 
 
 def socket_path(run_id, node):
@@ -329,14 +330,15 @@ def start(run_id, node):
     python = os.path.expanduser(spec.get("python") or orig[0])
     try:
         os.execve(python, [python, *orig[1:i + 3], "warm", "serve", path, str(spec.get("preload", "torch")),
-                           run_id, node], env)
+                           run_id, node, " " * ARGV_PAD], env)
     except OSError as e:
         sys.exit(f"warm: cannot start {python}: {e.strerror}")
 
 
 def main(argv):
-    if argv[:1] == ["serve"] and len(argv) in (3, 5):
-        serve(*argv[1:])
+    args = argv[1:-1] if argv[:1] == ["serve"] and not argv[-1].strip() else argv[1:]  # ARGV_PAD's blanks
+    if argv[:1] == ["serve"] and len(args) in (2, 4):
+        serve(*args)
         return 0
     if argv[:1] == ["check"] and len(argv) == 3:  # whether one serves the run here
         print(json.dumps({"serving": answers(socket_path(argv[1], argv[2]))}))

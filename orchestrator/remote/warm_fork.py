@@ -12,11 +12,27 @@ from .warm_client import is_torchrun
 ZYGOTE_PATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # a rank's replaces it
 
 
+def _stat_pair(at):
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is proc(5)'s field 3
+    return int(fields[at]), int(fields[at + 1])
+
+
 def env_block():
     """(start, end) of this process's exec-time environment: what a fork's must fit in."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[47]), int(fields[48])  # env_start, env_end (proc(5) fields 50 and 51)
+    return _stat_pair(47)  # env_start, env_end (proc(5) fields 50 and 51)
+
+
+def arg_block():
+    """(start, end) of this process's exec-time arguments (proc(5) fields 48 and 49)."""
+    return _stat_pair(45)
+
+
+def _write_over(start, end, block):
+    import ctypes
+
+    buf = (ctypes.c_char * (end - start)).from_address(start)
+    buf[:] = block.ljust(end - start, b"\0")
 
 
 def env_bytes(env):
@@ -32,10 +48,22 @@ def own_environ(env):
     block = b"".join(k.encode() + b"=" + v.encode() + b"\0" for k, v in env.items())
     if len(block) > end - start:
         raise OSError(f"the rank's environment ({len(block)} bytes) does not fit the zygote's ({end - start})")
-    import ctypes
+    _write_over(start, end, block)
 
-    buf = (ctypes.c_char * (end - start)).from_address(start)
-    buf[:] = block.ljust(end - start, b"\0")
+
+def own_cmdline(argv):
+    """/proc/PID/cmdline shows the rank's command line, not the zygote's (`ps`, `top`, `pgrep -f
+    train.py`, the GPU check's list of who holds a GPU): written over the zygote's exec-time
+    arguments, which its padding argument makes room for; an argument that does not fit is left
+    out with those after it. NULs fill the rest (`ps` shows them as trailing blanks)."""
+    start, end = arg_block()
+    block = b""
+    for a in argv:
+        part = os.fsencode(a) + b"\0"
+        if len(block) + len(part) > end - start:
+            break
+        block += part
+    _write_over(start, end, block)
 
 
 def target(orig_argv):
@@ -72,6 +100,7 @@ def become(req, fds):
     env = dict(req["env"])
     warm = env.pop("CLUSTERCTL_WARM", None)  # the hook, run again in here, runs the rank itself
     own_environ(env)
+    own_cmdline(req["argv"])
     os.chdir(req["cwd"])
     kind, what, argv, unbuffered = target(req["argv"])
     import io
