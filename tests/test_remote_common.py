@@ -267,6 +267,36 @@ def test_the_marker_scan_reads_a_forked_ranks_padded_environment():
         child.wait()
 
 
+def test_an_environment_is_read_up_to_its_end_not_through_a_forks_padding(monkeypatch):
+    """A forked rank's /proc/PID/environ is ~200 KB: its variables, then NULs. The scan reads up to
+    the first two NULs in a row, a chunk at a time, wherever the chunks split them; a plain block
+    (one NUL at its end) is read whole."""
+    import io
+
+    c = probe.common()
+
+    class Counted(io.RawIOBase):
+        def __init__(self, data):
+            self.data, self.pos, self.read_bytes = data, 0, 0
+
+        def read(self, n=-1):
+            got = self.data[self.pos:self.pos + n]
+            self.pos += len(got)
+            self.read_bytes += len(got)
+            return got
+
+    mine = b"A=1\0RANK=2\0CLUSTERCTL_RUN_KEY=r.a1@n\0"
+    padded = Counted(mine + b"\0" * 200_000)
+    assert c.environ_of(padded) == mine and padded.read_bytes == c.ENV_READ
+    monkeypatch.setattr(c, "ENV_READ", 7)  # the two NULs split across reads, anywhere
+    for cut in range(1, 8):
+        monkeypatch.setattr(c, "ENV_READ", cut)
+        assert c.environ_of(Counted(mine + b"\0" * 50)) == mine, cut
+    plain = Counted(b"A=1\0B=\0")
+    assert c.environ_of(plain) == b"A=1\0B=\0"
+    assert c.env_values(c.environ_of(Counted(mine + b"\0" * 99)), "RANK") == ["2"]
+
+
 def test_an_environment_block_is_searched_for_each_value_of_a_name():
     c = probe.common()
     block = b"A=1\0MARK=r@n\0B=x=y\0XA=2\0MARK=again\0" + b"\0" * 5000

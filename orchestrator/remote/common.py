@@ -296,12 +296,32 @@ def own_dir(path):
 # ------------------------------------------------------------------ processes
 
 
+ENV_READ = 16 << 10  # one read of /proc/PID/environ
+
+
+def environ_of(f):
+    """A process's environment block from its open /proc/PID/environ (unbuffered), read up to
+    its end, the first two NULs in a row: a rank forked from the warm interpreter shows the
+    zygote's whole padded block (~200 KB), its own variables (a few KB) then NULs. Reading all
+    of it made a scan over 15 such processes cost 11 ms of CPU against 4 for plain ones."""
+    out = b""
+    while True:
+        chunk = f.read(ENV_READ)
+        if not chunk:
+            return out
+        seen = max(0, len(out) - 1)
+        out += chunk
+        end = out.find(b"\0\0", seen)
+        if end >= 0:
+            return out[:end + 1]
+
+
 def proc_environ(pid, names):
     """The variables `names` of a process's environment as it started ({name: value}); {} once
     it is gone or not ours to read."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            block = f.read()
+        with open(f"/proc/{pid}/environ", "rb", buffering=0) as f:
+            block = environ_of(f)
     except OSError:
         return {}
     return {k: vals[-1] for k in names if (vals := env_values(block, k))}
@@ -356,10 +376,10 @@ def marked_pids(var, want):
         if not name.isdigit() or int(name) == me:
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"/proc/{name}/environ", "rb", buffering=0) as f:
                 if os.fstat(f.fileno()).st_uid != uid:
                     continue
-                env = f.read()
+                env = environ_of(f)
             if not any(want(v) for v in env_values(env, var)):
                 continue
             with open(f"/proc/{name}/stat") as f:

@@ -29,7 +29,7 @@ import sys
 
 from .agent_claims import CLAIMS
 from .common import prctl, split_key
-from .warm_fork import become, env_block, env_bytes, target
+from .warm_fork import become, env_block, env_bytes, own_environ, target
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
 PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
@@ -76,6 +76,9 @@ def serve(path, preload="torch", run_id=None, node=None):
     node was left out of it, while its connection to the control machine was cut)."""
     import importlib
 
+    # the padding's text gone, its room kept (a fork writes its environment there): a scan for a
+    # run's processes reads a block up to its first two NULs (common.environ_of), not 200 KB of it
+    own_environ({k: v for k, v in os.environ.items() if not k.startswith(PAD_ENV)})
     for module in filter(None, preload.split(",")):
         importlib.import_module(module)
     if cuda_loaded():  # a fork must start with no CUDA state: its rank initialises its own
