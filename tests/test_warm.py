@@ -88,17 +88,18 @@ def test_the_fork_carries_the_ranks_marker_where_the_node_scans_for_it(warm):
 
 
 def test_the_fork_shows_the_ranks_command_line_not_the_zygotes(warm):
-    """`ps`, `pgrep -f job.py` and the GPU check's list of a GPU's processes read /proc/PID/cmdline:
-    a forked rank shows the command line torchrun gave it there (NULs after it), and one too long
-    for the zygote's room is cut at an argument's end."""
+    """`ps`, `pgrep -f job.py`, psutil and the GPU check's list of a GPU's processes read
+    /proc/PID/cmdline: a forked rank shows the command line torchrun gave it there, as a title
+    (setproctitle's way: the arguments joined by blanks), and one too long for the room is cut at
+    an argument's end."""
     env, d = warm
-    p = rank(env, str(d / "job.py"), "sleep", "--flag=a b")
+    p = rank(env, str(d / "job.py"), "sleep", "--flag=1")
     pid, _ = fork_of(p)
     try:
+        want = [sys.executable, "-u", str(d / "job.py"), "sleep", "--flag=1"]
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        assert raw.rstrip(b"\0").split(b"\0") == [sys.executable.encode(), b"-u", str(d / "job.py").encode(),
-                                                   b"sleep", b"--flag=a b"], raw[:300]
-        assert b"orchestrator.remote.warm" not in raw
+        assert raw == " ".join(want).encode() + b"\0", raw[:300]
+        assert psutil.Process(pid).cmdline() == want
         found = subprocess.run(["pgrep", "-f", f"{d / 'job.py'} sleep"], capture_output=True, text=True).stdout.split()
         assert str(pid) in found, found
     finally:
@@ -107,9 +108,9 @@ def test_the_fork_shows_the_ranks_command_line_not_the_zygotes(warm):
     long = rank(env, str(d / "job.py"), "sleep", *[f"--arg{i}={'v' * 100}" for i in range(60)])
     pid, _ = fork_of(long)
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-        assert argv[:4] == [sys.executable.encode(), b"-u", str(d / "job.py").encode(), b"sleep"]
-        assert 4 < len(argv) < 64 and argv[4:] == [f"--arg{i}={'v' * 100}".encode() for i in range(len(argv) - 4)]
+        argv = psutil.Process(pid).cmdline()
+        assert argv[:4] == [sys.executable, "-u", str(d / "job.py"), "sleep"]
+        assert 4 < len(argv) < 64 and argv[4:] == [f"--arg{i}={'v' * 100}" for i in range(len(argv) - 4)]
     finally:
         long.kill()
         long.wait(10)

@@ -35,8 +35,7 @@ from orchestrator.gpus.records import MIB, Gpu, GpuProcess, number  # noqa: F401
 from orchestrator.probe import sections
 
 # The GPU probe: sections @@nvidia-gpus / @@rocm-gpus (+ @@rc), @@nvidia-apps / @@rocm-pids,
-# then @@proc PID per process on a GPU (its command line, NULs squeezed: a rank forked from the warm
-# interpreter has ~4 KB of them after its own; and CLUSTERCTL_RUN_ID where /proc lets
+# then @@proc PID per process on a GPU (its command line, and CLUSTERCTL_RUN_ID where /proc lets
 # us read its environment), or @@no-gpu-tool. $gpu_apps says when to list the processes:
 # always (top), busy (only when some GPU has memory in use: the list costs a second nvidia-smi,
 # tens of ms to seconds on a real node, and a CUDA context alone takes hundreds of MiB, so no
@@ -71,7 +70,7 @@ fi
 for pid in $pids; do
   case $pid in *[!0-9]*|'') continue ;; esac
   echo "@@proc $pid"
-  if [ -r "/proc/$pid/cmdline" ]; then tr -s '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null; fi
+  if [ -r "/proc/$pid/cmdline" ]; then tr '\000' ' ' < "/proc/$pid/cmdline" 2>/dev/null; fi
   echo
   if [ -r "/proc/$pid/environ" ]; then
     tr '\000' '\n' < "/proc/$pid/environ" 2>/dev/null | grep '^CLUSTERCTL_RUN_ID=' | head -n1

@@ -51,19 +51,25 @@ def own_environ(env):
     _write_over(start, end, block)
 
 
+TITLE_MAX = 4095  # Linux shows a title written over the arguments up to its first NUL within a page
+
+
 def own_cmdline(argv):
     """/proc/PID/cmdline shows the rank's command line, not the zygote's (`ps`, `top`, `pgrep -f
-    train.py`, the GPU check's list of who holds a GPU): written over the zygote's exec-time
-    arguments, which its padding argument makes room for; an argument that does not fit is left
-    out with those after it. NULs fill the rest (`ps` shows them as trailing blanks)."""
+    train.py`, psutil, the GPU check's list of who holds a GPU): written over the zygote's exec-time
+    arguments (its padding argument makes room) as setproctitle(3) does, the arguments joined by
+    blanks and the area's last byte not NUL, so Linux shows the title up to its NUL and not the
+    NULs after it. An argument that does not fit is left out with those after it."""
     start, end = arg_block()
-    block = b""
+    room = min(end - start - 1, TITLE_MAX)
+    title = b""
     for a in argv:
-        part = os.fsencode(a) + b"\0"
-        if len(block) + len(part) > end - start:
+        part = (b" " if title else b"") + os.fsencode(a)
+        if len(title) + len(part) > room:
             break
-        block += part
-    _write_over(start, end, block)
+        title += part
+    _write_over(start, end - 1, title)  # NULs after it
+    _write_over(end - 1, end, b" ")  # the sign of a title (fs/proc/base.c get_mm_cmdline)
 
 
 def target(orig_argv):
