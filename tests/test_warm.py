@@ -116,6 +116,25 @@ def test_the_fork_shows_the_ranks_command_line_not_the_zygotes(warm):
         long.wait(10)
 
 
+def test_a_title_that_fills_the_room_ends_with_a_nul_and_shows_nothing_of_the_environment():
+    """Where the room is the arguments' own (a process started without the padding), the longest
+    title shown is one byte short of it: Linux reads a title up to its NUL, on into the
+    environment (the rank's tokens and keys) if the NUL were missing. One byte more and its last
+    argument is left out."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from orchestrator.remote.warm_fork import arg_block, own_cmdline\n"
+            "start, end = arg_block()\n"
+            "over = int(sys.argv[1])\n"
+            "fill = 'x' * (end - start - 2 + over - len('python3 -u job.py '))\n"
+            "own_cmdline(['python3', '-u', 'job.py', fill])\n"
+            "print(open('/proc/self/cmdline', 'rb').read() == "
+            "(b'python3 -u job.py' + (b' ' + fill.encode() if not over else b'') + b'\\0'))\n")
+    for over in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", code, over], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "SECRET_TOKEN": "s3cr3t"})
+        assert out.stdout.strip() == "True", (over, out.stdout, out.stderr[-2000:])
+
+
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(warm):
     env, d = warm
     p = rank(env, str(d / "job.py"), "raise")

@@ -61,7 +61,7 @@ def own_cmdline(argv):
     blanks and the area's last byte not NUL, so Linux shows the title up to its NUL and not the
     NULs after it. An argument that does not fit is left out with those after it."""
     start, end = arg_block()
-    room = min(end - start - 1, TITLE_MAX)
+    room = min(end - start - 2, TITLE_MAX)  # a NUL after it, always: Linux would read on into the environment
     title = b""
     for a in argv:
         part = (b" " if title else b"") + os.fsencode(a)
