@@ -1,6 +1,6 @@
 """How fast does a run step after a restart, warm and cold, against its own first attempt?
 
-    sudo .venv/bin/python bench/bench_restart_rate.py [--nodes 5] [--trials 1] [--window 60]
+    sudo .venv/bin/python bench/bench_restart_rate.py [--nodes 5] [--trials 1] [--window 60] [--perf]
 
 `--nodes` test nodes, the trainer (preset nano, one rank a node, a checkpoint every 50 steps),
 `--max-restarts 1`. Once steps flow (and, warm, once every node holds its warm interpreter), the
@@ -10,7 +10,9 @@ run: steps/s and the ranks' CPU per step (ms, every rank summed) in each window,
 against attempt 1. Warm (the default) and `--no-warm` alternate, so the cold restart is the
 control. Where `bench/bench_warm_steps.py` compares the trainer's own step times, this counts
 steps over wall time, which is what the goodput bench's 13 % gap was measured in. Every node
-shares this machine's cores. No assertions: this prints figures.
+shares this machine's cores. `--perf` also counts each window with `perf stat` (software events:
+page faults, context switches; this machine's VM has no hardware counters). No assertions: this
+prints figures.
 """
 
 from __future__ import annotations
@@ -48,27 +50,54 @@ def ranks_cpu(cluster) -> float:
     return total
 
 
-def window(cluster, log: Path, seconds: float) -> tuple[float, float]:
-    """(steps/s, the ranks' CPU ms per step) over `seconds`."""
+PERF_EVENTS = "task-clock,page-faults,context-switches,cpu-migrations"  # software ones: VMs lack the rest
+
+
+def perf_counts(pids: list[int], seconds: float) -> subprocess.Popen:
+    """`perf stat` of the ranks' processes for `seconds` (CSV on stderr): what a step costs beside
+    CPU, the page faults (a fork's copy-on-write) and the context switches."""
+    return subprocess.Popen(["perf", "stat", "-x", ",", "-e", PERF_EVENTS, "-p", ",".join(map(str, pids)),
+                             "--", "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def perf_read(proc: subprocess.Popen, steps: int) -> str:
+    """Each counter per step, from perf stat's CSV."""
+    err = proc.communicate(timeout=120)[1]
+    got = []
+    for line in err.splitlines():
+        f = line.split(",")
+        if len(f) > 2 and f[2] in PERF_EVENTS.split(","):
+            try:
+                got.append(f"{f[2]} {float(f[0]) / max(1, steps):.1f}{f[1] or ''}/step")
+            except ValueError:
+                got.append(f"{f[2]} {f[0]}")
+    return ", ".join(got) or err.strip()[-300:]
+
+
+def window(cluster, log: Path, seconds: float, perf: bool = False) -> tuple[float, float, str]:
+    """(steps/s, the ranks' CPU ms per step, perf's counters per step where asked) over `seconds`."""
+    pids = [p.pid for p in (training_process(cluster, n) for n in cluster.nodes) if p is not None]
     s0, c0, t0 = last_step(log), ranks_cpu(cluster), time.monotonic()
+    counting = perf_counts(pids, seconds) if perf else None
     time.sleep(seconds)
     s1, c1, dt = last_step(log), ranks_cpu(cluster), time.monotonic() - t0
-    return (s1 - s0) / dt, (c1 - c0) / max(1, s1 - s0) * 1e3
+    counts = perf_read(counting, (s1 - s0) * len(pids)) if counting else ""  # per step of one rank
+    return (s1 - s0) / dt, (c1 - c0) / max(1, s1 - s0) * 1e3, counts
 
 
-def trial(warm: bool, nodes: int, seconds: float) -> tuple[tuple[float, float], list[tuple[float, float]]]:
+def trial(warm: bool, nodes: int, seconds: float, perf: bool = False) -> tuple[tuple, list[tuple]]:
     """(attempt 1's window, attempt 2's two windows) for one run."""
     with TestCluster(n=nodes, gpus=0, name_prefix="ccrr") as cluster, tempfile.TemporaryDirectory() as td:
         proc, log = start_nano(cluster, Path(td), 1_000_000, warm)
         try:
             run_dir = log.parent.parent
             time.sleep(10)
-            first = window(cluster, log, seconds)
+            first = window(cluster, log, seconds, perf)
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[-1]), 30, "the last node's rank")
             os.kill(victim.pid, signal.SIGKILL)
             wait_for(lambda: len(record(run_dir).get("attempts") or []) >= 2, 120, "attempt 2")
             time.sleep(35)
-            second = [window(cluster, log, seconds) for _ in range(2)]
+            second = [window(cluster, log, seconds, perf) for _ in range(2)]
         finally:
             # stopped by its id, as bench_goodput does: a SIGINT to the foreground is not heard where
             # the bench runs as a background job (SIGINT ignored), and would leave the supervisor
@@ -85,14 +114,20 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=5)
     ap.add_argument("--trials", type=int, default=1, help="runs each way, alternating")
     ap.add_argument("--window", type=float, default=60.0, help="seconds per measuring window")
+    ap.add_argument("--perf", action="store_true", help="also count each window with `perf stat` "
+                    f"({PERF_EVENTS}, per step of one rank)")
     args = ap.parse_args(argv)
     for i in range(args.trials):
         for way in ("warm", "cold"):
-            (r1, c1), second = trial(way == "warm", args.nodes, args.window)
-            for k, (r2, c2) in enumerate(second, 1):
+            (r1, c1, p1), second = trial(way == "warm", args.nodes, args.window, args.perf)
+            if p1:
+                print(f"trial {i + 1} {way}: attempt 1 perf: {p1}", flush=True)
+            for k, (r2, c2, p2) in enumerate(second, 1):
                 print(f"trial {i + 1} {way}: attempt 1 {r1:.2f} steps/s, {c1:.1f} ms CPU a step; attempt 2 "
                       f"(window {k}) {r2:.2f} steps/s, {c2:.1f} ms: {r2 / r1:.2f}x the rate, {c2 / c1:.2f}x the CPU",
                       flush=True)
+                if p2:
+                    print(f"trial {i + 1} {way}: attempt 2 (window {k}) perf: {p2}", flush=True)
     return 0
 
 
