@@ -25,6 +25,9 @@ if what == "raise":
     raise RuntimeError("boom")
 if what == "sleep":
     time.sleep(60)
+if what == "unflushed":
+    print("UNFLUSHED")
+    time.sleep(60)
 sys.exit(int(what or 0))
 """
 
@@ -133,6 +136,24 @@ def test_a_title_that_fills_the_room_ends_with_a_nul_and_shows_nothing_of_the_en
         out = subprocess.run([sys.executable, "-c", code, over], capture_output=True, text=True, timeout=30,
                              env={**os.environ, "SECRET_TOKEN": "s3cr3t"})
         assert out.stdout.strip() == "True", (over, out.stdout, out.stderr[-2000:])
+
+
+def test_pythonunbuffered_makes_the_forks_stdout_unbuffered_as_it_makes_pythons(warm):
+    """A rank started without `-u` but with PYTHONUNBUFFERED set (clusterctl sets it for every
+    job) writes each print at once, forked or not: its lines reach the log as they are printed."""
+    import select
+
+    env, d = warm
+    p = subprocess.Popen([sys.executable, str(d / "job.py"), "unflushed"], env={**env, "PYTHONUNBUFFERED": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        fork_of(p)
+        assert p.stdout.readline().startswith("STEP=")
+        assert select.select([p.stdout], [], [], 20)[0], "the print stayed in the fork's buffer"
+        assert p.stdout.readline() == "UNFLUSHED\n"
+    finally:
+        p.kill()
+        p.wait(10)
 
 
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(warm):

@@ -109,6 +109,7 @@ def become(req, fds):
     own_cmdline(req["argv"])
     os.chdir(req["cwd"])
     kind, what, argv, unbuffered = target(req["argv"])
+    unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))  # as `python` reads its environment
     import io
 
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
