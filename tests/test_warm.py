@@ -141,7 +141,7 @@ def test_a_title_that_fills_the_room_ends_with_a_nul_and_shows_nothing_of_the_en
 def test_pythonunbuffered_makes_the_forks_stdout_unbuffered_as_it_makes_pythons(warm):
     """A rank started without `-u` but with PYTHONUNBUFFERED set (clusterctl sets it for every
     job) writes each print at once, forked or not: its lines reach the log as they are printed."""
-    import select
+    import threading
 
     env, d = warm
     p = subprocess.Popen([sys.executable, str(d / "job.py"), "unflushed"], env={**env, "PYTHONUNBUFFERED": "1"},
@@ -149,8 +149,11 @@ def test_pythonunbuffered_makes_the_forks_stdout_unbuffered_as_it_makes_pythons(
     try:
         fork_of(p)
         assert p.stdout.readline().startswith("STEP=")
-        assert select.select([p.stdout], [], [], 20)[0], "the print stayed in the fork's buffer"
-        assert p.stdout.readline() == "UNFLUSHED\n"
+        got = []
+        reader = threading.Thread(target=lambda: got.append(p.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(20)  # the job sleeps 60 s after its print: a buffered line comes only at its end
+        assert got == ["UNFLUSHED\n"], "the print stayed in the fork's buffer"
     finally:
         p.kill()
         p.wait(10)
