@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--perf", action="store_true", help="also count each window with `perf stat` "
                     f"({PERF_EVENTS}, per step of one rank)")
     args = ap.parse_args(argv)
+    if args.perf and shutil.which("perf") is None:
+        ap.error("--perf needs perf(1) (Debian: apt-get install linux-perf)")
     for i in range(args.trials):
         for way in ("warm", "cold"):
             (r1, c1, p1), second = trial(way == "warm", args.nodes, args.window, args.perf)
