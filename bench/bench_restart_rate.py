@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import STEP, cli, record, start_nano, text_of, training_process, wait_for  # noqa: E402
+from bench.harness import STEP, record, start_nano, stop_by_id, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 
@@ -90,8 +90,8 @@ def trial(warm: bool, nodes: int, seconds: float, perf: bool = False) -> tuple[t
     """(attempt 1's window, attempt 2's two windows) for one run."""
     with TestCluster(n=nodes, gpus=0, name_prefix="ccrr") as cluster, tempfile.TemporaryDirectory() as td:
         proc, log = start_nano(cluster, Path(td), 1_000_000, warm)
+        run_dir = log.parent.parent
         try:
-            run_dir = log.parent.parent
             time.sleep(10)
             first = window(cluster, log, seconds, perf)
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[-1]), 30, "the last node's rank")
@@ -100,13 +100,7 @@ def trial(warm: bool, nodes: int, seconds: float, perf: bool = False) -> tuple[t
             time.sleep(35)
             second = [window(cluster, log, seconds, perf) for _ in range(2)]
         finally:
-            # stopped by its id, as bench_goodput does: a SIGINT to the foreground is not heard where
-            # the bench runs as a background job (SIGINT ignored), and would leave the supervisor
-            cli(Path(td) / "home", "stop", run_dir.name, timeout=180)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_by_id(Path(td) / "home", proc)
         return first, second
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import STEP, record, start_nano, text_of, training_process, wait_for  # noqa: E402
+from bench.harness import STEP, record, start_nano, stop_by_id, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 
 
@@ -37,16 +37,16 @@ def trial(warm: bool, steps: int) -> tuple[float, float]:
     """(attempt 1's median step ms, attempt 2's) for one run."""
     with TestCluster(n=3, gpus=0, name_prefix="ccws") as cluster, tempfile.TemporaryDirectory() as td:
         proc, log = start_nano(cluster, Path(td), steps, warm)
+        run_dir = log.parent.parent
         try:
-            run_dir = log.parent.parent
             time.sleep(40)
             cut = len(log.read_bytes())
             victim = wait_for(lambda: training_process(cluster, cluster.nodes[2]), 30, "node3's rank")
             os.kill(victim.pid, signal.SIGKILL)
             proc.wait(timeout=900)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # it did not end by itself: stopped by its id, not left training
+                stop_by_id(Path(td) / "home", proc)
         data = log.read_bytes()
         verdicts = [a.get("verdict") for a in record(run_dir).get("attempts") or []]
         if verdicts != ["killed by signal", "finished"]:

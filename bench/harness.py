@@ -173,11 +173,21 @@ def start_nano(cluster, td: Path, steps: int, warm: bool) -> tuple[subprocess.Po
         if warm:
             wait_for(lambda: all(n.warm_serving() for n in cluster.nodes), 120, "a warm interpreter on every node")
     except BaseException:
-        # the run lives in its supervisor, not the foreground: stopped by its id where it has one
-        runs = td / "home" / "runs"
-        for d in (runs.glob("*") if runs.exists() else ()):
-            if (d / "run.json").exists():
-                cli(td / "home", "stop", d.name, timeout=180)
-        proc.kill()
+        stop_by_id(td / "home", proc)
         raise
     return proc, log
+
+
+def stop_by_id(home: Path, proc: subprocess.Popen) -> None:
+    """Every run in `home` stopped by its id (`clusterctl stop RUN`), then the foreground `proc`
+    waited for (killed after 60 s). The run lives in its supervisor: a signal to the foreground is
+    not heard where the bench runs as a background job (SIGINT ignored), and killing it leaves the
+    supervisor training."""
+    runs = home / "runs"
+    for d in (runs.glob("*") if runs.exists() else ()):
+        if (d / "run.json").exists():
+            cli(home, "stop", d.name, timeout=180)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -300,7 +300,7 @@ ENV_READ = 16 << 10  # one read of /proc/PID/environ
 
 def environ_of(f):
     """An open (unbuffered) /proc/PID/environ read up to its first two NULs in a row: a warm fork
-    shows ~200 KB, its own few KB of variables then NULs (read whole: 11 ms a scan of 15, not 3)."""
+    shows ~200 KB, its own few KB of variables then NULs (bench/bench_env_scan.py: 4.4x less CPU)."""
     out = b""
     while True:
         chunk = f.read(ENV_READ)

@@ -64,8 +64,9 @@ def ask(path, die_with_parent, note=None):
     try:  # from here this process is the fork's stand-in, whatever happens
         if note:
             _write(note, "%d\n" % pid)
+        _forward_to(pid, die_with_parent)  # before "go": a signal once the script runs reaches the fork
         conn.sendall(b"go\n")
-        _stand_in_for(pid, conn, rest, die_with_parent)
+        _stand_in_for(pid, conn, rest)
     finally:  # forked: whatever happens here, this process must never run the rank as well
         try:
             os.kill(pid, signal.SIGKILL)
@@ -80,8 +81,8 @@ def _write(path, text):
     os.replace(tmp, path)
 
 
-def _stand_in_for(pid, conn, rest, die_with_parent):
-    """The parent's child while the fork `pid` runs in its place: signals passed on, its end mirrored."""
+def _forward_to(pid, die_with_parent):
+    """Every signal this process can catch passed on to the fork `pid`; this process dies with its parent."""
     import signal
 
     die_with_parent()
@@ -94,6 +95,12 @@ def _stand_in_for(pid, conn, rest, die_with_parent):
 
     for name in FORWARDED:
         signal.signal(getattr(signal, name), forward)
+
+
+def _stand_in_for(pid, conn, rest):
+    """The parent's child while the fork `pid` runs in its place: its end mirrored."""
+    import signal
+
     conn.settimeout(None)
     while b"\n" not in rest:
         try:
