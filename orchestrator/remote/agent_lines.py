@@ -112,9 +112,11 @@ class RankLines:
             self.close_pipe(fd)
 
     def ended_well(self, nproc):
-        """Every one of the node's `nproc` ranks handed its output over and exited 0, none left."""
-        return bool(nproc) and not self.alive and sorted(self.ends, key=int) == [str(i) for i in range(nproc)] \
-            and all(rc == 0 for rc in self.ends.values())
+        """Every one of the node's `nproc` ranks handed its output over and exited 0, none left
+        (asked from other threads of the waiter too: what this one holds, copied first)."""
+        ends = dict(self.ends)
+        return bool(nproc) and not self.alive and sorted(ends, key=int) == [str(i) for i in range(nproc)] \
+            and all(rc == 0 for rc in ends.values())
 
     def close_listener(self):
         """No new rank once the job ended: the socket closed and its name gone from the run

@@ -52,12 +52,14 @@ def torchrun_pids(run_id, info):
     return pids
 
 
-def end_run(run_id, info, grace, peer_failed=False):
+def end_run(run_id, info, grace, peer_failed=False, ended_well=None):
     """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
     after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared.
     peer_failed: another node's part of the run died, so no collective (and no collective
     checkpoint) can complete: SIGKILL at once, unless a checkpoint is being written here (then
-    it gets the grace to finish it, as on any stop)."""
+    it gets the grace to finish it, as on any stop). ended_well (the waiter's, agent_lines.py
+    RankLines): whether every rank of this node was seen to end with 0; once true, that is the
+    node's verdict and torchrun is not waited for (agent_waiter.py recorded_exit)."""
     waiter, torchrun = info.get("waiter"), torchrun_pids(run_id, info)
 
     def targets():
@@ -95,8 +97,13 @@ def end_run(run_id, info, grace, peer_failed=False):
         except OSError:
             pass
     if started and wait_gone(workers, deadline):
-        # workers done: torchrun exits on its own with their verdict, the code recorded
-        wait_until(lambda: not targets() or workers(), time.time() + TORCHRUN_EXIT_S)
+        # workers done: torchrun exits on its own with their verdict, the code recorded. Where the
+        # waiter saw every rank here end with 0, that verdict is recorded whatever ends torchrun:
+        # its exit barrier (it waits there for every other node's torchrun) is not waited out
+        well = ended_well or (lambda: False)
+        wait_until(lambda: not targets() or workers() or well(), time.time() + TORCHRUN_EXIT_S)
+        if well() and not workers():
+            deadline = time.time()  # SIGKILL, below
     if deadline > time.time():
         gone = wait_gone(targets, deadline, signal_all(signal.SIGTERM))
     else:  # no grace left (or none given: a peer failed); with nothing waited for since the scan, what it found

@@ -133,7 +133,8 @@ def waiter(d, run_id, spec, notify_fd):
     write_atomic(os.path.join(d, "proc.json"), json.dumps(info))
     os.write(notify_fd, json.dumps(info).encode())
     os.close(notify_fd)
-    rc = supervise(d, run_id, info)
+    nproc = nproc_of(argv)
+    rc = supervise(d, run_id, info, (lambda: lines.ended_well(nproc)) if lines is not None else None)
     write_atomic(os.path.join(d, "ended"), repr(time.time()))
     # torchrun is gone, by any means: nothing of the run may outlive it on this node
     info["waiter"] = os.getpid()
@@ -145,9 +146,10 @@ def waiter(d, run_id, spec, notify_fd):
     os._exit(0)
 
 
-def supervise(d, run_id, info):
+def supervise(d, run_id, info, ended_well=None):
     """Wait for torchrun (reaping the orphans handed to us meanwhile) and carry out a stop
-    request found in the run directory; torchrun's wait status as Popen reports it."""
+    request found in the run directory (`ended_well`: whether every rank here ended with 0, so
+    the stop need not wait for torchrun to leave); torchrun's wait status as Popen reports it."""
     stopping = None
     while True:
         try:
@@ -163,7 +165,7 @@ def supervise(d, run_id, info):
             if req is not None:
                 req = json.loads(req)
                 stopping = threading_start(end_run, run_id, info, float(req.get("grace", 5)),
-                                           bool(req.get("peer_failed")))
+                                           bool(req.get("peer_failed")), ended_well)
         signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a child ended, or time to look for a stop request
 
 
