@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,16 +70,22 @@ def forked(n: int) -> dict:
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        code = 1
         try:
             os.write(w, json.dumps(steps(n)).encode())
+            code = 0
+        except BaseException:  # noqa: BLE001 - said, and the child's exit code tells the parent
+            traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
     data = b""
     while chunk := os.read(r, 65536):
         data += chunk
     os.close(r)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("bench: the forked child failed (its traceback above)")
     return json.loads(data)
 
 
