@@ -166,9 +166,7 @@ def test_a_final_look_waits_for_an_empty_marker_written_in_the_jobs_last_second(
     """The job's last act is an empty `done` marker beside its checkpoint. The run's final look
     (wait 0) waits for that empty file to age past EMPTY_S, not only YOUNG_S, and takes both:
     without that the snapshot kept the checkpoint and left the marker out."""
-    entries = probe.load("ckpt_entries")
-    for mod in (entries, node_side):
-        monkeypatch.setattr(mod, "EMPTY_S", 1.0)
+    monkeypatch.setattr(probe.load("ckpt_entries"), "EMPTY_S", 1.0)  # the one rule: sample_dir and fresh_wait
     monkeypatch.setattr(node_side, "YOUNG_S", 0.2)
     d, pending = tmp_path / "out", tmp_path / "art" / ckptdir.PENDING
     d.mkdir()

@@ -8,7 +8,7 @@ import shutil
 import sys
 import time
 
-from .ckpt_entries import CHUNK, EMPTY_S, Watch, abs_path, ident_of, merge, sample_dir
+from .ckpt_entries import CHUNK, Watch, abs_path, fresh_wait, ident_of, merge, sample_dir
 from .common import NODE_RUNS, RUN_KEY, first_rank_failure, marked_pids, own_dir, write_atomic
 
 PENDING = ".pending"  # a look's captures: the last path component the control side gives
@@ -103,14 +103,6 @@ def _capture(root, pending, t, index, watch, touched, torn):
     return True
 
 
-def _grace(entries, done):
-    """How long past the deadline a look waits for fresh entries to age: EMPTY_S where one of them
-    holds an empty file (a marker written in the job's last seconds), else YOUNG_S."""
-    empty = any(i[1] == 0 for n, t in entries.items() if n not in done and t["why"] == "fresh"
-                for i in t["files"].values())
-    return EMPTY_S if empty else YOUNG_S
-
-
 def _guard(key, start):
     """Why nothing may be taken from the attempt `key` now ("" when it may): a rank of it failed (a
     failure note, common.py), or fewer of its processes run than at `start` (their count then)."""
@@ -142,7 +134,7 @@ def look(path, pending, settle_s, wait_s, key):
             # a file changed just now ages past YOUNG_S (an empty one past EMPTY_S) even where the
             # job has ended (wait 0). Judged by when this sample began: on a loaded machine a sample
             # can outlast what was left of the grace, and a file that aged meanwhile would be left untaken
-            if not busy or sampled >= deadline + (_grace(entries, done) if busy == {"fresh"} else 0):
+            if not busy or sampled >= deadline + (fresh_wait(entries, done, YOUNG_S) if busy == {"fresh"} else 0):
                 break
             time.sleep(SAMPLE_S)
     finally:

@@ -187,6 +187,15 @@ def _writers(root):
     return out
 
 
+def fresh_wait(entries, done, young_s):
+    """How long a sample's fresh entries (those not in `done`) take to age complete by sample_dir's
+    rule: EMPTY_S where one holds an empty file (a marker written in the job's last seconds),
+    else young_s."""
+    empty = any(i[1] == 0 for n, t in entries.items() if n not in done and t["why"] == "fresh"
+                for i in t["files"].values())
+    return EMPTY_S if empty else young_s
+
+
 def sample_dir(root, watch, settle_ns, touched, young_ns):
     """Every top-level entry of root now: its files' identities and whether it is complete: held
     open for writing by nobody, unchanged while the writers were looked for (`touched` gathers what
