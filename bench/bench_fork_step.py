@@ -5,11 +5,11 @@
 One machine, no cluster, no clusterctl: the shipped trainer's model (preset nano, one thread) trains
 on random tokens for `--steps` steps, timed after the first 100, in two kinds of process, in a
 shuffled order each round: **fork**, a child this interpreter forks after importing torch (as the
-warm interpreter forks a restarted rank, remote/warm.py), and **cold**, a fresh `python` started
-for it (as torchrun starts a rank). Printed per process: CPU ms per step (the process's own, time
+warm interpreter forks a restarted rank, remote/warm.py, without the rest of a rank's set-up in
+warm_fork.become), and **cold**, a fresh `python` started for it (as torchrun starts a rank). Printed per process: CPU ms per step (the process's own, time
 .process_time) and minor page faults per step; then each kind's median and the fork's median
 against the cold one, and the median of the per-round ratios. Where this machine's speed drifts
-(a shared VM's does, by 10 % from one minute to the next), the rounds' ratios scatter: read
+(a shared VM's does, by up to 20 % from one minute to the next), the rounds' ratios scatter: read
 the median of them, not one round. No assertions: this prints figures.
 """
 
