@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import STEP, record, start_nano, stop_by_id, text_of, training_process, wait_for  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
@@ -77,22 +79,20 @@ def perf_read(proc: subprocess.Popen, steps: int) -> str:
 
 
 def thread_cpu(pids: list[int]) -> dict[str, float]:
-    """CPU seconds so far of the ranks' threads, summed by thread name (/proc/PID/task/TID: comm
-    and stat's utime + stime)."""
-    tick, got = os.sysconf("SC_CLK_TCK"), {}
+    """CPU seconds so far of the ranks' threads, summed by thread name (psutil's times per thread;
+    the name from /proc/PID/task/TID/comm, which psutil does not give)."""
+    got: dict[str, float] = {}
     for pid in pids:
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
+            threads = psutil.Process(pid).threads()
+        except psutil.Error:
             continue
-        for tid in tids:
+        for t in threads:
             try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    stat = f.read()
+                name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
             except OSError:
-                continue
-            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-            got[name] = got.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                continue  # ended meanwhile
+            got[name] = got.get(name, 0.0) + t.user_time + t.system_time
     return got
 
 
