@@ -179,9 +179,9 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.conn, name)
 
-    def exec(self, command, *, stdin=None):
+    def exec(self, command, *, stdin=None, keep_stdin=False):
         self.lines.append(command)
-        return self.conn.exec(command, stdin=stdin)
+        return self.conn.exec(command, stdin=stdin, keep_stdin=keep_stdin)
 
 
 def test_the_code_is_sent_where_it_is_missing_once_per_connection_and_again_after_it_went(tmp_path, monkeypatch):

@@ -61,11 +61,11 @@ class Exec:
             yield self.stdin
         yield from chunks
 
-    def start(self, conn):
+    def start(self, conn, keep_stdin: bool = False):
         """Started on one open connection (transport Connection), the node code placed on it
-        first; raises what `conn.exec` raises."""
+        first; raises what `conn.exec` raises. keep_stdin: its stdin stays open (Proc.send)."""
         place_on(conn)
-        return conn.exec(self.command, stdin=self.stdin)
+        return conn.exec(self.command, stdin=self.stdin, keep_stdin=keep_stdin)
 
 
 def boot(program: str, *args: str, python: str, flags: tuple[str, ...] = ()) -> str:

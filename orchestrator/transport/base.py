@@ -158,6 +158,11 @@ class Proc(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def send(self, data: bytes) -> bool:
+        """Write `data` to the stdin of a command started with keep_stdin; whether it went out
+        (False: its stdin or its connection is closed, or this kind of command takes none)."""
+        return False
+
 
 # ------------------------------------------------------------------ connections
 
@@ -173,8 +178,10 @@ class Connection(ABC):
         """Connect; raises ConnectError (or HostKeyError) naming the node."""
 
     @abstractmethod
-    def exec(self, command: str, *, stdin: bytes | None = None) -> Proc:
-        """Start `command` in the node's shell; raises ConnectionLost when the connection is gone."""
+    def exec(self, command: str, *, stdin: bytes | None = None, keep_stdin: bool = False) -> Proc:
+        """Start `command` in the node's shell; raises ConnectionLost when the connection is gone.
+        `stdin`: bytes (then EOF), or an iterable of byte chunks fed from a thread (then EOF); with
+        keep_stdin (bytes or None only) the stdin stays open for Proc.send until the command ends."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -62,6 +62,14 @@ class _LocalProc(Proc):
         except ProcessLookupError:
             pass
 
+    def send(self, data):
+        try:
+            self.p.stdin.write(data)
+            self.p.stdin.flush()
+            return True
+        except (OSError, ValueError, AttributeError):  # it ended (a broken pipe), or its stdin was never kept
+            return False
+
     def close(self):
         for f in (self.p.stdout, self.p.stderr, self.p.stdin):
             if f is not None:
@@ -84,12 +92,16 @@ class LocalConnection(Connection):
     def open(self):
         pass
 
-    def exec(self, command, *, stdin=None):
-        p = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE if stdin is not None
+    def exec(self, command, *, stdin=None, keep_stdin=False):
+        p = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE if stdin is not None or keep_stdin
                              else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True,  # cwd: where clusterctl runs
                              env=users_env(), umask=user_umask())  # the user's, not clusterctl's, as an SSH session gets
-        if stdin is not None:
+        if keep_stdin:
+            if stdin:
+                p.stdin.write(stdin)
+                p.stdin.flush()
+        elif stdin is not None:
             chunks = [stdin] if isinstance(stdin, (bytes, bytearray, memoryview)) else stdin
 
             def feed():  # bytes, or an iterable of byte chunks (a stream); then EOF

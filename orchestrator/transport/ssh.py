@@ -95,6 +95,13 @@ class _SSHProc(Proc):
     def close(self):
         self.chan.close()
 
+    def send(self, data):
+        try:
+            self.chan.sendall(data)
+            return True
+        except (paramiko.SSHException, OSError, EOFError):  # the channel or its transport is closed
+            return False
+
 
 class SSHConnection(Connection):
     def __init__(self, node: Node, *, accept_new_host_keys: bool = False,
@@ -295,7 +302,7 @@ class SSHConnection(Connection):
         """The open transport (None while there is none): a proc of one replaced by `reopen` is not its."""
         return None if self._conn is None else self._conn.transport
 
-    def exec(self, command, *, stdin=None):
+    def exec(self, command, *, stdin=None, keep_stdin=False):
         if not self.alive:
             raise ConnectionLost(self.node.name, self.lost_reason or "the SSH connection was lost")
         try:
@@ -303,7 +310,8 @@ class SSHConnection(Connection):
             chan.exec_command(command)
             if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)):
                 _send_chunks(chan, [stdin] if stdin else [])
-                chan.shutdown_write()
+                if not keep_stdin:
+                    chan.shutdown_write()
             else:  # an iterable of chunks, fed from a thread so the caller's read loop keeps running
                 threading.Thread(target=_send_stdin, args=(chan, stdin), daemon=True,
                                  name=f"stdin-{self.node.name}").start()
