@@ -244,9 +244,76 @@ def test_the_record_kinds_are_the_node_sides():
     from orchestrator.node import artifacts as door
 
     node = probe.load("artifacts")
-    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END")
+    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END", "FRAME_STOPPING")
     assert [getattr(door, k) for k in kinds] == [getattr(node, k) for k in kinds]
     assert [getattr(log_copier, k) for k in kinds] == [getattr(node, k) for k in kinds]
+
+
+SLEEPER = r"""
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (print("term", flush=True), sys.exit(3)))
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_stop_asked_on_the_streams_stdin_is_answered_and_carried_out_by_the_woken_waiter(tmp_path):
+    """The stream's stdin takes stop requests (a JSON line each): one that is not a request is
+    answered with its error and changes nothing; a request is written as `stop` writes it, the
+    waiter woken (SIGUSR1, which it blocks: it lives to record the exit code), the job ended with
+    SIGTERM and its exit code the stream's end."""
+    key = "ns9@n1"
+    (tmp_path / "ck").mkdir()
+    spec = {"argv": [sys.executable, "-c", SLEEPER], "cwd": str(tmp_path), "env": {}}
+    r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
+                       stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / ".clusterctl" / "node-runs" / key
+    proc = stream(tmp_path, key, 0, {})
+    frames, got, log = Frames(), [], b""
+    deadline = time.monotonic() + 60
+    while b"up" not in log:
+        assert time.monotonic() < deadline, got
+        for head, body in frames.feed(os.read(proc.stdout.fileno(), 4096)):
+            got.append((head, body))
+            log += body if head["t"] == "log" else b""
+    proc.stdin.write(b"not json\n" + json.dumps({"stop": 7, "peer_failed": False}).encode() + b"\n")
+    proc.stdin.flush()
+    while not any(h["t"] == "end" for h, _ in got):
+        assert time.monotonic() < deadline, got
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, got
+        got += list(frames.feed(chunk))
+    proc.stdin.close()
+    proc.wait(30)
+    answers = [json.loads(b) for h, b in got if h["t"] == "stopping"]
+    assert "error" in answers[0] and answers[1:] == [{"stop": 7}]
+    assert json.loads((run / "stop").read_text())["grace"] == 7
+    assert json.loads(got[-1][1])["exit_code"] == 3
+    assert b"term" in (run / "log").read_bytes()
+
+
+def test_a_waiter_is_woken_only_where_its_record_says_it_takes_the_signal(tmp_path):
+    """agent_stop.wake signals the waiter proc.json names only with its "wake" and its start time
+    matching: an older waiter (no "wake") or a pid reused by another process is never sent SIGUSR1."""
+    stop = probe.load("agent_stop")
+    key = "ns10@n1"
+    spec = {"argv": [sys.executable, "-c", SLEEPER], "cwd": str(tmp_path), "env": {}}
+    r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
+                       stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / ".clusterctl" / "node-runs" / key
+    info = json.loads((run / "proc.json").read_text())
+    assert info["wake"] == "SIGUSR1" and info["waiter_start"]
+    assert not stop.wake({k: v for k, v in info.items() if k != "wake"})
+    assert not stop.wake(dict(info, waiter_start="1"))
+    assert stop.wake(info)  # no stop request written: the waiter wakes, looks, and goes on waiting
+    time.sleep(0.5)
+    os.kill(info["waiter"], 0)  # alive
+    assert not (run / "exit_code").exists()
+    subprocess.run(probe.local_argv("node_agent", "stop", key, "0"), stdin=subprocess.DEVNULL,
+                   env=agent_env(tmp_path), capture_output=True, timeout=60)
+    assert (run / "exit_code").exists()
 
 
 def test_the_copier_hands_reported_checkpoints_to_its_thread_not_the_stream(tmp_path):

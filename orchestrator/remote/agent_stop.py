@@ -1,6 +1,8 @@
 """The node agent's stop: `stop KEY GRACE [peer-failed]` and end_run, which ends a run's processes
 (workers first, with the grace, then torchrun, then SIGKILL); the waiter (agent_waiter.py) calls
 end_run too, once torchrun ended, and to carry out a stop request it finds in the run directory.
+`ask` is the stop a node's log stream takes from the control machine (agent_stream.py): the request
+written and the waiter woken to carry it out, no process started for it.
 """
 import json
 import os
@@ -8,7 +10,8 @@ import signal
 import sys
 import time
 
-from .agent_base import pgid_of, read, rundir, run_pids, save_seconds, wait_gone, wait_until
+from .agent_base import (pgid_of, read, rundir, run_pids, save_seconds, started_at, threading_start, wait_gone,
+                         wait_until)
 from .common import stop_grace, write_atomic
 
 TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
@@ -17,6 +20,7 @@ TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its 
 # for a run whose ranks saved and ended well; later, a torchrun stuck in a barrier holds the stop.
 KILLED_S = 1.0  # SIGKILLed processes are gone within moments; after this, what is left (or was
 # started meanwhile) is SIGKILLed again
+WAKE = signal.SIGUSR1  # wakes a waiter whose proc.json says "wake": it looks for a stop request at once
 
 
 def writing_checkpoint(pids):
@@ -104,13 +108,48 @@ def end_run(run_id, info, grace, peer_failed=False, ended_well=None):
         wait_until(lambda: not targets() or workers() or well(), time.time() + TORCHRUN_EXIT_S)
         if well() and not workers():
             deadline = time.time()  # SIGKILL, below
-    if deadline > time.time():
-        gone = wait_gone(targets, deadline, signal_all(signal.SIGTERM))
+    if deadline > time.time():  # the scan's finds where nothing was waited for since (each scan reads the node)
+        gone = wait_gone(targets, deadline, signal_all(signal.SIGTERM, None if started else found))
     else:  # no grace left (or none given: a peer failed); with nothing waited for since the scan, what it found
         gone = wait_gone(targets, time.time() + KILLED_S, signal_all(signal.SIGKILL, None if started else found))
     if not gone:  # and anything started meanwhile
         gone = wait_gone(targets, time.time() + 5, signal_all(signal.SIGKILL))
     return 0 if gone else len(targets())
+
+
+def request(d, grace, peer_failed):
+    """Write the run's stop request (RUNDIR/stop, which the waiter carries out) unless one was
+    written before; whether this one is the first."""
+    if read(os.path.join(d, "stop")) is not None:
+        return False
+    write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time(), "peer_failed": peer_failed}))
+    return True
+
+
+def wake(info):
+    """Wake the run's waiter to carry out the stop request now; False where it cannot be woken (it
+    is gone, or predates "wake" in proc.json: its SIGUSR1 would end it) and the caller stops the run."""
+    waiter = info.get("waiter")
+    if not waiter or info.get("wake") != WAKE.name or started_at(waiter) != info.get("waiter_start"):
+        return False
+    try:
+        os.kill(waiter, WAKE)
+        return True
+    except OSError:
+        return False
+
+
+def ask(run_id, grace, peer_failed=False):
+    """The stop a log stream is asked for (agent_stream.py): as `stop`, without a process of its
+    own or a wait: the first request goes to the waiter, woken at once; a later one (a shorter
+    grace: a second stop kills) or a waiter that cannot be woken, to end_run on a thread here."""
+    d = rundir(run_id)
+    if not os.path.isdir(d):
+        return
+    grace = stop_grace(grace, save_seconds(d))
+    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    if not (request(d, grace, peer_failed) and wake(info)):
+        threading_start(end_run, run_id, info, grace, peer_failed)
 
 
 def stop(run_id, grace, mode=""):
@@ -121,9 +160,7 @@ def stop(run_id, grace, mode=""):
         print(json.dumps({"left": len(run_pids(run_id))}))
         return
     grace = stop_grace(grace, save_seconds(d))
-    if read(os.path.join(d, "stop")) is None:  # first: the waiter finishes the stop if we are cut off
-        write_atomic(os.path.join(d, "stop"), json.dumps({"grace": grace, "at": time.time(),
-                                                          "peer_failed": mode == "peer-failed"}))
+    request(d, grace, mode == "peer-failed")  # first: the waiter finishes the stop if we are cut off
     info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
     left = end_run(run_id, info, grace, mode == "peer-failed")
     # the waiter records the exit code once torchrun is reaped and the run is cleaned up

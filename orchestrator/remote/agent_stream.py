@@ -1,14 +1,16 @@
 """The node agent's framed stream (`tail KEY OFFSET stream ...`): Stream, the sink that writes the
 log's bytes, the node's new checkpoints and TensorBoard bytes, every rank's progress and last the
-run's status as artifacts.py's frames. A stream lives as long as the run: what it uses is imported
-here at its start.
+run's status as artifacts.py's frames; and the door back: a stop asked on its stdin. A stream lives
+as long as the run: what it uses is imported here at its start.
 """
 import json
+import os
 import time
 
 from . import artifacts
 from .agent_base import threading_start
 from .agent_snapshot import snapshot_doc
+from .agent_stop import ask
 from .agent_tail import Plain
 
 PROGRESS_WAIT_S = 5.0  # how long the stream's progress request waits for the ranks' answers
@@ -20,7 +22,12 @@ class Stream(Plain):
     by offset, the complete checkpoints in CKPTDIR whenever they change, TensorBoard bytes past
     OFFSETS_HEX (artifacts.py `since`'s frames), looked for every SCAN_S s in this one process,
     with PROGRESS_S every rank's progress (`snapshot_doc`, asked every PROGRESS_S s), and last the
-    run's status, by artifacts.py's rules (the ones its `poll` applies)."""
+    run's status, by artifacts.py's rules (the ones its `poll` applies).
+
+    Its stdin, held open by the control machine, takes stop requests, a JSON line each
+    ({"stop": GRACE, "peer_failed": BOOL}): carried out as the `stop` verb would (agent_stop.py
+    `ask`), each answered with a FRAME_STOPPING record, so stopping a run costs the node no SSH
+    session and no interpreter's start. At EOF (a control machine that sends none) it listens no more."""
 
     def __init__(self, run_id, ckpt_dir, tb_dir, offsets_hex, progress_s="0"):
         super().__init__("stream")
@@ -32,6 +39,8 @@ class Stream(Plain):
         self.next_ask = time.time() + self.progress_s  # the ranks' hooks are made as they start: not at once
         self.asking = None  # the thread asking the ranks now
         self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
+        self.taken = []  # stop requests taken from stdin, to be answered by the main thread (the only writer)
+        threading_start(self.listen)
 
     def log(self, pos, chunk):
         self.out.write(self.art.frame({"t": self.art.FRAME_LOG, "offset": pos}, chunk))
@@ -39,7 +48,32 @@ class Stream(Plain):
         self.tick()  # a log that never pauses still gets its checkpoints seen
         return pos + len(chunk)
 
+    def listen(self):
+        """Stop requests from stdin, until EOF; each carried out, then noted for its answer. Read
+        from fd 0 itself: a thread blocked in sys.stdin's reader holds its lock, which the
+        interpreter's exit then cannot take."""
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(0, 4096)
+            except OSError:  # no stdin at all
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    req = json.loads(line)
+                    ask(self.run_id, float(req["stop"]), bool(req.get("peer_failed")))
+                    self.taken.append({"stop": req["stop"]})
+                except (OSError, ValueError, KeyError, TypeError) as e:  # said on the stream, which goes on
+                    self.taken.append({"error": f"{type(e).__name__}: {e}"})
+
     def tick(self, now=False):
+        while self.taken:
+            self.out.write(self.art.frame({"t": self.art.FRAME_STOPPING}, json.dumps(self.taken.pop(0)).encode()))
+            self.out.flush()
         self.progress()
         if not now and time.time() < self.next_scan:
             return

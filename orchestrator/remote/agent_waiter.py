@@ -10,13 +10,14 @@ import signal
 import sys
 import time
 
-from .agent_base import BASE, HOOK, read, rundir, run_pids, threading_start, wait_gone
+from .agent_base import BASE, HOOK, read, rundir, run_pids, started_at, threading_start, wait_gone
 from .agent_lines import LINES_DRAIN_S, RankLines
-from .agent_stop import end_run
+from .agent_stop import KILLED_S, WAKE, end_run
 from .common import PRIVATE_UMASK, RUN_KEY, own_dir, prctl, user_umask, write_atomic
 from .warm import for_key
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+END_AGAIN_GRACE_S = 2.0  # once torchrun ended: what is left of the run gets this long after SIGTERM
 # the Flight Recorder in every rank: its entries are what `snapshot` reads, and an NCCL collective
 # timeout dumps them into RUNDIR/hook (TORCH_FR_BUFFER_SIZE is torch >= 2.5's name; the older
 # TORCH_NCCL_TRACE_BUFFER_SIZE is left out: 2.13 warns on every rank that it is deprecated)
@@ -87,15 +88,9 @@ def default_signals():
         os.umask(user_umask())
 
 
-def waiter(d, run_id, spec, notify_fd):
-    import subprocess
-
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # release the SSH channel's pipes
-        os.dup2(devnull, fd)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the waiter outlives torchrun to record its exit
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned workers become our children, not init's
+def run_env(d, run_id, spec):
+    """torchrun's environment: ours, the inventory's, and the run's marks (the run key every process
+    of the run carries)."""
     env = dict(os.environ)
     env.update(spec.get("env", {}))
     env[RUN_KEY] = run_id
@@ -106,6 +101,19 @@ def waiter(d, run_id, spec, notify_fd):
     warm = for_key(run_id)
     if warm is not None:  # the ranks are forked from the run's warm interpreter (warm.py), else start cold
         env["CLUSTERCTL_WARM"] = warm
+    return env
+
+
+def waiter(d, run_id, spec, notify_fd):
+    import subprocess
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # release the SSH channel's pipes
+        os.dup2(devnull, fd)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the waiter outlives torchrun to record its exit
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphaned workers become our children, not init's
+    env = run_env(d, run_id, spec)
     cwd = os.path.expanduser(spec.get("cwd") or "~")
     for name, text in spec.get("files", {}).items():  # helpers the command runs
         write_atomic(os.path.join(d, os.path.basename(name)), text)
@@ -125,20 +133,29 @@ def waiter(d, run_id, spec, notify_fd):
         os.write(notify_fd, json.dumps({"pid": None, "error": str(e)}).encode())
         os._exit(0)
     # SIGCHLD stays pending (not discarded) until supervise() takes it: torchrun's end is seen at
-    # once instead of at the next poll; blocked only now, so torchrun does not inherit the mask
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    if lines is not None:  # its thread inherits the mask: SIGCHLD stays supervise()'s
+    # once instead of at the next poll; WAKE (agent_stop.py `wake`: a stop request was written)
+    # the same way. Blocked only now, so torchrun does not inherit the mask; before proc.json
+    # names us, so no WAKE can come unblocked (its default action would end the waiter)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD, WAKE})
+    if lines is not None:  # its thread inherits the mask: the signals stay supervise()'s
         lines.start()
-    info = {"pid": p.pid, "pgid": p.pid, "waiter": os.getpid(), "started": time.time()}
+    info = {"pid": p.pid, "pgid": p.pid, "waiter": os.getpid(), "started": time.time(),
+            "wake": WAKE.name, "waiter_start": started_at(os.getpid())}
     write_atomic(os.path.join(d, "proc.json"), json.dumps(info))
     os.write(notify_fd, json.dumps(info).encode())
     os.close(notify_fd)
     nproc = nproc_of(argv)
-    rc = supervise(d, run_id, info, (lambda: lines.ended_well(nproc)) if lines is not None else None)
+    stop = {}
+    rc = supervise(d, run_id, info, (lambda: lines.ended_well(nproc)) if lines is not None else None, stop)
     write_atomic(os.path.join(d, "ended"), repr(time.time()))
-    # torchrun is gone, by any means: nothing of the run may outlive it on this node
-    info["waiter"] = os.getpid()
-    end_run(run_id, info, grace=2.0)
+    # torchrun is gone, by any means: nothing of the run may outlive it on this node. Where a stop
+    # request's end_run is under way, its end is waited for a moment (it kills, and watches its
+    # finds by pid): once it found nothing left, a second pass would only read every process of
+    # the node again
+    if "thread" in stop:
+        stop["thread"].join(KILLED_S)
+    if stop.get("left") != 0:
+        end_run(run_id, info, grace=END_AGAIN_GRACE_S)
     reap_until_gone(run_id, 5.0)
     if lines is not None:  # every rank's last lines are in the log before the exit code says it ended
         lines.finish(LINES_DRAIN_S)
@@ -146,10 +163,17 @@ def waiter(d, run_id, spec, notify_fd):
     os._exit(0)
 
 
-def supervise(d, run_id, info, ended_well=None):
+def supervise(d, run_id, info, ended_well=None, stop=None):
     """Wait for torchrun (reaping the orphans handed to us meanwhile) and carry out a stop
-    request found in the run directory (`ended_well`: whether every rank here ended with 0, so
-    the stop need not wait for torchrun to leave); torchrun's wait status as Popen reports it."""
+    request found in the run directory, looked for when WAKE comes and every 0.2 s (`ended_well`:
+    whether every rank here ended with 0, so the stop need not wait for torchrun to leave; `stop`,
+    a dict, gets the stop's "thread" and, once it ended, the processes it "left");
+    torchrun's wait status as Popen reports it."""
+    stop = {} if stop is None else stop
+
+    def stop_run(grace, peer_failed):
+        stop["left"] = end_run(run_id, info, grace, peer_failed, ended_well)
+
     stopping = None
     while True:
         try:
@@ -164,9 +188,9 @@ def supervise(d, run_id, info, ended_well=None):
             req = read(os.path.join(d, "stop"))
             if req is not None:
                 req = json.loads(req)
-                stopping = threading_start(end_run, run_id, info, float(req.get("grace", 5)),
-                                           bool(req.get("peer_failed")), ended_well)
-        signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a child ended, or time to look for a stop request
+                stopping = stop["thread"] = threading_start(stop_run, float(req.get("grace", 5)),
+                                                            bool(req.get("peer_failed")))
+        signal.sigtimedwait({signal.SIGCHLD, WAKE}, 0.2)  # a child ended, a stop request, or time to look for one
 
 
 def recorded_exit(d, rc, lines, argv, log):
