@@ -26,7 +26,7 @@ class Stopper:
     def __init__(self):
         self.asked = threading.Event()
 
-    def stop(self, key, nodes, grace, unreached_ok=(), peer_failed=False):
+    def stop(self, key, nodes, grace, unreached_ok=(), peer_failed=False, streams=None):
         self.asked.set()
         return []
 

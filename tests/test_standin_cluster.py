@@ -130,6 +130,12 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     folded = [ln for ln in said.splitlines() if ln.endswith("| line 7 of every rank")]
     assert len(folded) == 1 and f"/r[0-{world - 1}]" in folded[0], folded  # one line for every rank's
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
+    # the teardown reached the node still running through its open log stream, not a `stop` command
+    sup_log = (run_dir / "supervisor.log").read_text()
+    taken = re.search(rf"stop of {re.escape(run_id)}: taken on the log stream of (\d+) of (\d+) nodes(.*)", sup_log)
+    assert taken and int(taken.group(1)) >= 1 and cluster.nodes[0].name not in taken.group(3), sup_log[-3000:]
+    stop_file = cluster.nodes[0].home / ".clusterctl" / "node-runs" / f"{run_id}@{cluster.nodes[0].name}" / "stop"
+    assert json.loads(stop_file.read_text())["peer_failed"] is True
 
 
 def test_a_quiet_stream_is_not_restarted_while_the_attempt_stops(make_cluster, home, tmp_path):

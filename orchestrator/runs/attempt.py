@@ -40,7 +40,7 @@ from orchestrator.runs.judge.straggler import Slow, StragglerWatch
 from orchestrator.runs.judge.stragglersnap import clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
-from orchestrator.runs.logs.streams import Artifacts, copy_logs
+from orchestrator.runs.logs.streams import Artifacts, StreamStops, copy_logs
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 
@@ -73,6 +73,7 @@ class AttemptRunner:
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
         self.claims: Claims | None = None  # the run loop's (runs/claims.py), read as Readying reads it
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
+        self.streams = StreamStops()  # the nodes' open log streams: a stop's first way to them
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
         self.book.nodes_changed(list(self.statuses.values()), later=later)
@@ -116,7 +117,7 @@ class AttemptRunner:
                                    key=self.key, start_at=start_at, artifacts=self.artifacts,
                                    after_write=hw.heard if hw else None, tell=self.book.tell, progress=progress_sink,
                                    progress_s=self.spec.progress_s, space=self.book.space, stopping=self.stopping,
-                                   stall_s=self.spec.stream_stall)
+                                   stall_s=self.spec.stream_stall, streams=self.streams)
         finally:
             for w in (hw, sw):
                 if w is not None:
@@ -316,11 +317,10 @@ class AttemptRunner:
 
     # ---------------------------------------------------------------- stopping this attempt
     def teardown(self, why: str, peer_failed: bool = False) -> None:
-        """Stop this attempt on every one of its nodes; a node that cannot be reached now is
-        stopped once it answers (a pending stop under this attempt's key). `peer_failed`: a node
-        failed, so the nodes kill at once (unless a checkpoint is being written there) and nothing
-        waits to ask them for the last save's length first: a user's stop is the one that grants
-        a checkpoint its grace."""
+        """Stop this attempt on every one of its nodes, through their open log streams first; a node not
+        reached now is stopped once it answers (a pending stop under this attempt's key). `peer_failed`: a
+        node failed, so the nodes kill at once (unless a checkpoint is being written there) and nothing waits
+        to ask them for the last save's length first: a user's stop grants a checkpoint its grace."""
         peer_failed = peer_failed and not self.policy.stop_requests
         self.stopping.set()
         with self.tlock:
@@ -335,7 +335,7 @@ class AttemptRunner:
             done = {n for n, st in self.statuses.items() if (st.state is NodeState.PENDING and not st.pid)
                     or st.state in (NodeState.FINISHED, NodeState.FAILED, NodeState.GONE)}
         # outside the lock: a second stop request (grace 0) must not wait for the first one's grace
-        self.stopper.stop(self.key, list(self.statuses), grace, unreached_ok=done, peer_failed=peer_failed)
+        self.stopper.stop(self.key, list(self.statuses), grace, done, peer_failed, self.streams)
 
     def close(self) -> None:
         if self.drain_timer is not None:

@@ -19,8 +19,10 @@ from typing import Callable
 
 from orchestrator.errors import ClusterctlError, ConnectError
 from orchestrator.inventory import Inventory
+from orchestrator.inventory.ranges import fold
 from orchestrator.node import agent
 from orchestrator.runs.logs.catchup import complete_after_stop
+from orchestrator.runs.logs.streamstop import StreamStops
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book
 from orchestrator.runs.runrecord import PendingStop
@@ -65,16 +67,24 @@ class Stopper:
         self.wake = threading.Condition()  # notified by end_by: the retries' waits are cut
 
     def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset(),
-             peer_failed: bool = False) -> list[str]:
+             peer_failed: bool = False, streams: StreamStops | None = None) -> list[str]:
         """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
         in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
-        failed (agent.stop). Returns the nodes left pending."""
+        failed (agent.stop). `streams`: the attempt's open log streams, asked first (no session
+        or process started on a node that takes it there: runs/logs/streamstop.py); the other
+        nodes get the `stop` verb. Returns the nodes left pending."""
         live = self.cluster.live(nodes)
+        taken = streams.ask(live, grace, peer_failed) if streams is not None else set()
+        rest = [n for n in live if n not in taken]
         # every node at once, past the fan-out cap: the stop is a short command on a connection
         # already open, and under a cap the nodes past it would wait for the first ones' ends
-        res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), live, fanout=max(1, len(live)))
+        res = agent.run(self.cluster, lambda n: agent.stop(n, key, grace, peer_failed), rest,
+                        fanout=max(1, len(rest))) if rest else {}
+        if streams is not None and live:
+            self.say(f"stop of {key}: taken on the log stream of {len(taken)} of {len(live)} nodes"
+                     + (f"; the stop command sent to {fold(rest)}" if rest else ""))
         left = []
-        for name in nodes:
+        for name in (n for n in nodes if n not in taken):
             r = res.get(name)
             if (r is None or not r.reached) and name not in unreached_ok:
                 self.say(f"{name}: could not confirm the stop of {key} "

@@ -41,6 +41,7 @@ from orchestrator.inventory import Node
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.logs.copier import Artifacts, LogCopier
+from orchestrator.runs.logs.streamstop import StreamStops
 from orchestrator.runs.scaling import STREAM_STALL_S  # the default below 64 nodes: the run's own is its spec's
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
@@ -96,9 +97,13 @@ class _Copy:
     def __init__(self, cluster: Cluster, run: Run, nodes: list[Node],
                  on_end: Callable[[NodeResult, AgentStatus | None], None],
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str,
-                 stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S):
+                 stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S,
+                 streams: StreamStops | None = None):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
+        self.streams = streams  # the framed streams, each a door for a stop (streamstop.py)
+        if streams is not None:
+            copier.stop_answered = streams.answered
         self.stopping = stopping  # set once the attempt is being stopped: silence is expected then
         self.tell: Callable[..., None] = lambda text, **about: echo(text)  # `about`: Book.tell's data
         self.nodes = {n.name: n for n in nodes}
@@ -118,10 +123,14 @@ class _Copy:
     def start_tail(self, name: str) -> Proc:
         """The node's tail, started from the copy's size (raises what the connection's exec raises).
         Several nodes' at once: each on its own thread (`copy`), each touching only its node's entries."""
-        tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), self.copier.tail_stream(name))
-        proc = tail.start(self.cluster.connections[name])
+        more = self.copier.tail_stream(name)
+        tail = agent.tail(self.nodes[name], self.key, self.copier.offset(name), more)
+        # a framed stream listens on its stdin for a stop: kept open
+        proc = tail.start(self.cluster.connections[name], keep_stdin=more is not None and self.streams is not None)
         self.copier.behind.discard(name)  # from the copy's size: whatever found no room comes again
         self.procs[name], self.heard[name] = proc, time.monotonic()
+        if more is not None and self.streams is not None:
+            self.streams.attach(name, proc)
         return proc
 
     def on_bytes(self, name: str, which: str, data: bytes) -> None:
@@ -171,7 +180,9 @@ class _Copy:
 
     def on_done(self, res: NodeResult) -> None:
         name, stopped = res.node, self.stop is not None and self.stop.is_set()
-        self.procs.pop(name, None)
+        proc = self.procs.pop(name, None)
+        if self.streams is not None:
+            self.streams.detach(name, proc)
         if name in self.restarting:
             self.restarting.discard(name)
             if not stopped:
@@ -252,7 +263,8 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               start_at: dict[str, int] | None = None, artifacts: Artifacts | None = None,
               tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
               progress_s: float = 0.0, space: Space | None = None,
-              stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S) -> set[str]:
+              stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S,
+              streams: StreamStops | None = None) -> set[str]:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
@@ -265,14 +277,15 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     Book.tell; else echoed); `space`: the control machine's disk (runs/space.py), whose want of room
     holds the copies back until there is room again; `stopping`: set once the attempt is being
     stopped (no stream is then restarted for its silence); `stall_s`: the silence of a stream, its node
-    answering, that restarts it (at least 3 progress periods). Returns the nodes whose copy ended short of
+    answering, that restarts it (at least 3 progress periods); `streams`: where each framed stream
+    is kept open as a door for the attempt's stop (streamstop.py). Returns the nodes whose copy ended short of
     their log (no room when their run ended there: runs/logs/catchup.py completes them later)."""
     if not nodes:
         return set()
     copier = LogCopier(run, [n.name for n in nodes], echo, after_write, start_at, artifacts, progress, progress_s,
                        space)
     try:
-        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id, stopping, stall_s)
+        copy = _Copy(cluster, run, nodes, on_end, copier, echo, stop, key or run.id, stopping, stall_s, streams)
         if tell is not None:
             copy.tell = tell
         copy.copy()
