@@ -16,9 +16,11 @@ foreground, its detached supervisor, the node agent, the log streams, the fail-f
                flowing), in % of one core; the foreground `train`'s beside it
   RSS/threads/fds  the supervisor's, at the end of that window
   node scan ms one /proc scan for a run's marker (remote/common.py marked_pids, what every node's
-               stop, waiter and stream repeat while a run ends there), run as the nodes' user: the
-               test nodes share this machine's /proc and one user, so each scan reads every
-               node's processes; a real node's reads its own alone
+               stop, waiter and stream repeat while a run ends there), run as the nodes' user on the
+               first node. Each test node has a PID namespace of its own, so its /proc shows its own
+               processes as a real machine's does; with --shared-proc (the harness before
+               2026-12-01) every node's /proc shows every node's processes, so each of N nodes'
+               scans reads N nodes' processes: quadratic on the test cluster alone
   status       `clusterctl status RUN` -> its first byte of output, and -> its exit; `runs` and
   runs, watch  `watch RUN --once` the same (the live view's first paint, off a terminal)
   straggler round CPU ms  the straggler judge's round over every rank's newest steps, in this process
@@ -37,8 +39,10 @@ foreground, its detached supervisor, the node agent, the log streams, the fail-f
                failure, this machine's clock) and every rank's first line of the attempt the spare
                joins, from the cut; the link then comes back and its part of attempt 1 is stopped
   teardown     SIGKILL of the last rank (on the spare, after the cut) -> no process carrying the run's
-               CLUSTERCTL_RUN_KEY left on any node (/proc scanned every few ms: the nodes share
-               this machine's pid namespace); foreground `train` exit beside it
+               CLUSTERCTL_RUN_KEY left on any node (this machine sees every node's processes: one
+               scan, then what it found watched by pid every 5 ms, then a scan again; until
+               2026-12-01 a whole scan every 5 ms, which took most of a core from the nodes);
+               foreground `train` exit beside it
   ... sup CPU s  the supervisor's own CPU seconds for the launch (its start -> every rank's first
                line) and for the teardown: these do not stretch when the nodes crowd the cores,
                so they show the control side's growth where the wall-clock figures cannot
@@ -252,10 +256,14 @@ print(1000 * statistics.median(took), len(found))
 
 
 def node_scan(cluster) -> dict:
-    """The node side's /proc scan for run markers, timed as the nodes' user (see SCAN)."""
+    """The node side's /proc scan for run markers, timed as the nodes' user (see SCAN): on the first
+    node, where each node has its own PID namespace (the default), else on this machine."""
     common = (REPO / "orchestrator" / "remote" / "common.py").read_text()
-    out = subprocess.run([sys.executable, "-"], input=common + SCAN, capture_output=True, text=True, timeout=120,
-                         user=cluster.pw.pw_uid, group=cluster.pw.pw_gid, cwd="/")
+    if cluster.own_pids:
+        out = cluster.nodes[0].run([cluster.python, "-"], input=common + SCAN, timeout=120)
+    else:
+        out = subprocess.run([sys.executable, "-"], input=common + SCAN, capture_output=True, text=True, timeout=120,
+                             user=cluster.pw.pw_uid, group=cluster.pw.pw_gid, cwd="/")
     ms, marked = out.stdout.split()
     return {"node scan ms": float(ms), "marked procs": int(marked)}
 
@@ -391,11 +399,37 @@ def rank_pid(run_id: str, rank: int) -> int:
     raise SystemExit(f"bench: no process of {run_id} carries RANK={rank}")
 
 
+def gone_everywhere(run_id: str, until: float) -> bool:
+    """No process of the run left on any node (this machine sees every node's): one scan of /proc, then
+    the processes it found watched by pid until they are gone, then a scan again for any started
+    meanwhile (as the node agent's wait_gone does). Scanning every few ms instead held most of a core
+    of the two the nodes share at 64 nodes x 8 (a scan reads every process's environment: ~50 ms)."""
+    while time.monotonic() < until:
+        found = {pid: started(pid) for pid in run_pids(run_id, True)}
+        if not found:
+            return True
+        while found and time.monotonic() < until:
+            time.sleep(0.005)
+            found = {pid: at for pid, at in found.items() if started(pid) == at}
+    return False
+
+
+def started(pid: int) -> str | None:
+    """The process's start time (tells it from a later one given the same pid); None once it is gone
+    or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
 def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dict:
     pid = rank_pid(run_id, rank)
     c0, t0 = cpu_s(sup), time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not run_pids(run_id, True), 180, "every node clean after the kill", interval=0.005)
+    if not gone_everywhere(run_id, time.monotonic() + 180):
+        raise SystemExit("bench: timed out after 180s waiting for every node clean after the kill")
     clean = time.monotonic() - t0
     try:
         down_cpu = cpu_s(sup) - c0
@@ -487,7 +521,7 @@ def burst_per_rank(args, n: int) -> int:
 
 def one_size(n: int, args) -> dict:
     t_up = time.monotonic()
-    with TestCluster(n=n + 1, gpus=args.ranks_per_node, name_prefix="ccsc") as cluster, \
+    with TestCluster(n=n + 1, gpus=args.ranks_per_node, name_prefix="ccsc", own_pids=not args.shared_proc) as cluster, \
             tempfile.TemporaryDirectory(prefix="bench-scale-", ignore_cleanup_errors=True) as td:
         up = time.monotonic() - t_up
         for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
@@ -563,6 +597,10 @@ def main(argv=None):
     ap.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE,
                     help="ranks (fake GPUs) per node: 64 nodes x 32 puts 2,048 ranks where 256 nodes do not fit")
     ap.add_argument("--repeat-upto", type=int, default=64, help="larger sizes run once")
+    ap.add_argument("--shared-proc", action="store_true",
+                    help="the test nodes share this machine's PID namespace, so each node's /proc shows every "
+                         "node's processes (the harness before 2026-12-01); by default each node has its own, as "
+                         "a real machine has")
     args = ap.parse_args(argv)
     what = "real torchrun" if args.real else "torchrun stand-in"
     print(f"bench_scale: N nodes x {args.ranks_per_node} ranks ({what}), tick {args.tick}s, window "

@@ -50,7 +50,7 @@ class TestCluster:
     __test__ = False
 
     def __init__(self, n, gpus=8, workdir="~/gpt_train", name_prefix="cct", user=DEFAULT_USER,
-                 python=None, start_timeout=60.0):
+                 python=None, start_timeout=60.0, own_pids=False):
         if not 1 <= n <= host.MAX_NODES:
             raise ValueError(f"n must be 1..{host.MAX_NODES}, got {n}")
         gpus = list(gpus) if isinstance(gpus, (list, tuple)) else [gpus] * n
@@ -63,6 +63,11 @@ class TestCluster:
         self.python = python or sys.executable
         self.start_timeout = start_timeout
         self._gpus = gpus
+        # each node in a PID namespace of its own, its /proc showing its own processes as a real
+        # machine's does (else every node's /proc shows every node's). The nodes' pids are then
+        # their own: what a node reports (proc.json, a hook's FIFO) is not this machine's pid, so
+        # only callers that find processes from here (bench/bench_scale.py) ask for it
+        self.own_pids = own_pids
         self.nodes = []
         self.slot = None
         self._state = None
@@ -181,12 +186,17 @@ class TestCluster:
             node.netns_inode = host.netns_inode(node.ns)
 
     def _start_anchors(self, prefixlen):
+        # with own_pids the shell is the node's init: a loop in the foreground, so it reaps the
+        # orphans handed to it (sleep infinity would leave them zombies); --kill-child: the
+        # namespace, and everything in it, ends with the anchor
+        rest = 'exec /bin/sh -c "while :; do sleep 3600; done"' if self.own_pids else "exec sleep infinity"
         script = ('printf "addr add %s dev eth0\\nlink set eth0 up\\nlink set lo up\\n" "$1" '
                   '| ip -batch - && hostname "$2" && mount --bind "$3" "$4" '
-                  '&& echo ready && exec sleep infinity >/dev/null 2>&1')
+                  f'&& echo ready && {rest} >/dev/null 2>&1')
+        pids = ["--pid", "--fork", "--mount-proc", "--kill-child"] if self.own_pids else []
         for node in self.nodes:
             node.anchor = subprocess.Popen(
-                ["ip", "netns", "exec", node.ns, "unshare", "--uts", "--", "/bin/sh", "-c", script,
+                ["ip", "netns", "exec", node.ns, "unshare", "--uts", *pids, "--", "/bin/sh", "-c", script,
                  "anchor", f"{node.host}/{prefixlen}", node.name, str(node.home), self.pw.pw_dir],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True)

@@ -4,6 +4,8 @@ import pwd
 import subprocess
 import time
 
+import psutil
+
 from tests.cluster import host
 from tests.cluster.fakes import gpu_state, install_nvidia_smi, install_rocm_smi, rocm_state
 from tests.cluster.sshd import render_config, session_env
@@ -38,6 +40,8 @@ class TestNode:
     # --- processes inside the node -------------------------------------------------------
     def _enter(self, as_user):
         argv = ["nsenter", "-t", str(self.anchor.pid), "-n", "-m", "-u"]
+        if self.cluster.own_pids:  # the node's PID namespace: the one the anchor's children are in
+            argv.append(f"--pid=/proc/{self.anchor.pid}/ns/pid_for_children")
         if as_user:
             user = self.cluster.pw
             argv += ["-S", str(user.pw_uid), "-G", str(user.pw_gid), f"--wd={user.pw_dir}"]
@@ -110,6 +114,9 @@ class TestNode:
         if self.sshd is None:
             return
         if self.sshd.poll() is None:
+            if self.cluster.own_pids:  # nsenter forked into the node's PID namespace: sshd is its child
+                for child in psutil.Process(self.sshd.pid).children():
+                    child.terminate()
             self.sshd.terminate()
             try:
                 self.sshd.wait(timeout)
