@@ -405,13 +405,25 @@ def gone_everywhere(run_id: str, until: float) -> bool:
     meanwhile (as the node agent's wait_gone does). Scanning every few ms instead held most of a core
     of the two the nodes share at 64 nodes x 8 (a scan reads every process's environment: ~50 ms)."""
     while time.monotonic() < until:
-        found = {pid: started(pid) for pid in run_pids(run_id, True)}
+        found = {pid: at for pid in run_pids(run_id, True) if (at := started(pid)) is not None}  # None: gone
         if not found:
             return True
         while found and time.monotonic() < until:
             time.sleep(0.005)
             found = {pid: at for pid, at in found.items() if started(pid) == at}
     return False
+
+
+def left_of(run_id: str) -> list[str]:
+    """What of the run is still running: node, pid, state and command line of up to 12 processes."""
+    out = []
+    for pid, node in list(run_pids(run_id, True).items())[:12]:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{node} {pid} {p.status()} {' '.join(p.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return out
 
 
 def started(pid: int) -> str | None:
@@ -429,7 +441,8 @@ def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dic
     c0, t0 = cpu_s(sup), time.monotonic()
     os.kill(pid, signal.SIGKILL)
     if not gone_everywhere(run_id, time.monotonic() + 180):
-        raise SystemExit("bench: timed out after 180s waiting for every node clean after the kill")
+        raise SystemExit("bench: timed out after 180s waiting for every node clean after the kill; left: "
+                         + "; ".join(left_of(run_id)))
     clean = time.monotonic() - t0
     try:
         down_cpu = cpu_s(sup) - c0

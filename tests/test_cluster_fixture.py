@@ -185,6 +185,32 @@ def test_processes_are_found_per_node_and_teardown_leaves_nothing(make_cluster):
     assert not cluster.base_dir.exists()
 
 
+def test_own_pids_give_each_node_its_own_proc_and_an_init_that_reaps(make_cluster):
+    """own_pids (bench/bench_scale.py's): a node's /proc shows its own processes alone, as a real
+    machine's; an orphan that ends is reaped by the node's init, never left a zombie; sshd stops
+    and starts as on any node; and closing the cluster leaves nothing of a node behind."""
+    cluster = make_cluster(2, own_pids=True)
+    a, b = cluster.nodes
+    ssh(cluster, a, "nohup sleep 300 >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 10
+    while ["sleep", "300"] not in [argv for _, argv in scan(cluster.processes(a), lambda p: p.cmdline())]:
+        assert time.monotonic() < deadline, "sleep 300 never started on node1"
+        time.sleep(0.05)
+    assert "sleep 300" in ssh(cluster, a, "ps -eo args").stdout
+    assert "sleep 300" not in ssh(cluster, b, "ps -eo args").stdout
+    # an orphan that ends: its parent exits first, it is handed to the node's init, which reaps it
+    ssh(cluster, a, "sh -c '(sleep 0.3; exit 0) & exit 0'")
+    time.sleep(1.5)
+    assert not [p for p, st in scan(cluster.processes(a), lambda q: q.status()) if st == psutil.STATUS_ZOMBIE]
+    a.stop_sshd()
+    assert ssh(cluster, a, "true").returncode == 255
+    a.start_sshd()
+    assert ssh(cluster, a, "hostname").stdout == "node1\n"
+    pids = [p.pid for p in cluster.processes(a)]
+    cluster.close()
+    assert pids and not any(alive(pid) for pid in pids)
+
+
 def test_a_crashed_runs_leftovers_are_removed_at_next_start(tmp_path):
     from tests.cluster import require_root
     require_root()
