@@ -8,6 +8,7 @@
 Faults per node: stop_sshd/start_sshd, link_down/link_up, iptables(*args),
 set_clock_skew(seconds), shape(rate, burst, latency)/unshape, set_gpus(n, processes=...).
 cluster.processes(node=None) lists the test user's processes in a node's network namespace.
+TestCluster(own_pids=True) gives each node its own PID namespace and /proc (bench/bench_scale.py).
 Needs root; tests call require_root() (the cluster4/make_cluster fixtures do it for you).
 """
 
