@@ -75,6 +75,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench_failfast import run_pids, wait_for  # noqa: E402
+from orchestrator.remote.agent_base import started_at  # noqa: E402  (a pid's start: tells it from a reuse)
 from orchestrator.remote.common import env_values  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
 from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
@@ -405,12 +406,12 @@ def gone_everywhere(run_id: str, until: float) -> bool:
     meanwhile (as the node agent's wait_gone does). Scanning every few ms instead held most of a core
     of the two the nodes share at 64 nodes x 8 (a scan reads every process's environment: ~50 ms)."""
     while time.monotonic() < until:
-        found = {pid: at for pid in run_pids(run_id, True) if (at := started(pid)) is not None}  # None: gone
+        found = {pid: at for pid in run_pids(run_id, True) if (at := started_at(pid)) is not None}  # None: gone
         if not found:
             return True
         while found and time.monotonic() < until:
             time.sleep(0.005)
-            found = {pid: at for pid, at in found.items() if started(pid) == at}
+            found = {pid: at for pid, at in found.items() if started_at(pid) == at}
     return False
 
 
@@ -424,16 +425,6 @@ def left_of(run_id: str) -> list[str]:
         except psutil.Error:
             continue
     return out
-
-
-def started(pid: int) -> str | None:
-    """The process's start time (tells it from a later one given the same pid); None once it is gone
-    or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def teardown(fg: Foreground, run_id: str, rank: int, sup: psutil.Process) -> dict:
@@ -532,14 +523,25 @@ def burst_per_rank(args, n: int) -> int:
     return max(1, args.burst_lines // (n * args.ranks_per_node))
 
 
+def make_workdirs(cluster) -> None:
+    """The inventory's workdir on every node, made through the node's home on this machine."""
+    for nd in cluster.nodes:
+        (nd.home / "gpt_train").mkdir()
+        os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
+
+
+def standin_inventory(cluster, path: Path, nodes: list[dict], env: dict) -> Path:
+    """The inventory at `path` whose `python:` runs the torchrun stand-in (see the module's doc)."""
+    python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
+    return cluster.write_inventory(path, nodes=nodes, python=str(python), env=env)
+
+
 def one_size(n: int, args) -> dict:
     t_up = time.monotonic()
     with TestCluster(n=n + 1, gpus=args.ranks_per_node, name_prefix="ccsc", own_pids=not args.shared_proc) as cluster, \
             tempfile.TemporaryDirectory(prefix="bench-scale-", ignore_cleanup_errors=True) as td:
         up = time.monotonic() - t_up
-        for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
-            (nd.home / "gpt_train").mkdir()
-            os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
+        make_workdirs(cluster)
         env = {"CLUSTERCTL_STANDIN_TICK": str(args.tick), "OMP_NUM_THREADS": "1",
                "CLUSTERCTL_STANDIN_BURST": str(burst_per_rank(args, n))}
         nodes = cluster.inventory()["nodes"]
@@ -550,8 +552,7 @@ def one_size(n: int, args) -> dict:
             script.chmod(0o644)
             inv = cluster.write_inventory(Path(td) / "nodes.yaml", nodes=nodes, env=env, train={"script": str(script)})
         else:
-            python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-            inv = cluster.write_inventory(Path(td) / "nodes.yaml", nodes=nodes, python=str(python), env=env)
+            inv = standin_inventory(cluster, Path(td) / "nodes.yaml", nodes, env)
         repeat = args.repeat if n <= args.repeat_upto else 1
         trials = []
         for _ in range(repeat):

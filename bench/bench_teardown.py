@@ -36,7 +36,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 from tests.cluster import TestCluster  # noqa: E402
-from tests.cluster.fakes import install_torchrun_standin  # noqa: E402
 
 
 def spread(xs: list[float]) -> str:
@@ -94,13 +93,9 @@ def main(argv=None):
     world = args.nodes * bs.RANKS_PER_NODE
     with TestCluster(n=args.nodes, gpus=bs.RANKS_PER_NODE, name_prefix="cctd", own_pids=not args.shared_proc) \
             as cluster, tempfile.TemporaryDirectory(prefix="bench-teardown-") as td:
-        for nd in cluster.nodes:  # the inventory's workdir, made through the node's home on this machine
-            (nd.home / "gpt_train").mkdir()
-            os.chown(nd.home / "gpt_train", cluster.pw.pw_uid, cluster.pw.pw_gid)
+        bs.make_workdirs(cluster)
         env = {"CLUSTERCTL_STANDIN_TICK": "5", "OMP_NUM_THREADS": "1", "CLUSTERCTL_STANDIN_BURST": "1"}
-        python = install_torchrun_standin(cluster.base_dir / "standin", cluster.python)
-        inv = cluster.write_inventory(Path(td) / "nodes.yaml", nodes=cluster.inventory()["nodes"],
-                                      python=str(python), env=env)
+        inv = bs.standin_inventory(cluster, Path(td) / "nodes.yaml", cluster.inventory()["nodes"], env)
         print(f"bench_teardown: {args.nodes} nodes x {bs.RANKS_PER_NODE} ranks (stand-in), "
               f"{'shared /proc' if args.shared_proc else 'each node its own /proc'}; s after the kill, "
               "node columns min / median / max", flush=True)

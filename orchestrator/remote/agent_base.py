@@ -2,6 +2,7 @@
 (~/.clusterctl/node-runs/KEY), reading its files, finding its processes by the run key, and the
 small waits and threads every part of the agent uses.
 """
+import json
 import os
 import sys
 import time
@@ -24,6 +25,12 @@ def read(path, default=None):
             return f.read()
     except OSError:
         return default
+
+
+def proc_info(d):
+    """RUNDIR/proc.json as the waiter wrote it (torchrun's pid and group, the waiter's pid, "wake"),
+    {} before it is written."""
+    return json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
 
 
 def run_pids(run_id, match=None):

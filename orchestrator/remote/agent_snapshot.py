@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .agent_base import HOOK, own_interpreter, read, rundir, run_pids, wait_until
+from .agent_base import HOOK, own_interpreter, proc_info, read, rundir, run_pids, wait_until
 from .common import proc_environ
 
 
@@ -91,7 +91,7 @@ def snapshot_doc(run_id, request, wait, what="stacks"):
     "time"}."""
     d = rundir(run_id)
     hook = os.path.join(d, HOOK)
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    info = proc_info(d)
     ranks = rank_procs(run_id, info.get("pid"), hook)
     asked = {}
     # how long a busy hook (answering another asker's request) is waited for: half the wait, at least

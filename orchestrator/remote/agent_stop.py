@@ -10,8 +10,8 @@ import signal
 import sys
 import time
 
-from .agent_base import (pgid_of, read, rundir, run_pids, save_seconds, started_at, threading_start, wait_gone,
-                         wait_until)
+from .agent_base import (pgid_of, proc_info, read, rundir, run_pids, save_seconds, started_at, threading_start,
+                         wait_gone, wait_until)
 from .common import stop_grace, write_atomic
 
 TORCHRUN_EXIT_S = 3.0  # on a stop, torchrun's time to exit on its own once its workers are gone:
@@ -147,7 +147,7 @@ def ask(run_id, grace, peer_failed=False):
     if not os.path.isdir(d):
         return
     grace = stop_grace(grace, save_seconds(d))
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    info = proc_info(d)
     if not (request(d, grace, peer_failed) and wake(info)):
         threading_start(end_run, run_id, info, grace, peer_failed)
 
@@ -161,7 +161,7 @@ def stop(run_id, grace, mode=""):
         return
     grace = stop_grace(grace, save_seconds(d))
     request(d, grace, mode == "peer-failed")  # first: the waiter finishes the stop if we are cut off
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    info = proc_info(d)
     left = end_run(run_id, info, grace, mode == "peer-failed")
     # the waiter records the exit code once torchrun is reaped and the run is cleaned up
     wait_until(lambda: read(os.path.join(d, "exit_code")) is not None, time.time() + 8)

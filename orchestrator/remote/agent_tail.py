@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .agent_base import read, rundir, run_pids, save_seconds
+from .agent_base import proc_info, read, rundir, run_pids, save_seconds
 from .common import first_rank_failure
 
 STATUS_MARK = "clusterctl-status "  # `tail KEY OFFSET status`: its last stderr line, before the JSON
@@ -19,7 +19,7 @@ def status(run_id):
 
 def status_doc(run_id):
     d = rundir(run_id)
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    info = proc_info(d)
     code = read(os.path.join(d, "exit_code"))
     err = read(os.path.join(d, "error.json"))
     try:  # when torchrun ended, node clock
@@ -44,7 +44,7 @@ def status_doc(run_id):
 
 def vanished(d, run_id):
     """The waiter was killed before it could record an exit code, and nothing of the run is left."""
-    info = json.loads(read(os.path.join(d, "proc.json"), "{}") or "{}")
+    info = proc_info(d)
     if not info.get("waiter"):
         return False
     try:
