@@ -255,6 +255,35 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         agent("stop", "h1@n1", 1)
 
 
+LIGHT = """
+import importlib.util, json, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(2))
+spec = importlib.util.spec_from_file_location("the_hook", sys.argv[1])
+hook = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hook)
+fr = hook._flight_recorder()
+print(json.dumps({"fr": fr, "inductor": "torch._inductor" in sys.modules}))
+"""
+
+
+@pytest.mark.slow
+def test_the_hooks_flight_recorder_read_does_not_load_torchs_compiler_into_the_rank(tmp_path):
+    """torch's first Flight Recorder dump with stack traces imports torch._inductor into the rank
+    (about 800 modules, 1.2-2.6 s of its CPU on torch 2.13: the hang watch's first snapshot waited
+    that long for every waiting rank). The hook reads the entries without them."""
+    hook = Path(__file__).parent.parent / "orchestrator" / "remote" / "hook" / "sitecustomize.py"
+    r = subprocess.run([sys.executable, "-c", LIGHT, str(hook)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TORCH_FR_BUFFER_SIZE="2000"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout.splitlines()[-1])
+    assert [e["profiling_name"] for e in doc["fr"]["entries"]] == ["gloo:all_reduce"] * 3, doc
+    assert doc["fr"]["pg_status"]["0"]["last_enqueued_collective"] == 3, doc
+    assert doc["inductor"] is False
+
+
 # a rank whose script ended and whose exit takes long (a finalizer that waits: a loaded machine's
 # slow teardown): the hook's atexit ran, so the agent reports it exiting, not a rank to wait for
 EXITING = """

@@ -94,6 +94,10 @@ def _stacks():
 
 
 def _flight_recorder():
+    """The Flight Recorder's newest entries and every group's status and config, without the
+    entries' stack traces: torch's first dump with them imports torch._inductor into the rank
+    (about 800 modules, 1.2-2.6 s of its CPU, measured on torch 2.13), and where a rank is now is
+    in its own stacks (_stacks)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
@@ -102,16 +106,14 @@ def _flight_recorder():
     from torch._C import _distributed_c10d as c10d
 
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace")
-    doc = pickle.loads(dump())
+    doc = pickle.loads(dump(includeStackTraces=False))
     entries = []
     for e in (doc.get("entries") or [])[-FR_ENTRIES:]:
         entries.append({"pg_id": e.get("pg_id"), "process_group": list(e.get("process_group") or ()),
                         "collective_seq_id": e.get("collective_seq_id"), "p2p_seq_id": e.get("p2p_seq_id"),
                         "profiling_name": e.get("profiling_name"), "state": e.get("state"),
                         "input_sizes": e.get("input_sizes"), "time_created_ns": e.get("time_created_ns"),
-                        "is_p2p": e.get("is_p2p"),
-                        "frames": [{"file": f.get("filename"), "line": f.get("line"), "func": f.get("name")}
-                                   for f in (e.get("frames") or [])[:FRAMES]]})
+                        "is_p2p": e.get("is_p2p")})
     status = {str(k): {kk: int(vv) for kk, vv in v.items()} for k, v in (doc.get("pg_status") or {}).items()}
     config = {str(k): {"name": v.get("name"), "desc": v.get("desc"), "ranks": str(v.get("ranks"))}
               for k, v in (doc.get("pg_config") or {}).items()}
