@@ -244,7 +244,7 @@ def test_the_record_kinds_are_the_node_sides():
     from orchestrator.node import artifacts as door
 
     node = probe.load("artifacts")
-    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END", "FRAME_STOPPING")
+    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END", "FRAME_STOPPING", "FRAME_SNAPSHOT")
     assert [getattr(door, k) for k in kinds] == [getattr(node, k) for k in kinds]
     assert [getattr(log_copier, k) for k in kinds] == [getattr(node, k) for k in kinds]
 
@@ -291,6 +291,42 @@ def test_a_stop_asked_on_the_streams_stdin_is_answered_and_carried_out_by_the_wo
     assert json.loads((run / "stop").read_text())["grace"] == 7
     assert json.loads(got[-1][1])["exit_code"] == 3
     assert b"term" in (run / "log").read_bytes()
+
+
+def test_a_snapshot_asked_on_the_streams_stdin_is_every_ranks_stacks_as_the_verb_takes_them(tmp_path):
+    """A snapshot request on the stream's stdin ({"snapshot": N, "wait": S}) is answered with a
+    FRAME_SNAPSHOT record: the `snapshot` verb's document for request N (each rank's /proc state and
+    its hook's stacks) with "ask": N, while the log goes on; nothing else is done to the run."""
+    key = "nss1@n1"
+    spec = {"argv": [sys.executable, "-c", LAUNCH], "cwd": str(tmp_path), "env": {"CHILD": RANK}, "hook": HOOK}
+    r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
+                       stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    proc = stream(tmp_path, key, 0, {}, "-")
+    frames, got, log = Frames(), [], b""
+    deadline = time.monotonic() + 60
+    while b"ready" not in log:
+        assert time.monotonic() < deadline, got
+        for head, body in frames.feed(os.read(proc.stdout.fileno(), 4096)):
+            got.append((head, body))
+            log += body if head["t"] == "log" else b""
+    proc.stdin.write(json.dumps({"snapshot": 77, "wait": 5}).encode() + b"\n")
+    proc.stdin.flush()
+    while not any(h["t"] == "end" for h, _ in got):
+        assert time.monotonic() < deadline, got
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, got
+        got += list(frames.feed(chunk))
+    proc.stdin.close()
+    proc.wait(30)
+    docs = [json.loads(b) for h, b in got if h["t"] == "snapshot"]
+    assert len(docs) == 1 and docs[0]["ask"] == 77, got
+    snap = agent.snapshot_of(docs[0])
+    assert snap.error is None and [r["rank"] for r in snap.ranks] == [0], docs
+    stacks = snap.ranks[0]["answer"]["stacks"]
+    assert any("time.sleep" in json.dumps(th) or "<module>" in json.dumps(th) for th in stacks), stacks
+    assert json.loads(got[-1][1])["exit_code"] == 0  # the run was not stopped by it
+    assert not (tmp_path / ".clusterctl" / "node-runs" / key / "stop").exists()
 
 
 def test_a_waiter_is_woken_only_where_its_record_says_it_takes_the_signal(tmp_path):

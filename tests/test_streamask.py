@@ -1,11 +1,14 @@
-"""StreamStops: a stop asked through the attempt's open log streams, and what is left to the `stop`
-command (runs/logs/streamstop.py). The node side's answer is tests/test_node_stream.py's; a whole
-teardown through the streams, tests/test_standin_cluster.py's."""
+"""StreamAsks: a stop or a snapshot asked through the attempt's open log streams, and what is left to
+the `stop` and `snapshot` commands (runs/logs/streamask.py). The node side's answers are
+tests/test_node_stream.py's; a whole teardown through the streams, tests/test_standin_cluster.py's;
+a hang's snapshots through them, tests/test_hang_fast_cluster.py's."""
 
 import json
 import threading
 
-from orchestrator.runs.logs.streamstop import StreamStops
+from orchestrator.node.artifacts import FRAME_SNAPSHOT, FRAME_STOPPING
+from orchestrator.runs.logs import streamask
+from orchestrator.runs.logs.streamask import StreamAsks, snapshot_nodes
 
 
 class Stream:
@@ -19,15 +22,30 @@ class Stream:
             return False
         self.sent.append(json.loads(data))
         assert data.endswith(b"\n") and data.count(b"\n") == 1
+        req = self.sent[-1]
+        if "snapshot" in req:
+            return self.snapshot(req)
         if self.answer is True:
-            threading.Timer(0.01, self.stops.answered, (self.name, {"stop": self.sent[-1]["stop"]})).start()
+            threading.Timer(0.01, self.stops.answered, (self.name, FRAME_STOPPING, {"stop": req["stop"]})).start()
         elif self.answer == "error":
-            self.stops.answered(self.name, {"error": "OSError: no room"})
+            self.stops.answered(self.name, FRAME_STOPPING, {"error": "OSError: no room"})
+        return True
+
+    def snapshot(self, req):
+        doc = {"ranks": [{"pid": 7, "rank": 0}], "time": 1.0, "ask": req["snapshot"]}
+        if self.answer is True:  # at once, from inside send: the asker holds its lock then
+            self.stops.answered(self.name, FRAME_SNAPSHOT, doc)
+        elif self.answer == "error":
+            self.stops.answered(self.name, FRAME_SNAPSHOT, {"ranks": [], "error": "OSError: gone", "ask": req["snapshot"]})
+        elif self.answer == "late":
+            threading.Timer(0.3, self.stops.answered, (self.name, FRAME_SNAPSHOT, doc)).start()
+        elif self.answer == "other":  # an answer to another request (an earlier one, come late)
+            self.stops.answered(self.name, FRAME_SNAPSHOT, dict(doc, ask=req["snapshot"] - 1))
         return True
 
 
 def test_the_nodes_that_answered_are_the_ones_taken_and_the_rest_are_left_for_the_stop_command():
-    stops = StreamStops()
+    stops = StreamAsks()
     procs = {"a": Stream(stops, "a"), "b": Stream(stops, "b", answer=False), "c": Stream(stops, "c", open_=False),
              "e": Stream(stops, "e", answer="error")}
     for name, p in procs.items():
@@ -39,7 +57,7 @@ def test_the_nodes_that_answered_are_the_ones_taken_and_the_rest_are_left_for_th
 
 
 def test_a_stream_that_ends_is_not_waited_for():
-    stops = StreamStops()
+    stops = StreamAsks()
     quiet = Stream(stops, "q", answer=False)
     stops.attach("q", quiet)
     threading.Timer(0.05, stops.detach, ("q", quiet)).start()
@@ -49,7 +67,7 @@ def test_a_stream_that_ends_is_not_waited_for():
 
 
 def test_a_restarted_streams_old_end_does_not_detach_the_new_one_and_answers_count_per_request():
-    stops = StreamStops()
+    stops = StreamAsks()
     old, new = Stream(stops, "n"), Stream(stops, "n")
     stops.attach("n", old)
     stops.attach("n", new)  # started again (a stall, a reconnect)
@@ -59,3 +77,49 @@ def test_a_restarted_streams_old_end_does_not_detach_the_new_one_and_answers_cou
     new.answer = False
     assert stops.ask(["n"], 0.0, False, wait=0.2) == set()
     assert [r["stop"] for r in new.sent] == [3.0, 0.0]
+
+
+def test_a_snapshot_is_the_answers_of_its_own_request_within_the_limit_and_none_is_kept_after():
+    asks = StreamAsks()
+    procs = {n: Stream(asks, n, answer=a) for n, a in
+             (("a", True), ("b", "late"), ("c", "other"), ("e", "error"), ("q", False))}
+    procs["s"] = Stream(asks, "s", open_=False)
+    for name, p in procs.items():
+        asks.attach(name, p)
+    got = asks.snapshot(["a", "b", "c", "e", "q", "s", "x"], 42, 3.0, limit=1.0)
+    assert set(got) == {"a", "b", "e"}  # b late but within the limit; c answered another request
+    assert got["a"]["ranks"] == [{"pid": 7, "rank": 0}] and got["e"]["error"]
+    assert procs["a"].sent == [{"snapshot": 42, "wait": 3.0}] and procs["s"].sent == []
+    assert asks.snaps == {}  # nothing waits now: an answer coming later is not kept
+    asks.answered("q", FRAME_SNAPSHOT, {"ranks": [], "ask": 42})
+    assert asks.snaps == {}
+
+
+def test_a_snapshot_does_not_wait_for_a_stream_that_ends():
+    asks = StreamAsks()
+    quiet = Stream(asks, "q", answer=False)
+    asks.attach("q", quiet)
+    threading.Timer(0.05, asks.detach, ("q", quiet)).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (asks.snapshot(["q"], 1, 1.0, limit=600), done.set()), daemon=True).start()
+    assert done.wait(60), "snapshot waited for a stream that had ended"
+
+
+def test_snapshot_nodes_asks_the_verb_only_of_the_nodes_whose_stream_did_not_answer(monkeypatch):
+    from orchestrator.node import agent
+
+    asked = []
+
+    def verb(cluster, call, names):
+        asked.append(sorted(names))
+        return {n: agent.Snapshot(({"pid": 9, "rank": 1},), 2.0) for n in names}
+
+    monkeypatch.setattr(agent, "run", verb)
+    monkeypatch.setattr(streamask, "SNAP_MARGIN_S", 0.5)
+    asks = StreamAsks()
+    for name, answer in (("a", True), ("e", "error"), ("q", False)):
+        asks.attach(name, Stream(asks, name, answer=answer))
+    got = snapshot_nodes(object(), asks, ["a", "e", "q", "x"], "run-1.a1", 0.1)
+    assert asked == [["e", "q", "x"]]  # an error from the stream is asked again by the verb
+    assert got["a"].ranks == ({"pid": 7, "rank": 0},) and got["a"].time == 1.0 and got["a"].error is None
+    assert all(got[n].ranks == ({"pid": 9, "rank": 1},) for n in ("e", "q", "x"))

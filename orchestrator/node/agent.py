@@ -352,7 +352,14 @@ class Snapshot:
 
 
 def read_snapshot(r: NodeResult) -> Snapshot:
-    return _reply(r, dict, lambda d: Snapshot(tuple(d["ranks"]), d.get("time")), lambda why: Snapshot(error=why))
+    return _reply(r, dict, snapshot_of, lambda why: Snapshot(error=why))
+
+
+def snapshot_of(doc: Mapping) -> Snapshot:
+    """A snapshot's document (the verb's reply, or a FRAME_SNAPSHOT record from the node's stream)."""
+    if doc.get("error") or not isinstance(doc.get("ranks"), list):
+        return Snapshot(error=f"the node agent's snapshot failed: {doc.get('error') or 'no ranks in it'}")
+    return Snapshot(tuple(doc["ranks"]), doc.get("time"))
 
 
 def snapshot(node: Node, key: str, request: int, wait: float, progress: bool = False) -> Call[Snapshot]:

@@ -21,9 +21,9 @@ from orchestrator.transport import NodeResult
 PROGRAM = "artifacts"
 _CODES = probe.load(PROGRAM)
 # the kinds of record on a node's stream (node_agent.py writes them with remote/artifacts.py `frame`)
-FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END, FRAME_STOPPING = (
+FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END, FRAME_STOPPING, FRAME_SNAPSHOT = (
     _CODES.FRAME_LOG, _CODES.FRAME_TB, _CODES.FRAME_CKPTS, _CODES.FRAME_PROGRESS, _CODES.FRAME_END,
-    _CODES.FRAME_STOPPING)
+    _CODES.FRAME_STOPPING, _CODES.FRAME_SNAPSHOT)
 TREE_MISSING, TREE_OUTSIDE = _CODES.TREE_MISSING, _CODES.TREE_OUTSIDE  # `tree`'s exit codes
 TIMEOUT = 60.0  # prepare, held, prune
 

@@ -1,7 +1,7 @@
 """The node agent's framed stream (`tail KEY OFFSET stream ...`): Stream, the sink that writes the
 log's bytes, the node's new checkpoints and TensorBoard bytes, every rank's progress and last the
-run's status as artifacts.py's frames; and the door back: a stop asked on its stdin. A stream lives
-as long as the run: what it uses is imported here at its start.
+run's status as artifacts.py's frames; and the door back: a stop or a snapshot asked on its stdin.
+A stream lives as long as the run: what it uses is imported here at its start.
 """
 import json
 import os
@@ -24,10 +24,13 @@ class Stream(Plain):
     with PROGRESS_S every rank's progress (`snapshot_doc`, asked every PROGRESS_S s), and last the
     run's status, by artifacts.py's rules (the ones its `poll` applies).
 
-    Its stdin, held open by the control machine, takes stop requests, a JSON line each
-    ({"stop": GRACE, "peer_failed": BOOL}): carried out as the `stop` verb would (agent_stop.py
-    `ask`), each answered with a FRAME_STOPPING record, so stopping a run costs the node no SSH
-    session and no interpreter's start. At EOF (a control machine that sends none) it listens no more."""
+    Its stdin, held open by the control machine, takes requests, a JSON line each:
+    {"stop": GRACE, "peer_failed": BOOL}, carried out as the `stop` verb would (agent_stop.py
+    `ask`) and answered with a FRAME_STOPPING record; {"snapshot": N, "wait": S}, every rank's
+    stacks as the `snapshot` verb takes them (`snapshot_doc`, on a thread of its own), answered
+    with a FRAME_SNAPSHOT record holding the document and "ask": N. So stopping a run or looking
+    at a hang costs the node no SSH session and no interpreter's start (one costs 1-1.5 s on a
+    node whose cores train). At EOF (a control machine that sends none) it listens no more."""
 
     def __init__(self, run_id, ckpt_dir, tb_dir, offsets_hex, progress_s="0"):
         super().__init__("stream")
@@ -40,6 +43,7 @@ class Stream(Plain):
         self.asking = None  # the thread asking the ranks now
         self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
         self.taken = []  # stop requests taken from stdin, to be answered by the main thread (the only writer)
+        self.snaps = []  # snapshots asked on stdin, taken, for the main thread to write
         threading_start(self.listen)
 
     def log(self, pos, chunk):
@@ -49,9 +53,9 @@ class Stream(Plain):
         return pos + len(chunk)
 
     def listen(self):
-        """Stop requests from stdin, until EOF; each carried out, then noted for its answer. Read
-        from fd 0 itself: a thread blocked in sys.stdin's reader holds its lock, which the
-        interpreter's exit then cannot take."""
+        """Requests from stdin, until EOF: a stop carried out, then noted for its answer; a snapshot
+        taken on a thread of its own. Read from fd 0 itself: a thread blocked in sys.stdin's reader
+        holds its lock, which the interpreter's exit then cannot take."""
         buf = b""
         while True:
             try:
@@ -65,14 +69,28 @@ class Stream(Plain):
                 line, buf = buf.split(b"\n", 1)
                 try:
                     req = json.loads(line)
+                    if "snapshot" in req:
+                        threading_start(self.snapshot, int(req["snapshot"]), float(req.get("wait", 10.0)))
+                        continue
                     ask(self.run_id, float(req["stop"]), bool(req.get("peer_failed")))
                     self.taken.append({"stop": req["stop"]})
                 except (OSError, ValueError, KeyError, TypeError) as e:  # said on the stream, which goes on
                     self.taken.append({"error": f"{type(e).__name__}: {e}"})
 
+    def snapshot(self, request, wait):
+        try:
+            doc = snapshot_doc(self.run_id, request, wait, "stacks")
+        except Exception as e:  # noqa: BLE001 - said in the answer; the control machine asks over SSH then
+            doc = {"ranks": [], "time": time.time(), "error": f"{type(e).__name__}: {e}"}
+        doc["ask"] = request
+        self.snaps.append(doc)
+
     def tick(self, now=False):
         while self.taken:
             self.out.write(self.art.frame({"t": self.art.FRAME_STOPPING}, json.dumps(self.taken.pop(0)).encode()))
+            self.out.flush()
+        while self.snaps:
+            self.out.write(self.art.frame({"t": self.art.FRAME_SNAPSHOT}, json.dumps(self.snaps.pop(0)).encode()))
             self.out.flush()
         self.progress()
         if not now and time.time() < self.next_scan:

@@ -59,6 +59,7 @@ SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBo
 # the kinds of record on a node's stream (orchestrator/node/artifacts.py `Frames` reads the same names)
 FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 FRAME_STOPPING = "stopping"  # a stop asked on the stream's stdin was taken (agent_stream.py Stream.listen)
+FRAME_SNAPSHOT = "snapshot"  # a snapshot asked on the stream's stdin: every rank's (agent_stream.py Stream.listen)
 TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads this file for them)
 
 

@@ -40,7 +40,8 @@ from orchestrator.runs.judge.straggler import Slow, StragglerWatch
 from orchestrator.runs.judge.stragglersnap import clock_offsets, progress
 from orchestrator.runs.store import Run, exit_meaning
 from orchestrator.torchrun import nprocs_for, rank_map, rank_map_text, too_many_procs
-from orchestrator.runs.logs.streams import Artifacts, StreamStops, copy_logs
+from orchestrator.runs.logs.streamask import snapshot_nodes
+from orchestrator.runs.logs.streams import Artifacts, StreamAsks, copy_logs
 from orchestrator.transport import Cluster, ErrorKind, NodeResult
 
 
@@ -73,7 +74,7 @@ class AttemptRunner:
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
         self.claims: Claims | None = None  # the run loop's (runs/claims.py), read as Readying reads it
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
-        self.streams = StreamStops()  # the nodes' open log streams: a stop's first way to them
+        self.streams = StreamAsks()  # the nodes' open log streams: the first way to them for a stop, a snapshot
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
         self.book.nodes_changed(list(self.statuses.values()), later=later)
@@ -154,8 +155,7 @@ class AttemptRunner:
         """Every rank of the attempt on the nodes still running it (node agent `snapshot`), and the
         nodes that answered."""
         live = self.cluster.live(n for n in names if self.statuses[n].state is NodeState.RUNNING)
-        ask = time.time_ns() // 1_000_000  # unique on the node: `clusterctl stack` asks the same hooks
-        got = agent.run(self.cluster, lambda nd: agent.snapshot(nd, self.key, ask, self.spec.snapshot_wait), live)
+        got = snapshot_nodes(self.cluster, self.streams, live, self.key, self.spec.snapshot_wait)
         out = snaps_of(got, self.say)
         self.snapshots[request] = {name: (sn.error or list(sn.ranks)) for name, sn in got.items()}
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run

@@ -22,7 +22,7 @@ from orchestrator.inventory import Inventory
 from orchestrator.inventory.ranges import fold
 from orchestrator.node import agent
 from orchestrator.runs.logs.catchup import complete_after_stop
-from orchestrator.runs.logs.streamstop import StreamStops
+from orchestrator.runs.logs.streamask import StreamAsks
 from orchestrator.runs.policy import stop_grace
 from orchestrator.runs.record import Book
 from orchestrator.runs.runrecord import PendingStop
@@ -67,11 +67,11 @@ class Stopper:
         self.wake = threading.Condition()  # notified by end_by: the retries' waits are cut
 
     def stop(self, key: str, nodes: list[str], grace: float, unreached_ok: set[str] = frozenset(),
-             peer_failed: bool = False, streams: StreamStops | None = None) -> list[str]:
+             peer_failed: bool = False, streams: StreamAsks | None = None) -> list[str]:
         """Stop attempt `key` on `nodes` now; a node not reached gets a pending stop (unless it is
         in `unreached_ok`: never started). `peer_failed`: the attempt is going down because a node
         failed (agent.stop). `streams`: the attempt's open log streams, asked first (no session
-        or process started on a node that takes it there: runs/logs/streamstop.py); the other
+        or process started on a node that takes it there: runs/logs/streamask.py); the other
         nodes get the `stop` verb. Returns the nodes left pending."""
         live = self.cluster.live(nodes)
         taken = streams.ask(live, grace, peer_failed) if streams is not None else set()

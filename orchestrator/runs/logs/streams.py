@@ -41,7 +41,7 @@ from orchestrator.inventory import Node
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.logs.copier import Artifacts, LogCopier
-from orchestrator.runs.logs.streamstop import StreamStops
+from orchestrator.runs.logs.streamask import StreamAsks
 from orchestrator.runs.scaling import STREAM_STALL_S  # the default below 64 nodes: the run's own is its spec's
 from orchestrator.runs.space import Space
 from orchestrator.runs.stopping import say  # echo's lines carry no prefix: say adds it
@@ -98,12 +98,12 @@ class _Copy:
                  on_end: Callable[[NodeResult, AgentStatus | None], None],
                  copier: LogCopier, echo: Callable[[str], None], stop: threading.Event | None, key: str,
                  stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S,
-                 streams: StreamStops | None = None):
+                 streams: StreamAsks | None = None):
         self.cluster, self.run, self.on_end, self.copier, self.echo, self.stop, self.key = \
             cluster, run, on_end, copier, echo, stop, key
-        self.streams = streams  # the framed streams, each a door for a stop (streamstop.py)
+        self.streams = streams  # the framed streams, each a door for a stop or a snapshot (streamask.py)
         if streams is not None:
-            copier.stop_answered = streams.answered
+            copier.answered = streams.answered
         self.stopping = stopping  # set once the attempt is being stopped: silence is expected then
         self.tell: Callable[..., None] = lambda text, **about: echo(text)  # `about`: Book.tell's data
         self.nodes = {n.name: n for n in nodes}
@@ -264,7 +264,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
               tell: Callable[..., None] | None = None, progress: Callable[[str, dict], None] | None = None,
               progress_s: float = 0.0, space: Space | None = None,
               stopping: threading.Event | None = None, stall_s: float = STREAM_STALL_S,
-              streams: StreamStops | None = None) -> set[str]:
+              streams: StreamAsks | None = None) -> set[str]:
     """Copy each node's log until its run ended there and every byte arrived, or the node is
     lost (unreachable for `lost_timeout`: `on_end` gets a LOST result). No timeout: a run lasts as
     long as it trains. `stop` ends the copying at once (`on_end` gets STOPPED results).
@@ -278,7 +278,7 @@ def copy_logs(cluster: Cluster, run: Run, nodes: list[Node], on_end: Callable[[N
     holds the copies back until there is room again; `stopping`: set once the attempt is being
     stopped (no stream is then restarted for its silence); `stall_s`: the silence of a stream, its node
     answering, that restarts it (at least 3 progress periods); `streams`: where each framed stream
-    is kept open as a door for the attempt's stop (streamstop.py). Returns the nodes whose copy ended short of
+    is kept open as a door for the attempt's stop (streamask.py). Returns the nodes whose copy ended short of
     their log (no room when their run ended there: runs/logs/catchup.py completes them later)."""
     if not nodes:
         return set()
