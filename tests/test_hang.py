@@ -216,6 +216,7 @@ def test_a_rank_answers_the_agents_snapshot_with_its_stack_and_flight_recorder(a
         s = RankSnap.from_agent("n1", rank)
         assert s.where.endswith(" stuck_here") and s.pgs == {"0": 3}
         assert s.names[("0", 3)][0] == "gloo:all_reduce"
+        assert 0 <= rank["at"] - s.entered_at["0"] < 120  # when it entered #3, on this clock (Flight Recorder)
         assert not list((d / "hook").glob("*.json"))  # answers are taken away once read
         # the progress answer, every few seconds on the node's stream: each process group's newest
         # collective entered and completed (the hang watch's "inside a collective"), and the rank's

@@ -31,30 +31,35 @@ def feed(w, t, r0, r1):
         w.feed(f"n{rank + 1}", {"time": t, "ranks": [rank_doc(rank, t, pgs, state, cpu)]})
 
 
-def full(rank, t, pgs, state="S", cpu=1.0, threads=LIB, hooked=True):
-    """A rank as the watch's own snapshot has it: stacks and the Flight Recorder."""
+def full(rank, t, pgs, state="S", cpu=1.0, threads=LIB, hooked=True, entered=None):
+    """A rank as the watch's own snapshot has it: stacks and the Flight Recorder (`entered`: when it
+    entered its newest collective of each group, the entries' time_created)."""
     asked = state not in "TtZX" and hooked
     return RankSnap(f"n{rank + 1}", rank, 100 + rank, state, cpu_s=cpu, threads=threads if asked else (),
                     pgs={k: v[0] for k, v in pgs.items()} if asked else {},
                     names={(k, v[0]): AR for k, v in pgs.items()} if asked else {},
-                    done={k: v[1] for k, v in pgs.items()} if asked else {}, tree_cpu_s=cpu, io=0, t=t, replied=asked)
+                    done={k: v[1] for k, v in pgs.items()} if asked else {}, tree_cpu_s=cpu, io=0, t=t, replied=asked,
+                    entered_at=entered or {})
 
 
-def watch(tmp_path, shots, **kw):
-    """A watch over ranks 0 (n1) and 1 (n2); shots(k, t) is what the k-th snapshot finds at node time t."""
+def watch(tmp_path, shots, gap=3.0, **kw):
+    """A watch over ranks 0 (n1) and 1 (n2); shots(k, t) is what the k-th snapshot finds at node time
+    t, `gap` s after the newest record or snapshot (a check's second, CONFIRM_S after its first at least)."""
     calls, found, said = [], [], []
     clock = {"t": 0.0}
 
     def take(k):
         calls.append(k)
-        clock["t"] += 3.0
+        clock["t"] += gap
         snaps = shots(k, clock["t"])
         return snaps, sorted({s.node for s in snaps})
 
     kw.setdefault("timeout", 300.0)
     w = HangWatch(snap=take, world=[0, 1], ranks_of={0: "n1", 1: "n2"}, out_dir=tmp_path / "hangs",
                   on_hang=lambda v, d: found.append((v, d)), say=said.append, order=["n1", "n2"], armed=True, **kw)
-    w.stop.wait = lambda s: False  # no pause between a check's two snapshots when check() is called directly
+    # no pause between a check's two snapshots when check() is called directly: the nodes' clock moves
+    # on by what is left of it after a snapshot's `gap`
+    w.stop.wait = lambda s: clock.__setitem__("t", clock["t"] + max(0.0, s - gap)) or False
     w.clock = clock
     return w, calls, found, said
 
@@ -63,14 +68,17 @@ def stopped_shots(k, t):
     return [full(0, t, {"0": (8, 7)}), full(1, t, {}, state="T")]
 
 
-def test_ranks_waiting_for_a_stopped_rank_are_named_at_the_first_record_that_shows_it(tmp_path):
-    w, calls, found, _ = watch(tmp_path, stopped_shots)
+@pytest.mark.parametrize("gap, looks", [(3.0, [1]), (1.0, [1, 2])], ids=["held-3s-at-the-first-look", "a-second-look"])
+def test_ranks_waiting_for_a_stopped_rank_are_named_at_the_first_record_that_shows_it(tmp_path, gap, looks):
+    """The check's first snapshot 3 s after rank 0 was seen entering #8 already shows the hang held
+    3 s: judged at once; 1 s after, it looks again (each `gap` later)."""
+    w, calls, found, _ = watch(tmp_path, stopped_shots, gap=gap)
     feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
     w.tick()
     assert calls == []  # both moved: nothing to look at
     feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))  # rank 0 entered #8; rank 1 is stopped
     w.tick()
-    assert calls == [1, 2] and len(found) == 1, w.standing()
+    assert calls == looks and len(found) == 1, w.standing()
     v, d = found[0]
     assert v.text.startswith("hang: rank 1 (n2, pid 101) is stopped (state T") and "never entered gloo:all_reduce #8" \
         in v.text, v.text
@@ -167,7 +175,7 @@ def test_observe_tells_a_hang_once_until_a_rank_moves_again(tmp_path):
     feed(w, 110, ({"0": (8, 7)}, "S", 1.0), ({}, "T", 1.0))
     w.tick()
     w.tick()
-    assert len(found) == 1 and calls == [1, 2]
+    assert len(found) == 1 and calls == [1]  # its first look held 3 s after rank 0 entered: told once
     feed(w, 120, ({"0": (9, 9)}, "S", 1.0), ({"0": (9, 9)}, "S", 1.0))  # SIGCONT: both moved on
     assert not w.quiet
     feed(w, 130, ({"0": (10, 9)}, "S", 1.0), ({}, "T", 1.0))
@@ -296,3 +304,57 @@ def test_before_the_first_progress_record_a_quiet_log_is_not_silence(tmp_path):
     w.backstop_at -= 10
     w.tick()
     assert calls == [], said
+
+
+def test_the_flight_recorders_entry_time_counts_a_wait_from_when_the_rank_entered(tmp_path):
+    """Rank 0 was first seen inside #8 at the record of t=110, but its Flight Recorder (the check's
+    first snapshot, 0.5 s later) says it entered #8 at t=106.5: it has waited 4 s, rank 1 has been
+    stopped since, so the first look is the verdict. Without the entry time it looks again."""
+    def shots(k, t):
+        return [full(0, t, {"0": (8, 7)}, entered={"0": 106.5}), full(1, t, {}, state="T")]
+
+    w, calls, found, _ = watch(tmp_path, shots, gap=0.5)
+    feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
+    feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
+    w.tick()
+    assert calls == [1] and len(found) == 1
+    assert w.standing().ranks[0].stalled_s == pytest.approx(4.0)
+    w2, calls2, found2, _ = watch(tmp_path / "b", stopped_shots, gap=0.5)
+    feed(w2, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
+    feed(w2, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
+    w2.tick()
+    assert calls2 == [1, 2] and len(found2) == 1
+
+
+def test_an_entry_time_before_the_observation_that_had_not_seen_the_move_is_not_believed(tmp_path):
+    """A wait is never counted from before the last observation that saw the rank elsewhere: an
+    entry time from a skewed or confused clock stops at it."""
+    def shots(k, t):
+        return [full(0, t, {"0": (8, 7)}, entered={"0": 50.0}), full(1, t, {}, state="T")]
+
+    w, calls, found, _ = watch(tmp_path, shots, gap=0.5)
+    feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
+    feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
+    w.tick()
+    assert calls == [1, 2]  # rank 0 was inside #7 at t=100: its wait is not counted from t=50
+
+
+def test_a_rank_reads_when_it_entered_its_collectives_from_either_answer():
+    """A snapshot's Flight Recorder entries and a progress answer's `entered` give the time (ns, the
+    node's clock) each group's newest collective was entered; only the one it is inside counts."""
+    fr = {"pg_status": {"0": {"last_enqueued_collective": 8, "last_completed_collective": 7}},
+          "entries": [{"pg_id": 0, "collective_seq_id": 7, "time_created_ns": 101_000_000_000, "is_p2p": False,
+                       "profiling_name": "gloo:all_reduce"},
+                      {"pg_id": 0, "collective_seq_id": 8, "time_created_ns": 106_500_000_000, "is_p2p": False,
+                       "profiling_name": "gloo:all_reduce"}]}
+    snap = RankSnap.from_agent("n1", {"rank": 0, "pid": 9, "state": "S", "at": 110.0,
+                                      "answer": {"stacks": [{"thread": "MainThread", "main": True, "frames": [
+                                          {"file": "c10d.py", "line": 1, "func": "all_reduce", "lib": True}]}],
+                                                 "fr": fr}})
+    assert snap.entered_at == {"0": 106.5} and snap.inside == {"0": 8} and snap.inside_since == 106.5
+    prog = RankSnap.from_agent("n1", {"rank": 0, "pid": 9, "state": "S", "at": 110.0, "answer": {
+        "pgs": {"0": [8, 7]}, "steps": [], "entered": [["0", 7, 101_000_000_000], ["0", 8, 106_500_000_000]]}})
+    assert prog.entered_at == {"0": 106.5}
+    done = RankSnap.from_agent("n1", {"rank": 0, "pid": 9, "state": "S", "at": 110.0, "answer": {
+        "pgs": {"0": [8, 8]}, "steps": [], "entered": [["0", 8, 106_500_000_000]]}})
+    assert done.inside == {} and done.inside_since is None  # completed: not inside, whatever the time

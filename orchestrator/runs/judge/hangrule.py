@@ -7,7 +7,9 @@ Flight Recorder's newest entered and completed, per process group), never its lo
 prints does not make a stuck rank look alive. Each rank is, at its newest observation:
 
 - moving: its progress moved within WAIT_S (node clock);
-- waiting: inside a collective (entered, not completed) for WAIT_S or more;
+- waiting: inside a collective (entered, not completed) for WAIT_S or more: since it entered, where
+  its Flight Recorder says when (a snapshot's entries, a progress answer's `entered`), else since the
+  observation that first saw it move there;
 - stopped (state T), gone (its process ended or vanished), in D state, or idle (no progress, under
   IDLE_CPU of a core and under IDLE_IO bytes a second of disk I/O over the last IDLE_S, its data-loader
   workers and other processes of its RANK counted): it makes no progress and nothing says it will;
@@ -77,6 +79,7 @@ class Seen:
     known: RankSnap | None = None
     since_t: float = 0.0
     since: float = 0.0
+    floor: float = 0.0  # the observation before the one that saw it move last (node clock): it moved after
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,14 @@ class Tracker:
             self.answered = True
             self.started |= bool(s.pgs) or s.step is not None
             if seen.known is not None and progressed(seen.known, s):
+                seen.floor = seen.recent[-1].t or 0.0 if seen.recent else 0.0
                 seen.since_t, seen.since, moved = t, now, True
             seen.known = s
+            # its last move was entering the collective it is still inside: counted from then where its
+            # Flight Recorder says when (never before the observation that had not yet seen it move)
+            entered = s.inside_since
+            if entered is not None and seen.floor <= entered < seen.since_t:
+                seen.since_t = entered
         seen.recent.append(s)
         return moved
 

@@ -57,6 +57,9 @@ class RankSnap:
     step: int | None = None  # the newest step the script told clusterctl_step
     replied: bool = False  # the hook answered (a progress answer before the first collective says little)
     exiting: bool = False  # its script ended: the hook's atexit ran (the run's end, not a hang)
+    # pg -> when it entered its newest collective there (the Flight Recorder's time_created_ns: the
+    # node's clock), where the answer carried it (a snapshot's entries, a progress answer's "entered")
+    entered_at: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def answered(self) -> bool:
@@ -95,6 +98,15 @@ class RankSnap:
         return dict(self.pgs) if len(self.pgs) == 1 and self.in_library else {}
 
     @property
+    def inside_since(self) -> float | None:
+        """When the rank entered the newest of the collectives it is inside now (node clock): the
+        last time its progress moved, where the Flight Recorder says so for each of them."""
+        inside = self.inside
+        if not inside or any(pg not in self.entered_at for pg in inside):
+            return None
+        return max(self.entered_at[pg] for pg in inside)
+
+    @property
     def cpu(self) -> float | None:
         return self.tree_cpu_s if self.tree_cpu_s is not None else self.cpu_s
 
@@ -113,19 +125,25 @@ class RankSnap:
         if not status and isinstance(ans.get("pgs"), Mapping):  # a progress answer: {pg: [entered, completed]}
             pgs = {str(k): int(v[0]) for k, v in ans["pgs"].items()}
             done = {str(k): int(v[1]) for k, v in ans["pgs"].items()}
-        names = {}
+        names, entered = {}, {}
         for e in fr.get("entries") or []:
             if e.get("is_p2p") or e.get("collective_seq_id") is None:
                 continue
             names[(str(e.get("pg_id")), int(e["collective_seq_id"]))] = (str(e.get("profiling_name") or "?"),
                                                                         json.dumps(e.get("input_sizes")))
+            entered[(str(e.get("pg_id")), int(e["collective_seq_id"]))] = e.get("time_created_ns")
+        for e in ans.get("entered") or []:  # a progress answer's [[pg, seq, time_created_ns]]
+            if isinstance(e, (list, tuple)) and len(e) == 3 and isinstance(e[1], int):
+                entered[(str(e[0]), e[1])] = e[2]
+        entered_at = {pg: entered[(pg, seq)] / 1e9 for pg, seq in pgs.items()
+                      if isinstance(entered.get((pg, seq)), (int, float)) and entered[(pg, seq)] > 0}
         steps = [s[0] for s in ans.get("steps") or () if isinstance(s, (list, tuple)) and s]
         step = ans.get("step") if isinstance(ans.get("step"), int) else (steps[-1] if steps else None)
         rank = doc.get("rank")
         return cls(node, int(rank) if str(rank).isdigit() else -1, doc.get("pid"), str(doc.get("state") or "?"),
                    str(doc.get("wchan") or ""), doc.get("cpu_s"), doc.get("error") or ans.get("fr_error"),
                    tuple(threads), pgs, names, outside, done, doc.get("tree_cpu_s"), doc.get("io"),
-                   doc.get("at") or t or doc.get("time"), step, bool(ans), bool(doc.get("exiting")))
+                   doc.get("at") or t or doc.get("time"), step, bool(ans), bool(doc.get("exiting")), entered_at)
 
 
 def snaps_of(docs: Mapping[str, object], say=None) -> list[RankSnap]:

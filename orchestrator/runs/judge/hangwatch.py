@@ -10,7 +10,9 @@ every rank is inside a collective; when a rank has been busy in its own code for
 collectives: not log bytes) moved for the hang timeout (--hang-timeout; on a run whose hooks never
 answer, its log's bytes stand in for progress). To look closer is to snapshot every rank (stacks,
 Flight Recorder, /proc state and CPU), wait CONFIRM_S, snapshot again, add both to the Tracker and
-judge again: a hang is what still holds then. Every rank inside a collective with none behind is
+judge again: a hang is what still holds then. Where the first snapshot already shows it held that
+long (`settled`: the ranks stuck, the others inside the collective for CONFIRM_S since they entered
+it by their Flight Recorders, and no stopped rank's progress moved for as long), it is judged at once. Every rank inside a collective with none behind is
 a hang when the nodes cannot reach each other (`probe`), a mismatch or a deadlock, or at the
 backstop; else it is left to the backstop (a collective can be slow). A check that finds no hang
 is not repeated until the Standing changes. The verdict is kept in runs/RUN/hangs/N/ and handed
@@ -196,18 +198,20 @@ class HangWatch:
                  "taking a snapshot of every rank's stacks and collectives")
         else:
             self.say(f"hang watch: {st.line()}: taking a snapshot of every rank")
-        self.take()
-        if self.stop.wait(CONFIRM_S):
-            return
-        second = self.take()
-        if self.stop.is_set():
-            return
+        snaps = self.take()
         st = self.standing()
-        v = self.judge(st, second, backstop)
+        if backstop or not settled(st):
+            if self.stop.wait(CONFIRM_S):
+                return
+            snaps = self.take()
+            if self.stop.is_set():
+                return
+            st = self.standing()
+        v = self.judge(st, snaps, backstop)
         if v is None:
             self.checked, self.backstop_at = st.signature, time.monotonic()
         else:
-            self.found(v, second)
+            self.found(v, snaps)
 
     def judge(self, st: Standing, snaps: list[RankSnap], backstop: bool) -> HangVerdict | None:
         """The verdict of a closer look (None: no hang, said why)."""
@@ -272,3 +276,14 @@ class HangWatch:
         # observe: told once; the next hang is one that follows new progress
         self.quiet = self.observe
         self.backstop_at = time.monotonic()
+
+
+def settled(st: Standing) -> bool:
+    """The Standing is a hang that has already held CONFIRM_S, as the ranks' own clocks show it:
+    ranks wait for a stuck one, every rank that waits has been inside its collective that long (since
+    it entered it, where its Flight Recorder says when), and a stopped one made no progress for as long
+    (idle, D state and gone take IDLE_S and GONE_S of evidence to be told at all). A second look
+    CONFIRM_S later would only see the same."""
+    return st.kind == "stuck" and all(s.stalled_s >= CONFIRM_S for s in st.ranks.values()
+                                      if s.kind in ("waiting", "stopped"))
+
