@@ -306,37 +306,23 @@ def test_before_the_first_progress_record_a_quiet_log_is_not_silence(tmp_path):
     assert calls == [], said
 
 
-def test_the_flight_recorders_entry_time_counts_a_wait_from_when_the_rank_entered(tmp_path):
-    """Rank 0 was first seen inside #8 at the record of t=110, but its Flight Recorder (the check's
-    first snapshot, 0.5 s later) says it entered #8 at t=106.5: it has waited 4 s, rank 1 has been
-    stopped since, so the first look is the verdict. Without the entry time it looks again."""
+@pytest.mark.parametrize("entered, looks", [(106.5, [1]), (None, [1, 2]), (50.0, [1, 2])],
+                         ids=["entered-4s-before", "no-entry-time", "entered-before-the-last-look-elsewhere"])
+def test_the_flight_recorders_entry_time_counts_a_wait_from_when_the_rank_entered(tmp_path, entered, looks):
+    """Rank 0 was first seen inside #8 at the record of t=110; its Flight Recorder (the check's first
+    snapshot, 0.5 s later) says it entered #8 at t=106.5: it has waited 4 s, rank 1 has been stopped
+    since, so the first look is the verdict. Without the entry time it looks again 3 s later; an
+    entry time before t=100, when rank 0 was seen inside #7 still (a confused clock), is not believed."""
     def shots(k, t):
-        return [full(0, t, {"0": (8, 7)}, entered={"0": 106.5}), full(1, t, {}, state="T")]
+        return [full(0, t, {"0": (8, 7)}, entered={"0": entered} if entered else None), full(1, t, {}, state="T")]
 
     w, calls, found, _ = watch(tmp_path, shots, gap=0.5)
     feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
     feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
     w.tick()
-    assert calls == [1] and len(found) == 1
-    assert w.standing().ranks[0].stalled_s == pytest.approx(4.0)
-    w2, calls2, found2, _ = watch(tmp_path / "b", stopped_shots, gap=0.5)
-    feed(w2, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
-    feed(w2, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
-    w2.tick()
-    assert calls2 == [1, 2] and len(found2) == 1
-
-
-def test_an_entry_time_before_the_observation_that_had_not_seen_the_move_is_not_believed(tmp_path):
-    """A wait is never counted from before the last observation that saw the rank elsewhere: an
-    entry time from a skewed or confused clock stops at it."""
-    def shots(k, t):
-        return [full(0, t, {"0": (8, 7)}, entered={"0": 50.0}), full(1, t, {}, state="T")]
-
-    w, calls, found, _ = watch(tmp_path, shots, gap=0.5)
-    feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
-    feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
-    w.tick()
-    assert calls == [1, 2]  # rank 0 was inside #7 at t=100: its wait is not counted from t=50
+    assert calls == looks and len(found) == 1
+    if entered == 106.5:
+        assert w.standing().ranks[0].stalled_s == pytest.approx(4.0)
 
 
 def test_a_rank_reads_when_it_entered_its_collectives_from_either_answer():

@@ -257,6 +257,28 @@ time.sleep(120)
 """
 
 
+def ask_on_stdin(proc, ready: bytes, request: bytes):
+    """The stream's records: read until `ready` is in its log, `request` written on its stdin, read
+    on until its end record."""
+    frames, got, log = Frames(), [], b""
+    deadline = time.monotonic() + 60
+    while ready not in log:
+        assert time.monotonic() < deadline, got
+        for head, body in frames.feed(os.read(proc.stdout.fileno(), 4096)):
+            got.append((head, body))
+            log += body if head["t"] == "log" else b""
+    proc.stdin.write(request)
+    proc.stdin.flush()
+    while not any(h["t"] == "end" for h, _ in got):
+        assert time.monotonic() < deadline, got
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, got
+        got += list(frames.feed(chunk))
+    proc.stdin.close()
+    proc.wait(30)
+    return got
+
+
 def test_a_stop_asked_on_the_streams_stdin_is_answered_and_carried_out_by_the_woken_waiter(tmp_path):
     """The stream's stdin takes stop requests (a JSON line each): one that is not a request is
     answered with its error and changes nothing; a request is written as `stop` writes it, the
@@ -269,23 +291,8 @@ def test_a_stop_asked_on_the_streams_stdin_is_answered_and_carried_out_by_the_wo
                        stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     run = tmp_path / ".clusterctl" / "node-runs" / key
-    proc = stream(tmp_path, key, 0, {})
-    frames, got, log = Frames(), [], b""
-    deadline = time.monotonic() + 60
-    while b"up" not in log:
-        assert time.monotonic() < deadline, got
-        for head, body in frames.feed(os.read(proc.stdout.fileno(), 4096)):
-            got.append((head, body))
-            log += body if head["t"] == "log" else b""
-    proc.stdin.write(b"not json\n" + json.dumps({"stop": 7, "peer_failed": False}).encode() + b"\n")
-    proc.stdin.flush()
-    while not any(h["t"] == "end" for h, _ in got):
-        assert time.monotonic() < deadline, got
-        chunk = os.read(proc.stdout.fileno(), 4096)
-        assert chunk, got
-        got += list(frames.feed(chunk))
-    proc.stdin.close()
-    proc.wait(30)
+    got = ask_on_stdin(stream(tmp_path, key, 0, {}), b"up",
+                       b"not json\n" + json.dumps({"stop": 7, "peer_failed": False}).encode() + b"\n")
     answers = [json.loads(b) for h, b in got if h["t"] == "stopping"]
     assert "error" in answers[0] and answers[1:] == [{"stop": 7}]
     assert json.loads((run / "stop").read_text())["grace"] == 7
@@ -302,23 +309,8 @@ def test_a_snapshot_asked_on_the_streams_stdin_is_every_ranks_stacks_as_the_verb
     r = subprocess.run(probe.local_argv("node_agent", "start", key, json.dumps(spec).encode().hex()),
                        stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    proc = stream(tmp_path, key, 0, {}, "-")
-    frames, got, log = Frames(), [], b""
-    deadline = time.monotonic() + 60
-    while b"ready" not in log:
-        assert time.monotonic() < deadline, got
-        for head, body in frames.feed(os.read(proc.stdout.fileno(), 4096)):
-            got.append((head, body))
-            log += body if head["t"] == "log" else b""
-    proc.stdin.write(json.dumps({"snapshot": 77, "wait": 5}).encode() + b"\n")
-    proc.stdin.flush()
-    while not any(h["t"] == "end" for h, _ in got):
-        assert time.monotonic() < deadline, got
-        chunk = os.read(proc.stdout.fileno(), 4096)
-        assert chunk, got
-        got += list(frames.feed(chunk))
-    proc.stdin.close()
-    proc.wait(30)
+    got = ask_on_stdin(stream(tmp_path, key, 0, {}, "-"), b"ready",
+                       json.dumps({"snapshot": 77, "wait": 5}).encode() + b"\n")
     docs = [json.loads(b) for h, b in got if h["t"] == "snapshot"]
     assert len(docs) == 1 and docs[0]["ask"] == 77, got
     snap = agent.snapshot_of(docs[0])

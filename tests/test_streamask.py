@@ -6,6 +6,8 @@ a hang's snapshots through them, tests/test_hang_fast_cluster.py's."""
 import json
 import threading
 
+import pytest
+
 from orchestrator.node.artifacts import FRAME_SNAPSHOT, FRAME_STOPPING
 from orchestrator.runs.logs import streamask
 from orchestrator.runs.logs.streamask import StreamAsks, snapshot_nodes
@@ -56,14 +58,17 @@ def test_the_nodes_that_answered_are_the_ones_taken_and_the_rest_are_left_for_th
     assert procs["c"].sent == []
 
 
-def test_a_stream_that_ends_is_not_waited_for():
-    stops = StreamAsks()
-    quiet = Stream(stops, "q", answer=False)
-    stops.attach("q", quiet)
-    threading.Timer(0.05, stops.detach, ("q", quiet)).start()
+@pytest.mark.parametrize("what", ["stop", "snapshot"])
+def test_a_stream_that_ends_is_not_waited_for(what):
+    asks = StreamAsks()
+    quiet = Stream(asks, "q", answer=False)
+    asks.attach("q", quiet)
+    threading.Timer(0.05, asks.detach, ("q", quiet)).start()
     done = threading.Event()
-    threading.Thread(target=lambda: (stops.ask(["q"], 1.0, False, wait=600), done.set()), daemon=True).start()
-    assert done.wait(60), "ask waited for a stream that had ended"
+    ask = (lambda: asks.ask(["q"], 1.0, False, wait=600)) if what == "stop" else \
+        (lambda: asks.snapshot(["q"], 1, 1.0, limit=600))
+    threading.Thread(target=lambda: (ask(), done.set()), daemon=True).start()
+    assert done.wait(60), f"the {what} waited for a stream that had ended"
 
 
 def test_a_restarted_streams_old_end_does_not_detach_the_new_one_and_answers_count_per_request():
@@ -93,16 +98,6 @@ def test_a_snapshot_is_the_answers_of_its_own_request_within_the_limit_and_none_
     assert asks.snaps == {}  # nothing waits now: an answer coming later is not kept
     asks.answered("q", FRAME_SNAPSHOT, {"ranks": [], "ask": 42})
     assert asks.snaps == {}
-
-
-def test_a_snapshot_does_not_wait_for_a_stream_that_ends():
-    asks = StreamAsks()
-    quiet = Stream(asks, "q", answer=False)
-    asks.attach("q", quiet)
-    threading.Timer(0.05, asks.detach, ("q", quiet)).start()
-    done = threading.Event()
-    threading.Thread(target=lambda: (asks.snapshot(["q"], 1, 1.0, limit=600), done.set()), daemon=True).start()
-    assert done.wait(60), "snapshot waited for a stream that had ended"
 
 
 def test_snapshot_nodes_asks_the_verb_only_of_the_nodes_whose_stream_did_not_answer(monkeypatch):
