@@ -244,7 +244,8 @@ def test_the_record_kinds_are_the_node_sides():
     from orchestrator.node import artifacts as door
 
     node = probe.load("artifacts")
-    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END", "FRAME_STOPPING", "FRAME_SNAPSHOT")
+    kinds = ("FRAME_LOG", "FRAME_TB", "FRAME_CKPTS", "FRAME_PROGRESS", "FRAME_END", "FRAME_STOPPING", "FRAME_SNAPSHOT",
+             "FRAME_CLOCK")
     assert [getattr(door, k) for k in kinds] == [getattr(node, k) for k in kinds]
     assert [getattr(log_copier, k) for k in kinds] == [getattr(node, k) for k in kinds]
 
@@ -310,9 +311,11 @@ def test_a_snapshot_asked_on_the_streams_stdin_is_every_ranks_stacks_as_the_verb
                        stdin=subprocess.DEVNULL, env=agent_env(tmp_path), capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     got = ask_on_stdin(stream(tmp_path, key, 0, {}, "-"), b"ready",
-                       json.dumps({"snapshot": 77, "wait": 5}).encode() + b"\n")
+                       json.dumps({"snapshot": 77, "wait": 5}).encode() + b"\n" + json.dumps({"clock": 78}).encode() + b"\n")
     docs = [json.loads(b) for h, b in got if h["t"] == "snapshot"]
     assert len(docs) == 1 and docs[0]["ask"] == 77, got
+    [clock] = [json.loads(b) for h, b in got if h["t"] == "clock"]
+    assert clock["clock"] == 78 and abs(clock["time"] - time.time()) < 60, clock  # the node's clock as it read it
     snap = agent.snapshot_of(docs[0])
     assert snap.error is None and [r["rank"] for r in snap.ranks] == [0], docs
     stacks = snap.ranks[0]["answer"]["stacks"]

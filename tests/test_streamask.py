@@ -5,10 +5,11 @@ a hang's snapshots through them, tests/test_hang_fast_cluster.py's."""
 
 import json
 import threading
+import time
 
 import pytest
 
-from orchestrator.node.artifacts import FRAME_SNAPSHOT, FRAME_STOPPING
+from orchestrator.node.artifacts import FRAME_CLOCK, FRAME_SNAPSHOT, FRAME_STOPPING
 from orchestrator.runs.logs import streamask
 from orchestrator.runs.logs.streamask import StreamAsks, snapshot_nodes
 
@@ -25,6 +26,10 @@ class Stream:
         self.sent.append(json.loads(data))
         assert data.endswith(b"\n") and data.count(b"\n") == 1
         req = self.sent[-1]
+        if "clock" in req:
+            if self.answer is True:  # a node 2.5 s ahead of this machine
+                self.stops.answered(self.name, FRAME_CLOCK, {"clock": req["clock"], "time": time.time() + 2.5})
+            return True
         if "snapshot" in req:
             return self.snapshot(req)
         if self.answer is True:
@@ -118,3 +123,25 @@ def test_snapshot_nodes_asks_the_verb_only_of_the_nodes_whose_stream_did_not_ans
     assert asked == [["e", "q", "x"]]  # an error from the stream is asked again by the verb
     assert got["a"].ranks == ({"pid": 7, "rank": 0},) and got["a"].time == 1.0 and got["a"].error is None
     assert all(got[n].ranks == ({"pid": 9, "rank": 1},) for n in ("e", "q", "x"))
+
+
+def test_clock_offsets_are_read_on_the_streams_and_by_date_only_where_a_stream_did_not_answer(monkeypatch):
+    from orchestrator.runs.judge import stragglersnap
+    from orchestrator.transport import NodeResult
+
+    asked = []
+
+    class Cluster:
+        def run(self, command, nodes, timeout):  # `date` over SSH: the way without a stream
+            asked.extend(nodes)
+            return {n: NodeResult(n, 0, f"{time.time() - 1.0:.6f}\n", "") for n in nodes}
+
+    monkeypatch.setattr(stragglersnap, "CLOCK_S", 0.3)
+    asks = StreamAsks()
+    asks.attach("a", Stream(asks, "a"))
+    asks.attach("q", Stream(asks, "q", answer=False))
+    got = stragglersnap.clock_offsets(Cluster(), ["a", "q"], asks=asks)
+    assert sorted(asked) == ["q"] * 3  # three tries each way
+    assert got["a"][0] == pytest.approx(2.5, abs=0.2) and got["a"][1] < 0.2, got
+    assert got["q"][0] == pytest.approx(-1.0, abs=0.2), got
+    assert asks.clocks == {}

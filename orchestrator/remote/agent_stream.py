@@ -28,7 +28,8 @@ class Stream(Plain):
     {"stop": GRACE, "peer_failed": BOOL}, carried out as the `stop` verb would (agent_stop.py
     `ask`) and answered with a FRAME_STOPPING record; {"snapshot": N, "wait": S}, every rank's
     stacks as the `snapshot` verb takes them (`snapshot_doc`, on a thread of its own), answered
-    with a FRAME_SNAPSHOT record holding the document and "ask": N. So stopping a run or looking
+    with a FRAME_SNAPSHOT record holding the document and "ask": N; {"clock": N}, answered with a
+    FRAME_CLOCK record of this node's clock when the line was read. So stopping a run or looking
     at a hang costs the node no SSH session and no interpreter's start (one costs 1-1.5 s on a
     node whose cores train). At EOF (a control machine that sends none) it listens no more."""
 
@@ -43,7 +44,7 @@ class Stream(Plain):
         self.asking = None  # the thread asking the ranks now
         self.answers = []  # its finished documents, for the main thread to write (list ops are atomic)
         self.taken = []  # stop requests taken from stdin, to be answered by the main thread (the only writer)
-        self.snaps = []  # snapshots asked on stdin, taken, for the main thread to write
+        self.snaps = []  # (document, frame kind): snapshots and clock readings asked on stdin, to be written
         threading_start(self.listen)
 
     def log(self, pos, chunk):
@@ -69,6 +70,9 @@ class Stream(Plain):
                 line, buf = buf.split(b"\n", 1)
                 try:
                     req = json.loads(line)
+                    if "clock" in req:
+                        self.snaps.append(({"clock": req["clock"], "time": time.time()}, self.art.FRAME_CLOCK))
+                        continue
                     if "snapshot" in req:
                         threading_start(self.snapshot, int(req["snapshot"]), float(req.get("wait", 10.0)))
                         continue
@@ -83,14 +87,15 @@ class Stream(Plain):
         except Exception as e:  # noqa: BLE001 - said in the answer; the control machine asks over SSH then
             doc = {"ranks": [], "time": time.time(), "error": f"{type(e).__name__}: {e}"}
         doc["ask"] = request
-        self.snaps.append(doc)
+        self.snaps.append((doc, self.art.FRAME_SNAPSHOT))
 
     def tick(self, now=False):
         while self.taken:
             self.out.write(self.art.frame({"t": self.art.FRAME_STOPPING}, json.dumps(self.taken.pop(0)).encode()))
             self.out.flush()
         while self.snaps:
-            self.out.write(self.art.frame({"t": self.art.FRAME_SNAPSHOT}, json.dumps(self.snaps.pop(0)).encode()))
+            doc, kind = self.snaps.pop(0)
+            self.out.write(self.art.frame({"t": kind}, json.dumps(doc).encode()))
             self.out.flush()
         self.progress()
         if not now and time.time() < self.next_scan:

@@ -60,6 +60,7 @@ SCAN_S = 2.0  # how often a node's stream looks for new checkpoints and TensorBo
 FRAME_LOG, FRAME_TB, FRAME_CKPTS, FRAME_PROGRESS, FRAME_END = "log", "tb", "ckpts", "progress", "end"
 FRAME_STOPPING = "stopping"  # a stop asked on the stream's stdin was taken (agent_stream.py Stream.listen)
 FRAME_SNAPSHOT = "snapshot"  # a snapshot asked on the stream's stdin: every rank's (agent_stream.py Stream.listen)
+FRAME_CLOCK = "clock"  # the node's clock when it read a clock request on the stream's stdin (same)
 TREE_MISSING, TREE_OUTSIDE = 4, 5  # `tree`'s exit codes (the control side loads this file for them)
 
 

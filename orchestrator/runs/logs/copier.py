@@ -17,7 +17,7 @@ from typing import IO, Callable, Protocol
 from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus, StreamFrom
 from orchestrator.node.artifacts import (FRAME_CKPTS, FRAME_END, FRAME_LOG, FRAME_PROGRESS,  # noqa: F401
-                                          FRAME_SNAPSHOT, FRAME_STOPPING, FRAME_TB, Frames)
+                                          FRAME_CLOCK, FRAME_SNAPSHOT, FRAME_STOPPING, FRAME_TB, Frames)
 from orchestrator.runs.logs.rankfiles import RankFiles
 from orchestrator.runs.space import Space, write_all
 from orchestrator.runs.stepjournal import StepJournal
@@ -56,7 +56,7 @@ class LogCopier:
         self.ranks_wait = False  # stopped by a full disk: made again (from their index) once there is room
         # when rank 0's steps arrived (the goodput ledger's); a full disk costs the ledger points, not the run
         self.steps = StepJournal(run.dir, run.record.attempt or 1)
-        # a stream's answer to a request on its stdin: FRAME_STOPPING, FRAME_SNAPSHOT (streamask.py)
+        # a stream's answer to a request on its stdin: FRAME_STOPPING, FRAME_SNAPSHOT, FRAME_CLOCK (streamask.py)
         self.answered: Callable[[str, str, dict], None] | None = None
         self.split_ranks()
 
@@ -121,7 +121,7 @@ class LogCopier:
                 self.write_log(name, body[have - head["offset"]:])
         elif kind == FRAME_END:
             self.final[name] = AgentStatus.from_json(body)
-        elif kind in (FRAME_STOPPING, FRAME_SNAPSHOT) and self.answered is not None:
+        elif kind in (FRAME_STOPPING, FRAME_SNAPSHOT, FRAME_CLOCK) and self.answered is not None:
             self.answered(name, kind, json.loads(body))
         elif self.artifacts is not None and kind == FRAME_TB:
             try:

@@ -1,11 +1,12 @@
-"""Asking an attempt's nodes through their open log streams: a stop, a snapshot of every rank; no
-SSH session, no process started on the node.
+"""Asking an attempt's nodes through their open log streams: a stop, a snapshot of every rank, the
+node's clock; no SSH session, no process started on the node.
 
 A node's framed log stream (remote/agent_stream.py Stream) takes requests on its stdin, which the
 control machine keeps open (transport Proc.send): a stop, carried out as the `stop` verb would
 (remote/agent_stop.py `ask`: the request written and the run's waiter woken) and answered with a
 FRAME_STOPPING record; a snapshot, taken as the `snapshot` verb takes it (every rank's /proc state,
-stacks and Flight Recorder) and answered with a FRAME_SNAPSHOT record. `StreamAsks` holds one
+stacks and Flight Recorder) and answered with a FRAME_SNAPSHOT record; a clock reading, answered
+with a FRAME_CLOCK record (the straggler watch's clock offsets, runs/judge/stragglersnap.py). `StreamAsks` holds one
 attempt's streams (runs/logs/streams.py attaches each as it starts and detaches it as it ends);
 runs/stopping.py Stopper asks a stop through it first and sends the `stop` verb, as before, to
 every node whose stream did not answer within ACK_S; the hang watch's snapshots (`snapshot_nodes`)
@@ -29,7 +30,7 @@ import time
 from typing import Iterable
 
 from orchestrator.node import agent
-from orchestrator.node.artifacts import FRAME_SNAPSHOT, FRAME_STOPPING
+from orchestrator.node.artifacts import FRAME_CLOCK, FRAME_SNAPSHOT, FRAME_STOPPING
 from orchestrator.transport import Cluster, Proc
 
 ACK_S = 2.0  # how long a stream's answer to a stop is waited for before the node gets the `stop` verb
@@ -44,6 +45,7 @@ class StreamAsks:
         self.procs: dict[str, Proc] = {}
         self.answers: dict[str, int] = {}  # node -> stop requests its streams answered as taken
         self.snaps: dict[tuple[str, int], dict | None] = {}  # (node, ask) -> its answer (None: awaited)
+        self.clocks: dict[tuple[str, int], tuple[float, float] | None] = {}  # (node, ask) -> (its clock, here at arrival)
 
     def attach(self, name: str, proc: Proc) -> None:
         with self.cond:
@@ -64,6 +66,9 @@ class StreamAsks:
                 self.answers[name] = self.answers.get(name, 0) + 1
             elif kind == FRAME_SNAPSHOT and (key := (name, doc.get("ask"))) in self.snaps:
                 self.snaps[key] = doc
+            elif kind == FRAME_CLOCK and (key := (name, doc.get("clock"))) in self.clocks \
+                    and isinstance(doc.get("time"), (int, float)):
+                self.clocks[key] = (float(doc["time"]), time.time())
             self.cond.notify_all()
 
     def ask(self, names: list[str], grace: float, peer_failed: bool, wait: float = ACK_S) -> set[str]:
@@ -86,23 +91,31 @@ class StreamAsks:
         """Ask each of `names` with an open stream for snapshot `request` (its ranks' hooks waited
         for `wait` s); {node: the document} of those that answered within `limit` s (sooner once
         every stream asked answered or ended)."""
-        names, line = list(names), json.dumps({"snapshot": request, "wait": wait}).encode() + b"\n"
+        return self._gather(self.snaps, names, request, {"snapshot": request, "wait": wait}, limit)
+
+    def clock(self, names: Iterable[str], request: int, limit: float) -> dict[str, tuple[float, float]]:
+        """Ask each of `names` with an open stream for its clock; {node: (its clock when it read the
+        request, this machine's when the answer arrived)} of those that answered within `limit` s."""
+        return self._gather(self.clocks, names, request, {"clock": request}, limit)
+
+    def _gather(self, into: dict, names: Iterable[str], request: int, req: dict, limit: float) -> dict:
+        names, line = list(names), json.dumps(req).encode() + b"\n"
         deadline = time.monotonic() + limit
         with self.cond:
             sent = set()
             for n in names:
-                self.snaps[(n, request)] = None  # before the send: the answer may come at once
+                into[(n, request)] = None  # before the send: the answer may come at once
                 if (p := self.procs.get(n)) is not None and p.send(line):
                     sent.add(n)
             try:
                 while True:
-                    got = {n: doc for n in sent if (doc := self.snaps[(n, request)]) is not None}
+                    got = {n: a for n in sent if (a := into[(n, request)]) is not None}
                     if all(n in got or n not in self.procs for n in sent) or time.monotonic() >= deadline:
                         return got
                     self.cond.wait(deadline - time.monotonic())
             finally:
                 for n in names:
-                    self.snaps.pop((n, request), None)
+                    into.pop((n, request), None)
 
 
 def snapshot_nodes(cluster: Cluster, asks: StreamAsks | None, names: list[str], key: str,
