@@ -1,7 +1,7 @@
 """The node agent's framed stream (`tail KEY OFFSET stream ...`): Stream, the sink that writes the
 log's bytes, the node's new checkpoints and TensorBoard bytes, every rank's progress and last the
-run's status as artifacts.py's frames; and the door back: a stop or a snapshot asked on its stdin.
-A stream lives as long as the run: what it uses is imported here at its start.
+run's status as artifacts.py's frames; and the door back: a stop, a snapshot or the node's clock
+asked on its stdin. A stream lives as long as the run: what it uses is imported here at its start.
 """
 import json
 import os
@@ -55,7 +55,7 @@ class Stream(Plain):
 
     def listen(self):
         """Requests from stdin, until EOF: a stop carried out, then noted for its answer; a snapshot
-        taken on a thread of its own. Read from fd 0 itself: a thread blocked in sys.stdin's reader
+        taken on a thread of its own; the clock read at once. Read from fd 0 itself: a thread blocked in sys.stdin's reader
         holds its lock, which the interpreter's exit then cannot take."""
         buf = b""
         while True:

@@ -12,9 +12,10 @@ answer, its log's bytes stand in for progress). To look closer is to snapshot ev
 Flight Recorder, /proc state and CPU), wait CONFIRM_S, snapshot again, add both to the Tracker and
 judge again: a hang is what still holds then. Where the first snapshot already shows it held that
 long (`settled`: the ranks stuck, the others inside the collective for CONFIRM_S since they entered
-it by their Flight Recorders, and no stopped rank's progress moved for as long), it is judged at once. Every rank inside a collective with none behind is
-a hang when the nodes cannot reach each other (`probe`), a mismatch or a deadlock, or at the
-backstop; else it is left to the backstop (a collective can be slow). A check that finds no hang
+it by their Flight Recorders, and no stopped rank's progress moved for as long), it is judged at
+once. Every rank inside a collective with none behind is a hang when the nodes cannot reach each
+other (`probe`), a mismatch or a deadlock, or at the backstop; else it is left to the backstop (a
+collective can be slow). A check that finds no hang
 is not repeated until the Standing changes. The verdict is kept in runs/RUN/hangs/N/ and handed
 to `on_hang` (runs/attempt.py: told, recorded, and the --on-hang policy applied).
 """
