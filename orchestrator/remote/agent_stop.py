@@ -56,6 +56,27 @@ def torchrun_pids(run_id, info):
     return pids
 
 
+def signal_once(pgid, pids, sig):
+    """`sig` to the run's process group, while a process of the run is still in it (a pgid can be
+    reused), and to each of `pids` the group's signal did not reach: once each, since a second
+    SIGTERM can land in a handler's exit, where Python has put the default action back (the
+    process then ends as killed, 143, not with its handler's code)."""
+    groups = {p: pgid_of(p) for p in pids}
+    grouped = bool(pgid) and pgid in groups.values()
+    if grouped:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            grouped = False
+    for pid in pids:
+        if grouped and groups[pid] == pgid:
+            continue
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
 def end_run(run_id, info, grace, peer_failed=False, ended_well=None):
     """SIGTERM the run's workers (the trainer checkpoints), then torchrun, SIGKILL what is left
     after `grace` s. Processes are found by the run key; the waiter `info["waiter"]` is spared.
@@ -74,17 +95,7 @@ def end_run(run_id, info, grace, peer_failed=False, ended_well=None):
 
     def signal_all(sig, pids=None):
         pids = targets() if pids is None else pids
-        # the group only while a process of this run is still in it: a pgid can be reused
-        if info.get("pgid") and any(pgid_of(p) == info["pgid"] for p in pids):
-            try:
-                os.killpg(info["pgid"], sig)
-            except OSError:
-                pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
+        signal_once(info.get("pgid"), pids, sig)
         return pids
 
     deadline = time.time() + float(grace)
