@@ -21,12 +21,17 @@ N = 64
 class Cluster:
     connections: dict = {}  # the log copies handed in each node's final status: nobody is asked
 
+    def live(self, names):
+        return []
+
 
 class Stopper:
     def __init__(self):
         self.asked = threading.Event()
+        self.calls: list[tuple[list[str], bool]] = []  # (nodes, peer_failed) of each stop
 
     def stop(self, key, nodes, grace, unreached_ok=(), peer_failed=False, streams=None):
+        self.calls.append((list(nodes), peer_failed))
         self.asked.set()
         return []
 

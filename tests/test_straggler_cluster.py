@@ -181,6 +181,9 @@ def test_replace_restarts_without_the_stragglers_node_onto_the_spare(cluster4, t
     resumed = re.findall(r"resuming from \S+ \(step (\d+)\)", (d / "nodes" / "node1.log").read_text())
     assert resumed and int(resumed[-1]) > 0, resumed
     assert any("--on-straggler replace: restarting from the newest checkpoint without node2" in ln for ln in err)
+    # the straggler's own exit, throttled, was not waited for once the others had saved and ended
+    assert "every other node ended: stopping node2 without waiting for its ranks to exit" in \
+        (d / "supervisor.log").read_text()
 
 
 def test_a_healthy_run_names_nobody(cluster4, tmp_path, home):

@@ -108,7 +108,23 @@ class PreflightReport:
              "checks": [n.results[c].to_json() for c in self.checks if c in n.results]}
             for n in self.nodes]}
 
+    def failed_checks(self) -> dict[str, dict[str, str]]:
+        """{node: {failed check: its detail}}."""
+        out: dict[str, dict[str, str]] = {}
+        for node, r in self.failures:
+            out.setdefault(node, {})[r.check] = r.detail
+        return out
+
     # ------------------------------------------------------------------ rendering
+
+    def text(self, ranks: bool = True) -> str:
+        """`render` as plain text, 140 columns (the run directory's preflight.txt)."""
+        import io
+
+        from rich.console import Console
+        console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
+        self.render(console, ranks=ranks)
+        return console.export_text()
 
     def render(self, console, details: bool = False, ranks: bool = True) -> None:
         """The matrix, then every finding not ok (grouped across nodes, with its remedy), then

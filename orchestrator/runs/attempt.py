@@ -9,7 +9,6 @@ and nodes, so a node that cannot be reached keeps a pending stop for exactly wha
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import threading
@@ -25,7 +24,7 @@ from orchestrator.node import agent
 from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.judge.hang import HangVerdict
-from orchestrator.runs.judge.hangsnap import RankSnap, snaps_of
+from orchestrator.runs.judge.hangsnap import RankSnap, links_down, snaps_of
 from orchestrator.runs.judge.hangwatch import HangWatch
 from orchestrator.runs.launch import Launcher, check_free
 from orchestrator.runs.policy import FailurePolicy
@@ -71,6 +70,7 @@ class AttemptRunner:
         self.hang: HangVerdict | None = None  # the hang that failed this attempt
         self.snapshots: dict[int, dict] = {}  # request -> node -> the agent's ranks (hangs/N/snapshots.json)
         self.straggler: tuple[str, tuple[str, ...]] | None = None  # (line, nodes): --on-straggler replace ended it
+        self.out_killed = False  # the straggler's nodes were killed once every other node had ended
         self.can_replace: Callable[[list[str]], str | None] = lambda nodes: "no restart planned"  # set by the run loop
         self.claims: Claims | None = None  # the run loop's (runs/claims.py), read as Readying reads it
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
@@ -146,7 +146,7 @@ class AttemptRunner:
         self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
                                          world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
                                          on_hang=self.on_hang, say=self.say, tell=self.book.tell,
-                                         probe=lambda: self.probe_links(names), busy_limit=self.spec.hang_busy_limit,
+                                         probe=lambda: links_down(self.cluster, self.inv, names), busy_limit=self.spec.hang_busy_limit,
                                          order=names, observe=self.spec.on_hang == "observe", armed=armed)
         hw.start()
         return hw
@@ -161,20 +161,6 @@ class AttemptRunner:
         for old in sorted(self.snapshots)[:-2]:  # a verdict keeps the pair it came from; a quiet run
             del self.snapshots[old]               # checked for days must not grow the supervisor
         return out, sorted(n for n, sn in got.items() if sn.error is None)
-
-    def probe_links(self, names: list[str]) -> list[tuple[str, str]]:
-        """The node pairs of the attempt that cannot open a TCP connection to each other's SSH port."""
-        nodes = {n: self.inv.node(n) for n in names}
-        target = {n: f"{f'[{nd.address}]' if ':' in nd.address else nd.address}:{nd.ssh.port or 22}"
-                  for n, nd in nodes.items()}
-        got = agent.run(self.cluster, lambda nd: agent.reach(nd, [t for m, t in target.items() if m != nd.name]),
-                        names)
-        down = set()
-        for a, r in got.items():
-            for b, t in target.items():
-                if b != a and r.error is None and r.result.get(t, "ok") != "ok":
-                    down.add(tuple(sorted((a, b))))
-        return sorted(down)
 
     def on_hang(self, v: HangVerdict, d: Path) -> None:
         """A hang was found: recorded with its snapshots; unless observed, the attempt fails with it."""
@@ -245,8 +231,6 @@ class AttemptRunner:
 
     # ---------------------------------------------------------------- preflight and ranks
     def preflight(self) -> dict[str, int | None]:
-        from rich.console import Console
-
         from orchestrator.checks.preflight import FAST_CHECKS, run_preflight
 
         inv, src, code = self.inv, None, None
@@ -267,11 +251,9 @@ class AttemptRunner:
             self.book.tell(f"attempt {self.record.attempt}: preflight failed on a node of attempt "
                            f"{self.record.attempt - 1} ({'; '.join(asked.first)[:300]}); "
                            + (f"passed when {asked.retried}" if report.ok else f"still failing, {asked.retried}"))
-        console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
-        report.render(console, ranks=report.ok or self.spec.force)  # no rank map for a launch that fails here
+        table = report.text(ranks=report.ok or self.spec.force)  # no rank map for a launch that fails here
         name = "preflight.txt" if self.record.attempt == 1 else f"preflight-a{self.record.attempt}.txt"
         tmp = self.run.dir / (name + ".tmp")  # written whole, then renamed: `train` prints it once it exists
-        table = console.export_text()
         try:
             tmp.write_text(table)
             os.replace(tmp, self.run.dir / name)
@@ -284,12 +266,9 @@ class AttemptRunner:
         if not report.ok and not self.spec.force:
             failing = sorted({node for node, _ in report.failures})
             what = "; ".join(f"{node} {r.check}: {r.detail}" for node, r in report.failures[:4])
-            checks: dict[str, dict[str, str]] = {}
-            for node, r in report.failures:
-                checks.setdefault(node, {})[r.check] = r.detail
             again = f" ({asked.retried})" if asked.retried else ""
             raise PreflightFailed(f"preflight failed on {', '.join(failing)} ({what}){again}; nothing was started. "
-                                  "--force launches anyway", failing, table, checks)
+                                  "--force launches anyway", failing, table, report.failed_checks())
         return dict(report.gpus_found)
 
     def pause(self, seconds: float) -> bool:
@@ -390,6 +369,23 @@ class AttemptRunner:
         if code != 0:
             self.policy.failed(name, code, exit_meaning(code), ended=st.failed_at)
         self.save(later=True)
+        if self.straggler is not None:
+            self.kill_left_out(self.straggler[1])
+
+    def kill_left_out(self, out: tuple[str, ...]) -> None:
+        """--on-straggler replace stops as a user's stop does, so the job saves; once every node staying has
+        ended, that save is over and a throttled rank's exit (3.6 s at 15 % of a core) is not waited for:
+        the left-out nodes are stopped as after a failure (killed unless writing a checkpoint; not rank 0's)."""
+        with self.tlock:
+            if self.out_killed or self.policy.stop_requests or any(
+                    st.state is NodeState.RUNNING for n, st in self.statuses.items() if n not in out):
+                return
+            self.out_killed = True
+            rest = [n for n in out if self.statuses[n].state is NodeState.RUNNING and self.statuses[n].first_rank != 0]
+        if rest:
+            self.book.tell(f"every other node ended: stopping {', '.join(rest)} without waiting for its ranks to exit")
+            threading.Thread(target=self.stopper.stop, args=(self.key, rest, asked_grace(self.run), set(), True,
+                                                             self.streams), daemon=True).start()  # its answer comes here
 
     def _first_failure(self, ff: FirstFailure) -> None:
         self.book.tell(f"stopping every node of attempt {self.record.attempt} after the hang" if self.hang is not None

@@ -1,5 +1,6 @@
 """One rank at one moment, as its node's agent and its hook saw it (`snapshot`: the rank's /proc
-state and CPU, its stacks and Flight Recorder), and `clusterctl stack`'s text of many.
+state and CPU, its stacks and Flight Recorder), and `clusterctl stack`'s text of many; and `links_down`, the node pairs that cannot reach each other
+(the hang watch's probe when every rank waits and none is to blame).
 
 The Flight Recorder's pg_status gives, per process group, the newest collective the rank entered
 (last_enqueued_collective) and the newest one it came out of (last_completed_collective; gloo
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from orchestrator.node import agent
 from orchestrator.runs.logs.fold import rank_ranges
 
 
@@ -202,3 +204,18 @@ def stacks_text(snaps: list[RankSnap]) -> str:
             out.append("  collectives entered: " + ", ".join(
                 f"pg {pg} #{seq} {s.names.get((pg, seq), ('?',))[0]}" for pg, seq in colls))
     return "\n".join(out) + "\n"
+
+
+def links_down(cluster, inv, names: list[str]) -> list[tuple[str, str]]:
+    """The node pairs among `names` that cannot open a TCP connection to each other's SSH port
+    (each node's agent `reach`)."""
+    nodes = {n: inv.node(n) for n in names}
+    target = {n: f"{f'[{nd.address}]' if ':' in nd.address else nd.address}:{nd.ssh.port or 22}"
+              for n, nd in nodes.items()}
+    got = agent.run(cluster, lambda nd: agent.reach(nd, [t for m, t in target.items() if m != nd.name]), names)
+    down = set()
+    for a, r in got.items():
+        for b, t in target.items():
+            if b != a and r.error is None and r.result.get(t, "ok") != "ok":
+                down.add(tuple(sorted((a, b))))
+    return sorted(down)
