@@ -16,11 +16,12 @@ from orchestrator.runs.scaling import Scaled, derive, resolve
 # docstring, the seeds' NCCL timeouts (1 node 1 h, 2-7 nodes 2 h, 8 and more 4 h) and torchrun's own
 # rendezvous timeout (900 s) up to 64 nodes
 TABLE = {
-    1: (3600, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
-    2: (7200, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
-    8: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
+    1: (3600, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 2.0),
+    2: (7200, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 2.0),
+    8: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 2.5),
     16: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.0),
-    17: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 10.0),
+    17: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 5.3),
+    32: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 10.0),
     64: (14400, 64, 30.0, 2.0, 1.0, 10.0, 300.0, 900, 30.0, 10.0),
     128: (14400, 128, 60.0, 3.0, 1.5, 15.0, 360.0, 1200, 60.0, 10.0),
     256: (14400, 256, 90.0, 4.0, 2.0, 20.0, 420.0, 1500, 90.0, 10.0),
@@ -40,6 +41,14 @@ def test_every_setting_grows_with_the_cluster_and_never_shrinks():
         seen = [getattr(r, f.name) for r in rows]
         assert seen == sorted(seen), f.name
         assert seen[-1] > seen[0] or f.name == "collective_timeout" and seen[-1] == 14400, f.name
+
+
+def test_the_progress_period_keeps_the_rank_answers_a_second_under_the_128_ranks_at_5_s():
+    for ranks in (1, 2, 16, 51, 52, 64, 100, 128, 200, 256, 2048):
+        p = derive(max(1, ranks // 8), ranks).progress_s
+        assert 2.0 <= p <= 10.0
+        assert ranks / p <= 128 / 5.0 + 0.5 or p == 10.0, (ranks, p)
+    assert [derive(1, r).progress_s for r in (3, 51, 64, 128, 256)] == [2.0, 2.0, 2.5, 5.0, 10.0]
 
 
 def test_more_ranks_a_node_wait_longer_for_their_snapshot():
@@ -170,7 +179,7 @@ def test_the_record_carries_the_rendezvous_timeout_stream_stall_and_progress_per
                    scaling={"nodes": 256, "ranks": 2048, "values": dataclasses.asdict(values), "source": source})
     doc = scaling.record_doc(spec)
     assert (doc["values"]["rendezvous_timeout"], doc["values"]["stream_stall"]) == (777, 90.0)
-    assert doc["values"]["progress_s"] == 5.0 and values.progress_s == 10.0
+    assert doc["values"]["progress_s"] == 2.0 and values.progress_s == 10.0
     assert doc["source"]["rendezvous_timeout"] == "given" and doc["source"]["stream_stall"] == "derived"
     assert RunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
     # a spec recorded before these settings existed reads back with torchrun's own timeout and the old stall

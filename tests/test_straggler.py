@@ -95,7 +95,7 @@ def test_the_watch_names_a_straggler_once_confirmed_and_says_when_it_recovered()
 
 
 def test_a_shorter_period_asks_for_as_many_checks_as_span_the_same_persistence():
-    """At the 5 s progress period of a small cluster (runs/scaling.py progress_s) a rank slow on
+    """At a 5 s progress period (runs/scaling.py progress_s: 128 ranks) a rank slow on
     checks alone is named after 5 in a row (20-25 s), not 3 (10-15 s): a shorter period makes
     verdicts that the history proves (`sustained`) sooner, not glimpses more credulous."""
     from orchestrator.runs.judge.straggler import PERIOD_S

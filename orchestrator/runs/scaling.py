@@ -26,8 +26,8 @@ count); this module is that tuning as a rule, so `train` needs no flags to run a
   stream stall        30 s                +30 s                           a node's log stream silent this
                                                                           long while its node answers is
                                                                           started again (runs/logs/streams.py)
-  progress period     5 s up to 128 ranks, 10 s above                     how often every rank's progress is
-                                                                          asked for on the log streams: what
+  progress period     ranks / 25.6 s, at least 2 s, at most 10 s          how often every rank's progress is
+                      (2 s up to 51 ranks, 5 s at 128, 10 s from 256)     asked for on the log streams: what
                                                                           the hang and straggler watches see
 
 The rendezvous timeout is torchrun's own default (900 s) up to 64 nodes, so nothing changes there.
@@ -45,8 +45,12 @@ nodes answered), and a needless restart costs the node a session while it is bus
 
 The progress period follows the ranks, not the nodes: the supervisor reads one answer per rank
 per period (at 64 x 8 ranks every 10 s that is 4.5 % of one core on the test machine:
-docs/performance.md), and a cluster of 16 x 8 or fewer gets its hang and straggler verdicts
-sooner for a cost that stays small.
+docs/performance.md), so the period keeps those answers to at most 25.6 a second (128 ranks every
+5 s, the period's value there since 2026-11-30) and a smaller cluster gets its hang and straggler
+verdicts sooner: a stall is seen at the next request. Not below 2 s: a hang is named once the
+others waited 3 s inside the collective (runs/judge/hangrule.py WAIT_S), which a shorter period
+does not shorten, while every rank's hook answers each request (a Flight Recorder read, ~3 ms,
+where the script tells no steps).
 
 Doublings count from 64 nodes (log2(nodes / 64), so 128 nodes is one, 256 two, fractions between).
 A setting the user gave (a flag, or the inventory's train: value) is kept as given: `derive`
@@ -64,8 +68,8 @@ from orchestrator.torchrun import RDZV_TIMEOUT_S, dist_timeout_s
 
 BASE_NODES = 64  # the largest cluster the hand-tuned values were written for (8 x 8 GPUs and beyond)
 STREAM_STALL_S = 30.0  # a log stream's stall up to BASE_NODES (runs/logs/streams.py)
-PROGRESS_S = PERIOD_S / 2  # every rank's progress asked for this often up to PROGRESS_RANKS ranks, PERIOD_S above
-PROGRESS_RANKS = 128
+ANSWERS_PER_S = 128 / (PERIOD_S / 2)  # the rank answers a second the progress period allows (128 ranks every 5 s)
+PROGRESS_MIN_S = 2.0  # the shortest progress period (PERIOD_S the longest)
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ def derive(nodes: int, ranks: int) -> Scaled:
         hang_timeout=round(300.0 + 60.0 * d, 1),
         rendezvous_timeout=round(RDZV_TIMEOUT_S + 300 * d),
         stream_stall=round(STREAM_STALL_S + 30.0 * d, 1),
-        progress_s=PROGRESS_S if ranks <= PROGRESS_RANKS else PERIOD_S,
+        progress_s=round(min(PERIOD_S, max(PROGRESS_MIN_S, ranks / ANSWERS_PER_S)), 1),
     )
 
 

@@ -5,7 +5,7 @@ gradients' all-reduce. So the straggler is found by each rank's *compute* per st
 own clock (no clock is compared across nodes): the shipped trainer times it (trainer/progress.py)
 and tells the hook clusterctl puts in every rank (remote/hook/sitecustomize.py `clusterctl_step`).
 Each rank's newest steps (a request the hook answers from memory, no stacks, no Flight Recorder)
-come every period (runs/scaling.py progress_s: PERIOD_S above 128 ranks, half that up to it) on
+come every period (runs/scaling.py progress_s: 2 s on a small cluster, PERIOD_S from 256 ranks) on
 each node's long-lived log stream (runs/logs/streams.py: the stream process asks the hooks itself,
 `tail ... stream ... PROGRESS_S`, and sends the answers as records, which `feed` takes): no process
 is started on a node for them. A run without that stream (no artifact directories) has them asked
