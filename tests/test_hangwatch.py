@@ -86,6 +86,27 @@ def test_ranks_waiting_for_a_stopped_rank_are_named_at_the_first_record_that_sho
     assert "thread MainThread" in (d / "stacks.txt").read_text()
 
 
+def test_the_second_look_comes_once_what_the_first_lacked_has_held(tmp_path):
+    """The first snapshot 1 s after rank 0 was seen entering #8: the hang has held 1 s of CONFIRM_S,
+    so the second look comes 2 s later (not 3) and is the verdict."""
+    w, calls, found, _ = watch(tmp_path, stopped_shots, gap=1.0)
+    waits, wait = [], w.stop.wait
+    w.stop.wait = lambda s: waits.append(s) or wait(s)
+    feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
+    feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
+    w.tick()
+    assert calls == [1, 2] and len(found) == 1 and waits == [pytest.approx(2.0)], (waits, w.standing())
+
+
+def test_a_second_look_that_finds_the_ranks_moving_again_is_the_last(tmp_path):
+    w, calls, found, said = watch(tmp_path, lambda k, t: [full(0, t, {"0": (8, 7)}), full(1, t, {}, state="T")]
+                                  if k == 1 else [full(0, t, {"0": (9, 9)}), full(1, t, {"0": (9, 9)})], gap=1.0)
+    feed(w, 100, ({"0": (7, 7)}, "S", 1.0), ({"0": (7, 7)}, "S", 1.0))
+    feed(w, 110, ({"0": (8, 7)}, "S", 1.1), ({}, "T", 1.1))
+    w.tick()
+    assert calls == [1, 2] and found == [] and "not a hang" in said[-1], said
+
+
 def test_a_rank_idle_while_the_others_wait_is_named_once_it_has_been_idle_long_enough(tmp_path):
     w, calls, found, _ = watch(tmp_path, lambda k, t: [full(0, t, {"0": (8, 7)}),
                                                       full(1, t, {"0": (7, 7)}, threads=LOADER)])

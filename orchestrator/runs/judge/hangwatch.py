@@ -9,8 +9,9 @@ every rank is inside a collective; when a rank has been busy in its own code for
 (--hang-busy-limit) while others wait; and, as the backstop, when no rank's progress (steps,
 collectives: not log bytes) moved for the hang timeout (--hang-timeout; on a run whose hooks never
 answer, its log's bytes stand in for progress). To look closer is to snapshot every rank (stacks,
-Flight Recorder, /proc state and CPU), wait CONFIRM_S, snapshot again, add both to the Tracker and
-judge again: a hang is what still holds then. Where the first snapshot already shows it held that
+Flight Recorder, /proc state and CPU), wait CONFIRM_S (or, where ranks are stuck, only what they
+lack of having held it: `lacking`), snapshot again, add both to the Tracker and judge again: a
+hang is what still holds then. Where the first snapshot already shows it held that
 long (`settled`: the ranks stuck, the others inside the collective for CONFIRM_S since they entered
 it by their Flight Recorders, and no stopped rank's progress moved for as long), it is judged at
 once. Every rank inside a collective with none behind is a hang when the nodes cannot reach each
@@ -33,7 +34,8 @@ from orchestrator.runs.judge.hang import HangVerdict, analyze, with_links
 from orchestrator.runs.judge.hangrule import DEFAULT_BUSY_LIMIT, LEAVING, Standing, Tracker, gone
 from orchestrator.runs.judge.hangsnap import RankSnap, stacks_text, word
 
-CONFIRM_S = 3.0  # between a check's two snapshots
+CONFIRM_S = 3.0  # between a check's first snapshot and its last (sooner once what it lacked has held: `lacking`)
+LOOK_S = 0.5  # the shortest wait for a check's next snapshot
 EDGE_S = 60.0  # the backstop's least wait at a run's edges: before any rank entered a collective or
 # told a step (imports, rendezvous, a first load), and once a rank left (the others are leaving too)
 TICK_S = 1.0  # how often the Standing is judged (in memory: the nodes are asked only by a check)
@@ -201,9 +203,14 @@ class HangWatch:
             self.say(f"hang watch: {st.line()}: taking a snapshot of every rank")
         snaps = self.take()
         st = self.standing()
-        if backstop or not settled(st):
-            if self.stop.wait(CONFIRM_S):
+        waited = 0.0
+        # again once what the look lacked has held (CONFIRM_S in all at most); past the first wait, only
+        # while it is still stuck without having held long enough
+        while waited < CONFIRM_S and (backstop or not settled(st) and (not waited or st.kind == "stuck" or st.early)):
+            wait = CONFIRM_S - waited if backstop else min(CONFIRM_S - waited, lacking(st))
+            if self.stop.wait(wait):
                 return
+            waited += wait
             snaps = self.take()
             if self.stop.is_set():
                 return
@@ -277,6 +284,17 @@ class HangWatch:
         # observe: told once; the next hang is one that follows new progress
         self.quiet = self.observe
         self.backstop_at = time.monotonic()
+
+
+def lacking(st: Standing) -> float:
+    """How long until a stuck Standing, or one with a rank stopped, could be `settled` (every rank
+    that waits, or is stopped, or is not yet seen waiting, without progress for CONFIRM_S), at least
+    LOOK_S: the next look is taken then, not CONFIRM_S after the first (a progress request every 2 s
+    often finds the others inside their collective for 1-2 s only). CONFIRM_S for anything else."""
+    if st.kind != "stuck" and not st.early:
+        return CONFIRM_S
+    short = [CONFIRM_S - s.stalled_s for s in st.ranks.values() if s.kind in ("waiting", "stopped", "moving")]
+    return min(CONFIRM_S, max(LOOK_S, max(short, default=CONFIRM_S)))
 
 
 def settled(st: Standing) -> bool:
