@@ -138,10 +138,14 @@ def test_clock_offsets_are_read_on_the_streams_and_by_date_only_where_a_stream_d
 
     monkeypatch.setattr(stragglersnap, "CLOCK_S", 0.3)
     asks = StreamAsks()
-    asks.attach("a", Stream(asks, "a"))
-    asks.attach("q", Stream(asks, "q", answer=False))
+    a, q = Stream(asks, "a"), Stream(asks, "q", answer=False)
+    asks.attach("a", a)
+    asks.attach("q", q)
+    t0 = time.monotonic()
     got = stragglersnap.clock_offsets(Cluster(), ["a", "q"], asks=asks)
+    assert time.monotonic() - t0 < 3 * 0.3 + 0.25  # q's stream, silent the first time, was not waited for again
     assert sorted(asked) == ["q"] * 3  # three tries each way
+    assert (len(a.sent), len(q.sent)) == (3, 1)
     assert got["a"][0] == pytest.approx(2.5, abs=0.2) and got["a"][1] < 0.2, got
     assert got["q"][0] == pytest.approx(-1.0, abs=0.2), got
     assert asks.clocks == {}

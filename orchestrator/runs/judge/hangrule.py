@@ -48,7 +48,7 @@ IDLE_CPU = 0.05  # below this share of a core a rank is idle (one waiting in glo
 # hundreds of KB for a Lightning rank) are written to disk by the rank each time the watch looks
 IDLE_IO = 256 << 10
 ACT_S = 2.0  # the shortest window a rank's CPU is judged over
-KEEP = 24  # observations kept per rank: the stream's every 5-10 s (progress_s) and the checks' pairs: minutes
+KEEP = 24  # observations kept per rank: the stream's every 2-10 s (progress_s) and the checks' looks: 48 s and more
 GONE_S = 20.0  # a process ended this long while others wait inside a collective: not the run's end
 # (ranks leave the last collective within moments of each other; exit code != 0 is fail-fast's)
 DEFAULT_BUSY_LIMIT = 600.0  # a rank busy in its own code while others wait is a hang after this long

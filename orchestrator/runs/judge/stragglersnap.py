@@ -22,39 +22,45 @@ def clock_offsets(cluster, names: list[str], tries: int = 3, asks=None) -> dict[
     does not answer is left out. Asked on the nodes' open log streams first (`asks`,
     runs/logs/streamask.py StreamAsks: a line each way, where `date` over SSH is a session and a
     shell on every node, three times: at 64 nodes that round was most of the supervisor's CPU in
-    the seconds after every rank was up), then by `date` on every node whose stream did not answer."""
+    the seconds after every rank was up; a stream that did not answer is not asked again), then by
+    `date` on every node whose stream did not answer."""
     from concurrent.futures import ThreadPoolExecutor
 
     from orchestrator.checks.system import skew
 
-    best_of: dict[str, tuple[float, float]] = {}
-    if asks is not None and names:
-        for k in range(tries):
-            t0 = time.time()
-            for name, (node_t, t1) in asks.clock(names, time.time_ns() // 1_000_000 + k, CLOCK_S).items():
-                found = skew(node_t, t0, t1)
-                if name not in best_of or found[1] < best_of[name][1]:
-                    best_of[name] = found
-        names = [n for n in names if n not in best_of]
+    best: dict[str, tuple[float, float]] = {}
+    ask = list(names) if asks is not None else []
+    for k in range(tries if ask else 0):
+        t0 = time.time()
+        got = asks.clock(ask, time.time_ns() // 1_000_000 + k, CLOCK_S)
+        for name, (node_t, t1) in got.items():
+            keep_best(best, name, skew(node_t, t0, t1))
+        if not (ask := [n for n in ask if n in got]):
+            break
 
-    def one(name: str) -> tuple[str, float | None]:
-        best = None
+    def by_date(name: str) -> dict[str, tuple[float, float]]:
+        found: dict[str, tuple[float, float]] = {}
         for _ in range(tries):
             t0 = time.time()
             r = cluster.run(lambda n: "date +%s.%N", nodes=[name], timeout=10)[name]
             t1 = time.time()
             try:
-                found = skew(float(r.stdout.split()[0]), t0, t1) if r.ok else None
+                keep_best(found, name, skew(float(r.stdout.split()[0]), t0, t1) if r.ok else None)
             except (ValueError, IndexError):
-                found = None
-            if found is not None and (best is None or found[1] < best[1]):
-                best = found
-        return name, best
+                pass
+        return found
 
-    if not names:
-        return best_of
-    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
-        return best_of | {n: off for n, off in pool.map(one, names) if off is not None}
+    if rest := [n for n in names if n not in best]:
+        with ThreadPoolExecutor(max_workers=min(16, len(rest))) as pool:
+            for found in pool.map(by_date, rest):
+                best |= found
+    return best
+
+
+def keep_best(best: dict[str, tuple[float, float]], name: str, found: tuple[float, float] | None) -> None:
+    """`found` (offset, uncertainty) kept for `name` when it is more certain than what `best` holds."""
+    if found is not None and (name not in best or found[1] < best[name][1]):
+        best[name] = found
 
 
 def progress(cluster, key: str, names: list[str], say: Callable[[str], None]) -> list[Mapping]:
