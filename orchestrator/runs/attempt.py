@@ -146,7 +146,8 @@ class AttemptRunner:
         self.hang_watch = hw = HangWatch(timeout=self.spec.hang_timeout, snap=lambda k: self.snapshot(names, k),
                                          world=sorted(ranks_of), ranks_of=ranks_of, out_dir=self.run.dir / "hangs",
                                          on_hang=self.on_hang, say=self.say, tell=self.book.tell,
-                                         probe=lambda: links_down(self.cluster, self.inv, names), busy_limit=self.spec.hang_busy_limit,
+                                         probe=lambda: links_down(self.cluster, self.inv, names),
+                                         busy_limit=self.spec.hang_busy_limit,
                                          order=names, observe=self.spec.on_hang == "observe", armed=armed)
         hw.start()
         return hw
@@ -384,8 +385,9 @@ class AttemptRunner:
             rest = [n for n in out if self.statuses[n].state is NodeState.RUNNING and self.statuses[n].first_rank != 0]
         if rest:
             self.book.tell(f"every other node ended: stopping {', '.join(rest)} without waiting for its ranks to exit")
+            # on a thread: the stream's answer to it is read by the loop this is called from
             threading.Thread(target=self.stopper.stop, args=(self.key, rest, asked_grace(self.run), set(), True,
-                                                             self.streams), daemon=True).start()  # its answer comes here
+                                                             self.streams), daemon=True).start()
 
     def _first_failure(self, ff: FirstFailure) -> None:
         self.book.tell(f"stopping every node of attempt {self.record.attempt} after the hang" if self.hang is not None

@@ -1,6 +1,7 @@
 """One rank at one moment, as its node's agent and its hook saw it (`snapshot`: the rank's /proc
-state and CPU, its stacks and Flight Recorder), and `clusterctl stack`'s text of many; and `links_down`, the node pairs that cannot reach each other
-(the hang watch's probe when every rank waits and none is to blame).
+state and CPU, its stacks and Flight Recorder), and `clusterctl stack`'s text of many; and
+`links_down`, the node pairs that cannot reach each other (the hang watch's probe when every rank
+waits and none is to blame).
 
 The Flight Recorder's pg_status gives, per process group, the newest collective the rank entered
 (last_enqueued_collective) and the newest one it came out of (last_completed_collective; gloo
