@@ -365,3 +365,31 @@ def test_a_rank_reads_when_it_entered_its_collectives_from_either_answer():
     done = RankSnap.from_agent("n1", {"rank": 0, "pid": 9, "state": "S", "at": 110.0, "answer": {
         "pgs": {"0": [8, 8]}, "steps": [], "entered": [["0", 8, 106_500_000_000]]}})
     assert done.inside == {} and done.inside_since is None  # completed: not inside, whatever the time
+
+
+
+def test_the_link_probe_asks_each_node_for_the_others_ssh_ports_ipv6_in_brackets_once(monkeypatch):
+    """links_down (the probe): each node is asked to reach the others' address:port, an IPv6
+    address bracketed once whether the inventory gave it bare or bracketed; a pair is down when
+    either end cannot reach the other."""
+    import yaml
+
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.node import agent
+    from orchestrator.runs.judge.hangsnap import links_down
+
+    inv = parse_inventory(yaml.safe_dump({"nodes": [{"name": "n1", "host": "2001:db8::1"},
+                                                    {"name": "n2", "host": "[2001:db8::2]", "ssh": {"port": 2222}},
+                                                    {"name": "n3", "host": "10.0.0.3"}]}), "<t>")
+    asked = {}
+
+    def run(cluster, call, names):
+        asked.update({n: sorted(call(inv.node(n))) for n in names})
+        return {n: agent.Reach({t: "refused" if (n, t) == ("n3", "[2001:db8::2]:2222") else "ok" for t in asked[n]})
+                for n in names}
+
+    monkeypatch.setattr(agent, "run", run)
+    monkeypatch.setattr(agent, "reach", lambda nd, targets: list(targets))
+    assert links_down(object(), inv, ["n1", "n2", "n3"]) == [("n2", "n3")]
+    assert asked["n1"] == ["10.0.0.3:22", "[2001:db8::2]:2222"]
+    assert asked["n3"] == ["[2001:db8::1]:22", "[2001:db8::2]:2222"]

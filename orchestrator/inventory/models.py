@@ -185,6 +185,11 @@ class Node:
     def is_local(self) -> bool:
         return self.connection == "local"
 
+    def hostport(self, port: int) -> str:
+        """address:port, an IPv6 address in brackets (as given, or added)."""
+        a = self.address
+        return f"[{a}]:{port}" if ":" in a and not a.startswith("[") else f"{a}:{port}"
+
     @property
     def program_env(self) -> str:
         """What goes in front of a shipped program's command line on this node: the assignment

@@ -17,16 +17,11 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.inventory import Inventory, Node
+from orchestrator.inventory import Inventory
 from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.store import Run
 
 DEFAULT_PORTS = {"node_exporter": 9100, "dcgm_exporter": 9400}
-
-
-def hostport(node: Node, port: int) -> str:
-    a = node.address
-    return f"[{a}]:{port}" if ":" in a and not a.startswith("[") else f"{a}:{port}"
 
 
 def serving(records: list[RunRecord]) -> dict[str, tuple[str, str]]:
@@ -58,7 +53,7 @@ def target_groups(inv: Inventory, ports: dict[str, int], records: list[RunRecord
                     labels["ranks"] = ranks
             if node.spare:
                 labels["spare"] = "true"
-            groups.append({"targets": [hostport(node, port)], "labels": labels})
+            groups.append({"targets": [node.hostport(port)], "labels": labels})
     return groups
 
 

@@ -55,8 +55,9 @@ class Stream(Plain):
 
     def listen(self):
         """Requests from stdin, until EOF: a stop carried out, then noted for its answer; a snapshot
-        taken on a thread of its own; the clock read at once. Read from fd 0 itself: a thread blocked in sys.stdin's reader
-        holds its lock, which the interpreter's exit then cannot take."""
+        taken on a thread of its own; the clock read at once. Read from fd 0 itself: a thread
+        blocked in sys.stdin's reader holds its lock, which the interpreter's exit then cannot take.
+        """
         buf = b""
         while True:
             try:

@@ -194,7 +194,8 @@ class AttemptRunner:
         sw = StragglerWatch(snap=lambda: progress(self.cluster, self.key, live(), self.say), node_of=node_of,
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
                             factor=self.spec.straggler_factor, say=self.say, period=self.spec.progress_s,
-                            offsets=lambda: clock_offsets(self.cluster, live(), asks=self.streams), streamed=self.artifacts is not None)
+                            offsets=lambda: clock_offsets(self.cluster, live(), asks=self.streams),
+                            streamed=self.artifacts is not None)
         sw.start()
         return sw
 

@@ -211,8 +211,7 @@ def links_down(cluster, inv, names: list[str]) -> list[tuple[str, str]]:
     """The node pairs among `names` that cannot open a TCP connection to each other's SSH port
     (each node's agent `reach`)."""
     nodes = {n: inv.node(n) for n in names}
-    target = {n: f"{f'[{nd.address}]' if ':' in nd.address else nd.address}:{nd.ssh.port or 22}"
-              for n, nd in nodes.items()}
+    target = {n: nd.hostport(nd.ssh.port or 22) for n, nd in nodes.items()}
     got = agent.run(cluster, lambda nd: agent.reach(nd, [t for m, t in target.items() if m != nd.name]), names)
     down = set()
     for a, r in got.items():

@@ -45,7 +45,8 @@ class StreamAsks:
         self.procs: dict[str, Proc] = {}
         self.answers: dict[str, int] = {}  # node -> stop requests its streams answered as taken
         self.snaps: dict[tuple[str, int], dict | None] = {}  # (node, ask) -> its answer (None: awaited)
-        self.clocks: dict[tuple[str, int], tuple[float, float] | None] = {}  # (node, ask) -> (its clock, here at arrival)
+        # (node, ask) -> (its clock, this machine's at the answer's arrival)
+        self.clocks: dict[tuple[str, int], tuple[float, float] | None] = {}
 
     def attach(self, name: str, proc: Proc) -> None:
         with self.cond:
