@@ -145,3 +145,42 @@ def test_the_stack_panel_keeps_the_innermost_frames_at_80_columns():
     assert lines[-3].startswith("    …") and lines[-3].endswith("/torch/distributed/distributed_c10d.py:3252 in all_reduce")
     assert lines[-2:] == ["      work.wait()", "  collectives entered: pg 0 #41 gloo:all_reduce"]
     assert "in forward_9" in lines[-5]  # the job's innermost frame, right above torch's
+
+
+def test_the_slowest_rank_handed_to_the_journal_is_the_slowest_of_every_node(tmp_path):
+    """Each node's document updates that node's slowest rank; the journal gets the slowest of all
+    (the same as looking at every rank, as before), also after a rank's node changes."""
+    import random
+
+    class Hooks:
+        got: list = []
+
+        def hook(self, step, collectives, now=None):
+            self.got.append((step, collectives))
+
+    log = ProgressLog(tmp_path, "k")
+    log.steps = Hooks()
+    rng = random.Random(3)
+    truth: dict[int, dict] = {}  # rank -> {"node", "step", "coll"}: what every rank said, newest
+    for i in range(400):
+        node = f"n{rng.randrange(6)}"
+        ranks = rng.sample(range(24), rng.randrange(1, 5))
+        answers = {}
+        for r in ranks:
+            t = truth.setdefault(r, {"step": None, "coll": None})
+            if rng.random() < 0.5:
+                step = rng.randrange(100)
+                t["step"] = step if t["step"] is None else max(t["step"], step)
+                answers[r] = {"steps": [[step, 0.1]]}
+            else:
+                seq = rng.randrange(100)
+                t["coll"] = seq if t["coll"] is None else max(t["coll"], seq)
+                answers[r] = {"entered": [["0", seq, 1]]}
+        log.feed(node, doc(answers), now=float(i))
+        stepped = [t["step"] for t in truth.values() if t["step"] is not None]
+        entered = [t["coll"] for t in truth.values() if t["coll"] is not None]
+        assert Hooks.got[-1] == (min(stepped) if stepped else None, min(entered) if entered else None)
+    on_file = {r for p in (tmp_path / "progress").glob("*.json") for r in json.loads(p.read_text())["ranks"]}
+    assert on_file == {str(r) for r in truth}  # every rank in one node's file: the one that last answered for it
+    assert sum(len(json.loads(p.read_text())["ranks"]) for p in (tmp_path / "progress").glob("*.json")) \
+        == len(truth)

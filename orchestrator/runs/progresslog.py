@@ -48,6 +48,8 @@ class ProgressLog:
         self.dir = run_dir / DIR
         self.key = key
         self.ranks: dict[int, dict] = {}  # rank -> {"node", "step", "pgs": {pg: seq}, "moved", "asked"}
+        self.of_node: dict[str, dict[int, dict]] = {}  # node -> its ranks' entries (those of self.ranks)
+        self.low: dict[str, tuple[int | None, int | None]] = {}  # node -> its slowest rank's (step, collectives)
         self.steps = StepJournal(run_dir, attempt_of(key))  # the slowest rank's progress, when it came
 
     def feeder(self, *then: Callable[[str, Mapping], None] | None) -> Callable[[str, Mapping], None]:
@@ -69,6 +71,11 @@ class ProgressLog:
             if not str(r.get("rank")).isdigit() or not answer:
                 continue
             mine = self.ranks.setdefault(int(r["rank"]), {"node": node, "step": None, "pgs": {}, "moved": None})
+            if mine["node"] != node:  # a rank another node answered for before: no longer that node's
+                self.of_node.get(mine["node"], {}).pop(int(r["rank"]), None)
+                self._lowest(mine["node"])
+                self.write(mine["node"])
+            self.of_node.setdefault(node, {})[int(r["rank"])] = mine
             mine["node"], mine["asked"] = node, now
             grew = False
             steps = [s[0] for s in answer.get("steps") or () if isinstance(s, (list, tuple)) and s]
@@ -82,14 +89,23 @@ class ProgressLog:
             if grew:
                 mine["moved"] = now
         self.write(node)
-        stepped = [p["step"] for p in self.ranks.values() if p["step"] is not None]
-        entered = [sum(p["pgs"].values()) for p in self.ranks.values() if p["pgs"]]
+        self._lowest(node)
+        # the slowest rank of all from each node's slowest: a document costs its node's ranks and the
+        # node count, not every rank (64 x 8: every rank for each of 64 documents a period, before)
+        stepped = [lo[0] for lo in self.low.values() if lo[0] is not None]
+        entered = [lo[1] for lo in self.low.values() if lo[1] is not None]
         self.steps.hook(min(stepped) if stepped else None, min(entered) if entered else None, now)
+
+    def _lowest(self, node: str) -> None:
+        mine = self.of_node.get(node) or {}
+        stepped = [p["step"] for p in mine.values() if p["step"] is not None]
+        entered = [sum(p["pgs"].values()) for p in mine.values() if p["pgs"]]
+        self.low[node] = (min(stepped) if stepped else None, min(entered) if entered else None)
 
     def write(self, node: str) -> None:
         ranks = {str(r): {"step": p["step"], "collectives": sum(p["pgs"].values()) if p["pgs"] else None,
                           "moved": p["moved"], "asked": p.get("asked")}
-                 for r, p in sorted(self.ranks.items()) if p["node"] == node}
+                 for r, p in sorted((self.of_node.get(node) or {}).items())}
         tmp = self.dir / f".{node}.json.tmp"
         try:
             self.dir.mkdir(exist_ok=True)
