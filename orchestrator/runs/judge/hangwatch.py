@@ -75,6 +75,9 @@ class HangWatch:
         self.checked: tuple | None = None  # the Standing a check last found no hang in
         self.quiet = False  # observe: a verdict was told; quiet until a rank moves again
         self.told_busy: set[int] = set()
+        self.by_node: dict[str, list[int]] = {}  # node -> its ranks: a node's record costs its own ranks
+        for r, n in self.ranks_of.items():
+            self.by_node.setdefault(n, []).append(r)
 
     # ---------------------------------------------------------------- what comes in
     def heard(self) -> None:
@@ -90,7 +93,7 @@ class HangWatch:
         """`node`'s torchrun ended (or the node was lost): its ranks are the run's end there, never
         waited for (a failure is fail-fast's)."""
         with self.lock:
-            self.tracker.end(r for r, n in self.ranks_of.items() if n == node)
+            self.tracker.end(self.by_node.get(node, ()))
 
     def feed(self, node: str, doc: Mapping) -> None:
         """A node's progress record (node agent `snapshot_doc`, what=progress)."""
@@ -108,10 +111,13 @@ class HangWatch:
             for s in snaps:
                 if s.rank >= 0:
                     moved |= self.tracker.add(s, now)
+            said, newest = {s.rank for s in snaps}, {}
+            for s in snaps:
+                if s.t:
+                    newest[s.node] = max(newest.get(s.node, s.t), s.t)
             for node in nodes:
-                t = max((s.t for s in snaps if s.node == node and s.t), default=at)
-                missing = [r for r, n in self.ranks_of.items() if n == node and r in self.tracker.seen
-                           and not any(s.rank == r for s in snaps)]
+                t = newest.get(node, at)
+                missing = [r for r in self.by_node.get(node, ()) if r in self.tracker.seen and r not in said]
                 for s in gone(node, missing, t):
                     self.tracker.add(s, now)
             if self.tracker.answered:

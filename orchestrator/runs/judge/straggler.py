@@ -245,6 +245,9 @@ class StragglerWatch:
     lock: threading.Lock = field(default_factory=threading.Lock)
     fresh: threading.Event = field(default_factory=threading.Event)  # every node's stream fed since the last round
 
+    def __post_init__(self) -> None:
+        self.nodes = set(self.node_of.values())  # a node's feed compares nodes, not every rank's node
+
     def start(self) -> None:
         if self.factor > 0:
             self.thread = threading.Thread(target=self.loop, name="straggler-watch", daemon=True)
@@ -264,7 +267,7 @@ class StragglerWatch:
         thread)."""
         with self.lock:
             self.fed[node] = doc
-            if set(self.node_of.values()) <= set(self.fed):
+            if len(self.fed) >= len(self.nodes) and self.nodes <= self.fed.keys():
                 self.fresh.set()
 
     def take(self) -> list[Mapping]:
