@@ -331,15 +331,18 @@ def one_run(label: str, faulted: bool, steps: int, ckpt_every: int, rng: random.
 
 
 # ---------------------------------------------------------------- calibration
-def calibrate(ckpt_every: int, measure_s: float = 30.0, settle_s: float = 40.0) -> tuple[float, float]:
-    """(steps per second, launch -> first step in seconds) of the run's settings on 5 nodes, the
+def calibrate(ckpt_every: int, measure_s: float = 30.0, settle_s: float = 40.0,
+              spares: int = SPARES) -> tuple[float, float]:
+    """(steps per second, launch -> first step in seconds) of the run's settings on the runs' own
+    cluster (5 nodes and the spares, whose warm interpreters and sshd share these cores), the
     steps counted from `settle_s` after the first: the warm interpreters start at the first step and
     import torch on every node for the next 10-20 s here, on the cores the ranks step on (counted
     from 10 s, the calibration undershot the runs' rate by about a fifth)."""
-    with TestCluster(n=NODES, gpus=0, name_prefix="ccgc") as cluster, tempfile.TemporaryDirectory(prefix="ccgc-") as d:
+    with TestCluster(n=NODES + spares, gpus=0, name_prefix="ccgc") as cluster, \
+            tempfile.TemporaryDirectory(prefix="ccgc-") as d:
         td = Path(d)
         home = td / "home"
-        inv = inventory(cluster, td / "nodes.yaml", 10 ** 6, ckpt_every, 0)
+        inv = inventory(cluster, td / "nodes.yaml", 10 ** 6, ckpt_every, spares)
         train = Train(home, td / "stdout.txt", "-i", inv, *FLAGS)
         master = cluster.nodes[0].name
         try:
@@ -421,7 +424,7 @@ def main(argv=None) -> int:
     if args.steps:
         steps = args.steps
     else:
-        rate, startup = calibrate(args.ckpt_every)
+        rate, startup = calibrate(args.ckpt_every, spares=args.spares)
         steps = max(2 * args.ckpt_every, int(rate * (expect - startup)))
         cal = {"steps_per_s": rate, "startup_s": startup}
         print(f"calibration: {rate:.2f} steps/s on {NODES} nodes, {startup:.1f} s launch -> first step: "
