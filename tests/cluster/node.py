@@ -91,9 +91,17 @@ class TestNode:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True)
 
+    def _listening(self) -> bool:
+        """Whether sshd -D wrote its PidFile (once its listen socket is bound): the whole line, not
+        the file alone (created empty, the pid written after)."""
+        try:
+            text = self.pid_file.read_text()
+        except FileNotFoundError:
+            return False
+        return text.endswith("\n") and text.strip().isdigit()
+
     def _wait_sshd(self, deadline):
-        # sshd -D writes its PidFile once its listen socket is bound.
-        while not self.pid_file.exists():
+        while not self._listening():
             if self.sshd.poll() is not None:
                 err = self.sshd.stderr.read().decode(errors="replace")
                 log = self.sshd_log.read_text() if self.sshd_log.exists() else ""
