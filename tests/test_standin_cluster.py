@@ -127,8 +127,12 @@ def test_standin_launches_every_rank_and_fails_fast(make_cluster, home, tmp_path
     said = out.decode(errors="replace")
     assert fg.returncode == 1, said[-3000:]
     assert f"{cluster.nodes[1].name} (ranks {NPROC}-{world - 1}) failed first: exit code 1" in said, said[-3000:]
-    folded = [ln for ln in said.splitlines() if ln.endswith("| line 7 of every rank")]
-    assert len(folded) == 1 and f"/r[0-{world - 1}]" in folded[0], folded  # one line for every rank's
+    # one line for every rank's, or (when the second node's stream reached the controller more than
+    # FOLD_WINDOW_S after the first's, as on CI's two loaded cores) one line for each node's ranks;
+    # the fold across nodes by their arrival times is tests/test_screen.py's
+    folded = sorted(ln.split(" | ")[0].rsplit("/", 1)[1] for ln in said.splitlines()
+                    if ln.endswith("| line 7 of every rank"))
+    assert folded in ([f"r[0-{world - 1}]"], [f"r[0-{NPROC - 1}]", f"r[{NPROC}-{world - 1}]"]), folded
     wait_for(lambda: not run_envs(cluster, run_id), 30, "no process of the run left on any node")
     # the teardown reached the node still running through its open log stream, not a `stop` command
     sup_log = (run_dir / "supervisor.log").read_text()
