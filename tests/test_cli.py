@@ -1,6 +1,7 @@
 """The CLI surface: every registered command imports, helps, and user errors exit 2 without a traceback."""
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -36,6 +37,19 @@ def test_console_script_runs_without_importing_torch():
     code = ("import sys; from orchestrator.cli import main; rc = main(['exec', '--', 'true']); "
             "sys.exit(10 if 'torch' in sys.modules else rc)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_commands_that_never_connect_over_ssh_never_import_paramiko(tmp_path):
+    # paramiko (with cryptography and invoke) is 0.2 s of every command's start: only SSH loads it
+    code = ("import sys; from orchestrator.cli import main; import orchestrator.runs.supervisor; "
+            "rcs = [main(['exec', '--', 'true']), main(['status', '--help']), main(['plan', '--help'])]; "
+            "print('paramiko' in sys.modules, rcs)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CLUSTERCTL_HOME": str(tmp_path)})
+    assert r.stdout.splitlines()[-1] == "False [0, 0, 0]", r.stdout + r.stderr
+    from orchestrator.transport import SSHConnection  # the package still names it
+
+    assert SSHConnection.__module__ == "orchestrator.transport.ssh"
 
 
 def test_train_with_an_unknown_flag_is_a_usage_error_not_a_launch(capsys, tmp_path, monkeypatch):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 
-import paramiko
-
 DEFAULT_CONFIG = "~/.ssh/config"
 
 
@@ -19,6 +17,10 @@ def config_hostname(host: str, config_file: str | None = None) -> str:
     """`HostName` of `host` in the ssh config (tokens like %h expanded), else `host`.
     A missing or unreadable config file leaves the host as it is: connecting reports it."""
     path = os.path.expanduser(config_file or DEFAULT_CONFIG)
+    if not os.path.exists(path):  # most control machines: no config, and no need of paramiko (0.1 s to import)
+        return host
+    import paramiko
+
     try:
         config = paramiko.SSHConfig.from_path(path)
         return config.lookup(host).get("hostname") or host

@@ -18,6 +18,7 @@ from orchestrator.transport.base import (
     LineCallback,
     NodeResult,
     Proc,
+    quiet_paramiko,
     retry_wait,
 )
 from orchestrator.transport.engine import (
@@ -31,11 +32,24 @@ from orchestrator.transport.engine import (
     wait,
 )
 from orchestrator.transport.faults import Fault
-from orchestrator.transport.known_hosts import known_host_keys
 from orchestrator.transport.local import LocalConnection
-from orchestrator.transport.ssh import SSHConnection, quiet_paramiko
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "DEFAULT_LOST_TIMEOUT", "BytesCallback",
            "Cluster", "ClusterResult", "Connection", "Engine", "ErrorKind", "Fault", "LineCallback", "LocalConnection",
            "NodeResult", "Proc", "SSHConnection", "connection_for", "first_line", "known_host_keys", "open_all", "quiet_paramiko",
            "retry_wait", "stream", "wait"]
+
+
+def __getattr__(name: str):
+    """SSHConnection and known_host_keys on first use: they import paramiko, 0.2 s of every command
+    that never connects over SSH (`--help`, `plan`, `status` of a run its supervisor answers, an
+    inventory's error, a run on `connection: local` nodes)."""
+    if name == "SSHConnection":
+        from orchestrator.transport.ssh import SSHConnection
+
+        return SSHConnection
+    if name == "known_host_keys":
+        from orchestrator.transport.known_hosts import known_host_keys
+
+        return known_host_keys
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

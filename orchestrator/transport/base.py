@@ -200,3 +200,18 @@ class Connection(ABC):
     def lost_reason(self) -> str | None:
         """Why the connection is gone, in words; None while it is alive."""
         return None
+
+
+def quiet_paramiko(debug: bool = False) -> None:
+    """paramiko's transport thread logs a traceback for every failed handshake (a port that
+    answers but is not sshd, a node that drops the connection); with no handler configured,
+    Python's last-resort handler prints it. The failure already reaches the user as one line
+    naming the node, so the traceback is shown with --debug only."""
+    import logging
+
+    log = logging.getLogger("paramiko")
+    if debug:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    elif not log.handlers:
+        log.addHandler(logging.NullHandler())
+        log.propagate = False

@@ -30,7 +30,6 @@ from orchestrator.transport.base import (
 )
 from orchestrator.transport.liveness import PROBE_S, SUSPECT_S, Heard
 from orchestrator.transport.local import LocalConnection
-from orchestrator.transport.ssh import SSHConnection
 
 DEFAULT_FANOUT = 64  # the most nodes contacted at once, by anything (ClusterShell's default too)
 SWEEP_S = 0.2  # how often every running command is checked for deadlines, lost links and stop
@@ -41,6 +40,8 @@ def connection_for(node: Node, **kw) -> Connection:
     """The node's transport: a subprocess for `connection: local`, else SSH."""
     if node.is_local:
         return LocalConnection(node)
+    from orchestrator.transport.ssh import SSHConnection  # paramiko (0.2 s to import) only for SSH nodes
+
     return SSHConnection(node, **kw)
 
 

@@ -15,8 +15,6 @@ import enum
 import errno
 import socket
 
-import paramiko
-
 
 class Fault(str, enum.Enum):
     """A failed connect, by the words ssh uses for it."""
@@ -40,12 +38,16 @@ ERRNO_FAULT = {errno.EHOSTUNREACH: Fault.NO_ROUTE, errno.ENETUNREACH: Fault.NET_
 def _errno(e: BaseException) -> int | None:
     """The socket error under `e`: paramiko folds a refused or unrouted connect to every address
     of the host into NoValidConnectionsError({addr: OSError}), errno None; the first address's."""
+    import paramiko
+
     if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
         return next((err.errno for err in e.errors.values() if err.errno is not None), None)
     return e.errno if isinstance(e, OSError) else None
 
 
 def fault_of(e: BaseException) -> Fault:
+    import paramiko  # imported here: a command that never connects over SSH never loads it (0.2 s)
+
     if isinstance(e, paramiko.BadHostKeyException):
         return Fault.HOST_KEY_CHANGED
     if isinstance(e, paramiko.AuthenticationException) or \

@@ -31,21 +31,6 @@ AEAD_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 IDLE_READ_S = 1.0
 
 
-def quiet_paramiko(debug: bool = False) -> None:
-    """paramiko's transport thread logs a traceback for every failed handshake (a port that
-    answers but is not sshd, a node that drops the connection); with no handler configured,
-    Python's last-resort handler prints it. The failure already reaches the user as one line
-    naming the node, so the traceback is shown with --debug only."""
-    import logging
-
-    log = logging.getLogger("paramiko")
-    if debug:
-        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    elif not log.handlers:
-        log.addHandler(logging.NullHandler())
-        log.propagate = False
-
-
 def _transport(sock, **kw) -> paramiko.Transport:
     """paramiko's Transport, offering AES-GCM first: one AEAD pass per packet instead of AES-CTR
     plus a separate HMAC, less CPU at both ends of a bulk copy (bench/bench_copy_cost.py)."""
