@@ -456,10 +456,12 @@ def drift(i: int, got: dict) -> None:
         return
     wall = got[True]["wall_s"] - span + span * last / base  # the faulted run's last span at the other's rate
     fixed = got[False]["wall_s"] / wall
-    print(f"  pair {i}: steady step rate over each run's last {span:.0f} s (on 5 nodes both), faulted "
-          f"{last:.2f} steps/s against fault-free {base:.2f} ({last / base:.3f}x): this machine's drift between "
-          f"the runs; with that span timed at the fault-free rate, the measured ratio would be {fixed:.3f}",
-          flush=True)
+    on = [len(got[f]["attempts"][-1]["nodes"]) if got[f]["attempts"] else NODES for f in (True, False)]
+    cause = "this machine's drift" if on[0] == on[1] else "the faulted run's fewer nodes and this machine's drift"
+    print(f"  pair {i}: steady step rate over the runs' last {span:.0f} s and {got[False]['last_span_s']:.0f} s "
+          f"(on {on[0]} and {on[1]} nodes), faulted {last:.2f} steps/s against fault-free {base:.2f} "
+          f"({last / base:.3f}x): {cause} between the runs; with that span timed at the fault-free rate, the "
+          f"measured ratio would be {fixed:.3f}", flush=True)
     got[True]["drift"], got[True]["ratio_at_base_rate"] = last / base, fixed
 
 

@@ -367,7 +367,6 @@ def test_a_rank_reads_when_it_entered_its_collectives_from_either_answer():
     assert done.inside == {} and done.inside_since is None  # completed: not inside, whatever the time
 
 
-
 def test_the_link_probe_asks_each_node_for_the_others_ssh_ports_ipv6_in_brackets_once(monkeypatch):
     """links_down (the probe): each node is asked to reach the others' address:port, an IPv6
     address bracketed once whether the inventory gave it bare or bracketed; a pair is down when
