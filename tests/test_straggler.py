@@ -112,6 +112,38 @@ def test_a_shorter_period_asks_for_as_many_checks_as_span_the_same_persistence()
     assert told == ["straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)"]
 
 
+def test_nobody_is_judged_while_the_warm_interpreters_import_nor_by_the_steps_they_slowed():
+    """The run's warm interpreters import torch on the cores the ranks compute on (the goodput
+    bench's fault-free run named node5 rank 4 at 1.9x while eight of them imported on 2 cores):
+    the watch holds while any imports, then judges only steps the ranks made after. A rank's answer
+    carries its newest steps, the slowed ones too: its first answer after the hold sets a floor."""
+    told, acted, busy = [], [], ["n2", "n3"]
+    w = StragglerWatch(snap=lambda: [], node_of=NODES, tell=told.append, window=5, factor=1.3, say=told.append,
+                       on_straggler=lambda new, cur: acted.append(([s.rank for s in new], cur)), warming=lambda: busy)
+    hist = {r: [] for r in range(4)}
+
+    def answers(rank2: float) -> list:  # 5 steps more, every rank's newest 40 in its answer
+        for r in range(4):
+            hist[r] += [[len(hist[r]) + i, rank2 if r == 2 else 0.1] for i in range(5)]
+        return [{"rank": r, "answer": {"steps": h[-40:]}} for r, h in hist.items()]
+
+    for _ in range(2 * CONFIRM):  # rank 2 three times slower while they import: held, nobody named
+        w.check(answers(0.3))
+    assert [t for t in told if t.startswith("straggler:")] == [] and acted == []
+    assert told == ["straggler watch: held while the run's warm interpreters import torch on n[2-3] (their import "
+                    "takes the cores the ranks compute on)"]
+    busy.clear()
+    for _ in range(2 * CONFIRM):  # ready: each answer still carries the slowed steps, which no longer count
+        w.check(answers(0.1))
+    assert [t for t in told if t.startswith("straggler:")] == [] and acted == [], told
+    assert told[1] == "straggler watch: the warm interpreters are ready; the ranks are judged again from their steps after"
+    # the first answer since set each rank's floor (its newest step then): only later steps are kept
+    assert all(w.floor[r] == 2 * CONFIRM * 5 + 4 and min(w.steps[r]) == w.floor[r] + 1 for r in range(4))
+    for _ in range(CONFIRM):  # a rank that slows after the hold is named as ever
+        w.check(answers(0.3))
+    assert told[-1] == "straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)", told
+
+
 def throttled(steps: int, slow_from: int = 0, slow_s: float = 0.047, fast_s: float = 0.016):
     """Every rank at fast_s a step (+-5 %), rank 2 at slow_s from step `slow_from` (the goodput
     bench's straggler: 47 ms against 16 ms)."""
@@ -429,12 +461,12 @@ def test_ranks_reporting_no_compute_at_all_are_judged_without_dividing_by_zero()
 
 # ------------------------------------------------------------ any script: the Flight Recorder's entry times
 def entries(compute: dict[int, float], n: int, first: int = 1, skew: dict[int, float] | None = None,
-            comm: float = 0.002):
+            comm: float = 0.002, start: float = 1_000.0):
     """A synchronous job's collectives as each rank's Flight Recorder has them: rank r computes
     compute[r] s, then enters collective k; nobody leaves k before the last rank entered it. Each
     rank's clock is off by skew[r] s. -> the docs a progress snapshot gives ([[pg, seq, ns]])."""
     skew = skew or {}
-    t = {r: 1_000.0 for r in compute}
+    t = {r: start for r in compute}
     out = {r: [] for r in compute}
     for k in range(first, first + n):
         for r, c in compute.items():
@@ -492,6 +524,21 @@ def test_the_watch_judges_a_script_without_compute_per_collective_and_measures_t
         w2.check(entries({r: statistics.median(v[50 * k:50 * k + 50]) for r, v in samples.items()}, 60,
                          first=1 + 60 * k))
     assert told2 == []
+
+
+def test_collectives_entered_while_the_warm_interpreters_imported_are_not_judged():
+    told, acted, busy = [], [], ["n1"]
+    w = watch(told, acted, window=20)
+    w.offsets, w.warming = dict, lambda: busy
+    slow = {0: 0.1, 1: 0.1, 2: 0.3, 3: 0.1}
+    for k in range(CONFIRM):
+        w.check(entries(slow, 30, first=1 + 30 * k, start=time.time() - 60))
+    assert w.entered == {} and [t for t in told if t.startswith("straggler:")] == []
+    busy.clear()
+    w.check(entries(slow, 30, first=91, start=time.time() - 30))  # entered before the hold ended: dropped
+    assert w.released is not None and all(not e for e in w.entered.values())
+    w.check(entries(slow, 30, first=121, start=time.time() + 1))  # after: judged
+    assert all(len(e) == 30 for e in w.entered.values()) and len(w.entered) == 4
 
 
 @pytest.mark.slow

@@ -390,6 +390,10 @@ def test_the_pool_starts_a_warm_interpreter_again_where_one_ended_and_lets_every
         cluster.connect()
         pool = WarmPool(cluster, inv, "wp1", said.append, lambda: ["n0", "n1"], after=0, recheck=0.5)
         pool.start()
+        # importing torch (seconds): the straggler watch holds meanwhile; then each says `ready`
+        wait_for(lambda: pool.importing() == ["n0", "n1"], 30, "both importing", interval=0.02)
+        wait_for(lambda: pool.importing() == [], 90, "both ready")
+        assert pool.ready == {"n0", "n1"}
         first = wait_for(lambda: (z := zygotes()).keys() == {"n0", "n1"} and z, 90, "one on each node")
         sock = tmp_path / ".clusterctl" / "warm" / "wp1@n1" / "sock"
         wait_for(lambda: sock.is_socket(), 90, "n1's listening")
@@ -398,6 +402,7 @@ def test_the_pool_starts_a_warm_interpreter_again_where_one_ended_and_lets_every
                          "n1's started again")
         assert again["n0"].pid == first["n0"].pid  # the live one is left as it is
         assert pool.starts == {"n0": 1, "n1": 2}
+        wait_for(lambda: pool.importing() == [] and pool.ready == {"n0", "n1"}, 90, "the new one on n1 ready")
         assert any("n1 again" in s for s in said), said
         pool.close()
         wait_for(lambda: not zygotes(), 30, "every one gone once let go")

@@ -75,6 +75,7 @@ class AttemptRunner:
         self.claims: Claims | None = None  # the run loop's (runs/claims.py), read as Readying reads it
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
         self.streams = StreamAsks()  # the nodes' open log streams: the first way to them for a stop, a snapshot
+        self.warming: Callable[[], list[str]] = lambda: []  # the run loop's WarmPool.importing (runs/warmpool.py)
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
         self.book.nodes_changed(list(self.statuses.values()), later=later)
@@ -195,7 +196,7 @@ class AttemptRunner:
                             tell=self.book.tell, on_straggler=self.on_straggler, window=self.spec.straggler_window,
                             factor=self.spec.straggler_factor, say=self.say, period=self.spec.progress_s,
                             offsets=lambda: clock_offsets(self.cluster, live(), asks=self.streams),
-                            streamed=self.artifacts is not None)
+                            streamed=self.artifacts is not None, warming=self.warming)
         sw.start()
         return sw
 

@@ -274,6 +274,8 @@ class Controller:
         self.current.artifacts = self.copier
         self.current.can_replace = self.can_replace
         self.current.claims = self.claims
+        if self.warm is not None:
+            self.current.warming = self.warm.importing
         return self.current
 
     def can_replace(self, nodes: list[str]) -> str | None:

@@ -33,6 +33,7 @@ AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say so
 POLL_S = 1.0  # how often the run's progress is looked at before `after`
 RECHECK_S = 10.0  # then how often each node's is looked at: one gone (its connection dropped) starts again
 MAX_STARTS = 3  # on one node: an interpreter that keeps ending there is not started again
+IMPORT_HOLD_S = 60.0  # one not `ready` this long after its start no longer counts as importing (`importing`)
 
 
 def restart_nodes(inv: Inventory, current: list[str] | None, spares: list[str], barred: set[str]) -> list[str]:
@@ -51,6 +52,9 @@ class WarmPool:
         self.after = float(os.environ.get(AFTER_ENV, WARM_AFTER_S)) if after is None else after
         self.recheck = recheck
         self.procs: dict = {}  # node -> the running command (transport Proc)
+        self.began: dict[str, float] = {}  # node -> when its running one was started (monotonic)
+        self.heard: dict[str, bytes] = {}  # node -> what its running one printed, until `ready`
+        self.ready: set[str] = set()  # the nodes whose running one said `ready` (torch imported)
         self.starts: dict[str, int] = {}  # node -> how many times one was started there
         self.lock = threading.Lock()
         self.closed = threading.Event()
@@ -92,7 +96,7 @@ class WarmPool:
             conn = self.cluster.connections.get(name)
             with self.lock:
                 if self.closed.is_set() or conn is None or self.starts.get(name, 0) >= MAX_STARTS or \
-                        (name in self.procs and not _ended(self.procs[name])):
+                        (name in self.procs and not self._ended(name)):
                     continue
                 self.starts[name] = self.starts.get(name, 0) + 1
                 gone = self.procs.pop(name, None)
@@ -110,13 +114,41 @@ class WarmPool:
                 if self.closed.is_set():
                     proc.close()
                     return
-                self.procs[name] = proc
+                self.procs[name], self.began[name], self.heard[name] = proc, time.monotonic(), b""
+                self.ready.discard(name)
             started.append(name)
         if started:
             again = [n for n in started if self.starts[n] > 1]
             self.say(f"warm interpreters: starting on {', '.join(started)}" +
                      (f" ({', '.join(again)} again: the one there ended)" if again else
                       " (a restart's ranks fork from them)"))
+
+    def importing(self) -> list[str]:
+        """The nodes whose warm interpreter is importing torch now: started, not `ready` yet, not
+        ended, for IMPORT_HOLD_S at most. Each takes a core for seconds (on the test cluster, out of
+        the two that every node's ranks share), so the straggler watch judges nobody meanwhile."""
+        now, out = time.monotonic(), []
+        with self.lock:
+            for name in sorted(self.procs):
+                if name in self.ready or now - self.began.get(name, now) >= IMPORT_HOLD_S:
+                    continue
+                if not self._ended(name) and name not in self.ready:  # (read now: it may have said it)
+                    out.append(name)
+        return out
+
+    def _ended(self, name: str) -> bool:
+        """Whether the node's warm interpreter's command ended; what it printed is read (its `ready`
+        noted) and dropped. Called holding the lock."""
+        proc = self.procs[name]
+        try:
+            got, _ = proc.read()
+            if got and name not in self.ready:
+                self.heard[name] = heard = (self.heard.get(name, b"") + got)[-4096:]
+                if b"ready\n" in heard:
+                    self.ready.add(name)
+            return proc.done()
+        except Exception:  # noqa: BLE001 - a connection torn down under it
+            return True
 
     def close(self) -> None:
         """Let every one go (each ends once no rank of its own runs)."""
@@ -125,15 +157,6 @@ class WarmPool:
             procs, self.procs = self.procs, {}
         for proc in procs.values():
             _close(proc)
-
-
-def _ended(proc) -> bool:
-    """Whether a warm interpreter's command ended (what it printed is read and dropped)."""
-    try:
-        proc.read()
-        return proc.done()
-    except Exception:  # noqa: BLE001 - a connection torn down under it
-        return True
 
 
 def _close(proc) -> None:
