@@ -30,7 +30,6 @@ from orchestrator.runs.policy import TAIL_LINES, log_tail
 from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.ckpt.jobdir_setaside import BEFORE_RUN, FORM, Found
 from orchestrator.runs.store import Run
-from orchestrator.runs.supervisor import spawn
 
 SUPERVISOR_GRACE_S = 10  # a run this young may not have recorded its supervisor yet
 SUPERVISOR_START_S = 30  # how long a replacement supervisor may take to record itself
@@ -174,6 +173,8 @@ def ensure_supervisor(run: Run) -> subprocess.Popen | None:
     if rec.state.terminal and not rec.pending_stops:
         return None
     _err(f"clusterctl: the supervisor of {run.id} is gone; starting one that takes the run over")
+    from orchestrator.runs.supervisor import spawn  # the whole run loop: only to take a run over
+
     proc = spawn(run, adopt=True)
     deadline = time.time() + SUPERVISOR_START_S
     while time.time() < deadline and proc.poll() is None and run.record.supervisor_pid != proc.pid:
