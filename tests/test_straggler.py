@@ -138,7 +138,7 @@ def test_nobody_is_judged_while_the_warm_interpreters_import_nor_by_the_steps_th
     assert [t for t in told if t.startswith("straggler:")] == [] and acted == [], told
     assert told[1] == "straggler watch: the warm interpreters are ready; the ranks are judged again from their steps after"
     # the first answer since set each rank's floor (its newest step then): only later steps are kept
-    assert all(w.floor[r] == 2 * CONFIRM * 5 + 4 and min(w.steps[r]) == w.floor[r] + 1 for r in range(4))
+    assert all(w.hold.floor[r] == 2 * CONFIRM * 5 + 4 and min(w.steps[r]) == w.hold.floor[r] + 1 for r in range(4))
     for _ in range(CONFIRM):  # a rank that slows after the hold is named as ever
         w.check(answers(0.3))
     assert told[-1] == "straggler: n3 rank 2 computes 3.0x the median (300 ms vs 100 ms over the last 5 steps)", told
@@ -536,7 +536,7 @@ def test_collectives_entered_while_the_warm_interpreters_imported_are_not_judged
     assert w.entered == {} and [t for t in told if t.startswith("straggler:")] == []
     busy.clear()
     w.check(entries(slow, 30, first=91, start=time.time() - 30))  # entered before the hold ended: dropped
-    assert w.released is not None and all(not e for e in w.entered.values())
+    assert w.hold.released is not None and all(not e for e in w.entered.values())
     w.check(entries(slow, 30, first=121, start=time.time() + 1))  # after: judged
     assert all(len(e) == 30 for e in w.entered.values()) and len(w.entered) == 4
 

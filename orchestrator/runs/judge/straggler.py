@@ -51,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from orchestrator.runs.judge.warmhold import HELD, RELEASED, WarmHold
+
 DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 50
 ON_STRAGGLER = ("warn", "replace")
@@ -245,12 +247,10 @@ class StragglerWatch:
     lock: threading.Lock = field(default_factory=threading.Lock)
     fresh: threading.Event = field(default_factory=threading.Event)  # every node's stream fed since the last round
     warming: Callable[[], list[str]] = lambda: []  # nodes whose warm interpreter imports torch (runs/warmpool.py)
-    held: bool = False  # judging is held while they import
-    floor: dict[int, int] = field(default_factory=dict)  # rank -> its newest step when the hold ended: no older one counts
-    released: float | None = None  # when the hold ended (this machine's clock): no collective entered before counts
 
     def __post_init__(self) -> None:
         self.nodes = set(self.node_of.values())  # a node's feed compares nodes, not every rank's node
+        self.hold = WarmHold(self.say)  # nobody judged while the warm interpreters import (warmhold.py)
 
     def start(self) -> None:
         if self.factor > 0:
@@ -311,10 +311,17 @@ class StragglerWatch:
 
     def check(self, ranks: list[Mapping]) -> None:
         """One round: the snapshot merged, every rank judged, the changes told."""
-        if self.hold():
+        try:
+            held = self.hold.look(self.warming())
+        except Exception:  # noqa: BLE001 - the pool's connections torn down: nothing holds the watch
+            held = None
+        if held == HELD:
             return
-        if self.released is not None:
-            ranks = [self.after_hold(d) for d in ranks]
+        if held == RELEASED:  # what was seen while they imported: dropped
+            self.steps.clear()
+            self.entered.clear()
+            self.streak.clear()
+        ranks = [self.hold.after(d) for d in ranks]
         merge(self.steps, ranks, KEEP * self.window)
         samples = {r: [v[s][0] for s in sorted(v)] for r, v in self.steps.items()}
         unit = "steps"
@@ -322,10 +329,7 @@ class StragglerWatch:
             if self.clock is None or time.monotonic() - self.clock[0] > OFFSETS_S:
                 self.clock = (time.monotonic(), self.measure())
             merge_entered(self.entered, ranks, self.clock[1], self.node_of, KEEP * self.window + 1)
-            if self.released is not None:
-                for mine in self.entered.values():
-                    for k in [k for k, t in mine.items() if t < self.released]:
-                        del mine[k]
+            self.hold.drop_entered(self.entered)
             samples, unit = fr_compute(self.entered), "collectives"
         slow = {s.rank: s for s in judge(samples, self.node_of, self.window, self.factor, unit)}
         judged = {r for r, v in samples.items() if len(v) >= self.window}
@@ -356,46 +360,6 @@ class StragglerWatch:
             self.tell(describe(new))
         if new or gone:
             self.on_straggler(new, self.current)
-
-    def hold(self) -> bool:
-        """Whether this round is not judged: the run's warm interpreters import torch, each on a core
-        the ranks of its node compute on (on the test cluster, the two cores every node shares), so
-        a rank they slow is clusterctl's doing, not a straggler. Once they are done, what was seen
-        until then is dropped, and the ranks are judged from the steps (collectives) after it."""
-        try:
-            busy = self.warming()
-        except Exception:  # noqa: BLE001 - the pool's connections torn down: nothing holds the watch
-            busy = []
-        if busy:
-            if not self.held:
-                from orchestrator.checks.report import nodeset
-
-                self.held = True
-                self.say(f"straggler watch: held while the run's warm interpreters import torch on "
-                         f"{nodeset(busy)} (their import takes the cores the ranks compute on)")
-            return True
-        if not self.held:
-            return False
-        self.held, self.released = False, time.time()
-        self.steps.clear()
-        self.entered.clear()
-        self.streak.clear()
-        self.floor.clear()
-        self.say("straggler watch: the warm interpreters are ready; the ranks are judged again from their steps after")
-        return False
-
-    def after_hold(self, doc: Mapping) -> Mapping:
-        """A rank's document with only its steps after the hold: a rank's answer carries its newest
-        steps, so its first answer since then sets its floor (none of those counts), and later ones
-        count only the steps past it."""
-        answer = doc.get("answer")
-        if not str(doc.get("rank")).isdigit() or not isinstance(answer, Mapping) or not answer.get("steps"):
-            return doc
-        steps, rank = [s for s in answer["steps"] if s], int(doc["rank"])
-        if rank not in self.floor:
-            self.floor[rank] = max(int(s[0]) for s in steps)
-            return dict(doc, answer=dict(answer, steps=[]))
-        return dict(doc, answer=dict(answer, steps=[s for s in steps if int(s[0]) > self.floor[rank]]))
 
     def proven(self, samples: Mapping[int, list[float]], unit: str) -> set[int]:
         """The ranks one look at their history proves slow (`sustained`): over windows of `window`
