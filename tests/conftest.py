@@ -181,15 +181,6 @@ def wait_for(pred, timeout=10.0, what="the condition", interval=0.1):
 VANISHED = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
-def gone(pid: int) -> bool:
-    """The process has exited: no such pid any more, or a zombie not yet reaped. Read once, so a
-    process reaped between two reads is gone, not an error."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def cmdline(proc) -> str:
     return " ".join(proc.cmdline())
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import gone, wait_for
+from tests.conftest import pid_ended, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -125,7 +125,7 @@ def test_an_adopted_run_after_a_restart_follows_the_spare_and_keeps_copying_chec
     wait_for(lambda: attempt_running(run_dir, 2), 180, "attempt 2 running")
     pid = rec_of(run_dir)["supervisor_pid"]
     psutil.Process(pid).kill()
-    wait_for(lambda: gone(pid), 10, "the supervisor to die")
+    wait_for(lambda: pid_ended(pid), 10, "the supervisor to die")
     before = {p.name for p in (run_dir / "checkpoints").glob("ckpt_*.pt")}
     # with the supervisor gone, status asks the nodes about attempt 2 (its key RUN.a2), not attempt 1
     s = cli("status", run_dir.name, "--json")

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from orchestrator.remote import warm as warm_mod
-from tests.conftest import gone, wait_for
+from tests.conftest import pid_ended, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK = REPO / "orchestrator" / "remote" / "hook" / "sitecustomize.py"
@@ -174,7 +174,7 @@ def test_a_signal_to_the_asker_reaches_the_fork(warm, sig):
     pid, _ = fork_of(p)
     p.send_signal(sig)
     assert p.wait(30) == -sig  # SIGINT: KeyboardInterrupt's traceback, then killed by SIGINT, as a cold rank
-    assert wait_for(lambda: gone(pid), 10, "the fork")
+    assert wait_for(lambda: pid_ended(pid), 10, "the fork")
 
 
 def test_the_fork_dies_with_its_asker_and_the_asker_with_the_fork(warm):
@@ -183,7 +183,7 @@ def test_the_fork_dies_with_its_asker_and_the_asker_with_the_fork(warm):
     pid, _ = fork_of(p)
     p.kill()  # torchrun's last resort: the zygote sees the asker gone
     p.wait(10)
-    assert wait_for(lambda: gone(pid), 10, "the fork")
+    assert wait_for(lambda: pid_ended(pid), 10, "the fork")
     q = rank(env, str(d / "job.py"), "sleep")
     pid, _ = fork_of(q)
     os.kill(pid, signal.SIGKILL)
@@ -294,7 +294,7 @@ def test_an_asker_that_gives_up_before_it_commits_leaves_no_fork_that_ran(warm):
         assert line.startswith(b"pid "), line
         pid = int(line.split()[1])
         s.close()  # gave up: no `go`
-    assert wait_for(lambda: gone(pid), 10, "the fork")
+    assert wait_for(lambda: pid_ended(pid), 10, "the fork")
     time.sleep(0.5)
     assert out.read_text() == ""  # it never ran the job
 
@@ -443,7 +443,7 @@ def test_torchrun_itself_is_forked_warm_and_its_workers_in_turn(warm):
         assert len(asker) == 1 and asker[0].pid != rank_fork  # torchrun's worker stands in for it
         p.send_signal(signal.SIGTERM)
         p.wait(60)
-        assert wait_for(lambda: all(gone(x) for x in (noted, rank_fork, asker[0].pid)), 30, "torchrun and its worker")
+        assert wait_for(lambda: all(pid_ended(x) for x in (noted, rank_fork, asker[0].pid)), 30, "torchrun and its worker")
     finally:
         if p.poll() is None:
             p.kill()
