@@ -13,6 +13,13 @@ checked while it waits: marked_pids finds it by its run key and proc_environ rea
 
 Arms alternate per round; each round starts `--ranks` ranks at once (the test cluster's 4 nodes
 on 2 cores) and times each from its start to its `ready` line.
+
+    .venv/bin/python bench/bench_warm_start.py --rounds 5 --ranks 4 --early 3
+
+An early fault: each round starts a warm interpreter of its own and, `--early` seconds later (it
+still imports), the ranks. "cold" is how such a restart started before the warm interpreter
+listened from its start: every rank imports torch itself while the warm one goes on importing
+beside it; "waits": every rank asks it, waits for its imports to end and is forked.
 """
 
 from __future__ import annotations
@@ -107,13 +114,14 @@ def one_round(key: str, ranks: int, py: Path, sock: Path | None) -> list[float]:
     return times
 
 
-def start_zygote(sock: Path) -> tuple[subprocess.Popen, float]:
+def start_zygote(sock: Path, ready: bool = True) -> tuple[subprocess.Popen, float]:
+    """The product's warm interpreter on `sock`; with `ready`, once it said so (and how long that took)."""
     t0 = time.monotonic()
     pad = {f"{node_warm.PAD_ENV}{i}": "x" * node_warm.PAD_PART for i in range(2)}
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), ",".join(PRELOAD)],
                          cwd=REMOTE.parent.parent, env={**os.environ, **pad}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, text=True)
-    if z.stdout.readline().strip() != "ready":
+    if ready and z.stdout.readline().strip() != "ready":
         raise SystemExit("bench: the warm interpreter did not start")
     return z, time.monotonic() - t0
 
@@ -122,7 +130,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4, help="ranks started at once per round")
+    ap.add_argument("--early", type=float, default=None, metavar="S",
+                    help="an early fault: the ranks start S seconds after their warm interpreter, while it imports")
     args = ap.parse_args()
+    if args.early is not None:
+        return early(args)
     with tempfile.TemporaryDirectory() as td:
         py = Path(td) / "py"  # the run directory's py/, as the waiter writes it
         py.mkdir()
@@ -150,6 +162,42 @@ def main() -> None:
     f, w = statistics.median(fresh), statistics.median(warm)
     print(f"\n{args.ranks} ranks at once, median of {args.rounds} rounds: fresh {f:.2f} s, warm {w:.2f} s: "
           f"{f / w:.1f}x sooner, {f - w:.2f} s saved per start; every rank found by its marker with its RANK")
+
+
+def early(args) -> None:
+    """Each round its own warm interpreter, the ranks started `args.early` s after it (see the
+    module's doc): "cold" against "waits", alternated."""
+    cold, waits = [], []
+    with tempfile.TemporaryDirectory() as td:
+        py = Path(td) / "py"
+        py.mkdir()
+        (py / "sitecustomize.py").write_text((REMOTE / "hook" / "sitecustomize.py").read_text())
+        (py / "clusterctl_warm.py").write_text((REMOTE / "warm_client.py").read_text())
+        try:
+            for i in range(args.rounds):
+                arms = [("cold", cold), ("waits", waits)]
+                for name, into in (arms if i % 2 == 0 else arms[::-1]):
+                    sock = Path(td) / f"warm-{i}-{name}" / "sock"
+                    sock.parent.mkdir()
+                    zygote, _ = start_zygote(sock, ready=False)
+                    try:
+                        time.sleep(args.early)
+                        if zygote.poll() is not None or not sock.is_socket():
+                            raise SystemExit(f"bench: the warm interpreter of round {i + 1} does not listen")
+                        key = f"bench-warm-{os.getpid()}-{i}-{name}"
+                        got = one_round(key, args.ranks, py, sock if name == "waits" else None)
+                    finally:
+                        zygote.terminate()
+                        zygote.wait(60)
+                    into.append(max(got))
+                    print(f"round {i + 1} {name}: every rank ready {max(got):.2f} s after its start, "
+                          f"{args.early:g} s after the warm interpreter's", flush=True)
+        finally:
+            for pid in marked_pids(RUN_KEY, lambda v: v.startswith(f"bench-warm-{os.getpid()}-")):
+                os.kill(pid, signal.SIGKILL)
+    c, w = statistics.median(cold), statistics.median(waits)
+    print(f"\n{args.ranks} ranks {args.early:g} s after their warm interpreter's start, median of {args.rounds} "
+          f"rounds: cold {c:.2f} s, waiting for it {w:.2f} s: {c / w:.2f}x sooner, {c - w:.2f} s saved")
 
 
 if __name__ == "__main__":

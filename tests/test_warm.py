@@ -204,6 +204,61 @@ def test_a_rank_the_warm_interpreter_cannot_run_starts_cold(warm):
     assert fork_of(q)[0] == q.pid and q.wait(30) == 2 and time.monotonic() - t0 < 20
 
 
+def importing_zygote(tmp_path, seconds):
+    """A warm interpreter whose imports take `seconds` (a preloaded module that sleeps), and a
+    rank's environment that uses it; returned as soon as it listens, before it is ready."""
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
+    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())
+    (tmp_path / "py" / "slow_import.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    (tmp_path / "job.py").write_text(JOB)
+    sock = tmp_path / "w" / "sock"
+    sock.parent.mkdir()
+    z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json,slow_import"],
+                         cwd=REPO, env={**os.environ, "CLUSTERCTL_WARM_PAD0": "x" * 60000,
+                                        "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{REPO}"},
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: sock.is_socket(), 30, "the socket, listening while it imports")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "CLUSTERCTL_WARM": str(sock),
+           "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
+    return z, env, sock
+
+
+def test_a_rank_that_asks_while_the_warm_interpreter_imports_waits_for_its_fork(tmp_path):
+    """An early fault's restart: the warm interpreter listens from its start, marked `importing`;
+    a rank that asks before it is ready waits for it (longer than WARM_WAIT_S) and is forked,
+    rather than importing torch again beside it."""
+    from orchestrator.remote import warm_client
+
+    z, env, sock = importing_zygote(tmp_path, warm_client.WARM_WAIT_S + 2)
+    try:
+        mark = sock.parent / warm_client.IMPORTING
+        assert mark.read_text().strip() == str(z.pid)
+        p = rank(env, str(tmp_path / "job.py"), "5")
+        pid, _ = fork_of(p)
+        assert pid != p.pid and p.wait(30) == 5  # forked once the imports ended, not cold
+        assert z.stdout.readline().strip() == "ready" and not mark.exists()
+        q = rank(env, str(tmp_path / "job.py"), "6")  # once ready: forked at once, as before
+        assert fork_of(q)[0] != q.pid and q.wait(30) == 6
+    finally:
+        z.terminate()
+        z.wait(10)
+
+
+def test_a_warm_interpreter_that_dies_while_it_imports_lets_its_askers_start_cold_at_once(tmp_path):
+    z, env, sock = importing_zygote(tmp_path, 120)
+    p = rank(env, str(tmp_path / "job.py"), "3")
+    time.sleep(1)  # its request waits in the socket's queue
+    z.kill()
+    z.wait(10)
+    t0 = time.monotonic()
+    pid, _ = fork_of(p)
+    assert pid == p.pid and p.wait(30) == 3  # cold, without waiting out IMPORT_WAIT_S
+    assert time.monotonic() - t0 < 20
+    q = rank(env, str(tmp_path / "job.py"), "4")  # its stale socket: refused at once, cold
+    assert fork_of(q)[0] == q.pid and q.wait(30) == 4
+
+
 def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path):
     """Its stdout's reader (the control machine's connection) gone: it ends at once when no rank
     forked from it runs, else when the last one ends."""

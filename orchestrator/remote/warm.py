@@ -13,9 +13,11 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
   warm RUN_ID NODE   the spec's JSON on stdin ({"python", "env", "cwd", "preload"}): the run's
                      warm interpreter here, on ~/.clusterctl/warm/RUN_ID@NODE/sock (the waiter
                      hands it to the ranks as CLUSTERCTL_WARM), marked RUN_ID.warm@NODE (no
-                     attempt's key: an attempt's end leaves it). `ready` once torch is imported;
-                     it lives while the control machine holds the command's connection open, or a
-                     rank forked from it runs (`serve`). One that served the run here before
+                     attempt's key: an attempt's end leaves it). `ready` once torch is imported
+                     (it listens from its start, beside an `importing` mark until then: a rank
+                     that asks meanwhile waits for its fork rather than start cold); it lives
+                     while the control machine holds the command's connection open, or a rank
+                     forked from it runs (`serve`). One that served the run here before
                      (started by a supervisor that has since been replaced) gives up the socket's
                      name to it and ends once its forks have.
   warm check RUN_ID NODE   print {"serving": bool}: whether one serves the run here now.
@@ -29,6 +31,7 @@ import sys
 
 from .agent_claims import CLAIMS
 from .common import prctl, split_key
+from .warm_client import IMPORTING
 from .warm_fork import become, env_block, env_bytes, own_environ, target
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
@@ -45,16 +48,32 @@ def claimed(run_id, node):
         return False
 
 
-def listen(path):
-    """(the listening socket, its name in its directory, now the cwd; the signals' wake-up pipe)."""
+def bound(path):
+    """(a socket listening as `path`, bound from its directory (a socket path is short), the
+    inode of its name); a stale one of that name is replaced."""
     here, name = os.path.split(path)
+    back = os.open(".", os.O_RDONLY)
+    try:
+        os.chdir(here)
+        if os.path.exists(name):
+            os.unlink(name)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(name)
+        os.chmod(name, 0o600)
+        listener.listen(64)
+        ino = os.stat(name).st_ino
+    finally:
+        os.fchdir(back)
+        os.close(back)
+    return listener, ino
+
+
+def listen(path, early=None):
+    """(the listening socket and its name's inode (`early`, else bound now), its name in its
+    directory, now the cwd; the signals' wake-up pipe)."""
+    here, name = os.path.split(path)
+    listener, ino = early or bound(path)
     os.chdir(here)
-    if os.path.exists(name):
-        os.unlink(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(name)
-    os.chmod(name, 0o600)
-    listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -62,7 +81,7 @@ def listen(path):
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: ENDING.append(1))
-    return listener, name, wake_r
+    return listener, ino, name, wake_r
 
 
 ENDING = []  # SIGTERM came
@@ -79,12 +98,20 @@ def serve(path, preload="torch", run_id=None, node=None):
     # the padding's text gone, its room kept (a fork writes its environment there): a scan for a
     # run's processes reads a block up to its first two NULs (common.environ_of), not 200 KB of it
     own_environ({k: v for k, v in os.environ.items() if not k.startswith(PAD_ENV)})
-    for module in filter(None, preload.split(",")):
-        importlib.import_module(module)
-    if cuda_loaded():  # a fork must start with no CUDA state: its rank initialises its own
-        sys.stderr.write("clusterctl: no warm interpreter: importing torch loaded CUDA's driver\n")
-        return
-    z = Zygote(*listen(path))
+    early = early_socket(path)
+    try:
+        for module in filter(None, preload.split(",")):
+            importlib.import_module(module)
+        if cuda_loaded():  # a fork must start with no CUDA state: its rank initialises its own
+            sys.stderr.write("clusterctl: no warm interpreter: importing torch loaded CUDA's driver\n")
+            early = gone(early, path)
+            return
+    except BaseException:
+        early = gone(early, path)
+        raise
+    finally:
+        imported(path)
+    z = Zygote(*listen(path, early))
     ours = False  # the node's claim was seen held by the run
     while not ENDING and (z.held or z.forks):
         if run_id and node and not z.forks:
@@ -110,6 +137,47 @@ def serve(path, preload="torch", run_id=None, node=None):
         pass
 
 
+def early_socket(path):
+    """Where no warm interpreter serves the run here yet, the socket listens before the imports,
+    marked IMPORTING (this pid): a rank that asks meanwhile waits for them to end (warm_client.py
+    IMPORT_WAIT_S) rather than import torch again beside them: (the socket, its name's inode).
+    Where one serves (this one is an adopting supervisor's), it goes on serving until this one has
+    imported: None."""
+    if answers(path):
+        return None
+    mark = os.path.join(os.path.dirname(path), IMPORTING)
+    tmp = "%s.%d" % (mark, os.getpid())
+    with open(tmp, "w") as f:
+        f.write("%d\n" % os.getpid())
+    os.replace(tmp, mark)
+    return bound(path)
+
+
+def imported(path):
+    """The imports ended: the IMPORTING mark taken away, if it is still this one's."""
+    mark = os.path.join(os.path.dirname(path), IMPORTING)
+    try:
+        with open(mark) as f:
+            if f.read().strip() == str(os.getpid()):
+                os.unlink(mark)
+    except OSError:
+        pass
+
+
+def gone(early, path):
+    """No warm interpreter after all: the early socket closed (its askers start cold) and its name
+    taken away, if still its own."""
+    if early is not None:
+        listener, ino = early
+        try:
+            if os.stat(path).st_ino == ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        listener.close()
+    return None
+
+
 def cuda_loaded():
     """CUDA's driver is in this process (a fork could not use CUDA then)."""
     try:
@@ -123,9 +191,8 @@ class Zygote:
     """The listening socket, the askers' connections and the forks, polled with stdout (whose
     reader going away lets the zygote go: `held`)."""
 
-    def __init__(self, listener, name, wake_r):
-        self.listener, self.name, self.wake_r = listener, name, wake_r
-        self.ino = os.stat(name).st_ino
+    def __init__(self, listener, ino, name, wake_r):
+        self.listener, self.ino, self.name, self.wake_r = listener, ino, name, wake_r
         self.poller = select.poll()
         self.poller.register(listener, select.POLLIN)
         self.poller.register(wake_r, select.POLLIN)

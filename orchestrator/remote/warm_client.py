@@ -10,6 +10,8 @@ import sys
 
 TORCHRUN = ("-m", "torch.distributed.run")  # how the waiter starts torchrun (remote/agent_waiter.py)
 WARM_WAIT_S = 2.0  # how long the rank waits for the warm interpreter's fork before it starts cold
+IMPORTING = "importing"  # beside the socket while the warm interpreter imports torch (it listens from its start)
+IMPORT_WAIT_S = 60.0  # the rank's wait then: its fork comes sooner than a cold start's imports beside the warm one's
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
 
 
@@ -27,8 +29,9 @@ def ask(path, die_with_parent, note=None):
     sends its command line, directory, environment and stdin/stdout/stderr, then stays as its
     parent's child (torchrun's worker, the waiter's torchrun), passing on each signal it can catch
     to the fork and ending as the fork ended; `note`: a file the fork's pid is written to (the
-    waiter's stop tells torchrun from its workers by it). Nothing answers within WARM_WAIT_S, or
-    the command line is not one the fork can run: this process goes on cold."""
+    waiter's stop tells torchrun from its workers by it). Nothing answers within WARM_WAIT_S
+    (IMPORT_WAIT_S while it imports), it went away, or the command line is not one the fork can
+    run: this process goes on cold."""
     import json
     import signal
     import socket
@@ -47,6 +50,8 @@ def ask(path, die_with_parent, note=None):
         os.umask(umask)
         req = {"argv": list(sys.orig_argv), "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}
         socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
+        if os.path.exists(os.path.join(os.path.dirname(path), IMPORTING)):
+            conn.settimeout(IMPORT_WAIT_S)
         reply = b""
         while not reply.endswith(b"\n"):
             got = conn.recv(64)
