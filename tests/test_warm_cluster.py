@@ -105,7 +105,7 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
     # once the run ended: none left, on the nodes it can reach (node2 is back: its own goes too)
     assert wait_for(lambda: not warm_ones(cluster), 60, "every warm interpreter gone"), \
         [(p.pid, p.cmdline()[:3]) for p in warm_ones(cluster)]
-    assert wait_for(lambda: not any(n.warm_serving() for n in cluster.nodes), 30, "their sockets removed")
+    assert wait_for(lambda: not any(n.warm_serving(ready=False) for n in cluster.nodes), 30, "their sockets removed")
 
 
 def test_no_warm_starts_every_rank_cold(make_cluster, tmp_path, home):
@@ -116,7 +116,7 @@ def test_no_warm_starts_every_rank_cold(make_cluster, tmp_path, home):
         run_dir = the_run(home)
         assert wait_for(lambda: rec_of(run_dir).get("state") == "running" or proc.poll() is not None, 60, "running")
         time.sleep(4)  # past CLUSTERCTL_WARM_AFTER_S and a warm interpreter's start
-        assert not warm_ones(cluster) and not any(n.warm_serving() for n in cluster.nodes)
+        assert not warm_ones(cluster) and not any(n.warm_serving(ready=False) for n in cluster.nodes)
         out = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

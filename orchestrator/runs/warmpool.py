@@ -2,9 +2,9 @@
 and the spares left; none quarantined or left out of the run), started once the run's progress
 shows (its first step or collective, in the step journal: the first attempt's own start is over)
 or `after` seconds into the run, whichever comes first (a run that never says a step, or takes
-longer to start, gets them at `after`; a fault in the first attempt's first seconds restarts
-cold). A restart's torchrun and ranks then fork from an interpreter that has imported torch instead of
-importing it again: on the test cluster a restart reaches its first step 2.5 s after detection
+longer to start, gets them at `after`; a fault before that restarts cold). A restart's torchrun and
+ranks then fork from an interpreter that has imported torch instead of importing it again (one
+still importing is waited for: remote/warm_client.py IMPORT_WAIT_S): on the test cluster a restart reaches its first step 2.5 s after detection
 instead of 12.8 s (bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node
 without one (not reached, started too late, or `--no-warm`) starts its ranks cold, as before: the
 ranks ask, and nobody answering is not an error.
@@ -53,7 +53,7 @@ class WarmPool:
         self.recheck = recheck
         self.procs: dict = {}  # node -> the running command (transport Proc)
         self.began: dict[str, float] = {}  # node -> when its running one was started (monotonic)
-        self.heard: dict[str, bytes] = {}  # node -> what its running one printed, until `ready`
+        self.heard: dict[str, bytes] = {}  # node -> what its running one printed, until `ready` (then dropped)
         self.ready: set[str] = set()  # the nodes whose running one said `ready` (torch imported)
         self.starts: dict[str, int] = {}  # node -> how many times one was started there
         self.lock = threading.Lock()
@@ -125,8 +125,7 @@ class WarmPool:
 
     def importing(self) -> list[str]:
         """The nodes whose warm interpreter is importing torch now: started, not `ready` yet, not
-        ended, for IMPORT_HOLD_S at most. Each takes a core for seconds (on the test cluster, out of
-        the two that every node's ranks share), so the straggler watch judges nobody meanwhile."""
+        ended, for IMPORT_HOLD_S at most (the straggler watch's hold: runs/judge/warmhold.py)."""
         now, out = time.monotonic(), []
         with self.lock:
             for name in sorted(self.procs):
@@ -146,6 +145,7 @@ class WarmPool:
                 self.heard[name] = heard = (self.heard.get(name, b"") + got)[-4096:]
                 if b"ready\n" in heard:
                     self.ready.add(name)
+                    del self.heard[name]  # nothing reads it once ready
             return proc.done()
         except Exception:  # noqa: BLE001 - a connection torn down under it
             return True

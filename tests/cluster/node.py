@@ -139,9 +139,13 @@ class TestNode:
         self.stop_sshd()
         self.start_sshd()
 
-    def warm_serving(self) -> bool:
-        """Whether a run's warm interpreter listens here (its socket, remote/warm.py's WARM_DIR)."""
-        return self.run("ls ~/.clusterctl/warm/*/sock 2>/dev/null || true").stdout.strip() != ""
+    def warm_serving(self, ready: bool = True) -> bool:
+        """Whether a run's warm interpreter listens here (its socket, remote/warm.py's WARM_DIR);
+        with `ready`, one that has imported torch (no `importing` mark beside its socket: one
+        listens from its start)."""
+        cond = '[ -S "$d/sock" ]' + (' && [ ! -e "$d/importing" ]' if ready else "")
+        return self.run(f'for d in ~/.clusterctl/warm/*; do {cond} && echo "$d"; done 2>/dev/null || true'
+                        ).stdout.strip() != ""
 
     # --- faults ----------------------------------------------------------------------------
     def link_down(self):
