@@ -31,8 +31,8 @@ import sys
 
 from .agent_claims import CLAIMS
 from .common import prctl, split_key
-from .warm_client import IMPORTING
 from .warm_fork import become, env_block, env_bytes, own_environ, target
+from .warm_socket import answers, bound, early_socket, gone, imported
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
 PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
@@ -46,26 +46,6 @@ def claimed(run_id, node):
             return json.loads(f.read() or "{}").get("run") == run_id
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def bound(path):
-    """(a socket listening as `path`, bound from its directory (a socket path is short), the
-    inode of its name); a stale one of that name is replaced."""
-    here, name = os.path.split(path)
-    back = os.open(".", os.O_RDONLY)
-    try:
-        os.chdir(here)
-        if os.path.exists(name):
-            os.unlink(name)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(name)
-        os.chmod(name, 0o600)
-        listener.listen(64)
-        ino = os.stat(name).st_ino
-    finally:
-        os.fchdir(back)
-        os.close(back)
-    return listener, ino
 
 
 def listen(path, early=None):
@@ -135,47 +115,6 @@ def serve(path, preload="torch", run_id=None, node=None):
         os.rmdir(os.getcwd())
     except OSError:
         pass
-
-
-def early_socket(path):
-    """Where no warm interpreter serves the run here yet, the socket listens before the imports,
-    marked IMPORTING (this pid): a rank that asks meanwhile waits for them to end (warm_client.py
-    IMPORT_WAIT_S) rather than import torch again beside them: (the socket, its name's inode).
-    Where one serves (this one is an adopting supervisor's), it goes on serving until this one has
-    imported: None."""
-    if answers(path):
-        return None
-    mark = os.path.join(os.path.dirname(path), IMPORTING)
-    tmp = "%s.%d" % (mark, os.getpid())
-    with open(tmp, "w") as f:
-        f.write("%d\n" % os.getpid())
-    os.replace(tmp, mark)
-    return bound(path)
-
-
-def imported(path):
-    """The imports ended: the IMPORTING mark taken away, if it is still this one's."""
-    mark = os.path.join(os.path.dirname(path), IMPORTING)
-    try:
-        with open(mark) as f:
-            if f.read().strip() == str(os.getpid()):
-                os.unlink(mark)
-    except OSError:
-        pass
-
-
-def gone(early, path):
-    """No warm interpreter after all: the early socket closed (its askers start cold) and its name
-    taken away, if still its own."""
-    if early is not None:
-        listener, ino = early
-        try:
-            if os.stat(path).st_ino == ino:
-                os.unlink(path)
-        except OSError:
-            pass
-        listener.close()
-    return None
 
 
 def cuda_loaded():
@@ -346,24 +285,6 @@ def for_key(key):
     run, _what, node = split_key(key)
     path = socket_path(run, node)
     return path if os.path.exists(path) else None
-
-
-def answers(path):
-    """A warm interpreter listens on `path` now."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(2)
-        here, name = os.path.split(path)
-        fd = os.open(here, os.O_RDONLY)
-        try:
-            s.connect(f"/proc/self/fd/{fd}/{name}")
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def start(run_id, node):
