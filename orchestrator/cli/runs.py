@@ -54,12 +54,12 @@ def complete_run_ids(ctx, param, incomplete: str):
 
 def _logs_for(run: Run, rec: RunRecord, n: int | None) -> list[NodeLog]:
     """One NodeLog per node of the run: from the start, or from each log's last `n` lines."""
-    return [NodeLog(nd.name, path, nd.first_rank, 0 if n is None else last_lines_offset(path, n))
+    return [NodeLog(nd.name, path, nd.first_rank, 0 if n is None else last_lines_offset(path, n), nd.last_rank)
             for nd in rec.nodes for path in [run.node_log(nd.name)]]
 
 
 def _ranks(rec: RunRecord) -> tuple:
-    return tuple((nd.name, nd.first_rank) for nd in rec.nodes)
+    return tuple((nd.name, nd.first_rank, nd.last_rank) for nd in rec.nodes)
 
 
 def _printer(rec: RunRecord) -> Prefixer:
@@ -131,7 +131,7 @@ class _Show:
             self.start(rec)
         elif self.follower is not None and (ranks := _ranks(rec)) != self.ranks:
             self.ranks = ranks  # a restart: the next attempt's nodes and ranks
-            self.follower.retarget([(name, self.run.node_log(name), first) for name, first in ranks])
+            self.follower.retarget([(name, self.run.node_log(name), first, last) for name, first, last in ranks])
 
     def announce(self, a: AttemptRecord) -> None:
         """Once an attempt is launched: what it starts from, and any damaged copy passed over."""

@@ -103,7 +103,10 @@ class LineFold:
     """Identical lines (or whole tracebacks) from many ranks within `window` seconds print once
     under their ranges. A line joins a held one only if its rank's previous line is not held
     after it (each rank's lines keep their order); what is held prints in the order it began,
-    once `window` has passed since its first line (or at `flush(all=True)`).
+    once `window` has passed since its first line (or at `flush(all=True)`), or sooner once no
+    rank can join it any more: given the ranks that print (`expect`), when every one of them
+    printed it too or has a line held after it (identical lines from every rank print as soon as
+    the last rank's arrives). What folds is the same either way.
 
     Distinct lines cost little: a node's poll of lines none of which has a twin held is one
     Chunk, checked against the texts held with a few set operations, and printed as it is. Only
@@ -125,6 +128,13 @@ class LineFold:
         self.seq = 0
         self.shown: OrderedDict[tuple, str] = OrderedDict()  # traceback -> the label it printed under
         self.labels: dict[frozenset, str] = {}  # the labels of member sets worded so far
+        self.newest: dict[str, int] = {}  # label -> the seq of its newest line, while `expect` is known
+        self.expected: tuple[frozenset, frozenset] | None = None  # (the ranks' labels, the nodes'), or not known
+
+    def expect(self, ranks, nodes) -> None:
+        """The labels whose lines come here: every rank's (`node/rN`) and every node's (torchrun's own
+        lines); None: not known (then only the window lets a held line go)."""
+        self.expected = None if ranks is None or nodes is None else (frozenset(ranks), frozenset(nodes))
 
     def knows(self, block: tuple) -> bool:
         """The traceback is held to print, or was printed."""
@@ -143,6 +153,8 @@ class LineFold:
             self.seq += len(texts)
             self.pending.append(c)
             self.chunks.append(c)
+            if self.expected is not None:
+                self.newest.update(zip(labels, range(c.seq, self.seq)))
             return
         for label, text, rank in zip(labels, texts, ranks):
             self.add(node, rank, label, text, now)
@@ -182,20 +194,20 @@ class LineFold:
         e = self._held(text, rank)
         if e is not None and self._joins(e, label, node, now):
             e.join(label, node, rank)
-            self.last[label] = e.seq
+            self.last[label] = self.newest[label] = e.seq
             return
         if type(text) is tuple and (e is not None or text in self.shown):
             text = Same(text)  # its twin prints (or printed) whole: this rank's is one line
             e = (self.open_node if rank is None else self.open_rank).get(text)
             if e is not None and self._joins(e, label, node, now):
                 e.join(label, node, rank)
-                self.last[label] = e.seq
+                self.last[label] = self.newest[label] = e.seq
                 return
         e = Entry(self.seq, now, text, label, node, rank)
         self.seq += 1
         (self.open_node if rank is None else self.open_rank)[text] = e
         self.pending.append(e)
-        self.last[label] = e.seq
+        self.last[label] = self.newest[label] = e.seq
 
     def _joins(self, e: Entry, label: str, node: str, now: float) -> bool:
         return now - e.t0 < self.window and label != e.label and (e.members is None or label not in e.members) \
@@ -206,7 +218,8 @@ class LineFold:
         lines as one list, Entries' gathered into lists of at most BATCH."""
         pending, window = self.pending, self.window
         held: list[tuple[str, str, str]] = []
-        while pending and (all or now - pending[0].t0 >= window):
+        order: dict = {}  # the expected labels by their newest line, once asked (`_settled`)
+        while pending and (all or now - pending[0].t0 >= window or self._settled(pending[0], order)):
             x = pending.popleft()
             if type(x) is Chunk:
                 x.done = True
@@ -227,6 +240,30 @@ class LineFold:
                 held = []
         if held:
             out(held)
+
+    def _settled(self, x, order: dict) -> bool:
+        """No expected label can join the held `x` any more (a Chunk: any of its lines): each has a
+        line after it (`_joins` refuses it then), or printed it too. `order` caches, per flush, each
+        kind's expected labels by their newest seq (only those at or before `x` are looked at)."""
+        if self.expected is None:
+            return False
+        if type(x) is Chunk:
+            return None not in x.ranks and self._order(order, 0)[0][0] >= x.seq + len(x.texts) - 1
+        seq, label, members = x.seq, x.label, x.members
+        for newest, lb in self._order(order, 0 if x.rank is not None else 1):
+            if newest > seq:
+                return True
+            if lb != label and (members is None or lb not in members):
+                return False
+        return True
+
+    def _order(self, order: dict, kind: int) -> list:
+        """kind 0 (ranks) or 1 (nodes): [(its newest seq, label)] for every expected label, least first."""
+        got = order.get(kind)
+        if got is None:
+            newest = self.newest
+            got = order[kind] = sorted((newest.get(lb, -1), lb) for lb in self.expected[kind]) or [(-1, "")]
+        return got
 
     def _emit(self, e: Entry, out: list) -> None:
         text = e.text

@@ -26,8 +26,9 @@ _RANK_RE = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # as runs/logs/rankfiles.py RAN
 class NodeLog:
     """Follows one node's log file from a byte offset; yields whole lines only, decoded."""
 
-    def __init__(self, node: str, path: Path, first_rank: int | None, offset: int = 0):
+    def __init__(self, node: str, path: Path, first_rank: int | None, offset: int = 0, last_rank: int | None = None):
         self.node, self.path, self.first_rank, self.offset = node, path, first_rank, offset
+        self.last_rank = last_rank  # the node's last global rank, where known (the fold's expected ranks)
         self._partial = b""
         self.at_end = True  # the last read reached the end of the file
         self.labels: dict[str, tuple[str, int]] = {}  # rank tag -> (label, global rank)
@@ -139,6 +140,20 @@ class Follower:
         self.screen = Screen(where)
         self.screen.logs = {lg.node: str(lg.path) for lg in logs}
         self.whole = {lg.node for lg in logs if lg.offset == 0}  # followed from their first line
+        self.expect([(lg.node, lg.first_rank, lg.last_rank) for lg in logs])
+
+    def expect(self, nodes: list[tuple[str, int | None, int | None]]) -> None:
+        """The attempt's nodes and their ranks (name, first, last): the labels whose lines the fold
+        can expect (runs/logs/fold.py LineFold.expect), through the filters; a node whose ranks are
+        not known leaves the ranks' unknown."""
+        nodes = [(name, first, last) for name, first, last in nodes if not self.nodes or name in self.nodes]
+        ranks: list[str] | None = []
+        for name, first, last in nodes:
+            if first is None or last is None:
+                ranks = None
+                break
+            ranks.extend(f"{name}/r{r}" for r in range(first, last + 1) if not self.ranks or r in self.ranks)
+        self.screen.fold.expect(ranks, [name for name, _, _ in nodes])
 
     @property
     def quiet(self) -> set[str]:
@@ -162,21 +177,23 @@ class Follower:
         """Print everything still held (the run ended)."""
         self.flush()
 
-    def retarget(self, nodes: list[tuple[str, Path, int | None]]) -> None:
-        """A restarted run's next attempt: follow its nodes too (a spare's log is new) and label
-        each node's lines with its new first rank. Logs already followed keep their offsets."""
+    def retarget(self, nodes: list[tuple[str, Path, int | None, int | None]]) -> None:
+        """A restarted run's next attempt (name, log, first rank, last rank): follow its nodes too (a
+        spare's log is new) and label each node's lines with its new first rank. Logs already
+        followed keep their offsets."""
         by_name = {lg.node: lg for lg in self.logs}
-        for name, path, first_rank in nodes:
+        for name, path, first_rank, last_rank in nodes:
             lg = by_name.get(name)
             if lg is None:
-                self.logs.append(NodeLog(name, path, first_rank))
+                self.logs.append(NodeLog(name, path, first_rank, last_rank=last_rank))
                 self.whole.add(name)
                 self.screen.logs[name] = str(path)
             elif first_rank is not None:
-                lg.first_rank = first_rank
+                lg.first_rank, lg.last_rank = first_rank, last_rank
                 lg.labels.clear()
             if first_rank is not None:
                 self.printer.widen(f"{name}/r{first_rank}")
+        self.expect([(name, first, last) for name, _, first, last in nodes])
 
     def poll(self, final: bool = False) -> int:
         """Print what is new; returns the number of lines read for printing. A piece of each
