@@ -234,10 +234,11 @@ def test_a_rank_that_asks_while_the_warm_interpreter_imports_waits_for_its_fork(
     try:
         mark = sock.parent / warm_client.IMPORTING
         assert mark.read_text().strip() == str(z.pid)
+        assert warm_mod.importing(str(sock)) and warm_mod.answers(str(sock))
         p = rank(env, str(tmp_path / "job.py"), "5")
         pid, _ = fork_of(p)
         assert pid != p.pid and p.wait(30) == 5  # forked once the imports ended, not cold
-        assert z.stdout.readline().strip() == "ready" and not mark.exists()
+        assert z.stdout.readline().strip() == "ready" and not mark.exists() and not warm_mod.importing(str(sock))
         q = rank(env, str(tmp_path / "job.py"), "6")  # once ready: forked at once, as before
         assert fork_of(q)[0] != q.pid and q.wait(30) == 6
     finally:
@@ -321,7 +322,7 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
     z, first = again, z
     check = subprocess.run(probe.local_argv("warm", "check", "wr1", "n1"), env=env, capture_output=True, text=True,
                            timeout=30)
-    assert json.loads(check.stdout) == {"serving": True}
+    assert json.loads(check.stdout) == {"serving": True, "importing": False}
     from orchestrator.remote.warm import for_key
 
     monkeypatch.setenv("HOME", str(home))  # the waiter's lookup, by any attempt's key

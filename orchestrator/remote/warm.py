@@ -20,7 +20,8 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
                      forked from it runs (`serve`). One that served the run here before
                      (started by a supervisor that has since been replaced) gives up the socket's
                      name to it and ends once its forks have.
-  warm check RUN_ID NODE   print {"serving": bool}: whether one serves the run here now.
+  warm check RUN_ID NODE   print {"serving": bool, "importing": bool}: whether one serves the run
+                           here now, or listens while it still imports.
 """
 import json
 import os
@@ -32,7 +33,7 @@ import sys
 from .agent_claims import CLAIMS
 from .common import prctl, split_key
 from .warm_fork import become, env_block, env_bytes, own_environ, target
-from .warm_socket import answers, bound, early_socket, gone, imported
+from .warm_socket import answers, bound, early_socket, gone, imported, importing
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
 PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
@@ -332,7 +333,9 @@ def main(argv):
         serve(*args)
         return 0
     if argv[:1] == ["check"] and len(argv) == 3:  # whether one serves the run here
-        print(json.dumps({"serving": answers(socket_path(argv[1], argv[2]))}))
+        path = socket_path(argv[1], argv[2])
+        listens = answers(path)
+        print(json.dumps({"serving": listens and not importing(path), "importing": listens and importing(path)}))
         return 0
     if len(argv) == 2:
         return start(*argv)

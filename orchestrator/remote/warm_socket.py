@@ -84,3 +84,8 @@ def gone(early, path):
             pass
         listener.close()
     return None
+
+
+def importing(path):
+    """The warm interpreter listening on `path` is still importing (its IMPORTING mark is there)."""
+    return os.path.exists(os.path.join(os.path.dirname(path), IMPORTING))
