@@ -4,8 +4,9 @@ shows (its first step or collective, in the step journal: the first attempt's ow
 or `after` seconds into the run, whichever comes first (a run that never says a step, or takes
 longer to start, gets them at `after`; a fault before that restarts cold). A restart's torchrun and
 ranks then fork from an interpreter that has imported torch instead of importing it again (one
-still importing is waited for: remote/warm_client.py IMPORT_WAIT_S): on the test cluster a restart reaches its first step 2.5 s after detection
-instead of 12.8 s (bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node
+still importing is waited for: remote/warm_client.py IMPORT_WAIT_S): on the test cluster a restart
+reaches its first step 2.5 s after detection instead of 12.8 s (bench/bench_warm_start.py,
+bench/bench_recovery.py --warm-compare). A node
 without one (not reached, started too late, or `--no-warm`) starts its ranks cold, as before: the
 ranks ask, and nobody answering is not an error.
 
