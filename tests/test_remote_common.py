@@ -326,7 +326,7 @@ def _cheapest(tmp_path: Path) -> dict[str, tuple[tuple[str, ...], bytes]]:
         "portlisten": (("0", "1", "0"), b"listening"),
         "netprobe": (("serve", "0", "0.2"), b"listening"),
         "drill": (("left", "no-such-run"), b'{"pids": []}'),
-        "warm": (("check", "no-such-run", "n1"), b'{"serving": false}'),
+        "warm": (("check", "no-such-run", "n1"), b'{"serving": false, "importing": false}'),
     }
 
 
