@@ -114,6 +114,15 @@ def one_round(key: str, ranks: int, py: Path, sock: Path | None) -> list[float]:
     return times
 
 
+def hook_dir(td: Path) -> Path:
+    """The run directory's py/, as the waiter writes it: the hook and clusterctl_warm.py."""
+    py = td / "py"
+    py.mkdir()
+    (py / "sitecustomize.py").write_text((REMOTE / "hook" / "sitecustomize.py").read_text())
+    (py / "clusterctl_warm.py").write_text((REMOTE / "warm_client.py").read_text())
+    return py
+
+
 def start_zygote(sock: Path, ready: bool = True) -> tuple[subprocess.Popen, float]:
     """The product's warm interpreter on `sock`; with `ready`, once it said so (and how long that took)."""
     t0 = time.monotonic()
@@ -136,10 +145,7 @@ def main() -> None:
     if args.early is not None:
         return early(args)
     with tempfile.TemporaryDirectory() as td:
-        py = Path(td) / "py"  # the run directory's py/, as the waiter writes it
-        py.mkdir()
-        (py / "sitecustomize.py").write_text((REMOTE / "hook" / "sitecustomize.py").read_text())
-        (py / "clusterctl_warm.py").write_text((REMOTE / "warm_client.py").read_text())
+        py = hook_dir(Path(td))
         sock = Path(td) / "warm" / "sock"
         sock.parent.mkdir()
         zygote, warm_up = start_zygote(sock)
@@ -169,10 +175,7 @@ def early(args) -> None:
     module's doc): "cold" against "waits", alternated."""
     cold, waits = [], []
     with tempfile.TemporaryDirectory() as td:
-        py = Path(td) / "py"
-        py.mkdir()
-        (py / "sitecustomize.py").write_text((REMOTE / "hook" / "sitecustomize.py").read_text())
-        (py / "clusterctl_warm.py").write_text((REMOTE / "warm_client.py").read_text())
+        py = hook_dir(Path(td))
         try:
             for i in range(args.rounds):
                 arms = [("cold", cold), ("waits", waits)]

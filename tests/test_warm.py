@@ -32,13 +32,18 @@ sys.exit(int(what or 0))
 """
 
 
+def hook_dir(tmp_path):
+    """py/ as the waiter writes it (the hook and clusterctl_warm.py), and the job beside it."""
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
+    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())
+    (tmp_path / "job.py").write_text(JOB)
+
+
 @pytest.fixture
 def warm(tmp_path):
     """A warm interpreter (preloading nothing heavy) and the environment of a rank that uses it."""
-    (tmp_path / "py").mkdir()
-    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
-    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())  # as the waiter writes them
-    (tmp_path / "job.py").write_text(JOB)
+    hook_dir(tmp_path)
     sock = tmp_path / "w.sock"
     pad = {f"CLUSTERCTL_WARM_PAD{i}": "x" * 60000 for i in range(2)}
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json",
@@ -207,11 +212,8 @@ def test_a_rank_the_warm_interpreter_cannot_run_starts_cold(warm):
 def importing_zygote(tmp_path, seconds):
     """A warm interpreter whose imports take `seconds` (a preloaded module that sleeps), and a
     rank's environment that uses it; returned as soon as it listens, before it is ready."""
-    (tmp_path / "py").mkdir()
-    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
-    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())
+    hook_dir(tmp_path)
     (tmp_path / "py" / "slow_import.py").write_text(f"import time\ntime.sleep({seconds})\n")
-    (tmp_path / "job.py").write_text(JOB)
     sock = tmp_path / "w" / "sock"
     sock.parent.mkdir()
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json,slow_import"],
@@ -265,10 +267,7 @@ def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path)
     forked from it runs, else when the last one ends."""
     sock = tmp_path / ("d" * 120) / "s"  # longer than a socket path may be: bound in its directory
     sock.parent.mkdir()
-    (tmp_path / "py").mkdir()
-    (tmp_path / "py" / "sitecustomize.py").write_text(HOOK.read_text())
-    (tmp_path / "py" / "clusterctl_warm.py").write_text(CLIENT.read_text())  # as the waiter writes them
-    (tmp_path / "job.py").write_text(JOB)
+    hook_dir(tmp_path)
     pad = {"CLUSTERCTL_WARM_PAD0": "x" * 60000}
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json"], cwd=REPO,
                          env={**os.environ, **pad, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,

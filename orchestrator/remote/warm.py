@@ -32,8 +32,9 @@ import sys
 
 from .agent_claims import CLAIMS
 from .common import prctl, split_key
+from .warm_client import importing
 from .warm_fork import become, env_block, env_bytes, own_environ, target
-from .warm_socket import answers, bound, early_socket, gone, imported, importing
+from .warm_socket import answers, bound, early_socket, gone, imported
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
 PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
@@ -334,8 +335,8 @@ def main(argv):
         return 0
     if argv[:1] == ["check"] and len(argv) == 3:  # whether one serves the run here
         path = socket_path(argv[1], argv[2])
-        listens = answers(path)
-        print(json.dumps({"serving": listens and not importing(path), "importing": listens and importing(path)}))
+        listens, still = answers(path), importing(path)
+        print(json.dumps({"serving": listens and not still, "importing": listens and still}))
         return 0
     if len(argv) == 2:
         return start(*argv)

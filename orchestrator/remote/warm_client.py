@@ -15,6 +15,16 @@ IMPORT_WAIT_S = 60.0  # the rank's wait then: its fork comes sooner than a cold 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
 
 
+def mark_of(path):
+    """The IMPORTING mark of the warm interpreter whose socket is `path`."""
+    return os.path.join(os.path.dirname(path), IMPORTING)
+
+
+def importing(path):
+    """The warm interpreter listening on `path` still imports (its mark is there)."""
+    return os.path.exists(mark_of(path))
+
+
 def is_torchrun(orig_argv):
     """Whether this command line is torchrun's as the waiter starts it: python [-u] -m torch.distributed.run."""
     args = list(orig_argv[1:])
@@ -50,7 +60,7 @@ def ask(path, die_with_parent, note=None):
         os.umask(umask)
         req = {"argv": list(sys.orig_argv), "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}
         socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
-        if os.path.exists(os.path.join(os.path.dirname(path), IMPORTING)):
+        if importing(path):
             conn.settimeout(IMPORT_WAIT_S)
         reply = b""
         while not reply.endswith(b"\n"):

@@ -4,7 +4,7 @@ imports end (a rank that asks meanwhile waits: warm_client.py)."""
 import os
 import socket
 
-from .warm_client import IMPORTING
+from .warm_client import mark_of
 
 
 def bound(path):
@@ -53,7 +53,7 @@ def early_socket(path):
     imported: None."""
     if answers(path):
         return None
-    mark = os.path.join(os.path.dirname(path), IMPORTING)
+    mark = mark_of(path)
     tmp = "%s.%d" % (mark, os.getpid())
     with open(tmp, "w") as f:
         f.write("%d\n" % os.getpid())
@@ -63,11 +63,10 @@ def early_socket(path):
 
 def imported(path):
     """The imports ended: the IMPORTING mark taken away, if it is still this one's."""
-    mark = os.path.join(os.path.dirname(path), IMPORTING)
     try:
-        with open(mark) as f:
+        with open(mark_of(path)) as f:
             if f.read().strip() == str(os.getpid()):
-                os.unlink(mark)
+                os.unlink(mark_of(path))
     except OSError:
         pass
 
@@ -85,7 +84,3 @@ def gone(early, path):
         listener.close()
     return None
 
-
-def importing(path):
-    """The warm interpreter listening on `path` is still importing (its IMPORTING mark is there)."""
-    return os.path.exists(os.path.join(os.path.dirname(path), IMPORTING))
