@@ -51,7 +51,7 @@ def warm(tmp_path):
                          env={**os.environ, **pad, "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{REPO}",
                               "CLUSTERCTL_RUN_KEY": "wr1.warm@n1"}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          text=True)
-    assert z.stdout.readline().strip() == "ready"
+    assert said(z) == ["listening", "ready"]
     env = {**os.environ, "RANK": "3", "LOCAL_RANK": "1", "CLUSTERCTL_WARM": str(sock),
            "CLUSTERCTL_RUN_KEY": "wr1.a1@n1",
            "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
@@ -209,6 +209,14 @@ def test_a_rank_the_warm_interpreter_cannot_run_starts_cold(warm):
     assert fork_of(q)[0] == q.pid and q.wait(30) == 2 and time.monotonic() - t0 < 20
 
 
+def said(z, last="ready"):
+    """The lines the warm interpreter `z` printed, up to `last`."""
+    lines = []
+    while not lines or lines[-1] not in (last, ""):
+        lines.append(z.stdout.readline().strip())
+    return lines
+
+
 def importing_zygote(tmp_path, seconds):
     """A warm interpreter whose imports take `seconds` (a preloaded module that sleeps), and a
     rank's environment that uses it; returned as soon as it listens, before it is ready."""
@@ -220,7 +228,7 @@ def importing_zygote(tmp_path, seconds):
                          cwd=REPO, env={**os.environ, "CLUSTERCTL_WARM_PAD0": "x" * 60000,
                                         "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{REPO}"},
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    wait_for(lambda: sock.is_socket(), 30, "the socket, listening while it imports")
+    assert z.stdout.readline().strip() == "listening" and sock.is_socket()  # said once it listens, before its imports
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "CLUSTERCTL_WARM": str(sock),
            "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
     return z, env, sock
@@ -272,7 +280,7 @@ def test_the_warm_interpreter_goes_once_let_go_and_idle_and_not_before(tmp_path)
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), "json"], cwd=REPO,
                          env={**os.environ, **pad, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, text=True)
-    assert z.stdout.readline().strip() == "ready"
+    assert said(z) == ["listening", "ready"]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "CLUSTERCTL_WARM": str(sock),
            "PYTHONPATH": f"{tmp_path / 'py'}{os.pathsep}{tmp_path}"}
     p = rank(env, str(tmp_path / "job.py"), "sleep")
@@ -303,7 +311,7 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
                          stdout=subprocess.PIPE, text=True)
     z.stdin.write(spec)
     z.stdin.close()
-    assert z.stdout.readline().strip() == "ready"
+    assert said(z) == ["listening", "ready"]
     sock = home / ".clusterctl" / "warm" / "wr1@n1" / "sock"
     assert sock.is_socket()
     block = Path(f"/proc/{z.pid}/environ").read_bytes()
@@ -316,7 +324,7 @@ def test_warm_run_node_serves_the_run_once_marked_with_its_key_and_goes_when_let
                              stdout=subprocess.PIPE, text=True)
     again.stdin.write(spec)
     again.stdin.close()
-    assert again.stdout.readline().strip() == "ready"
+    assert said(again) == ["listening", "ready"]
     assert z.wait(20) == 0 and sock.is_socket()  # the name now the second one's
     z, first = again, z
     check = subprocess.run(probe.local_argv("warm", "check", "wr1", "n1"), env=env, capture_output=True, text=True,
@@ -461,6 +469,39 @@ def test_the_pool_starts_a_warm_interpreter_again_where_one_ended_and_lets_every
         assert any("n1 again" in s for s in said), said
         pool.close()
         wait_for(lambda: not zygotes(), 30, "every one gone once let go")
+
+
+def test_before_a_launch_the_pool_starts_one_on_each_node_and_returns_once_their_sockets_listen(tmp_path,
+                                                                                               monkeypatch):
+    """The first attempt's torchrun and ranks fork from the warm interpreters (one import of torch
+    on a node): `before_launch` starts one on each of the attempt's nodes and returns once each
+    socket is there, the launch's waiter then handing it on (agent_waiter.py `for_key`). A node
+    whose one cannot start (no such interpreter) is not waited for and not named."""
+    import json
+
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.runs.warmpool import WarmPool
+    from orchestrator.transport import Cluster
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    nodes = "".join(f"  - {{name: n{i}, connection: local, gpus: 0, workdir: {json.dumps(str(tmp_path))}}}\n"
+                    for i in range(2))
+    nodes += f"  - {{name: n2, connection: local, gpus: 0, python: {json.dumps(str(tmp_path / 'no-python'))}}}\n"
+    inv = parse_inventory(f"python: {json.dumps(sys.executable)}\nnodes:\n{nodes}")
+    said = []
+    with Cluster(inv) as cluster:
+        cluster.connect()
+        pool = WarmPool(cluster, inv, "wp2", said.append, lambda: ["n0", "n1", "n2"], after=3600)
+        try:
+            assert pool.before_launch(["n0", "n1", "n2"], timeout=60) == ["n0", "n1"]
+            for n in ("n0", "n1"):
+                sock = tmp_path / ".clusterctl" / "warm" / f"wp2@{n}" / "sock"
+                assert sock.is_socket()  # where the waiter looks; a rank asking now waits while it imports
+            assert said and said[0].startswith("warm interpreters: starting on n0, n1, n2 (the ranks fork"), said
+            wait_for(lambda: pool.importing() == [] and pool.ready == {"n0", "n1"}, 90, "both imported")
+            assert pool.before_launch(["n0", "n1"]) == ["n0", "n1"] and pool.starts["n0"] == 1  # none again
+        finally:
+            pool.close()
 
 
 def test_a_node_run_key_is_read_one_way_everywhere():

@@ -1,7 +1,8 @@
-"""Warm restarts on the real test cluster (runs/warmpool.py, remote/warm.py): the run's nodes and
-its spare keep a warm interpreter from a few seconds into the run; a worker killed, then a node cut,
-restart with every rank, and torchrun itself, forked from one (torch already imported), on the
-survivors and on the spare alike; nothing of them is left once the run ends. With --no-warm every rank starts cold."""
+"""Warm starts on the real test cluster (runs/warmpool.py, remote/warm.py): the first attempt's
+nodes get a warm interpreter right before its launch, and its ranks already fork from it; the spare
+gets one a few seconds into the run; a worker killed, then a node cut, restart with every rank, and
+torchrun itself, forked from one (torch already imported), on the survivors and on the spare alike;
+nothing of them is left once the run ends. With --no-warm every rank starts cold."""
 
 import os
 import re
@@ -96,12 +97,16 @@ def test_a_killed_worker_then_a_cut_node_restart_with_every_rank_forked_warm_and
     for n in ("node1", "node2", "node3"):
         seen.update(starts((run_dir / "nodes" / f"{n}.log").read_text(errors="replace")))
     print(seen)
+    assert seen[(1, "node1")] and seen[(1, "node2")], seen  # the first attempt's too: one torch import a node
+    assert n1.run(f"cat ~/.clusterctl/node-runs/{run_dir.name}@node1/torchrun.fork").stdout.strip().isdigit()
     assert seen[(2, "node1")] and seen[(2, "node2")], seen  # the survivors' ranks forked warm
     assert seen[(3, "node1")] and seen[(3, "node3")], seen  # and the spare's
     for n in (n1, n3):
         assert n.run(f"cat ~/.clusterctl/node-runs/{run_dir.name}.a3@{n.name}/torchrun.fork").stdout.strip().isdigit()
     sup = (run_dir / "supervisor.log").read_text()
-    assert "warm interpreters: starting on node1, node2, node3" in sup, sup[-2000:]
+    # the attempt's nodes right before its launch, the spare once the run's progress showed
+    assert "warm interpreters: starting on node1, node2 (the ranks fork from them)" in sup, sup[-2000:]
+    assert "warm interpreters: starting on node3" in sup, sup[-2000:]
     # once the run ended: none left, on the nodes it can reach (node2 is back: its own goes too)
     assert wait_for(lambda: not warm_ones(cluster), 60, "every warm interpreter gone"), \
         [(p.pid, p.cmdline()[:3]) for p in warm_ones(cluster)]

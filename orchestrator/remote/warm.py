@@ -13,9 +13,10 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
   warm RUN_ID NODE   the spec's JSON on stdin ({"python", "env", "cwd", "preload"}): the run's
                      warm interpreter here, on ~/.clusterctl/warm/RUN_ID@NODE/sock (the waiter
                      hands it to the ranks as CLUSTERCTL_WARM), marked RUN_ID.warm@NODE (no
-                     attempt's key: an attempt's end leaves it). `ready` once torch is imported
-                     (it listens from its start, beside an `importing` mark until then: a rank
-                     that asks meanwhile waits for its fork rather than start cold); it lives
+                     attempt's key: an attempt's end leaves it). `listening` once its socket is
+                     there, `ready` once torch is imported (it listens from its start, beside an
+                     `importing` mark until then: a rank that asks meanwhile waits for its
+                     fork rather than start cold); it lives
                      while the control machine holds the command's connection open, or a rank
                      forked from it runs (`serve`). One that served the run here before
                      (started by a supervisor that has since been replaced) gives up the socket's
@@ -71,16 +72,21 @@ ENDING = []  # SIGTERM came
 
 def serve(path, preload="torch", run_id=None, node=None):
     """Import `preload` (comma-separated modules), listen on `path` (bound in its directory: a
-    socket path is short), fork a rank per request; say `ready` on stdout first. Ends on SIGTERM,
+    socket path is short), fork a rank per request. Ends on SIGTERM,
     or, once no fork runs, when stdout's reader is gone (the control machine let go) or, given the
     run and the node, when the node's claim was the run's and is no longer (the run ended, or the
-    node was left out of it, while its connection to the control machine was cut)."""
+    node was left out of it, while its connection to the control machine was cut). Says
+    `listening` once the socket is there (before the imports), `ready` once they ended."""
     import importlib
 
     # the padding's text gone, its room kept (a fork writes its environment there): a scan for a
     # run's processes reads a block up to its first two NULs (common.environ_of), not 200 KB of it
     own_environ({k: v for k, v in os.environ.items() if not k.startswith(PAD_ENV)})
     early = early_socket(path)
+    try:  # the socket is there (this one's, or the one serving already): the launch may go on
+        os.write(1, b"listening\n")
+    except OSError:
+        pass
     try:
         for module in filter(None, preload.split(",")):
             importlib.import_module(module)

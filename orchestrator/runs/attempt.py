@@ -1,10 +1,9 @@
 """One attempt of a run: preflight, ranks, launch in rank order, watch, and how it ended.
 
-An attempt runs under its own key on the nodes (RUN_ID, then RUN_ID.aK) and returns its
-RunResult to the run loop (orchestrator/runs/controller.py) instead of deciding what follows;
-nothing final is recorded here. Its failure policy is its own (runs/policy.py): the first node
-to fail stops every other node of this attempt, and its teardown is bound to this attempt's key
-and nodes, so a node that cannot be reached keeps a pending stop for exactly what ran there."""
+An attempt runs under its own key on the nodes (RUN_ID, then RUN_ID.aK) and returns its RunResult to
+the run loop (runs/controller.py) instead of deciding what follows; nothing final is recorded here.
+Its failure policy is its own (runs/policy.py): the first node to fail stops the attempt's other
+nodes, its teardown bound to the attempt's key and nodes (one not reached keeps a pending stop)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Launc
 from orchestrator.inventory import Inventory, Node
 from orchestrator.observe import trackers
 from orchestrator.node import agent
-from orchestrator.node.agent import AgentStatus
 from orchestrator.runs.claims import Claims
 from orchestrator.runs.judge.hang import HangVerdict
 from orchestrator.runs.judge.hangsnap import RankSnap, links_down, snaps_of
@@ -76,6 +74,7 @@ class AttemptRunner:
         self.short: set[str] = set()  # nodes whose log copy ended short (no room here): runs/logs/catchup.py
         self.streams = StreamAsks()  # the nodes' open log streams: the first way to them for a stop, a snapshot
         self.warming: Callable[[], list[str]] = lambda: []  # the run loop's WarmPool.importing (runs/warmpool.py)
+        self.launching: Callable[[list[str]], object] = lambda nodes: None  # ... and its before_launch
 
     def save(self, later: bool = False) -> None:  # later: a node's end, written with the others of its burst (record.py)
         self.book.nodes_changed(list(self.statuses.values()), later=later)
@@ -92,6 +91,7 @@ class AttemptRunner:
         if self.policy.stop_requests:
             raise LaunchError("stopped before launch", EXIT_INTERRUPTED)
         self.assign_ranks(gpus_found)
+        self.launching([n.name for n in self.inv.nodes])  # the run's warm interpreters listen first: the ranks fork
         launcher = Launcher(self.cluster, self.inv, self.key, self.spec, self.statuses, self.record.resume_args)
         tracked = trackers.attempt_env(self.run, self.record.attempt, self.inv, self.say)  # W&B, MLflow: one run
         launcher.extra_env = {n: {**tracked.get(n, {}), **env, **e} for n, e in node_env.items()}
@@ -324,7 +324,7 @@ class AttemptRunner:
             self.drain_timer.cancel()
 
     # ---------------------------------------------------------------- nodes ending
-    def node_ended(self, res: NodeResult, final: AgentStatus | None = None) -> None:
+    def node_ended(self, res: NodeResult, final: agent.AgentStatus | None = None) -> None:
         """A node's log copy ended: the node was lost, or its torchrun ended (how: the status the
         agent's tail closed with, else ask the agent)."""
         name = res.node
@@ -336,7 +336,7 @@ class AttemptRunner:
         elif conn is not None and conn.alive:
             now = agent.run(self.cluster, lambda n: agent.status(n, self.key), [name])[name]
         else:
-            now = AgentStatus(error="not connected")
+            now = agent.AgentStatus(error="not connected")
         if now.exit_code is not None:
             self.record_end(name, now)
             return
@@ -360,7 +360,7 @@ class AttemptRunner:
             threading.Thread(target=self.teardown, args=("lost after the failure or stop", self.policy.first is not None),
                              daemon=True).start()
 
-    def record_end(self, name: str, now: AgentStatus) -> None:
+    def record_end(self, name: str, now: agent.AgentStatus) -> None:
         """A node's torchrun ended: its exit code and end time, by the node's own record."""
         st = self.statuses[name]
         if st.state in (NodeState.FINISHED, NodeState.FAILED) and st.node_ended == now.ended:

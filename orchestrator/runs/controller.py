@@ -275,7 +275,7 @@ class Controller:
         self.current.can_replace = self.can_replace
         self.current.claims = self.claims
         if self.warm is not None:
-            self.current.warming = self.warm.importing
+            self.current.warming, self.current.launching = self.warm.importing, self.warm.before_launch
         return self.current
 
     def can_replace(self, nodes: list[str]) -> str | None:

@@ -1,14 +1,16 @@
 """The run's warm interpreters (remote/warm.py): one on every node the run may use (the attempt's
-and the spares left; none quarantined or left out of the run), started once the run's progress
-shows (its first step or collective, in the step journal: the first attempt's own start is over)
-or `after` seconds into the run, whichever comes first (a run that never says a step, or takes
-longer to start, gets them at `after`; a fault before that restarts cold). A restart's torchrun and
-ranks then fork from an interpreter that has imported torch instead of importing it again (one
-still importing is waited for: remote/warm_client.py IMPORT_WAIT_S): on the test cluster a restart
-reaches its first step 2.5 s after detection instead of 12.8 s (bench/bench_warm_start.py,
-bench/bench_recovery.py --warm-compare). A node
-without one (not reached, started too late, or `--no-warm`) starts its ranks cold, as before: the
-ranks ask, and nobody answering is not an error.
+and the spares left; none quarantined or left out of the run). An attempt's nodes get theirs right
+before its launch (`before_launch`: started, and waited for until their sockets listen), so the
+first attempt's torchrun and ranks already fork from them, waiting for their imports, instead of
+importing torch beside them: one import of torch on a node instead of 2 + nproc. The spares get
+theirs once the run's progress shows (its first step or collective, in the step journal) or
+`after` seconds into the run, whichever comes first, so that their imports do not share the
+first attempt's start. A restart's torchrun and ranks fork from an interpreter that has imported
+torch (one still importing is waited for: remote/warm_client.py IMPORT_WAIT_S): on the test
+cluster a restart reaches its first step 2.5 s after detection instead of 12.8 s
+(bench/bench_warm_start.py, bench/bench_recovery.py --warm-compare). A node without one (not
+reached, or `--no-warm`) starts its ranks cold, as before: the ranks ask, and nobody answering is
+not an error.
 
 Each is held by keeping its command's connection open; `close` lets go, and an interpreter with no
 rank of its own running then ends. One whose command ended (its connection dropped, it died) is
@@ -29,11 +31,13 @@ from orchestrator.node import warm
 from orchestrator.torchrun import node_env
 from orchestrator.transport import Cluster
 
-WARM_AFTER_S = 20.0  # into the run: what a run shorter than this would gain, it would pay at its start
+WARM_AFTER_S = 20.0  # into the run, the spares' at the latest (sooner, their imports would share the launch's cores)
 AFTER_ENV = "CLUSTERCTL_WARM_AFTER_S"  # the supervisor's environment may say sooner (the tests do)
 POLL_S = 1.0  # how often the run's progress is looked at before `after`
 RECHECK_S = 10.0  # then how often each node's is looked at: one gone (its connection dropped) starts again
 MAX_STARTS = 3  # on one node: an interpreter that keeps ending there is not started again
+LISTEN_WAIT_S = 5.0  # before a launch: how long a just-started one's socket is waited for (`before_launch`)
+LISTEN_POLL_S = 0.02
 IMPORT_HOLD_S = 60.0  # one not `ready` this long after its start no longer counts as importing (`importing`)
 
 
@@ -56,6 +60,7 @@ class WarmPool:
         self.began: dict[str, float] = {}  # node -> when its running one was started (monotonic)
         self.heard: dict[str, bytes] = {}  # node -> what its running one printed, until `ready` (then dropped)
         self.ready: set[str] = set()  # the nodes whose running one said `ready` (torch imported)
+        self.listening: set[str] = set()  # ... said `listening` (its socket is there: ranks may ask it)
         self.starts: dict[str, int] = {}  # node -> how many times one was started there
         self.lock = threading.Lock()
         self.closed = threading.Event()
@@ -117,12 +122,30 @@ class WarmPool:
                     return
                 self.procs[name], self.began[name], self.heard[name] = proc, time.monotonic(), b""
                 self.ready.discard(name)
+                self.listening.discard(name)
             started.append(name)
         if started:
             again = [n for n in started if self.starts[n] > 1]
             self.say(f"warm interpreters: starting on {', '.join(started)}" +
                      (f" ({', '.join(again)} again: the one there ended)" if again else
-                      " (a restart's ranks fork from them)"))
+                      " (the ranks fork from them)"))
+
+    def before_launch(self, nodes: list[str], timeout: float = LISTEN_WAIT_S) -> list[str]:
+        """Right before an attempt's launch on `nodes`: one started on each that has none (the
+        first attempt's nodes, a spare the pool had not reached yet), and waited for until its
+        socket is there (`listening`, or it ended), `timeout` seconds at most, so that the launch's
+        torchrun and ranks find it and fork from it, waiting for its imports, rather than import
+        torch beside it (one import on a node instead of 2 + nproc). -> the nodes whose one listens."""
+        self.add(nodes)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                waiting = [n for n in nodes if n in self.procs and n not in self.listening and n not in self.ready
+                           and not self._ended(n)]
+                up = [n for n in nodes if n in self.listening or n in self.ready]
+            if not waiting or time.monotonic() >= deadline or self.closed.is_set():
+                return up
+            time.sleep(LISTEN_POLL_S)
 
     def importing(self) -> list[str]:
         """The nodes whose warm interpreter is importing torch now: started, not `ready` yet, not
@@ -144,6 +167,8 @@ class WarmPool:
             got, _ = proc.read()
             if got and name not in self.ready:
                 self.heard[name] = heard = (self.heard.get(name, b"") + got)[-4096:]
+                if b"listening\n" in heard:
+                    self.listening.add(name)
                 if b"ready\n" in heard:
                     self.ready.add(name)
                     del self.heard[name]  # nothing reads it once ready
