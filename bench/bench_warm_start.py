@@ -130,7 +130,8 @@ def start_zygote(sock: Path, ready: bool = True) -> tuple[subprocess.Popen, floa
     z = subprocess.Popen([sys.executable, "-m", "orchestrator.remote.warm", "serve", str(sock), ",".join(PRELOAD)],
                          cwd=REMOTE.parent.parent, env={**os.environ, **pad}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, text=True)
-    if ready and z.stdout.readline().strip() != "ready":
+    said = z.stdout.readline().strip()  # `listening` (its socket is there), then `ready` (imported)
+    if said != "listening" or (ready and z.stdout.readline().strip() != "ready"):
         raise SystemExit("bench: the warm interpreter did not start")
     return z, time.monotonic() - t0
 
