@@ -47,8 +47,8 @@ class TrainSection(_Model):
     # a silent node is lost within seconds on evidence (its SSH port does not answer a TCP handshake
     # while the other nodes answer: transport/liveness.py); false: only after --lost-timeout of silence
     lost_evidence: bool = True
-    # a warm interpreter (torch imported) on every node of the run, spares included, from 20 s into
-    # the run: a restart's ranks are forked from it instead of importing torch again (runs/warmpool.py)
+    # with restarts, a warm interpreter (torch imported) on every node of the run, spares included:
+    # every attempt's ranks are forked from it instead of importing torch again (runs/warmpool.py)
     warm: bool = True
     queue: bool = False  # train waits for nodes held by another run instead of refusing (runs/queue.py)
     # each complete checkpoint is copied to the control machine while the run trains (runs/ckpt/given_home.py);
