@@ -214,9 +214,8 @@ def _split_args(text: str, flag: str) -> list[str]:
 @click.option("--grace", type=click.FloatRange(0, 3600), default=DEFAULTS.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when the run is stopped.")
 @trainscale.options
-@click.option("--warm/--no-warm", default=None, help="With --max-restarts, a warm interpreter (torch imported) on every "
-              "node: torchrun and the ranks fork from it, the first attempt's too [default: the inventory's "
-              "train.warm, else on].")
+@click.option("--warm/--no-warm", default=None, help="With --max-restarts, a warm interpreter (torch imported) on each "
+              "node: every attempt's ranks fork from it [default: the inventory's train.warm, else on].")
 @click.option("--lost-evidence/--no-lost-evidence", default=None,
               help="Declare a silent node lost within seconds when its SSH port answers no TCP handshake "
                    "while the other nodes answer; --no-lost-evidence waits --lost-timeout of silence "
