@@ -23,6 +23,7 @@ from orchestrator.cli.output import Prefixer
 from orchestrator.errors import EXIT_INTERRUPTED, ClusterctlError
 from orchestrator.runs.ckpt.jobdir_replicas import NodeSnaps, newest_copied
 from orchestrator.runs.goodput import of_run
+from orchestrator.runs.logs.fold import rank_label
 from orchestrator.runs.record import story
 from orchestrator.runs.runrecord import AttemptRecord, RunRecord
 from orchestrator.runs.logs.follow import Follower, NodeLog, last_lines_offset, quiet_nodes, rank_tail, worker_failure
@@ -63,7 +64,7 @@ def _ranks(rec: RunRecord) -> tuple:
 
 
 def _printer(rec: RunRecord) -> Prefixer:
-    return Prefixer([f"{nd.name}/r{nd.last_rank or 0}" for nd in rec.nodes])
+    return Prefixer([rank_label(nd.name, nd.last_rank or 0) for nd in rec.nodes])
 
 
 def _summary(rec: RunRecord, shown: tuple[str, str] | None = None) -> None:

@@ -32,6 +32,7 @@ from typing import Iterable
 from orchestrator.runs import progresslog
 from orchestrator.runs.progress import Progress, parse
 from orchestrator.runs.progresslog import RankProgress
+from orchestrator.runs.logs.fold import rank_label
 from orchestrator.runs.logs.rankfiles import rank_file
 from orchestrator.runs.logs.screen import job_text
 from orchestrator.runs.runrecord import AttemptRecord
@@ -251,7 +252,7 @@ class LiveView:
             if not by_rank:
                 out.append(self._row(nd.name, state_of(nd.state), ranks, now, running))
                 continue
-            out.extend(self._row(f"{nd.name}/r{r}", state_of(nd.state), [r], now, running) for r in ranks)
+            out.extend(self._row(rank_label(nd.name, r), state_of(nd.state), [r], now, running) for r in ranks)
         return out
 
     def ranks_json(self, now: float | None = None) -> list[dict]:

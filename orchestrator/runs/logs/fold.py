@@ -28,6 +28,11 @@ def rank_ranges(ranks) -> str:
     return ",".join(out)
 
 
+def rank_label(node: str, rank: int) -> str:
+    """`node/rN`: how one rank's lines are labelled, on screen, in `tail`, `watch` and the folds."""
+    return f"{node}/r{rank}"
+
+
 def group_label(members) -> str:
     """`node[1-3]/r[0-2]` for the (node, rank) pairs of a folded line."""
     from orchestrator.checks.report import nodeset
@@ -37,7 +42,7 @@ def group_label(members) -> str:
     ranks = [r for _, r in members if r is not None]
     if not ranks:
         return nodes
-    return f"{nodes}/r{ranks[0]}" if len(ranks) == 1 else f"{nodes}/r[{rank_ranges(ranks)}]"
+    return rank_label(nodes, ranks[0]) if len(ranks) == 1 else f"{nodes}/r[{rank_ranges(ranks)}]"
 
 
 class Same(NamedTuple):

@@ -16,6 +16,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Protocol
 
+from orchestrator.runs.logs.fold import rank_label
 from orchestrator.runs.logs.screen import Screen
 from orchestrator.runs.runrecord import RunRecord
 from orchestrator.runs.spec import NodeState
@@ -72,7 +73,7 @@ class NodeLog:
         if m is None or m.end() != end + 2:
             return None
         rank = self.first_rank + int(m.group(1))
-        self.labels[line[:end]] = (f"{self.node}/r{rank}", rank)
+        self.labels[line[:end]] = (rank_label(self.node, rank), rank)
         return self.labels[line[:end]]
 
 
@@ -152,7 +153,7 @@ class Follower:
             if first is None or last is None:
                 ranks = None
                 break
-            ranks.extend(f"{name}/r{r}" for r in range(first, last + 1) if not self.ranks or r in self.ranks)
+            ranks.extend(rank_label(name, r) for r in range(first, last + 1) if not self.ranks or r in self.ranks)
         self.screen.fold.expect(ranks, [name for name, _, _ in nodes])
 
     @property
@@ -192,7 +193,7 @@ class Follower:
                 lg.first_rank, lg.last_rank = first_rank, last_rank
                 lg.labels.clear()
             if first_rank is not None:
-                self.printer.widen(f"{name}/r{first_rank}")
+                self.printer.widen(rank_label(name, first_rank))
         self.expect([(name, first, last) for name, _, first, last in nodes])
 
     def poll(self, final: bool = False) -> int:
