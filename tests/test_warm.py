@@ -256,10 +256,25 @@ def test_a_rank_that_asks_while_the_warm_interpreter_imports_waits_for_its_fork(
         z.wait(10)
 
 
+def queued(pid):
+    """How many connections wait in the queue of process `pid`'s listening Unix sockets (`ss`'s
+    Recv-Q of a listener, matched by the socket's inode among the process's descriptors)."""
+    inos = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inos.add(target[8:-1])
+    out = subprocess.run(["ss", "-xlH"], capture_output=True, text=True, check=True).stdout
+    return sum(int(f[2]) for f in (line.split() for line in out.splitlines()) if len(f) >= 6 and f[-3] in inos)
+
+
 def test_a_warm_interpreter_that_dies_while_it_imports_lets_its_askers_start_cold_at_once(tmp_path):
     z, env, sock = importing_zygote(tmp_path, 120)
     p = rank(env, str(tmp_path / "job.py"), "3")
-    time.sleep(1)  # its request waits in the socket's queue
+    wait_for(lambda: queued(z.pid) == 1, 30, "its request in the socket's queue")
     z.kill()
     z.wait(10)
     t0 = time.monotonic()
