@@ -47,7 +47,8 @@ more than the faults cost (the 20-minute pair of 2026-12-01: the faulted run's l
 stepped 16 % slower than the fault-free run, with no fault left running); the pair's drift line
 gives both runs' step rates over their last TAIL_S seconds, and the measured ratio with the faulted
 run's last span timed at the fault-free run's rate. The first attempt's rate is lower than either
-on this machine: the warm interpreters import torch on every node in its first minute. The
+on this machine: the spares' warm interpreters import torch in its first minute (the attempt's
+nodes' before its first step, since 2026-12-02: its ranks fork from them). The
 fault-free run is also the false-alarm check: its line says whom it named (a hang, a straggler, a
 restart), which should be nobody. No assertions: this prints figures.
 """
@@ -335,8 +336,8 @@ def calibrate(ckpt_every: int, measure_s: float = 30.0, settle_s: float = 40.0,
               spares: int = SPARES) -> tuple[float, float]:
     """(steps per second, launch -> first step in seconds) of the run's settings on the runs' own
     cluster (5 nodes and the spares, whose warm interpreters and sshd share these cores), the
-    steps counted from `settle_s` after the first: the warm interpreters start at the first step and
-    import torch on every node for the next 10-20 s here, on the cores the ranks step on (counted
+    steps counted from `settle_s` after the first: the spares' warm interpreters start at the first
+    step and import torch for the next 10-20 s here, on the cores the ranks step on (counted
     from 10 s, the calibration undershot the runs' rate by about a fifth)."""
     with TestCluster(n=NODES + spares, gpus=0, name_prefix="ccgc") as cluster, \
             tempfile.TemporaryDirectory(prefix="ccgc-") as d:
