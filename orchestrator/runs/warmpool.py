@@ -62,6 +62,7 @@ class WarmPool:
         self.ready: set[str] = set()  # the nodes whose running one said `ready` (torch imported)
         self.listening: set[str] = set()  # ... said `listening` (its socket is there: ranks may ask it)
         self.starts: dict[str, int] = {}  # node -> how many times one was started there
+        self.starting: set[str] = set()  # nodes one is being started on now (by the run loop or the pool's thread)
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.thread: threading.Thread | None = None
@@ -100,35 +101,44 @@ class WarmPool:
         started = []
         for name in names:
             conn = self.cluster.connections.get(name)
-            with self.lock:
+            with self.lock:  # the run loop (before a launch) and the pool's thread may both be here
                 if self.closed.is_set() or conn is None or self.starts.get(name, 0) >= MAX_STARTS or \
-                        (name in self.procs and not self._ended(name)):
+                        name in self.starting or (name in self.procs and not self._ended(name)):
                     continue
                 self.starts[name] = self.starts.get(name, 0) + 1
+                self.starting.add(name)
                 gone = self.procs.pop(name, None)
-            if gone is not None:
-                _close(gone)
-            node = self.inv.node(name)
-            spec = warm.WarmSpec(node.python, node_env(self.inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id}),
-                                 node.workdir)
             try:
-                proc = warm.start(node, self.run_id, spec).start(conn)
-            except Exception as e:  # noqa: BLE001 - a lost connection: that node restarts cold
-                self.say(f"warm interpreters: {name}: not started ({type(e).__name__}: {e})")
-                continue
-            with self.lock:
-                if self.closed.is_set():
-                    proc.close()
-                    return
-                self.procs[name], self.began[name], self.heard[name] = proc, time.monotonic(), b""
-                self.ready.discard(name)
-                self.listening.discard(name)
-            started.append(name)
+                if gone is not None:
+                    _close(gone)
+                if self._start(name, conn):
+                    started.append(name)
+            finally:
+                with self.lock:
+                    self.starting.discard(name)
         if started:
             again = [n for n in started if self.starts[n] > 1]
             self.say(f"warm interpreters: starting on {', '.join(started)}" +
                      (f" ({', '.join(again)} again: the one there ended)" if again else
                       " (the ranks fork from them)"))
+
+    def _start(self, name: str, conn) -> bool:
+        node = self.inv.node(name)
+        spec = warm.WarmSpec(node.python, node_env(self.inv, node, extra={"CLUSTERCTL_RUN_ID": self.run_id}),
+                             node.workdir)
+        try:
+            proc = warm.start(node, self.run_id, spec).start(conn)
+        except Exception as e:  # noqa: BLE001 - a lost connection: that node restarts cold
+            self.say(f"warm interpreters: {name}: not started ({type(e).__name__}: {e})")
+            return False
+        with self.lock:
+            if self.closed.is_set():
+                proc.close()
+                return False
+            self.procs[name], self.began[name], self.heard[name] = proc, time.monotonic(), b""
+            self.ready.discard(name)
+            self.listening.discard(name)
+        return True
 
     def before_launch(self, nodes: list[str], timeout: float = LISTEN_WAIT_S) -> list[str]:
         """Right before an attempt's launch on `nodes`: one started on each that has none (the
@@ -140,8 +150,8 @@ class WarmPool:
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
-                waiting = [n for n in nodes if n in self.procs and n not in self.listening and n not in self.ready
-                           and not self._ended(n)]
+                waiting = [n for n in nodes if n in self.starting or (
+                    n in self.procs and n not in self.listening and n not in self.ready and not self._ended(n))]
                 up = [n for n in nodes if n in self.listening or n in self.ready]
             if not waiting or time.monotonic() >= deadline or self.closed.is_set():
                 return up
