@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -127,12 +126,12 @@ def test_lightning_run_twice_in_one_directory_the_second_hangs_before_its_first_
     assert f"  a new run from those files: clusterctl train --resume-from {run_dir.name}:set-aside" in told, told
 
 
-def worker_of(run_dir, node):
-    """The deepest process under `node`'s torchrun that runs the script: the rank itself."""
-    torchrun = next(n["pid"] for n in record(run_dir)["nodes"] if n["name"] == node)
-    ranks = [p for p in psutil.Process(torchrun).children(recursive=True)
-             if any("nanogpt_like.py" in a for a in p.cmdline())]
-    return next(p for p in ranks if not p.children())
+def worker_of(cluster, run_dir, node):
+    """The process of run_dir's run on `node` that runs the script: the rank itself (where the warm
+    interpreter forked it, the fork)."""
+    key = f"{run_dir.name}@{node.name}"
+    return wait_for(lambda: cluster.job_process(node, lambda env, argv: env.get("CLUSTERCTL_RUN_KEY") == key and any(
+        "nanogpt_like.py" in a for a in argv)), 60, f"{node.name}'s rank")
 
 
 def test_nanogpt_fresh_run_on_an_old_ckpt_pt_then_resume_from_with_nothing_else(make_cluster, tmp_path, home):
@@ -161,7 +160,7 @@ def test_nanogpt_fresh_run_on_an_old_ckpt_pt_then_resume_from_with_nothing_else(
                                        and (p / "run.json").exists()), None), 60, "run B's directory")
         wait_for(lambda: cluster.nodes[0].run("test -e ~/gpt_train/slow-save-started", check=False).returncode == 0,
                  120, "node1 in the middle of B's first save")
-        worker_of(b_dir, names[1]).send_signal(signal.SIGKILL)
+        worker_of(cluster, b_dir, cluster.nodes[1]).send_signal(signal.SIGKILL)
         killed = time.time()
         out, err = proc.communicate(timeout=300)
     finally:

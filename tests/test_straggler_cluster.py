@@ -16,7 +16,6 @@ import sys
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.cluster.quota import Quota
@@ -52,16 +51,9 @@ def inventory(cluster, tmp_path, steps, spare=False, ckpt_every=0):
 
 
 def worker(cluster, node, rank, is_job=lambda argv: "trainer" in argv):
-    """The job's process of global `rank` on `node` (the trainer by default; not torchrun, not its
-    line writer)."""
-    for p in cluster.processes(node):
-        try:
-            env, argv = p.environ(), p.cmdline()
-        except psutil.Error:
-            continue
-        if env.get("RANK") == str(rank) and is_job(argv):
-            return p
-    return None
+    """The job's process of global `rank` on `node` (the trainer by default; not torchrun; where
+    the warm interpreter forked the rank, the fork)."""
+    return cluster.job_process(node, lambda env, argv: env.get("RANK") == str(rank) and is_job(argv))
 
 
 def reached(home, step):

@@ -242,6 +242,27 @@ class TestCluster:
                     found.append(proc)
         return found
 
+    def job_process(self, node, match):
+        """The process running a rank's script on `node`: of the test user's processes there that
+        `match(environ, argv)` accepts, the one that runs it. Where the run's warm interpreter
+        forked the rank (every attempt of a run with --max-restarts), the fork, the warm
+        interpreter's child, not the process torchrun started, which waits beside it (a signal
+        reaches the fork through it; a CPU quota does not); None while that one still waits for
+        its fork (it carries CLUSTERCTL_WARM, the fork does not). Else the topmost (a data
+        loader's workers carry the rank's command line too). None when none matches."""
+        found, waiting = [], False
+        for p in self.processes(node):
+            with contextlib.suppress(psutil.Error):
+                env = p.environ()
+                if match(env, p.cmdline()):
+                    found.append(p)
+                    if ".warm@" in p.parent().environ().get("CLUSTERCTL_RUN_KEY", ""):
+                        return p
+                    waiting = waiting or "CLUSTERCTL_WARM" in env
+        pids = {p.pid for p in found}
+        tops = [p for p in found if p.ppid() not in pids]
+        return None if waiting or not tops else tops[0]
+
     def kill_user_processes(self):
         """SIGKILL the test user's processes on every node (e.g. between tests)."""
         for proc in self.processes():
