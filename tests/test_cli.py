@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli import LAZY_COMMANDS, main
+from orchestrator.cli import LAZY_COMMANDS, SHORT_HELP, main
 
 
 @pytest.mark.parametrize("name", sorted(LAZY_COMMANDS))
@@ -23,6 +23,29 @@ def test_top_level_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for name in [*LAZY_COMMANDS, "exec", "inventory"]:
         assert f"  {name} " in out, name
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_COMMANDS))
+def test_the_listed_short_help_is_the_commands_own_at_any_width(name):
+    """`clusterctl --help` lists each lazy command from SHORT_HELP, without importing it: the same
+    words, cut at the same width, as the command's own docstring gives."""
+    import click
+
+    assert SHORT_HELP.keys() == LAZY_COMMANDS.keys()
+    mod, attr = LAZY_COMMANDS[name].split(":")
+    cmd = getattr(importlib.import_module(mod), attr)
+    for limit in (20, 45, 74, 120, 1000):
+        assert click.Command(name, help=SHORT_HELP[name]).get_short_help_str(limit) == cmd.get_short_help_str(limit)
+
+
+def test_top_level_help_imports_no_command():
+    """`clusterctl --help` (often a user's first command) lists the commands without importing
+    one of them (each imported costs its own modules: torch's tools for `plan`, rich's tables)."""
+    code = ("import sys; from orchestrator.cli import LAZY_COMMANDS, main; rc = main(['--help']); "
+            "mods = {v.split(':')[0] for v in LAZY_COMMANDS.values()}; "
+            "print(sorted(m for m in mods if m in sys.modules), rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1] == "[] 0", r.stdout + r.stderr
 
 
 def test_unknown_command_and_flag_are_usage_errors(capsys):

@@ -54,6 +54,60 @@ LAZY_COMMANDS = {
     "drill": "orchestrator.cli.drill:drill_command",
 }
 
+# name -> its one-line help, the first sentence of its docstring: `clusterctl --help` lists the
+# commands from here and imports none of them (tests/test_cli.py holds each equal to the command's
+# own short help at several widths)
+SHORT_HELP = {
+    "cp": ("Copy a file or a tree off a node (`cp node1:out/ckpt.pt .`) or onto nodes (`cp data/ "
+           "'node[1-4]:data/'`), through each node's SSH connection: no sftp or scp needed, any "
+           "bytes, directories (empty ones too) and symbolic links (as links) kept."),
+    "drill": ("Run the job and inject faults into it, one after another: kill a worker rank, stop a "
+              "rank (a hang), freeze one node's part of the run (a lost node), throttle a rank (a "
+              "straggler)."),
+    "fetch": ("Copy a run's files from every node it used: its artifacts (checkpoints/, "
+              "tensorboard/) into NODE/artifacts/ and each attempt's node-side log, spec and exit "
+              "code into NODE/node-runs/."),
+    "goodput": ("Where a run's wall time went (the latest run by default): productive time, and "
+                "badput by cause (startup, checkpoint stalls, fault detection, restore, recompute, "
+                "hangs, stragglers, other), per attempt and in total, with the goodput ratio and, "
+                "while the run goes on toward a known last step, its ETA."),
+    "health": ("Every node's GPU health now, its faults across runs, and which nodes are "
+               "quarantined."),
+    "launch": ("In a pod or batch step: read the platform's variables, check this node, exec "
+               "torchrun."),
+    "metrics": ("Prometheus metrics of the runs recorded on this machine, and the nodes' exporters "
+                "as targets."),
+    "netbench": "Measure master<->worker TCP throughput and latency (and optionally an all-reduce).",
+    "plan": ("Plan a data-parallel GPT-2 run's gradient sync: bytes, seconds, comm share, a "
+             "recommendation."),
+    "preflight": ("Check every node before a run: SSH, ping, GPUs, ports, firewall, clocks, code, "
+                  "Python, iface, disk, /dev/shm and the output directory."),
+    "queue": ("Runs of this control machine not ended yet, oldest first: queued ones (train --queue)"
+              " with what they wait for, in the order they will start when their nodes are free."),
+    "render": "Write the run `train` would start as a SLURM batch script or Kubernetes manifests.",
+    "report": ("One HTML file of a run (the latest when RUN is left out): its timeline of attempts, "
+               "faults, verdicts and restarts, the loss and step-rate curves from its TensorBoard "
+               "files, its nodes and ranks, and how it ended."),
+    "runs": ("The runs recorded on this control machine, oldest first; with --cluster, every run "
+             "holding a node of the inventory: run id, who started it (user@control-host), since "
+             "when, its nodes."),
+    "setup": ("Build the inventory's `setup:` venv, identical on every node, with no index on the "
+              "nodes."),
+    "stack": "Every rank's Python stack and collectives now (the latest run by default).",
+    "status": ("Per node: state, pid, exit code, runtime and last line of a run (the latest by "
+               "default)."),
+    "stop": "Stop a run on every node: SIGTERM (the trainer checkpoints), then SIGKILL.",
+    "sync": ("Push this checkout (or --src, or the inventory's sync.src) to every node's workdir "
+             "(.gitignore aware; never the inventory, its key files, nor what git does not track in "
+             "lightning_logs/, wandb/, runs/, outputs/, multirun/), then check code_sync against it."),
+    "tail": "Re-attach to a run (the latest by default); Ctrl-C detaches, the run goes on.",
+    "top": ("Every GPU of every node, live: utilisation, memory, temperature, power and the process "
+            "on it (with its clusterctl run id)."),
+    "train": "Preflight, then torchrun on every node in rank order; stream every rank's log.",
+    "watch": ("A run live (the latest by default): per node (or --ranks, per rank) its state, step, "
+              "step time, tokens/s, when last heard, and stall, hang and straggler flags."),
+}
+
 HELP = """clusterctl: preflight, launch and watch torchrun jobs on a few bare-metal GPU nodes over SSH.
 
 \b
@@ -64,6 +118,20 @@ Exit codes, the same for every command:
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def format_commands(self, ctx, formatter):
+        """click's list of the commands, their short help for the lazy ones from SHORT_HELP (so
+        `clusterctl --help` imports none of them), cut to the width as click cuts it."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = []
+        for name in names:
+            if name in LAZY_COMMANDS and name not in self.commands:
+                rows.append((name, click.Command(name, help=SHORT_HELP[name]).get_short_help_str(limit)))
+            elif (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx, name):
         cmd = super().get_command(ctx, name)
