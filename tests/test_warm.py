@@ -519,6 +519,47 @@ def test_before_a_launch_the_pool_starts_one_on_each_node_and_returns_once_their
             pool.close()
 
 
+def test_what_a_dead_warm_interpreter_left_is_swept_and_nothing_live_or_new(tmp_path):
+    """`warm RUN NODE` first removes what dead ones left (killed while importing: a socket nobody
+    listens on, a mark naming a dead pid, in a directory untouched for STALE_S); a listening one's
+    directory, one whose importer lives, and one just made (its interpreter about to bind) stay."""
+    import socket
+
+    from orchestrator.remote import warm_socket
+    from orchestrator.remote.warm_client import mark_of
+
+    def run_dir(name, listening=False, mark=None, age=2 * warm_socket.STALE_S):
+        d = tmp_path / name
+        d.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(d / "sock"))
+        if listening:
+            s.listen(1)
+            keep.append(s)
+        else:
+            s.close()  # its name stays, nobody behind it
+        if mark is not None:
+            Path(mark_of(str(d / "sock"))).write_text(f"{mark}\n")
+        os.utime(d, (time.time() - age, time.time() - age))
+        return d
+
+    keep = []
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        run_dir("ws1@n1")  # killed once it had bound: no mark
+        run_dir("ws2@n1", mark=dead.pid)  # killed while importing
+        run_dir("ws3@n1", listening=True)  # serving
+        run_dir("ws4@n1", mark=os.getpid())  # importing, not bound yet by this test's reckoning
+        run_dir("ws5@n1", age=0)  # just made
+        assert warm_socket.sweep(str(tmp_path)) == ["ws1@n1", "ws2@n1"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ws3@n1", "ws4@n1", "ws5@n1"]
+        assert warm_socket.sweep(str(tmp_path / "none")) == []
+    finally:
+        for s in keep:
+            s.close()
+
+
 def test_a_node_run_key_is_read_one_way_everywhere():
     from orchestrator.remote.agent_claims import family
     from orchestrator.remote.common import split_key

@@ -20,7 +20,8 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
                      while the control machine holds the command's connection open, or a rank
                      forked from it runs (`serve`). One that served the run here before
                      (started by a supervisor that has since been replaced) gives up the socket's
-                     name to it and ends once its forks have.
+                     name to it and ends once its forks have. What dead ones left here (a
+                     directory of a run nobody listens for: killed while importing) goes first.
   warm check RUN_ID NODE   print {"serving": bool, "importing": bool}: whether one serves the run
                            here now, or listens while it still imports.
 """
@@ -35,7 +36,7 @@ from .agent_claims import CLAIMS
 from .common import prctl, split_key
 from .warm_client import importing
 from .warm_fork import become, env_block, env_bytes, own_environ, target
-from .warm_socket import answers, bound, early_socket, gone, imported
+from .warm_socket import answers, bound, early_socket, gone, imported, sweep
 
 PAD_ENV = "CLUSTERCTL_WARM_PAD"  # the zygote's padding: the forks' environments are written over it
 PAD_BYTES = 192 << 10  # room for a rank's environment (a node's env with NCCL's and torchrun's variables: ~8 KB)
@@ -310,6 +311,7 @@ def start(run_id, node):
         sys.exit('warm: the spec on stdin is not a JSON object {"python", "env", "cwd", "preload"}')
     private_files()
     path = socket_path(run_id, node)
+    sweep(os.path.dirname(os.path.dirname(path)))  # what dead ones of earlier runs left here
     os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
     # one serving the run here already was started by a supervisor no longer holding it (this
     # one adopted the run): the new one takes the socket's name, the old one ends once its forks have

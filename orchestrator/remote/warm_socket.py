@@ -3,8 +3,11 @@ the interpreter's start where none serves the run on the node yet, marked IMPORT
 imports end (a rank that asks meanwhile waits: warm_client.py)."""
 import os
 import socket
+import time
 
 from .warm_client import mark_of
+
+STALE_S = 60.0  # a run's directory untouched this long, nobody listening, no live importer: a dead one's
 
 
 def bound(path):
@@ -84,3 +87,50 @@ def gone(early, path):
         listener.close()
     return None
 
+
+
+def sweep(base, now=None):
+    """What warm interpreters that died without cleaning up (killed while importing, say) left under
+    `base` (one directory per run): removed where the directory is untouched for STALE_S, nobody
+    listens on its socket and its IMPORTING mark names no live process (one starting binds its
+    socket within moments of making its directory). -> the names of the directories removed."""
+    now = time.time() if now is None else now
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    out = []
+    for d in names:
+        here = os.path.join(base, d)
+        path = os.path.join(here, "sock")
+        try:
+            if now - os.stat(here).st_mtime < STALE_S:
+                continue
+        except OSError:
+            continue
+        if _importer_alive(path) or answers(path):
+            continue
+        for f in (path, mark_of(path)):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+        try:
+            os.rmdir(here)
+            out.append(d)
+        except OSError:
+            pass
+    return out
+
+
+def _importer_alive(path):
+    """The IMPORTING mark beside `path` names a process that is alive."""
+    try:
+        with open(mark_of(path)) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+        return True
+    except PermissionError:
+        return True
+    except (OSError, ValueError):
+        return False
