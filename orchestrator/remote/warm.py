@@ -16,12 +16,12 @@ fork dies with the zygote (PR_SET_PDEATHSIG). Replies, a line each: `pid N`, the
                      attempt's key: an attempt's end leaves it). `listening` once its socket is
                      there, `ready` once torch is imported (it listens from its start, beside an
                      `importing` mark until then: a rank that asks meanwhile waits for its
-                     fork rather than start cold); it lives
-                     while the control machine holds the command's connection open, or a rank
-                     forked from it runs (`serve`). One that served the run here before
-                     (started by a supervisor that has since been replaced) gives up the socket's
-                     name to it and ends once its forks have. What dead ones left here (a
-                     directory of a run nobody listens for: killed while importing) goes first.
+                     fork rather than start cold); it lives while the control machine holds the
+                     command's connection open, or a rank forked from it runs (`serve`). One
+                     that served the run here before (started by a supervisor that has since
+                     been replaced) gives up the socket's name to it and ends once its forks
+                     have. What dead ones left here (a directory of a run nobody listens for:
+                     killed while importing) goes first.
   warm check RUN_ID NODE   print {"serving": bool, "importing": bool}: whether one serves the run
                            here now, or listens while it still imports.
 """
@@ -73,11 +73,11 @@ ENDING = []  # SIGTERM came
 
 def serve(path, preload="torch", run_id=None, node=None):
     """Import `preload` (comma-separated modules), listen on `path` (bound in its directory: a
-    socket path is short), fork a rank per request. Ends on SIGTERM,
-    or, once no fork runs, when stdout's reader is gone (the control machine let go) or, given the
-    run and the node, when the node's claim was the run's and is no longer (the run ended, or the
-    node was left out of it, while its connection to the control machine was cut). Says
-    `listening` once the socket is there (before the imports), `ready` once they ended."""
+    socket path is short), fork a rank per request; say `listening` once the socket is there
+    (before the imports), `ready` once they ended. Ends on SIGTERM, or, once no fork runs, when
+    stdout's reader is gone (the control machine let go) or, given the run and the node, when the
+    node's claim was the run's and is no longer (the run ended, or the node was left out of it,
+    while its connection to the control machine was cut)."""
     import importlib
 
     # the padding's text gone, its room kept (a fork writes its environment there): a scan for a
