@@ -244,6 +244,7 @@ class TestCluster:
 
     def job_process(self, node, match):
         """The process running a rank's script on `node`: of the test user's processes there that
+        carry a RANK (torchrun, whose command line names the script too, does not) and that
         `match(environ, argv)` accepts, the one that runs it. Where the run's warm interpreter
         forked the rank (every attempt of a run with --max-restarts), the fork, the warm
         interpreter's child, not the process torchrun started, which waits beside it (a signal
@@ -254,7 +255,7 @@ class TestCluster:
         for p in self.processes(node):
             with contextlib.suppress(psutil.Error):
                 env = p.environ()
-                if match(env, p.cmdline()):
+                if "RANK" in env and match(env, p.cmdline()):
                     found.append(p)
                     if ".warm@" in p.parent().environ().get("CLUSTERCTL_RUN_KEY", ""):
                         return p
